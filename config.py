@@ -1,0 +1,390 @@
+"""Typed run configuration: one dataclass tree, loaded from TOML, then `section.key=value` overrides.
+
+Precedence: dataclass defaults < TOML file < command-line overrides. Every knob is documented once, in its field's
+comment below; the TOML sections mirror the tree (`[data.train]` is `Config.data.train`).
+
+    cfg = load_config("configs/tiny.toml", ["mpo.max_num_steps=2", "data.train.max_samples=8"])
+    validate_parallel(cfg, world_size=2)   # the checks that need the world size
+
+Run `python config.py configs/nano.toml [overrides...]` to print the resolved config.
+
+Errors: every problem (unknown key, wrong type, invalid value) raises `ConfigError` naming the file or override,
+the dotted key and the allowed values, before any distributed or model work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 images only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before the run starts; the message names the key and the allowed values."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The tree. Units are in the comments; names follow the seed (NeMo-RL MPO recipe) where it has one.
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the repo
+    params_dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype; bf16 keeps fp32 master weights
+    freeze_vision_encoder: bool = False  # no gradient into the RADIO ViT
+    freeze_vision_projector: bool = False  # no gradient into the mlp1 projector
+    freeze_language_model: bool = False  # no gradient into the hybrid language model
+    recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation granularity
+    mamba_dt_clamp: bool = True  # clamp softplus(dt) to >= time_step_min as transformers does (False = mcore)
+    moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)
+    moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"  # mcore router balancing
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
+
+
+@dataclass
+class TrainDataConfig:
+    data_path: str = "data/mmpr_sample/MMPR-sample/meta.json"  # MMPR meta-recipe JSON (subset -> root, annotation)
+    data_root: str = ""  # base for relative root/annotation paths; "" = the meta file's grandparent, then its folder
+    max_samples: int = 0  # keep the first N valid pairs in meta/file order (first light; not random); 0 = all
+    seed: int = 42  # seed of repeat_time subsampling, the validation split and the per-epoch shuffle
+    shuffle: bool = True  # reshuffle the pair order every epoch
+    split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a pair count (>= 1); 0 = none
+    max_images_per_row: int = 8  # rows with more images are dropped (reason too_many_images)
+
+
+@dataclass
+class ValidationDataConfig:
+    data_path: str = ""  # a separate validation meta-recipe; "" = use data.train.split_validation_size
+    max_samples: int = 0  # keep the first N valid validation pairs; 0 = all
+
+
+@dataclass
+class DataConfig:
+    max_seq_length: int = 8192  # longest row in tokens, expanded image tokens included; longer pairs are dropped
+    num_workers: int = 0  # DataLoader workers decoding and processing images (0 = in the main process)
+    strict: bool = False  # turn every dropped row into an error naming its file and line
+    train: TrainDataConfig = field(default_factory=TrainDataConfig)
+    validation: ValidationDataConfig = field(default_factory=ValidationDataConfig)
+
+
+@dataclass
+class MPOConfig:
+    max_num_steps: int = 20  # optimizer steps of the whole run; also the LR schedule horizon
+    stop_after_step: int = 0  # end this segment (save, exit 0) after this step; 0 = run to max_num_steps
+    val_period: int = 0  # validate every N steps (0 = only at the end when val_at_end)
+    val_at_end: bool = True  # validate after the last step
+    val_batches: int = 32  # at most this many validation batches per validation
+    val_global_batch_size: int = 32  # pairs per validation batch
+    seed: int = 42  # model-parallel RNG seed (dropout is off; kept for reproducibility of any randomness)
+    reference_policy_kl_penalty: float = 0.05  # beta of the DPO / BCO log-ratio rewards
+    preference_loss_weight: float = 0.8  # w_p: weight of the DPO (sigmoid) preference term
+    sft_loss_weight: float = 0.0  # w_g: weight of the SFT (NLL of the chosen response) term
+    bco_loss_weight: float = 0.2  # w_q: weight of the BCO quality term
+    preference_average_log_probs: bool = False  # divide L_y by the response-token count in the preference term
+    sft_average_log_probs: bool = True  # divide the SFT NLL by the chosen response-token count
+    quality_average_log_probs: bool = False  # divide L_y by the response-token count in the BCO term
+    reward_shift: float = 0.0  # initial BCO reward shift delta (a resumed run uses the checkpointed value)
+    reward_shift_momentum: float = 0.99  # EMA momentum m of delta: delta = m*delta + (1-m)*mean(beta*L); in [0, 1)
+
+
+@dataclass
+class PolicyConfig:
+    train_global_batch_size: int = 4  # preference pairs per optimizer step, over all data-parallel ranks
+    logprob_chunk_size: int = 1024  # tokens per chunk of the vocab-parallel log-prob computation
+
+
+@dataclass
+class ReferenceConfig:
+    offload: bool = False  # keep the frozen reference model on CPU between its forward passes (GPU only)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1  # TP degree (must divide the world size)
+    context_parallel_size: int = 1  # CP degree
+    expert_model_parallel_size: int = 1  # EP degree; must divide the number of experts
+    expert_tensor_parallel_size: int = 1  # ETP: TP degree inside each expert (the recipe uses 1 with TP8/EP8)
+    sequence_parallel: bool = False  # megatron-core sequence parallelism (requires TP > 1 to matter)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4  # peak learning rate
+    min_lr: float = 1e-6  # learning rate at the end of the cosine decay (step max_num_steps)
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW style)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip (0 = off)
+    use_distributed_optimizer: bool = True  # megatron-core distributed optimizer (shards optimizer state over DP)
+
+
+@dataclass
+class SchedulerConfig:
+    lr_warmup_steps: int = 2  # optimizer steps of linear warmup from lr_warmup_init to optimizer.lr
+    lr_warmup_init: float = 0.0  # learning rate at step 0 of the warmup
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"  # decay to min_lr at mpo.max_num_steps
+
+
+@dataclass
+class PackingConfig:
+    max_tokens_per_bin: int = 4096  # tokens per packed microbatch (both rows of a pair count), after padding
+    max_sequences_per_bin: int = 1  # pairs per packed microbatch (the seed's name; 1 = one pair per bin)
+    make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
+    pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
+    drop_oversized_pairs: bool = False  # drop (and count) pairs larger than a bin instead of failing at start
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "results/tiny"  # run directory: step_N/ checkpoints and metrics.jsonl
+    save_period: int = 0  # save every N steps (0 = only at stop_after_step, the end and on signals)
+    keep_last: int = 2  # keep this many complete checkpoints (0 = keep all)
+    resume: bool = True  # resume from the latest complete checkpoint in dir; False refuses to start over one
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["online", "offline", "disabled"] = "disabled"  # Weights & Biases mode
+    wandb_project: str = "vlm-mpo"  # W&B project unless WANDB_PROJECT is set
+    log_period: int = 1  # print a line every N steps
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mpo: MPOConfig = field(default_factory=MPOConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading and overriding
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Convert a TOML value or an override string to the field type `tp`; raise ConfigError naming `key`."""
+    from_cli = isinstance(value, str) and where.startswith("override")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {key} = {value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if origin in (typing.Union, types.UnionType):  # Optional[...]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (from_cli and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], key, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: {key} = {value!r} has the wrong type; expected {_type_name(tp)}")
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str, where: str) -> None:
+    hints = _hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise ConfigError(f"{where}: unknown key {key!r}; valid keys here: {names}")
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: {key} is a section [{key}], not a value")
+            _apply(getattr(obj, k), v, key + ".", where)
+        else:
+            setattr(obj, k, _coerce(v, tp, key, where))
+
+
+def apply_override(cfg: Config, override: str) -> None:
+    """Apply one `section.key=value` override in place (the value is parsed to the field's type)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected section.key=value")
+    path, value = override.split("=", 1)
+    parts = path.strip().split(".")
+    nested: dict[str, Any] = {parts[-1]: value}
+    for p in reversed(parts[:-1]):
+        nested = {p: nested}
+    _apply(cfg, nested, "", f"override {override!r}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a `Config` from defaults, a TOML file (optional) and `key.path=value` overrides, then validate it.
+
+    Raises:
+        ConfigError: invalid TOML (with line and column), an unknown key, a wrong type, or an invalid value.
+        FileNotFoundError: the TOML file does not exist.
+    """
+    cfg = Config()
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        _apply(cfg, data, "", str(path))
+    for o in overrides:
+        apply_override(cfg, o)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check values that do not depend on the world size. Raises ConfigError naming the key and the allowed range."""
+    m = cfg.mpo
+    for k in ("preference_loss_weight", "sft_loss_weight", "bco_loss_weight", "reference_policy_kl_penalty"):
+        if getattr(m, k) < 0:
+            raise ConfigError(f"mpo.{k} = {getattr(m, k)} must be >= 0")
+    if not 0.0 <= m.reward_shift_momentum < 1.0:
+        raise ConfigError(f"mpo.reward_shift_momentum = {m.reward_shift_momentum} must be in [0, 1)")
+    if m.max_num_steps < 1:
+        raise ConfigError(f"mpo.max_num_steps = {m.max_num_steps} must be >= 1")
+    if m.stop_after_step != 0 and not 1 <= m.stop_after_step <= m.max_num_steps:
+        raise ConfigError(
+            f"mpo.stop_after_step = {m.stop_after_step} must be in [1, mpo.max_num_steps = {m.max_num_steps}] "
+            "(or 0 for no segment stop)"
+        )
+    positive = {
+        "policy.train_global_batch_size": cfg.policy.train_global_batch_size,
+        "policy.logprob_chunk_size": cfg.policy.logprob_chunk_size,
+        "packing.max_tokens_per_bin": cfg.packing.max_tokens_per_bin,
+        "packing.max_sequences_per_bin": cfg.packing.max_sequences_per_bin,
+        "packing.make_sequence_length_divisible_by": cfg.packing.make_sequence_length_divisible_by,
+        "data.max_seq_length": cfg.data.max_seq_length,
+        "data.train.max_images_per_row": cfg.data.train.max_images_per_row,
+        "mpo.val_global_batch_size": cfg.mpo.val_global_batch_size,
+        "logging.log_period": cfg.logging.log_period,
+        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
+        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
+        "parallel.expert_tensor_parallel_size": cfg.parallel.expert_tensor_parallel_size,
+    }
+    for k, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{k} = {v} must be >= 1")
+    non_negative = {
+        "data.train.max_samples": cfg.data.train.max_samples,
+        "data.validation.max_samples": cfg.data.validation.max_samples,
+        "data.num_workers": cfg.data.num_workers,
+        "data.train.split_validation_size": cfg.data.train.split_validation_size,
+        "checkpoint.save_period": cfg.checkpoint.save_period,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "mpo.val_period": cfg.mpo.val_period,
+        "scheduler.lr_warmup_steps": cfg.scheduler.lr_warmup_steps,
+        "optimizer.lr": cfg.optimizer.lr,
+        "optimizer.min_lr": cfg.optimizer.min_lr,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "optimizer.clip_grad": cfg.optimizer.clip_grad,
+        "scheduler.lr_warmup_init": cfg.scheduler.lr_warmup_init,
+    }
+    for k, v in non_negative.items():
+        if v < 0:
+            raise ConfigError(f"{k} = {v} must be >= 0")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr = {cfg.optimizer.min_lr} must be <= optimizer.lr = {cfg.optimizer.lr}")
+    for k in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
+            raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
+
+
+def validate_parallel(cfg: Config, world_size: int, num_experts: int | None = None) -> int:
+    """Check the parallel layout against the world size; return the data-parallel size DP.
+
+    world_size must equal TP * CP * DP; experts are laid out by megatron-core over ETP * EP ranks, so ETP * EP must
+    divide world_size, and EP must divide the expert count; the global batch (pairs) must be divisible by DP.
+
+    Raises:
+        ConfigError: with every factor in the message.
+    """
+    p = cfg.parallel
+    tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
+    if world_size % (tp * cp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) * "
+            f"parallel.context_parallel_size ({cp}) = {tp * cp}"
+        )
+    dp = world_size // (tp * cp)
+    etp = p.expert_tensor_parallel_size
+    if world_size % (etp * ep) != 0:
+        raise ConfigError(
+            f"parallel.expert_tensor_parallel_size ({etp}) * parallel.expert_model_parallel_size ({ep}) = "
+            f"{etp * ep} must divide the world size {world_size}"
+        )
+    if num_experts is not None and num_experts % ep != 0:
+        raise ConfigError(f"parallel.expert_model_parallel_size = {ep} must divide the expert count {num_experts}")
+    gbs = cfg.policy.train_global_batch_size
+    if gbs % dp != 0:
+        raise ConfigError(
+            f"policy.train_global_batch_size = {gbs} must be divisible by the data-parallel size "
+            f"DP = world {world_size} / (TP {tp} * CP {cp}) = {dp}"
+        )
+    return dp
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as a plain nested dict (JSON-serialisable); saved with every checkpoint."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from `to_dict` output (checkpoint metadata), validating every key as a TOML file would."""
+    cfg = Config()
+    _apply(cfg, data, "", "saved config")
+    validate(cfg)
+    return cfg
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python config.py CONFIG.toml [section.key=value ...]")
+    print(json.dumps(to_dict(load_config(sys.argv[1], sys.argv[2:])), indent=2))
