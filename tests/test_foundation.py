@@ -1,0 +1,254 @@
+"""Foundation: the typed config (TOML, overrides, every validation error) and the tiny Omni asset in transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import Config, ConfigError, from_dict, load_config, to_dict, validate_parallel
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "tiny-omni"
+SAMPLE = ROOT / "data" / "mmpr_sample" / "MMPR-sample"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# config
+
+
+def test_nano_recipe_values():
+    cfg = load_config(ROOT / "configs" / "nano.toml")
+    m = cfg.mpo
+    assert (m.reference_policy_kl_penalty, m.preference_loss_weight, m.bco_loss_weight, m.sft_loss_weight) == (
+        0.05, 0.8, 0.2, 0.0)
+    assert (m.reward_shift_momentum, m.max_num_steps) == (0.99, 7000)
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.scheduler.lr_warmup_steps) == (8e-7, 2e-9, 50)
+    assert (cfg.optimizer.adam_beta2, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad) == (0.98, 0.1, 1.0)
+    assert cfg.policy.train_global_batch_size == 256 and cfg.data.max_seq_length == 8192
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.context_parallel_size) == (8, 8, 1)
+    assert p.sequence_parallel and cfg.packing.max_sequences_per_bin == 1 and cfg.checkpoint.save_period == 100
+    assert validate_parallel(cfg, world_size=8, num_experts=128) == 1
+
+
+def test_tiny_config_points_at_shipped_files():
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    assert (ROOT / cfg.model.hf_path / "config.json").is_file()
+    assert (ROOT / cfg.data.train.data_path).is_file()
+    assert cfg.logging.wandb == "disabled"
+
+
+def test_overrides_are_parsed_to_the_field_type():
+    cfg = load_config(
+        ROOT / "configs" / "tiny.toml",
+        ["mpo.max_num_steps=9", "mpo.reward_shift=-0.5", "mpo.quality_average_log_probs=true",
+         "data.train.data_path=/abs/meta.json", "logging.wandb=offline", "optimizer.lr=3"],
+    )
+    assert cfg.mpo.max_num_steps == 9 and isinstance(cfg.mpo.max_num_steps, int)
+    assert cfg.mpo.reward_shift == -0.5
+    assert cfg.mpo.quality_average_log_probs is True
+    assert cfg.data.train.data_path == "/abs/meta.json"
+    assert cfg.logging.wandb == "offline"
+    assert cfg.optimizer.lr == 3.0 and isinstance(cfg.optimizer.lr, float)
+
+
+def test_defaults_toml_override_precedence(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[mpo]\nmax_num_steps = 5\nreward_shift = 0.25\n")
+    cfg = load_config(f, ["mpo.max_num_steps=7"])
+    assert cfg.mpo.max_num_steps == 7  # override beats TOML
+    assert cfg.mpo.reward_shift == 0.25  # TOML beats default
+    assert cfg.mpo.bco_loss_weight == Config().mpo.bco_loss_weight  # default kept
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(ROOT / "configs" / "nano.toml")
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("mpo.bogus=1", "unknown key 'mpo.bogus'"),
+        ("nosection.x=1", "unknown key 'nosection'"),
+        ("mpo.max_num_steps=abc", "mpo.max_num_steps = 'abc' has the wrong type; expected int"),
+        ("mpo.quality_average_log_probs=maybe", "expected bool"),
+        ("logging.wandb=sometimes", "choose one of ['online', 'offline', 'disabled']"),
+        ("packing.pair_grouping_key=prompt", "choose one of ['pair_index']"),
+        ("mpo.preference_loss_weight=-0.1", "mpo.preference_loss_weight = -0.1 must be >= 0"),
+        ("mpo.bco_loss_weight=-1", "mpo.bco_loss_weight = -1.0 must be >= 0"),
+        ("mpo.reward_shift_momentum=1.0", "mpo.reward_shift_momentum = 1.0 must be in [0, 1)"),
+        ("mpo.reward_shift_momentum=-0.1", "must be in [0, 1)"),
+        ("mpo.stop_after_step=7", "mpo.stop_after_step = 7 must be in [1, mpo.max_num_steps = 6]"),
+        ("mpo.stop_after_step=-1", "mpo.stop_after_step = -1 must be in [1,"),
+        ("policy.train_global_batch_size=0", "policy.train_global_batch_size = 0 must be >= 1"),
+        ("mpo", "expected section.key=value"),
+        ("mpo=3", "mpo is a section [mpo], not a value"),
+    ],
+)
+def test_invalid_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "tiny.toml", [override])
+    assert message in str(e.value)
+
+
+def test_toml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[mpo]\nmax_num_steps = 'ten'\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: mpo.max_num_steps = 'ten' has the wrong type"):
+        load_config(bad)
+    bad.write_text("[mpo\n")
+    with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
+        load_config(bad)
+    bad.write_text("[mpo]\nmax_num_steps = 3.5\n")  # a float is not an int in TOML
+    with pytest.raises(ConfigError, match="expected int"):
+        load_config(bad)
+
+
+def test_parallel_validation_messages():
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=3"])
+    with pytest.raises(ConfigError, match=r"train_global_batch_size = 3 must be divisible by the data-parallel size "
+                                          r"DP = world 2 / \(TP 1 \* CP 1\) = 2"):
+        validate_parallel(cfg, world_size=2)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by .*= 2"):
+        validate_parallel(cfg, world_size=3)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["parallel.expert_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match="must divide the world size 2"):
+        validate_parallel(cfg, world_size=2)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["parallel.expert_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="must divide the expert count 5"):
+        validate_parallel(cfg, world_size=2, num_experts=5)
+    assert validate_parallel(cfg, world_size=2, num_experts=4) == 2
+
+
+def test_config_cli_prints_resolved_json():
+    out = subprocess.run([sys.executable, "config.py", "configs/tiny.toml", "mpo.max_num_steps=3"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["mpo"]["max_num_steps"] == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tiny Omni asset
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(TINY)
+
+
+def test_asset_has_hub_layout():
+    cfg = json.loads((TINY / "config.json").read_text())
+    assert cfg["model_type"] == "NemotronH_Nano_Omni_Reasoning_V3"
+    assert set(cfg["llm_config"]["hybrid_override_pattern"]) == set("M*E-")  # every layer kind
+    assert {"llm_config", "vision_config", "vit_hidden_size", "projector_hidden_size", "img_context_token_id"} <= set(cfg)
+    from safetensors import safe_open
+
+    with safe_open(TINY / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    for k in ("language_model.backbone.layers.0.mixer.in_proj.weight",
+              "language_model.backbone.layers.1.mixer.q_proj.weight",
+              "language_model.backbone.layers.2.mixer.experts.3.up_proj.weight",
+              "language_model.backbone.layers.2.mixer.gate.e_score_correction_bias",
+              "language_model.backbone.layers.4.mixer.up_proj.weight",
+              "vision_model.radio_model.model.blocks.1.attn.qkv.weight",
+              "vision_model.radio_model.model.patch_generator.cls_token.token",
+              "vision_model.radio_model.input_conditioner.norm_mean",
+              "mlp1.0.weight", "mlp1.1.weight", "mlp1.3.weight", "language_model.lm_head.weight"):
+        assert k in keys, k
+    assert not any("layer_scale" in k for k in keys)
+    index = json.loads((TINY / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == keys
+    assert (TINY / "model.safetensors").stat().st_size < 8 * 2**20
+
+
+def test_special_tokens_are_single_ids(processor):
+    tok = processor.tokenizer
+    expected = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 10, "<|im_end|>": 11, "<think>": 12,
+                "</think>": 13, "<image>": 18, "<img>": 21, "</img>": 22, "<so_embedding>": 27}
+    for text, i in expected.items():
+        assert tok.encode(text, add_special_tokens=False) == [i], text
+        assert tok.decode([i]) == text
+    s = "<|im_start|>user\n<img><image><image></img>Hi<|im_end|>"
+    ids = tok.encode(s, add_special_tokens=False)
+    assert tok.decode(ids) == s
+    assert ids.count(18) == 2 and ids[0] == 10 and ids[-1] == 11
+
+
+def test_chat_template_renders_the_omni_format(processor):
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A cat."},
+    ]
+    out = processor.apply_chat_template(msgs, tokenize=False)
+    assert out == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n"
+                   "<|im_start|>assistant\n<think></think>A cat.<|im_end|>\n")
+    # empty system turn always emitted; placeholder already in the text -> no prefix; generation prompt thinks
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "<image>\nDescribe."}]}]
+    out = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert out == ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<image>\nDescribe.<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n")
+    out = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert out.endswith("<|im_start|>assistant\n<think></think>")
+    # reasoning in the final assistant turn is kept; a /no_think directive is stripped
+    msgs = [{"role": "system", "content": "/no_think"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n4"}]
+    out = processor.apply_chat_template(msgs, tokenize=False)
+    assert out == ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\nadd\n</think>\n4<|im_end|>\n")
+    # two images get numbered placeholders
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]}]
+    assert "<image 1><image> <image 2><image>\nCompare." in processor.apply_chat_template(msgs, tokenize=False)
+
+
+def test_processor_expands_images_with_small_budget(processor):
+    from PIL import Image
+
+    img = Image.open(SAMPLE / "images" / "Photos" / "chelsea.png")
+    batch = processor(images=[img], text="<image>\nDescribe.", return_tensors="pt")
+    (gh, gw), = batch["image_grid_hw"].tolist()
+    n_tokens = gh * gw // 4
+    assert 16 <= n_tokens <= 64 and gh % 2 == 0 and gw % 2 == 0
+    ids = batch["input_ids"][0].tolist()
+    assert ids.count(18) == n_tokens
+    first = ids.index(18)
+    assert ids[first - 1] == 21 and ids[first + n_tokens] == 22  # <img> <image>*N </img>
+    assert batch["pixel_values"].shape == (gh * gw, 3 * 16 * 16)
+
+
+def test_transformers_loads_the_asset_and_runs_image_text(processor):
+    from PIL import Image
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    # the only keys transformers does not use: the CLIP input conditioner (the processor normalises)
+    assert info["unexpected_keys"] == {"vision_model.input_conditioner.norm_mean",
+                                       "vision_model.input_conditioner.norm_std"}
+    for layer in model.vision_model.encoder.layer:  # absent from the hub file: must load as identity
+        assert torch.equal(layer.layer_scale1.lambda1, torch.ones_like(layer.layer_scale1.lambda1))
+    cfg = model.config
+    assert cfg.text_config.layers_block_type == [
+        "linear_attention", "full_attention", "moe", "linear_attention", "mlp", "moe"]  # from "M*EM-E"
+    assert cfg.image_token_id == 18 and cfg.vision_hidden_size == 32
+    img = Image.open(SAMPLE / "images" / "ChartQA" / "chart_000.png")
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is highest?"}]},
+         {"role": "assistant", "content": "Figs."}], tokenize=False)
+    batch = processor(images=[img], text=text, return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        logits = model(**batch).logits
+        text_only = model(input_ids=batch["input_ids"][:, :5]).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], 1024)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    # causal: the text before the first image token does not depend on the image
+    assert torch.allclose(logits[0, :5], text_only[0], atol=1e-5)
