@@ -24,6 +24,7 @@ Tests: `pytest tests/test_pack.py`.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -162,17 +163,24 @@ def first_fit_decreasing(
         bins as lists of item ids, in opening order; deterministic for the same input.
     """
     order = sorted(sizes, key=lambda i: (-sizes[i], i))
+    smallest = sizes[order[-1]] if order else 0
     bins: list[list[int]] = []
     loads: list[int] = []
+    # Bins that can still take an item, in opening order: full bins are skipped, so one pair per bin is O(n).
+    open_bins: list[int] = []
     for i in order:
-        for b, load in enumerate(loads):
-            if load + sizes[i] <= max_tokens_per_bin and len(bins[b]) < max_sequences_per_bin:
-                bins[b].append(i)
-                loads[b] += sizes[i]
-                break
+        k = next((k for k, b in enumerate(open_bins) if loads[b] + sizes[i] <= max_tokens_per_bin), None)
+        if k is not None:
+            b = open_bins[k]
         else:
-            bins.append([i])
-            loads.append(sizes[i])
+            k, b = len(open_bins), len(bins)
+            bins.append([])
+            loads.append(0)
+            open_bins.append(b)
+        bins[b].append(i)
+        loads[b] += sizes[i]
+        if len(bins[b]) == max_sequences_per_bin or loads[b] + smallest > max_tokens_per_bin:
+            del open_bins[k]
     return bins
 
 
@@ -187,11 +195,12 @@ def deal_greedy(bins: Sequence[Bin], dp_size: int) -> list[list[Bin]]:
     per_rank = len(bins) // dp_size
     order = sorted(range(len(bins)), key=lambda i: (-bins[i].cost, i))
     ranks: list[list[Bin]] = [[] for _ in range(dp_size)]
-    load = [0.0] * dp_size
+    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank) of ranks with a free slot; ties -> lower rank
     for i in order:
-        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        load, r = heapq.heappop(heap)
         ranks[r].append(bins[i])
-        load[r] += bins[i].cost
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(heap, (load + bins[i].cost, r))
     return ranks
 
 

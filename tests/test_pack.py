@@ -51,6 +51,21 @@ def make_pair(pid, c_len, r_len, images=(), resp=(3, 2), rng=None):
     )
 
 
+def naive_ffd(sizes, cap, max_items):
+    """Textbook first-fit-decreasing (scan every bin), the reference for pack.first_fit_decreasing."""
+    bins, loads = [], []
+    for i in sorted(sizes, key=lambda i: (-sizes[i], i)):
+        for b in range(len(bins)):
+            if loads[b] + sizes[i] <= cap and len(bins[b]) < max_items:
+                bins[b].append(i)
+                loads[b] += sizes[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(sizes[i])
+    return bins
+
+
 def real_pairs(plan):
     return [p for r in plan.ranks for b in r if not b.dummy for p in b.pair_ids]
 
@@ -140,6 +155,9 @@ def test_plan_invariants(lens, max_tokens, max_seqs, dp, div):
             assert b.useful == (0 if b.dummy else sum(sum(lengths[p]) for p in b.pair_ids))
     # dummy bins only fill up to a multiple of DP
     assert plan.stats["dummy_bins"] < dp
+    kept = {p: pad(c) + pad(r) for p, (c, r) in lengths.items() if p not in oversized}
+    assert pack.first_fit_decreasing(kept, max_tokens, max_seqs) == naive_ffd(kept, max_tokens, max_seqs)
+    assert plan.stats["bins_ffd"] == len(naive_ffd(kept, max_tokens, max_seqs))
     # deterministic, also for another insertion order of the same pairs
     again = pack.plan_bins(dict(reversed(list(lengths.items()))), max_tokens, max_seqs, dp, div, drop_oversized=True)
     assert again.ranks == plan.ranks
