@@ -9,7 +9,8 @@ Three layers, cheapest first:
 1. Planning (pure Python, no tensors): `plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, ...)`
    bins the pairs of one optimizer step first-fit-decreasing, makes the bin count a multiple of DP (splitting multi-pair
    bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg, dp_size)`
-   does the same from the typed config.
+   does the same from the typed config. The plan is a pure function of the step's pair ids and lengths, so every
+   rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
 2. Packing (tensors, one bin): `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one `[1, T]` THD row with
    `cu_seqlens`, pre-rolled labels, the loss mask aligned with the labels, position ids restarting per sequence, and the
    media of each pair stored once. `packed_seq_params(batch)` builds megatron-core's `PackedSeqParams`.
@@ -104,12 +105,12 @@ def padded_length(length: int, divisible_by: int) -> int:
 
 
 def sequence_cost(padded_len: int) -> float:
-    """Compute cost of one sequence in LM-token units: L + L^2 / ATTENTION_QUADRATIC_TOKENS (see the constant)."""
+    """Cost of one sequence of `padded_len` tokens in LM-token units: L + L^2 / ATTENTION_QUADRATIC_TOKENS."""
     return padded_len + padded_len * padded_len / ATTENTION_QUADRATIC_TOKENS
 
 
 def token_cost(padded_len: int) -> float:
-    """Compute cost of one sequence = its padded token count (the linear-only model)."""
+    """Cost of one sequence = its padded token count (the linear-only model)."""
     return float(padded_len)
 
 
@@ -281,13 +282,16 @@ def plan_bins(
         Plan with ranks[r] = list of Bin, and stats (see `Plan`).
     Raises:
         ValueError: an oversized pair (naming the pair, its chosen/rejected sizes after padding and the limit) unless
-            drop_oversized; no pairs left; non-positive capacities.
+            drop_oversized; no pairs left; non-positive capacities or row lengths.
     """
     if max_tokens_per_bin < 1 or max_sequences_per_bin < 1 or dp_size < 1 or divisible_by < 1:
         raise ValueError(
             f"need positive capacities: max_tokens_per_bin={max_tokens_per_bin}, "
             f"max_sequences_per_bin={max_sequences_per_bin}, dp_size={dp_size}, divisible_by={divisible_by}"
         )
+    for pid, lens in lengths.items():
+        if len(lens) != 2 or min(lens) < 1:
+            raise ValueError(f"pair {pid}: lengths {tuple(lens)} must be (chosen tokens, rejected tokens), both >= 1")
     info = {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
     dropped = []
     for pid in sorted(info):
@@ -301,7 +305,8 @@ def plan_bins(
                     "data.max_seq_length, or set packing.drop_oversized_pairs = true"
                 )
             dropped.append(pid)
-    kept = {pid: v for pid, v in info.items() if pid not in set(dropped)}
+    dropped_set = set(dropped)
+    kept = {pid: v for pid, v in info.items() if pid not in dropped_set}
     if not kept:
         raise ValueError(f"no pair of this step fits in a bin ({len(dropped)} dropped as oversized)")
     sizes = {pid: v[0] for pid, v in kept.items()}

@@ -169,6 +169,8 @@ def test_oversized_pair_error_names_pair_sizes_and_limit():
     msg = str(e.value)
     assert "pair 5 needs 560 tokens" in msg and "chosen 300 -> 304" in msg and "rejected 250 -> 256" in msg
     assert "max_tokens_per_bin = 512" in msg and "drop_oversized_pairs" in msg
+    with pytest.raises(ValueError, match=r"pair 3: lengths \(0, 5\)"):
+        pack.plan_bins({3: (0, 5)}, 512, 1, 1)
 
 
 def test_divisibility_rule():
