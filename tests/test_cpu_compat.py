@@ -7,6 +7,7 @@ Runs in-process on a gloo world of size 1 (TP = EP = 1). Run: `pytest tests/test
 from __future__ import annotations
 
 import math
+import re
 import socket
 
 import pytest
@@ -102,8 +103,9 @@ def test_moe_alltoall_dispatcher_runs_and_matches_explicit_mixture():
     assert arr.tolist() == [1, 2] and not torch.is_tensor(arr)
 
     cfg = small_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
-                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_router_load_balancing_type="none",
-                       moe_aux_loss_coeff=0.0, moe_permute_fusion=False, bias_activation_fusion=False)
+                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                       moe_permute_fusion=False, bias_activation_fusion=False)
     spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
     moe = spec(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # a partial(MoELayer)
     x = torch.randn(6, 2, 16)
@@ -183,7 +185,7 @@ def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
 # megatron MambaMixer on the torch path
 
 
-def _mixers(time_step_min=0.01):
+def _mixers(time_step_min=0.01, **config_overrides):
     """A megatron MambaMixer (local linears) and transformers' NemotronHMamba2Mixer with the same weights."""
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from transformers.models.nemotron_h import NemotronHConfig
@@ -191,7 +193,7 @@ def _mixers(time_step_min=0.01):
 
     hidden, heads, headdim, groups, state, chunk = 16, 4, 4, 2, 8, 8
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
-                       mamba_num_heads=heads)
+                       mamba_num_heads=heads, **config_overrides)
     ours = MambaMixer(cfg, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
                       d_model=hidden, chunk_size=chunk, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     hf_cfg = NemotronHConfig(hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=headdim, n_groups=groups,
@@ -234,6 +236,16 @@ def test_megatron_mamba_mixer_matches_transformers():
     assert (clamped - unclamped).abs().max() > 1e-4  # the floor changes the output: both settings are tested
 
 
+def test_megatron_mamba_mixer_non_mem_eff_path_agrees():
+    """megatron's other training/prefill path (separate conv, scan, then norm(y, z)) gives the same output."""
+    fused, _ = _mixers()
+    split, _ = _mixers(use_mamba_mem_eff_path=False)
+    split.load_state_dict(fused.state_dict())
+    x = torch.randn(13, 2, 16, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert (fused(x)[0] - split(x)[0]).abs().max() < 1e-5
+
+
 def test_megatron_mamba_mixer_packed_equals_alone():
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -266,3 +278,64 @@ def test_megatron_mamba_mixer_backward_runs():
     assert set(grads) == {"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "in_proj.weight", "norm.weight",
                           "out_proj.weight"}
     assert F.mse_loss(x.grad, torch.zeros_like(x.grad)) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two ranks: MoE alltoall with EP = 2 (the split-size shim only matters when tokens cross ranks)
+
+
+def _ep2_main():
+    """torchrun entry: EP=2 MoE layer with known weights; each rank checks its tokens against the explicit mixture."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(5)
+    cfg = small_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
+                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=2,
+                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_permute_fusion=False,
+                       bias_activation_fusion=False)
+    moe = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)(
+        config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    gen = torch.Generator().manual_seed(0)
+    router_w = torch.randn(4, 16, generator=gen)
+    fc1 = [torch.randn(8, 16, generator=gen) * 0.3 for _ in range(4)]
+    fc2 = [torch.randn(16, 8, generator=gen) * 0.3 for _ in range(4)]
+    with torch.no_grad():
+        moe.router.weight.copy_(router_w)
+        for local, expert in enumerate(moe.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[2 * rank + local])
+            expert.linear_fc2.weight.copy_(fc2[2 * rank + local])
+    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(100 + rank))
+    out, _ = moe(x)
+    flat = x.view(-1, 16)
+    probs, routing_map = moe.router(flat)
+    expected = sum(probs[:, e : e + 1] * routing_map[:, e : e + 1] * (F.gelu(flat @ fc1[e].T) @ fc2[e].T)
+                   for e in range(4))
+    remote = int(routing_map[:, 2 * (1 - rank) : 2 * (1 - rank) + 2].sum())
+    err = (out.view(-1, 16) - expected).abs().max().item()
+    print(f"EP2 rank {rank} max_err {err:.3e} remote_assignments {remote}", flush=True)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # one 2-rank torchrun launch: about 17 s on 2 cores, mostly imports
+def test_moe_alltoall_expert_parallel_two_ranks():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    found = re.findall(r"EP2 rank (\d) max_err (\S+) remote_assignments (\d+)", proc.stdout)
+    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for _, err, remote in found:
+        assert float(err) < 1e-5 and int(remote) > 0  # tokens did travel to the other rank's experts
+
+
+if __name__ == "__main__":
+    _ep2_main()

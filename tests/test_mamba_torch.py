@@ -176,7 +176,8 @@ def test_gradcheck_split_conv1d_scan_with_seq_idx():
     inputs = tuple(tensors[k].clone().requires_grad_(True) for k in names)
 
     def f(*args):
-        return mt.mamba_split_conv1d_scan_combined(**dict(zip(names, args)), chunk_size=3, seq_idx=seq_idx, **kw)
+        named = dict(zip(names, args, strict=True))
+        return mt.mamba_split_conv1d_scan_combined(**named, chunk_size=3, seq_idx=seq_idx, **kw)
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
 
