@@ -1,0 +1,446 @@
+"""CPU shims that let megatron-core 0.19.2 build, run and train models on a machine without a GPU.
+
+megatron-core assumes CUDA in a few dozen places (device="cuda" literals, CUDA RNG states, CUDA streams, the
+Transformer-Engine final norm of the hybrid stack, the mamba-ssm Triton kernels). On a CPU-only machine (the project's
+CI and tests, torchrun + gloo) `apply()` patches exactly those places. Every shim names the upstream behaviour it works
+around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
+shared/research/mcore_cpu.md). The patches touch private names: re-check them on every megatron-core bump.
+
+Use:
+    import cpu_compat
+    cpu_compat.apply()                 # before building any megatron module; no-op when CUDA is available
+    ...build the model, parallel_state, model_parallel_cuda_manual_seed(seed)...
+    with cpu_compat.cuda_to_cpu():     # around optimizer construction, optimizer.step() and checkpoint loading
+        optimizer = get_megatron_optimizer(...)
+
+`apply()` is idempotent and guarded on `torch.cuda.is_available()` (not on the torch build: the project's torch 2.14.1
+is a CUDA build that runs on CPU). Run it in every process (each torchrun rank) before megatron modules are built.
+
+Run the tests: `pytest tests/test_cpu_compat.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MEGATRON_CORE_VERSION_CHECKED = "0.19.2"
+
+_APPLIED = False
+
+
+def needed() -> bool:
+    """True when the shims are needed: no usable CUDA device in this process."""
+    return not torch.cuda.is_available()
+
+
+def apply(force: bool = False) -> bool:
+    """Install every CPU shim (idempotent).
+
+    Args:
+        force: install even though CUDA is available (only for tests of the shims themselves).
+    Returns:
+        True when the shims are (or already were) installed, False when CUDA is available and nothing was done.
+    """
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if not force and not needed():
+        return False
+    _disable_dynamo()
+    _stub_paged_stash_without_triton()
+    _patch_current_device()
+    _patch_cuda_streams()
+    _install_cpu_rng_tracker()
+    _patch_causal_masks()
+    _patch_torch_norm_sequence_parallel()
+    _patch_hybrid_final_norm()
+    _patch_moe_split_sizes()
+    _patch_clip_grads()
+    install_torch_mamba()
+    _APPLIED = True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Process-level settings
+
+
+def _disable_dynamo() -> None:
+    # megatron.core.jit.jit_fuser is torch.compile: the first call of the sigmoid router's expert-bias helper compiles
+    # C++ with inductor (1.3-12 s on 2 cores). An explicit TORCHDYNAMO_DISABLE in the environment wins.
+    # Checked on megatron-core 0.19.2.
+    if os.environ.get("TORCHDYNAMO_DISABLE") is None:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
+def _stub_paged_stash_without_triton() -> None:
+    # megatron/core/transformer/moe/ops/paged_stash.py imports triton unguarded and is pulled in by
+    # `import megatron.core` (-> pipeline_parallel.schedules -> moe/paged_stash.py): ModuleNotFoundError without triton
+    # (upstream NVIDIA/Megatron-LM PR #6891). torch 2.14.1 ships triton, so this only fires on a bare CPU torch.
+    # Checked on megatron-core 0.19.2.
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if importlib.util.find_spec("triton") is not None or name in sys.modules:
+        return
+
+    def _no_kernel(*args, **kwargs):
+        raise RuntimeError("paged stash needs triton and a GPU; it is stubbed on this CPU machine")
+
+    stub = types.ModuleType(name)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = _no_kernel
+    stub.paged_stash_pop_kernel = _no_kernel
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = stub
+
+
+def _patch_current_device() -> None:
+    # About 230 megatron-core sites allocate with device=torch.cuda.current_device() (rotary inv_freq, Mamba conv/dt/D
+    # params, optimizer buffers), which raises "Torch not compiled with CUDA enabled"/"No CUDA GPUs" without a GPU.
+    # Returning "cpu" makes those allocations land on the CPU. Checked on megatron-core 0.19.2.
+    torch.cuda.current_device = lambda: "cpu"
+
+
+class _NoOpEvent:
+    """Stands in for torch.cuda.Event on CPU: CPU ops are synchronous, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream on CPU (torch.cpu.Stream.record_event returns None, so it does not do)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoOpEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NoOpStream)
+
+    def __hash__(self):
+        return 0
+
+
+_DEFAULT_STREAM = _NoOpStream()
+
+
+def _patch_cuda_streams() -> None:
+    # MoEAlltoAllTokenDispatcher.__init__ creates torch.cuda.Stream() ("torch.cuda.Stream requires CUDA support") and
+    # _maybe_dtoh_and_synchronize uses current_stream / stream / record_event().synchronize(). On CPU every op is
+    # synchronous, so no-op streams and events are exact. Checked on megatron-core 0.19.2.
+    torch.cuda.Stream = _NoOpStream
+    torch.cuda.Event = _NoOpEvent
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RNG
+
+
+def _install_cpu_rng_tracker() -> None:
+    # tensor_parallel.random.CudaRNGStatesTracker.add calls torch.cuda.get_rng_state() ("Torch not compiled with CUDA
+    # enabled"), and without a seeded tracker every get_cuda_rng_tracker().fork() raises "cuda rng state
+    # model-parallel-rng is not added" (weight init, dropout). This tracker keeps named states of the *CPU* generator,
+    # so model_parallel_cuda_manual_seed and fork() work unchanged; activation recomputation (CheckpointFunction) goes
+    # through the same _get/_set_cuda_rng_state helpers, patched to the CPU generator. Checked on megatron-core 0.19.2.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Named CPU-generator states with megatron's CudaRNGStatesTracker interface."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            orig_name = self._current_state_name
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+                self._current_state_name = orig_name
+
+    def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_rng_state
+    mrandom._set_cuda_rng_state = _set_rng_state
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention masks and norms
+
+
+def _patch_causal_masks() -> None:
+    # transformer/utils.py builds the default causal and sliding-window masks with device="cuda" (used by the local
+    # DotProductAttention / FusedScaleMaskSoftmax when no mask is passed). Same masks, on the CPU.
+    # Checked on megatron-core 0.19.2.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    for mod in (tutils, fused_softmax):
+        mod.get_default_causal_mask = get_default_causal_mask
+        mod.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    # WrappedTorchNorm.__new__ asserts "sequence parallel not supported by torch LayerNorm" (not CPU-specific: any
+    # setup without TE/Apex). A norm's weight is replicated over TP; with sequence parallelism each rank sees only its
+    # sequence slice, so the weight's grad must be all-reduced over TP: megatron does that for params tagged
+    # `sequence_parallel=True` (finalize_model_grads), as TENorm tags them. Checked on megatron-core 0.19.2.
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_omni_sp_patched", False):
+        return
+    orig_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sp = bool(config.sequence_parallel)
+        config.sequence_parallel = False
+        try:
+            norm = orig_new(klass, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            p.sequence_parallel = sp
+        return norm
+
+    cls.__new__ = __new__
+    cls._omni_sp_patched = True
+
+
+def _patch_hybrid_final_norm() -> None:
+    # HybridStack.__init__ builds its final norm with a hard-coded TENorm, which raises "Transformer Engine is not
+    # installed" without TE (models/hybrid/hybrid_block.py:215). WrappedTorchNorm (torch.nn.RMSNorm) is the same op
+    # with the same parameter name (final_norm.weight). Checked on megatron-core 0.19.2.
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    hybrid_block.TENorm = WrappedTorchNorm
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MoE
+
+
+def _patch_moe_split_sizes() -> None:
+    # moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) converts only CUDA tensors, so on CPU the alltoall
+    # dispatcher's input/output split sizes stay tensors and gloo's all_to_all_single raises "incompatible function
+    # arguments" with EP>1. Convert CPU tensors to numpy too (what the CUDA path hands to all_to_all).
+    # Checked on megatron-core 0.19.2.
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimizer path
+
+
+def _patch_clip_grads() -> None:
+    # optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor' and
+    # allocates its overflow buffer with device='cuda'. On CPU: scale every grad by max_norm / (total_norm + 1e-6)
+    # when that is < 1, the same rule. Checked on megatron-core 0.19.2.
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for p in parameters:
+                grad = p.decoupled_grad if use_decoupled_grad else p.grad
+                if grad is not None:
+                    grad.mul_(clip_coeff)
+
+    for mod in (clip_grads, optimizer, distrib_optimizer):
+        if hasattr(mod, "clip_grad_by_total_norm_fp32"):
+            mod.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _cpu_device(device):
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    return device
+
+
+_CUDA_TYPE = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Catch-all for megatron's optimizer/checkpoint code on CPU.
+
+    megatron-core 0.19.2's optimizer path allocates with device='cuda' (optimizer.py:1249 `_scale`, found_inf, clip
+    buffers), moves with `.cuda()`, pins memory, and checks `param.type() == 'torch.cuda.FloatTensor'`
+    (Float16Optimizer, DistributedOptimizer: "Wrapped parameters must be one of torch.cuda.FloatTensor, ...").
+    Inside this mode a 'cuda' device becomes 'cpu', `.cuda()` is the identity, pin_memory is dropped and
+    `Tensor.type()` (no argument) reports the CUDA type name of the dtype. Checked on megatron-core 0.19.2.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE.get(args[0].dtype, func(*args))
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.to,) and args and len(args) > 1:
+            args = (args[0], _cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu():
+    """Context manager: `CudaToCpuMode` where the shims are needed, a null context on a CUDA machine.
+
+    Wrap megatron optimizer construction (get_megatron_optimizer), optimizer.step() (with its grad-norm clipping) and
+    fully-parallel checkpoint loading in it.
+    """
+    return CudaToCpuMode() if needed() or _APPLIED else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mamba-2
+
+
+def install_torch_mamba() -> None:
+    """Make megatron-core's MambaMixer build and run with the pure-torch Mamba-2 path of `mamba_torch`.
+
+    megatron/core/ssm/mamba_mixer.py imports mamba_ssm's Triton kernels in a try block; without them HAVE_MAMBA_SSM is
+    False and MambaMixer.__init__ raises "MambaSSM is not installed", RMSNormGated is a MagicMock, and packed-sequence
+    training asserts a mamba_ssm/causal_conv1d version. This sets the mixer module's own names (not sys.modules, so
+    transformers' NemotronH keeps its independent torch path and stays a valid reference): the kernels, the gated norm
+    class (with the sharded_state_dict of megatron's ExtendedRMSNorm), HAVE_MAMBA_SSM, and the packing check for the
+    training path. Checked on megatron-core 0.19.2.
+    """
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    import mamba_torch
+
+    if getattr(mamba_mixer, "_omni_torch_mamba", False):
+        return
+
+    class ExtendedRMSNorm(mamba_torch.RMSNormGated):
+        """Gated grouped RMSNorm, weight sharded over TP along dim 0 in distributed checkpoints."""
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            from megatron.core import parallel_state
+
+            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True),
+                prefix,
+                {"weight": 0},
+                sharded_offsets,
+                tp_group=tp_group,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+
+    orig_check = mamba_mixer._check_mamba_sequence_packing_support
+
+    def _check_packing(for_inference_not_training: bool = True):
+        # The torch path honours seq_idx in training; inference/varlen kernels are megatron's own Triton ops.
+        if not for_inference_not_training:
+            return True, None
+        return orig_check(for_inference_not_training)
+
+    mamba_mixer.RMSNormGated = mamba_torch.RMSNormGated
+    mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
+    mamba_mixer.mamba_chunk_scan_combined = mamba_torch.mamba_chunk_scan_combined
+    mamba_mixer.mamba_split_conv1d_scan_combined = mamba_torch.mamba_split_conv1d_scan_combined
+    mamba_mixer.causal_conv1d_fn = mamba_torch.causal_conv1d_fn
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer._check_mamba_sequence_packing_support = _check_packing
+    mamba_mixer._omni_torch_mamba = True

@@ -1,0 +1,520 @@
+"""Pure-torch Mamba-2 path: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
+
+Drop-in equivalents of the mamba-ssm / causal-conv1d kernels that megatron-core's MambaMixer calls (same names,
+argument order and keywords), so the mixer runs unchanged on a CPU (cpu_compat.install_torch_mamba wires them in):
+
+* `causal_conv1d_fn`                  ~ causal_conv1d.causal_conv1d_fn
+* `mamba_chunk_scan_combined`         ~ mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined
+* `mamba_split_conv1d_scan_combined`  ~ mamba_ssm.ops.triton.ssd_combined.mamba_split_conv1d_scan_combined
+* `rmsnorm_fn`, `RMSNormGated`        ~ mamba_ssm.ops.triton.layernorm_gated.{rmsnorm_fn, RMSNorm}
+
+All take `seq_idx` [batch, seqlen] int (a packed row holds several sequences; tokens with different seq_idx never
+interact: the conv does not see the previous sequence's tokens and the SSM state is zero at each sequence start), or
+`cu_seqlens` [num_seqs + 1] for a batch of one row. seq_idx must be non-decreasing along a row (as megatron's
+PackedSeqParams builds it).
+
+The scan is the SSD block decomposition of Mamba-2 (Dao & Gu 2024, "Transformers are SSMs", §6): within a chunk of
+Q tokens the output is a masked quadratic form, between chunks a recurrence over chunk-end states, so memory is
+O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurrence it computes, per head h:
+
+    dt_t  = clamp(softplus(dt_t + dt_bias_h), *dt_limit)           (softplus / clamp as the caller asks)
+    h_t   = exp(dt_t · A_h) · h_{t-1} + dt_t · x_t ⊗ B_t           (h_{-1} = initial_states; 0 at sequence starts)
+    y_t   = h_t · C_t + D_h · x_t,   then y_t · silu(z_t) if z is given
+
+Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
+`set_megatron_dt_min` switches megatron's mixer to transformers' time-step floor (see its docstring).
+
+Tests: `pytest tests/test_mamba_torch.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "causal_conv1d_fn",
+    "mamba_chunk_scan_combined",
+    "mamba_split_conv1d_scan_combined",
+    "rmsnorm_fn",
+    "RMSNormGated",
+    "seq_idx_from_cu_seqlens",
+    "set_megatron_dt_min",
+]
+
+_NO_LIMIT = (0.0, float("inf"))
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """[num_seqs + 1] cumulative lengths (starting at 0) → seq_idx [1, seqlen] int32.
+
+    Tokens at or beyond cu_seqlens[-1] (padding) get index num_seqs, a sequence of their own.
+    Raises ValueError if cu_seqlens does not start at 0, decreases, or ends beyond seqlen.
+    """
+    cu = cu_seqlens.to(torch.int64).flatten()
+    if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seqlen:
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to at most seqlen={seqlen}, got {cu.tolist()}")
+    lengths = torch.diff(torch.cat([cu, cu.new_tensor([seqlen])]))
+    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    return seq_idx.to(torch.int32).unsqueeze(0)
+
+
+def _check_seq_idx(seq_idx: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    if seq_idx.shape != (batch, seqlen):
+        raise ValueError(f"seq_idx must have shape (batch, seqlen)=({batch}, {seqlen}), got {tuple(seq_idx.shape)}")
+    if seqlen > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        raise ValueError("seq_idx must be non-decreasing along each row (one contiguous run per sequence)")
+    return seq_idx
+
+
+def _resolve_seq_idx(seq_idx, cu_seqlens, batch: int, seqlen: int):
+    if seq_idx is None and cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens describes one packed row; got batch={batch}")
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
+    if seq_idx is not None:
+        seq_idx = _check_seq_idx(seq_idx, batch, seqlen)
+    return seq_idx
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    final_states_out: torch.Tensor | None = None,
+    activation: str | None = None,
+):
+    """Causal depthwise conv1d: out[b, d, t] = act(bias[d] + Σ_k weight[d, k] · x[b, d, t - (W-1) + k]).
+
+    Args:
+        x: [batch, dim, seqlen].
+        weight: [dim, W]; bias: [dim] or None.
+        seq_idx: [batch, seqlen] int or None; taps reaching a token of another sequence read 0.
+        initial_states: [batch, dim, W-1], the inputs before t=0 (not with seq_idx, as in causal-conv1d).
+        return_final_states: also return the last W-1 inputs [batch, dim, W-1] (written into final_states_out
+            when given).
+        activation: None, "silu" or "swish".
+    Returns:
+        out [batch, dim, seqlen] in x.dtype (computed in float32/float64), or (out, final_states).
+    Raises:
+        ValueError: bad activation, shapes, or initial_states together with seq_idx.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    batch, dim, seqlen = x.shape
+    if weight.dim() != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight must be [dim={dim}, width], got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    cdt = _compute_dtype(x)
+    xf, wf = x.to(cdt), weight.to(cdt)
+    if initial_states is not None and seq_idx is not None:
+        raise ValueError("initial_states with seq_idx is not supported (as in causal-conv1d)")
+    if initial_states is None:
+        initial_states = xf.new_zeros(batch, dim, width - 1)
+    xpad = torch.cat([initial_states.to(cdt), xf], dim=-1)  # [b, d, W-1+l]
+    if seq_idx is None:
+        out = F.conv1d(xpad, wf.unsqueeze(1), None, groups=dim)
+    else:
+        seq_idx = _check_seq_idx(seq_idx, batch, seqlen)
+        # Tap k reads x[t - s] with s = W-1-k; it is zeroed where that token belongs to another sequence.
+        out = xf * wf[:, -1:]
+        for s in range(1, width):
+            if s >= seqlen:
+                break
+            same = (seq_idx[:, s:] == seq_idx[:, :-s]).to(cdt).unsqueeze(1)  # [b, 1, l-s]
+            shifted = F.pad(xf[:, :, :-s] * same, (s, 0))
+            out = out + shifted * wf[:, width - 1 - s : width - s]
+    if bias is not None:
+        out = out + bias.to(cdt)[:, None]
+    if activation is not None:
+        out = F.silu(out)
+    out = out.to(x.dtype)
+    if not return_final_states:
+        return out
+    final = xpad[:, :, -(width - 1) :].to(x.dtype) if width > 1 else x.new_zeros(batch, dim, 0)
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out, final
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked SSD scan
+
+
+def _pad_len(t: torch.Tensor, pad: int, dim: int = 1, value: float = 0.0) -> torch.Tensor:
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=None):
+    """Core SSD scan. x [b,l,h,p], dt [b,l,h] (already softplus/clamped), A [h], B/C [b,l,g,n], all in one float dtype.
+
+    Returns y [b,l,h,p] (no D, no z), final state [b,h,p,n] (the state after the last token), and, when
+    state_positions (list of int, batch 0) is given, the states after those tokens [len, h, p, n].
+    """
+    b, seqlen, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g  # heads per group; head i uses group i // r (mamba-ssm's layout)
+    Q = chunk_size
+    pad = (-seqlen) % Q
+    nc = (seqlen + pad) // Q
+    # Padding tokens have dt = 0 (no decay, no input), so they leave the state unchanged.
+    x = _pad_len(x, pad).view(b, nc, Q, g, r, p)
+    dt = _pad_len(dt, pad).view(b, nc, Q, g, r)
+    B = _pad_len(B, pad).view(b, nc, Q, g, n)
+    C = _pad_len(C, pad).view(b, nc, Q, g, n)
+    dA = dt * A.view(g, r)
+    cum = torch.cumsum(dA, dim=2)  # [b, nc, Q, g, r]: log-decay from the chunk start to each token (inclusive)
+
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    if seq_idx is not None:
+        sid = _pad_len(seq_idx, pad, value=0)
+        if pad:
+            sid[:, seqlen:] = seq_idx[:, -1:]
+        sid = sid.view(b, nc, Q)
+        mask = causal & (sid[:, :, :, None] == sid[:, :, None, :])  # [b, nc, l, s]
+    else:
+        mask = causal.expand(b, nc, Q, Q)
+
+    # 1. Within a chunk: y_l = Σ_{s≤l, same seq} (C_l·B_s) exp(cum_l − cum_s) dt_s x_s.
+    seg = cum[:, :, :, None] - cum[:, :, None, :]  # [b, nc, l, s, g, r]
+    decay = torch.exp(seg.masked_fill(~mask[..., None, None], float("-inf")))
+    CB = torch.einsum("bclgn,bcsgn->bclsg", C, B)
+    W = CB[..., None] * decay * dt[:, :, None]  # [b, nc, l, s, g, r]
+    y = torch.einsum("bclsgr,bcsgrp->bclgrp", W, x)
+
+    # 2. Each chunk's own contribution to the state at its last token (tokens of the last token's sequence only).
+    to_end = torch.exp(cum[:, :, -1:] - cum) * dt  # [b, nc, Q, g, r]
+    if seq_idx is not None:
+        to_end = to_end * (sid == sid[:, :, -1:]).to(x.dtype)[..., None, None]
+    chunk_states = torch.einsum("bcsgn,bcsgr,bcsgrp->bcgrpn", B, to_end, x)
+
+    # 3. Between chunks: the state at boundary c (before chunk c; boundary nc = after the last chunk) is
+    #    Σ_{k≤c} exp(Z_c − Z_k) S_k over sources k of the same sequence, S_0 = initial state, S_k = chunk_states[k−1].
+    Z = F.pad(torch.cumsum(cum[:, :, -1], dim=1), (0, 0, 0, 0, 1, 0))  # [b, nc+1, g, r]
+    bmask = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril()
+    if seq_idx is not None:
+        # Boundary 0 belongs to the row's first sequence (the initial state continues it); boundary c ≥ 1 to the
+        # sequence of chunk c−1's last token.
+        sb = torch.cat([sid[:, :1, 0], sid[:, :, -1]], dim=1)  # [b, nc+1]
+        bmask = bmask & (sb[:, :, None] == sb[:, None, :])
+    else:
+        bmask = bmask.expand(b, nc + 1, nc + 1)
+    bdecay = torch.exp((Z[:, :, None] - Z[:, None, :]).masked_fill(~bmask[..., None, None], float("-inf")))
+    if initial_states is None:
+        S0 = chunk_states.new_zeros(b, 1, g, r, p, n)
+    else:
+        S0 = initial_states.to(x.dtype).view(b, 1, g, r, p, n)
+    S = torch.cat([S0, chunk_states], dim=1)  # [b, nc+1, g, r, p, n]
+    bstates = torch.einsum("bckgr,bkgrpn->bcgrpn", bdecay, S)
+    start_states = bstates[:, :-1]
+    final = bstates[:, -1].reshape(b, h, p, n)
+
+    # 4. State → output: y_l += exp(cum_l) C_l · state(chunk start), for tokens of the boundary's sequence.
+    from_start = torch.exp(cum)
+    if seq_idx is not None:
+        from_start = from_start * (sid == sb[:, :-1, None]).to(x.dtype)[..., None, None]
+    y = y + torch.einsum("bclgn,bcgrpn,bclgr->bclgrp", C, start_states, from_start)
+    y = y.reshape(b, nc * Q, h, p)[:, :seqlen]
+
+    pos_states = None
+    if state_positions is not None:
+        out = []
+        for t in state_positions:
+            c, pos = divmod(int(t), Q)
+            # State after token t: the chunk-start state decayed to t plus the tokens s ≤ t of t's chunk.
+            w = decay[0, c, pos] * dt[0, c]  # [s, g, r]
+            local = torch.einsum("sgr,sgn,sgrp->grpn", w, B[0, c], x[0, c])
+            carry = from_start[0, c, pos][..., None, None] * start_states[0, c]
+            out.append((local + carry).reshape(h, p, n))
+        pos_states = torch.stack(out) if out else x.new_zeros(0, h, p, n)
+    return y, final, pos_states
+
+
+def mamba_chunk_scan_combined(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+    state_dtype: torch.dtype | None = None,
+):
+    """Mamba-2 SSD scan over chunks (semantics of mamba_ssm's mamba_chunk_scan_combined).
+
+    Args:
+        x: [batch, seqlen, nheads, headdim]. dt: [batch, seqlen, nheads]. A: [nheads] (negative).
+        B, C: [batch, seqlen, ngroups, dstate]; nheads must be a multiple of ngroups (head i uses group i // ratio).
+        chunk_size: tokens per chunk (any seqlen; the last chunk is padded internally).
+        D: [nheads] or [nheads, headdim] skip, or None. z: [batch, seqlen, nheads, headdim] gate, or None.
+        dt_bias: [nheads] or None, added to dt before the softplus.
+        initial_states: [batch, nheads, headdim, dstate], the state before the first token (continued by the row's
+            first sequence when seq_idx is given).
+        seq_idx: [batch, seqlen] int, non-decreasing; the state resets where it changes.
+        cu_seqlens: [num_seqs + 1] (batch 1) used for seq_idx when seq_idx is None, and for return_varlen_states.
+        dt_softplus: apply softplus to dt + dt_bias. dt_limit: (min, max) clamp of the processed dt; the default
+            (0, inf) means no clamp, as in mamba-ssm.
+        return_final_states: also return the state after the last token [batch, nheads, headdim, dstate].
+        return_varlen_states: also return the state after each sequence [num_seqs, nheads, headdim, dstate]
+            (needs cu_seqlens).
+        state_dtype: dtype of the returned states (default float32, or float64 for float64 inputs).
+    Returns:
+        out [batch, seqlen, nheads, headdim] in x.dtype: (y + D·x) · silu(z); then the requested states, in the
+        order (out, final_states, varlen_states).
+    Raises:
+        ValueError on inconsistent shapes or seq_idx/cu_seqlens.
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    if B.shape[:2] != (batch, seqlen) or B.shape != C.shape or nheads % B.shape[2] != 0:
+        raise ValueError(f"B/C must be [batch, seqlen, ngroups | nheads, dstate]; x {tuple(x.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+    if dt.shape != (batch, seqlen, nheads) or A.shape != (nheads,):
+        raise ValueError(f"dt must be {(batch, seqlen, nheads)} and A ({nheads},); got {tuple(dt.shape)}, "
+                         f"{tuple(A.shape)}")
+    if return_varlen_states and cu_seqlens is None:
+        raise ValueError("return_varlen_states needs cu_seqlens")
+    seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
+    cdt = _compute_dtype(x)
+    dtf = dt.to(cdt)
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.to(cdt)
+    if dt_softplus:
+        dtf = F.softplus(dtf)  # threshold 20, as the kernels
+    if tuple(dt_limit) != _NO_LIMIT:
+        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    positions = None
+    if return_varlen_states:
+        cu = cu_seqlens.to(torch.int64).flatten().tolist()
+        positions = [end - 1 for end in cu[1:]]
+        if any(cu[i + 1] <= cu[i] for i in range(len(cu) - 1)):
+            raise ValueError("return_varlen_states needs non-empty sequences in cu_seqlens")
+    xf = x.to(cdt)
+    y, final, varlen = _ssd(xf, dtf, A.to(cdt), B.to(cdt), C.to(cdt), chunk_size, seq_idx, initial_states,
+                            positions)
+    if D is not None:
+        Df = D.to(cdt)
+        y = y + xf * (Df[:, None] if Df.dim() == 1 else Df)
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    out = y.to(x.dtype)
+    sdt = state_dtype or cdt
+    result = [out]
+    if return_final_states:
+        result.append(final.to(sdt))
+    if return_varlen_states:
+        result.append(varlen.to(sdt))
+    return out if len(result) == 1 else tuple(result)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated grouped RMSNorm
+
+
+def rmsnorm_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of the last dim (mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn semantics).
+
+    norm_before_gate=False (Nemotron-H): out = RMSNorm_g(x · silu(z)) · weight; True: RMSNorm_g(x) · weight · silu(z).
+    RMSNorm_g divides each group of `group_size` channels by sqrt(mean(square) + eps). Computed in float32
+    (float64 for float64 input); returns x.dtype. x, z: [..., dim]; weight, bias: [dim].
+    Raises ValueError if dim is not a multiple of group_size.
+    """
+    dim = x.shape[-1]
+    group_size = dim if group_size is None else group_size
+    if dim % group_size != 0:
+        raise ValueError(f"dim {dim} is not a multiple of group_size {group_size}")
+    cdt = _compute_dtype(x)
+    xf = x.to(cdt)
+    if z is not None and not norm_before_gate:
+        xf = xf * F.silu(z.to(cdt))
+    xg = xf.view(*xf.shape[:-1], dim // group_size, group_size)
+    xg = xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + eps)
+    out = xg.view(xf.shape) * weight.to(cdt)
+    if bias is not None:
+        out = out + bias.to(cdt)
+    if z is not None and norm_before_gate:
+        out = out * F.silu(z.to(cdt))
+    return out.to(x.dtype)
+
+
+class RMSNormGated(torch.nn.Module):
+    """Gated grouped RMSNorm module with mamba_ssm's layernorm_gated.RMSNorm constructor and `weight` parameter."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x, z=None):
+        """x, z: [..., hidden_size] → [..., hidden_size] in x.dtype."""
+        return rmsnorm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                          norm_before_gate=self.norm_before_gate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused mixer body
+
+
+def mamba_split_conv1d_scan_combined(
+    zxbcdt: torch.Tensor,
+    conv1d_weight: torch.Tensor,
+    conv1d_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    return_final_states: bool = False,
+    activation: str = "silu",
+    rmsnorm_weight: torch.Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: torch.Tensor | None = None,
+    outproj_bias: torch.Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    state_dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """Mamba-2 mixer body after in_proj (mamba_ssm's mamba_split_conv1d_scan_combined semantics).
+
+    zxbcdt [batch, seqlen, 2·d_nonssm + 2·dim + 2·ngroups·dstate + nheads] splits into
+    [zx0 | z (dim) | xBC (dim + 2·ngroups·dstate) | dt (nheads)]; xBC goes through the causal conv (+ activation)
+    and splits into x, B, C; the scan runs with dt_softplus and dt_bias. Without rmsnorm_weight the output is
+    (y + D·x)·silu(z); with it, the gated grouped RMSNorm (group dim // ngroups, eps rmsnorm_eps) of y + D·x with
+    gate z. A non-empty zx0 prepends silu(zx0[:half])·zx0[half:]. outproj_weight [out_dim, out] applies a final linear.
+
+    Args (shapes): conv1d_weight [dim + 2·ngroups·dstate, W]; conv1d_bias [same]; dt_bias, A [nheads];
+        D [nheads] (then headdim is required) or [nheads, headdim]; initial_states [batch, nheads, headdim, dstate];
+        seq_idx [batch, seqlen] or cu_seqlens [num_seqs + 1] (batch 1) for packed rows.
+    Returns:
+        out [batch, seqlen, out] in zxbcdt.dtype, or (out, final_states) with return_final_states.
+    Raises:
+        ValueError on inconsistent shapes.
+    """
+    batch, seqlen, total = zxbcdt.shape
+    if D.dim() == 1:
+        if headdim is None:
+            raise ValueError("headdim is required when D is [nheads]")
+        nheads = D.shape[0]
+    else:
+        nheads, headdim = D.shape
+    if nheads % ngroups != 0:
+        raise ValueError(f"nheads {nheads} is not a multiple of ngroups {ngroups}")
+    dim = nheads * headdim
+    dstate = (conv1d_weight.shape[0] - dim) // ngroups // 2
+    d_nonssm = (total - 2 * dim - 2 * ngroups * dstate - nheads) // 2
+    if d_nonssm < 0 or total != 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads or dstate <= 0:
+        raise ValueError(f"zxbcdt last dim {total} does not match nheads={nheads}, headdim={headdim}, "
+                         f"ngroups={ngroups}, conv channels={conv1d_weight.shape[0]}")
+    if dt_bias.shape != (nheads,) or A.shape != (nheads,):
+        raise ValueError(f"dt_bias and A must be ({nheads},)")
+    seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
+    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    xBC = causal_conv1d_fn(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
+                           activation=activation).transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    x = x.reshape(batch, seqlen, nheads, headdim)
+    B = B.reshape(batch, seqlen, ngroups, dstate)
+    C = C.reshape(batch, seqlen, ngroups, dstate)
+    z4 = z.reshape(batch, seqlen, nheads, headdim)
+    res = mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=D, z=None if rmsnorm_weight is not None else z4, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        return_final_states=return_final_states, state_dtype=state_dtype,
+    )
+    y, final = (res if return_final_states else (res, None))
+    y = y.reshape(batch, seqlen, dim)
+    if rmsnorm_weight is not None:
+        y = rmsnorm_fn(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,
+                       norm_before_gate=norm_before_gate)
+    if d_nonssm > 0:
+        a, g = zx0.chunk(2, dim=-1)
+        y = torch.cat([F.silu(a) * g, y], dim=-1)
+    if outproj_weight is not None:
+        y = F.linear(y, outproj_weight, outproj_bias)
+    return (y, final) if return_final_states else y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The time-step floor switch
+
+
+def set_megatron_dt_min(dt_min: float) -> None:
+    """Make megatron-core's MambaMixer clamp the processed time step to ≥ dt_min (0 restores megatron's default).
+
+    transformers' NemotronH (and the checkpoint's reference semantics) clamp softplus(dt + dt_bias) to
+    [time_step_min, inf) ("time_step_limit"); megatron-core's MambaMixer calls the scan without dt_limit, i.e. no
+    clamp (shared/research/nemotron_omni_arch.md §8.1). This wraps the scan functions that megatron's mixer module
+    currently uses (ours on CPU after cpu_compat.apply(), mamba-ssm's Triton kernels on a GPU) so a call without
+    dt_limit gets (dt_min, inf). Process-global, like the kernels themselves; call it after cpu_compat.apply().
+    Raises ValueError for a negative or non-finite dt_min.
+    """
+    if not (math.isfinite(dt_min) and dt_min >= 0):
+        raise ValueError(f"dt_min must be finite and >= 0, got {dt_min}")
+    from megatron.core.ssm import mamba_mixer
+
+    names = ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined")
+    base = getattr(mamba_mixer, "_omni_dt_base", None)
+    if base is None or any(getattr(mamba_mixer, nm) is not getattr(mamba_mixer, "_omni_dt_wrapped", {}).get(nm)
+                           for nm in names):
+        base = {nm: getattr(mamba_mixer, nm) for nm in names}
+        mamba_mixer._omni_dt_base = base
+    wrapped = {}
+    for nm in names:
+        fn = base[nm]
+        if fn is None or dt_min == 0:
+            wrapped[nm] = fn
+            continue
+
+        def clamped(*args, _fn=fn, **kwargs):
+            kwargs.setdefault("dt_limit", (dt_min, float("inf")))
+            return _fn(*args, **kwargs)
+
+        clamped.__wrapped__ = fn
+        wrapped[nm] = clamped
+    for nm in names:
+        setattr(mamba_mixer, nm, wrapped[nm])
+    mamba_mixer._omni_dt_wrapped = wrapped
