@@ -62,7 +62,7 @@ def _run(script: Path, env: dict[str, str], args=(), tmp: Path | None = None, cw
 
 
 def _lines(out: str, prog: str) -> list[list[str]]:
-    """argv of every printed `+ prog ...` line (srun lines are cut at `bash -c` and their torchrun tail re-split)."""
+    """argv of every printed `+ prog ...` line, split as a POSIX shell would (shlex)."""
     return [shlex.split(line[2:]) for line in out.splitlines() if line.startswith(f"+ {prog} ")]
 
 
@@ -95,7 +95,8 @@ ALL_KNOBS = {
 
 
 def test_job_dry_run_one_node_bare_metal_maps_every_knob(tmp_path):
-    r = _run(SBATCH, {**JOB_ENV, **ALL_KNOBS, "SLURM_NNODES": "1", "GPUS_PER_NODE": "4"}, ["optimizer.lr=1e-6"], tmp_path)
+    env = {**JOB_ENV, **ALL_KNOBS, "SLURM_NNODES": "1", "GPUS_PER_NODE": "4"}
+    r = _run(SBATCH, env, ["optimizer.lr=1e-6"], tmp_path)
     assert r.returncode == 0, r.stderr
     [torchrun] = _lines(r.stdout, "torchrun")
     assert torchrun[:14] == [
@@ -316,7 +317,7 @@ def test_chain_reports_a_failed_submission(tmp_path):
     assert r.returncode == 1 and "submitting segment 1 failed" in r.stderr
 
 
-# --- signals: the real launcher around a real torchrun ----------------------------------------------------------------
+# --- signals: the real launcher around a real torchrun ------------------------------------------------------------
 
 RANK_SCRIPT = """\
 import os, signal, sys, time
@@ -387,7 +388,7 @@ def test_usr1_reaches_the_ranks_and_the_job_exits_0(tmp_path):
     assert "SIGUSR1 (time limit near) -> srun" in out and "SIGUSR1 -> ranks" in out
 
 
-# --- lint ---------------------------------------------------------------------------------------------------------------
+# --- lint ------------------------------------------------------------------------------------------------------------
 
 
 def _shellcheck() -> str:
