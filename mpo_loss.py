@@ -61,10 +61,12 @@ def _group_rank_size(group: torch.distributed.ProcessGroup | None) -> tuple[int,
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[label] over a TP-sharded vocabulary, chunked over tokens in forward *and* backward.
 
-    Why not `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` as is: (1) it shifts and exponentiates its
-    input in place (`.float()` is a no-op on fp32 logits, then `-=` and `exp(out=)`), so fp32 logits of the caller are
-    overwritten; (2) it saves the full softmax for backward, so calling it chunk by chunk under autograd still keeps
-    O(T·V/TP) fp32 alive until backward. Here each chunk is copied to fp32 first and megatron-core's own pieces
+    Why not `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` as is: (1) it works in place on its input
+    (`.float()` is a no-op on fp32 logits, then `-=`, `exp(out=)` and `div_`), so the caller's fp32 logits come back
+    overwritten by their softmax (checked with megatron-core 0.19.2: rows sum to 1; bf16 inputs are copied by
+    `.float()` and survive) — the cause of a later F.cross_entropy on the same tensor disagreeing; (2) it saves the
+    full softmax for backward, so calling it chunk by chunk under autograd still keeps O(T·V/TP) fp32 alive until
+    backward. Here each chunk is copied to fp32 first and megatron-core's own pieces
     (`VocabParallelCrossEntropy.calculate_predicted_logits` forward, `prepare_gradient_calculation_operands` /
     `calculate_gradients` backward) do the math; only the per-token log-normaliser lse [T] is saved, and backward
     rebuilds each chunk's softmax as exp(logits − lse) without any communication. Extra memory: O(chunk·V/TP).
