@@ -4,7 +4,8 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron-core compiles router helpers; seconds per first call on CPU
+# megatron-core compiles router helpers with torch.compile: seconds per first call on CPU
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
