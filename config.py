@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-if sys.version_info >= (3, 11):
+if sys.version_info >= (3, 11):  # noqa: UP036 - tomli fallback kept for Python 3.10 images
     import tomllib
 else:  # pragma: no cover - Python 3.10 images only
     import tomli as tomllib

@@ -148,7 +148,8 @@ def test_asset_has_hub_layout():
     cfg = json.loads((TINY / "config.json").read_text())
     assert cfg["model_type"] == "NemotronH_Nano_Omni_Reasoning_V3"
     assert set(cfg["llm_config"]["hybrid_override_pattern"]) == set("M*E-")  # every layer kind
-    assert {"llm_config", "vision_config", "vit_hidden_size", "projector_hidden_size", "img_context_token_id"} <= set(cfg)
+    hub_keys = {"llm_config", "vision_config", "vit_hidden_size", "projector_hidden_size", "img_context_token_id"}
+    assert hub_keys <= set(cfg)
     from safetensors import safe_open
 
     with safe_open(TINY / "model.safetensors", "pt") as f:
