@@ -384,6 +384,18 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         md.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
 
 
+def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
+    """Forked row checking (data.num_workers >= 2) gives the serial index: same order, lengths, drops, early stop."""
+    monkeypatch.setattr(md, "CHUNK_ROWS", 3)  # many chunks, a window of 4 in flight
+    rows = [row(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    for max_samples in (0, 7):
+        serial = md.build_index(meta, processor, make_cfg(num_workers=0), max_samples=max_samples, use_cache=False)
+        forked = md.build_index(meta, processor, make_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
+        assert _same(serial, forked) and len(forked) == (16 if max_samples == 0 else 7)
+    assert forked.stats["sub"]["rows_read"] == 9 and forked.stats["sub"]["dropped"] == {"image_missing": 2}
+
+
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
     with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
