@@ -310,7 +310,8 @@ class TextRenderer:
         question = _as_str(row, "question")
         chosen = _as_str(row, "chosen", "chosen_response")
         rejected = _as_str(row, "rejected", "rejected_response")
-        system = _as_str(row, "system_prompt", "system") if ("system_prompt" in row or "system" in row) else ""
+        system = row.get("system_prompt", row.get("system"))
+        system = "" if system is None else system if isinstance(system, str) else None  # null = no system turn
         for name, v in (("question", question), ("chosen", chosen), ("rejected", rejected), ("system", system)):
             if v is None:
                 raise _Drop("missing_field", f"{name!r} is missing or not a string")

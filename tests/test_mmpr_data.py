@@ -295,7 +295,7 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
         {"image": ["a.png", "b.png"], "question": "First <image> then <image>: same?", "chosen": "No.",
          "rejected": "Yes.", "system": "Be exact."},
         {"image": ["a.png", "b.png"], "question": "Compare them.", "chosen": "Different.", "rejected": "Same."},
-        {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+        {"question": "What is 2+2?", "chosen": "4", "rejected": "5", "system_prompt": None},
     ], imgs)
     index = md.build_index(meta, processor, make_cfg())
     assert len(index) == 4 and md.summary_drops(index) == {}
@@ -344,8 +344,8 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(0),  # valid
         '{"image": "a.png", "question": "<image>\\nBroken',  # invalid_json
         "[1, 2]",  # invalid_json (not an object)
-        {"image": "a.png", "question": "<image> Q", "chosen": "x"},  # missing_field (no rejected)
-        row(1, rejected=None) | {"rejected": None},  # missing_field (DropoutNTP prompt rows have rejected null)
+        {"image": "a.png", "question": "<image> Q", "chosen": "x", "rejected": None},  # missing_field (null rejected)
+        row(1, system=["not", "a", "string"]),  # missing_field (system must be a string)
         row(2, image=["a.png", "a.png", "a.png"], q="Three?"),  # too_many_images (max 2)
         row(3, q="<image> and <image>?"),  # placeholder_mismatch: 2 placeholders, 1 image
         row(4, image=None),  # placeholder_mismatch: a placeholder, no image
