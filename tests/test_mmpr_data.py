@@ -670,8 +670,10 @@ try:
     err = None
 except md.DataError as e:
     err = str(e)
-print("RESULT", json.dumps({"rank": rank, "status": index.cache_status, "n": len(index), "order": order,
-                            "lens": index.chosen_len.tolist(), "err": err}), flush=True)
+# one file per rank: two ranks printing long lines to one pipe can interleave them
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "status": index.cache_status, "n": len(index), "order": order,
+               "lens": index.chosen_len.tolist(), "err": err}, f)
 dist.destroy_process_group()
 """
 
@@ -685,13 +687,13 @@ def test_rank0_builds_and_others_read_under_torchrun(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "REPO": str(ROOT), "MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
-           "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+           "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "OUT_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(port), str(script)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
-                                  if "RESULT " in line)}
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert res[0]["status"] == "built" and res[1]["status"] == "hit"
     assert res[0]["n"] == res[1]["n"] == 34 and res[0]["lens"] == res[1]["lens"]
     assert res[0]["order"] == res[1]["order"]  # the same global order on every rank
