@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pack import cp_partition_index, thd_packed_seq_params
+
 IMAGE_PREFIX_DEFAULT = 10
 
 # ======================================================================================================================
@@ -391,35 +393,6 @@ def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     cu = cu_seqlens.to(torch.int64)
     lens = torch.cat([cu[1:] - cu[:-1], cu.new_tensor([max(total - int(cu[-1]), 0)])])
     return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)[:total]
-
-
-def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This CP rank's positions of the packed sequence (load-balanced: chunk r and 2*CP-1-r of each sequence).
-
-    Uses pack.cp_partition_index (the project's single definition) when pack.py is present, else the same layout
-    computed here. Returns LongTensor [T / CP]. Raises ValueError when a padded length is not divisible by 2*CP.
-    """
-    try:
-        from pack import cp_partition_index as _index
-    except ImportError:
-        _index = _cp_partition_index_local
-    return _index(cu_seqlens_padded, cp_size, cp_rank)
-
-
-def _cp_partition_index_local(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Fallback of pack.cp_partition_index (same contract) for branches without pack.py."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank = {cp_rank} not in [0, cp_size = {cp_size})")
-    cu = cu_seqlens_padded.to(torch.int64)
-    lens = (cu[1:] - cu[:-1]).tolist()
-    if any(n % (2 * cp_size) for n in lens):
-        raise ValueError(f"padded sequence lengths {lens} must all be divisible by 2*CP = {2 * cp_size}")
-    parts = []
-    for start, n in zip(cu[:-1].tolist(), lens, strict=True):
-        c = n // (2 * cp_size)
-        parts += [torch.arange(start + cp_rank * c, start + (cp_rank + 1) * c),
-                  torch.arange(start + (2 * cp_size - 1 - cp_rank) * c, start + (2 * cp_size - cp_rank) * c)]
-    return torch.cat(parts).to(cu.device) if parts else cu.new_zeros(0)
 
 
 class ThdDotProductAttention(nn.Module):
@@ -847,7 +820,6 @@ class OmniModel(nn.Module):
 
     def forward(self, batch) -> torch.Tensor:
         from megatron.core import parallel_state
-        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
         input_ids = _get(batch, "input_ids")
@@ -877,15 +849,8 @@ class OmniModel(nn.Module):
             emb = emb.index_select(0, index)
         if self.lm_config.sequence_parallel:
             emb = scatter_to_sequence_parallel_region(emb, group=self.pg.tp)
-        lens = cu_pad[1:] - cu_pad[:-1]
-        max_seqlen = _get(batch, "max_seqlen") or int(lens.max())
-        psp = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu.to(torch.int32), cu_seqlens_kv=cu.to(torch.int32),
-            cu_seqlens_q_padded=cu_pad.to(torch.int32), cu_seqlens_kv_padded=cu_pad.to(torch.int32),
-            max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen),
-            total_tokens=T,
-        )
+        max_seqlen = _get(batch, "max_seqlen") or int((cu_pad[1:] - cu_pad[:-1]).max())
+        psp = thd_packed_seq_params(cu, cu_pad, max_seqlen)
         logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
                                      packed_seq_params=psp)
         return logits[0]

@@ -615,23 +615,31 @@ def unpack(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
 
 
 def packed_seq_params(batch: PackedBatch):
-    """megatron-core `PackedSeqParams` for a PackedBatch (THD format, self-attention: q and kv share cu_seqlens).
+    """megatron-core `PackedSeqParams` for a PackedBatch; see `thd_packed_seq_params`."""
+    return thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.max_seqlen)
 
-    total_tokens is the full (un-CP-sliced) packed length T: megatron-core derives the Mamba `seq_idx` [1, T] from it
-    and cu_seqlens_padded; pad_between_seqs tells TE that padded and real boundaries differ.
+
+def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int):
+    """megatron-core `PackedSeqParams` of one packed THD row (self-attention: q and kv share cu_seqlens).
+
+    Args: cu_seqlens / cu_seqlens_padded: [S+1] real / padded sequence boundaries (cast to int32). max_seqlen: the
+    longest padded sequence, in tokens. total_tokens is the full (un-CP-sliced) packed length T = cu_seqlens_padded[-1]:
+    megatron-core derives the Mamba `seq_idx` [1, T] from it (without it, sequences mix inside Mamba layers);
+    pad_between_seqs tells TE that padded and real boundaries differ.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    cu, cu_pad = cu_seqlens.to(torch.int32), cu_seqlens_padded.to(torch.int32)
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=batch.cu_seqlens,
-        cu_seqlens_kv=batch.cu_seqlens,
-        cu_seqlens_q_padded=batch.cu_seqlens_padded,
-        cu_seqlens_kv_padded=batch.cu_seqlens_padded,
-        max_seqlen_q=batch.max_seqlen,
-        max_seqlen_kv=batch.max_seqlen,
-        total_tokens=int(batch.cu_seqlens_padded[-1]),
-        pad_between_seqs=bool((batch.cu_seqlens != batch.cu_seqlens_padded).any()),
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
+        total_tokens=int(cu_pad[-1]),
+        pad_between_seqs=bool((cu != cu_pad).any()),
     )
 
 

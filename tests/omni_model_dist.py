@@ -29,6 +29,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
 
     import omni_model as om
     from config import ModelConfig, ParallelConfig
+    from pack import cp_partition_index
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                              expert_model_parallel_size=ep,
@@ -45,7 +46,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     w = torch.randn(T, V, generator=torch.Generator().manual_seed(7))
     cu_pad = batch["cu_seqlens_padded"]
     if cp > 1:
-        idx = om.cp_partition_index(cu_pad, cp, parallel_state.get_context_parallel_rank())
+        idx = cp_partition_index(cu_pad, cp, parallel_state.get_context_parallel_rank())
     else:
         idx = torch.arange(T)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -61,7 +62,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     if cp > 1:
         parts = [torch.empty_like(full) for _ in range(cp)]
         dist.all_gather(parts, full.contiguous(), group=parallel_state.get_context_parallel_group())
-        order = torch.cat([om.cp_partition_index(cu_pad, cp, r) for r in range(cp)])
+        order = torch.cat([cp_partition_index(cu_pad, cp, r) for r in range(cp)])
         out = torch.empty_like(full.new_zeros(T, full.shape[1]))
         out[order] = torch.cat(parts)
         full = out
