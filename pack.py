@@ -1,0 +1,695 @@
+"""Pair-atomic THD sequence packing, context-parallel slicing and data-parallel balancing for MPO.
+
+A preference pair (chosen row + rejected row, same prompt and image(s)) is the unit of packing: both rows always land
+in the same bin, i.e. the same microbatch on the same data-parallel (DP) rank, so the loss sees both members of every
+pair (reference behaviour: NeMo-RL's `pair_grouping_key="pair_index"` packing, research/nemo_rl_mpo.md §4).
+
+Three layers, cheapest first:
+
+1. Planning (pure Python, no tensors): `plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, ...)`
+   bins the pairs of one optimizer step first-fit-decreasing, makes the bin count a multiple of DP (splitting multi-pair
+   bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg, dp_size)`
+   does the same from the typed config. The plan is a pure function of the step's pair ids and lengths, so every
+   rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
+2. Packing (tensors, one bin): `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one `[1, T]` THD row with
+   `cu_seqlens`, pre-rolled labels, the loss mask aligned with the labels, position ids restarting per sequence, and the
+   media of each pair stored once. `packed_seq_params(batch)` builds megatron-core's `PackedSeqParams`.
+3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
+   keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (tests, metrics).
+
+`synthetic_mmpr_lengths`, `packing_efficiency`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark.
+
+Run `python pack.py` to print the packing efficiency and the DP imbalance of a synthetic MMPR-like step.
+Tests: `pytest tests/test_pack.py`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+IGNORE_INDEX = -100  # label of positions that predict nothing (sequence ends, padding); torch cross_entropy's default
+
+# Cost model of one sequence of L tokens, in "LM token" units: L + L^2 / ATTENTION_QUADRATIC_TOKENS.
+# Derivation for Nemotron-3-Nano (research/nemotron_omni_arch.md): the linear part is ~2 * 3.58e9 active params
+# = 7.2e9 forward FLOPs per token; the quadratic part is the 6 attention layers with 32 heads x 128 = 4096 q dims:
+# causal QK^T + AV = 2 * L^2 * 4096 FLOPs per layer, 4.9e4 * L^2 in all. 7.2e9 / 4.9e4 ~= 1.46e5 tokens: the
+# quadratic term adds ~3% at L = 4096 (the hybrid is mostly Mamba and MoE, linear in L).
+ATTENTION_QUADRATIC_TOKENS = 145_000.0
+
+
+# ======================================================================================================================
+# Validation
+
+
+def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel: bool) -> None:
+    """Check `make_sequence_length_divisible_by` against the tensor/context-parallel layout.
+
+    Every sequence is padded to a multiple of `divisible_by`. Context parallelism cuts each sequence into 2*CP equal
+    chunks (load-balanced causal layout), so CP > 1 needs a multiple of 2*CP. Sequence parallelism splits the local
+    token dimension over the TP ranks; with CP as well each rank's share of a sequence (L/CP) must still split over
+    TP, hence 2*CP*TP. This is NeMo-RL's rule (research/nemo_rl_mpo.md §4.2).
+
+    Raises:
+        ValueError: naming the value, TP, CP, sequence parallelism and the required factor.
+    """
+    if divisible_by < 1:
+        raise ValueError(f"packing.make_sequence_length_divisible_by = {divisible_by} must be >= 1")
+    need = 1
+    why = []
+    if cp > 1:
+        need *= 2 * cp
+        why.append(f"2*CP = {2 * cp} (context parallelism cuts each sequence into 2*CP chunks)")
+    if sequence_parallel and tp > 1:
+        need *= tp
+        why.append(f"TP = {tp} (sequence parallelism splits each rank's tokens over TP)")
+    if divisible_by % need != 0:
+        raise ValueError(
+            f"packing.make_sequence_length_divisible_by = {divisible_by} must be a multiple of {need} "
+            f"for TP = {tp}, CP = {cp}, sequence_parallel = {sequence_parallel}: " + " times ".join(why)
+        )
+
+
+def validate_packing_config(cfg) -> None:
+    """Check `cfg.packing` against `cfg.parallel` before training (grouping key, divisibility).
+
+    Raises:
+        ValueError: pair_grouping_key is not "pair_index", or the divisibility rule of `validate_divisibility` fails.
+    """
+    if cfg.packing.pair_grouping_key != "pair_index":
+        raise ValueError(
+            f"packing.pair_grouping_key = {cfg.packing.pair_grouping_key!r}: only 'pair_index' is supported "
+            "(the chosen and rejected rows of a pair must share a microbatch)"
+        )
+    p = cfg.parallel
+    validate_divisibility(
+        cfg.packing.make_sequence_length_divisible_by,
+        p.tensor_model_parallel_size,
+        p.context_parallel_size,
+        p.sequence_parallel,
+    )
+
+
+def padded_length(length: int, divisible_by: int) -> int:
+    """`length` rounded up to a multiple of `divisible_by` (tokens)."""
+    return -(-length // divisible_by) * divisible_by
+
+
+# ======================================================================================================================
+# Planning: pairs -> bins -> DP ranks (pure Python)
+
+
+def sequence_cost(padded_len: int) -> float:
+    """Cost of one sequence of `padded_len` tokens in LM-token units: L + L^2 / ATTENTION_QUADRATIC_TOKENS."""
+    return padded_len + padded_len * padded_len / ATTENTION_QUADRATIC_TOKENS
+
+
+def token_cost(padded_len: int) -> float:
+    """Cost of one sequence = its padded token count (the linear-only model)."""
+    return float(padded_len)
+
+
+@dataclass(frozen=True)
+class Bin:
+    """One packed microbatch: the pairs it holds, in packing order (each pair contributes chosen then rejected).
+
+    `pair_ids` are the keys of the `lengths` mapping given to `plan_bins` (the data module's pair ids).
+    A dummy bin (`dummy=True`) repeats a real pair (the step's smallest) with sample_mask 0: it only keeps every DP rank
+    at the same number of microbatches; it adds no gradient and no count. `tokens` are padded tokens, `useful` real
+    tokens (0 for a dummy), `cost` the sum of `cost_fn` over its sequences.
+    """
+
+    pair_ids: tuple[int, ...]
+    tokens: int
+    useful: int
+    cost: float
+    dummy: bool = False
+
+
+@dataclass
+class Plan:
+    """The microbatches of one optimizer step.
+
+    ranks[r][m] is microbatch m of DP rank r; every rank has `num_microbatches` bins. `dropped` lists oversized pairs
+    dropped (only with drop_oversized=True). `stats` holds token loads per rank, the imbalance (busiest rank / mean,
+    by tokens and by cost), the packing efficiency and the counts of bins, dummy bins, splits and drops.
+    """
+
+    ranks: list[list[Bin]]
+    num_microbatches: int
+    dropped: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int], float]) -> tuple[int, int, float]:
+    pc, pr = padded_length(lens[0], divisible_by), padded_length(lens[1], divisible_by)
+    return pc + pr, lens[0] + lens[1], cost_fn(pc) + cost_fn(pr)
+
+
+def first_fit_decreasing(
+    sizes: Mapping[int, int], max_tokens_per_bin: int, max_sequences_per_bin: int
+) -> list[list[int]]:
+    """Bin items first-fit-decreasing: largest first (ties by smaller id), into the first bin with room.
+
+    Args:
+        sizes: item id -> size (tokens); every size must be <= max_tokens_per_bin.
+        max_tokens_per_bin: token capacity of a bin.
+        max_sequences_per_bin: item capacity of a bin (here: pairs).
+    Returns:
+        bins as lists of item ids, in opening order; deterministic for the same input.
+    """
+    order = sorted(sizes, key=lambda i: (-sizes[i], i))
+    smallest = sizes[order[-1]] if order else 0
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    # Bins that can still take an item, in opening order: full bins are skipped, so one pair per bin is O(n).
+    open_bins: list[int] = []
+    for i in order:
+        k = next((k for k, b in enumerate(open_bins) if loads[b] + sizes[i] <= max_tokens_per_bin), None)
+        if k is not None:
+            b = open_bins[k]
+        else:
+            k, b = len(open_bins), len(bins)
+            bins.append([])
+            loads.append(0)
+            open_bins.append(b)
+        bins[b].append(i)
+        loads[b] += sizes[i]
+        if len(bins[b]) == max_sequences_per_bin or loads[b] + smallest > max_tokens_per_bin:
+            del open_bins[k]
+    return bins
+
+
+def deal_greedy(bins: Sequence[Bin], dp_size: int) -> list[list[Bin]]:
+    """Deal bins to DP ranks, largest cost first, each to the least-loaded rank that still has a free slot.
+
+    len(bins) must be a multiple of dp_size; every rank gets len(bins) / dp_size bins (LPT scheduling with equal
+    counts). Ties go to the lower rank, so the result is deterministic. Within a rank, bins keep the dealing order.
+    """
+    if len(bins) % dp_size:
+        raise ValueError(f"{len(bins)} bins cannot be dealt evenly to {dp_size} DP ranks")
+    per_rank = len(bins) // dp_size
+    order = sorted(range(len(bins)), key=lambda i: (-bins[i].cost, i))
+    ranks: list[list[Bin]] = [[] for _ in range(dp_size)]
+    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank) of ranks with a free slot; ties -> lower rank
+    for i in order:
+        load, r = heapq.heappop(heap)
+        ranks[r].append(bins[i])
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(heap, (load + bins[i].cost, r))
+    return ranks
+
+
+def deal_round_robin(bins: Sequence[Bin], dp_size: int) -> list[list[Bin]]:
+    """Deal bins to DP ranks in the given order, bin i to rank i % dp_size (NeMo-RL's deal; the benchmark baseline)."""
+    if len(bins) % dp_size:
+        raise ValueError(f"{len(bins)} bins cannot be dealt evenly to {dp_size} DP ranks")
+    return [list(bins[r::dp_size]) for r in range(dp_size)]
+
+
+def rank_imbalance(ranks: Sequence[Sequence[Bin]], key: str = "tokens") -> float:
+    """Busiest rank's load / mean load over DP ranks (1.0 = perfect), load = sum of `key` ("tokens" or "cost")."""
+    loads = [sum(getattr(b, key) for b in r) for r in ranks]
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def packing_efficiency(plan: Plan) -> float:
+    """Useful tokens / all tokens processed in the step (real tokens of real pairs over padded tokens of all bins,
+    dummy bins included). THD bins are not padded to max_tokens_per_bin, so the waste is per-sequence padding plus
+    dummy bins."""
+    total = sum(b.tokens for r in plan.ranks for b in r)
+    useful = sum(b.useful for r in plan.ranks for b in r)
+    return useful / total if total else 1.0
+
+
+def _split_bins_to_multiple(
+    bins: list[list[int]], sizes: Mapping[int, int], multiple: int
+) -> tuple[list[list[int]], int]:
+    """Split multi-pair bins until the bin count is a multiple of `multiple` (or no bin can be split).
+
+    A real split moves work instead of adding a dummy bin; halves never exceed the original bin's capacities.
+    The bin with the most tokens among those with >= 2 pairs is split; its pairs (largest first) alternate to the
+    lighter half. Returns the new bins and the number of splits.
+    """
+    splits = 0
+    bins = [list(b) for b in bins]
+    while len(bins) % multiple:
+        cand = [i for i, b in enumerate(bins) if len(b) >= 2]
+        if not cand:
+            break
+        i = max(cand, key=lambda i: (sum(sizes[p] for p in bins[i]), -i))
+        a: list[int] = []
+        b: list[int] = []
+        for p in sorted(bins[i], key=lambda p: (-sizes[p], p)):
+            (a if sum(sizes[q] for q in a) <= sum(sizes[q] for q in b) else b).append(p)
+        bins[i] = a
+        bins.append(b)
+        splits += 1
+    return bins, splits
+
+
+def plan_bins(
+    lengths: Mapping[int, tuple[int, int]],
+    max_tokens_per_bin: int,
+    max_sequences_per_bin: int,
+    dp_size: int,
+    divisible_by: int = 1,
+    drop_oversized: bool = False,
+    cost_fn: Callable[[int], float] = sequence_cost,
+    balance: str = "greedy",
+) -> Plan:
+    """Plan the packed microbatches of one optimizer step.
+
+    Args:
+        lengths: pair id -> (chosen row tokens, rejected row tokens) for the pairs of this step (the global batch,
+            `policy.train_global_batch_size` pairs); full rows (prompt + response), unpadded.
+        max_tokens_per_bin: bin capacity in padded tokens (both rows of a pair count).
+        max_sequences_per_bin: bin capacity in pairs (1 = one chosen/rejected pair per bin).
+        dp_size: data-parallel ranks; every rank gets the same number of bins.
+        divisible_by: each row is padded to a multiple of this (packing.make_sequence_length_divisible_by).
+        drop_oversized: drop (and count in `Plan.dropped`) pairs larger than a bin instead of raising.
+        cost_fn: cost of one padded sequence, used to balance ranks; default `sequence_cost` (tokens plus the
+            attention quadratic term), `token_cost` for tokens only.
+        balance: "greedy" (largest cost first to the least-loaded rank) or "round_robin" (the baseline: bins in the
+            order their pairs arrive in `lengths`, i.e. the step's data order, bin i to rank i % DP).
+    Returns:
+        Plan with ranks[r] = list of Bin, and stats (see `Plan`).
+    Raises:
+        ValueError: an oversized pair (naming the pair, its chosen/rejected sizes after padding and the limit) unless
+            drop_oversized; no pairs left; non-positive capacities or row lengths.
+    """
+    if max_tokens_per_bin < 1 or max_sequences_per_bin < 1 or dp_size < 1 or divisible_by < 1:
+        raise ValueError(
+            f"need positive capacities: max_tokens_per_bin={max_tokens_per_bin}, "
+            f"max_sequences_per_bin={max_sequences_per_bin}, dp_size={dp_size}, divisible_by={divisible_by}"
+        )
+    for pid, lens in lengths.items():
+        if len(lens) != 2 or min(lens) < 1:
+            raise ValueError(f"pair {pid}: lengths {tuple(lens)} must be (chosen tokens, rejected tokens), both >= 1")
+    info = {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
+    dropped = []
+    for pid in sorted(info):
+        if info[pid][0] > max_tokens_per_bin:
+            if not drop_oversized:
+                c, r = lengths[pid]
+                raise ValueError(
+                    f"pair {pid} needs {info[pid][0]} tokens (chosen {c} -> {padded_length(c, divisible_by)}, "
+                    f"rejected {r} -> {padded_length(r, divisible_by)} after padding to a multiple of {divisible_by})"
+                    f" but packing.max_tokens_per_bin = {max_tokens_per_bin}; raise the limit, shorten "
+                    "data.max_seq_length, or set packing.drop_oversized_pairs = true"
+                )
+            dropped.append(pid)
+    dropped_set = set(dropped)
+    kept = {pid: v for pid, v in info.items() if pid not in dropped_set}
+    if not kept:
+        raise ValueError(f"no pair of this step fits in a bin ({len(dropped)} dropped as oversized)")
+    sizes = {pid: v[0] for pid, v in kept.items()}
+    groups = first_fit_decreasing(sizes, max_tokens_per_bin, max_sequences_per_bin)
+    ffd_bins = len(groups)
+    groups, splits = _split_bins_to_multiple(groups, sizes, dp_size)
+
+    def make_bin(ids: Sequence[int], dummy: bool = False) -> Bin:
+        return Bin(
+            pair_ids=tuple(ids),
+            tokens=sum(kept[p][0] for p in ids),
+            useful=0 if dummy else sum(kept[p][1] for p in ids),
+            cost=sum(kept[p][2] for p in ids),
+            dummy=dummy,
+        )
+
+    bins = [make_bin(g) for g in groups]
+    # Dummy bins: a copy of the step's smallest pair (ties: smaller id), marked sample_mask 0 when packed; it runs
+    # the normal code path (vision included) so no rank waits in a collective, and contributes nothing.
+    smallest = min(sizes, key=lambda p: (sizes[p], p))
+    n_dummy = (-len(bins)) % dp_size
+    bins += [make_bin([smallest], dummy=True) for _ in range(n_dummy)]
+    if balance == "greedy":
+        ranks = deal_greedy(bins, dp_size)
+    elif balance == "round_robin":
+        arrival = {pid: i for i, pid in enumerate(lengths)}
+        ranks = deal_round_robin(sorted(bins, key=lambda b: (b.dummy, min(arrival[p] for p in b.pair_ids))), dp_size)
+    else:
+        raise ValueError(f"balance = {balance!r}; choose 'greedy' or 'round_robin'")
+    plan = Plan(ranks=ranks, num_microbatches=len(bins) // dp_size, dropped=dropped)
+    plan.stats = {
+        "pairs": len(kept),
+        "dropped_oversized": len(dropped),
+        "bins": len(bins),
+        "bins_ffd": ffd_bins,
+        "bin_splits": splits,
+        "dummy_bins": n_dummy,
+        "tokens_per_rank": [sum(b.tokens for b in r) for r in ranks],
+        "imbalance_tokens": rank_imbalance(ranks, "tokens"),
+        "imbalance_cost": rank_imbalance(ranks, "cost"),
+        "efficiency": packing_efficiency(plan),
+    }
+    return plan
+
+
+def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int) -> Plan:
+    """`plan_bins` with the capacities, padding and drop switch of `cfg.packing` (after `validate_packing_config`)."""
+    validate_packing_config(cfg)
+    pk = cfg.packing
+    return plan_bins(
+        lengths,
+        pk.max_tokens_per_bin,
+        pk.max_sequences_per_bin,
+        dp_size,
+        divisible_by=pk.make_sequence_length_divisible_by,
+        drop_oversized=pk.drop_oversized_pairs,
+    )
+
+
+# ======================================================================================================================
+# Synthetic MMPR-like lengths (tests and benchmark)
+
+
+def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int]]:
+    """Pair id -> (chosen tokens, rejected tokens) modelling MMPR rows for Nemotron-Omni.
+
+    Prompt = one image + 40..72 text tokens; the image grid (16-px patches) is gh x gw with gh in 32..128 and gw in
+    32..104 (even), image tokens = gh*gw/4 (2x2 pixel shuffle) in 256..3328, so prompts span ~300..3400 tokens and are
+    dominated by image tokens. Responses are log-uniform in 50..1500 tokens; the rejected response is the chosen
+    length times exp(N(0, 0.3)), clipped to 50..1500. Deterministic for (n_pairs, seed).
+    """
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n_pairs):
+        gh, gw = 2 * rng.randint(16, 64), 2 * rng.randint(16, 52)
+        prompt = gh * gw // 4 + rng.randint(40, 72)
+        chosen = int(math.exp(rng.uniform(math.log(50), math.log(1500))))
+        rejected = min(1500, max(50, int(chosen * math.exp(rng.gauss(0.0, 0.3)))))
+        out[i] = (prompt + chosen, prompt + rejected)
+    return out
+
+
+# ======================================================================================================================
+# Packing one bin into THD tensors
+
+
+@dataclass
+class PreferencePair:
+    """One preference pair as the data module produces it (tensors on CPU).
+
+    chosen_ids / rejected_ids: [L] int64, full rows (prompt + response), without padding.
+    chosen_loss_mask / rejected_loss_mask: [L] bool, True where token t is a response token of the final assistant
+        turn, i.e. a token the model must predict (from position t-1). Position 0 can never be True.
+    pixel_values: [sum over images of gh*gw, 3*16*16] float, the pair's image patches (shared by both rows).
+    image_grid_hw: [n_images, 2] int64, the patch grid (gh, gw) of each image.
+    image_token_counts: [n_images] int64, `<image>` tokens each image expands to in the rows.
+    """
+
+    pair_index: int
+    chosen_ids: torch.Tensor
+    rejected_ids: torch.Tensor
+    chosen_loss_mask: torch.Tensor
+    rejected_loss_mask: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+
+
+@dataclass
+class PackedBatch:
+    """One packed THD microbatch of S = 2 * P sequences (P pairs, each chosen then rejected), T tokens in all.
+
+    Token tensors, [1, T]:
+        input_ids (int64): the rows, each padded with pad_token_id to a multiple of divisible_by.
+        labels (int64): pre-rolled per sequence, labels[t] = input_ids[t + 1] when t + 1 is in the same sequence's real
+            tokens; IGNORE_INDEX (-100) at the last real token of a sequence and on padding. Never crosses sequences.
+        loss_mask (bool): loss_mask[t] is True iff log p(labels[t] | tokens <= t) counts, i.e. the row's response mask
+            shifted by one (loss_mask[t] = row_loss_mask[t + 1]); False on padding and at each sequence's last token.
+            Where True, labels[t] is a real token id.
+        position_ids (int64): 0, 1, ... restarting at each sequence start (padding continues the count).
+    Sequence metadata:
+        cu_seqlens (int32 [S+1]): cumulative real lengths; cu_seqlens_padded (int32 [S+1]): cumulative padded lengths
+            (sequence s occupies input_ids[0, cu_seqlens_padded[s]:cu_seqlens_padded[s+1]]); max_seqlen (int): the
+            largest padded sequence length.
+        pair_index (int64 [S]): the pair of each sequence (-1 for a dummy bin); is_chosen (bool [S]);
+        sample_mask (float32 [S]): 1 for real sequences, 0 for a dummy bin (no gradient, no count).
+    Media, stored once per pair (vision once per pair; both rows of pair p use the same images):
+        pixel_values (float [N_patches, 3*16*16]): the pairs' patches in pair order.
+        image_grid_hw (int64 [N_images, 2]); image_token_counts (int64 [N_images]).
+        media_index (int64 [S]): media slot (= pair position in the bin, 0..P-1) of each sequence.
+        media_image_offsets (int64 [P+1]): images of slot m are image_grid_hw[offsets[m]:offsets[m+1]]; the
+            `<image>` tokens of a sequence take their embeddings from those images, in order.
+        media_patch_offsets (int64 [P+1]): the same in rows of pixel_values.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    pair_index: torch.Tensor
+    is_chosen: torch.Tensor
+    sample_mask: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+    media_index: torch.Tensor
+    media_image_offsets: torch.Tensor
+    media_patch_offsets: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_pairs(self) -> int:
+        return self.media_image_offsets.numel() - 1
+
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
+        """Copy of the batch with every tensor moved to `device`."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        return PackedBatch(**kw)
+
+
+def _check_pair(p: PreferencePair, image_token_id: int) -> None:
+    for side in ("chosen", "rejected"):
+        ids, mask = getattr(p, f"{side}_ids"), getattr(p, f"{side}_loss_mask")
+        if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() < 1:
+            raise ValueError(
+                f"pair {p.pair_index}: {side}_ids must be a non-empty 1-D int64 tensor, got "
+                f"{ids.dtype} {tuple(ids.shape)}"
+            )
+        if mask.shape != ids.shape or mask.dtype != torch.bool:
+            raise ValueError(
+                f"pair {p.pair_index}: {side}_loss_mask must be bool of shape {tuple(ids.shape)}, got "
+                f"{mask.dtype} {tuple(mask.shape)}"
+            )
+        if bool(mask[0]):
+            raise ValueError(
+                f"pair {p.pair_index}: {side}_loss_mask[0] is True but the first token of a row has no "
+                "preceding token to predict it from"
+            )
+    grid = p.image_grid_hw
+    if grid.dim() != 2 or grid.shape[1] != 2:
+        raise ValueError(f"pair {p.pair_index}: image_grid_hw must be [n_images, 2], got {tuple(grid.shape)}")
+    n_img = grid.shape[0]
+    if p.image_token_counts.shape != (n_img,):
+        raise ValueError(
+            f"pair {p.pair_index}: image_token_counts has shape {tuple(p.image_token_counts.shape)}, "
+            f"expected ({n_img},) for {n_img} images"
+        )
+    patches = int(grid.prod(dim=-1).sum())
+    if p.pixel_values.shape[0] != patches:
+        raise ValueError(
+            f"pair {p.pair_index}: pixel_values has {p.pixel_values.shape[0]} patch rows but the grids "
+            f"{p.image_grid_hw.tolist()} need {patches}"
+        )
+    expected = int(p.image_token_counts.sum())
+    for side in ("chosen", "rejected"):
+        found = int((getattr(p, f"{side}_ids") == image_token_id).sum())
+        if found != expected:
+            raise ValueError(
+                f"pair {p.pair_index}: the {side} row has {found} <image> tokens (id {image_token_id}) "
+                f"but its {n_img} image(s) expand to {expected} tokens "
+                f"(image_token_counts {p.image_token_counts.tolist()})"
+            )
+
+
+def pack(
+    pairs: Sequence[PreferencePair],
+    divisible_by: int,
+    image_token_id: int,
+    pad_token_id: int = 0,
+    dummy: bool = False,
+) -> PackedBatch:
+    """Pack the pairs of one bin into a THD microbatch (layout: see `PackedBatch`).
+
+    Sequence order: pair 0 chosen, pair 0 rejected, pair 1 chosen, ... Each row is padded to a multiple of
+    `divisible_by` (pad tokens: input pad_token_id, label IGNORE_INDEX, loss_mask False); the pack itself is not padded
+    to the bin size. With `dummy=True` (a Plan's dummy bin) every sequence gets sample_mask 0 and pair_index -1.
+
+    Raises:
+        ValueError: empty bin; malformed pair tensors; a response mask set on position 0; pixel rows that do not match
+            the grids; a row whose `<image>` token count differs from the sum of its pair's image_token_counts (both
+            counts in the message).
+    """
+    if not pairs:
+        raise ValueError("cannot pack an empty bin")
+    if divisible_by < 1:
+        raise ValueError(f"divisible_by = {divisible_by} must be >= 1")
+    ids, labels, lmask, pos = [], [], [], []
+    cu, cu_pad = [0], [0]
+    pair_index, is_chosen = [], []
+    img_off, patch_off = [0], [0]
+    for p in pairs:
+        _check_pair(p, image_token_id)
+        for chosen in (True, False):
+            row = p.chosen_ids if chosen else p.rejected_ids
+            rmask = p.chosen_loss_mask if chosen else p.rejected_loss_mask
+            n = row.numel()
+            n_pad = padded_length(n, divisible_by)
+            seq_ids = torch.full((n_pad,), pad_token_id, dtype=torch.int64)
+            seq_ids[:n] = row
+            seq_labels = torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64)
+            seq_labels[: n - 1] = row[1:]
+            seq_mask = torch.zeros(n_pad, dtype=torch.bool)
+            seq_mask[: n - 1] = rmask[1:]
+            ids.append(seq_ids)
+            labels.append(seq_labels)
+            lmask.append(seq_mask)
+            pos.append(torch.arange(n_pad, dtype=torch.int64))
+            cu.append(cu[-1] + n)
+            cu_pad.append(cu_pad[-1] + n_pad)
+            pair_index.append(-1 if dummy else p.pair_index)
+            is_chosen.append(chosen)
+        img_off.append(img_off[-1] + p.image_grid_hw.shape[0])
+        patch_off.append(patch_off[-1] + p.pixel_values.shape[0])
+    s = len(is_chosen)
+    # Gaps between real sequences (padding) make cu_seqlens and cu_seqlens_padded differ; attention uses both.
+    pixel_values = torch.cat([p.pixel_values for p in pairs], dim=0)
+    grids = [p.image_grid_hw.to(torch.int64) for p in pairs]
+    counts = [p.image_token_counts.to(torch.int64) for p in pairs]
+    cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
+    return PackedBatch(
+        input_ids=torch.cat(ids)[None],
+        labels=torch.cat(labels)[None],
+        loss_mask=torch.cat(lmask)[None],
+        position_ids=torch.cat(pos)[None],
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_padded=cu_pad_t,
+        max_seqlen=int((cu_pad_t[1:] - cu_pad_t[:-1]).max()),
+        pair_index=torch.tensor(pair_index, dtype=torch.int64),
+        is_chosen=torch.tensor(is_chosen, dtype=torch.bool),
+        sample_mask=torch.full((s,), 0.0 if dummy else 1.0, dtype=torch.float32),
+        pixel_values=pixel_values,
+        image_grid_hw=torch.cat(grids, dim=0),
+        image_token_counts=torch.cat(counts, dim=0),
+        media_index=torch.arange(s, dtype=torch.int64) // 2,
+        media_image_offsets=torch.tensor(img_off, dtype=torch.int64),
+        media_patch_offsets=torch.tensor(patch_off, dtype=torch.int64),
+    )
+
+
+def unpack(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
+    """Split a PackedBatch back into its sequences (real tokens only, padding removed).
+
+    Returns, per sequence s: input_ids, labels, loss_mask, position_ids ([L_s] each), plus `row_loss_mask` [L_s] bool,
+    the un-shifted response mask (row_loss_mask[t + 1] = loss_mask[t], row_loss_mask[0] = False), so that
+    unpack(pack(pairs)) gives back the pairs' ids and loss masks.
+    """
+    out = []
+    for s in range(batch.num_sequences):
+        a = int(batch.cu_seqlens_padded[s])
+        n = int(batch.cu_seqlens[s + 1] - batch.cu_seqlens[s])
+        d = {k: getattr(batch, k)[0, a : a + n] for k in ("input_ids", "labels", "loss_mask", "position_ids")}
+        row_mask = torch.zeros(n, dtype=torch.bool)
+        row_mask[1:] = d["loss_mask"][: n - 1]
+        d["row_loss_mask"] = row_mask
+        out.append(d)
+    return out
+
+
+def packed_seq_params(batch: PackedBatch):
+    """megatron-core `PackedSeqParams` for a PackedBatch (THD format, self-attention: q and kv share cu_seqlens).
+
+    total_tokens is the full (un-CP-sliced) packed length T: megatron-core derives the Mamba `seq_idx` [1, T] from it
+    and cu_seqlens_padded; pad_between_seqs tells TE that padded and real boundaries differ.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=batch.cu_seqlens_padded,
+        cu_seqlens_kv_padded=batch.cu_seqlens_padded,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+        total_tokens=int(batch.cu_seqlens_padded[-1]),
+        pad_between_seqs=bool((batch.cu_seqlens != batch.cu_seqlens_padded).any()),
+    )
+
+
+# ======================================================================================================================
+# Context-parallel slicing
+
+
+def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Token positions of the packed sequence that context-parallel rank `cp_rank` keeps.
+
+    Each sequence's padded length L is cut into 2*CP equal chunks of L/(2*CP) tokens; rank r keeps chunk r then
+    chunk 2*CP-1-r (the load-balanced causal layout of megatron-core / Transformer Engine's
+    `thd_get_partitioned_indices`), sequence after sequence. Use as `x.index_select(dim, index)` on ids, labels,
+    masks, position ids or embeddings (the sequence dim).
+
+    Args:
+        cu_seqlens_padded: int [S+1] cumulative padded lengths (every length divisible by 2*CP).
+    Returns:
+        LongTensor [T / CP] on cu_seqlens_padded's device.
+    Raises:
+        ValueError: cp_rank out of range, or a padded length not divisible by 2*CP.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank = {cp_rank} not in [0, cp_size = {cp_size})")
+    cu = cu_seqlens_padded.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    if bool((lens % (2 * cp_size)).any()):
+        raise ValueError(f"padded sequence lengths {lens.tolist()} must all be divisible by 2*CP = {2 * cp_size}")
+    chunk = lens // (2 * cp_size)
+    # Starts of the two kept chunks of every sequence, then each expanded to `chunk` consecutive positions.
+    starts = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], dim=1).reshape(-1)
+    reps = chunk.repeat_interleave(2)
+    offsets = torch.arange(int(reps.sum()), device=cu.device) - torch.repeat_interleave(
+        torch.cumsum(reps, 0) - reps, reps
+    )
+    return torch.repeat_interleave(starts, reps) + offsets
+
+
+def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Inverse of the CP slicing: put the per-rank slices (slices[r] = x.index_select(dim, cp_partition_index(.., r)))
+    back in the full packed order along `dim`. For tests and metrics (in training, use an all-gather then this)."""
+    cp_size = len(slices)
+    index = torch.cat([cp_partition_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)]).to(slices[0].device)
+    cat = torch.cat(list(slices), dim=dim)
+    out = torch.empty_like(cat)
+    out.index_copy_(dim, index, cat)
+    return out
+
+
+# ======================================================================================================================
+
+
+if __name__ == "__main__":
+    lengths = synthetic_mmpr_lengths(256, seed=0)
+    for cost_name, fn in (("tokens", token_cost), ("tokens+attention", sequence_cost)):
+        for bal in ("greedy", "round_robin"):
+            plan = plan_bins(lengths, 10240, 1, 8, divisible_by=8, cost_fn=fn, balance=bal)
+            print(
+                f"cost={cost_name:17s} balance={bal:11s} efficiency={plan.stats['efficiency']:.4f} "
+                f"imbalance tokens={plan.stats['imbalance_tokens']:.4f} cost={plan.stats['imbalance_cost']:.4f}"
+            )
