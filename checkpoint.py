@@ -196,8 +196,30 @@ def _inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def model_sharded_state_dict(model: torch.nn.Module) -> dict:
+    """megatron-core sharded state dict of `model` (DDP / Float16Module wrappers removed).
+
+    A plain `nn.Module` that holds megatron modules (omni_model.OmniModel: language model, ViT, projector) gets the
+    union of its children's `sharded_state_dict` (megatron's `sharded_state_dict_default`: TP/EP-sharded tensors for
+    megatron modules, replicated ones for anything else) with the child's name as key prefix, so keys equal the
+    module's own `state_dict` keys.
+    """
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    module = _unwrap(model)
+    if hasattr(module, "sharded_state_dict"):
+        return module.sharded_state_dict()
+    out: dict = {}
+    for name, child in module.named_children():
+        out.update(sharded_state_dict_default(child, prefix=f"{name}."))
+    own = {k: v for k, v in module.state_dict(keep_vars=True).items() if "." not in k}
+    if own:
+        raise CheckpointError(f"{type(module).__name__} has tensors outside its child modules: {sorted(own)}")
+    return out
+
+
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = model_sharded_state_dict(model)
     out = {"model": model_sd}
     if optimizer is not None:
         out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
@@ -386,9 +408,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     Raises:
         CheckpointError: no complete checkpoint at `ckpt`.
     """
-    import omni_model
-
     import config as config_mod
+    import omni_model
 
     ckpt = Path(ckpt)
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
@@ -410,7 +431,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     _use_in_process_write_queue()
     from megatron.core import dist_checkpointing
 
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = model_sharded_state_dict(model)
     loaded = dist_checkpointing.load({"model": model_sd}, str(path / MODEL_OPTIM_DIR))
     _unwrap(model).load_state_dict(loaded["model"])
     omni_model.export_hf(model, out_dir, cfg.model.hf_path)
