@@ -388,7 +388,8 @@ class PairIndex:
     pair's `<image>` tokens), `image_start` / `num_images` (a slice of the per-image arrays).
     Per image ([M]): `image_path_id` (into `image_paths`), `image_grid_hw` [M, 2] (16-px patches), `image_token_counts`.
     `stats[subset]`: rows_read, valid, pairs (kept after repeat_time and max_samples), dropped {reason: count},
-    drop_examples {reason: ["file:line: detail", ...]} (first 3), repeat_time.
+    drop_examples {reason: ["file:line: detail", ...]} (first 3), first_drop {where, reason, detail} (if any),
+    repeat_time; subsets after the one that reached max_samples have not_read set.
     `cache_status` ("hit", "built", "rebuilt: ...", "disabled") and `cache_dir` describe where it came from.
     """
 
@@ -506,6 +507,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
         if data.strict:
             raise DataError(f"{where}: row dropped ({d.reason}: {d.detail}) and data.strict = true")
         st["dropped"][d.reason] = st["dropped"].get(d.reason, 0) + 1
+        st.setdefault("first_drop", {"where": where, "reason": d.reason, "detail": d.detail})
         ex = st["drop_examples"].setdefault(d.reason, [])
         if len(ex) < 3:
             ex.append(f"{where}: {d.detail}")
@@ -521,14 +523,14 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
             with open(sub.annotation, "rb") as f:
                 offset, lineno = 0, 0
                 while not done:
-                    chunk = []  # (lineno, offset, parsed fields) of up to 256 rows; images of a chunk decode together
+                    # up to 256 rows: (line, byte offset, parsed fields or their drop); the chunk's images decode
+                    # together on the thread pool, then rows are settled in file order (stats stop where reading stops)
+                    chunk: list[tuple[int, int, tuple | _Drop]] = []
                     for raw in f:
                         lineno += 1
                         here, offset = offset, offset + len(raw)
                         if not raw.strip():
                             continue
-                        st["rows_read"] += 1
-                        where = f"{sub.annotation}:{lineno}"
                         try:
                             try:
                                 row = json.loads(raw)
@@ -536,16 +538,21 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
                                 raise _Drop("invalid_json", str(e)) from None
                             chunk.append((lineno, here, text.parse(row, sub.root, max_images)))
                         except _Drop as d:
-                            drop(st, where, d)
+                            chunk.append((lineno, here, d))
                         if len(chunk) == 256:
                             break
                     else:
                         done = True
-                    todo = sorted({p for *_, fields in chunk for p in fields[4]} - size_cache.keys())
+                    todo = sorted({p for *_, fields in chunk if isinstance(fields, tuple) for p in fields[4]}
+                                  - size_cache.keys())
                     size_cache.update(zip(todo, pool.map(probe, todo), strict=True))
-                    for lineno_, here, (system, question, chosen, rejected, imgs) in chunk:
+                    for lineno_, here, fields in chunk:
+                        st["rows_read"] += 1
                         where = f"{sub.annotation}:{lineno_}"
                         try:
+                            if isinstance(fields, _Drop):
+                                raise fields
+                            system, question, chosen, rejected, imgs = fields
                             sizes = [size_cache[p] for p in imgs]
                             bad = next((s for s in sizes if isinstance(s, _Drop)), None)
                             if bad is not None:
@@ -730,6 +737,11 @@ def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | Non
             index = _load_or_build(*args, write=False)
     else:
         index = _load_or_build(*args, write=True)
+    if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build
+        first = next((st["first_drop"] for st in index.stats.values() if "first_drop" in st), None)
+        if first is not None:
+            raise DataError(f"{first['where']}: row dropped ({first['reason']}: {first['detail']}) and "
+                            f"data.strict = true (cached index {index.cache_dir})")
     if len(index) == 0:
         raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}")
     return index
