@@ -81,6 +81,26 @@ def _install_mamba_dt_limit_hook() -> None:
     mamba_mixer.mamba_split_conv1d_scan_combined = scan_with_dt_limit
 
 
+def _install_mamba_cp_thd_indices() -> None:
+    """SHIM: megatron-core's Mamba context parallelism with THD packing asks Transformer Engine for
+    `tex.thd_get_partitioned_indices` (mamba_context_parallel.py, `_undo/_redo_attention_load_balancing`). Without TE,
+    provide the same load-balanced index (chunk r and 2*CP-1-r of every padded sequence) from `cp_partition_index`."""
+    import types
+
+    from megatron.core.ssm import mamba_context_parallel as mcp
+
+    if mcp.tex is not None:
+        return
+
+    def thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank):
+        if int(cu_seqlens[-1]) != int(total_tokens):
+            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, total_tokens is {total_tokens}")
+        return cp_partition_index(cu_seqlens, cp_size, cp_rank).to(torch.int32)
+
+    mcp.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
+    mcp.is_te_min_version = lambda version, *a, **k: True
+
+
 def _apply_cpu_shims() -> None:
     """Apply cpu_compat's megatron-core CPU shims when there is no GPU (no-op with CUDA)."""
     if torch.cuda.is_available():
@@ -376,12 +396,30 @@ def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """This CP rank's positions of the packed sequence (load-balanced: chunk r and 2*CP-1-r of each sequence).
 
-    Delegates to pack.cp_partition_index (the project's single definition); kept here as the import point for the
-    model. Returns LongTensor [T / CP]. Raises ValueError when a padded length is not divisible by 2*CP.
+    Uses pack.cp_partition_index (the project's single definition) when pack.py is present, else the same layout
+    computed here. Returns LongTensor [T / CP]. Raises ValueError when a padded length is not divisible by 2*CP.
     """
-    from pack import cp_partition_index as _index
-
+    try:
+        from pack import cp_partition_index as _index
+    except ImportError:
+        _index = _cp_partition_index_local
     return _index(cu_seqlens_padded, cp_size, cp_rank)
+
+
+def _cp_partition_index_local(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Fallback of pack.cp_partition_index (same contract) for branches without pack.py."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank = {cp_rank} not in [0, cp_size = {cp_size})")
+    cu = cu_seqlens_padded.to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    if any(n % (2 * cp_size) for n in lens):
+        raise ValueError(f"padded sequence lengths {lens} must all be divisible by 2*CP = {2 * cp_size}")
+    parts = []
+    for start, n in zip(cu[:-1].tolist(), lens, strict=True):
+        c = n // (2 * cp_size)
+        parts += [torch.arange(start + cp_rank * c, start + (cp_rank + 1) * c),
+                  torch.arange(start + (2 * cp_size - 1 - cp_rank) * c, start + (2 * cp_size - cp_rank) * c)]
+    return torch.cat(parts).to(cu.device) if parts else cu.new_zeros(0)
 
 
 class ThdDotProductAttention(nn.Module):
@@ -426,7 +464,8 @@ class ThdDotProductAttention(nn.Module):
         if thd:  # [t, h, d] -> [t, 1, h, d]
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         s_local, b = query.shape[0], query.shape[1]
-        cp = self.cp_group.size() if self.cp_group is not None else 1
+        # the ViT shares megatron's process groups but is replicated over CP (its config says CP = 1)
+        cp = self.cp_group.size() if self.cp_group is not None and self.config.context_parallel_size > 1 else 1
         if cp > 1:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -864,6 +903,8 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 
     _apply_cpu_shims()
     _install_mamba_dt_limit_hook()
+    if parallel_cfg.context_parallel_size > 1:
+        _install_mamba_cp_thd_indices()
     global LocalNormColumnParallelLinear
     if not issubclass(LocalNormColumnParallelLinear, _column_parallel_linear()):
         LocalNormColumnParallelLinear = _make_norm_linear()
@@ -874,9 +915,10 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         "TP": parallel_state.get_tensor_model_parallel_world_size(),
         "CP": parallel_state.get_context_parallel_world_size(),
         "EP": parallel_state.get_expert_model_parallel_world_size(),
+        "ETP": parallel_state.get_expert_tensor_parallel_world_size(),
     }
     wanted = {"TP": parallel_cfg.tensor_model_parallel_size, "CP": parallel_cfg.context_parallel_size,
-              "EP": parallel_cfg.expert_model_parallel_size}
+              "EP": parallel_cfg.expert_model_parallel_size, "ETP": parallel_cfg.expert_tensor_parallel_size}
     if sizes != wanted:
         raise ValueError(f"parallel_state has {sizes} but parallel_cfg asks for {wanted}")
     if "E" in hf.pattern and parallel_cfg.expert_tensor_parallel_size != 1:

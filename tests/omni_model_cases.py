@@ -1,0 +1,83 @@
+"""Shared inputs and helpers of the omni_model tests (pytest module and the 2-rank torchrun script).
+
+Not a test module itself: `make_pair_batch` builds a packed THD microbatch of one preference pair (chosen and rejected
+rows sharing one image, pack.py's PackedBatch fields), deterministic from a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "tiny-omni"
+
+
+def tiny_hf_config() -> dict:
+    return json.loads((TINY / "config.json").read_text())
+
+
+def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int = 8, image_token_id: int = 18,
+                    duplicate_media: bool = False) -> dict:
+    """One pair: two rows (chosen, rejected) of lengths `lens`, each `<img> <image>*N </img>` after a short prefix,
+    padded to `divisible_by`; one image of patch grid `grid`. With duplicate_media=True each row gets its own copy of
+    the image (media_index [0, 1]) instead of sharing it (media_index [0, 0])."""
+    g = torch.Generator().manual_seed(seed)
+    gh, gw = grid
+    n_img = gh * gw // 4
+    rows = []
+    for n in lens:
+        body = torch.randint(32, 1000, (n,), generator=g)
+        body[3] = 21
+        body[4:4 + n_img] = image_token_id
+        body[4 + n_img] = 22
+        rows.append(body)
+    ids, cu, cu_pad = [], [0], [0]
+    for r in rows:
+        n_pad = -(-r.numel() // divisible_by) * divisible_by
+        ids.append(torch.cat([r, torch.zeros(n_pad - r.numel(), dtype=torch.int64)]))
+        cu.append(cu[-1] + r.numel())
+        cu_pad.append(cu_pad[-1] + n_pad)
+    pixel = torch.randn(gh * gw, 3 * 16 * 16, generator=g)
+    grid_t = torch.tensor([[gh, gw]])
+    batch = {
+        "input_ids": torch.cat(ids)[None],
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "cu_seqlens_padded": torch.tensor(cu_pad, dtype=torch.int32),
+        "pixel_values": pixel,
+        "image_grid_hw": grid_t,
+        "image_token_counts": torch.tensor([n_img]),
+        "media_index": torch.tensor([0, 0]),
+        "media_image_offsets": torch.tensor([0, 1]),
+    }
+    if duplicate_media:
+        batch.update(pixel_values=torch.cat([pixel, pixel]), image_grid_hw=torch.cat([grid_t, grid_t]),
+                     image_token_counts=torch.tensor([n_img, n_img]), media_index=torch.tensor([0, 1]),
+                     media_image_offsets=torch.tensor([0, 1, 2]))
+    return batch
+
+
+def init_single_rank_world() -> None:
+    """In-process gloo world of size 1 with megatron parallel_state (TP = CP = EP = 1), once per process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import cpu_compat
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

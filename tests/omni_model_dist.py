@@ -1,0 +1,121 @@
+"""2-rank checks of omni_model (run by tests/test_omni_model.py; by hand:
+`torchrun --standalone --nproc-per-node 2 tests/omni_model_dist.py OUT.json`).
+
+In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
+parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
+(image + text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
+gradient of a fixed scalar loss w.r.t. a few parameters, and write the max-abs differences to the reference to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from omni_model_cases import TINY
+
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+    pcfg = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                          sequence_parallel=sp)
+    model = om.build_model(TINY, ModelConfig(), pcfg)
+    om.load_hf_weights(model, TINY)
+    logits = model(batch)  # [T/CP, V/TP]
+    # a fixed scalar loss of the full logits, so every layout's gradients must agree
+    T = batch["input_ids"].numel()
+    V = model.hf.text.vocab_size
+    w = torch.randn(T, V, generator=torch.Generator().manual_seed(7))
+    cu_pad = batch["cu_seqlens_padded"]
+    if cp > 1:
+        idx = om.cp_partition_index(cu_pad, cp, parallel_state.get_context_parallel_rank())
+    else:
+        idx = torch.arange(T)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    vs = V // tp
+    loss = (logits * w[idx][:, tp_rank * vs:(tp_rank + 1) * vs]).sum()
+    loss.backward()
+    # full logits: gather vocab over TP, then sequence over CP
+    full = logits.detach()
+    if tp > 1:
+        parts = [torch.empty_like(full) for _ in range(tp)]
+        dist.all_gather(parts, full.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        full = torch.cat(parts, dim=1)
+    if cp > 1:
+        parts = [torch.empty_like(full) for _ in range(cp)]
+        dist.all_gather(parts, full.contiguous(), group=parallel_state.get_context_parallel_group())
+        order = torch.cat([om.cp_partition_index(cu_pad, cp, r) for r in range(cp)])
+        out = torch.empty_like(full.new_zeros(T, full.shape[1]))
+        out[order] = torch.cat(parts)
+        full = out
+    # gradients of replicated parameters (summed over CP ranks, as megatron's grad reduction does over DP x CP)
+    grads = {}
+    for name in ("vision_model.class_token", "vision_projection.encoder.linear_fc1.layer_norm_weight",
+                 "language_model.decoder.final_norm.weight", "language_model.decoder.layers.2.mlp.router.weight"):
+        p = dict(model.named_parameters())[name]
+        g = p.grad.detach().clone()
+        if tp > 1 and getattr(p, "sequence_parallel", False):  # what finalize_model_grads does for SP params
+            dist.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
+        if cp > 1:
+            dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        grads[name] = g
+    destroy_moe_metrics_tracker()
+    parallel_state.destroy_model_parallel()
+    return full, grads
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+    from omni_model_cases import make_pair_batch
+
+    import cpu_compat
+
+    cpu_compat.apply()
+    dist.init_process_group("gloo")
+    batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
+    ref, ref_grads = run_layout(1, 1, 1, False, batch)
+    result = {}
+    for name, (tp, ep, cp, sp) in {"tp2_sp": (2, 1, 1, True), "ep2": (1, 2, 1, False),
+                                   "cp2": (1, 1, 2, False)}.items():
+        try:
+            full, grads = run_layout(tp, ep, cp, sp, batch)
+            result[name] = {"logits": (full - ref).abs().max().item(),
+                            "grads_rel": {k: ((grads[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max()).item()
+                                          for k in grads},
+                            "logit_scale": ref.abs().max().item()}
+        except Exception as e:  # reported, and the test fails on it
+            import traceback
+
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.set_num_threads(1)
+
+
+if __name__ == "__main__":
+    main()
