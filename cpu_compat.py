@@ -170,7 +170,6 @@ def _patch_cuda_streams() -> None:
     torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.synchronize = lambda device=None: None
-    torch.Tensor.record_stream = lambda self, stream: None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -359,10 +358,10 @@ class CudaToCpuMode(TorchFunctionMode):
     """Catch-all for megatron's optimizer/checkpoint code on CPU.
 
     megatron-core 0.19.2's optimizer path allocates with device='cuda' (optimizer.py:1249 `_scale`, found_inf, clip
-    buffers), moves with `.cuda()`, pins memory, and checks `param.type() == 'torch.cuda.FloatTensor'` (Float16Optimizer,
-    DistributedOptimizer: "Wrapped parameters must be one of torch.cuda.FloatTensor, ..."). Inside this mode a 'cuda'
-    device becomes 'cpu', `.cuda()` is the identity, pin_memory is dropped and `Tensor.type()` (no argument) reports
-    the CUDA type name of the dtype. Checked on megatron-core 0.19.2.
+    buffers), moves with `.cuda()`, pins memory, and checks `param.type() == 'torch.cuda.FloatTensor'`
+    (Float16Optimizer, DistributedOptimizer: "Wrapped parameters must be one of torch.cuda.FloatTensor, ...").
+    Inside this mode a 'cuda' device becomes 'cpu', `.cuda()` is the identity, pin_memory is dropped and
+    `Tensor.type()` (no argument) reports the CUDA type name of the dtype. Checked on megatron-core 0.19.2.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -405,9 +404,10 @@ def install_torch_mamba() -> None:
     class (with the sharded_state_dict of megatron's ExtendedRMSNorm), HAVE_MAMBA_SSM, and the packing check for the
     training path. Checked on megatron-core 0.19.2.
     """
-    import mamba_torch
     from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    import mamba_torch
 
     if getattr(mamba_mixer, "_omni_torch_mamba", False):
         return

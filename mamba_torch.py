@@ -238,11 +238,11 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
     if state_positions is not None:
         out = []
         for t in state_positions:
-            c, l = divmod(int(t), Q)
+            c, pos = divmod(int(t), Q)
             # State after token t: the chunk-start state decayed to t plus the tokens s ≤ t of t's chunk.
-            w = decay[0, c, l] * dt[0, c]  # [s, g, r]
+            w = decay[0, c, pos] * dt[0, c]  # [s, g, r]
             local = torch.einsum("sgr,sgn,sgrp->grpn", w, B[0, c], x[0, c])
-            carry = from_start[0, c, l][..., None, None] * start_states[0, c]
+            carry = from_start[0, c, pos][..., None, None] * start_states[0, c]
             out.append((local + carry).reshape(h, p, n))
         pos_states = torch.stack(out) if out else x.new_zeros(0, h, p, n)
     return y, final, pos_states

@@ -1,0 +1,341 @@
+"""Tests of the megatron-core CPU shims (cpu_compat.py): each shim with the smallest check that shows it works, plus
+megatron's MambaMixer on the torch Mamba-2 path against transformers' NemotronHMamba2Mixer with the same weights.
+
+Runs in-process on a gloo world of size 1 (TP = EP = 1). Run: `pytest tests/test_cpu_compat.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cpu_compat
+
+cpu_compat.apply()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.tensor_parallel import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+import mamba_torch  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_world():
+    """A single-rank gloo process group with megatron's model-parallel groups (TP = PP = EP = 1)."""
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    yield
+
+
+def small_config(**overrides) -> TransformerConfig:
+    kw = dict(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+              add_bias_linear=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def test_apply_is_idempotent_and_guarded():
+    assert cpu_compat.needed() and not torch.cuda.is_available()
+    assert cpu_compat.apply() is True and cpu_compat.apply() is True
+    assert torch.cuda.current_device() == "cpu"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    model_parallel_cuda_manual_seed(77)
+    before = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        a = torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        b = torch.rand(4)
+    # megatron seeds the tensor-parallel state with seed + 2718 + tp_rank; the two forks continue one stream.
+    expected = torch.rand(8, generator=torch.Generator().manual_seed(77 + 2718))
+    assert torch.equal(torch.cat([a, b]), expected)
+    assert torch.equal(torch.get_rng_state(), before)  # the default generator is untouched by forks
+    model_parallel_cuda_manual_seed(1234)
+
+
+def test_causal_mask_norm_with_sequence_parallel_and_hybrid_final_norm():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mask = tutils.get_default_causal_mask(3)
+    assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    assert fused_softmax.get_default_causal_mask is tutils.get_default_causal_mask
+
+    cfg = small_config(normalization="RMSNorm")
+    cfg.sequence_parallel = True  # set after construction: the config refuses SP with TP = 1; the norm reads the flag
+    norm = WrappedTorchNorm(config=cfg, hidden_size=16, eps=1e-5)
+    assert cfg.sequence_parallel is True and norm.weight.sequence_parallel is True
+    final = hybrid_block.TENorm(config=small_config(normalization="RMSNorm"), hidden_size=16, eps=1e-5)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        final.weight.copy_(torch.linspace(0.5, 2.0, 16))
+    assert (final(x) - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * final.weight).abs().max() < 1e-6
+
+
+def test_moe_alltoall_dispatcher_runs_and_matches_explicit_mixture():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe import moe_utils
+
+    arr = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+    assert arr.tolist() == [1, 2] and not torch.is_tensor(arr)
+
+    cfg = small_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
+                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                       moe_permute_fusion=False, bias_activation_fusion=False)
+    spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
+    moe = spec(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # a partial(MoELayer)
+    x = torch.randn(6, 2, 16)
+    out, _ = moe(x)
+    probs, routing_map = moe.router(x.view(-1, 16))
+    assert int(routing_map.sum()) == 12 * 2 and out.shape == x.shape
+    flat = x.view(-1, 16)
+    expected = torch.zeros_like(flat)
+    for e, expert in enumerate(moe.experts.local_experts):
+        y_e, _ = expert(flat)
+        expected += probs[:, e : e + 1] * routing_map[:, e : e + 1] * y_e
+    assert (out.view(-1, 16) - expected).abs().max() < 1e-5
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, cfg):
+        from megatron.core.transformer.module import MegatronModule
+
+        super().__init__()
+        self.inner = MegatronModule(cfg)
+        self.lin = ColumnParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                                        gather_output=True)
+        self.config = cfg
+
+    def forward(self, x):
+        return self.lin(x)[0]
+
+
+@pytest.mark.parametrize("optimizer,distributed", [("adam", True), ("sgd", False)])
+def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
+    """One step of megatron DDP + get_megatron_optimizer (+ grad clipping) equals torch's optimizer on a copy."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = small_config(hidden_size=8)
+    gen = torch.Generator().manual_seed(0)
+    W0, b0, x = torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen), torch.randn(5, 8, generator=gen)
+    clip = 0.05
+    with cpu_compat.cuda_to_cpu():
+        model = DistributedDataParallel(
+            cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
+            _Net(cfg),
+        )
+        with torch.no_grad():
+            model.module.lin.weight.copy_(W0)
+            model.module.lin.bias.copy_(b0)
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer=optimizer, lr=0.1, weight_decay=0.0, clip_grad=clip, bf16=False,
+                            use_distributed_optimizer=distributed),
+            [model],
+        )
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    model.finish_grad_sync()
+    with cpu_compat.cuda_to_cpu():
+        ok, grad_norm, _ = opt.step()
+
+    ref = torch.nn.Linear(8, 6)
+    with torch.no_grad():
+        ref.weight.copy_(W0)
+        ref.bias.copy_(b0)
+    ref_opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(ref.parameters(), lr=0.1)
+    ref(x).pow(2).sum().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+    assert ok and math.isclose(grad_norm, float(ref_norm), rel_tol=1e-5)
+    assert grad_norm > 10 * clip  # clipping is active
+    assert (model.module.lin.weight - ref.weight).abs().max() < 1e-6
+    assert (model.module.lin.bias - ref.bias).abs().max() < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# megatron MambaMixer on the torch path
+
+
+def _mixers(time_step_min=0.01, **config_overrides):
+    """A megatron MambaMixer (local linears) and transformers' NemotronHMamba2Mixer with the same weights."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from transformers.models.nemotron_h import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    hidden, heads, headdim, groups, state, chunk = 16, 4, 4, 2, 8, 8
+    cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
+                       mamba_num_heads=heads, **config_overrides)
+    ours = MambaMixer(cfg, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                      d_model=hidden, chunk_size=chunk, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    hf_cfg = NemotronHConfig(hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=headdim, n_groups=groups,
+                             ssm_state_size=state, conv_kernel=4, chunk_size=chunk, hybrid_override_pattern="M",
+                             layer_norm_epsilon=1e-5, time_step_min=time_step_min, use_conv_bias=True,
+                             use_bias=False, vocab_size=32, num_attention_heads=2, num_key_value_heads=1)
+    ref = NemotronHMamba2Mixer(hf_cfg, layer_idx=0)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        ours.dt_bias.copy_(torch.linspace(-7.0, 0.5, heads))  # small softplus(dt): the time-step floor matters
+        ours.norm.weight.add_(1.0)
+        # The weight mapping is a direct copy (HF conv1d.weight [C, 1, W] = megatron conv1d_weight).
+        ref.in_proj.weight.copy_(ours.in_proj.weight)
+        ref.conv1d.weight.copy_(ours.conv1d_weight)
+        ref.conv1d.bias.copy_(ours.conv1d_bias)
+        for name in ("dt_bias", "A_log", "D"):
+            getattr(ref, name).copy_(getattr(ours, name))
+        ref.norm.weight.copy_(ours.norm.weight)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+    return ours, ref
+
+
+def test_megatron_mamba_mixer_matches_transformers():
+    ours, ref = _mixers(time_step_min=0.01)
+    x = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(10))  # [batch, seq, hidden] (HF layout)
+    with torch.no_grad():
+        expected = ref(x)
+        try:
+            mamba_torch.set_megatron_dt_min(0.01)  # follow the reference's time-step floor
+            clamped = ours(x.transpose(0, 1))[0].transpose(0, 1)
+        finally:
+            mamba_torch.set_megatron_dt_min(0.0)
+        unclamped = ours(x.transpose(0, 1))[0].transpose(0, 1)
+        ref.time_step_limit = (0.0, float("inf"))
+        expected_unclamped = ref(x)
+    assert (clamped - expected).abs().max() < 1e-5
+    assert (unclamped - expected_unclamped).abs().max() < 1e-5
+    assert (clamped - unclamped).abs().max() > 1e-4  # the floor changes the output: both settings are tested
+
+
+def test_megatron_mamba_mixer_non_mem_eff_path_agrees():
+    """megatron's other training/prefill path (separate conv, scan, then norm(y, z)) gives the same output."""
+    fused, _ = _mixers()
+    split, _ = _mixers(use_mamba_mem_eff_path=False)
+    split.load_state_dict(fused.state_dict())
+    x = torch.randn(13, 2, 16, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert (fused(x)[0] - split(x)[0]).abs().max() < 1e-5
+
+
+def test_megatron_mamba_mixer_packed_equals_alone():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ours, _ = _mixers()
+    lengths = [5, 11, 3]
+    total = sum(lengths)
+    cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11, max_seqlen_kv=11,
+                          total_tokens=total)
+    assert psp.seq_idx.tolist() == [[0] * 5 + [1] * 11 + [2] * 3]
+    x = torch.randn(total, 1, 16, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        packed = ours(x, packed_seq_params=psp)[0]
+        unpacked = ours(x)[0]
+        start = 0
+        for n in lengths:
+            alone = ours(x[start : start + n])[0]
+            assert (packed[start : start + n] - alone).abs().max() < 1e-5
+            start += n
+    assert (packed[5:] - unpacked[5:]).abs().max() > 1e-3
+
+
+def test_megatron_mamba_mixer_backward_runs():
+    ours, _ = _mixers()
+    x = torch.randn(9, 2, 16, requires_grad=True)
+    out = ours(x)[0]
+    out.square().sum().backward()
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+    assert set(grads) == {"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "in_proj.weight", "norm.weight",
+                          "out_proj.weight"}
+    assert F.mse_loss(x.grad, torch.zeros_like(x.grad)) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two ranks: MoE alltoall with EP = 2 (the split-size shim only matters when tokens cross ranks)
+
+
+def _ep2_main():
+    """torchrun entry: EP=2 MoE layer with known weights; each rank checks its tokens against the explicit mixture."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(5)
+    cfg = small_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
+                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=2,
+                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_permute_fusion=False,
+                       bias_activation_fusion=False)
+    moe = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)(
+        config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    gen = torch.Generator().manual_seed(0)
+    router_w = torch.randn(4, 16, generator=gen)
+    fc1 = [torch.randn(8, 16, generator=gen) * 0.3 for _ in range(4)]
+    fc2 = [torch.randn(16, 8, generator=gen) * 0.3 for _ in range(4)]
+    with torch.no_grad():
+        moe.router.weight.copy_(router_w)
+        for local, expert in enumerate(moe.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[2 * rank + local])
+            expert.linear_fc2.weight.copy_(fc2[2 * rank + local])
+    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(100 + rank))
+    out, _ = moe(x)
+    flat = x.view(-1, 16)
+    probs, routing_map = moe.router(flat)
+    expected = sum(probs[:, e : e + 1] * routing_map[:, e : e + 1] * (F.gelu(flat @ fc1[e].T) @ fc2[e].T)
+                   for e in range(4))
+    remote = int(routing_map[:, 2 * (1 - rank) : 2 * (1 - rank) + 2].sum())
+    err = (out.view(-1, 16) - expected).abs().max().item()
+    print(f"EP2 rank {rank} max_err {err:.3e} remote_assignments {remote}", flush=True)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # one 2-rank torchrun launch: about 17 s on 2 cores, mostly imports
+def test_moe_alltoall_expert_parallel_two_ranks():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    found = re.findall(r"EP2 rank (\d) max_err (\S+) remote_assignments (\d+)", proc.stdout)
+    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for _, err, remote in found:
+        assert float(err) < 1e-5 and int(remote) > 0  # tokens did travel to the other rank's experts
+
+
+if __name__ == "__main__":
+    _ep2_main()
