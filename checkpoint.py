@@ -426,7 +426,14 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    if not torch.cuda.is_available():
+        import cpu_compat
+
+        cpu_compat.apply()
+    from megatron.core import tensor_parallel
+
     parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
     from megatron.core import dist_checkpointing

@@ -86,6 +86,35 @@ def build_scheduler(optimizer, cfg):
     )
 
 
+def build_optimizer(policy, cfg):
+    """megatron-core DDP around the policy, its Adam (distributed optimizer by default; bf16 params keep fp32 master
+    weights) and the LR scheduler. Returns (ddp, optimizer, scheduler).
+
+    The DDP sums gradients over data (and context) parallel ranks instead of averaging them: every microbatch loss
+    is already divided by the step's global pair count (mpo_loss's contract), megatron's `calculate_per_token_loss`
+    regime. Gradient buffers are fp32.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optimizer
+    ddp_model_cfg = copy.copy(policy.lm_config)
+    ddp_model_cfg.calculate_per_token_loss = True  # DDP: gradient scaling 1 and a SUM reduction
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=o.use_distributed_optimizer
+    )
+    ddp = DistributedDataParallel(ddp_model_cfg, ddp_cfg, policy)
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    optim_cfg = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
+    )  # fmt: skip
+    with cuda_to_cpu():
+        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
+    return ddp, optimizer, build_scheduler(optimizer, cfg)
+
+
 class StopSignal:
     """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit); the loop finishes the step, saves, exits 0.
 
@@ -417,6 +446,12 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     return out
 
 
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 def format_line(step: int, cfg, m: dict) -> str:
     """The per-step console line (rank 0)."""
     mx = cfg.mpo.max_num_steps
@@ -427,7 +462,7 @@ def format_line(step: int, cfg, m: dict) -> str:
         f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
         f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
         f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
-        f"{m['step_time']:.2f}s/step eta {m['eta_s'] / 60:.1f} min"
+        f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}"
     )
 
 
@@ -437,8 +472,6 @@ def format_line(step: int, cfg, m: dict) -> str:
 
 def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoProcessor
 
     # -- config, distributed, seeds --------------------------------------------------------------------------------
@@ -477,25 +510,7 @@ def main(cfg) -> int:
     n_active = active_params(policy, hf)
 
     # -- optimizer: megatron DDP + (distributed) Adam, LR schedule -------------------------------------------------
-    ddp_model_cfg = copy.copy(policy.lm_config)
-    ddp_model_cfg.calculate_per_token_loss = True  # DDP sums gradients over DP: the loss is already a global mean
-    ddp = DistributedDataParallel(
-        ddp_model_cfg,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
-        ),
-        policy,
-    )
-    o = cfg.optimizer
-    bf16 = cfg.model.params_dtype == "bfloat16"
-    optim_cfg = OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
-    )  # fmt: skip
-    with cuda_to_cpu():
-        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
-    scheduler = build_scheduler(optimizer, cfg)
+    ddp, optimizer, scheduler = build_optimizer(policy, cfg)
 
     # -- resume ----------------------------------------------------------------------------------------------------
     step, reward_shift, shift_updates, run_id = 0, cfg.mpo.reward_shift, 0, None
