@@ -337,3 +337,26 @@ def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
         before = original.language_model(input_ids=ids).logits[0]
     assert (mine - theirs).abs().max().item() <= 1e-4
     assert (before - theirs).abs().max().item() > 1e-4  # training changed the weights: the check is not vacuous
+
+
+def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monkeypatch):
+    secret = "sk-test-0123456789abcdef-not-a-real-key"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "omni-mpo-test")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=offline"])
+    log = train.MetricsLog(cfg, None, resumed_step=0, rank=0)
+    run_id = log.run_id
+    assert run_id and log.run.project == "omni-mpo-test"
+    log.log(1, {"loss": 0.5})
+    log.finish()
+    again = train.MetricsLog(cfg, run_id, resumed_step=1, rank=0)  # a resumed segment continues the same run
+    assert again.run_id == run_id
+    again.log(2, {"loss": 0.25})
+    again.finish()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any("wandb" in str(p) for p in files)
+    for p in files:
+        assert secret.encode() not in p.read_bytes(), p
