@@ -17,12 +17,13 @@ microbatches, all data-parallel ranks), so gradients do not depend on how pairs 
 optimizer step, the loss only returns its sufficient statistics and the training loop updates δ once after
 `optimizer.step()` with `update_reward_shift`.
 
-The pipeline for one packed microbatch (THD: one row of T tokens holding several sequences):
+The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
+`token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):
 
-    token_logps = token_logprobs(logits [T_local, V/TP], labels [T_local], tp_group, chunk_size)       # fp32 [T_local]
-    seq_ids     = token_sequence_ids(cu_seqlens_padded, T)[cp_index]    # [T_local]; cp_index = this CP rank's tokens
-    pol, n      = sequence_logps(token_logps, loss_mask, seq_ids, S, cp_group)                          # [S], [S]
-    ref, _      = sequence_logps(ref_token_logps, loss_mask, seq_ids, S, cp_group)   # reference pass, no grad
+    seq_ids = token_sequence_ids(cu_seqlens_padded, T)[cp_index]   # [T_local]; cp_index = this CP rank's tokens
+    pol, n  = packed_sequence_logps(logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)  # [S], [S]
+    with torch.no_grad():                                            # the reference model's logits, same layout
+        ref, _ = packed_sequence_logps(ref_logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
@@ -60,10 +61,12 @@ def _group_rank_size(group: torch.distributed.ProcessGroup | None) -> tuple[int,
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[label] over a TP-sharded vocabulary, chunked over tokens in forward *and* backward.
 
-    Why not `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` as is: (1) it shifts and exponentiates its
-    input in place (`.float()` is a no-op on fp32 logits, then `-=` and `exp(out=)`), so fp32 logits of the caller are
-    overwritten; (2) it saves the full softmax for backward, so calling it chunk by chunk under autograd still keeps
-    O(T·V/TP) fp32 alive until backward. Here each chunk is copied to fp32 first and megatron-core's own pieces
+    Why not `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` as is: (1) it works in place on its input
+    (`.float()` is a no-op on fp32 logits, then `-=`, `exp(out=)` and `div_`), so the caller's fp32 logits come back
+    overwritten by their softmax (checked with megatron-core 0.19.2: rows sum to 1; bf16 inputs are copied by
+    `.float()` and survive) — the cause of a later F.cross_entropy on the same tensor disagreeing; (2) it saves the
+    full softmax for backward, so calling it chunk by chunk under autograd still keeps O(T·V/TP) fp32 alive until
+    backward. Here each chunk is copied to fp32 first and megatron-core's own pieces
     (`VocabParallelCrossEntropy.calculate_predicted_logits` forward, `prepare_gradient_calculation_operands` /
     `calculate_gradients` backward) do the math; only the per-token log-normaliser lse [T] is saved, and backward
     rebuilds each chunk's softmax as exp(logits − lse) without any communication. Extra memory: O(chunk·V/TP).
@@ -247,6 +250,23 @@ def sequence_logps(
     return sums, counts.round().long()
 
 
+def packed_sequence_logps(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_sequences: int,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` then `sequence_logps`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
+    sequence's response tokens [S] fp32, response-token counts [S] int64). Run it under torch.no_grad() for the
+    reference model."""
+    return sequence_logps(token_logprobs(logits, labels, tp_group, chunk_size), loss_mask, seq_ids, num_sequences,
+                          cp_group)
+
+
 def sequence_logratios(
     policy_logps: torch.Tensor, ref_logps: torch.Tensor, num_tokens: torch.Tensor, average: bool
 ) -> torch.Tensor:
@@ -321,7 +341,8 @@ def count_valid_pairs(
     num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
-    get `num_global_pairs` before the first forward; `num_tokens` [S] is the per-sequence count of loss_mask."""
+    get `num_global_pairs` before the first forward. `num_tokens` [S] is the per-sequence count of loss_mask over the
+    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), token_sequence_ids(cu_seqlens_padded, T), S)`."""
     return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 
