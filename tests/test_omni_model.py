@@ -304,3 +304,18 @@ def test_two_rank_layouts_match_one_rank(tmp_path):
         assert "error" not in r, (layout, r)
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
+
+
+def test_recompute_full_gives_the_same_gradients(model, world):
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    r = om.build_model(TINY, ModelConfig(recompute="full"), ParallelConfig())
+    om.load_hf_weights(r, TINY)
+    r.train()
+    assert r.lm_config.recompute_granularity == "full"
+    batch = make_pair_batch(seed=4)
+    l1, g1 = _loss_and_grads(model, batch)
+    l2, g2 = _loss_and_grads(r, batch)
+    assert torch.equal(l1, l2)
+    assert set(g1) == set(g2) and all(torch.allclose(g1[n], g2[n], rtol=0, atol=1e-6) for n in g1)
