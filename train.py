@@ -322,8 +322,10 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
-    token_logps = mpo_loss.token_logprobs(logits, labels, ctx.tp_group, ctx.cfg.policy.logprob_chunk_size)
-    return mpo_loss.sequence_logps(token_logps, loss_mask, seq_ids, S, ctx.cp_group if ctx.cp > 1 else None)
+    return mpo_loss.packed_sequence_logps(
+        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, ctx.cp_group if ctx.cp > 1 else None,
+        ctx.cfg.policy.logprob_chunk_size,
+    )  # fmt: skip
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
