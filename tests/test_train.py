@@ -1,0 +1,362 @@
+"""Tests of train.py: the README command end to end (2 gloo ranks), step-1 values, the δ update, learning, exact
+resume across a segment stop, a killed save, SIGUSR1, TP = 2 / DP = 2 = TP = 1 / DP = 1, and the HF export.
+
+Launches are shared between tests (module fixtures); each costs ~10 s of start-up on 2 cores:
+    readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
+    seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
+    learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
+    tp2      TP = 2 (+ sequence parallel), the learn config, 3 steps
+    tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
+Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config as config_mod
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+LEARN = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "mpo.max_num_steps=20", "mpo.val_at_end=false"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Unit tests
+
+
+class _Opt:
+    def __init__(self):
+        self.param_groups = [{"params": [], "default_config": True}, {"params": [], "wd_mult": 0.0}]
+
+
+def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
+    cfg = config_mod.load_config(None, ["optimizer.lr=1e-3", "optimizer.min_lr=1e-5", "scheduler.lr_warmup_steps=4",
+                                        "scheduler.lr_warmup_init=1e-4", "mpo.max_num_steps=20",
+                                        "mpo.stop_after_step=7", "optimizer.weight_decay=0.1"])  # fmt: skip
+    opt = _Opt()
+    sched = train.build_scheduler(opt, cfg)
+    got = []
+    for _ in range(23):
+        got.append(opt.param_groups[0]["lr"])
+        sched.step(increment=1)
+    for n, lr in enumerate(got):  # lr of schedule step n; used by optimizer step n + 1
+        if n <= 4:
+            want = 1e-4 + (1e-3 - 1e-4) * n / 4
+        elif n <= 20:  # horizon = max_num_steps (20), not stop_after_step (7)
+            want = 1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * (n - 4) / 16))
+        else:
+            want = 1e-5
+        assert lr == pytest.approx(want, rel=1e-12, abs=1e-18), n
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
+    bad = config_mod.load_config(None, ["scheduler.lr_warmup_steps=20", "mpo.max_num_steps=20"])
+    with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
+        train.build_scheduler(_Opt(), bad)
+
+
+def test_reduce_metrics_without_group_keeps_values():
+    m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}
+    assert train.reduce_metrics(m, None, torch.device("cpu")) == m
+
+
+def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 2, "split": "validation"}, {"step": 3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = train.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    log.log(3, {"loss": 0.5})
+    got = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert got == rows[:3] + [{"step": 3, "split": "train", "loss": 0.5}]
+    assert list(got[-1])[0] == "step"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launches
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hf_cache")
+    e = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(cache))
+    e.pop("WANDB_API_KEY", None)
+    return e
+
+
+def _torchrun(env, nproc: int, run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py",
+           "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _rows(run_dir: Path, split: str = "train") -> list[dict]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """Policy weights and every optimizer state tensor (fp32 main params, Adam moments, per-parameter step) after
+    loading `step_dir` into a fresh tiny policy + DDP + optimizer in this process (a world of one: the DP = 2
+    checkpoint reshards over DP). In-memory state, so the uninitialised padding megatron's `dp_reshardable` format
+    writes between parameters in its buckets is not compared."""
+    from omni_model_cases import init_single_rank_world
+
+    import checkpoint
+    import omni_model
+
+    init_single_rank_world()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    ddp, opt, sched = train.build_optimizer(policy, cfg)
+    with train.cuda_to_cpu():
+        checkpoint.load(step_dir, ddp, opt, sched)
+    out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
+    for i, o in enumerate(checkpoint._inner_optimizers(opt)):
+        for g in o.optimizer.param_groups:
+            for j, p in enumerate(g["params"]):
+                out += [(f"opt {i}.{j}.{k}", v.detach().clone()) for k, v in sorted(o.optimizer.state[p].items())]
+    return out
+
+
+@pytest.fixture(scope="module")
+def readme(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("readme")
+    proc = _torchrun(env, 2, run_dir, "checkpoint.save_period=4")
+    return SimpleNamespace(dir=run_dir, out=proc.stdout, rows=_rows(run_dir), val=_rows(run_dir, "validation"))
+
+
+@pytest.fixture(scope="module")
+def segments(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("segments")
+    first = _torchrun(env, 2, run_dir, "mpo.stop_after_step=2")
+    after_first = sorted(p.name for p in run_dir.iterdir())
+    killed = run_dir / "step_5.tmp"  # a save killed mid-way: files present, never renamed
+    (killed / "model_optim").mkdir(parents=True)
+    (killed / "run_state.json").write_text('{"step": 5}')
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
+        f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
+    second = _torchrun(env, 2, run_dir, "mpo.stop_after_step=4")
+    return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, after_first=after_first,
+                           rows=_rows(run_dir))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def learn(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("learn")
+    _torchrun(env, 2, run_dir, *LEARN)
+    return _rows(run_dir)
+
+
+@pytest.fixture(scope="module")
+def tp2(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp2")
+    _torchrun(env, 2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+              "mpo.stop_after_step=3")  # fmt: skip
+    return _rows(run_dir)
+
+
+@pytest.fixture(scope="module")
+def tp1_signal(env, tmp_path_factory):
+    """One process without torchrun, stopped with SIGUSR1 once step 3 is logged."""
+    run_dir = tmp_path_factory.mktemp("tp1")
+    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LEARN]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGUSR1)
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=300)
+    return SimpleNamespace(dir=run_dir, rc=proc.returncode, out=out, err=err, rows=_rows(run_dir))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The README command
+
+
+def test_readme_command_writes_metrics_and_checkpoints(readme):
+    assert [r["step"] for r in readme.rows] == [1, 2, 3, 4, 5, 6]
+    assert all(list(r)[0] == "step" for r in readme.rows + readme.val)
+    assert len(readme.val) == 1 and readme.val[0]["step"] == 6 and readme.val[0]["num_valid_pairs"] == 4
+    assert sorted(p.name for p in readme.dir.glob("step_*")) == ["step_4", "step_6"]
+    state = json.loads((readme.dir / "step_6" / "run_state.json").read_text())
+    assert (
+        state["step"] == 6
+        and state["consumed_pairs"] == 24
+        and state["reward_shift"] == readme.rows[-1]["reward_shift"]
+    )
+    assert config_mod.from_dict(state["config"]).checkpoint.dir == str(readme.dir)
+    for key in (
+        "loss",
+        "preference_loss",
+        "bco_loss",
+        "sft_loss",
+        "accuracy",
+        "rewards/margin",
+        "reward_shift",
+        "lr",
+        "grad_norm",
+        "pairs_per_s",
+        "tokens_per_s",
+        "step_time",
+        "eta_s",
+        "tokens",
+    ):
+        assert key in readme.rows[0], key
+    assert "step 6/6 | loss" in readme.out and "stopped after step 6 (max_num_steps)" in readme.out
+    assert readme.rows[0]["num_global_pairs"] == 4 and readme.rows[0]["tokens"] > 0
+
+
+def test_step_one_is_ln2_and_2ln2_with_identical_policy_and_reference(readme):
+    r = readme.rows[0]
+    assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert r["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-5)
+    assert r["rewards/margin"] == 0.0 and r["accuracy"] == 0.0  # L_c = L_r = 0 exactly
+    assert r["loss"] == pytest.approx(0.8 * math.log(2) + 0.2 * 2 * math.log(2), abs=1e-5)
+
+
+def test_reward_shift_after_step_one_is_one_percent_of_the_mean_reward(readme):
+    r1, r2 = readme.rows[0], readme.rows[1]
+    assert r1["reward_shift_used"] == 0.0
+    assert r1["reward_shift"] == 0.01 * (r1["bco/reward_sum"] / r1["bco/reward_count"])  # exactly as logged
+    assert r1["bco/reward_count"] == 8  # chosen and rejected rows of the 4 pairs
+    m = 0.99
+    assert r2["reward_shift_used"] == r1["reward_shift"]  # δ of step t comes from steps < t
+    assert r2["reward_shift"] == m * r1["reward_shift"] + (1 - m) * (r2["bco/reward_sum"] / r2["bco/reward_count"])
+
+
+def test_lr_follows_the_schedule(readme):
+    lrs = [r["lr"] for r in readme.rows]  # tiny: warmup 2 steps from 0 to 1e-4, cosine to 1e-6 at step 6
+    want = [0.0, 5e-5, 1e-4] + [1e-6 + 0.5 * (1e-4 - 1e-6) * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3)]
+    assert lrs == pytest.approx(want, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume
+
+
+def test_segment_stop_saves_and_exits(segments):
+    assert segments.after_first == ["metrics.jsonl", "step_2"]
+    assert "stopped after step 2 (stop_after_step)" in segments.first
+    assert "resumed from" in segments.second and "step_2" in segments.second  # not the killed step_5.tmp
+    assert sorted(p.name for p in segments.dir.glob("step_*")) == ["step_2", "step_4", "step_5.tmp"]
+
+
+def test_exact_resume_matches_uninterrupted_run(readme, segments):
+    assert [r["step"] for r in segments.rows] == [1, 2, 3, 4]  # the dead segment's step-3 row was dropped
+    keys = ("loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/margin", "reward_shift",
+            "reward_shift_used", "lr", "grad_norm", "bco/reward_sum", "consumed_pairs")  # fmt: skip
+    for a, b in zip(readme.rows[:4], segments.rows, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    # final weights, fp32 main params and Adam moments at step 4: bit for bit (a reset Adam step would differ here)
+    straight, resumed = _loaded_state(readme.dir / "step_4"), _loaded_state(segments.dir / "step_4")
+    assert [k for k, _ in straight] == [k for k, _ in resumed]
+    assert (
+        sum(k.endswith("exp_avg_sq") for k, _ in straight) > 10 and sum(k.startswith("param") for k, _ in straight) > 10
+    )
+    for (k, a), (_, b) in zip(straight, resumed, strict=True):
+        assert torch.equal(a, b), k
+    assert {float(v) for k, v in straight if k.endswith(".step")} == {4.0}
+    s1 = json.loads((readme.dir / "step_4" / "run_state.json").read_text())
+    s2 = json.loads((segments.dir / "step_4" / "run_state.json").read_text())
+    for k in ("reward_shift", "reward_shift_num_updates", "consumed_pairs", "sampler", "scheduler"):
+        assert s1[k] == s2[k], k
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Learning, parallel layouts, signals
+
+
+def test_loss_goes_down_with_a_higher_lr(learn):
+    assert len(learn) == 20
+    first, last = learn[0], learn[-6:]
+    assert sum(r["loss"] for r in last) / 6 < 0.7 * first["loss"]
+    assert sum(r["accuracy"] for r in last) / 6 >= 0.9
+    assert sum(r["rewards/margin"] for r in last) / 6 > 0.5
+
+
+def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
+    tp1 = tp1_signal.rows
+    assert len(tp1) >= 3 and len(tp2) == 3
+    for step in range(3):
+        for key in ("loss", "preference_loss", "bco_loss", "sft_loss", "rewards/margin", "reward_shift"):
+            assert learn[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
+            assert tp2[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "TP=2")
+
+
+def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
+    assert tp1_signal.rc == 0, tp1_signal.err[-4000:]
+    last = tp1_signal.rows[-1]["step"]
+    assert 3 <= last < 20
+    assert f"stopped after step {last} (signal)" in tp1_signal.out
+    assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == [f"step_{last}"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(readme.dir), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for name in ("config.json", "tokenizer.json", "processor_config.json", "model.safetensors.index.json"):
+        assert (out / name).is_file(), name
+
+    from omni_model_cases import init_single_rank_world
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    import checkpoint  # noqa: I001
+    import omni_model
+
+    init_single_rank_world()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
+    ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    checkpoint.load(readme.dir / "step_6", ours)
+    ours.eval()
+    ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    exported = NemotronH_Omni_Reasoning_V3.from_pretrained(out).eval()
+    original = NemotronH_Omni_Reasoning_V3.from_pretrained(ROOT / cfg.model.hf_path).eval()
+    with torch.no_grad():
+        mine = ours({"input_ids": ids})
+        theirs = exported.language_model(input_ids=ids).logits[0]
+        before = original.language_model(input_ids=ids).logits[0]
+    assert (mine - theirs).abs().max().item() <= 1e-4
+    assert (before - theirs).abs().max().item() > 1e-4  # training changed the weights: the check is not vacuous
+
+
+def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monkeypatch):
+    secret = "sk-test-0123456789abcdef-not-a-real-key"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "omni-mpo-test")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=offline"])
+    log = train.MetricsLog(cfg, None, resumed_step=0, rank=0)
+    run_id = log.run_id
+    assert run_id and log.run.project == "omni-mpo-test"
+    log.log(1, {"loss": 0.5})
+    log.finish()
+    again = train.MetricsLog(cfg, run_id, resumed_step=1, rank=0)  # a resumed segment continues the same run
+    assert again.run_id == run_id
+    again.log(2, {"loss": 0.25})
+    again.finish()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any("wandb" in str(p) for p in files)
+    for p in files:
+        assert secret.encode() not in p.read_bytes(), p
