@@ -129,6 +129,10 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        # Ignore repeats at the OS level: under Slurm a rank can get USR1 twice (step-wide delivery and the launcher's
+        # forward), and a repeat arriving while the interpreter shuts down would take the default action and kill the
+        # rank (exit -10), failing a job that had already saved.
+        signal.signal(signum, signal.SIG_IGN)
 
     def should_stop(self, device: torch.device) -> bool:
         flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
