@@ -1,0 +1,452 @@
+"""Resumable training checkpoints: sharded model + optimizer, run state, per-rank RNG; HF export.
+
+Layout of a run directory (`checkpoint.dir`):
+
+    <dir>/metrics.jsonl               one JSON object per step (written by train.py)
+    <dir>/step_<N>/                   a complete checkpoint after optimizer step N
+        model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
+                                      i.e. torch.distributed.checkpoint files), every rank writes its own shards
+        run_state.json                step, consumed pairs, sampler state, LR-scheduler state, reward_shift and its
+                                      update count, W&B run id, world size and parallel layout, the resolved config
+        rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
+    <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
+                                      crash mid-save never leaves a directory that looks complete (it is ignored)
+
+`latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
+after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`, so a checkpoint reloads
+with another data-parallel size or another tensor-parallel size (the model part reshards freely; the distributed
+optimizer's `dp_reshardable` format reshards over DP only, so change TP/CP/EP only together with a fresh optimizer).
+
+Known megatron-core trap, handled in `load` (research/mcore_cpu.md, appendix): without Transformer Engine or Apex the
+distributed optimizer restores torch Adam's per-parameter `step` as the dummy value 1 (its loader also makes every
+parameter share one `step` tensor, which torch's Adam then increments once per parameter); bias correction would
+restart and the resumed run diverge. `load` gives every parameter its own `step` tensor holding the saved count.
+
+Command line (export the trained policy as a Hugging Face checkpoint that transformers loads):
+
+    python checkpoint.py export CKPT_DIR OUT_DIR     # CKPT_DIR: a run directory (latest step) or one step_<N>
+
+Tests: `pytest tests/test_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+RUN_STATE_FILE = "run_state.json"
+MODEL_OPTIM_DIR = "model_optim"
+RNG_DIR = "rng"
+# The distributed optimizer's only checkpoint format that saves and loads on CPU without TE/Apex (mcore_cpu.md #22):
+# the default (`fully_sharded_model_space`) raises "flattened_range is not supported", `fully_reshardable` KeyError.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or restored; the message names the directory and the reason."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Directory layout
+
+
+def step_dir(ckpt_dir: str | Path, step: int) -> Path:
+    """The directory of the complete checkpoint after optimizer step `step`: `<ckpt_dir>/step_<step>`."""
+    return Path(ckpt_dir) / f"step_{step}"
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in `ckpt_dir` as (step, path), ascending by step.
+
+    Complete means a `step_<N>` directory (never `step_<N>.tmp`, a save that did not finish) holding run_state.json.
+    A `step_<N>` without it (copied by hand, or damaged) is not complete and is reported on stderr, not used.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        if (p / RUN_STATE_FILE).is_file() and (p / MODEL_OPTIM_DIR).is_dir():
+            found.append((int(m.group(1)), p))
+        else:
+            print(f"checkpoint: ignoring {p}: no {RUN_STATE_FILE} or {MODEL_OPTIM_DIR}/ (incomplete)", file=sys.stderr)
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The highest complete `step_<N>` in `ckpt_dir`, or None (leftover `.tmp` directories are ignored).
+
+    With torch.distributed initialised, rank 0 decides and broadcasts, so every rank resumes from the same step even
+    if a file system shows a rename late on some node.
+    """
+    found = list_checkpoints(ckpt_dir) if _rank() == 0 else []
+    path = [str(found[-1][1]) if found else None]
+    if _world() > 1:
+        dist.broadcast_object_list(path, src=0)
+    return Path(path[0]) if path[0] is not None else None
+
+
+def resume_path(ckpt_dir: str | Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (`checkpoint.resume = true`), or None for a fresh start.
+
+    Raises:
+        CheckpointError: `resume` is False and `ckpt_dir` already holds a complete checkpoint (refuse to overwrite
+            a run; choose another `checkpoint.dir` or set `checkpoint.resume=true`).
+    """
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is not None and not resume:
+        raise CheckpointError(
+            f"checkpoint.dir = {ckpt_dir} already holds a checkpoint ({latest.name}) and checkpoint.resume = false: "
+            "refusing to start over it. Use another checkpoint.dir, or checkpoint.resume=true to continue that run."
+        )
+    return latest
+
+
+def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
+    """Remove all but the `keep_last` newest complete checkpoints (0 keeps all); return the removed paths."""
+    if keep_last <= 0:
+        return []
+    old = [p for _, p in list_checkpoints(ckpt_dir)[:-keep_last]]
+    for p in old:
+        shutil.rmtree(p)
+    return old
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# RNG states (per rank)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states: python, numpy, torch CPU, every CUDA device (when available), megatron's tracker.
+
+    Everything is stored as tensors, tuples, ints and strings so that `torch.load(weights_only=True)` reads it back.
+    """
+    from megatron.core import tensor_parallel
+
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()` output (the CUDA part only when CUDA is available here and was when saved)."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["megatron_tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Save and load
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under megatron-core's DDP / Float16Module wrappers (their keys would gain a `module.` prefix)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The megatron optimizers inside a ChainedOptimizer (or [optimizer])."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def model_sharded_state_dict(model: torch.nn.Module) -> dict:
+    """megatron-core sharded state dict of `model` (DDP / Float16Module wrappers removed).
+
+    A plain `nn.Module` that holds megatron modules (omni_model.OmniModel: language model, ViT, projector) gets the
+    union of its children's `sharded_state_dict` (megatron's `sharded_state_dict_default`: TP/EP-sharded tensors for
+    megatron modules, replicated ones for anything else) with the child's name as key prefix, so keys equal the
+    module's own `state_dict` keys.
+    """
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    module = _unwrap(model)
+    if hasattr(module, "sharded_state_dict"):
+        return module.sharded_state_dict()
+    out: dict = {}
+    for name, child in module.named_children():
+        out.update(sharded_state_dict_default(child, prefix=f"{name}."))
+    own = {k: v for k, v in module.state_dict(keep_vars=True).items() if "." not in k}
+    if own:
+        raise CheckpointError(f"{type(module).__name__} has tensors outside its child modules: {sorted(own)}")
+    return out
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model_sharded_state_dict(model)
+    out = {"model": model_sd}
+    if optimizer is not None:
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    return out
+
+
+def _use_in_process_write_queue() -> None:
+    """Make dist_checkpointing's synchronous save report its writes through an in-process queue.
+
+    megatron-core otherwise creates a `multiprocessing.Manager` queue in a spawned process, which re-imports the
+    training script (torch, megatron-core: ~9 s on the 2-core CI machine, per process and run). With synchronous saves
+    (async_sharded_save=False, ours) the writer runs in this process and a plain thread-safe queue carries the same
+    results. Private megatron-core name (0.19.2); re-check on upgrades.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def save(
+    ckpt_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    run_state: dict[str, Any],
+    keep_last: int = 0,
+) -> Path:
+    """Write the checkpoint of optimizer step `step` to `<ckpt_dir>/step_<step>` (collective: call on every rank).
+
+    Args:
+        model: the policy (megatron-core module, DDP-wrapped or not); saved with its `sharded_state_dict`.
+        optimizer: the megatron-core optimizer (distributed or not, possibly chained).
+        scheduler: megatron-core `OptimizerParamScheduler` (its state goes to run_state.json), or None.
+        run_state: JSON-serialisable run state from rank 0 (consumed pairs, sampler state, reward_shift and its update
+            count, W&B run id, resolved config, ...); `step`, `world_size` and `scheduler` are added here.
+        keep_last: keep this many complete checkpoints after the save (0 = keep all).
+
+    Returns: the path of the complete checkpoint.
+
+    Raises:
+        CheckpointError: run_state is not JSON-serialisable (checked before anything is written).
+    """
+    from megatron.core import dist_checkpointing
+
+    final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
+    state = dict(run_state, step=step, world_size=_world())
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    try:
+        state_text = json.dumps(state, indent=1)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"run state of step {step} is not JSON-serialisable: {e}") from None
+
+    if _rank() == 0:
+        if tmp.exists():  # a save of this step that died before; its content is unknown
+            shutil.rmtree(tmp)
+        (tmp / MODEL_OPTIM_DIR).mkdir(parents=True)
+        (tmp / RNG_DIR).mkdir()
+    _barrier()
+
+    _use_in_process_write_queue()
+    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
+    torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
+    if _rank() == 0:
+        with open(tmp / RUN_STATE_FILE, "w") as f:
+            f.write(state_text)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier()  # every rank's shards and RNG file are on disk
+
+    if _rank() == 0:
+        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save): replace it
+            old = final.with_name(final.name + ".old")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        fd = os.open(final.parent, os.O_RDONLY)  # make the rename durable before older checkpoints are deleted
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        prune(ckpt_dir, keep_last)
+    _barrier()
+    return final
+
+
+def _restore_adam_steps(optimizer) -> int:
+    """Give every parameter its own Adam `step` tensor equal to the loaded param-group step; return that step.
+
+    megatron-core's distributed optimizer without TE/Apex restores `step` as the dummy 1 and makes all parameters share
+    one tensor (see the module docstring); its param groups do carry the saved step.
+    """
+    steps = set()
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st is not None and "step" in st:
+                    old = st["step"]
+                    st["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
+                    steps.add(float(group["step"]))
+    if len(steps) > 1:
+        raise CheckpointError(f"optimizer param groups carry different Adam steps {sorted(steps)}")
+    return int(steps.pop()) if steps else -1
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
+    """Restore a checkpoint written by `save` into a freshly built model / optimizer / scheduler (collective).
+
+    The model part accepts any parallel layout; the optimizer part needs the same TP/CP/EP layout (DP may differ).
+    RNG states are restored when the world size is the one saved (otherwise a note goes to stderr).
+
+    Returns: the run state (run_state.json) with `step`, `scheduler`, `reward_shift`, ...
+
+    Raises:
+        CheckpointError: missing files, or a scheduler whose schedule (lr, min_lr, warmup, horizon, decay style)
+            differs from the saved one (chained segments must share one schedule).
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / RUN_STATE_FILE).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
+    state = json.loads((path / RUN_STATE_FILE).read_text())
+
+    if optimizer is not None:
+        for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                opt._init_optimizer_states_with_dummy_values()
+    loaded = dist_checkpointing.load(
+        _sharded_state_dict(model, optimizer, is_loading=True), str(path / MODEL_OPTIM_DIR)
+    )
+    _unwrap(model).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
+
+    if scheduler is not None:
+        saved = state.get("scheduler")
+        if saved is None:
+            raise CheckpointError(f"{path / RUN_STATE_FILE} has no scheduler state")
+        mine = scheduler.state_dict()
+        keys = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+        diff = {k: (saved[k], mine[k]) for k in keys if saved[k] != mine[k]}
+        if diff:
+            raise CheckpointError(
+                f"the LR schedule of {path} differs from this run's (saved, now): {diff}; chained segments must keep "
+                "optimizer.lr, optimizer.min_lr, scheduler.* and mpo.max_num_steps (the horizon) unchanged"
+            )
+        scheduler.num_steps = 0
+        scheduler.load_state_dict(saved)
+
+    rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
+    if state.get("world_size") == _world() and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    elif _rank() == 0:
+        print(
+            f"checkpoint: RNG states not restored: saved with world size {state.get('world_size')}, now {_world()}",
+            file=sys.stderr,
+        )
+    _barrier()
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Export to a Hugging Face checkpoint
+
+
+def export(ckpt: str | Path, out_dir: str | Path) -> Path:
+    """Write the policy of checkpoint `ckpt` (a run directory: its latest step; or a step_<N>) as an HF checkpoint.
+
+    Single process: builds the model with TP = CP = EP = 1 from the saved config's `model.hf_path`, loads the
+    (resharded) weights, and calls omni_model.export_hf, which writes safetensors plus the original config,
+    tokenizer and processor files of `model.hf_path`.
+
+    Raises:
+        CheckpointError: no complete checkpoint at `ckpt`.
+    """
+    import config as config_mod
+    import omni_model
+
+    ckpt = Path(ckpt)
+    path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
+    if path is None:
+        raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
+    cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
+    for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        setattr(cfg.parallel, k, 1)
+    cfg.parallel.sequence_parallel = False
+
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+    _use_in_process_write_queue()
+    from megatron.core import dist_checkpointing
+
+    model_sd = model_sharded_state_dict(model)
+    loaded = dist_checkpointing.load({"model": model_sd}, str(path / MODEL_OPTIM_DIR))
+    _unwrap(model).load_state_dict(loaded["model"])
+    omni_model.export_hf(model, out_dir, cfg.model.hf_path)
+    return Path(out_dir)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "export":
+        sys.exit("usage: python checkpoint.py export CKPT_DIR OUT_DIR")
+    print(f"exported {export(sys.argv[2], sys.argv[3])}")

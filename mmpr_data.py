@@ -1,0 +1,1095 @@
+"""MMPR meta-recipe -> validated, cached, processor-expanded preference pairs for MPO.
+
+Reads the InternVL / MMPR meta-recipe JSON (`{subset: {"root", "annotation", "repeat_time", ...}}`, the format of the
+public MMPR v1.0-v1.2 releases; facts in shared/research/mpo_papers.md §2 and nemo_rl_mpo.md §3) and produces, per
+preference pair, the chosen and rejected token rows with their loss masks and the pair's image tensors, expanded by the
+model's own processor (transformers `AutoProcessor` of the model directory: chat template, tokenizer, dynamic-
+resolution image processor).
+
+Two stages:
+
+1. `build_index(meta_path, processor, cfg) -> PairIndex`: reads every subset, validates every row (text, images,
+   rendered template, lengths) and keeps, per pair, its source (subset, file, line, byte offset), its resolved image
+   paths and grids, and the token lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to
+   plan bins without opening an image. Dropped rows are counted by reason (`DROP_REASONS`); `data.strict` turns a
+   drop into an error naming the file and line. The index is cached under `$HF_DATASETS_CACHE` (else
+   `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a folder named by a fingerprint of the meta file, the
+   annotation files (size, mtime), the tokenizer / template / image processor, and the settings that change the index.
+2. `PairDataset(index, processor)[pair_id] -> pack.PreferencePair`: re-reads that row, decodes its images once (EXIF
+   orientation, RGB), runs the image processor and tokenises both rows; the lengths are checked against the index.
+
+Sampling: `PairSampler` (seeded per-epoch shuffle, identical on every rank, `state_dict()` = epoch + offset) and
+`StepLoader` (a torch DataLoader with `data.num_workers` workers that decodes only the pairs of this rank's bins and
+hands back the sampler state of each step for checkpoints). `load_splits(processor, cfg)` gives the train and
+validation splits.
+
+Text layout of a row (the Omni chat template, shared/research/nemotron_omni_arch.md §4):
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{images + question}<|im_end|>\\n      <- prompt
+    <|im_start|>assistant\\n<think></think>                                                        <- prompt
+    {response}<|im_end|>                                                           <- loss mask True
+    \\n                                                                             <- row end, mask False
+
+The prompt is exactly the template's generation prompt (thinking off for a response without reasoning, on for one
+with `<think>...</think>`); the loss mask covers what the model generates after it: the response and `<|im_end|>`.
+
+Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
+
+    python mmpr_data.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
+
+Tests: `pytest tests/test_mmpr_data.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pack import PreferencePair
+
+logger = logging.getLogger("omni_mpo.mmpr_data")
+
+CACHE_VERSION = 1  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_PREFIX = "omni_mpo_mmpr_"
+
+# Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
+DROP_REASONS = (
+    "invalid_json",  # the line is not a JSON object
+    "missing_field",  # question / chosen / rejected missing or not a string; image not a string or list of strings
+    "too_many_images",  # more images than data.train.max_images_per_row
+    "placeholder_mismatch",  # the question has <image> placeholders, but not one per image
+    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
+    "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
+    "image_missing",  # an image file does not exist
+    "image_unreadable",  # PIL cannot open or decode it
+    "image_truncated",  # the file ends before the image data does
+    "prompt_mismatch",  # chosen and rejected render different prompts (e.g. one has reasoning, the other not)
+    "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
+)
+# Special tokens a response may contain: the reasoning delimiters, which the chat template itself interprets.
+REASONING_TOKENS = ("<think>", "</think>")
+
+
+class DataError(ValueError):
+    """Bad meta-recipe, annotation path, or (with data.strict) a dropped row; the message names the file/line."""
+
+
+class _Drop(Exception):
+    """Internal: row rejected for `reason` (one of DROP_REASONS)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+# ======================================================================================================================
+# Meta-recipe
+
+
+@dataclass(frozen=True)
+class Subset:
+    """One meta-recipe entry with its paths resolved. repeat_time follows InternVL (see `apply_repeat_time`)."""
+
+    name: str
+    root: Path  # image folder; row image paths are relative to it
+    annotation: Path  # JSONL file
+    repeat_time: float = 1.0
+    length: int | None = None  # row count the meta claims (informational, as in InternVL)
+
+
+def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir: bool = False) -> Path:
+    """Resolve a meta-recipe `root` / `annotation` path.
+
+    Absolute paths are used as they are. A relative path is resolved against `data_root` when it is set; otherwise
+    against the meta file's grandparent (the official layout `<dir>/MMPR-v1.2/meta.json` with paths
+    `MMPR-v1.2/images/...`), then the meta file's own folder; the first that exists wins.
+
+    Raises:
+        DataError: no candidate exists; the message lists every path tried.
+    """
+    p = Path(path).expanduser()
+    meta = Path(meta_path).resolve()
+    if p.is_absolute():
+        candidates = [p]
+    elif data_root:
+        candidates = [Path(data_root).expanduser().resolve() / p]
+    else:
+        candidates = [meta.parent.parent / p, meta.parent / p]
+    for c in candidates:
+        if (c.is_dir() if want_dir else c.is_file()):
+            return c
+    kind = "folder" if want_dir else "file"
+    tried = "\n  ".join(str(c) for c in candidates)
+    raise DataError(f"{meta}: {kind} {path!r} not found; tried:\n  {tried}\n(set data.train.data_root to its base)")
+
+
+def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
+    """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`).
+
+    Required keys per subset: `root`, `annotation`. `repeat_time` (float >= 0, default 1) is honoured; `length` is
+    compared with the rows read later; `data_augment: true` warns (not supported); other keys are ignored.
+
+    Raises:
+        DataError: invalid JSON (with file, line and column), a missing key, a bad repeat_time, a path not found.
+    """
+    meta_path = Path(meta_path)
+    try:
+        text = meta_path.read_text()
+    except OSError as e:
+        raise DataError(f"cannot read the meta-recipe {meta_path}: {e}") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{meta_path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(meta, dict) or not meta:
+        raise DataError(f"{meta_path}: expected a non-empty JSON object {{subset: {{root, annotation, ...}}}}")
+    subsets = []
+    for name, spec in meta.items():
+        if not isinstance(spec, dict):
+            raise DataError(f"{meta_path}: subset {name!r} must be an object, got {type(spec).__name__}")
+        for key in ("root", "annotation"):
+            if not isinstance(spec.get(key), str):
+                raise DataError(f"{meta_path}: subset {name!r} has no {key!r} string (required: root, annotation)")
+        r = spec.get("repeat_time", 1)
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            raise DataError(f"{meta_path}: subset {name!r}: repeat_time = {r!r} must be a number >= 0")
+        if spec.get("data_augment"):
+            warnings.warn(f"{meta_path}: subset {name!r}: data_augment is not supported; images are not augmented",
+                          stacklevel=2)
+        length = spec.get("length")
+        subsets.append(Subset(
+            name=name,
+            root=resolve_path(spec["root"], meta_path, data_root, want_dir=True),
+            annotation=resolve_path(spec["annotation"], meta_path, data_root),
+            repeat_time=float(r),
+            length=length if isinstance(length, int) and not isinstance(length, bool) else None,
+        ))
+    return subsets
+
+
+def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[int]:
+    """Row positions 0..n-1 a subset contributes, as InternVL's `repeat_time` does, in file order.
+
+    r < 1 keeps a seeded random subset of floor(n*r) rows; r >= 1 keeps floor(r) full copies plus a seeded random
+    floor(n*(r - floor(r))) rows. The RNG is seeded by (seed, subset name), so it is the same on every rank and run.
+    """
+    whole = math.floor(repeat_time)
+    extra = math.floor(n * (repeat_time - whole) + 1e-9)
+    rng = random.Random(f"{seed}:{name}")  # str seeds hash deterministically (not PYTHONHASHSEED dependent)
+    return list(range(n)) * whole + sorted(rng.sample(range(n), extra))
+
+
+# ======================================================================================================================
+# Images
+
+
+def load_image(path: str | Path):
+    """Decode an image fully: EXIF orientation applied, converted to 8-bit RGB (PIL.Image, mode "RGB").
+
+    Palette and alpha images are composited onto white (transformers' `convert_to_rgb`); 16-bit grayscale ("I;16",
+    "I") is scaled to 8 bits (PIL's own conversion clips it at 255); CMYK and grayscale convert directly.
+
+    Raises:
+        _Drop: image_missing, image_truncated or image_unreadable.
+    """
+    from PIL import Image, ImageOps
+    from transformers.image_transforms import convert_to_rgb
+
+    path = Path(path)
+    if not path.is_file():
+        raise _Drop("image_missing", f"{path} does not exist")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im)  # a transposed copy; the file handle can close
+        if im.mode.startswith("I"):  # 16/32-bit integer grayscale: 0..65535 -> 0..255
+            a = np.asarray(im, dtype=np.float64) / 257.0
+            im = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+        elif im.mode == "F":
+            im = Image.fromarray(np.clip(np.rint(np.asarray(im)), 0, 255).astype(np.uint8), mode="L")
+        return Image.fromarray(convert_to_rgb(im, return_numpy=True))
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        if "truncated" in str(e):
+            raise _Drop("image_truncated", f"{path}: {e}") from None
+        raise _Drop("image_unreadable", f"{path}: {type(e).__name__}: {e}") from None
+
+
+def image_patch_budget(image_processor, n_images: int) -> int:
+    """Most 16-px patches per image when `n_images` images are processed in one call.
+
+    The budget rule of transformers' NemotronH_Omni_Reasoning_V3ImageProcessor (shared/research/
+    nemotron_omni_arch.md §2.2): clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min, max), m = 1/ratio.
+    Tested against the processor; used to size images at index time without resizing them.
+    """
+    ip = image_processor
+    merge = round(1 / ip.downsample_ratio)
+    budget = max((ip.max_model_len - 4) * merge**2, ip.min_num_patches * n_images)
+    if ip.max_num_patches:
+        budget = min(budget, ip.max_num_patches)
+    return max(budget, ip.min_num_patches)
+
+
+def image_grids(image_processor, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width)] processed together."""
+    from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
+
+    ip = image_processor
+    budget = image_patch_budget(ip, len(sizes))
+    merge = round(1 / ip.downsample_ratio)
+    return [get_patch_grid_size(h, w, ip.patch_size, merge, ip.min_num_patches, budget) for h, w in sizes]
+
+
+# ======================================================================================================================
+# Text: validation, chat-template rendering, tokenisation
+
+
+@dataclass
+class RowText:
+    """A validated row's text. `prompt` is the rendered prompt with one `<image>` per image (not yet expanded);
+    `chosen` / `rejected` are the rendered responses, each `... <|im_end|>\\n`."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    images: list[str]  # resolved image paths, in placeholder order
+
+
+def _as_str(row: dict, *keys: str) -> str | None:
+    for k in keys:
+        if k in row:
+            v = row[k]
+            return v if isinstance(v, str) else None
+    return None
+
+
+class TextRenderer:
+    """Validates a row's fields and renders them with the processor's chat template (one instance per processor)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token  # "<image>"
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        # Any special-token string inside the data would be tokenised as that token and shift or fake structure
+        # (an extra <image> takes an image feature); only the reasoning delimiters and real placeholders may appear.
+        self.forbidden = sorted(specials - set(REASONING_TOKENS) - {self.image_token}, key=len, reverse=True)
+
+    def _stray(self, text: str, allow_image: bool) -> str | None:
+        for t in self.forbidden:
+            if t in text:
+                return t
+        return None if allow_image or self.image_token not in text else self.image_token
+
+    def parse(self, row: Any, root: Path, max_images: int) -> tuple[str, str, str, str, list[str]]:
+        """Check a JSON row; return (system, question, chosen, rejected, image paths). Raises _Drop."""
+        if not isinstance(row, dict):
+            raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
+        question = _as_str(row, "question")
+        chosen = _as_str(row, "chosen", "chosen_response")
+        rejected = _as_str(row, "rejected", "rejected_response")
+        system = _as_str(row, "system_prompt", "system") if ("system_prompt" in row or "system" in row) else ""
+        for name, v in (("question", question), ("chosen", chosen), ("rejected", rejected), ("system", system)):
+            if v is None:
+                raise _Drop("missing_field", f"{name!r} is missing or not a string")
+        image = row.get("image")
+        images = [] if image is None else [image] if isinstance(image, str) else image
+        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+            raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
+        if len(images) > max_images:
+            raise _Drop("too_many_images", f"{len(images)} images > data.train.max_images_per_row = {max_images}")
+        n_ph = question.count(self.image_token)
+        if n_ph and n_ph != len(images):
+            raise _Drop("placeholder_mismatch", f"{n_ph} {self.image_token} placeholders for {len(images)} images")
+        for name, text, allow in (("question", question, True), ("system", system, False),
+                                  ("chosen", chosen, False), ("rejected", rejected, False)):
+            if (t := self._stray(text, allow)) is not None:
+                raise _Drop("stray_media_token", f"{name} contains the special-token string {t!r}")
+        chosen, rejected = chosen.strip(), rejected.strip()
+        for name, text in (("chosen", chosen), ("rejected", rejected)):
+            if not text.split("</think>")[-1].strip():
+                raise _Drop("empty_response", f"{name} is empty")
+        return system, question, chosen, rejected, [str(root / p) for p in images]
+
+    def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
+        """Render the prompt and both responses with the chat template. Returns (prompt, chosen, rejected) strings.
+
+        The prompt is the template's own generation prompt (thinking off / on) that the full rendered conversation
+        starts with; the response string is the rest (`... <|im_end|>\\n`).
+
+        Raises:
+            _Drop: prompt_mismatch when chosen and rejected need different prompts.
+            DataError: the template does not render a conversation as a generation prompt + response.
+        """
+        user = {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}
+        msgs = ([{"role": "system", "content": system}] if system else []) + [user]
+        apply = self.processor.apply_chat_template
+        prompts = [apply(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=t) for t in (False, True)]
+        out = []
+        for response in (chosen, rejected):
+            full = apply(msgs + [{"role": "assistant", "content": response}], tokenize=False)
+            prompt = next((p for p in prompts if full.startswith(p)), None)
+            if prompt is None or not full.endswith("<|im_end|>\n"):
+                raise DataError(f"the chat template does not render {full!r} as one of its generation prompts "
+                                f"{prompts!r} followed by the response and '<|im_end|>\\n'")
+            out.append((prompt, full[len(prompt):]))
+        if out[0][0] != out[1][0]:
+            raise _Drop("prompt_mismatch", "chosen and rejected render different prompts "
+                                           "(one has <think> reasoning, the other not)")
+        if out[0][0].count(self.image_token) != n_images:
+            raise DataError(f"the rendered prompt has {out[0][0].count(self.image_token)} {self.image_token} "
+                            f"for {n_images} images: {out[0][0]!r}")
+        return out[0][0], out[0][1], out[1][1]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS: the Omni processor tokenises with add_special_tokens=False)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def response_ids(self, response: str) -> tuple[list[int], list[bool]]:
+        """Token ids of a rendered response and its loss mask: True up to and including the last <|im_end|>."""
+        ids = self.encode(response)
+        if self.eos_id not in ids:
+            raise DataError(f"rendered response has no <|im_end|> token: {response!r}")
+        end = len(ids) - 1 - ids[::-1].index(self.eos_id)
+        return ids, [True] * (end + 1) + [False] * (len(ids) - end - 1)
+
+
+# ======================================================================================================================
+# The index
+
+
+@dataclass
+class PairIndex:
+    """Validated pairs, columnar. Pair ids are positions 0..N-1 (a repeated row appears under several ids).
+
+    Per pair ([N] int64 tensors): `subset_id` (into `subsets`), `line` (1-based line in the subset's annotation file),
+    `offset` (its byte offset), `prompt_len` (tokens, expanded image tokens included; identical in both rows),
+    `chosen_len` / `rejected_len` (full rows: prompt + response + trailing newline), `image_tokens` (sum of the
+    pair's `<image>` tokens), `image_start` / `num_images` (a slice of the per-image arrays).
+    Per image ([M]): `image_path_id` (into `image_paths`), `image_grid_hw` [M, 2] (16-px patches), `image_token_counts`.
+    `stats[subset]`: rows_read, valid, pairs (kept after repeat_time and max_samples), dropped {reason: count},
+    drop_examples {reason: ["file:line: detail", ...]} (first 3), first_drop {where, reason, detail} (if any),
+    repeat_time; subsets after the one that reached max_samples have not_read set.
+    `cache_status` ("hit", "built", "rebuilt: ...", "disabled") and `cache_dir` describe where it came from.
+    """
+
+    meta_path: str
+    fingerprint: str
+    subsets: list[str]
+    annotation_files: list[str]
+    image_roots: list[str]
+    image_paths: list[str]
+    subset_id: torch.Tensor
+    line: torch.Tensor
+    offset: torch.Tensor
+    prompt_len: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    image_tokens: torch.Tensor
+    image_start: torch.Tensor
+    num_images: torch.Tensor
+    image_path_id: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+    stats: dict[str, dict]
+    build_seconds: float = 0.0
+    cache_status: str = "disabled"
+    cache_dir: str = ""
+
+    _SAVED = ("meta_path", "fingerprint", "subsets", "annotation_files", "image_roots", "image_paths", "subset_id",
+              "line", "offset", "prompt_len", "chosen_len", "rejected_len", "image_tokens", "image_start", "num_images",
+              "image_path_id", "image_grid_hw", "image_token_counts", "stats", "build_seconds")
+
+    def __len__(self) -> int:
+        return int(self.line.numel())
+
+    def lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+        """{pair_id: (chosen tokens, rejected tokens)}: the input of pack.plan_bins / plan_step."""
+        ids = range(len(self)) if pair_ids is None else pair_ids
+        c, r = self.chosen_len.tolist(), self.rejected_len.tolist()
+        return {int(i): (c[i], r[i]) for i in ids}
+
+    def source(self, i: int) -> str:
+        """'annotation.jsonl:line' of pair i (for messages)."""
+        return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"
+
+    def images(self, i: int) -> list[str]:
+        s, n = int(self.image_start[i]), int(self.num_images[i])
+        return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
+
+    def state(self) -> dict:
+        return {k: getattr(self, k) for k in self._SAVED}
+
+
+def _cache_root() -> Path:
+    """HF datasets' cache folder: $HF_DATASETS_CACHE, else $HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "datasets"
+    return Path("~/.cache/huggingface/datasets").expanduser()
+
+
+def processor_identity(processor) -> str:
+    """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template
+    and image-processor config; by content, so a copied model folder hits the same cache and an edited one misses."""
+    tok = processor.tokenizer
+    backend = getattr(tok, "backend_tokenizer", None)
+    h = hashlib.sha256()
+    h.update((backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))).encode())
+    h.update(str(processor.chat_template).encode())
+    h.update(processor.image_processor.to_json_string().encode())
+    h.update(type(processor).__name__.encode())
+    return h.hexdigest()
+
+
+def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processor, settings: dict) -> str:
+    """sha256 of the meta file's content, each annotation file's path, size and mtime, each image root's mtime, the
+    processor identity, the settings that change the index and CACHE_VERSION."""
+    h = hashlib.sha256()
+    h.update(Path(meta_path).read_bytes())
+    for s in subsets:
+        st = s.annotation.stat()
+        h.update(f"|{s.name}|{s.annotation}|{st.st_size}|{st.st_mtime_ns}|{s.root}|{s.root.stat().st_mtime_ns}".encode())
+    h.update(processor_identity(processor).encode())
+    h.update(json.dumps({**settings, "cache_version": CACHE_VERSION}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _data_cfg(cfg):
+    return cfg.data if hasattr(cfg, "data") else cfg
+
+
+def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: int, fingerprint: str) -> PairIndex:
+    """Scan every subset, validate rows and compute lengths (see build_index)."""
+    data = _data_cfg(cfg)
+    t0 = time.perf_counter()
+    text = TextRenderer(processor)
+    ip = processor.image_processor
+    merge = round(1 / ip.downsample_ratio)
+    seed, max_images, max_len = data.train.seed, data.train.max_images_per_row, data.max_seq_length
+    image_paths: list[str] = []
+    path_ids: dict[str, int] = {}
+    size_cache: dict[str, tuple[int, int] | _Drop] = {}  # image path -> (height, width) or its drop
+    cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
+    img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
+    stats: dict[str, dict] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, data.num_workers))  # PIL releases the GIL while decoding
+
+    def probe(path: str) -> tuple[int, int] | _Drop:
+        try:
+            im = load_image(path)
+            return im.height, im.width
+        except _Drop as d:
+            return d
+
+    def drop(st: dict, where: str, d: _Drop) -> None:
+        if data.strict:
+            raise DataError(f"{where}: row dropped ({d.reason}: {d.detail}) and data.strict = true")
+        st["dropped"][d.reason] = st["dropped"].get(d.reason, 0) + 1
+        st.setdefault("first_drop", {"where": where, "reason": d.reason, "detail": d.detail})
+        ex = st["drop_examples"].setdefault(d.reason, [])
+        if len(ex) < 3:
+            ex.append(f"{where}: {d.detail}")
+
+    try:
+        for sid, sub in enumerate(subsets):
+            st = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                  "repeat_time": sub.repeat_time}
+            stats[sub.name] = st
+            exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
+            valid: list[dict] = []
+            done = stopped_early = False
+            with open(sub.annotation, "rb") as f:
+                offset, lineno = 0, 0
+                while not done:
+                    # up to 256 rows: (line, byte offset, parsed fields or their drop); the chunk's images decode
+                    # together on the thread pool, then rows are settled in file order (stats stop where reading stops)
+                    chunk: list[tuple[int, int, tuple | _Drop]] = []
+                    for raw in f:
+                        lineno += 1
+                        here, offset = offset, offset + len(raw)
+                        if not raw.strip():
+                            continue
+                        try:
+                            try:
+                                row = json.loads(raw)
+                            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                                raise _Drop("invalid_json", str(e)) from None
+                            chunk.append((lineno, here, text.parse(row, sub.root, max_images)))
+                        except _Drop as d:
+                            chunk.append((lineno, here, d))
+                        if len(chunk) == 256:
+                            break
+                    else:
+                        done = True
+                    todo = sorted({p for *_, fields in chunk if isinstance(fields, tuple) for p in fields[4]}
+                                  - size_cache.keys())
+                    size_cache.update(zip(todo, pool.map(probe, todo), strict=True))
+                    for lineno_, here, fields in chunk:
+                        st["rows_read"] += 1
+                        where = f"{sub.annotation}:{lineno_}"
+                        try:
+                            if isinstance(fields, _Drop):
+                                raise fields
+                            system, question, chosen, rejected, imgs = fields
+                            sizes = [size_cache[p] for p in imgs]
+                            bad = next((s for s in sizes if isinstance(s, _Drop)), None)
+                            if bad is not None:
+                                raise bad
+                            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
+                            grids = image_grids(ip, sizes)
+                            counts = [gh * gw // merge**2 for gh, gw in grids]
+                            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
+                            p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
+                            c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
+                            if max(c_len, r_len) > max_len:
+                                raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > "
+                                                        f"data.max_seq_length = {max_len}")
+                        except _Drop as d:
+                            drop(st, where, d)
+                            continue
+                        valid.append(dict(line=lineno_, offset=here, prompt_len=p_len, chosen_len=c_len,
+                                          rejected_len=r_len, imgs=imgs, grids=grids, counts=counts))
+                        if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
+                            done = stopped_early = True
+                            break
+            if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
+                warnings.warn(f"subset {sub.name!r}: the meta says length = {sub.length} but {sub.annotation} has "
+                              f"{st['rows_read']} rows", stacklevel=3)
+            st["valid"] = len(valid)
+            keep = apply_repeat_time(len(valid), sub.repeat_time, seed, sub.name)
+            if max_samples:
+                keep = keep[: max(0, max_samples - len(cols["line"]))]
+            first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
+            for k in keep:
+                v = valid[k]
+                if k not in first_image:
+                    first_image[k] = len(img_cols["count"])
+                    for p, g, n in zip(v["imgs"], v["grids"], v["counts"], strict=True):
+                        if p not in path_ids:
+                            path_ids[p] = len(image_paths)
+                            image_paths.append(p)
+                        img_cols["path_id"].append(path_ids[p])
+                        img_cols["grid"].append(list(g))
+                        img_cols["count"].append(n)
+                for key in ("line", "offset", "prompt_len", "chosen_len", "rejected_len"):
+                    cols[key].append(v[key])
+                cols["subset_id"].append(sid)
+                cols["image_tokens"].append(sum(v["counts"]))
+                cols["image_start"].append(first_image[k])
+                cols["num_images"].append(len(v["imgs"]))
+            st["pairs"] = len(keep)
+            if max_samples and len(cols["line"]) >= max_samples:
+                for later in subsets[sid + 1:]:
+                    stats[later.name] = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                                         "repeat_time": later.repeat_time, "not_read": "max_samples reached"}
+                break
+    finally:
+        pool.shutdown()
+
+    def t(key, src=cols):
+        return torch.tensor(src[key], dtype=torch.int64)
+
+    return PairIndex(
+        meta_path=str(meta_path), fingerprint=fingerprint, subsets=[s.name for s in subsets],
+        annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root) for s in subsets],
+        image_paths=image_paths,
+        subset_id=t("subset_id"), line=t("line"), offset=t("offset"), prompt_len=t("prompt_len"),
+        chosen_len=t("chosen_len"), rejected_len=t("rejected_len"), image_tokens=t("image_tokens"),
+        image_start=t("image_start"), num_images=t("num_images"), image_path_id=t("path_id", img_cols),
+        image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols), stats=stats,
+        build_seconds=time.perf_counter() - t0,
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
+    """Read a cached index; raises (any exception) when it is missing, partial, corrupt or for another fingerprint."""
+    manifest = json.loads((folder / "index.json").read_text())
+    if manifest.get("fingerprint") != fingerprint or manifest.get("cache_version") != CACHE_VERSION:
+        raise ValueError("fingerprint or cache version differs")
+    if _sha256_file(folder / "index.pt") != manifest["sha256"]:
+        raise ValueError("index.pt checksum mismatch")
+    state = torch.load(folder / "index.pt", weights_only=True)
+    index = PairIndex(**state)
+    if len(index) != manifest["num_pairs"]:
+        raise ValueError(f"{len(index)} pairs, manifest says {manifest['num_pairs']}")
+    return index
+
+
+def _write_cache(folder: Path, index: PairIndex) -> None:
+    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        torch.save(index.state(), tmp / "index.pt")
+        manifest = {"fingerprint": index.fingerprint, "cache_version": CACHE_VERSION, "num_pairs": len(index),
+                    "sha256": _sha256_file(tmp / "index.pt"), "meta_path": index.meta_path}
+        (tmp / "index.json").write_text(json.dumps(manifest, indent=1))
+        os.rename(tmp, folder)  # fails if another process renamed its (identical) copy first: keep that one
+    except OSError as e:
+        if not (folder / "index.json").is_file():
+            logger.warning("could not write the MMPR index cache %s: %s", folder, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_or_build(meta_path, subsets, processor, cfg, max_samples, fingerprint, folder, use_cache, write):
+    if not use_cache:
+        return _build(meta_path, subsets, processor, cfg, max_samples, fingerprint)
+    status = "built"
+    if folder.exists():
+        try:
+            index = _load_cache(folder, fingerprint)
+            index.cache_status, index.cache_dir = "hit", str(folder)
+            return index
+        except Exception as e:  # a partial or corrupt cache must never stop a run: report, remove, rebuild
+            status = f"rebuilt: the cache was unreadable ({type(e).__name__}: {e})"
+            warnings.warn(f"MMPR index cache {folder} is corrupt or partial ({type(e).__name__}: {e}); rebuilding",
+                          stacklevel=3)
+            aside = folder.parent / f".{folder.name}.corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(folder, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            except OSError:
+                pass  # another rank moved it already
+    index = _build(meta_path, subsets, processor, cfg, max_samples, fingerprint)
+    if write:
+        _write_cache(folder, index)
+    index.cache_status, index.cache_dir = status, str(folder)
+    return index
+
+
+def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | None = None,
+                use_cache: bool = True) -> PairIndex:
+    """Validated, cached index of the pairs of a meta-recipe (see the module docstring).
+
+    Args:
+        meta_path: the MMPR meta-recipe JSON.
+        processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
+        cfg: the run `Config` (or its `DataConfig`): data.max_seq_length, data.strict, data.num_workers (threads
+            that decode images while indexing), data.train.data_root / seed / max_images_per_row / max_samples.
+        max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
+            random sample. Default data.train.max_samples; 0 = all.
+        use_cache: read / write the cache (see `_cache_root`).
+
+    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait, then read
+    it (or build it themselves when the cache folder is not shared with rank 0).
+
+    Raises:
+        DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
+            path tried), no valid pair left, or with data.strict the first dropped row (file and line).
+    """
+    data = _data_cfg(cfg)
+    meta_path = Path(meta_path)
+    max_samples = data.train.max_samples if max_samples is None else max_samples
+    subsets = read_meta(meta_path, data.train.data_root)
+    settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length, "seed": data.train.seed,
+                "max_images_per_row": data.train.max_images_per_row, "data_root": data.train.data_root}
+    fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
+    folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
+    args = (meta_path, subsets, processor, cfg, max_samples, fingerprint, folder, use_cache)
+    dist = torch.distributed
+    if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build
+        msg: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                index = _load_or_build(*args, write=True)
+            except Exception as e:
+                msg[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(msg, src=0)
+                raise
+            dist.broadcast_object_list(msg, src=0)
+        else:
+            dist.broadcast_object_list(msg, src=0)
+            if msg[0] is not None:
+                raise DataError(f"rank 0 failed to build the MMPR index: {msg[0]}")
+            index = _load_or_build(*args, write=False)
+    else:
+        index = _load_or_build(*args, write=True)
+    if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build
+        first = next((st["first_drop"] for st in index.stats.values() if "first_drop" in st), None)
+        if first is not None:
+            raise DataError(f"{first['where']}: row dropped ({first['reason']}: {first['detail']}) and "
+                            f"data.strict = true (cached index {index.cache_dir})")
+    if len(index) == 0:
+        raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}")
+    return index
+
+
+def summary_drops(index: PairIndex) -> dict[str, int]:
+    """Total drop counts by reason over all subsets."""
+    total: collections.Counter = collections.Counter()
+    for st in index.stats.values():
+        total.update(st["dropped"])
+    return dict(total)
+
+
+# ======================================================================================================================
+# Splits
+
+
+def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed).
+
+    Repeats of one annotation row (repeat_time > 1) go to the same side, so validation never sees a training row.
+    """
+    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
+        groups[key].append(i)
+    keys = list(groups)
+    order = np.random.default_rng([seed, 1]).permutation(len(keys))
+    target = int(size) if size >= 1 else math.floor(size * len(index))
+    val: list[int] = []
+    for j in order:
+        if len(val) >= target:
+            break
+        val.extend(groups[keys[j]])
+    if len(val) >= len(index) and target > 0:
+        raise DataError(f"data.train.split_validation_size = {size} leaves no training pairs of {len(index)}")
+    taken = set(val)
+    return [i for i in range(len(index)) if i not in taken], sorted(val)
+
+
+@dataclass
+class Split:
+    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1)."""
+
+    index: PairIndex
+    pair_ids: list[int]
+
+
+def load_splits(processor, cfg) -> tuple[Split, Split | None]:
+    """The train split and the validation split (None when neither source is configured).
+
+    Validation comes from data.validation.data_path (its own meta, data.validation.max_samples) when set, else from
+    data.train.split_validation_size pairs of the train index (seed data.train.seed).
+    """
+    data = _data_cfg(cfg)
+    train = build_index(data.train.data_path, processor, cfg)
+    if data.validation.data_path:
+        if data.train.split_validation_size:
+            warnings.warn("data.validation.data_path is set: data.train.split_validation_size is ignored",
+                          stacklevel=2)
+        val = build_index(data.validation.data_path, processor, cfg, max_samples=data.validation.max_samples)
+        return Split(train, list(range(len(train)))), Split(val, list(range(len(val))))
+    if data.train.split_validation_size:
+        tr, va = split_validation(train, data.train.split_validation_size, data.train.seed)
+        return Split(train, tr), Split(train, va)
+    return Split(train, list(range(len(train)))), None
+
+
+# ======================================================================================================================
+# Dataset
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """`dataset[pair_id] -> PreferencePair` for the pairs of a `PairIndex` (pair_id in 0..len(index)-1).
+
+    Re-reads the row from its annotation file, renders it exactly as the index did, decodes the images once per pair
+    and runs the model's image processor on them (`pixel_values` [sum gh*gw, 768] float32, `image_grid_hw` [n, 2]
+    int64, `image_token_counts` [n] int64), expands each `<image>` with the processor (`<img>` + n x `<image>` +
+    `</img>`) and tokenises. chosen_ids / rejected_ids: [L] int64 (prompt + response + newline); loss masks: [L] bool,
+    True on the response and its `<|im_end|>`.
+
+    Raises:
+        DataError: the row no longer matches the index (annotation or image changed since the index was built; the
+            message names the file and line and the cache folder to delete).
+    """
+
+    def __init__(self, index: PairIndex, processor):
+        self.index = index
+        self.processor = processor
+        self.text = TextRenderer(processor)
+        self.max_images = max([int(index.num_images.max())] if len(index) else [0])
+        self.patch_dim = 3 * processor.image_processor.patch_size ** 2
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _row_text(self, i: int) -> RowText:
+        ix = self.index
+        sub = int(ix.subset_id[i])
+        with open(ix.annotation_files[sub], "rb") as f:
+            f.seek(int(ix.offset[i]))
+            raw = f.readline()
+        images = ix.images(i)
+        try:
+            system, question, chosen, rejected, imgs = self.text.parse(
+                json.loads(raw), Path(ix.image_roots[sub]), self.max_images)
+            if imgs != images:
+                raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
+            prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
+        except (_Drop, json.JSONDecodeError) as e:
+            raise DataError(f"{ix.source(i)}: the row no longer validates ({e}); the annotation changed since the "
+                            f"index was built: delete {ix.cache_dir or 'the cache'} and restart") from None
+        return RowText(prompt, r_c, r_r, images)
+
+    def __getitem__(self, i: int) -> PreferencePair:
+        i = int(i)
+        ix, row = self.index, self._row_text(i)
+        if row.images:
+            try:
+                pil = [load_image(p) for p in row.images]
+            except _Drop as d:
+                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built") from None
+            media = self.processor.image_processor(images=pil, return_tensors="pt")
+            pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
+            reps = [self.processor.replace_image_token(media, j) for j in range(len(pil))]
+            prompt = self.processor.get_text_with_replacements([row.prompt], images_replacements=reps)[0][0]
+        else:
+            pixel_values, grid = torch.zeros(0, self.patch_dim), torch.zeros(0, 2, dtype=torch.long)
+            prompt = row.prompt
+        merge = round(1 / self.processor.image_processor.downsample_ratio)
+        counts = grid.prod(dim=-1) // merge**2
+        prompt_ids = self.text.encode(prompt)
+        rows = {}
+        for side, response in (("chosen", row.chosen), ("rejected", row.rejected)):
+            r_ids, r_mask = self.text.response_ids(response)
+            rows[side] = (torch.tensor(prompt_ids + r_ids, dtype=torch.int64),
+                          torch.tensor([False] * len(prompt_ids) + r_mask, dtype=torch.bool))
+        s, n = int(ix.image_start[i]), int(ix.num_images[i])
+        expect = (int(ix.prompt_len[i]), int(ix.chosen_len[i]), int(ix.rejected_len[i]),
+                  ix.image_token_counts[s:s + n].tolist())
+        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist())
+        if got != expect:
+            raise DataError(f"{ix.source(i)}: (prompt, chosen, rejected, image tokens) = {got} but the index says "
+                            f"{expect}; the data or processor changed since it was built: delete "
+                            f"{ix.cache_dir or 'the cache'} and restart")
+        return PreferencePair(
+            pair_index=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
+            chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],
+            pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts,
+        )
+
+
+# ======================================================================================================================
+# Sampling and loading
+
+
+class PairSampler:
+    """The global pair order: a seeded shuffle per epoch, identical on every rank; resumable.
+
+    Epoch e is `pair_ids` permuted by numpy's PCG64 seeded with (seed, e) (or kept in order with shuffle=False).
+    `take(n)` returns the next n pair ids, continuing into the next epoch when one ends. `state_dict()` = {epoch,
+    offset (pairs of the epoch already taken), num_pairs, seed, shuffle}; `load_state_dict` continues from there.
+    """
+
+    def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True):
+        if not len(pair_ids):
+            raise DataError("PairSampler: no pairs to sample from")
+        self.pair_ids = list(pair_ids)
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.offset = 0, 0
+        self._order_epoch, self._order = -1, []
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.pair_ids))
+                self._order = [self.pair_ids[j] for j in perm]
+            else:
+                self._order = list(self.pair_ids)
+            self._order_epoch = epoch
+        return self._order
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            order = self.epoch_order(self.epoch)
+            k = min(n - len(out), len(order) - self.offset)
+            out += order[self.offset:self.offset + k]
+            self.offset += k
+            if self.offset == len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield self.take(1)[0]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "num_pairs": len(self.pair_ids), "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position. Raises DataError if the data or seed differ from the saved run's."""
+        for k, mine in (("num_pairs", len(self.pair_ids)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if state[k] != mine:
+                raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the data or "
+                                "data.train.seed changed, so the saved position does not apply")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+def _collate_pairs(pairs: list[PreferencePair]) -> list[PreferencePair]:
+    return pairs
+
+
+class _BatchIds:
+    """A re-iterable wrapper so that a generator can serve as a DataLoader batch_sampler."""
+
+    def __init__(self, make: Callable[[], Iterator[list[int]]]):
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
+
+
+@dataclass
+class StepData:
+    """One optimizer step as this rank sees it.
+
+    pair_ids: the step's global pairs (sampler order, the same on every rank); plan: what `plan_fn` returned;
+    pairs: {pair_id: PreferencePair} for the ids `plan_fn` asked this rank to load; sampler_state: the sampler
+    position after this step, the value to checkpoint (the sampler object itself runs ahead, prefetching).
+    """
+
+    pair_ids: list[int]
+    plan: Any
+    pairs: dict[int, PreferencePair]
+    sampler_state: dict = field(default_factory=dict)
+
+
+class StepLoader:
+    """Steps of `global_batch_size` pairs; each rank decodes only the pairs of its own bins, in DataLoader workers.
+
+    plan_fn(global_pair_ids) -> (plan, ids_to_load) runs in the main process on every rank with the same input:
+    typically `plan = pack.plan_step(index.lengths(ids), cfg, dp)` and ids_to_load = the pair ids of
+    plan.ranks[dp_rank]. The DataLoader (num_workers workers, prefetching) loads those ids with `dataset`.
+    Iterating is endless (epochs continue); stop after the last step.
+    """
+
+    def __init__(self, dataset: PairDataset, sampler: PairSampler, global_batch_size: int,
+                 plan_fn: Callable[[list[int]], tuple[Any, Sequence[int]]], num_workers: int = 0):
+        self.dataset, self.sampler, self.global_batch_size = dataset, sampler, global_batch_size
+        self.plan_fn, self.num_workers = plan_fn, num_workers
+
+    def __iter__(self) -> Iterator[StepData]:
+        pending: collections.deque = collections.deque()
+
+        def steps() -> Iterator[list[int]]:
+            while True:
+                ids = self.sampler.take(self.global_batch_size)
+                plan, load = self.plan_fn(ids)
+                load = list(dict.fromkeys(int(i) for i in load))  # dummy bins repeat a pair: load it once
+                pending.append((ids, plan, self.sampler.state_dict()))
+                yield load
+
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs, num_workers=self.num_workers,
+        )
+        for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
+            ids, plan, state = pending.popleft()
+            yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
+
+
+# ======================================================================================================================
+# Report
+
+
+def _percentiles(x: torch.Tensor) -> dict[str, float]:
+    if x.numel() == 0:
+        return {}
+    xf = x.double()
+    q = torch.quantile(xf, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"min": int(x.min()), "p50": q[0], "p90": q[1], "p99": q[2], "max": int(x.max()),
+            "mean": round(float(xf.mean()), 2)}
+
+
+def report(index: PairIndex) -> dict:
+    """Per subset and in total: rows read, valid rows, pairs kept, drops by reason (with examples) and length
+    percentiles in tokens (prompt, image tokens, chosen row, rejected row). JSON-serialisable."""
+    def lengths(mask):
+        return {k: _percentiles(getattr(index, col)[mask]) for k, col in
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
+                 ("rejected", "rejected_len"))}
+
+    subsets = {}
+    for sid, name in enumerate(index.subsets):
+        st = index.stats.get(name, {})
+        subsets[name] = {**st, "lengths": lengths(index.subset_id == sid)}
+    total = {"rows_read": sum(s.get("rows_read", 0) for s in index.stats.values()),
+             "valid": sum(s.get("valid", 0) for s in index.stats.values()), "pairs": len(index),
+             "dropped": summary_drops(index), "lengths": lengths(torch.ones(len(index), dtype=torch.bool))}
+    return {"meta_path": index.meta_path, "num_pairs": len(index), "cache": index.cache_status,
+            "cache_dir": index.cache_dir, "build_seconds": round(index.build_seconds, 3), "subsets": subsets,
+            "total": total}
+
+
+def format_report(rep: dict) -> str:
+    """The `report` as text: a table of counts, then length percentiles and drop examples per subset."""
+    lines = [f"MMPR index {rep['meta_path']}: {rep['num_pairs']} pairs (cache {rep['cache']}"
+             + (f", {rep['cache_dir']}" if rep["cache_dir"] else "") + ")",
+             f"{'subset':<56} {'rows':>7} {'valid':>7} {'pairs':>7} {'dropped':>8}"]
+    for name, s in [*rep["subsets"].items(), ("TOTAL", rep["total"])]:
+        lines.append(f"{name[:56]:<56} {s.get('rows_read', 0):>7} {s.get('valid', 0):>7} {s.get('pairs', 0):>7} "
+                     f"{sum(s.get('dropped', {}).values()):>8}" + (f"  ({s['not_read']})" if "not_read" in s else ""))
+        for reason, n in sorted(s.get("dropped", {}).items()):
+            ex = s.get("drop_examples", {}).get(reason, [])
+            lines.append(f"    dropped {reason}: {n}" + (f"  e.g. {ex[0]}" if ex else ""))
+        for k, p in s.get("lengths", {}).items():
+            if p:
+                lines.append(f"    {k:<12} min {p['min']:>6}  p50 {p['p50']:>8.1f}  p90 {p['p90']:>8.1f}  "
+                             f"p99 {p['p99']:>8.1f}  max {p['max']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from config import Config
+
+    ap = argparse.ArgumentParser(description="Validate an MMPR meta-recipe for a model and print the pre-flight "
+                                             "report (rows, pairs, drops by reason, length percentiles).")
+    ap.add_argument("meta", help="MMPR meta-recipe JSON")
+    ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
+    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (0 = all)")
+    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length, help="tokens per row")
+    ap.add_argument("--data-root", default="", help="base of relative root/annotation paths")
+    ap.add_argument("--num-workers", type=int, default=4, help="image-decoding threads")
+    ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    from transformers import AutoProcessor
+
+    cfg = Config()
+    cfg.data.max_seq_length, cfg.data.num_workers = args.max_seq_length, args.num_workers
+    cfg.data.train.data_root = args.data_root
+    processor = AutoProcessor.from_pretrained(args.model)
+    index = build_index(args.meta, processor, cfg, max_samples=args.max_samples, use_cache=not args.no_cache)
+    rep = report(index)
+    print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(main())

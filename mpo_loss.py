@@ -1,0 +1,496 @@
+"""The MPO objective on packed, vocab-parallel logits, and the BCO reward shift δ.
+
+Mixed Preference Optimization (Wang et al. 2024, "Enhancing the Reasoning Ability of Multimodal LLMs via Mixed
+Preference Optimization", arXiv 2411.10442) trains on (chosen c, rejected r) response pairs with
+
+    total = w_p · pref + w_q · bco + w_g · sft
+    pref  = −log σ(β·(L_c − L_r))                          DPO, sigmoid form (Rafailov et al. 2023, arXiv 2305.18290)
+    bco   = −log σ(β·L_c − δ) − log σ(−(β·L_r − δ))         paired BCO with reward shift δ (Jung et al. 2024,
+                                                           "Binary Classifier Optimization", arXiv 2404.04656); no ½
+    sft   = −Σ_t log πθ(c_t)   (÷ |c| when sft_average_log_probs)
+    L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over the response tokens of row y (÷ the row's own response-token
+            count when the term's *_average_log_probs flag is set)
+
+with the semantics of the seed (NeMo-RL's MPOLossFn, facts in shared/research/nemo_rl_mpo.md §1): every term is a sum
+over the valid pairs of this microbatch divided by the number of valid pairs of the whole optimizer step (all
+microbatches, all data-parallel ranks), so gradients do not depend on how pairs are split; δ is constant within an
+optimizer step, the loss only returns its sufficient statistics and the training loop updates δ once after
+`optimizer.step()` with `update_reward_shift`.
+
+The pipeline for one packed microbatch (THD: one row of T tokens holding several sequences):
+
+    token_logps = token_logprobs(logits [T_local, V/TP], labels [T_local], tp_group, chunk_size)       # fp32 [T_local]
+    seq_ids     = token_sequence_ids(cu_seqlens_padded, T)[cp_index]    # [T_local]; cp_index = this CP rank's tokens
+    pol, n      = sequence_logps(token_logps, loss_mask, seq_ids, S, cp_group)                          # [S], [S]
+    ref, _      = sequence_logps(ref_token_logps, loss_mask, seq_ids, S, cp_group)   # reference pass, no grad
+    loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
+                                                         cfg.mpo, reward_shift, num_global_pairs)
+
+Gradient reduction contract (for train.py): `loss` is already divided by the global number of valid pairs, so the
+data-parallel gradient reduction must SUM (not average) the per-rank gradients. With context parallelism every CP rank
+returns the same (replicated) loss and the gradient of its local tokens is exact (the CP all-reduce of per-sequence
+sums has an identity backward), so gradients must also be summed, not averaged, over the CP group; report the loss of
+one CP rank only.
+
+Run the tests: `pytest tests/test_mpo_loss.py` (the multi-rank checks launch tests/dist_mpo_loss.py with torchrun).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fused, chunked, vocab-parallel token log-probabilities
+
+
+def _group_rank_size(group: torch.distributed.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+class _VocabParallelTokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[label] over a TP-sharded vocabulary, chunked over tokens in forward *and* backward.
+
+    Why not `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` as is: (1) it shifts and exponentiates its
+    input in place (`.float()` is a no-op on fp32 logits, then `-=` and `exp(out=)`), so fp32 logits of the caller are
+    overwritten; (2) it saves the full softmax for backward, so calling it chunk by chunk under autograd still keeps
+    O(T·V/TP) fp32 alive until backward. Here each chunk is copied to fp32 first and megatron-core's own pieces
+    (`VocabParallelCrossEntropy.calculate_predicted_logits` forward, `prepare_gradient_calculation_operands` /
+    `calculate_gradients` backward) do the math; only the per-token log-normaliser lse [T] is saved, and backward
+    rebuilds each chunk's softmax as exp(logits − lse) without any communication. Extra memory: O(chunk·V/TP).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, tp_group, chunk_size):
+        num_tokens, partition_vocab = logits.shape
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
+        rank, world = _group_rank_size(tp_group)
+        vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
+        logps = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
+        for s in range(0, num_tokens, chunk_size):
+            e = min(num_tokens, s + chunk_size)
+            # A private fp32 copy: megatron-core's helpers shift and exponentiate their input in place.
+            x = logits[s:e].to(compute_dtype, copy=True)
+            x_max = x.max(dim=-1).values
+            if world > 1:
+                torch.distributed.all_reduce(x_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+            _, _, predicted, sum_exp, _ = VocabParallelCrossEntropy.calculate_predicted_logits(
+                x, labels[s:e], x_max, vocab_start, vocab_end
+            )
+            del x
+            if world > 1:  # one collective for both partial sums
+                both = torch.stack([predicted, sum_exp])
+                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+                predicted, sum_exp = both[0], both[1]
+            log_z = torch.log(sum_exp)
+            logps[s:e] = predicted - log_z  # predicted is already shifted by x_max
+            lse[s:e] = x_max + log_z
+        valid = (labels >= 0) & (labels < partition_vocab * world)  # e.g. −100 at padding positions
+        logps = torch.where(valid, logps, torch.zeros((), dtype=compute_dtype, device=logps.device))
+        ctx.save_for_backward(logits, labels, lse, valid)
+        ctx.vocab_range = (vocab_start, vocab_end)
+        ctx.chunk_size = chunk_size
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        logits, labels, lse, valid = ctx.saved_tensors
+        vocab_start, vocab_end = ctx.vocab_range
+        compute_dtype = lse.dtype
+        grad_logits = torch.empty_like(logits)
+        # d logp / d logits = onehot(label) − softmax; megatron's helpers compute (softmax − onehot)·grad_output.
+        neg_grad = -(grad_logps.to(compute_dtype) * valid)
+        for s in range(0, logits.shape[0], ctx.chunk_size):
+            e = min(logits.shape[0], s + ctx.chunk_size)
+            softmax = logits[s:e].to(compute_dtype, copy=True)
+            softmax.sub_(lse[s:e].unsqueeze(-1)).exp_()
+            target = labels[s:e]
+            target_mask = (target < vocab_start) | (target >= vocab_end)
+            masked_target_1d = (target - vocab_start).masked_fill(target_mask, 0).view(-1)
+            grad_2d, arange_1d, softmax_update, grad_input = (
+                VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+            )
+            grad_logits[s:e] = VocabParallelCrossEntropy.calculate_gradients(
+                grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, neg_grad[s:e]
+            )
+        return grad_logits, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Per-token log-probabilities log πθ(label_t | ·) from vocab-parallel logits, in token chunks.
+
+    Args:
+        logits: [T_local, V/TP], bf16, fp32 or fp64; this rank's vocabulary shard (rank r holds ids
+            [r·V/TP, (r+1)·V/TP), megatron-core's layout). Never modified; gradients flow back to it.
+        labels: [T_local] int64, the pre-rolled target token ids (full-vocabulary ids). Ids outside [0, V), such as
+            −100 at padding, get log-prob 0 and no gradient; callers mask them with the loss mask anyway.
+        tp_group: the tensor-parallel group the vocabulary is sharded over; None = the whole vocabulary is local.
+        chunk_size: tokens per chunk (`policy.logprob_chunk_size`); extra memory beyond the logits and their gradient
+            is O(chunk_size·V/TP) in forward and backward.
+
+    Returns:
+        [T_local] log-probs in fp32 (fp64 for fp64 logits), identical on every TP rank.
+
+    Raises:
+        ValueError: wrong ranks/shapes or a non-positive chunk_size.
+
+    Uses megatron-core's vocab-parallel cross-entropy pieces (`VocabParallelCrossEntropy`): the vocabulary is never
+    all-gathered, only [chunk] max / target-logit / sum-exp vectors are all-reduced over `tp_group`.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T_local, V/TP]; got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:1]:
+        raise ValueError(f"labels must be [T_local] = [{logits.shape[0]}]; got shape {tuple(labels.shape)}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size = {chunk_size} must be > 0 (policy.logprob_chunk_size)")
+    return _VocabParallelTokenLogprobs.apply(logits, labels.long(), tp_group, int(chunk_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Segment reduction over the packed row
+
+
+def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The sequence index of every token of a packed THD row.
+
+    Args:
+        cu_seqlens_padded: [S+1] int32/int64 cumulative padded sequence lengths, starting at 0.
+        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] (bin padding) get the id S.
+
+    Returns:
+        [T] int64 in [0, S]. With context parallelism, index this with the same CP partition index as input_ids.
+
+    Raises:
+        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than num_tokens.
+    """
+    cu = cu_seqlens_padded.long().cpu()
+    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {num_tokens}; got {cu.tolist()}")
+    lengths = torch.cat([cu[1:] - cu[:-1], torch.tensor([num_tokens - cu[-1]])])
+    ids = torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long), lengths)
+    return ids.to(cu_seqlens_padded.device)
+
+
+def sequence_sums(
+    values: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_sequences: int,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Differentiable per-sequence sums of per-token values: out[s] = Σ_{t: seq_ids[t] = s} values[t].
+
+    Args:
+        values: [T_local] float (any dtype; the sum keeps it).
+        seq_ids: [T_local] int64 in [0, S]; id S (bin padding) is dropped.
+        num_sequences: S.
+        cp_group: the context-parallel group when tokens are a CP slice; the partial sums are all-reduced with
+            megatron-core's `reduce_from_tensor_model_parallel_region` (forward all-reduce, backward identity):
+            each CP rank then holds the whole-sequence sums, computes the same loss, and the gradient reaching its
+            local tokens is the exact gradient of that replicated loss (a torch.distributed.nn all_reduce would
+            multiply it by CP).
+
+    Returns:
+        [S] sums, identical on every CP rank.
+    """
+    out = torch.zeros(num_sequences + 1, dtype=values.dtype, device=values.device)
+    out = out.index_add(0, seq_ids, values)[:num_sequences].contiguous()
+    if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+        out = reduce_from_tensor_model_parallel_region(out.clone(), group=cp_group)
+    return out
+
+
+def sequence_logps(
+    token_logps: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_sequences: int,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence response log-prob sums Σ_t log π(y_t) and response-token counts.
+
+    Args:
+        token_logps: [T_local] fp32 per-token log-probs (policy or reference).
+        loss_mask: [T_local] bool/int, 1 on response tokens (the final assistant turn) of the pre-rolled labels.
+        seq_ids: [T_local] int64 sequence index of each token (`token_sequence_ids`, CP-sliced like the tokens).
+        num_sequences: S, sequences in the packed row.
+        cp_group: context-parallel group (see `sequence_sums`).
+
+    Returns:
+        (logp_sums [S] in token_logps' dtype, num_tokens [S] int64), whole-sequence values on every CP rank.
+    """
+    if not (token_logps.shape == loss_mask.shape == seq_ids.shape) or token_logps.dim() != 1:
+        raise ValueError(
+            f"token_logps, loss_mask and seq_ids must all be [T_local]; got {tuple(token_logps.shape)}, "
+            f"{tuple(loss_mask.shape)}, {tuple(seq_ids.shape)}"
+        )
+    mask = loss_mask.bool()
+    # where, not multiply: a non-finite log-prob at a masked position must not become NaN (0·inf).
+    masked = torch.where(mask, token_logps, torch.zeros((), dtype=token_logps.dtype, device=token_logps.device))
+    sums = sequence_sums(masked, seq_ids, num_sequences, cp_group)
+    with torch.no_grad():
+        counts = sequence_sums(mask.to(torch.float64), seq_ids, num_sequences, cp_group)
+    return sums, counts.round().long()
+
+
+def sequence_logratios(
+    policy_logps: torch.Tensor, ref_logps: torch.Tensor, num_tokens: torch.Tensor, average: bool
+) -> torch.Tensor:
+    """L_y = Σ_t (log πθ − log π_ref) per sequence, ÷ max(1, response tokens) when `average` (the seed's rule, so a
+    row with no response token gives 0, never NaN). Shapes [S] → [S]."""
+    ratio = policy_logps - ref_logps
+    if average:
+        ratio = ratio / num_tokens.clamp_min(1).to(ratio.dtype)
+    return ratio
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pair layout and validity
+
+
+def pair_layout(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Match each pair's chosen and rejected rows inside a bin (any row order).
+
+    Args:
+        pair_index: [S] int, the pair id of each sequence (any integers, e.g. dataset pair ids).
+        is_chosen: [S] bool/int, 1 for the chosen row.
+
+    Returns:
+        (chosen [P] int64, rejected [P] int64, pair_ids [P]) — sequence indices of each pair's rows, pairs in
+        ascending pair id order.
+
+    Raises:
+        ValueError: naming the first pair that does not have exactly one chosen and one rejected row, or on
+            mismatched shapes.
+    """
+    if pair_index.dim() != 1 or pair_index.shape != is_chosen.shape:
+        raise ValueError(
+            f"pair_index and is_chosen must both be [S]; got {tuple(pair_index.shape)}, {tuple(is_chosen.shape)}"
+        )
+    pair_ids, inverse = torch.unique(pair_index, return_inverse=True)
+    chosen_mask = is_chosen.bool()
+    num_pairs = pair_ids.numel()
+    n_chosen = torch.bincount(inverse[chosen_mask], minlength=num_pairs)
+    n_rejected = torch.bincount(inverse[~chosen_mask], minlength=num_pairs)
+    bad = (n_chosen != 1) | (n_rejected != 1)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"pair {int(pair_ids[k])} must have exactly one chosen and one rejected row in the bin; it has "
+            f"{int(n_chosen[k])} chosen and {int(n_rejected[k])} rejected (pair_index={pair_index.tolist()}, "
+            f"is_chosen={chosen_mask.long().tolist()})"
+        )
+    rows = torch.arange(pair_index.numel(), device=pair_index.device)
+    chosen = torch.empty(num_pairs, dtype=torch.long, device=pair_index.device)
+    rejected = torch.empty_like(chosen)
+    chosen[inverse[chosen_mask]] = rows[chosen_mask]
+    rejected[inverse[~chosen_mask]] = rows[~chosen_mask]
+    return chosen, rejected, pair_ids
+
+
+def valid_pairs(
+    num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen [P], rejected [P], valid [P] bool): a pair is valid when both rows have sample_mask 1 and at least
+    one response token. Raises ValueError for malformed pair metadata (see `pair_layout`)."""
+    if sample_mask.shape != pair_index.shape or num_tokens.shape != pair_index.shape:
+        raise ValueError(
+            f"num_tokens, pair_index and sample_mask must all be [S]; got {tuple(num_tokens.shape)}, "
+            f"{tuple(pair_index.shape)}, {tuple(sample_mask.shape)}"
+        )
+    chosen, rejected, _ = pair_layout(pair_index, is_chosen)
+    row_ok = sample_mask.bool() & (num_tokens > 0)
+    return chosen, rejected, row_ok[chosen] & row_ok[rejected]
+
+
+def count_valid_pairs(
+    num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
+) -> int:
+    """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
+    get `num_global_pairs` before the first forward; `num_tokens` [S] is the per-sequence count of loss_mask."""
+    return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The MPO loss
+
+# How the training loop combines a step's per-microbatch metrics (and then the DP ranks): every "mean" metric is
+# already divided by num_global_pairs, so its sum over microbatches and DP ranks is the step mean; "count" metrics
+# are plain sums; "constant" metrics are equal in every microbatch (take one, do not sum).
+METRIC_REDUCTION: dict[str, str] = {
+    "loss": "mean",
+    "preference_loss": "mean",
+    "bco_loss": "mean",
+    "sft_loss": "mean",
+    "accuracy": "mean",
+    "rewards/chosen": "mean",
+    "rewards/rejected": "mean",
+    "rewards/margin": "mean",
+    "logps/chosen": "mean",
+    "logps/rejected": "mean",
+    "nll/chosen": "mean",
+    "bco/reward_mean": "mean",
+    "num_valid_pairs": "count",
+    "reward_shift": "constant",
+}
+
+
+def mpo_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    num_tokens: torch.Tensor,
+    pair_index: torch.Tensor,
+    is_chosen: torch.Tensor,
+    sample_mask: torch.Tensor,
+    mpo_cfg: Any,
+    reward_shift: float,
+    num_global_pairs: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The MPO loss of one packed microbatch ("fused": all its pairs at once).
+
+    Args:
+        policy_logps: [S] Σ_t log πθ over each sequence's response tokens (fp32; carries the gradient).
+        ref_logps: [S] Σ_t log π_ref, same layout (no gradient needed).
+        num_tokens: [S] int response-token count of each sequence (its own loss-mask count, never padding).
+        pair_index, is_chosen, sample_mask: [S] pair metadata; every pair id must have exactly one chosen and one
+            rejected row (any order); sample_mask 0 marks dummy rows.
+        mpo_cfg: config.MPOConfig (reference_policy_kl_penalty β, *_loss_weight, *_average_log_probs).
+        reward_shift: δ of this optimizer step (a float, constant over the step).
+        num_global_pairs: valid pairs of the whole optimizer step over all microbatches and DP ranks
+            (`count_valid_pairs` summed); the denominator of every term.
+
+    Returns:
+        loss: 0-dim, Σ over this microbatch's valid pairs of w_p·pref + w_q·bco + w_g·sft, ÷ num_global_pairs.
+            Invalid pairs (sample_mask 0 or no response token) contribute exactly 0 and are not counted.
+        metrics: dict of detached 0-dim tensors, combined across microbatches as METRIC_REDUCTION says.
+            rewards/* are β·L with the preference flag (the DPO implicit reward); accuracy is L_c > L_r (strict);
+            logps/* are policy Σ log πθ per row; nll/chosen is the chosen row's token-mean NLL (always reported);
+            bco/reward_mean is the mean of β·L (quality flag) over valid chosen and rejected rows.
+        (reward_sum, reward_count): detached 0-dim tensors, Σ β·L_y (quality flag) over the valid chosen and
+            rejected rows and their count (2 per valid pair) — δ's sufficient statistics for `update_reward_shift`.
+
+    Raises:
+        ValueError: malformed pair metadata (names the pair), shape mismatch, or num_global_pairs smaller than this
+            microbatch's valid pairs.
+
+    Formulas: MPO (Wang et al. 2024, arXiv 2411.10442 §3.2), DPO (Rafailov et al. 2023), paired BCO with reward shift
+    (Jung et al. 2024); term semantics, flags and the δ statistics follow NeMo-RL's MPOLossFn (nemo_rl_mpo.md §1).
+    All log-sigmoids use softplus forms, finite for β·Δ = ±1000.
+    """
+    if not (policy_logps.shape == ref_logps.shape == num_tokens.shape) or policy_logps.dim() != 1:
+        raise ValueError(
+            f"policy_logps, ref_logps and num_tokens must all be [S]; got {tuple(policy_logps.shape)}, "
+            f"{tuple(ref_logps.shape)}, {tuple(num_tokens.shape)}"
+        )
+    device = policy_logps.device
+    num_tokens = num_tokens.to(device)
+    chosen, rejected, valid = valid_pairs(num_tokens, pair_index.to(device), is_chosen.to(device),
+                                          sample_mask.to(device))
+    num_local = int(valid.sum())
+    if num_global_pairs < num_local:
+        raise ValueError(
+            f"num_global_pairs = {num_global_pairs} is smaller than this microbatch's {num_local} valid pairs"
+        )
+    denom = float(max(int(num_global_pairs), 1))  # 0 only when no pair anywhere is valid: the loss is then 0
+    beta = float(mpo_cfg.reference_policy_kl_penalty)
+    delta = float(reward_shift)
+    ref_logps = ref_logps.detach().to(policy_logps.dtype)
+
+    l_pref = sequence_logratios(policy_logps, ref_logps, num_tokens, mpo_cfg.preference_average_log_probs)
+    l_qual = sequence_logratios(policy_logps, ref_logps, num_tokens, mpo_cfg.quality_average_log_probs)
+    # −log σ(x) = softplus(−x), stable for |x| large.
+    pref = F.softplus(-beta * (l_pref[chosen] - l_pref[rejected]))
+    q_c, q_r = beta * l_qual[chosen], beta * l_qual[rejected]
+    bco = F.softplus(-(q_c - delta)) + F.softplus(q_r - delta)  # −log σ(q_c − δ) − log σ(−(q_r − δ))
+    nll_c = -policy_logps[chosen] / num_tokens[chosen].clamp_min(1).to(policy_logps.dtype)  # token-mean NLL
+    sft = nll_c if mpo_cfg.sft_average_log_probs else -policy_logps[chosen]
+    per_pair = (
+        mpo_cfg.preference_loss_weight * pref + mpo_cfg.bco_loss_weight * bco + mpo_cfg.sft_loss_weight * sft
+    )
+
+    zero = torch.zeros((), dtype=policy_logps.dtype, device=device)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:  # Σ over valid local pairs ÷ global valid pairs; invalid → exactly 0
+        return torch.where(valid, x, zero).sum() / denom
+
+    loss = mean(per_pair)
+    with torch.no_grad():
+        r_c, r_r = beta * l_pref[chosen], beta * l_pref[rejected]
+        metrics = {
+            "loss": loss.detach(),
+            "preference_loss": mean(pref),
+            "bco_loss": mean(bco),
+            "sft_loss": mean(sft),
+            "accuracy": mean((l_pref[chosen] > l_pref[rejected]).to(policy_logps.dtype)),
+            "rewards/chosen": mean(r_c),
+            "rewards/rejected": mean(r_r),
+            "rewards/margin": mean(r_c - r_r),
+            "logps/chosen": mean(policy_logps[chosen]),
+            "logps/rejected": mean(policy_logps[rejected]),
+            "nll/chosen": mean(nll_c),
+            "bco/reward_mean": mean(q_c + q_r) / 2,
+            "num_valid_pairs": torch.tensor(float(num_local), dtype=policy_logps.dtype, device=device),
+            "reward_shift": torch.tensor(delta, dtype=policy_logps.dtype, device=device),
+        }
+        metrics = {k: v.detach() for k, v in metrics.items()}
+        reward_sum = torch.where(valid, q_c + q_r, zero).sum().detach()
+        reward_count = torch.tensor(2.0 * num_local, dtype=policy_logps.dtype, device=device)
+    return loss, metrics, (reward_sum, reward_count)
+
+
+def combine_metrics(per_microbatch: Iterable[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
+    """Combine one rank's per-microbatch metric dicts of a step as METRIC_REDUCTION says (sum "mean" and "count"
+    metrics, keep the first "constant"). Across DP ranks, all-reduce (SUM) the summed keys the same way."""
+    out: dict[str, float] = {}
+    for m in per_microbatch:
+        for k, v in m.items():
+            v = float(v)
+            if METRIC_REDUCTION.get(k, "mean") == "constant":
+                out.setdefault(k, v)
+            else:
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def update_reward_shift(
+    shift: float, reward_sum: float | torch.Tensor, reward_count: float | torch.Tensor, momentum: float
+) -> float:
+    """One EMA step of the BCO reward shift after `optimizer.step()`: δ' = m·δ + (1 − m)·(Σ/count).
+
+    Args:
+        shift: δ used by the step just taken.
+        reward_sum: Σ β·L_y over the step's valid chosen and rejected rows, summed over all microbatches and DP ranks.
+        reward_count: the number of those rows (2 per valid pair).
+        momentum: m = mpo.reward_shift_momentum, in [0, 1).
+
+    Returns:
+        the new δ (float); unchanged when reward_count == 0 (an empty step).
+
+    Raises:
+        ValueError: momentum outside [0, 1), a negative count, or a non-finite statistic.
+
+    Source: NeMo-RL MPOLossFn.update_reward_shift (nemo_rl_mpo.md §1.7): the δ of step t only uses rewards of steps
+    < t; the MPO paper (arXiv 2411.10442) describes δ as a moving average of previous rewards.
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"reward_shift_momentum = {momentum} must be in [0, 1)")
+    total, count = float(reward_sum), float(reward_count)
+    if count < 0 or not math.isfinite(total) or not math.isfinite(count):
+        raise ValueError(f"invalid reward-shift statistics: reward_sum = {total}, reward_count = {count}")
+    if count == 0:
+        return float(shift)
+    return momentum * float(shift) + (1.0 - momentum) * (total / count)

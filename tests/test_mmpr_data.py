@@ -1,0 +1,688 @@
+"""mmpr_data.py: meta-recipe parsing and path rules, row validation and every drop reason, image decoding, template
+rendering and loss masks (checked token by token and against the processor end to end), the index cache, splits,
+the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
+
+Every test writes its cache under tmp_path (HF_DATASETS_CACHE is monkeypatched), never to ~/.cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import mmpr_data as md
+from config import Config
+from pack import pack, plan_step
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "tiny-omni"
+SAMPLE_META = ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "meta.json"
+IMAGE_ID, IMG_START, IMG_END, IM_END, THINK_END = 18, 21, 22, 11, 13
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(TINY)
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hf_datasets_cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def make_cfg(**data) -> Config:
+    """Config with data.* overrides, e.g. make_cfg(max_seq_length=300, train__max_samples=2)."""
+    cfg = Config()
+    for k, v in data.items():
+        obj, name = (cfg.data.train, k[7:]) if k.startswith("train__") else (cfg.data, k)
+        setattr(obj, name, v)
+    return cfg
+
+
+def rgb(w=48, h=40, color=(200, 30, 30)):
+    return Image.new("RGB", (w, h), color)
+
+
+def write_set(base: Path, rows: list, images: dict | None = None, name="MMPR-t", subset="sub", spec=None) -> Path:
+    """The official layout: base/name/meta.json with paths `name/images`, `name/annotations/<subset>.jsonl`."""
+    d = base / name
+    (d / "images").mkdir(parents=True, exist_ok=True)
+    (d / "annotations").mkdir(exist_ok=True)
+    for fname, img in (images or {}).items():
+        if isinstance(img, bytes):
+            (d / "images" / fname).write_bytes(img)
+        else:
+            img.save(d / "images" / fname)
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    (d / "annotations" / f"{subset}.jsonl").write_text("\n".join(lines) + "\n")
+    meta = {subset: {"root": f"{name}/images", "annotation": f"{name}/annotations/{subset}.jsonl",
+                     "data_augment": False, "repeat_time": 1, **(spec or {})}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d / "meta.json"
+
+
+def row(i=0, image="a.png", q="<image>\nWhat is it?", chosen=None, rejected=None, **extra):
+    r = {"question": q, "chosen": chosen or f"A red square {i}.", "rejected": rejected or f"A blue circle {i}."}
+    if image is not None:
+        r["image"] = image
+    r.update(extra)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the shipped sample, end to end
+
+
+@pytest.fixture(scope="module")
+def sample(processor, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("sample_cache")))
+        index = md.build_index(SAMPLE_META, processor, make_cfg())
+    return index, md.PairDataset(index, processor)
+
+
+def test_sample_index(sample):
+    index, _ = sample
+    assert len(index) == 34 and index.subsets[0] == "chartqa_train_extracted_pairs_vqa_correctness_rules"
+    assert [index.stats[s]["pairs"] for s in index.subsets] == [12, 10, 12]
+    assert md.summary_drops(index) == {}
+    assert index.line[:12].tolist() == list(range(1, 13))  # file order, 1-based lines
+    assert index.source(13).endswith("geoqa_plus_extracted_pairs_vqa_format_rules.jsonl:2")
+    # lengths: prompt + image tokens are consistent with the per-image arrays
+    for i in range(len(index)):
+        s, n = int(index.image_start[i]), int(index.num_images[i])
+        assert n == 1 and int(index.image_tokens[i]) == int(index.image_token_counts[s:s + n].sum())
+        gh, gw = index.image_grid_hw[s].tolist()
+        assert index.image_token_counts[s] == gh * gw // 4
+    assert set(index.lengths()) == set(range(34))
+
+
+@pytest.mark.parametrize("i", [0, 5, 12, 21, 22, 33])
+def test_sample_pair_equals_processor_end_to_end(sample, processor, i):
+    """The pair's rows and media equal what the processor produces for the template-rendered conversation."""
+    index, ds = sample
+    pair = ds[i]
+    lines = Path(index.annotation_files[int(index.subset_id[i])]).read_text().splitlines()
+    raw = json.loads(lines[int(index.line[i]) - 1])
+    img = Image.open(index.images(i)[0]).convert("RGB")
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]}
+    for side in ("chosen", "rejected"):
+        text = processor.apply_chat_template([user, {"role": "assistant", "content": raw[side]}], tokenize=False)
+        ref = processor(images=[img], text=text, return_tensors="pt")
+        assert torch.equal(getattr(pair, f"{side}_ids"), ref["input_ids"][0])
+        assert torch.equal(pair.pixel_values, ref["pixel_values"]) and pair.pixel_values.dtype == torch.float32
+        assert torch.equal(pair.image_grid_hw, ref["image_grid_hw"])
+    # image-token count = what the processor says; one contiguous <img> <image>*n </img> run
+    (gh, gw), = pair.image_grid_hw.tolist()
+    n = gh * gw // 4
+    assert pair.image_token_counts.tolist() == [n] and pair.pixel_values.shape == (gh * gw, 768)
+    ids = pair.chosen_ids.tolist()
+    first = ids.index(IMAGE_ID)
+    assert ids[first - 1] == IMG_START and ids[first:first + n] == [IMAGE_ID] * n and ids[first + n] == IMG_END
+    # identical prompt ids; index lengths match the tensors
+    p = int(index.prompt_len[i])
+    assert torch.equal(pair.chosen_ids[:p], pair.rejected_ids[:p])
+    assert (pair.chosen_ids.numel(), pair.rejected_ids.numel()) == index.lengths([i])[i]
+    assert not pair.chosen_loss_mask[:p].any() and pair.chosen_loss_mask[p]
+    assert pair.pair_index == i
+
+
+def test_loss_mask_boundaries_token_by_token(sample, processor):
+    index, ds = sample
+    tok = processor.tokenizer
+    pair = ds[3]
+    raw = json.loads(Path(index.annotation_files[0]).read_text().splitlines()[3])
+    for side in ("chosen", "rejected"):
+        ids, mask = getattr(pair, f"{side}_ids").tolist(), getattr(pair, f"{side}_loss_mask").tolist()
+        # the mask is one run: from right after `<think></think>` up to and including <|im_end|>; the newline is out
+        start, end = mask.index(True), len(mask) - 1 - mask[::-1].index(True)
+        assert all(mask[start:end + 1]) and not any(mask[:start]) and not any(mask[end + 1:])
+        assert ids[start - 1] == THINK_END and ids[end] == IM_END and end == len(ids) - 2
+        assert tok.decode(ids[end + 1:]) == "\n"
+        assert tok.decode(ids[start:end + 1]) == raw[side] + "<|im_end|>"
+        assert tok.decode(ids[:start]).endswith("<|im_end|>\n<|im_start|>assistant\n<think></think>")
+        assert start == int(index.prompt_len[3])
+        # the row decodes to exactly the rendered template (image placeholder expanded)
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]},
+             {"role": "assistant", "content": raw[side]}], tokenize=False)
+        n = int(pair.image_token_counts[0])
+        assert tok.decode(ids) == text.replace("<image>", "<img>" + "<image>" * n + "</img>", 1)
+
+
+def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
+    """A reasoning response's prompt is the thinking-on generation prompt; `<think></think>\\n\\n` + text renders
+    like the bare text; a pair mixing the two has no common prompt (prompt_mismatch)."""
+    meta = write_set(tmp_path, [
+        row(0, chosen="<think>\nlook at it\n</think>\nRed.", rejected="<think>guess</think>Blue."),
+        row(1, chosen="<think></think>\n\nRed.", rejected="Blue."),
+        row(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
+    ], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    assert len(index) == 2 and index.stats["sub"]["dropped"] == {"prompt_mismatch": 1}
+    ds = md.PairDataset(index, processor)
+    tok = processor.tokenizer
+    p0, p1 = ds[0], ds[1]
+    m = p0.chosen_loss_mask.tolist()
+    assert tok.decode(p0.chosen_ids[: m.index(True)].tolist()).endswith("<|im_start|>assistant\n<think>\n")
+    assert tok.decode(p0.chosen_ids[p0.chosen_loss_mask].tolist()) == "look at it\n</think>\nRed.<|im_end|>"
+    assert tok.decode(p0.rejected_ids[p0.rejected_loss_mask].tolist()) == "guess\n</think>\nBlue.<|im_end|>"
+    assert tok.decode(p1.chosen_ids[p1.chosen_loss_mask].tolist()) == "Red.<|im_end|>"
+    p = int(index.prompt_len[1])
+    assert torch.equal(p1.chosen_ids[:p], p1.rejected_ids[:p])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# meta-recipe and paths
+
+
+def test_path_resolution_rules(tmp_path, processor):
+    cfg = make_cfg()
+    # 1. grandparent (official layout)
+    meta = write_set(tmp_path / "g", [row()], {"a.png": rgb()})
+    subs = md.read_meta(meta)
+    assert subs[0].annotation == (tmp_path / "g" / "MMPR-t" / "annotations" / "sub.jsonl").resolve()
+    # 2. the meta file's own folder
+    d = tmp_path / "own"
+    (d / "imgs").mkdir(parents=True)
+    rgb().save(d / "imgs" / "a.png")
+    (d / "rows.jsonl").write_text(json.dumps(row()) + "\n")
+    (d / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
+    assert len(md.build_index(d / "meta.json", processor, cfg)) == 1
+    # 3. data.train.data_root, for a meta that lives elsewhere
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
+    with pytest.raises(md.DataError):
+        md.read_meta(tmp_path / "elsewhere" / "meta.json")
+    subs = md.read_meta(tmp_path / "elsewhere" / "meta.json", data_root=str(d))
+    assert subs[0].root == (d / "imgs").resolve()
+    index = md.build_index(tmp_path / "elsewhere" / "meta.json", processor, make_cfg(train__data_root=str(d)))
+    assert len(index) == 1
+    # absolute paths are used as they are
+    (tmp_path / "abs.json").write_text(json.dumps({"s": {"root": str(d / "imgs"),
+                                                         "annotation": str(d / "rows.jsonl")}}))
+    assert md.read_meta(tmp_path / "abs.json")[0].annotation == d / "rows.jsonl"
+    # the error lists every path tried
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    (tmp_path / "x" / "y" / "meta.json").write_text(json.dumps({"s": {"root": "nope", "annotation": "no.jsonl"}}))
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(tmp_path / "x" / "y" / "meta.json")
+    assert f"tried:\n  {tmp_path / 'x' / 'nope'}\n  {tmp_path / 'x' / 'y' / 'nope'}\n" in str(e.value)
+    with pytest.raises(md.DataError, match="tried:\n  " + str(tmp_path / "dr" / "nope")):
+        md.read_meta(tmp_path / "x" / "y" / "meta.json", data_root=str(tmp_path / "dr"))
+
+
+def test_meta_errors(tmp_path):
+    bad = tmp_path / "debug_mpo.json"  # InternVL's own debug meta has a trailing comma
+    bad.write_text('{"a": {"root": "r",\n  "annotation": "a.jsonl", "repeat_time": 1},\n}\n')
+    with pytest.raises(md.DataError, match=r"debug_mpo.json:3:1: invalid JSON"):
+        md.read_meta(bad)
+    bad.write_text(json.dumps({"a": {"root": "r"}}))
+    with pytest.raises(md.DataError, match="subset 'a' has no 'annotation'"):
+        md.read_meta(bad)
+    bad.write_text(json.dumps({"a": {"root": "r", "annotation": "x", "repeat_time": -1}}))
+    with pytest.raises(md.DataError, match="repeat_time = -1 must be a number >= 0"):
+        md.read_meta(bad)
+
+
+def test_meta_warnings_length_and_data_augment(tmp_path, processor):
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True,
+                                                                         "max_dynamic_patch": 6})
+    with pytest.warns(UserWarning) as rec:
+        index = md.build_index(meta, processor, make_cfg())
+    msgs = " ".join(str(w.message) for w in rec)
+    assert "data_augment is not supported" in msgs and "length = 5 but" in msgs and "has 2 rows" in msgs
+    assert len(index) == 2
+
+
+def test_repeat_time(tmp_path, processor):
+    assert md.apply_repeat_time(10, 1.0, 0, "s") == list(range(10))
+    assert md.apply_repeat_time(10, 0.0, 0, "s") == []
+    low = md.apply_repeat_time(10, 0.3, 7, "s")
+    assert len(low) == 3 and low == sorted(set(low)) and low == md.apply_repeat_time(10, 0.3, 7, "s")
+    assert len({tuple(md.apply_repeat_time(10, 0.3, s, "s")) for s in range(8)}) > 1  # the seed matters
+    high = md.apply_repeat_time(10, 2.5, 7, "s")
+    counts = np.bincount(high, minlength=10)
+    assert len(high) == 25 and set(counts.tolist()) == {2, 3} and (counts == 3).sum() == 5
+
+    rows = [row(i) for i in range(10)]
+    for r, expect in ((0.5, 5), (2.5, 25)):
+        meta = write_set(tmp_path / str(r), rows, {"a.png": rgb()}, spec={"repeat_time": r})
+        index = md.build_index(meta, processor, make_cfg(train__seed=3))
+        assert len(index) == expect and index.stats["sub"]["valid"] == 10 and index.stats["sub"]["pairs"] == expect
+        lines = index.line.tolist()
+        assert lines == [v + 1 for v in md.apply_repeat_time(10, r, 3, "sub")]
+        # repeats of a row share its image slots (images are stored once per row)
+        assert len(index.image_token_counts) == len(set(lines))
+    ds = md.PairDataset(index, processor)
+    a, b = [i for i, ln in enumerate(lines) if ln == lines[0]][:2]
+    assert torch.equal(ds[a].chosen_ids, ds[b].chosen_ids) and ds[a].pair_index != ds[b].pair_index
+
+
+def test_max_samples_keeps_the_first_valid_pairs(processor):
+    index = md.build_index(SAMPLE_META, processor, make_cfg(), max_samples=14)
+    assert len(index) == 14 and index.subset_id.tolist() == [0] * 12 + [1] * 2
+    assert index.line.tolist() == list(range(1, 13)) + [1, 2]
+    third = index.stats["cc0_photos_extracted_prefix_pair_sr0.5_with_image"]
+    assert third["rows_read"] == 0 and third["not_read"] == "max_samples reached"
+    assert index.stats["geoqa_plus_extracted_pairs_vqa_format_rules"]["rows_read"] == 2  # stopped reading early
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rows: aliases, multi-image, drops
+
+
+def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
+    imgs = {"a.png": rgb(64, 40, (255, 0, 0)), "b.png": rgb(30, 90, (0, 0, 255))}
+    meta = write_set(tmp_path, [
+        {"image": "a.png", "question": "<image>\nColour?", "chosen_response": "Red.", "rejected_response": "Blue.",
+         "system_prompt": "Answer briefly.", "answer_gt": "Red", "chosen_meta": {"x": 1}},
+        {"image": ["a.png", "b.png"], "question": "First <image> then <image>: same?", "chosen": "No.",
+         "rejected": "Yes.", "system": "Be exact."},
+        {"image": ["a.png", "b.png"], "question": "Compare them.", "chosen": "Different.", "rejected": "Same."},
+        {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+    ], imgs)
+    index = md.build_index(meta, processor, make_cfg())
+    assert len(index) == 4 and md.summary_drops(index) == {}
+    assert index.num_images.tolist() == [1, 2, 2, 0]
+    ds = md.PairDataset(index, processor)
+    tok = processor.tokenizer
+    p0 = ds[0]
+    assert tok.decode(p0.chosen_ids.tolist()).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>")
+    assert tok.decode(p0.chosen_ids[p0.chosen_loss_mask].tolist()) == "Red.<|im_end|>"
+    pil = [Image.open(tmp_path / "MMPR-t" / "images" / f).convert("RGB") for f in ("a.png", "b.png")]
+    for i, text in ((1, "First <image> then <image>: same?"), (2, "Compare them.")):
+        pair = ds[i]
+        system = [{"role": "system", "content": "Be exact."}] if i == 1 else []
+        user = {"role": "user", "content": [{"type": "image"}] * 2 + [{"type": "text", "text": text}]}
+        rendered = processor.apply_chat_template(system + [user, {"role": "assistant", "content": "No." if i == 1
+                                                                  else "Different."}], tokenize=False)
+        if i == 2:  # no placeholder: the template puts the numbered images before the text
+            assert "<image 1><image> <image 2><image>\nCompare them." in rendered
+        ref = processor(images=pil, text=rendered, return_tensors="pt")
+        assert torch.equal(pair.chosen_ids, ref["input_ids"][0]) and torch.equal(pair.pixel_values, ref["pixel_values"])
+        grids = pair.image_grid_hw.tolist()
+        assert grids == ref["image_grid_hw"].tolist() and grids[0] != grids[1]
+        assert pair.image_token_counts.tolist() == [gh * gw // 4 for gh, gw in grids]
+        # image runs in order: the first run has image 0's count, the second image 1's
+        ids = pair.chosen_ids.tolist()
+        starts = [k for k, t in enumerate(ids) if t == IMG_START]
+        ends = [k for k, t in enumerate(ids) if t == IMG_END]
+        assert [e - s - 1 for s, e in zip(starts, ends, strict=True)] == pair.image_token_counts.tolist()
+    text_only = ds[3]
+    assert text_only.pixel_values.shape == (0, 768) and text_only.image_grid_hw.shape == (0, 2)
+    assert IMAGE_ID not in text_only.chosen_ids.tolist()
+    # the packer accepts all of them (pixel_values once per pair, image-token counts consistent)
+    batch = pack([ds[i] for i in range(4)], divisible_by=8, image_token_id=IMAGE_ID)
+    assert batch.pixel_values.shape[0] == sum(int(ds[i].image_grid_hw.prod(-1).sum()) for i in range(4))
+
+
+def _png_bytes(img, fmt="PNG") -> bytes:
+    b = io.BytesIO()
+    img.save(b, fmt)
+    return b.getvalue()
+
+
+def test_every_drop_reason_is_counted(tmp_path, processor):
+    good = _png_bytes(rgb(80, 60))
+    rows = [
+        row(0),  # valid
+        '{"image": "a.png", "question": "<image>\\nBroken',  # invalid_json
+        "[1, 2]",  # invalid_json (not an object)
+        {"image": "a.png", "question": "<image> Q", "chosen": "x"},  # missing_field (no rejected)
+        row(1, rejected=None) | {"rejected": None},  # missing_field (DropoutNTP prompt rows have rejected null)
+        row(2, image=["a.png", "a.png", "a.png"], q="Three?"),  # too_many_images (max 2)
+        row(3, q="<image> and <image>?"),  # placeholder_mismatch: 2 placeholders, 1 image
+        row(4, image=None),  # placeholder_mismatch: a placeholder, no image
+        row(5, chosen="See <img> here."),  # stray_media_token in a response
+        row(6, q="<image>\nQ<|im_end|>"),  # stray_media_token in the question
+        row(7, rejected="A <image> token."),  # stray_media_token: <image> in a response
+        row(8, chosen="   "),  # empty_response (missing-ish: whitespace only)
+        row(9, rejected="<think>only reasoning</think>  "),  # empty_response
+        row(10, image="nope.png"),  # image_missing
+        row(11, image="garbage.png"),  # image_unreadable
+        row(12, image="half.png"),  # image_truncated
+        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # prompt_mismatch
+        row(14, chosen="word " * 200),  # too_long
+        "",  # blank line: not a row
+        row(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
+                                      good[: len(good) // 2]})
+    cfg = make_cfg(max_seq_length=200, train__max_images_per_row=2)
+    index = md.build_index(meta, processor, cfg)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "too_many_images": 1, "placeholder_mismatch": 2,
+                             "stray_media_token": 3, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
+                             "image_truncated": 1, "prompt_mismatch": 1, "too_long": 1}
+    assert set(st["dropped"]) == set(md.DROP_REASONS)
+    assert st["rows_read"] == 19 and st["valid"] == 2 and len(index) == 2 and index.line.tolist() == [1, 20]
+    assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
+    assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
+    assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
+    assert max(index.chosen_len.max(), index.rejected_len.max()) <= 200
+    # strict: the first drop is an error naming the file and line
+    cfg.data.strict = True
+    with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*cached index"):
+        md.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
+    with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
+        md.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
+
+
+def test_no_valid_pair_is_an_error(tmp_path, processor):
+    meta = write_set(tmp_path, [row(0, image="nope.png")], {})
+    with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
+        md.build_index(meta, processor, make_cfg())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# images
+
+
+def test_image_modes_are_converted_to_rgb(tmp_path):
+    def save(name, img, **kw):
+        img.save(tmp_path / name, **kw)
+        return md.load_image(tmp_path / name)
+
+    pal = Image.new("P", (4, 4), 1)
+    pal.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    assert save("p.png", pal).getpixel((0, 0)) == (10, 200, 30)
+    rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 255))
+    rgba.putpixel((1, 1), (0, 255, 0, 0))  # fully transparent green -> white background
+    out = save("rgba.png", rgba)
+    assert out.mode == "RGB" and out.getpixel((0, 0)) == (255, 0, 0) and out.getpixel((1, 1)) == (255, 255, 255)
+    la = Image.new("LA", (4, 4), (50, 0))
+    assert save("la.png", la).getpixel((0, 0)) == (255, 255, 255)
+    ptrans = Image.new("P", (4, 4), 0)
+    ptrans.putpalette([9, 9, 9] * 256)
+    assert save("pt.png", ptrans, transparency=0).getpixel((2, 2)) == (255, 255, 255)
+    assert save("l.png", Image.new("L", (4, 4), 77)).getpixel((0, 0)) == (77, 77, 77)
+    cmyk = Image.new("CMYK", (4, 4), (0, 255, 255, 0))
+    assert save("c.tif", cmyk).getpixel((0, 0)) == (255, 0, 0)
+    a16 = np.array([[0, 257 * 100], [65535, 65535]], dtype=np.uint16)
+    out = save("g16.png", Image.fromarray(a16))
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    assert [out.getpixel((x, y)) for y in range(2) for x in range(2)] == [(0,) * 3, (100,) * 3, (255,) * 3, (255,) * 3]
+
+
+def test_exif_orientation_is_applied(tmp_path, processor):
+    img = Image.new("RGB", (64, 32), (255, 0, 0))  # stored 64 wide x 32 high: left half red, right half blue
+    img.paste((0, 0, 255), (32, 0, 64, 32))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation 6: display rotated 90 degrees clockwise
+    img.save(tmp_path / "rot.jpg", exif=exif, quality=95)
+    out = md.load_image(tmp_path / "rot.jpg")
+    assert out.size == (32, 64)  # now 32 wide x 64 high
+    top, bottom = np.asarray(out)[5, 16].astype(int), np.asarray(out)[58, 16].astype(int)
+    assert abs(top - [255, 0, 0]).max() < 40 and abs(bottom - [0, 0, 255]).max() < 40  # the left edge is on top
+    # the index sizes the image in its displayed orientation, as the processor sees it
+    meta = write_set(tmp_path / "set", [row(0, image="rot.jpg")], {})
+    (tmp_path / "set" / "MMPR-t" / "images" / "rot.jpg").write_bytes((tmp_path / "rot.jpg").read_bytes())
+    index = md.build_index(meta, processor, make_cfg())
+    gh, gw = index.image_grid_hw[0].tolist()
+    assert gh > gw and (gh, gw) == tuple(processor.image_processor(images=[out])["image_grid_hw"][0].tolist())
+
+
+@pytest.mark.parametrize("sizes", [[(300, 451)], [(40, 30)], [(900, 120), (64, 64)], [(100, 200)] * 5])
+@pytest.mark.parametrize("budget", ["asset", "larger"])
+def test_index_image_grids_equal_the_processor(processor, sizes, budget):
+    ip = processor.image_processor
+    if budget == "larger":  # a budget that depends on the image count: (36 - 4) * 4 = 128 patches, 64 per image
+        ip = copy.deepcopy(ip)
+        ip.max_num_patches, ip.max_model_len = 2048, 36
+        assert md.image_patch_budget(ip, len(sizes)) == max(128, 64 * len(sizes))
+    else:  # the asset: (68 - 4) * 4 = 256 = max_num_patches
+        assert md.image_patch_budget(ip, len(sizes)) == 256
+    ref = ip(images=[Image.new("RGB", (w, h)) for h, w in sizes], return_tensors="pt")["image_grid_hw"].tolist()
+    assert [list(g) for g in md.image_grids(ip, sizes)] == ref
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# cache
+
+
+def _same(a: md.PairIndex, b: md.PairIndex) -> bool:
+    return all(torch.equal(getattr(a, k), getattr(b, k)) if isinstance(getattr(a, k), torch.Tensor)
+               else getattr(a, k) == getattr(b, k) for k in md.PairIndex._SAVED if k != "build_seconds")
+
+
+def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
+    meta = write_set(tmp_path, [row(i) for i in range(4)], {"a.png": rgb()})
+    cfg = make_cfg()
+    first = md.build_index(meta, processor, cfg)
+    assert first.cache_status == "built" and Path(first.cache_dir).parent == hf_cache
+    assert sorted(p.name for p in Path(first.cache_dir).iterdir()) == ["index.json", "index.pt"]
+    hit = md.build_index(meta, processor, cfg)
+    assert hit.cache_status == "hit" and hit.cache_dir == first.cache_dir and _same(first, hit)
+    # no temporary folders left behind
+    assert [p.name for p in hf_cache.iterdir()] == [Path(first.cache_dir).name]
+    # changed annotation file -> miss, new content indexed
+    ann = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    ann.write_text(ann.read_text() + json.dumps(row(9)) + "\n")
+    changed = md.build_index(meta, processor, cfg)
+    assert changed.cache_status == "built" and changed.cache_dir != first.cache_dir and len(changed) == 5
+    # changed tokenizer (one more token) -> miss; changed settings -> miss
+    other = copy.deepcopy(processor)
+    other.tokenizer.add_tokens(["<new_token>"])
+    assert md.build_index(meta, other, cfg).cache_status == "built"
+    assert md.build_index(meta, processor, make_cfg(max_seq_length=4000)).cache_status == "built"
+    assert md.build_index(meta, processor, cfg, max_samples=2).cache_status == "built"
+    assert md.build_index(meta, processor, cfg).cache_status == "hit"
+    assert md.build_index(meta, processor, cfg, use_cache=False).cache_status == "disabled"
+
+
+def test_corrupt_or_partial_cache_is_reported_and_rebuilt(tmp_path, processor):
+    meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()})
+    cfg = make_cfg()
+    good = md.build_index(meta, processor, cfg)
+    folder = Path(good.cache_dir)
+    data = (folder / "index.pt").read_bytes()
+    (folder / "index.pt").write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # one flipped byte
+    with pytest.warns(UserWarning, match="corrupt or partial.*checksum mismatch.*rebuilding"):
+        again = md.build_index(meta, processor, cfg)
+    assert again.cache_status.startswith("rebuilt: ") and "checksum" in again.cache_status and _same(good, again)
+    assert md.build_index(meta, processor, cfg).cache_status == "hit"
+    (folder / "index.json").unlink()  # partial: manifest missing
+    with pytest.warns(UserWarning, match="FileNotFoundError"):
+        assert md.build_index(meta, processor, cfg).cache_status.startswith("rebuilt")
+    (folder / "index.pt").write_bytes(data[: len(data) // 2])  # truncated payload
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert _same(good, md.build_index(meta, processor, cfg))
+
+
+def test_cache_root_follows_hf_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "a"))
+    assert md._cache_root() == tmp_path / "a"
+    monkeypatch.delenv("HF_DATASETS_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "h"))
+    assert md._cache_root() == tmp_path / "h" / "datasets"
+    monkeypatch.delenv("HF_HOME")
+    assert md._cache_root() == Path.home() / ".cache" / "huggingface" / "datasets"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# splits, sampler, loader
+
+
+def test_validation_split(sample, tmp_path, processor):
+    index, _ = sample
+    tr, va = md.split_validation(index, 4, seed=42)
+    assert len(va) == 4 and len(tr) == 30 and not set(tr) & set(va) and sorted(tr + va) == list(range(34))
+    assert md.split_validation(index, 4, seed=42) == (tr, va) and md.split_validation(index, 4, seed=1)[1] != va
+    assert len(md.split_validation(index, 0.25, seed=0)[1]) == 8  # floor(0.25 * 34)
+    with pytest.raises(md.DataError, match="leaves no training pairs"):
+        md.split_validation(index, 34, seed=0)
+    # repeats of one row stay on one side
+    meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 3})
+    rep = md.build_index(meta, processor, make_cfg())
+    tr, va = md.split_validation(rep, 0.5, seed=5)
+    assert not {int(rep.line[i]) for i in tr} & {int(rep.line[i]) for i in va} and len(va) == 9
+    # load_splits: from split_validation_size, or a separate validation meta
+    cfg = make_cfg()
+    cfg.data.train.data_path, cfg.data.train.split_validation_size = str(SAMPLE_META), 4
+    train, val = md.load_splits(processor, cfg)
+    assert len(train.pair_ids) == 30 and len(val.pair_ids) == 4 and val.index is train.index
+    cfg.data.validation.data_path = str(meta)
+    with pytest.warns(UserWarning, match="split_validation_size is ignored"):
+        train, val = md.load_splits(processor, cfg)
+    assert len(train.pair_ids) == 34 and len(val.index) == 18 and val.index.meta_path == str(meta)
+
+
+def test_sampler_order_and_resume():
+    ids = list(range(100, 110))
+    a, b = md.PairSampler(ids, seed=3), md.PairSampler(ids, seed=3)  # two ranks
+    first = a.take(7)
+    assert first == b.take(7)
+    state = a.state_dict()
+    assert state == {"epoch": 0, "offset": 7, "num_pairs": 10, "seed": 3, "shuffle": True}
+    cont = a.take(8)  # crosses into epoch 1
+    assert a.state_dict()["epoch"] == 1 and a.state_dict()["offset"] == 5
+    assert sorted(first + cont[:3]) == ids  # epoch 0 is a permutation
+    resumed = md.PairSampler(ids, seed=3)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert resumed.take(8) == cont  # continues with the next unseen pair
+    e0, e1 = a.epoch_order(0), a.epoch_order(1)
+    assert sorted(e1) == ids and e0 != e1 and e0 != ids
+    assert md.PairSampler(ids, seed=3, shuffle=False).take(12) == ids + ids[:2]
+    with pytest.raises(md.DataError, match="num_pairs = 10 but this run has 9"):
+        md.PairSampler(ids[:9], seed=3).load_state_dict(state)
+    with pytest.raises(md.DataError, match="seed"):
+        md.PairSampler(ids, seed=4).load_state_dict(state)
+
+
+def test_step_loader_with_workers_and_packer(sample, processor):
+    index, ds = sample
+    cfg = make_cfg()
+    cfg.packing.max_tokens_per_bin, cfg.packing.max_sequences_per_bin = 1024, 2
+    dp, rank = 2, 1
+
+    def plan_fn(ids):
+        plan = plan_step(index.lengths(ids), cfg, dp)
+        return plan, [p for b in plan.ranks[rank] for p in b.pair_ids]
+
+    sampler = md.PairSampler(list(range(len(index))), seed=0)
+    loader = md.StepLoader(ds, sampler, global_batch_size=6, plan_fn=plan_fn, num_workers=2)
+    ref = md.PairSampler(list(range(len(index))), seed=0)
+    steps = []
+    for step in loader:
+        steps.append(step)
+        if len(steps) == 3:
+            break
+    for step in steps:
+        assert step.pair_ids == ref.take(6) and step.sampler_state == ref.state_dict()
+        mine = {p for b in step.plan.ranks[rank] for p in b.pair_ids}
+        assert set(step.pairs) == mine and mine < set(step.pair_ids)  # only this rank's pairs are decoded
+        for b in step.plan.ranks[rank]:
+            batch = pack([step.pairs[p] for p in b.pair_ids], divisible_by=8, image_token_id=IMAGE_ID)
+            assert batch.input_ids.shape[1] <= 1024
+        for p, pair in step.pairs.items():
+            assert torch.equal(pair.chosen_ids, ds[p].chosen_ids)
+    # resuming from a step's saved state gives the following steps
+    resumed = md.PairSampler(list(range(len(index))), seed=0)
+    resumed.load_state_dict(steps[1].sampler_state)
+    assert resumed.take(6) == steps[2].pair_ids
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# report and CLI
+
+
+def test_report_json_cli(tmp_path, processor, capsys):
+    # in-process (a subprocess would pay the transformers import again); `python mmpr_data.py` calls this main
+    assert md.main([str(SAMPLE_META), "--model", str(TINY), "--max-samples", "20", "--json", "--num-workers", "2"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["num_pairs"] == 20 and rep["cache"] == "built" and rep["cache_dir"].startswith(str(tmp_path))
+    subs = rep["subsets"]
+    assert list(subs) == ["chartqa_train_extracted_pairs_vqa_correctness_rules",
+                          "geoqa_plus_extracted_pairs_vqa_format_rules",
+                          "cc0_photos_extracted_prefix_pair_sr0.5_with_image"]
+    assert [subs[s]["pairs"] for s in subs] == [12, 8, 0] and rep["total"]["dropped"] == {}
+    lengths = subs["chartqa_train_extracted_pairs_vqa_correctness_rules"]["lengths"]
+    assert set(lengths) == {"prompt", "image_tokens", "chosen", "rejected"}
+    for p in lengths.values():
+        assert p["min"] <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
+    assert lengths["image_tokens"]["max"] <= 64 and lengths["chosen"]["min"] > lengths["prompt"]["min"]
+    # the same numbers as the in-process report
+    ref = md.report(md.build_index(SAMPLE_META, processor, make_cfg(), max_samples=20))
+    assert rep["subsets"] == json.loads(json.dumps(ref["subsets"])) and rep["total"] == json.loads(json.dumps(
+        ref["total"]))
+
+
+def test_report_text_and_values(tmp_path, processor):
+    meta = write_set(tmp_path, [row(0), row(1, image="nope.png"), row(2)], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    rep = md.report(index)
+    assert rep["total"]["rows_read"] == 3 and rep["total"]["pairs"] == 2 and rep["total"]["dropped"] == {
+        "image_missing": 1}
+    c = index.chosen_len.double()
+    assert rep["total"]["lengths"]["chosen"]["p50"] == pytest.approx(float(c.median() if len(c) % 2 else c.mean()))
+    text = md.format_report(rep)
+    assert "dropped image_missing: 1  e.g. " in text and "sub.jsonl:2" in text
+    assert text.splitlines()[2].split()[:5] == ["sub", "3", "2", "2", "1"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# distributed: rank 0 builds, the other waits and reads; a failure on rank 0 reaches every rank
+
+DIST_SCRIPT = r"""
+import json, os, sys, warnings
+import torch.distributed as dist
+sys.path.insert(0, os.environ["REPO"])
+import mmpr_data as md
+from config import Config
+from transformers import AutoProcessor
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+p = AutoProcessor.from_pretrained(os.environ["MODEL"])
+cfg = Config()
+index = md.build_index(os.environ["META"], p, cfg)
+order = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed).take(len(index) + 3)
+cfg.data.strict = True
+try:
+    md.build_index(os.environ["BAD_META"], p, cfg)
+    err = None
+except md.DataError as e:
+    err = str(e)
+print("RESULT", json.dumps({"rank": rank, "status": index.cache_status, "n": len(index), "order": order,
+                            "lens": index.chosen_len.tolist(), "err": err}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two processes importing transformers: ~25 s on 2 busy cores
+def test_rank0_builds_and_others_read_under_torchrun(tmp_path):
+    script = tmp_path / "dist_index.py"
+    script.write_text(DIST_SCRIPT)
+    bad = write_set(tmp_path / "bad", [row(0, image="nope.png")], {})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "REPO": str(ROOT), "MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
+           "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(port), str(script)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
+                                  if "RESULT " in line)}
+    assert res[0]["status"] == "built" and res[1]["status"] == "hit"
+    assert res[0]["n"] == res[1]["n"] == 34 and res[0]["lens"] == res[1]["lens"]
+    assert res[0]["order"] == res[1]["order"]  # the same global order on every rank
+    assert "sub.jsonl:1: row dropped (image_missing" in res[0]["err"]
+    assert res[1]["err"].startswith("rank 0 failed to build the MMPR index: DataError:")
+    assert "sub.jsonl:1" in res[1]["err"]

@@ -1,0 +1,605 @@
+"""MPO training of Nemotron-3-Nano-Omni with torchrun: the whole job, read top to bottom.
+
+    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~2 min
+    torchrun --nproc-per-node 8 train.py configs/nano.toml data.train.data_path=/abs/meta.json   # one 8-GPU node
+
+Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
+chosen/rejected rows (two forward passes, no generation); mpo_loss.py turns the per-sequence log-ratios into the MPO
+loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`train_step` below):
+
+    1. take `policy.train_global_batch_size` pairs (mmpr_data sampler, the same on every rank)
+    2. plan bins (pack.plan_step; a pair is never split) and load this data-parallel rank's bins
+    3. count the step's valid pairs over all ranks: the denominator of every loss term
+    4. reference forward of every microbatch (no grad; with `reference.offload` the reference visits the GPU once)
+    5. per microbatch: policy forward -> fused MPO loss -> backward (gradients accumulate)
+    6. gradient reduction over DP (a sum: each loss is already divided by the global pair count), optimizer step,
+       LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
+
+Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
+`mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
+pre-timeout signal): it finishes the current step, saves a checkpoint and exits 0. A run directory with a complete
+checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0, `<checkpoint.dir>/metrics.jsonl`
+and Weights & Biases (`logging.wandb`).
+
+Tests: `pytest tests/test_train.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import config as config_mod
+import mmpr_data
+import mpo_loss
+import omni_model
+import pack
+
+# ======================================================================================================================
+# Small helpers (each tested on its own)
+
+
+def build_scheduler(optimizer, cfg):
+    """megatron-core's OptimizerParamScheduler for `cfg`: linear warmup from scheduler.lr_warmup_init to optimizer.lr
+    over scheduler.lr_warmup_steps, then `lr_decay_style` to optimizer.min_lr at mpo.max_num_steps.
+
+    The horizon is always mpo.max_num_steps, never mpo.stop_after_step, so the segments of a chained run follow one
+    schedule. Megatron's convention: the lr of schedule step n (n = 0, 1, ...) is used by optimizer step n + 1.
+
+    Raises:
+        config.ConfigError: lr_warmup_steps >= max_num_steps (megatron needs a decay phase).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s, o, horizon = cfg.scheduler, cfg.optimizer, cfg.mpo.max_num_steps
+    if s.lr_warmup_steps >= horizon:
+        raise config_mod.ConfigError(
+            f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = {horizon}"
+        )
+    if s.lr_warmup_init > o.lr:
+        raise config_mod.ConfigError(f"scheduler.lr_warmup_init = {s.lr_warmup_init} must be <= optimizer.lr = {o.lr}")
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=s.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=horizon,
+        lr_decay_style=s.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=horizon,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments is an error (checkpoint.load)
+    )
+
+
+class StopSignal:
+    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit); the loop finishes the step, saves, exits 0.
+
+    `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
+    when the signal reaches the ranks at different times.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def should_stop(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
+    """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
+
+    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (each microbatch value is already divided by
+    the global pair count), "constant" ones are kept. Keys must be the same on every rank.
+    """
+    keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
+    vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(vals, group=group)
+    out = dict(local)
+    out.update(zip(keys, vals.tolist(), strict=True))
+    return out
+
+
+def active_params(model, hf) -> int:
+    """Parameters used per token (global over TP/EP): dense parameters plus top-k of the routed experts' share.
+
+    Counts this rank's parameters, scales tensor-parallel ones by TP and expert ones by EP (megatron marks expert
+    parameters with `allreduce = False`), then keeps `num_experts_per_tok / n_routed_experts` of the expert part.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    dense = expert = 0
+    for p in model.parameters():
+        n = p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        if getattr(p, "allreduce", True):
+            dense += n
+        else:
+            expert += n * ep
+    n_exp = getattr(hf.text, "n_routed_experts", 0) or 0
+    top_k = getattr(hf.text, "num_experts_per_tok", 0) or 0
+    return int(dense + (expert * top_k / n_exp if n_exp else expert))
+
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12}  # dense, per GPU
+
+
+def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
+    """Model FLOPs utilisation: (6·N·tokens for the policy fwd+bwd + 2·N·tokens for the reference fwd) /
+    (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU. Ignores attention's quadratic term
+    and the vision tower (the hybrid LM is mostly linear in tokens; shared/research/nemotron_omni_arch.md)."""
+    if not torch.cuda.is_available() or seconds <= 0:
+        return None
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return None if peak is None else 8.0 * n_active * tokens / (seconds * world * peak)
+
+
+class MetricsLog:
+    """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
+
+    W&B: mode `logging.wandb` (online / offline / disabled), project WANDB_PROJECT else `logging.wandb_project`,
+    WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in the checkpoint and reused with resume="allow" so the
+    segments of a chained run continue one curve. WANDB_API_KEY is read by wandb itself, never printed or written.
+    """
+
+    def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
+        self.rank, self.run, self.run_id = rank, None, run_id
+        self.path = Path(cfg.checkpoint.dir) / "metrics.jsonl"
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # rows after the resumed step belong to a segment that died before saving
+            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+            keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
+            self.path.write_text("".join(r + "\n" for r in keep))
+        if cfg.logging.wandb != "disabled":
+            import wandb
+
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
+                entity=os.environ.get("WANDB_ENTITY") or None,
+                name=os.environ.get("WANDB_NAME") or None,
+                id=run_id or os.environ.get("WANDB_RUN_ID") or None,
+                resume="allow",
+                mode=cfg.logging.wandb,
+                dir=str(self.path.parent),
+                config=config_mod.to_dict(cfg),
+            )
+            self.run_id = self.run.id
+
+    def log(self, step: int, metrics: dict, split: str = "train") -> None:
+        if self.rank != 0:
+            return
+        row = {"step": step, "split": split, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+# ======================================================================================================================
+# Distributed setup
+
+
+def init_distributed(cfg, num_experts: int | None):
+    """torch.distributed (nccl on GPU, gloo on CPU) and megatron-core parallel state; returns (device, dp size).
+
+    World size = TP·CP·DP and EP | experts are checked (config.validate_parallel) before any process group exists.
+    Without torchrun (plain `python train.py`) it runs as a world of one.
+    """
+    from megatron.core import parallel_state
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dp = config_mod.validate_parallel(cfg, int(os.environ["WORLD_SIZE"]), num_experts)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        import cpu_compat
+
+        cpu_compat.apply()
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+    )
+    return device, dp
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy, torch and megatron-core's model-parallel RNG tracker (dropout is off; kept for any randomness)."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def cuda_to_cpu():
+    """cpu_compat's catch-all around megatron's optimizer code on CPU; a null context on GPU."""
+    import contextlib
+
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    import cpu_compat
+
+    return cpu_compat.cuda_to_cpu()
+
+
+# ======================================================================================================================
+# One microbatch, one step, one validation
+
+
+class Ctx:
+    """What every step needs: groups, sizes, device, config (built once in main)."""
+
+    def __init__(self, cfg, device, dp: int):
+        from megatron.core import parallel_state as ps
+
+        self.cfg, self.device, self.dp = cfg, device, dp
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.cp_group = ps.get_context_parallel_group()
+        self.cp = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+
+
+def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one packed microbatch: per-sequence response log-prob sums [S] (fp32) and response-token counts [S]."""
+    logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
+    T, S = batch.input_ids.shape[1], batch.num_sequences
+    labels, loss_mask = batch.labels[0], batch.loss_mask[0]
+    seq_ids = mpo_loss.token_sequence_ids(batch.cu_seqlens_padded, T)
+    if ctx.cp > 1:
+        index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
+        labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
+    token_logps = mpo_loss.token_logprobs(logits, labels, ctx.tp_group, ctx.cfg.policy.logprob_chunk_size)
+    return mpo_loss.sequence_logps(token_logps, loss_mask, seq_ids, S, ctx.cp_group if ctx.cp > 1 else None)
+
+
+def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
+    """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward."""
+    local = 0
+    for b in batches:
+        seq_ids = mpo_loss.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
+        num_tokens = torch.zeros(b.num_sequences + 1, dtype=torch.long).index_add_(
+            0, seq_ids.cpu(), b.loss_mask[0].long().cpu()
+        )[:-1]
+        local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+    n = torch.tensor([local], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(n, group=ctx.dp_group)
+    return int(n.item())
+
+
+def reference_logps(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
+    """Reference log-prob sums [S] of every microbatch (no grad). With `reference.offload` (GPU) the frozen reference
+    lives on the CPU and visits the GPU once per step, for these passes only."""
+    offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
+    if offload:
+        reference.to(ctx.device)
+    with torch.no_grad():
+        out = [sequence_logps(reference, b, ctx)[0] for b in batches]
+    if offload:
+        reference.to("cpu")
+    return out
+
+
+def mpo_metrics_of(batches, ref_logps, policy, ctx: Ctx, reward_shift: float, num_pairs: int, train: bool):
+    """Policy forward + fused MPO loss (+ backward when `train`) over the microbatches; returns this rank's summed
+    metrics and δ's statistics (reward_sum, reward_count)."""
+    per_mb, r_sum, r_count = [], 0.0, 0.0
+    for b, ref in zip(batches, ref_logps, strict=True):
+        with torch.set_grad_enabled(train):
+            logps, num_tokens = sequence_logps(policy, b, ctx)
+            loss, metrics, (s, c) = mpo_loss.mpo_loss(
+                logps, ref, num_tokens, b.pair_index, b.is_chosen, b.sample_mask,
+                ctx.cfg.mpo, reward_shift, num_pairs,
+            )  # fmt: skip
+        if train:
+            loss.backward()  # megatron DDP accumulates into its main_grad buffers
+        per_mb.append(metrics)
+        r_sum, r_count = r_sum + float(s), r_count + float(c)
+    return mpo_loss.combine_metrics(per_mb), r_sum, r_count
+
+
+def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
+    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count)."""
+    return [
+        pack.pack([pairs[p] for p in b.pair_ids], ctx.cfg.packing.make_sequence_length_divisible_by, image_token_id,
+                  pad_id, dummy=b.dummy).to(ctx.device)
+        for b in plan.ranks[ctx.dp_rank]
+    ]  # fmt: skip
+
+
+def train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
+    """One optimizer step over this rank's microbatches (steps 3-6 of the module docstring). Returns
+    (metrics of the step over all DP ranks, the new reward shift δ)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    num_pairs = count_global_pairs(batches, ctx)
+    ref = reference_logps(reference, batches, ctx)
+    # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
+    # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here).
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=ctx.device) / (len(batches) * ctx.dp * ctx.cp))
+    local, r_sum, r_count = mpo_metrics_of(batches, ref, ddp, ctx, reward_shift, num_pairs, train=True)
+    finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
+    lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
+    with cuda_to_cpu():
+        _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    stats = torch.tensor([r_sum, r_count], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(stats, group=ctx.dp_group)
+    r_sum, r_count = stats.tolist()
+    new_shift = mpo_loss.update_reward_shift(reward_shift, r_sum, r_count, ctx.cfg.mpo.reward_shift_momentum)
+    metrics = reduce_metrics(local, ctx.dp_group, ctx.device)
+    metrics.update(
+        lr=lr,
+        grad_norm=float(grad_norm),
+        num_global_pairs=num_pairs,
+        reward_shift=new_shift,
+        reward_shift_used=reward_shift,
+        **{"bco/reward_sum": r_sum, "bco/reward_count": r_count},
+    )
+    return metrics, new_shift
+
+
+def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
+    """The MPO losses and metrics on (up to mpo.val_batches batches of) the validation split; no gradient, δ fixed.
+
+    Batches of mpo.val_global_batch_size pairs in split order; the metrics are pair-weighted means over batches."""
+    cfg = ctx.cfg
+    policy.eval()
+    n = cfg.mpo.val_global_batch_size
+    chunks = [val.pair_ids[i : i + n] for i in range(0, len(val.pair_ids), n)][: cfg.mpo.val_batches]
+    total: dict[str, float] = {}
+    pairs_seen = 0
+    for chunk in chunks:
+        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp)
+        pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
+        batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        num_pairs = count_global_pairs(batches, ctx)
+        ref = reference_logps(reference, batches, ctx)
+        local, _, _ = mpo_metrics_of(batches, ref, policy, ctx, reward_shift, num_pairs, train=False)
+        m = reduce_metrics(local, ctx.dp_group, ctx.device)
+        for k, v in m.items():
+            if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean":
+                total[k] = total.get(k, 0.0) + v * num_pairs
+            elif mpo_loss.METRIC_REDUCTION.get(k) == "count":
+                total[k] = total.get(k, 0.0) + v
+        pairs_seen += num_pairs
+    policy.train()
+    out = {k: (v / max(pairs_seen, 1) if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean" else v)
+           for k, v in total.items()}  # fmt: skip
+    out["val_batches"] = len(chunks)
+    return out
+
+
+def format_line(step: int, cfg, m: dict) -> str:
+    """The per-step console line (rank 0)."""
+    mx = cfg.mpo.max_num_steps
+    speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
+    if m.get("mfu") is not None:
+        speed += f" mfu {100 * m['mfu']:.1f}%"
+    return (
+        f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
+        f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
+        f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
+        f"{m['step_time']:.2f}s/step eta {m['eta_s'] / 60:.1f} min"
+    )
+
+
+# ======================================================================================================================
+# The job
+
+
+def main(cfg) -> int:
+    """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers import AutoProcessor
+
+    # -- config, distributed, seeds --------------------------------------------------------------------------------
+    hf = omni_model.read_hf_config(cfg.model.hf_path)
+    device, dp = init_distributed(cfg, getattr(hf.text, "n_routed_experts", None))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed_everything(cfg.mpo.seed)
+    pack.validate_packing_config(cfg)
+    if rank == 0:
+        print(json.dumps(config_mod.to_dict(cfg), indent=1))
+        print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
+              f"DP {dp} EP {cfg.parallel.expert_model_parallel_size} on {device.type}")  # fmt: skip
+    resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
+    stopper = StopSignal()
+    ctx = Ctx(cfg, device, dp)
+
+    # -- data ------------------------------------------------------------------------------------------------------
+    processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
+    train_split, val_split = mmpr_data.load_splits(processor, cfg)
+    train_set = mmpr_data.PairDataset(train_split.index, processor)
+    val_set = mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None
+    sampler = mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle)
+    ids = {"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0}
+    if rank == 0:
+        print(f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
+              f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}")  # fmt: skip
+
+    # -- policy and frozen reference (same initial weights) --------------------------------------------------------
+    policy = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+    omni_model.load_hf_weights(policy, cfg.model.hf_path)
+    reference = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+    omni_model.load_hf_weights(reference, cfg.model.hf_path)
+    reference.eval().requires_grad_(False)
+    if cfg.reference.offload and device.type == "cuda":
+        reference.to("cpu")
+    n_active = active_params(policy, hf)
+
+    # -- optimizer: megatron DDP + (distributed) Adam, LR schedule -------------------------------------------------
+    ddp_model_cfg = copy.copy(policy.lm_config)
+    ddp_model_cfg.calculate_per_token_loss = True  # DDP sums gradients over DP: the loss is already a global mean
+    ddp = DistributedDataParallel(
+        ddp_model_cfg,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
+        ),
+        policy,
+    )
+    o = cfg.optimizer
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    optim_cfg = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
+    )  # fmt: skip
+    with cuda_to_cpu():
+        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
+    scheduler = build_scheduler(optimizer, cfg)
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+    step, reward_shift, shift_updates, run_id = 0, cfg.mpo.reward_shift, 0, None
+    if resume_from is not None:
+        with cuda_to_cpu():
+            state = checkpoint.load(resume_from, ddp, optimizer, scheduler)
+        step, reward_shift = state["step"], state["reward_shift"]
+        shift_updates, run_id = state["reward_shift_num_updates"], state.get("wandb_run_id")
+        sampler.load_state_dict(state["sampler"])
+        if rank == 0:
+            print(f"resumed from {resume_from} (step {step}, reward_shift {reward_shift!r})")
+    log = MetricsLog(cfg, run_id, step, rank)
+    last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
+    if step >= last:
+        if rank == 0:
+            print(f"nothing to do: step {step} already reached the stop step {last}")
+        log.finish()
+        return 0
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def plan_fn(pair_ids):
+        plan = pack.plan_step(train_split.index.lengths(pair_ids), cfg, dp)
+        return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
+
+    loader = iter(mmpr_data.StepLoader(train_set, sampler, cfg.policy.train_global_batch_size, plan_fn,
+                                       cfg.data.num_workers))  # fmt: skip
+    bar = None
+    if rank == 0 and sys.stdout.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.mpo.max_num_steps, initial=step, unit="step")
+    consumed = state["consumed_pairs"] if resume_from is not None else 0
+    sampler_state = sampler.state_dict()
+    t_start, steps_done = time.perf_counter(), 0
+    ddp.train()
+
+    def save(at: int) -> None:
+        run_state = {"consumed_pairs": consumed, "sampler": sampler_state, "reward_shift": reward_shift,
+                     "reward_shift_num_updates": shift_updates, "wandb_run_id": log.run_id,
+                     "config": config_mod.to_dict(cfg)}  # fmt: skip
+        path = checkpoint.save(cfg.checkpoint.dir, at, ddp, optimizer, scheduler, run_state, cfg.checkpoint.keep_last)
+        if rank == 0:
+            print(f"saved {path}")
+
+    while True:
+        t0 = time.perf_counter()
+        data = next(loader)
+        batches = load_bins(data.plan, data.pairs, ctx, ids["image"], ids["pad"])
+        metrics, reward_shift = train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx, reward_shift)
+        step += 1
+        shift_updates += int(metrics["bco/reward_count"] > 0)
+        consumed += len(data.pair_ids)
+        sampler_state = data.sampler_state
+        tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
+        dist.all_reduce(tokens, group=ctx.dp_group)
+        dt = time.perf_counter() - t0
+        steps_done += 1
+        metrics.update(
+            tokens=int(tokens.item()), step_time=dt, pairs_per_s=len(data.pair_ids) / dt,
+            tokens_per_s=int(tokens.item()) / dt, mfu=mfu(int(tokens.item()), dt, n_active, world),
+            dropped_oversized=len(data.plan.dropped), consumed_pairs=consumed,
+            eta_s=(time.perf_counter() - t_start) / steps_done * (last - step),
+        )  # fmt: skip
+        log.log(step, metrics)
+        if rank == 0 and step % cfg.logging.log_period == 0:
+            (bar.write if bar else print)(format_line(step, cfg, metrics))
+        if bar:
+            bar.update(1)
+
+        at_end = step >= cfg.mpo.max_num_steps
+        if val_split is not None and (
+            (cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end)
+        ):
+            vm = validate(ddp, reference, val_split, val_set, ctx, reward_shift, ids)
+            log.log(step, vm, split="validation")
+            if rank == 0:
+                print(f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
+                      f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)")  # fmt: skip
+        stop = stopper.should_stop(device)
+        segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
+        periodic = cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0
+        if at_end or segment_end or stop or periodic:
+            save(step)
+        if at_end or segment_end or stop:
+            break
+
+    # -- teardown --------------------------------------------------------------------------------------------------
+    if rank == 0:
+        why = "max_num_steps" if step >= cfg.mpo.max_num_steps else "stop_after_step" if segment_end else "signal"
+        print(f"stopped after step {step} ({why})")
+    if bar:
+        bar.close()
+    log.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: torchrun --nproc-per-node N train.py CONFIG.toml [section.key=value ...]")
+    code = main(config_mod.load_config(sys.argv[1], sys.argv[2:]))
+    if dist.is_initialized():
+        from megatron.core import parallel_state
+
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    sys.exit(code)
