@@ -12,9 +12,11 @@ Two stages:
    rendered template, lengths) and keeps, per pair, its source (subset, file, line, byte offset), its resolved image
    paths and grids, and the token lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to
    plan bins without opening an image. Dropped rows are counted by reason (`DROP_REASONS`); `data.strict` turns a
-   drop into an error naming the file and line. The index is cached under `$HF_DATASETS_CACHE` (else
-   `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a folder named by a fingerprint of the meta file, the
-   annotation files (size, mtime), the tokenizer / template / image processor, and the settings that change the index.
+   drop into an error naming the file and line. Rows are checked in chunks by `data.num_workers` forked processes
+   (rendering and image decoding are CPU bound) and settled in file order. The index is cached under
+   `$HF_DATASETS_CACHE` (else `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a folder named by a
+   fingerprint of the meta file, the annotation files (size, mtime), the tokenizer / template / image processor, and
+   the settings that change the index; written atomically, checksummed, rebuilt (with a warning) when corrupt.
 2. `PairDataset(index, processor)[pair_id] -> pack.PreferencePair`: re-reads that row, decodes its images once (EXIF
    orientation, RGB), runs the image processor and tokenises both rows; the lengths are checked against the index.
 
@@ -308,7 +310,8 @@ class TextRenderer:
         question = _as_str(row, "question")
         chosen = _as_str(row, "chosen", "chosen_response")
         rejected = _as_str(row, "rejected", "rejected_response")
-        system = _as_str(row, "system_prompt", "system") if ("system_prompt" in row or "system" in row) else ""
+        system = row.get("system_prompt", row.get("system"))
+        system = "" if system is None else system if isinstance(system, str) else None  # null = no system turn
         for name, v in (("question", question), ("chosen", chosen), ("rejected", rejected), ("system", system)):
             if v is None:
                 raise _Drop("missing_field", f"{name!r} is missing or not a string")
@@ -344,14 +347,24 @@ class TextRenderer:
         user = {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}
         msgs = ([{"role": "system", "content": system}] if system else []) + [user]
         apply = self.processor.apply_chat_template
-        prompts = [apply(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=t) for t in (False, True)]
+        prompts: dict[bool, str] = {}  # rendered lazily: most MMPR responses need only the thinking-off prompt
+
+        def prompt_of(full: str) -> str | None:
+            for thinking in (False, True):
+                if thinking not in prompts:
+                    prompts[thinking] = apply(msgs, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=thinking)
+                if full.startswith(prompts[thinking]):
+                    return prompts[thinking]
+            return None
+
         out = []
         for response in (chosen, rejected):
             full = apply(msgs + [{"role": "assistant", "content": response}], tokenize=False)
-            prompt = next((p for p in prompts if full.startswith(p)), None)
+            prompt = prompt_of(full)
             if prompt is None or not full.endswith("<|im_end|>\n"):
                 raise DataError(f"the chat template does not render {full!r} as one of its generation prompts "
-                                f"{prompts!r} followed by the response and '<|im_end|>\\n'")
+                                f"{list(prompts.values())!r} followed by the response and '<|im_end|>\\n'")
             out.append((prompt, full[len(prompt):]))
         if out[0][0] != out[1][0]:
             raise _Drop("prompt_mismatch", "chosen and rejected render different prompts "
@@ -480,37 +493,116 @@ def _data_cfg(cfg):
     return cfg.data if hasattr(cfg, "data") else cfg
 
 
+# Row checking runs in forked worker processes (data.num_workers >= 2) or in-process; this is what they share.
+_CHUNK_CTX: dict[str, Any] = {}
+CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
+
+
+def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
+    """(height, width) of a decodable image, or (drop reason, detail); memoised per process."""
+    cache = _CHUNK_CTX.setdefault("sizes", {})
+    if path not in cache:
+        try:
+            im = load_image(path)
+            cache[path] = (im.height, im.width)
+        except _Drop as d:
+            cache[path] = (d.reason, d.detail)
+    return cache[path]
+
+
+def _check_chunk(root: str, lines: list[tuple[int, int, bytes]]) -> list[tuple[int, int, dict | tuple[str, str]]]:
+    """Validate rows [(line number, byte offset, raw line)]; return (line, offset, lengths dict or (reason, detail))."""
+    text, ip = _CHUNK_CTX["text"], _CHUNK_CTX["ip"]
+    max_images, max_len = _CHUNK_CTX["max_images"], _CHUNK_CTX["max_len"]
+    merge = round(1 / ip.downsample_ratio)
+    out = []
+    for lineno, offset, raw in lines:
+        try:
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _Drop("invalid_json", str(e)) from None
+            system, question, chosen, rejected, imgs = text.parse(row, Path(root), max_images)
+            sizes = [_probe(p) for p in imgs]
+            bad = next((s for s in sizes if isinstance(s[0], str)), None)
+            if bad is not None:
+                raise _Drop(*bad)
+            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
+            grids = image_grids(ip, sizes)
+            counts = [gh * gw // merge**2 for gh, gw in grids]
+            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
+            p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
+            c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
+            if max(c_len, r_len) > max_len:
+                raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
+            out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
+                                             grids=grids, counts=counts)))
+        except _Drop as d:  # returned as a plain tuple: it crosses the process boundary
+            out.append((lineno, offset, (d.reason, d.detail)))
+    return out
+
+
+def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
+    """Non-blank lines of a JSONL file as (1-based line number, byte offset, bytes), CHUNK_ROWS at a time."""
+    chunk, offset = [], 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                chunk.append((lineno, offset, raw))
+                if len(chunk) == CHUNK_ROWS:
+                    yield chunk
+                    chunk = []
+            offset += len(raw)
+    if chunk:
+        yield chunk
+
+
+def _checked_rows(pool, workers: int, root: str, path: Path) -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
+    """`_check_chunk` results of a file in file order; a pool keeps 2 chunks per worker in flight."""
+    if pool is None:
+        for chunk in _read_chunks(path):
+            yield from _check_chunk(root, chunk)
+        return
+    window: collections.deque = collections.deque()
+    chunks = _read_chunks(path)
+    try:
+        for chunk in chunks:
+            window.append(pool.submit(_check_chunk, root, chunk))
+            if len(window) >= 2 * workers:
+                yield from window.popleft().result()
+        while window:
+            yield from window.popleft().result()
+    finally:  # stopped early (max_samples) or failed: drop the chunks not yet started
+        for fut in window:
+            fut.cancel()
+
+
 def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: int, fingerprint: str) -> PairIndex:
     """Scan every subset, validate rows and compute lengths (see build_index)."""
     data = _data_cfg(cfg)
     t0 = time.perf_counter()
-    text = TextRenderer(processor)
-    ip = processor.image_processor
-    merge = round(1 / ip.downsample_ratio)
-    seed, max_images, max_len = data.train.seed, data.train.max_images_per_row, data.max_seq_length
+    _CHUNK_CTX.clear()
+    _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor,
+                      max_images=data.train.max_images_per_row, max_len=data.max_seq_length)
     image_paths: list[str] = []
     path_ids: dict[str, int] = {}
-    size_cache: dict[str, tuple[int, int] | _Drop] = {}  # image path -> (height, width) or its drop
     cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
     img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
     stats: dict[str, dict] = {}
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, data.num_workers))  # PIL releases the GIL while decoding
+    pool = None
+    if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
+        import multiprocessing
 
-    def probe(path: str) -> tuple[int, int] | _Drop:
-        try:
-            im = load_image(path)
-            return im.height, im.width
-        except _Drop as d:
-            return d
+        pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, mp_context=multiprocessing.get_context("fork"))
 
-    def drop(st: dict, where: str, d: _Drop) -> None:
+    def drop(st: dict, where: str, reason: str, detail: str) -> None:
         if data.strict:
-            raise DataError(f"{where}: row dropped ({d.reason}: {d.detail}) and data.strict = true")
-        st["dropped"][d.reason] = st["dropped"].get(d.reason, 0) + 1
-        st.setdefault("first_drop", {"where": where, "reason": d.reason, "detail": d.detail})
-        ex = st["drop_examples"].setdefault(d.reason, [])
+            raise DataError(f"{where}: row dropped ({reason}: {detail}) and data.strict = true")
+        st["dropped"][reason] = st["dropped"].get(reason, 0) + 1
+        st.setdefault("first_drop", {"where": where, "reason": reason, "detail": detail})
+        ex = st["drop_examples"].setdefault(reason, [])
         if len(ex) < 3:
-            ex.append(f"{where}: {d.detail}")
+            ex.append(f"{where}: {detail}")
 
     try:
         for sid, sub in enumerate(subsets):
@@ -519,66 +611,23 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
             stats[sub.name] = st
             exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
             valid: list[dict] = []
-            done = stopped_early = False
-            with open(sub.annotation, "rb") as f:
-                offset, lineno = 0, 0
-                while not done:
-                    # up to 256 rows: (line, byte offset, parsed fields or their drop); the chunk's images decode
-                    # together on the thread pool, then rows are settled in file order (stats stop where reading stops)
-                    chunk: list[tuple[int, int, tuple | _Drop]] = []
-                    for raw in f:
-                        lineno += 1
-                        here, offset = offset, offset + len(raw)
-                        if not raw.strip():
-                            continue
-                        try:
-                            try:
-                                row = json.loads(raw)
-                            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                                raise _Drop("invalid_json", str(e)) from None
-                            chunk.append((lineno, here, text.parse(row, sub.root, max_images)))
-                        except _Drop as d:
-                            chunk.append((lineno, here, d))
-                        if len(chunk) == 256:
-                            break
-                    else:
-                        done = True
-                    todo = sorted({p for *_, fields in chunk if isinstance(fields, tuple) for p in fields[4]}
-                                  - size_cache.keys())
-                    size_cache.update(zip(todo, pool.map(probe, todo), strict=True))
-                    for lineno_, here, fields in chunk:
-                        st["rows_read"] += 1
-                        where = f"{sub.annotation}:{lineno_}"
-                        try:
-                            if isinstance(fields, _Drop):
-                                raise fields
-                            system, question, chosen, rejected, imgs = fields
-                            sizes = [size_cache[p] for p in imgs]
-                            bad = next((s for s in sizes if isinstance(s, _Drop)), None)
-                            if bad is not None:
-                                raise bad
-                            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
-                            grids = image_grids(ip, sizes)
-                            counts = [gh * gw // merge**2 for gh, gw in grids]
-                            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
-                            p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
-                            c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
-                            if max(c_len, r_len) > max_len:
-                                raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > "
-                                                        f"data.max_seq_length = {max_len}")
-                        except _Drop as d:
-                            drop(st, where, d)
-                            continue
-                        valid.append(dict(line=lineno_, offset=here, prompt_len=p_len, chosen_len=c_len,
-                                          rejected_len=r_len, imgs=imgs, grids=grids, counts=counts))
-                        if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
-                            done = stopped_early = True
-                            break
+            stopped_early = False
+            rows = _checked_rows(pool, data.num_workers, str(sub.root), sub.annotation)
+            for lineno, offset, res in rows:  # settled in file order, so stats stop exactly where reading stops
+                st["rows_read"] += 1
+                if isinstance(res, tuple):
+                    drop(st, f"{sub.annotation}:{lineno}", *res)
+                    continue
+                valid.append({**res, "line": lineno, "offset": offset})
+                if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
+                    stopped_early = True
+                    rows.close()
+                    break
             if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
                 warnings.warn(f"subset {sub.name!r}: the meta says length = {sub.length} but {sub.annotation} has "
                               f"{st['rows_read']} rows", stacklevel=3)
             st["valid"] = len(valid)
-            keep = apply_repeat_time(len(valid), sub.repeat_time, seed, sub.name)
+            keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
             first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
@@ -606,7 +655,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
                                          "repeat_time": later.repeat_time, "not_read": "max_samples reached"}
                 break
     finally:
-        pool.shutdown()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        _CHUNK_CTX.clear()
 
     def t(key, src=cols):
         return torch.tensor(src[key], dtype=torch.int64)
@@ -696,8 +747,8 @@ def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | Non
     Args:
         meta_path: the MMPR meta-recipe JSON.
         processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
-        cfg: the run `Config` (or its `DataConfig`): data.max_seq_length, data.strict, data.num_workers (threads
-            that decode images while indexing), data.train.data_root / seed / max_images_per_row / max_samples.
+        cfg: the run `Config` (or its `DataConfig`): data.max_seq_length, data.strict, data.num_workers (>= 2: forked
+            processes that check rows while indexing), data.train.data_root / seed / max_images_per_row / max_samples.
         max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
             random sample. Default data.train.max_samples; 0 = all.
         use_cache: read / write the cache (see `_cache_root`).
@@ -850,7 +901,7 @@ class PairDataset(torch.utils.data.Dataset):
             if imgs != images:
                 raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
-        except (_Drop, json.JSONDecodeError) as e:
+        except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{ix.source(i)}: the row no longer validates ({e}); the annotation changed since the "
                             f"index was built: delete {ix.cache_dir or 'the cache'} and restart") from None
         return RowText(prompt, r_c, r_r, images)
@@ -1074,7 +1125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (0 = all)")
     ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length, help="tokens per row")
     ap.add_argument("--data-root", default="", help="base of relative root/annotation paths")
-    ap.add_argument("--num-workers", type=int, default=4, help="image-decoding threads")
+    ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)

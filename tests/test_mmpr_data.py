@@ -295,7 +295,7 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
         {"image": ["a.png", "b.png"], "question": "First <image> then <image>: same?", "chosen": "No.",
          "rejected": "Yes.", "system": "Be exact."},
         {"image": ["a.png", "b.png"], "question": "Compare them.", "chosen": "Different.", "rejected": "Same."},
-        {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+        {"question": "What is 2+2?", "chosen": "4", "rejected": "5", "system_prompt": None},
     ], imgs)
     index = md.build_index(meta, processor, make_cfg())
     assert len(index) == 4 and md.summary_drops(index) == {}
@@ -344,8 +344,8 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(0),  # valid
         '{"image": "a.png", "question": "<image>\\nBroken',  # invalid_json
         "[1, 2]",  # invalid_json (not an object)
-        {"image": "a.png", "question": "<image> Q", "chosen": "x"},  # missing_field (no rejected)
-        row(1, rejected=None) | {"rejected": None},  # missing_field (DropoutNTP prompt rows have rejected null)
+        {"image": "a.png", "question": "<image> Q", "chosen": "x", "rejected": None},  # missing_field (null rejected)
+        row(1, system=["not", "a", "string"]),  # missing_field (system must be a string)
         row(2, image=["a.png", "a.png", "a.png"], q="Three?"),  # too_many_images (max 2)
         row(3, q="<image> and <image>?"),  # placeholder_mismatch: 2 placeholders, 1 image
         row(4, image=None),  # placeholder_mismatch: a placeholder, no image
@@ -382,6 +382,18 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         md.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
     with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
         md.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
+
+
+def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
+    """Forked row checking (data.num_workers >= 2) gives the serial index: same order, lengths, drops, early stop."""
+    monkeypatch.setattr(md, "CHUNK_ROWS", 3)  # many chunks, a window of 4 in flight
+    rows = [row(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    for max_samples in (0, 7):
+        serial = md.build_index(meta, processor, make_cfg(num_workers=0), max_samples=max_samples, use_cache=False)
+        forked = md.build_index(meta, processor, make_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
+        assert _same(serial, forked) and len(forked) == (16 if max_samples == 0 else 7)
+    assert forked.stats["sub"]["rows_read"] == 9 and forked.stats["sub"]["dropped"] == {"image_missing": 2}
 
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
