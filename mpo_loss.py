@@ -17,12 +17,13 @@ microbatches, all data-parallel ranks), so gradients do not depend on how pairs 
 optimizer step, the loss only returns its sufficient statistics and the training loop updates δ once after
 `optimizer.step()` with `update_reward_shift`.
 
-The pipeline for one packed microbatch (THD: one row of T tokens holding several sequences):
+The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
+`token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):
 
-    token_logps = token_logprobs(logits [T_local, V/TP], labels [T_local], tp_group, chunk_size)       # fp32 [T_local]
-    seq_ids     = token_sequence_ids(cu_seqlens_padded, T)[cp_index]    # [T_local]; cp_index = this CP rank's tokens
-    pol, n      = sequence_logps(token_logps, loss_mask, seq_ids, S, cp_group)                          # [S], [S]
-    ref, _      = sequence_logps(ref_token_logps, loss_mask, seq_ids, S, cp_group)   # reference pass, no grad
+    seq_ids = token_sequence_ids(cu_seqlens_padded, T)[cp_index]   # [T_local]; cp_index = this CP rank's tokens
+    pol, n  = packed_sequence_logps(logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)  # [S], [S]
+    with torch.no_grad():                                            # the reference model's logits, same layout
+        ref, _ = packed_sequence_logps(ref_logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
@@ -247,6 +248,23 @@ def sequence_logps(
     return sums, counts.round().long()
 
 
+def packed_sequence_logps(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_sequences: int,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` then `sequence_logps`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
+    sequence's response tokens [S] fp32, response-token counts [S] int64). Run it under torch.no_grad() for the
+    reference model."""
+    return sequence_logps(token_logprobs(logits, labels, tp_group, chunk_size), loss_mask, seq_ids, num_sequences,
+                          cp_group)
+
+
 def sequence_logratios(
     policy_logps: torch.Tensor, ref_logps: torch.Tensor, num_tokens: torch.Tensor, average: bool
 ) -> torch.Tensor:
@@ -321,7 +339,8 @@ def count_valid_pairs(
     num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
-    get `num_global_pairs` before the first forward; `num_tokens` [S] is the per-sequence count of loss_mask."""
+    get `num_global_pairs` before the first forward. `num_tokens` [S] is the per-sequence count of loss_mask over the
+    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), token_sequence_ids(cu_seqlens_padded, T), S)`."""
     return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 

@@ -23,6 +23,7 @@ from mpo_loss import (
     combine_metrics,
     count_valid_pairs,
     mpo_loss,
+    packed_sequence_logps,
     pair_layout,
     sequence_logps,
     sequence_logratios,
@@ -280,7 +281,7 @@ def bin_loss(rows, row_ids, c, delta, num_global, chunk=4):
     cu = torch.tensor([0, *torch.tensor([rows[i][0].shape[0] for i in row_ids]).cumsum(0).tolist()], dtype=torch.int32)
     seq = token_sequence_ids(cu, logits.shape[0])
     S = len(row_ids)
-    pol, n = sequence_logps(token_logprobs(logits, labels, None, chunk), mask, seq, S)
+    pol, n = packed_sequence_logps(logits, labels, mask, seq, S, None, None, chunk)
     ref_s, _ = sequence_logps(ref, mask, seq, S)
     return mpo_loss(pol, ref_s, n, torch.tensor([i // 2 for i in row_ids]), torch.tensor([i % 2 == 0 for i in row_ids]),
                     torch.ones(S), c, delta, num_global)
