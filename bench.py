@@ -590,7 +590,9 @@ def bench_data(quick: bool) -> dict:
 def bench_gpu(quick: bool) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
-    raise NotImplementedError("GPU benchmark: run on a GPU machine once one is available (not measured yet)")
+    # Not written yet: no accelerator was available to develop and check it on (a known gap, reported as such).
+    return {"skipped": f"CUDA device {torch.cuda.get_device_name()} present, but the GPU benchmark (step time, "
+                       "tokens/s, MFU) is not implemented yet"}
 
 
 # ======================================================================================================================
