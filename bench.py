@@ -1,0 +1,730 @@
+"""Measured performance of omni-mpo against the baselines a user would otherwise pick, side by side, as ratios.
+
+    python bench.py            # everything below; prints one table, writes bench_results.json
+    python bench.py --quick    # reduced sizes, < 3 min on 2 CPU cores (tests/test_bench.py runs it)
+    python bench.py --only packing,logprobs --json out.json
+
+Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in the JSON):
+1. packing   pack.py on a synthetic MMPR-like step (256 pairs, 8 DP ranks): (a) our pair-atomic THD bins with greedy
+             balancing, (b) the same bins dealt round-robin, (c) unpacked microbatches of one pair padded to its
+             longer row (the reference system's non-packed path). Useful-token fraction, busiest rank's token share,
+             padding compute of (c) against (a). Pure arithmetic on token counts: exact, not timed.
+2. vision    one pair through the Omni model with the image encoded once and shared by chosen and rejected vs
+             encoded once per row: vision tower + projector time per pair, whole forward+backward time; the logits
+             and every gradient must match (asserted).
+3. logprobs  per-token log-probs of T x V fp32 logits: mpo_loss.token_logprobs (chunked) vs the naive
+             log_softmax(logits.float()).gather; peak additional memory of forward+backward and time; values and
+             gradients must match to 1e-5 (asserted). Memory method: a child process with glibc's mmap threshold
+             pinned to 64 KiB (MALLOC_MMAP_THRESHOLD_) so that every tensor buffer is its own mmap, returned to the
+             kernel when freed; the kernel's peak resident set (VmHWM, reset through /proc/self/clear_refs) over the
+             call minus the resident set before it is the peak additional memory. Deterministic to a few pages.
+4. train     one MPO optimizer step on the shipped sample with a small Omni config generated here (hidden 256, 8 layers
+             M*EM-M*E, ViT 2 blocks): ours (train.train_step: packed THD microbatches, reference forward without grad,
+             vision once per pair, megatron DDP + Adam) vs transformers' NemotronH_Omni_Reasoning_V3 with the same
+             weights doing the conventional step (each pair a padded [2, L] batch, the image once per row, policy and
+             reference forwards, log_softmax+gather, torch Adam). Same step-1 loss to 1e-4 and gradient norm to 1e-4
+             relative (asserted); pairs/s, tokens/s and the speed ratio.
+5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
+             image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
+6. gpu       only with an accelerator; skipped with a message otherwise.
+
+Timings on a shared CPU are noisy: read ratios from one run, not absolute times. Memory and value equalities are exact.
+Errors: an equality that does not hold raises AssertionError naming the item and both values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+import pack  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+TINY = ROOT / "assets" / "tiny-omni"
+SAMPLE_META = ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "meta.json"
+
+VALUE_TOL = 1e-5  # issue 9: log-probs, vision-once-per-pair logits and gradients
+LOSS_TOL = 1e-4  # issue 9: step-1 loss of ours vs the transformers baseline
+MEMORY_GOAL = 4.0  # issue 9: >= 4x less peak memory for the fused log-probs ...
+TIME_GOAL = 1.3  # ... at <= 1.3x the time
+
+# The small Omni config of items 2 and 4: every layer kind (M Mamba-2, * attention, E MoE, - dense MLP).
+SMALL_LLM = dict(hidden_size=256, hybrid_override_pattern="M*EM-M*E", num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=32, mamba_num_heads=16, mamba_head_dim=32, ssm_state_size=32, n_groups=2, chunk_size=64,
+                 intermediate_size=768, moe_intermediate_size=256, moe_shared_expert_intermediate_size=512,
+                 n_routed_experts=8, num_experts_per_tok=2)
+SMALL_VIT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4)
+SMALL_PROJECTOR_HIDDEN = 512
+
+
+def interleaved_times(fns: dict, reps: int) -> dict[str, dict[str, float]]:
+    """Wall times (seconds) of each fn over `reps` rounds, the fns called in turn within a round so that load from
+    other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use the minimum, the estimate
+    least inflated by contention on a shared machine."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: {"min": min(v), "median": statistics.median(v)} for k, v in times.items()}
+
+
+# ======================================================================================================================
+# 1. Packing
+
+
+def bench_packing(quick: bool) -> dict:
+    """Useful-token fraction and DP balance of three ways to lay out one MMPR-like step (exact token arithmetic).
+
+    Setup: pack.synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses
+    50-1500), 8 DP ranks, rows padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's
+    default); the same numbers in --quick (no cost to compute).
+    """
+    n_pairs, dp, cap, div = 256, 8, 10240, 8
+    lengths = pack.synthetic_mmpr_lengths(n_pairs, seed=0)
+    useful = sum(c + r for c, r in lengths.values())
+
+    def summary(ranks) -> dict:
+        loads = [sum(b.tokens for b in r) for r in ranks]
+        total = sum(loads)
+        return {"tokens": total, "useful_fraction": useful / total, "busiest_rank_share": max(loads) / total,
+                "busiest_rank_tokens": max(loads), "imbalance": max(loads) * len(loads) / total}
+
+    ours = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="greedy")
+    rr = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="round_robin")
+    # (c): one pair per microbatch as a [2, L] batch, L = the longer row padded to the multiple; in data order,
+    # dealt round-robin like the reference system.
+    padded = []
+    for pid, (c, r) in lengths.items():
+        L = pack.padded_length(max(c, r), div)
+        padded.append(pack.Bin(pair_ids=(pid,), tokens=2 * L, useful=c + r, cost=2 * pack.sequence_cost(L)))
+    out = {"pairs": n_pairs, "dp": dp, "max_tokens_per_bin": cap, "divisible_by": div, "useful_tokens": useful,
+           "ours": summary(ours.ranks), "round_robin": summary(rr.ranks),
+           "padded": summary(pack.deal_round_robin(padded, dp))}
+    a, c = out["ours"], out["padded"]
+    out["padding_compute_c_over_a"] = c["tokens"] / a["tokens"]  # processed tokens of (c) per token of (a)
+    out["padding_wasted_fraction_c"] = 1 - c["useful_fraction"]
+    out["padding_wasted_fraction_a"] = 1 - a["useful_fraction"]
+    out["busiest_rank_c_over_a"] = c["busiest_rank_tokens"] / a["busiest_rank_tokens"]  # step-time proxy
+    out["busiest_rank_b_over_a"] = out["round_robin"]["busiest_rank_tokens"] / a["busiest_rank_tokens"]
+    return out
+
+
+# ======================================================================================================================
+# Shared set-up of items 2 and 4: an in-process world of size 1 and the small Omni checkpoints
+
+
+_STATE: dict = {}
+
+
+def init_world() -> None:
+    """In-process gloo world of size 1 with megatron parallel_state (TP = CP = EP = 1), once per process."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import cpu_compat
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+
+
+def _make_tiny_module():
+    spec = importlib.util.spec_from_file_location("make_tiny_omni", ROOT / "assets" / "make_tiny_omni.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def small_checkpoint(name: str, seed: int) -> Path:
+    """A hub-layout checkpoint folder of the small bench config (random weights from transformers' init, `seed`),
+    with the tiny asset's tokenizer, chat template and processor. Written once per process into a temporary folder."""
+    key = f"ckpt_{name}"
+    if key in _STATE:
+        return _STATE[key]
+    if "tmp" not in _STATE:
+        _STATE["tmp"] = Path(tempfile.mkdtemp(prefix="omni_bench_"))
+    out = _STATE["tmp"] / name
+    out.mkdir()
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg["llm_config"].update(SMALL_LLM)
+    cfg["vision_config"].update(SMALL_VIT)
+    cfg["vit_hidden_size"] = SMALL_VIT["hidden_size"]
+    cfg["projector_hidden_size"] = SMALL_PROJECTOR_HIDDEN
+    from safetensors.torch import save_file
+
+    sd = _make_tiny_module().build_weights(cfg, seed)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
+             "weight_map": {k: "model.safetensors" for k in sd}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in TINY.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    _STATE[key] = out
+    return out
+
+
+def _processor(path: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
+
+
+def sample_pairs(model_dir: Path, n: int) -> tuple[dict, dict]:
+    """The first n pairs of the shipped sample as pack.PreferencePair (decoded once), and {image, pad} token ids."""
+    import mmpr_data
+    from config import Config
+
+    proc = _processor(model_dir)
+    cfg = Config()
+    cfg.data.train.data_path = str(SAMPLE_META)
+    index = mmpr_data.build_index(SAMPLE_META, proc, cfg, use_cache=False)
+    if len(index) < n:
+        raise ValueError(f"the sample has {len(index)} pairs, fewer than the {n} asked for")
+    ds = mmpr_data.PairDataset(index, proc)
+    ids = {"image": json.loads((model_dir / "config.json").read_text())["img_context_token_id"],
+           "pad": proc.tokenizer.pad_token_id or 0}
+    return {i: ds[i] for i in range(n)}, ids
+
+
+def _build_ours(model_dir: Path):
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    m = om.build_model(model_dir, ModelConfig(), ParallelConfig())
+    om.load_hf_weights(m, model_dir)
+    return m
+
+
+# ======================================================================================================================
+# 2. Vision once per pair
+
+
+def _per_row_media(batch: pack.PackedBatch) -> dict:
+    """The same packed pair with each row holding its own copy of the images (the reference system's layout)."""
+    d = {k: getattr(batch, k) for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
+    s = batch.num_sequences
+    n_img = batch.image_grid_hw.shape[0]
+    d.update(pixel_values=torch.cat([batch.pixel_values] * s), image_grid_hw=torch.cat([batch.image_grid_hw] * s),
+             image_token_counts=torch.cat([batch.image_token_counts] * s), media_index=torch.arange(s),
+             media_image_offsets=torch.arange(s + 1) * n_img)
+    return d
+
+
+def bench_vision(quick: bool) -> dict:
+    """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
+    init_world()
+    model_dir = small_checkpoint("policy", seed=1234)
+    pairs, ids = sample_pairs(model_dir, 1)
+    model = _build_ours(model_dir).train()
+    shared = pack.pack([pairs[0]], 8, ids["image"], ids["pad"])
+    per_row = _per_row_media(shared)
+
+    def fwd_bwd(batch):
+        model.zero_grad(set_to_none=True)
+        logits = model(batch)
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+        (logits * w).sum().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    l1, g1 = fwd_bwd(shared)
+    l2, g2 = fwd_bwd(per_row)
+    logits_diff = (l1 - l2).abs().max().item()
+    assert logits_diff <= VALUE_TOL, f"vision: shared vs per-row logits differ by {logits_diff}"
+    assert set(g1) == set(g2) and any(n.startswith("vision_model.") for n in g1), "vision: gradient sets differ"
+    grad_rel = max((g1[n] - g2[n]).abs().max().item() / max(g2[n].abs().max().item(), 1e-6) for n in g1)
+    assert grad_rel <= VALUE_TOL, f"vision: shared vs per-row gradients differ by {grad_rel} (relative)"
+
+    def encode(copies: int):
+        model.zero_grad(set_to_none=True)
+        feats = model.encode_images(torch.cat([shared.pixel_values] * copies),
+                                    torch.cat([shared.image_grid_hw] * copies))
+        torch.cat(feats).sum().backward()
+
+    reps = 5 if quick else 15
+    encode(1)  # warm-up
+    t = interleaved_times({"once": lambda: encode(1), "twice": lambda: encode(2), "shared": lambda: fwd_bwd(shared),
+                           "per_row": lambda: fwd_bwd(per_row)}, reps)
+    t_once, t_twice, t_step_shared, t_step_per_row = (t[k]["min"] for k in ("once", "twice", "shared", "per_row"))
+    return {"image_patches": int(shared.pixel_values.shape[0]), "image_tokens": int(shared.image_token_counts.sum()),
+            "pair_tokens": int(shared.cu_seqlens[-1]), "logits_max_abs_diff": logits_diff,
+            "grads_max_rel_diff": grad_rel, "vision_fwd_bwd_s_shared": t_once, "vision_fwd_bwd_s_per_row": t_twice,
+            "vision_cost_ratio": t_twice / t_once, "pair_fwd_bwd_s_shared": t_step_shared,
+            "pair_fwd_bwd_s_per_row": t_step_per_row, "pair_step_ratio": t_step_per_row / t_step_shared}
+
+
+# ======================================================================================================================
+# 3. Fused log-probs (measured in a child process, see the module docstring)
+
+
+def _status_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: reset VmHWM to the current resident set
+    except OSError as e:
+        raise RuntimeError(f"cannot reset the peak resident set through /proc/self/clear_refs ({e}): the log-prob "
+                           "memory measurement needs Linux >= 4.0 with a writable /proc") from e
+
+
+def _measure(fn) -> tuple[int, float]:
+    """(peak additional resident bytes, seconds) of fn()."""
+    _reset_peak_rss()
+    base = _status_bytes("VmRSS")
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    return _status_bytes("VmHWM") - base, dt
+
+
+def logprobs_worker(T: int, V: int, chunk: int, reps: int) -> dict:
+    """Run in the child process: both paths `reps` times each (interleaved), then the value check."""
+    import mpo_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(T, V, generator=g)  # unit-scale logits (an initialised LM head's); fp32 log-probs ~ -log V
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::97] = -100  # padding positions: log-prob 0, no gradient, on both paths
+    w = torch.randn(T, generator=g)
+    valid = labels >= 0
+
+    def ours(x):
+        return mpo_loss.token_logprobs(x, labels, None, chunk)
+
+    def naive(x):
+        lp = torch.log_softmax(x.float(), dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+        return torch.where(valid, lp, torch.zeros((), dtype=lp.dtype))
+
+    res = {"ours": {"peak_bytes": [], "seconds": []}, "naive": {"peak_bytes": [], "seconds": []}}
+    kept = {}
+    for rep in range(reps):
+        for name, f in (("naive", naive), ("ours", ours)):
+            x = logits.detach().requires_grad_(True)
+            out = {}
+
+            def run(x=x, f=f, out=out):
+                y = f(x)
+                (y * w).sum().backward()
+                out["y"] = y.detach()
+
+            peak, dt = _measure(run)
+            res[name]["peak_bytes"].append(peak)
+            res[name]["seconds"].append(dt)
+            if rep == reps - 1:
+                kept[name] = (out["y"], x.grad)
+            del x, out
+    (y_o, g_o), (y_n, g_n) = kept["ours"], kept["naive"]
+    # float64 reference of the values, chunk by chunk (no autograd): how far each fp32 path is from the exact value
+    exact = torch.cat([torch.log_softmax(logits[s:s + chunk].double(), -1).gather(-1, labels[s:s + chunk].clamp(
+        min=0)[:, None])[:, 0] for s in range(0, T, chunk)]).masked_fill(~valid, 0.0)
+    res["values_ours_vs_fp64"] = (y_o.double() - exact).abs().max().item()
+    res["values_naive_vs_fp64"] = (y_n.double() - exact).abs().max().item()
+    grad_diff = max((g_o[s:s + chunk] - g_n[s:s + chunk]).abs().max().item() for s in range(0, T, chunk))
+    res["values_max_abs_diff"] = (y_o - y_n).abs().max().item()
+    res["grads_max_abs_diff"] = grad_diff
+    res["grad_bytes"] = T * V * 4
+    return res
+
+
+def bench_logprobs(quick: bool) -> dict:
+    """Chunked vocab-parallel log-probs vs the naive path: memory, time, values (child process, see module doc)."""
+    T, V, chunk, reps = (2048, 32768, 256, 3) if quick else (4096, 131072, 1024, 5)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--logprobs-worker", str(T), str(V),
+                           str(chunk), str(reps)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"log-prob worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["values_max_abs_diff"] <= VALUE_TOL, f"logprobs: values differ by {r['values_max_abs_diff']}"
+    assert r["grads_max_abs_diff"] <= VALUE_TOL, f"logprobs: gradients differ by {r['grads_max_abs_diff']}"
+    assert r["values_ours_vs_fp64"] <= VALUE_TOL, f"logprobs: ours is {r['values_ours_vs_fp64']} from float64"
+    peak_o, peak_n = max(r["ours"]["peak_bytes"]), max(r["naive"]["peak_bytes"])
+    t_o, t_n = min(r["ours"]["seconds"]), min(r["naive"]["seconds"])  # see interleaved_times
+    grad = r["grad_bytes"]
+    return {"T": T, "V": V, "chunk_size": chunk, "reps": reps, "logits_bytes": grad, "peak_bytes_ours": peak_o,
+            "peak_bytes_naive": peak_n, "peak_bytes_all_reps": {k: r[k]["peak_bytes"] for k in ("ours", "naive")},
+            # the gradient of the logits [T, V] is the output of both backward passes (the LM head needs it);
+            # what is left is the working memory of the log-prob computation itself
+            "memory_ratio": peak_n / peak_o, "working_bytes_ours": peak_o - grad, "working_bytes_naive": peak_n - grad,
+            "working_memory_ratio": (peak_n - grad) / max(peak_o - grad, 1), "seconds_ours": t_o,
+            "seconds_naive": t_n, "time_ratio": t_o / t_n, "values_max_abs_diff": r["values_max_abs_diff"],
+            "grads_max_abs_diff": r["grads_max_abs_diff"], "values_ours_vs_fp64": r["values_ours_vs_fp64"],
+            "values_naive_vs_fp64": r["values_naive_vs_fp64"]}
+
+
+# ======================================================================================================================
+# 4. Training step: ours vs transformers' model doing the conventional MPO step
+
+
+def _bench_cfg(model_dir: Path, n_pairs: int):
+    from config import Config
+
+    cfg = Config()
+    cfg.model.hf_path = str(model_dir)
+    cfg.mpo.sft_loss_weight = 1.0  # the MPO paper's weights 0.8 / 0.2 / 1.0: every term of the loss is exercised
+    cfg.policy.train_global_batch_size = n_pairs
+    cfg.policy.logprob_chunk_size = 1024
+    # the config's packing defaults: one pair (~300 tokens here) per packed microbatch. More pairs per bin cost
+    # O(T_bin^2) attention on CPU: the local spec's ThdDotProductAttention builds a dense [T, T] block-diagonal mask
+    cfg.packing.max_tokens_per_bin = 4096
+    cfg.packing.max_sequences_per_bin = 1
+    cfg.scheduler.lr_warmup_steps = 0  # a real update from step 1 on (megatron: step 1 uses lr_warmup_init otherwise)
+    cfg.mpo.max_num_steps = 100
+    return cfg
+
+
+def _conventional_mpo_loss(pol: torch.Tensor, ref: torch.Tensor, n_tok: torch.Tensor, m) -> torch.Tensor:
+    """MPO loss of one pair written out directly (MPO paper, arXiv 2411.10442: w_p·DPO + w_q·BCO + w_g·SFT, δ = 0 at
+    step 1). pol/ref: [2] response log-prob sums (chosen, rejected); n_tok: [2] response-token counts."""
+    import torch.nn.functional as F
+
+    ratio = pol - ref
+    avg = ratio / n_tok
+    lp = avg if m.preference_average_log_probs else ratio
+    lq = avg if m.quality_average_log_probs else ratio
+    beta, delta = m.reference_policy_kl_penalty, m.reward_shift
+    pref = -F.logsigmoid(beta * (lp[0] - lp[1]))
+    bco = -F.logsigmoid(beta * lq[0] - delta) - F.logsigmoid(-(beta * lq[1] - delta))
+    sft = -(pol[0] / n_tok[0] if m.sft_average_log_probs else pol[0])
+    return m.preference_loss_weight * pref + m.bco_loss_weight * bco + m.sft_loss_weight * sft
+
+
+def _row_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive per-row response log-prob sums from [B, L, V] logits: log_softmax + gather, the usual way."""
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    m = mask[:, 1:]
+    return torch.where(m, lp, torch.zeros((), dtype=lp.dtype)).sum(1), m.sum(1)
+
+
+def bench_train(quick: bool) -> dict:
+    """One optimizer step, ours vs the transformers baseline: step-1 loss and gradient norm equal, pairs/s, tokens/s."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    import train
+
+    init_world()
+    n_pairs, timed = (6, 2) if quick else (16, 5)
+    pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
+    pairs, ids = sample_pairs(pol_dir, n_pairs)
+    cfg = _bench_cfg(pol_dir, n_pairs)
+    tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
+    o = cfg.optimizer
+
+    # -- ours: train.train_step as train.main sets it up (one rank) --------------------------------------------------
+    policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
+    reference.eval().requires_grad_(False)
+    ddp_cfg = copy.copy(policy.lm_config)
+    ddp_cfg.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(ddp_cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                         use_distributed_optimizer=True), policy)
+    optim_cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                                clip_grad=o.clip_grad, bf16=False, params_dtype=torch.float32,
+                                use_distributed_optimizer=True)
+    with train.cuda_to_cpu():
+        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
+    scheduler = train.build_scheduler(optimizer, cfg)
+    ctx = train.Ctx(cfg, torch.device("cpu"), 1)
+    ddp.train()
+    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
+    state = {"shift": cfg.mpo.reward_shift}
+
+    def ours_step() -> dict:
+        plan = pack.plan_step(lengths, cfg, 1)
+        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        m, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx,
+                                             state["shift"])
+        m["microbatches"] = len(batches)
+        return m
+
+    # -- baseline: transformers, conventional padded per-pair step ---------------------------------------------------
+    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).train()
+    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).eval().requires_grad_(False)
+    params = [p for p in hf_pol.parameters() if p.requires_grad]
+    hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                              weight_decay=o.weight_decay)
+
+    def base_step() -> dict:
+        hf_opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for p in pairs.values():
+            rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
+            L = max(r.numel() for r in rows)
+            input_ids = torch.full((2, L), ids["pad"], dtype=torch.int64)
+            attn = torch.zeros(2, L, dtype=torch.int64)
+            resp = torch.zeros(2, L, dtype=torch.bool)
+            for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
+                input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
+            kw = dict(input_ids=input_ids, attention_mask=attn, pixel_values=torch.cat([p.pixel_values] * 2),
+                      image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
+            with torch.no_grad():
+                ref, _ = _row_logps(hf_ref(**kw).logits, input_ids, resp)
+            pol, n_tok = _row_logps(hf_pol(**kw).logits, input_ids, resp)
+            loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
+            loss.backward()
+            total += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        hf_opt.step()
+        return {"loss": total, "grad_norm": float(grad_norm)}
+
+    m_ours, m_base = ours_step(), base_step()  # step 1: the equality check (and warm-up)
+    loss_diff = abs(m_ours["loss"] - m_base["loss"])
+    assert loss_diff <= LOSS_TOL, f"train: step-1 loss ours {m_ours['loss']} vs baseline {m_base['loss']}"
+    gn_rel = abs(m_ours["grad_norm"] - m_base["grad_norm"]) / max(m_base["grad_norm"], 1e-12)
+    assert gn_rel <= LOSS_TOL, f"train: step-1 grad norm ours {m_ours['grad_norm']} vs baseline {m_base['grad_norm']}"
+    t = interleaved_times({"ours": ours_step, "baseline": base_step}, timed)
+    t_ours, t_base = t["ours"]["min"], t["baseline"]["min"]
+    return {"pairs": n_pairs, "tokens": tokens, "microbatches_ours": m_ours["microbatches"],
+            "microbatches_baseline": n_pairs, "loss_ours": m_ours["loss"], "loss_baseline": m_base["loss"],
+            "loss_abs_diff": loss_diff, "grad_norm_ours": m_ours["grad_norm"],
+            "grad_norm_baseline": m_base["grad_norm"],
+            "grad_norm_rel_diff": gn_rel, "step_s_ours": t_ours, "step_s_baseline": t_base,
+            "pairs_per_s_ours": n_pairs / t_ours, "pairs_per_s_baseline": n_pairs / t_base,
+            "tokens_per_s_ours": tokens / t_ours, "tokens_per_s_baseline": tokens / t_base,
+            "speed_ratio": t_base / t_ours, "timed_steps": timed, "step_s_median": t}
+
+
+# ======================================================================================================================
+# 5. Data: index build vs cache load, decoding throughput
+
+
+def _repeated_meta(folder: Path, repeat: int) -> Path:
+    """A copy of the sample's meta-recipe whose annotations hold every row `repeat` times (absolute image roots)."""
+    import mmpr_data
+
+    meta = json.loads(SAMPLE_META.read_text())
+    subsets = {s.name: s for s in mmpr_data.read_meta(SAMPLE_META)}
+    for name, entry in meta.items():
+        s = subsets[name]
+        lines = [ln for ln in s.annotation.read_text().splitlines() if ln.strip()]
+        ann = folder / f"{name}.jsonl"
+        ann.write_text("\n".join(lines * repeat) + "\n")
+        entry.update(root=str(s.root), annotation=str(ann), length=len(lines) * repeat)
+    path = folder / "meta.json"
+    path.write_text(json.dumps(meta, indent=1))
+    return path
+
+
+def bench_data(quick: bool) -> dict:
+    """Index build (no cache) vs cache load of the sample repeated to ~5,000 rows; pairs/s with 0 and 2 workers."""
+    import mmpr_data
+    from config import Config
+
+    repeat, n_decode = (15, 64) if quick else (148, 256)
+    proc = _processor(TINY)
+    cfg = Config()
+    saved = os.environ.get("HF_DATASETS_CACHE")
+    with tempfile.TemporaryDirectory(prefix="omni_bench_data_") as d:
+        os.environ["HF_DATASETS_CACHE"] = str(Path(d) / "cache")
+        try:
+            meta = _repeated_meta(Path(d), repeat)
+            t = time.perf_counter()
+            built = mmpr_data.build_index(meta, proc, cfg)
+            t_build = time.perf_counter() - t
+            t = time.perf_counter()
+            loaded = mmpr_data.build_index(meta, proc, cfg)
+            t_load = time.perf_counter() - t
+        finally:
+            if saved is None:
+                os.environ.pop("HF_DATASETS_CACHE", None)
+            else:
+                os.environ["HF_DATASETS_CACHE"] = saved
+        assert (built.cache_status, loaded.cache_status) == ("built", "hit"), (built.cache_status, loaded.cache_status)
+        assert built.lengths() == loaded.lengths(), "data: the cached index differs from the built one"
+        ds = mmpr_data.PairDataset(loaded, proc)
+        rates = {}
+        for workers in (0, 2):
+            loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=range(n_decode), num_workers=workers,
+                                                 collate_fn=mmpr_data._collate_pairs)
+            t = time.perf_counter()
+            n = sum(len(b) for b in loader)
+            rates[workers] = n / (time.perf_counter() - t)
+    return {"rows": len(built), "build_s": t_build, "cache_load_s": t_load, "build_over_load": t_build / t_load,
+            "decode_pairs": n_decode, "pairs_per_s_workers0": rates[0], "pairs_per_s_workers2": rates[2],
+            "workers2_over_workers0": rates[2] / rates[0]}
+
+
+# ======================================================================================================================
+# 6. GPU
+
+
+def bench_gpu(quick: bool) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
+    # Not written yet: no accelerator was available to develop and check it on (a known gap, reported as such).
+    return {"skipped": f"CUDA device {torch.cuda.get_device_name()} present, but the GPU benchmark (step time, "
+                       "tokens/s, MFU) is not implemented yet"}
+
+
+# ======================================================================================================================
+# Table and entry point
+
+
+ITEMS = {"packing": bench_packing, "vision": bench_vision, "logprobs": bench_logprobs, "train": bench_train,
+         "data": bench_data, "gpu": bench_gpu}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.0f} MiB"
+
+
+def table(res: dict) -> str:
+    """The results as one Markdown table: item | metric | ours | baseline | ratio."""
+    rows = []
+    if "packing" in res:
+        p = res["packing"]
+        a, b, c = p["ours"], p["round_robin"], p["padded"]
+        rows += [
+            ("packing (a) vs (b) round-robin", "busiest rank's token share (1/8 ideal)",
+             f"{a['busiest_rank_share']:.4f}", f"{b['busiest_rank_share']:.4f}", f"{p['busiest_rank_b_over_a']:.3f}x"),
+            ("packing (a) vs (c) padded pairs", "useful-token fraction", f"{a['useful_fraction']:.4f}",
+             f"{c['useful_fraction']:.4f}", f"{a['useful_fraction'] / c['useful_fraction']:.3f}x"),
+            ("packing (a) vs (c) padded pairs", "tokens computed (padding included)", f"{a['tokens']}",
+             f"{c['tokens']}", f"{p['padding_compute_c_over_a']:.3f}x"),
+            ("packing (a) vs (c) padded pairs", "busiest rank's tokens (step time)", f"{a['busiest_rank_tokens']}",
+             f"{c['busiest_rank_tokens']}", f"{p['busiest_rank_c_over_a']:.3f}x"),
+        ]
+    if "vision" in res:
+        v = res["vision"]
+        rows += [
+            ("vision once per pair", "ViT+projector fwd+bwd per pair", f"{v['vision_fwd_bwd_s_shared'] * 1e3:.1f} ms",
+             f"{v['vision_fwd_bwd_s_per_row'] * 1e3:.1f} ms", f"{v['vision_cost_ratio']:.2f}x"),
+            ("vision once per pair", "whole pair fwd+bwd", f"{v['pair_fwd_bwd_s_shared'] * 1e3:.1f} ms",
+             f"{v['pair_fwd_bwd_s_per_row'] * 1e3:.1f} ms", f"{v['pair_step_ratio']:.2f}x"),
+        ]
+    if "logprobs" in res:
+        lp = res["logprobs"]
+        shape = f"T={lp['T']} V={lp['V']}"
+        rows += [
+            (f"log-probs {shape}", "peak additional memory, fwd+bwd", _mib(lp["peak_bytes_ours"]),
+             _mib(lp["peak_bytes_naive"]), f"{lp['memory_ratio']:.2f}x less"),
+            (f"log-probs {shape}", "same, beyond the [T,V] logits gradient", _mib(lp["working_bytes_ours"]),
+             _mib(lp["working_bytes_naive"]), f"{lp['working_memory_ratio']:.2f}x less"),
+            (f"log-probs {shape}", "time fwd+bwd", f"{lp['seconds_ours']:.3f} s", f"{lp['seconds_naive']:.3f} s",
+             f"{lp['time_ratio']:.2f}x the time"),
+        ]
+    if "train" in res:
+        t = res["train"]
+        rows += [
+            ("MPO step vs transformers", f"pairs/s ({t['pairs']} pairs)", f"{t['pairs_per_s_ours']:.2f}",
+             f"{t['pairs_per_s_baseline']:.2f}", f"{t['speed_ratio']:.2f}x the speed"),
+            ("MPO step vs transformers", "tokens/s", f"{t['tokens_per_s_ours']:.0f}",
+             f"{t['tokens_per_s_baseline']:.0f}", f"{t['speed_ratio']:.2f}x the speed"),
+            ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",
+             f"diff {t['loss_abs_diff']:.1e}"),
+        ]
+    if "data" in res:
+        d = res["data"]
+        rows += [
+            (f"data index, {d['rows']} rows", "cache load vs build", f"{d['cache_load_s'] * 1e3:.1f} ms",
+             f"{d['build_s']:.2f} s", f"{d['build_over_load']:.1f}x faster"),
+            ("data decode + process", "pairs/s, 2 workers vs 0", f"{d['pairs_per_s_workers2']:.1f}",
+             f"{d['pairs_per_s_workers0']:.1f}", f"{d['workers2_over_workers0']:.2f}x"),
+        ]
+    if "gpu" in res:
+        g = res["gpu"]
+        rows.append(("GPU", "step time, tokens/s, MFU", g.get("skipped", "see JSON"), "", ""))
+    head = ("item", "metric", "ours", "baseline", "ratio")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line: CPU model, cores, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (< 3 min on 2 CPU cores)")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ITEMS)}")
+    ap.add_argument("--json", default=str(ROOT / "bench_results.json"), help="where to write the results")
+    ap.add_argument("--print", metavar="JSON", help="print the table of a saved results file and exit")
+    ap.add_argument("--logprobs-worker", nargs=4, type=int, metavar=("T", "V", "CHUNK", "REPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.logprobs_worker:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        print(json.dumps(logprobs_worker(*args.logprobs_worker)))
+        return 0
+    if args.print:
+        res = json.loads(Path(args.print).read_text())
+        print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}")
+        print(table({k: v for k, v in res.items() if k in ITEMS}))
+        return 0
+    names = [n for n in args.only.split(",") if n] or list(ITEMS)
+    unknown = sorted(set(names) - set(ITEMS))
+    if unknown:
+        ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
+                 "command": "python bench.py" + (" --quick" if args.quick else "")}
+    try:
+        for name in names:
+            t = time.perf_counter()
+            res[name] = ITEMS[name](args.quick)
+            res[name]["bench_seconds"] = round(time.perf_counter() - t, 2)
+            print(f"[bench] {name}: {res[name]['bench_seconds']} s", file=sys.stderr, flush=True)
+    finally:
+        if "tmp" in _STATE:
+            shutil.rmtree(_STATE["tmp"], ignore_errors=True)
+    Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"omni-mpo bench ({'quick' if args.quick else 'full'}), {res['date']}, {res['machine']}")
+    print(table({k: v for k, v in res.items() if k in ITEMS}))
+    if "logprobs" in res:
+        lp = res["logprobs"]
+        met = lp["memory_ratio"] >= MEMORY_GOAL and lp["time_ratio"] <= TIME_GOAL
+        print(f"log-prob goal (>= {MEMORY_GOAL}x less peak memory at <= {TIME_GOAL}x time): "
+              f"{'met' if met else 'NOT met'} (total {lp['memory_ratio']:.2f}x, beyond the logits gradient "
+              f"{lp['working_memory_ratio']:.2f}x, time {lp['time_ratio']:.2f}x)")
+    if "gpu" in res and "skipped" in res["gpu"]:
+        print(f"gpu: skipped ({res['gpu']['skipped']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
