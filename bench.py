@@ -325,8 +325,8 @@ def logprobs_worker(T: int, V: int, chunk: int, reps: int) -> dict:
     w = torch.randn(T, generator=g)
     valid = labels >= 0
 
-    def ours(x):
-        return mpo_loss.token_logprobs(x, labels, None, chunk)
+    def ours(x):  # as train.py calls it: the logits' gradient is written into the logits buffer
+        return mpo_loss.token_logprobs(x, labels, None, chunk, inplace_backward=True)
 
     def naive(x):
         lp = torch.log_softmax(x.float(), dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
@@ -336,7 +336,7 @@ def logprobs_worker(T: int, V: int, chunk: int, reps: int) -> dict:
     kept = {}
     for rep in range(reps):
         for name, f in (("naive", naive), ("ours", ours)):
-            x = logits.detach().requires_grad_(True)
+            x = logits.clone().requires_grad_(True)  # a private copy: ours writes its gradient into it
             out = {}
 
             def run(x=x, f=f, out=out):
@@ -380,10 +380,10 @@ def bench_logprobs(quick: bool) -> dict:
     grad = r["grad_bytes"]
     return {"T": T, "V": V, "chunk_size": chunk, "reps": reps, "logits_bytes": grad, "peak_bytes_ours": peak_o,
             "peak_bytes_naive": peak_n, "peak_bytes_all_reps": {k: r[k]["peak_bytes"] for k in ("ours", "naive")},
-            # the gradient of the logits [T, V] is the output of both backward passes (the LM head needs it);
-            # what is left is the working memory of the log-prob computation itself
-            "memory_ratio": peak_n / peak_o, "working_bytes_ours": peak_o - grad, "working_bytes_naive": peak_n - grad,
-            "working_memory_ratio": (peak_n - grad) / max(peak_o - grad, 1), "seconds_ours": t_o,
+            # the naive backward allocates the [T, V] logits gradient (which the LM head needs) on top of its
+            # working memory; ours writes that gradient into the logits buffer, so its peak is working memory only
+            "memory_ratio": peak_n / peak_o, "working_bytes_naive": peak_n - grad,
+            "working_memory_ratio": (peak_n - grad) / max(peak_o, 1), "seconds_ours": t_o,
             "seconds_naive": t_n, "time_ratio": t_o / t_n, "values_max_abs_diff": r["values_max_abs_diff"],
             "grads_max_abs_diff": r["grads_max_abs_diff"], "values_ours_vs_fp64": r["values_ours_vs_fp64"],
             "values_naive_vs_fp64": r["values_naive_vs_fp64"]}
@@ -637,7 +637,7 @@ def table(res: dict) -> str:
         rows += [
             (f"log-probs {shape}", "peak additional memory, fwd+bwd", _mib(lp["peak_bytes_ours"]),
              _mib(lp["peak_bytes_naive"]), f"{lp['memory_ratio']:.2f}x less"),
-            (f"log-probs {shape}", "same, beyond the [T,V] logits gradient", _mib(lp["working_bytes_ours"]),
+            (f"log-probs {shape}", "naive without its [T,V] logits-gradient buffer", _mib(lp["peak_bytes_ours"]),
              _mib(lp["working_bytes_naive"]), f"{lp['working_memory_ratio']:.2f}x less"),
             (f"log-probs {shape}", "time fwd+bwd", f"{lp['seconds_ours']:.3f} s", f"{lp['seconds_naive']:.3f} s",
              f"{lp['time_ratio']:.2f}x the time"),
@@ -719,8 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         lp = res["logprobs"]
         met = lp["memory_ratio"] >= MEMORY_GOAL and lp["time_ratio"] <= TIME_GOAL
         print(f"log-prob goal (>= {MEMORY_GOAL}x less peak memory at <= {TIME_GOAL}x time): "
-              f"{'met' if met else 'NOT met'} (total {lp['memory_ratio']:.2f}x, beyond the logits gradient "
-              f"{lp['working_memory_ratio']:.2f}x, time {lp['time_ratio']:.2f}x)")
+              f"{'met' if met else 'NOT met'} (total {lp['memory_ratio']:.2f}x, against naive without its logits "
+              f"gradient {lp['working_memory_ratio']:.2f}x, time {lp['time_ratio']:.2f}x)")
     if "gpu" in res and "skipped" in res["gpu"]:
         print(f"gpu: skipped ({res['gpu']['skipped']})")
     return 0

@@ -73,7 +73,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, tp_group, chunk_size):
+    def forward(ctx, logits, labels, tp_group, chunk_size, inplace_backward):
         num_tokens, partition_vocab = logits.shape
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
         rank, world = _group_rank_size(tp_group)
@@ -103,6 +103,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, lse, valid)
         ctx.vocab_range = (vocab_start, vocab_end)
         ctx.chunk_size = chunk_size
+        ctx.inplace_backward = inplace_backward
         return logps
 
     @staticmethod
@@ -110,7 +111,10 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         logits, labels, lse, valid = ctx.saved_tensors
         vocab_start, vocab_end = ctx.vocab_range
         compute_dtype = lse.dtype
-        grad_logits = torch.empty_like(logits)
+        # In place: chunk s:e of the logits is copied before its gradient overwrites it, and nothing else reads the
+        # logits after this backward (the output layer's backward needs its input and weight, not its output; any
+        # other autograd user of the logits would fail autograd's version check instead of reading garbage).
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         # d logp / d logits = onehot(label) − softmax; megatron's helpers compute (softmax − onehot)·grad_output.
         neg_grad = -(grad_logps.to(compute_dtype) * valid)
         for s in range(0, logits.shape[0], ctx.chunk_size):
@@ -126,7 +130,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             grad_logits[s:e] = VocabParallelCrossEntropy.calculate_gradients(
                 grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, neg_grad[s:e]
             )
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def token_logprobs(
@@ -134,17 +138,22 @@ def token_logprobs(
     labels: torch.Tensor,
     tp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = 1024,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probabilities log πθ(label_t | ·) from vocab-parallel logits, in token chunks.
 
     Args:
         logits: [T_local, V/TP], bf16, fp32 or fp64; this rank's vocabulary shard (rank r holds ids
-            [r·V/TP, (r+1)·V/TP), megatron-core's layout). Never modified; gradients flow back to it.
+            [r·V/TP, (r+1)·V/TP), megatron-core's layout). Not modified by the forward; gradients flow back to it.
         labels: [T_local] int64, the pre-rolled target token ids (full-vocabulary ids). Ids outside [0, V), such as
             −100 at padding, get log-prob 0 and no gradient; callers mask them with the loss mask anyway.
         tp_group: the tensor-parallel group the vocabulary is sharded over; None = the whole vocabulary is local.
         chunk_size: tokens per chunk (`policy.logprob_chunk_size`); extra memory beyond the logits and their gradient
             is O(chunk_size·V/TP) in forward and backward.
+        inplace_backward: write the logits' gradient into the logits tensor itself during backward instead of a new
+            [T_local, V/TP] buffer (what megatron-core's own cross entropy does), so the only [T, V]-sized tensor
+            alive is the logits. The caller's logits hold the gradient after backward: use it when nothing reads the
+            logits afterwards (the training step). Values and gradients are identical either way.
 
     Returns:
         [T_local] log-probs in fp32 (fp64 for fp64 logits), identical on every TP rank.
@@ -161,7 +170,7 @@ def token_logprobs(
         raise ValueError(f"labels must be [T_local] = [{logits.shape[0]}]; got shape {tuple(labels.shape)}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size = {chunk_size} must be > 0 (policy.logprob_chunk_size)")
-    return _VocabParallelTokenLogprobs.apply(logits, labels.long(), tp_group, int(chunk_size))
+    return _VocabParallelTokenLogprobs.apply(logits, labels.long(), tp_group, int(chunk_size), bool(inplace_backward))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -259,12 +268,13 @@ def packed_sequence_logps(
     tp_group: torch.distributed.ProcessGroup | None = None,
     cp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = 1024,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` then `sequence_logps`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
     sequence's response tokens [S] fp32, response-token counts [S] int64). Run it under torch.no_grad() for the
-    reference model."""
-    return sequence_logps(token_logprobs(logits, labels, tp_group, chunk_size), loss_mask, seq_ids, num_sequences,
-                          cp_group)
+    reference model; `inplace_backward` as in `token_logprobs`."""
+    logps = token_logprobs(logits, labels, tp_group, chunk_size, inplace_backward)
+    return sequence_logps(logps, loss_mask, seq_ids, num_sequences, cp_group)
 
 
 def sequence_logratios(

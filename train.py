@@ -328,7 +328,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     return mpo_loss.packed_sequence_logps(
         logits, labels, loss_mask, seq_ids, S, ctx.tp_group, ctx.cp_group if ctx.cp > 1 else None,
-        ctx.cfg.policy.logprob_chunk_size,
+        ctx.cfg.policy.logprob_chunk_size, inplace_backward=True,  # the logits are read by nothing else
     )  # fmt: skip
 
 

@@ -44,12 +44,11 @@ def test_logprobs_values_and_memory(results):
     assert lp["grads_max_abs_diff"] <= 1e-5
     assert lp["values_ours_vs_fp64"] <= 1e-5
     # The naive path holds log_softmax's [T, V] output, gather's [T, V] gradient and the [T, V] logits gradient;
-    # the chunked path only the logits gradient plus O(chunk x V). Beyond the logits gradient (the output both must
-    # return) the goal is >= 4x; in total at least 2x (3 vs 1 [T, V] buffers, less the chunk).
-    assert lp["working_memory_ratio"] >= 4.0, lp
-    assert lp["memory_ratio"] >= 2.0, lp
-    # the measurement sees the buffers it must see: at least the logits gradient, at most a few [T, V] more
-    assert lp["logits_bytes"] <= lp["peak_bytes_ours"] <= 2 * lp["logits_bytes"]
+    # the chunked path writes the logits gradient into the logits buffer and adds only O(chunk x V).
+    assert lp["memory_ratio"] >= 4.0, lp  # the goal, whole forward + backward
+    assert lp["working_memory_ratio"] >= 2.0, lp  # even if the naive path got its gradient buffer for free
+    # the measurement sees the buffers it must see
+    assert lp["peak_bytes_ours"] <= 0.5 * lp["logits_bytes"]  # no [T, V]-sized buffer beyond the logits
     assert 2.5 * lp["logits_bytes"] <= lp["peak_bytes_naive"] <= 4 * lp["logits_bytes"]
 
 

@@ -417,6 +417,37 @@ def test_token_logprobs_bf16_gives_fp32_and_never_touches_logits():
         torch.testing.assert_close(lp.double(), ref, rtol=0, atol=1e-5)
 
 
+def test_token_logprobs_inplace_backward_same_gradient_in_the_logits_buffer():
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(11, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (11,), generator=g)
+    labels[3] = -100
+    coef = torch.randn(11, generator=g, dtype=torch.float64)
+    grads = []
+    for inplace in (False, True):
+        h.grad = None
+        logits = h @ w.T  # an LM head's output: its backward needs h and w, not the logits
+        before = logits.detach().clone()
+        lp = token_logprobs(logits, labels, None, 4, inplace_backward=inplace)
+        assert torch.equal(logits.detach(), before)  # the forward never writes the logits
+        logits.retain_grad()
+        (lp * coef).sum().backward()
+        assert torch.equal(logits.detach(), before) != inplace  # in place: the buffer now holds the gradient
+        if inplace:
+            assert torch.equal(logits.detach(), logits.grad)
+        grads.append((lp.detach(), h.grad.clone(), logits.grad.clone()))
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    # a second autograd reader of the logits is refused by autograd's version check, never fed the gradient
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    logits = x * 2.0
+    other = (logits * logits).sum()  # saves `logits` for its own backward
+    lp = token_logprobs(logits, torch.zeros(5, dtype=torch.long), None, 2, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + other).backward()
+
+
 def test_token_logprobs_padding_labels_and_errors():
     x = torch.randn(4, 6, requires_grad=True)
     lp = token_logprobs(x, torch.tensor([1, -100, 5, 6]), None, 2)  # 6 is outside V = 6
