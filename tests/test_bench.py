@@ -41,7 +41,7 @@ def test_every_item_ran(results):
 def test_logprobs_values_and_memory(results):
     lp = results["logprobs"]
     assert lp["values_max_abs_diff"] <= 1e-5
-    assert lp["grads_max_abs_diff"] <= 1e-5
+    assert lp["grads_max_rel_diff"] <= 1e-5
     assert lp["values_ours_vs_fp64"] <= 1e-5
     # The naive path holds log_softmax's [T, V] output, gather's [T, V] gradient and the [T, V] logits gradient;
     # the chunked path writes the logits gradient into the logits buffer and adds only O(chunk x V).
