@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import types
 import typing
@@ -217,13 +218,18 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli:
+            number = float(value)
+        elif from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # TOML and float() accept nan / inf; no field means them
+                raise ConfigError(f"{where}: {key} = {value!r} must be a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -335,6 +341,12 @@ def validate(cfg: Config) -> None:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
             raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
+    s = cfg.scheduler
+    if s.lr_warmup_steps >= m.max_num_steps:  # megatron's scheduler needs a decay phase
+        raise ConfigError(f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = "
+                          f"{m.max_num_steps}")
+    if s.lr_warmup_init > cfg.optimizer.lr:
+        raise ConfigError(f"scheduler.lr_warmup_init = {s.lr_warmup_init} must be <= optimizer.lr = {cfg.optimizer.lr}")
 
 
 def validate_parallel(cfg: Config, world_size: int, num_experts: int | None = None) -> int:

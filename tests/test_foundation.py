@@ -89,6 +89,10 @@ def test_round_trip_through_dict():
         ("policy.train_global_batch_size=0", "policy.train_global_batch_size = 0 must be >= 1"),
         ("mpo", "expected section.key=value"),
         ("mpo=3", "mpo is a section [mpo], not a value"),
+        ("optimizer.lr=nan", "optimizer.lr = 'nan' must be a finite number"),
+        ("mpo.reference_policy_kl_penalty=inf", "mpo.reference_policy_kl_penalty = 'inf' must be a finite number"),
+        ("scheduler.lr_warmup_steps=6", "scheduler.lr_warmup_steps = 6 must be < mpo.max_num_steps = 6"),
+        ("scheduler.lr_warmup_init=1.0", "scheduler.lr_warmup_init = 1.0 must be <= optimizer.lr = 0.0001"),
     ],
 )
 def test_invalid_overrides_name_the_key(override, message):
@@ -104,6 +108,9 @@ def test_toml_errors_name_the_file(tmp_path):
         load_config(bad)
     bad.write_text("[mpo\n")
     with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
+        load_config(bad)
+    bad.write_text("[optimizer]\nlr = nan\n")  # TOML has nan and inf; no field means them
+    with pytest.raises(ConfigError, match="bad.toml: optimizer.lr = nan must be a finite number"):
         load_config(bad)
     bad.write_text("[mpo]\nmax_num_steps = 3.5\n")  # a float is not an int in TOML
     with pytest.raises(ConfigError, match="expected int"):

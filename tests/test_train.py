@@ -60,7 +60,10 @@ def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
             want = 1e-5
         assert lr == pytest.approx(want, rel=1e-12, abs=1e-18), n
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
-    bad = config_mod.load_config(None, ["scheduler.lr_warmup_steps=20", "mpo.max_num_steps=20"])
+    with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
+        config_mod.load_config(None, ["scheduler.lr_warmup_steps=20", "mpo.max_num_steps=20"])  # before any work
+    bad = config_mod.load_config(None, ["mpo.max_num_steps=20"])
+    bad.scheduler.lr_warmup_steps = 20
     with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
         train.build_scheduler(_Opt(), bad)
 
