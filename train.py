@@ -156,6 +156,82 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
     return out
 
 
+def check_inputs(cfg) -> None:
+    """The checks that need neither a process group nor a model: the files the config names and the packing layout.
+
+    Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
+
+    Raises:
+        config.ConfigError: model.hf_path has no config.json; data.train.data_path (or data.validation.data_path, when
+            set) is not a file; the packing / parallel divisibility rule (pack.validate_packing_config) fails.
+    """
+    if not (Path(cfg.model.hf_path) / "config.json").is_file():
+        raise config_mod.ConfigError(
+            f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
+            f"paths are relative to the working directory {os.getcwd()})"
+        )
+    for key, path in (("data.train.data_path", cfg.data.train.data_path),
+                      ("data.validation.data_path", cfg.data.validation.data_path)):  # fmt: skip
+        if path and not Path(path).expanduser().is_file():
+            raise config_mod.ConfigError(
+                f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON; relative paths are relative to the "
+                f"working directory {os.getcwd()})"
+            )
+    try:
+        pack.validate_packing_config(cfg)
+    except ValueError as e:
+        raise config_mod.ConfigError(str(e)) from None
+
+
+def check_splits(train_split, val_split, cfg):
+    """Check the loaded splits against the batch and bin sizes before the models are built; returns the validation
+    split to use (None when it has no pair) and a list of notes for the console.
+
+    Raises:
+        config.ConfigError: fewer training pairs than policy.train_global_batch_size (every step would repeat pairs);
+            a training or validation pair larger than packing.max_tokens_per_bin without packing.drop_oversized_pairs
+            (found here, at start, instead of at the step that samples it).
+    """
+    notes = []
+    gbs, n_train = cfg.policy.train_global_batch_size, len(train_split.pair_ids)
+    if n_train < gbs:
+        raise config_mod.ConfigError(
+            f"policy.train_global_batch_size = {gbs} pairs per step but only {n_train} training pairs (after "
+            f"data.train.max_samples = {cfg.data.train.max_samples}, data.train.split_validation_size = "
+            f"{cfg.data.train.split_validation_size} and dropped rows): a step would repeat pairs; lower the batch or "
+            "use more data"
+        )
+    if val_split is not None and not val_split.pair_ids:
+        notes.append(f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
+                     f"{len(train_split.index)} pairs is 0 pairs: no validation")  # fmt: skip
+        val_split = None
+    pk = cfg.packing
+    d = pk.make_sequence_length_divisible_by
+    for name, split in (("training", train_split), ("validation", val_split)):
+        if split is None:
+            continue
+        lengths = split.index.lengths(split.pair_ids)
+        sizes = {p: pack.padded_length(c, d) + pack.padded_length(r, d) for p, (c, r) in lengths.items()}
+        big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
+        if not big:
+            continue
+        if not pk.drop_oversized_pairs:
+            raise config_mod.ConfigError(
+                f"{len(big)} of {len(sizes)} {name} pairs need more than packing.max_tokens_per_bin = "
+                f"{pk.max_tokens_per_bin} tokens (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens after "
+                f"padding to a multiple of {d}); raise the limit, lower data.max_seq_length, or set "
+                "packing.drop_oversized_pairs = true"
+            )
+        if len(big) == len(sizes):
+            raise config_mod.ConfigError(
+                f"every {name} pair needs more than packing.max_tokens_per_bin = {pk.max_tokens_per_bin} tokens"
+            )
+        notes.append(f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = "
+                     f"{pk.max_tokens_per_bin} and are dropped from the steps that hold them "
+                     "(metrics: dropped_oversized)")  # fmt: skip
+    return val_split, notes
+
+
 def active_params(model, hf) -> int:
     """Parameters used per token (global over TP/EP): dense parameters plus top-k of the routed experts' share.
 
@@ -481,11 +557,11 @@ def main(cfg) -> int:
     from transformers import AutoProcessor
 
     # -- config, distributed, seeds --------------------------------------------------------------------------------
+    check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     device, dp = init_distributed(cfg, getattr(hf.text, "n_routed_experts", None))
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.mpo.seed)
-    pack.validate_packing_config(cfg)
     if rank == 0:
         print(json.dumps(config_mod.to_dict(cfg), indent=1))
         print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
@@ -497,6 +573,7 @@ def main(cfg) -> int:
     # -- data ------------------------------------------------------------------------------------------------------
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
     train_split, val_split = mmpr_data.load_splits(processor, cfg)
+    val_split, notes = check_splits(train_split, val_split, cfg)
     train_set = mmpr_data.PairDataset(train_split.index, processor)
     val_set = mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None
     sampler = mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle)
@@ -504,6 +581,10 @@ def main(cfg) -> int:
     if rank == 0:
         print(f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
               f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}")  # fmt: skip
+        if val_split is not None and val_split.index is not train_split.index:
+            print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+        for note in notes:
+            print(note)
 
     # -- policy and frozen reference (same initial weights) --------------------------------------------------------
     policy = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
@@ -616,7 +697,12 @@ def main(cfg) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: torchrun --nproc-per-node N train.py CONFIG.toml [section.key=value ...]")
-    code = main(config_mod.load_config(sys.argv[1], sys.argv[2:]))
+    try:
+        code = main(config_mod.load_config(sys.argv[1], sys.argv[2:]))
+    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError) as e:
+        # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
+        # torchrun) would only bury it.
+        sys.exit(f"error: {type(e).__name__}: {e}")
     if dist.is_initialized():
         from megatron.core import parallel_state
 

@@ -88,6 +88,83 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 # Launches
 
 
+class _FakeIndex:
+    """The part of mmpr_data.PairIndex that train.check_splits reads."""
+
+    def __init__(self, lengths):
+        self._lengths = lengths
+
+    def __len__(self):
+        return len(self._lengths)
+
+    def lengths(self, ids):
+        return {i: self._lengths[i] for i in ids}
+
+    def source(self, i):
+        return f"a.jsonl:{i + 1}"
+
+
+def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
+    import torch.distributed as dist
+
+    was_initialized = dist.is_initialized()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={tmp_path}"])
+    with pytest.raises(config_mod.ConfigError, match=f"model.hf_path = '{tmp_path}': no config.json"):
+        train.check_inputs(cfg)
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"data.train.data_path={tmp_path}/meta.json"])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
+        train.check_inputs(cfg)
+    cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
+    cfg.parallel.context_parallel_size, cfg.packing.make_sequence_length_divisible_by = 2, 2
+    with pytest.raises(config_mod.ConfigError, match="make_sequence_length_divisible_by = 2 must be a multiple of 4"):
+        train.check_inputs(cfg)
+    cfg.packing.make_sequence_length_divisible_by = 8
+    train.check_inputs(cfg)  # all good: no exception
+    assert dist.is_initialized() == was_initialized  # nothing distributed was started
+
+
+def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
+    from mmpr_data import Split
+
+    index = _FakeIndex({0: (100, 90), 1: (30, 30), 2: (200, 190), 3: (40, 41), 4: (10, 10)})
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=4"])
+    train_split, val_split = Split(index, [0, 1, 2]), Split(index, [3])
+    with pytest.raises(config_mod.ConfigError, match="train_global_batch_size = 4 pairs per step but only 3 training"):
+        train.check_splits(train_split, val_split, cfg)
+    cfg.policy.train_global_batch_size = 2
+    cfg.packing.max_tokens_per_bin = 256  # pair 2 pads to 200 + 192 = 392 tokens
+    with pytest.raises(
+        config_mod.ConfigError,
+        match=r"1 of 3 training pairs need more than packing.max_tokens_per_bin"
+        r" = 256 tokens \(largest: a.jsonl:3, 392 tokens",
+    ):
+        train.check_splits(train_split, val_split, cfg)
+    cfg.packing.drop_oversized_pairs = True
+    val, notes = train.check_splits(train_split, val_split, cfg)
+    assert val is val_split and notes == [
+        "training: 1 of 3 pairs exceed packing.max_tokens_per_bin = 256 and are dropped from the steps that hold them "
+        "(metrics: dropped_oversized)"
+    ]
+    val, notes = train.check_splits(Split(index, [0, 1, 4]), Split(index, []), cfg)  # e.g. 0.01 of 64 pairs
+    assert val is None and notes == ["validation: data.train.split_validation_size = 4.0 of 5 pairs is 0 pairs: "
+                                     "no validation"]  # fmt: skip
+
+
+def test_cli_error_is_one_line_without_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", f"model.hf_path={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )
+    assert proc.returncode == 1
+    assert f"error: ConfigError: model.hf_path = '{tmp_path}': no config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("hf_cache")
