@@ -406,7 +406,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tokenizer and processor files of `model.hf_path`.
 
     Raises:
-        CheckpointError: no complete checkpoint at `ckpt`.
+        CheckpointError: no complete checkpoint at `ckpt`; the saved model.hf_path (relative paths: to the working
+            directory) has no config.json.
     """
     import config as config_mod
     import omni_model
@@ -416,6 +417,11 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     if path is None:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
     cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
+    if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
+        raise CheckpointError(
+            f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json seen from "
+            f"{os.getcwd()}; run the export from the directory the training ran in"
+        )
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False
@@ -456,4 +462,7 @@ def _free_port() -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "export":
         sys.exit("usage: python checkpoint.py export CKPT_DIR OUT_DIR")
-    print(f"exported {export(sys.argv[2], sys.argv[3])}")
+    try:
+        print(f"exported {export(sys.argv[2], sys.argv[3])}")
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")

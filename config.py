@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the repo
+    hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the cwd
     params_dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype; bf16 keeps fp32 master weights
     freeze_vision_encoder: bool = False  # no gradient into the RADIO ViT
     freeze_vision_projector: bool = False  # no gradient into the mlp1 projector
@@ -343,8 +343,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
     s = cfg.scheduler
     if s.lr_warmup_steps >= m.max_num_steps:  # megatron's scheduler needs a decay phase
-        raise ConfigError(f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = "
-                          f"{m.max_num_steps}")
+        raise ConfigError(
+            f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = {m.max_num_steps}"
+        )
     if s.lr_warmup_init > cfg.optimizer.lr:
         raise ConfigError(f"scheduler.lr_warmup_init = {s.lr_warmup_init} must be <= optimizer.lr = {cfg.optimizer.lr}")
 

@@ -53,6 +53,18 @@ def test_resume_false_refuses_existing_checkpoint(tmp_path):
     assert checkpoint.resume_path(tmp_path, resume=True) == tmp_path / "step_3"
 
 
+def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, monkeypatch):
+    import config as config_mod
+
+    step = _fake_ckpt(tmp_path / "run", "step_4")
+    cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml"))  # hf_path = "assets/tiny-omni"
+    (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps({"step": 4, "config": cfg}))
+    monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
+    with pytest.raises(checkpoint.CheckpointError, match="model.hf_path = 'assets/tiny-omni' has no config.json seen"):
+        checkpoint.export(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_prune_keeps_newest(tmp_path):
     for s in (1, 2, 5, 7):
         _fake_ckpt(tmp_path, f"step_{s}")
