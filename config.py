@@ -400,4 +400,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python config.py CONFIG.toml [section.key=value ...]")
-    print(json.dumps(to_dict(load_config(sys.argv[1], sys.argv[2:])), indent=2))
+    try:
+        print(json.dumps(to_dict(load_config(sys.argv[1], sys.argv[2:])), indent=2))
+    except ConfigError as e:
+        sys.exit(f"error: {e}")

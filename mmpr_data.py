@@ -1144,4 +1144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DataError as e:  # a bad meta-recipe or path: the message names the file; a traceback would bury it
+        sys.exit(f"error: {e}")

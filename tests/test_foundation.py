@@ -138,6 +138,10 @@ def test_config_cli_prints_resolved_json():
     out = subprocess.run([sys.executable, "config.py", "configs/tiny.toml", "mpo.max_num_steps=3"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["mpo"]["max_num_steps"] == 3
+    bad = subprocess.run([sys.executable, "config.py", "configs/tiny.toml", "mpo.max_num_step=3"], cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("error: override 'mpo.max_num_step=3': unknown key 'mpo.max_num_step'")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -635,6 +635,15 @@ def test_report_json_cli(tmp_path, processor, capsys):
         ref["total"]))
 
 
+def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
+    meta = tmp_path / "meta.json"
+    meta.write_text('{"a": {"root": "img", "annotation": "a.jsonl",},}')  # trailing commas
+    proc = subprocess.run([sys.executable, "mmpr_data.py", str(meta), "--model", str(TINY)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: {meta}:1:47: invalid JSON: Expecting property name enclosed in double quotes" in proc.stderr
+
+
 def test_report_text_and_values(tmp_path, processor):
     meta = write_set(tmp_path, [row(0), row(1, image="nope.png"), row(2)], {"a.png": rgb()})
     index = md.build_index(meta, processor, make_cfg())
