@@ -18,7 +18,8 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   when transformer_engine imports, else a local spec of megatron-core's non-TE modules plus two project modules:
   `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
   checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
-  block-diagonal attention, causal or not, with context parallelism by all-gathering K/V).
+  attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
+  all-gathering K/V).
 - Mamba runs megatron-core's own `MambaMixer`; on CPU through the project's pure-torch mamba_ssm stand-in
   (mamba_torch.py, installed by cpu_compat.apply()).
 
