@@ -125,20 +125,22 @@ def causal_conv1d_fn(
     if initial_states is None:
         initial_states = xf.new_zeros(batch, dim, width - 1)
     xpad = torch.cat([initial_states.to(cdt), xf], dim=-1)  # [b, d, W-1+l]
-    if seq_idx is None:
-        out = F.conv1d(xpad, wf.unsqueeze(1), None, groups=dim)
-    else:
+    out = F.conv1d(xpad, wf.unsqueeze(1), None if bias is None else bias.to(cdt), groups=dim)
+    if seq_idx is not None:
         seq_idx = _check_seq_idx(seq_idx, batch, seqlen)
-        # Tap k reads x[t - s] with s = W-1-k; it is zeroed where that token belongs to another sequence.
-        out = xf * wf[:, -1:]
-        for s in range(1, width):
-            if s >= seqlen:
-                break
-            same = (seq_idx[:, s:] == seq_idx[:, :-s]).to(cdt).unsqueeze(1)  # [b, 1, l-s]
-            shifted = F.pad(xf[:, :, :-s] * same, (s, 0))
-            out = out + shifted * wf[:, width - 1 - s : width - s]
-    if bias is not None:
-        out = out + bias.to(cdt)[:, None]
+        # Tap k of token t reads x[t - s], s = W-1-k. The plain conv above also summed the taps that reach a token of
+        # another sequence; those (t, s) pairs lie within W-1 tokens after a sequence start, so they are few: find
+        # them on the [b, l] ids and subtract their terms (one gather and one scatter-add instead of a pass per tap).
+        bs, ts, ss = [], [], []
+        for s in range(1, min(width, seqlen)):
+            cross = (seq_idx[:, s:] != seq_idx[:, :-s]).nonzero()  # [k, 2]: (row, t - s)
+            bs.append(cross[:, 0])
+            ts.append(cross[:, 1] + s)
+            ss.append(torch.full_like(cross[:, 0], s))
+        if bs and sum(t.numel() for t in ts):
+            bi, ti, si = torch.cat(bs), torch.cat(ts), torch.cat(ss)
+            terms = xf[bi, :, ti - si] * wf[:, width - 1 - si].T  # [k, dim]
+            out = out.transpose(1, 2).index_put((bi, ti), -terms, accumulate=True).transpose(1, 2)
     if activation is not None:
         out = F.silu(out)
     out = out.to(x.dtype)
@@ -168,20 +170,24 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
 
     Returns y [b,l,h,p] (no D, no z), final state [b,h,p,n] (the state after the last token), and, when
     state_positions (list of int, batch 0) is given, the states after those tokens [len, h, p, n].
+
+    Layout: heads lead ([b, h, chunk, token, ...], head i = group i // r, r = h // g), so every contraction is a
+    batched matmul over contiguous blocks with no permuted copy of the [.., Q, Q] weights; dt multiplies x once
+    ([l, h, p]) rather than the [.., Q, Q] weights, and the decay is built in place (one [b, h, nc, Q, Q] buffer).
     """
     b, seqlen, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    r = h // g  # heads per group; head i uses group i // r (mamba-ssm's layout)
+    r = h // g
     Q = chunk_size
     pad = (-seqlen) % Q
     nc = (seqlen + pad) // Q
     # Padding tokens have dt = 0 (no decay, no input), so they leave the state unchanged.
-    x = _pad_len(x, pad).view(b, nc, Q, g, r, p)
-    dt = _pad_len(dt, pad).view(b, nc, Q, g, r)
-    B = _pad_len(B, pad).view(b, nc, Q, g, n)
-    C = _pad_len(C, pad).view(b, nc, Q, g, n)
-    dA = dt * A.view(g, r)
-    cum = torch.cumsum(dA, dim=2)  # [b, nc, Q, g, r]: log-decay from the chunk start to each token (inclusive)
+    xdt = (x * dt[..., None])
+    xdt = _pad_len(xdt, pad).view(b, nc, Q, h, p).permute(0, 3, 1, 2, 4)  # [b, h, nc, Q, p]
+    dt = _pad_len(dt, pad).view(b, nc, Q, h).permute(0, 3, 1, 2)  # [b, h, nc, Q]
+    B = _pad_len(B, pad).view(b, nc, Q, g, n).permute(0, 3, 1, 2, 4)  # [b, g, nc, Q, n]
+    C = _pad_len(C, pad).view(b, nc, Q, g, n).permute(0, 3, 1, 2, 4)
+    cum = torch.cumsum(dt * A[:, None, None], dim=-1)  # [b, h, nc, Q]: log-decay from the chunk start (inclusive)
 
     causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
     if seq_idx is not None:
@@ -189,50 +195,49 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
         if pad:
             sid[:, seqlen:] = seq_idx[:, -1:]
         sid = sid.view(b, nc, Q)
-        mask = causal & (sid[:, :, :, None] == sid[:, :, None, :])  # [b, nc, l, s]
+        mask = (causal & (sid[:, :, :, None] == sid[:, :, None, :]))[:, None]  # [b, 1, nc, l, s]
     else:
-        mask = causal.expand(b, nc, Q, Q)
-
+        mask = causal
     # 1. Within a chunk: y_l = Σ_{s≤l, same seq} (C_l·B_s) exp(cum_l − cum_s) dt_s x_s.
-    seg = cum[:, :, :, None] - cum[:, :, None, :]  # [b, nc, l, s, g, r]
-    decay = torch.exp(seg.masked_fill(~mask[..., None, None], float("-inf")))
-    CB = torch.einsum("bclgn,bcsgn->bclsg", C, B)
-    W = CB[..., None] * decay * dt[:, :, None]  # [b, nc, l, s, g, r]
-    y = torch.einsum("bclsgr,bcsgrp->bclgrp", W, x)
+    decay = cum[..., :, None] - cum[..., None, :]  # [b, h, nc, l, s]
+    decay = decay.masked_fill_(~mask, float("-inf")).exp_()  # in place: the subtraction saves nothing for backward
+    CB = torch.matmul(C, B.transpose(-1, -2))  # [b, g, nc, l, s]
+    W = (decay.view(b, g, r, nc, Q, Q) * CB[:, :, None]).view(b, h, nc, Q, Q)
+    y = torch.matmul(W, xdt)  # [b, h, nc, Q, p]
 
     # 2. Each chunk's own contribution to the state at its last token (tokens of the last token's sequence only).
-    to_end = torch.exp(cum[:, :, -1:] - cum) * dt  # [b, nc, Q, g, r]
+    to_end = torch.exp(cum[..., -1:] - cum)  # [b, h, nc, Q]
     if seq_idx is not None:
-        to_end = to_end * (sid == sid[:, :, -1:]).to(x.dtype)[..., None, None]
-    chunk_states = torch.einsum("bcsgn,bcsgr,bcsgrp->bcgrpn", B, to_end, x)
+        to_end = to_end * (sid == sid[:, :, -1:]).to(x.dtype)[:, None]
+    Bh = B[:, :, None].expand(b, g, r, nc, Q, n).reshape(b, h, nc, Q, n)
+    chunk_states = torch.matmul((xdt * to_end[..., None]).transpose(-1, -2), Bh)  # [b, h, nc, p, n]
 
     # 3. Between chunks: the state at boundary c (before chunk c; boundary nc = after the last chunk) is
     #    Σ_{k≤c} exp(Z_c − Z_k) S_k over sources k of the same sequence, S_0 = initial state, S_k = chunk_states[k−1].
-    Z = F.pad(torch.cumsum(cum[:, :, -1], dim=1), (0, 0, 0, 0, 1, 0))  # [b, nc+1, g, r]
+    Z = F.pad(torch.cumsum(cum[..., -1], dim=-1), (1, 0))  # [b, h, nc+1]
     bmask = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril()
     if seq_idx is not None:
         # Boundary 0 belongs to the row's first sequence (the initial state continues it); boundary c ≥ 1 to the
         # sequence of chunk c−1's last token.
         sb = torch.cat([sid[:, :1, 0], sid[:, :, -1]], dim=1)  # [b, nc+1]
-        bmask = bmask & (sb[:, :, None] == sb[:, None, :])
-    else:
-        bmask = bmask.expand(b, nc + 1, nc + 1)
-    bdecay = torch.exp((Z[:, :, None] - Z[:, None, :]).masked_fill(~bmask[..., None, None], float("-inf")))
+        bmask = (bmask & (sb[:, :, None] == sb[:, None, :]))[:, None]
+    bdecay = (Z[..., :, None] - Z[..., None, :]).masked_fill_(~bmask, float("-inf")).exp_()  # [b, h, nc+1, nc+1]
     if initial_states is None:
-        S0 = chunk_states.new_zeros(b, 1, g, r, p, n)
+        S0 = chunk_states.new_zeros(b, h, 1, p, n)
     else:
-        S0 = initial_states.to(x.dtype).view(b, 1, g, r, p, n)
-    S = torch.cat([S0, chunk_states], dim=1)  # [b, nc+1, g, r, p, n]
-    bstates = torch.einsum("bckgr,bkgrpn->bcgrpn", bdecay, S)
-    start_states = bstates[:, :-1]
-    final = bstates[:, -1].reshape(b, h, p, n)
+        S0 = initial_states.to(x.dtype).view(b, h, 1, p, n)
+    S = torch.cat([S0, chunk_states], dim=2).view(b, h, nc + 1, p * n)
+    bstates = torch.matmul(bdecay, S).view(b, h, nc + 1, p, n)
+    start_states = bstates[:, :, :-1]
+    final = bstates[:, :, -1]
 
     # 4. State → output: y_l += exp(cum_l) C_l · state(chunk start), for tokens of the boundary's sequence.
-    from_start = torch.exp(cum)
+    from_start = torch.exp(cum)  # [b, h, nc, Q]
     if seq_idx is not None:
-        from_start = from_start * (sid == sb[:, :-1, None]).to(x.dtype)[..., None, None]
-    y = y + torch.einsum("bclgn,bcgrpn,bclgr->bclgrp", C, start_states, from_start)
-    y = y.reshape(b, nc * Q, h, p)[:, :seqlen]
+        from_start = from_start * (sid == sb[:, :-1, None]).to(x.dtype)[:, None]
+    Ch = C[:, :, None] * from_start.view(b, g, r, nc, Q)[..., None]  # [b, g, r, nc, Q, n]
+    y = y + torch.matmul(Ch.view(b, h, nc, Q, n), start_states.transpose(-1, -2))
+    y = y.permute(0, 2, 3, 1, 4).reshape(b, nc * Q, h, p)[:, :seqlen]
 
     pos_states = None
     if state_positions is not None:
@@ -240,10 +245,9 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
         for t in state_positions:
             c, pos = divmod(int(t), Q)
             # State after token t: the chunk-start state decayed to t plus the tokens s ≤ t of t's chunk.
-            w = decay[0, c, pos] * dt[0, c]  # [s, g, r]
-            local = torch.einsum("sgr,sgn,sgrp->grpn", w, B[0, c], x[0, c])
-            carry = from_start[0, c, pos][..., None, None] * start_states[0, c]
-            out.append((local + carry).reshape(h, p, n))
+            local = torch.einsum("hs,hsn,hsp->hpn", decay[0, :, c, pos], Bh[0, :, c], xdt[0, :, c])
+            carry = from_start[0, :, c, pos][:, None, None] * start_states[0, :, c]
+            out.append(local + carry)
         pos_states = torch.stack(out) if out else x.new_zeros(0, h, p, n)
     return y, final, pos_states
 

@@ -18,7 +18,8 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   when transformer_engine imports, else a local spec of megatron-core's non-TE modules plus two project modules:
   `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
   checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
-  block-diagonal attention, causal or not, with context parallelism by all-gathering K/V).
+  attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
+  all-gathering K/V).
 - Mamba runs megatron-core's own `MambaMixer`; on CPU through the project's pure-torch mamba_ssm stand-in
   (mamba_torch.py, installed by cpu_compat.apply()).
 
@@ -395,6 +396,33 @@ def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)[:total]
 
 
+def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
+    """Contiguous runs of this rank's queries, each within one sequence of the packed row.
+
+    cu: cumulative (padded) sequence lengths as ints; total: packed length (all CP ranks); positions past cu[-1]
+    form one more sequence (trailing padding, CP = 1 only). Without CP a run is a whole sequence; under CP a
+    sequence of padded length L gives two runs of L/(2·CP) queries, chunks cp_rank and 2·CP−1−cp_rank (the layout of
+    pack.cp_partition_index, so local query order matches it). Returns (local query start, query count, sequence
+    start, sequence end, query offset within the sequence) per run, in local order.
+    Raises ValueError when CP > 1 and the row extends past cu[-1].
+    """
+    bounds = list(zip(cu[:-1], cu[1:], strict=True))
+    if total > cu[-1]:
+        if cp > 1:
+            raise ValueError(f"under CP the packed length {total} must equal cu_seqlens_padded[-1] = {cu[-1]}")
+        bounds.append((cu[-1], total))
+    runs, local = [], 0
+    for start, end in bounds:
+        length = end - start
+        if length <= 0:
+            continue
+        chunk = length // (2 * cp) if cp > 1 else length
+        for j in ((cp_rank, 2 * cp - 1 - cp_rank) if cp > 1 else (0,)):
+            runs.append((local, chunk, start, end, j * chunk))
+            local += chunk
+    return runs
+
+
 class ThdDotProductAttention(nn.Module):
     """Core attention (softmax(QK^T * scale) V) for the local spec that honours THD packing and context parallelism.
 
@@ -402,9 +430,13 @@ class ThdDotProductAttention(nn.Module):
     `packed_seq_params` `[t, heads, d]`. Keys attend only within their own sequence (segments from
     `cu_seqlens_q_padded`, else `cu_seqlens_q`), and only to earlier-or-equal positions when the mask type is causal.
     Under CP (`config.context_parallel_size > 1`) each rank holds the load-balanced slice of every sequence; K and V
-    are all-gathered over the CP group (gradient: reduce-scatter) and the mask uses the global positions.
-    GQA: K/V groups are repeated to the query heads. Dense [s, s] masks: for CPU tests and small runs (the TE spec is
-    the production path).
+    are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
+    GQA: K/V groups are repeated to the query heads.
+
+    Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
+    sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
+    square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
+    bottom-right-aligned causal mask of [len, o + len]. The TE spec is the production path.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
@@ -428,6 +460,12 @@ class ThdDotProductAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        """query [s, b, heads, d] (or [t, heads, d] with THD packed_seq_params), key/value with query groups.
+
+        attention_mask: megatron's bool [b, 1, s, s_total], True where attention is not allowed (non-THD only).
+        Returns [s, b, heads·d] (or [t, heads·d]) in the input dtype.
+        Raises ValueError for an attention_bias, or under CP for a row longer than cu_seqlens_padded[-1].
+        """
         from megatron.core.transformer.enums import AttnMaskType
 
         if attention_bias is not None:
@@ -449,38 +487,43 @@ class ThdDotProductAttention(nn.Module):
         if thd:
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            cu = cu.to(device)
         else:
-            cu = torch.tensor([0, s_total], device=device)
+            cu = torch.tensor([0, s_total])
+        runs = _query_runs([int(c) for c in cu.tolist()], s_total, cp, self.cp_group.rank() if cp > 1 else 0)
         if cp > 1:
             # the gathered K/V are rank-major slices: put them back in packed order
+            cu = cu.to(device)
             order = torch.cat([cp_partition_index(cu, cp, r) for r in range(cp)]).to(device)
             inv = torch.empty_like(order)
             inv[order] = torch.arange(order.numel(), device=device)
             key, value = key.index_select(0, inv), value.index_select(0, inv)
-            q_pos = cp_partition_index(cu, cp, self.cp_group.rank()).to(device)
-        else:
-            q_pos = torch.arange(s_local, device=device)
-        k_pos = torch.arange(s_total, device=device)
-        seg = _segment_ids(cu, s_total)
-        allowed = seg[q_pos][:, None] == seg[k_pos][None, :]
-        if causal:
-            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
-        if attention_mask is not None and not thd:
-            # megatron masks are True where attention is *not* allowed, [b, 1, sq, sk]
-            allowed = allowed[None, None] & ~attention_mask.to(torch.bool)
         q = query.permute(1, 2, 0, 3)  # [b, h, s, d]
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         if self.heads != k.shape[1]:
             rep = self.heads // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        if self.training and self.dropout > 0:
-            probs = F.dropout(probs, p=self.dropout)
-        out = torch.matmul(probs, v)  # [b, h, s, d]
+        dropout = self.dropout if self.training else 0.0
+        outs = []
+        for q0, n, start, end, off in runs:
+            k_end = start + off + n if causal else end
+            mask, is_causal = None, False
+            if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
+                kk = torch.arange(off + n, device=device)
+                mask = kk[None, :] <= torch.arange(n, device=device)[:, None] + off
+            elif causal:
+                is_causal = True
+            if attention_mask is not None and not thd:
+                # megatron masks are True where attention is *not* allowed, [b, 1, sq, sk]
+                allowed = ~attention_mask[..., q0:q0 + n, start:k_end].to(torch.bool)
+                if is_causal:
+                    mask = torch.ones(n, k_end - start, dtype=torch.bool, device=device).tril()
+                mask = allowed if mask is None else allowed & mask
+                is_causal = False
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end], attn_mask=mask,
+                dropout_p=dropout, is_causal=is_causal, scale=self.scale))
+        out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, self.heads, 0, self.head_dim)  # [b, h, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s_local, b, self.heads * self.head_dim)
         return out.squeeze(1) if thd else out
 
