@@ -134,28 +134,6 @@ def bench_packing(quick: bool) -> dict:
 _STATE: dict = {}
 
 
-def init_world() -> None:
-    """In-process gloo world of size 1 with megatron parallel_state (TP = CP = EP = 1), once per process."""
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    import cpu_compat
-
-    cpu_compat.apply()
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
-
-
 def _make_tiny_module():
     spec = importlib.util.spec_from_file_location("make_tiny_omni", ROOT / "assets" / "make_tiny_omni.py")
     mod = importlib.util.module_from_spec(spec)
@@ -242,7 +220,9 @@ def _per_row_media(batch: pack.PackedBatch) -> dict:
 
 def bench_vision(quick: bool) -> dict:
     """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
-    init_world()
+    import omni_model as om
+
+    om.init_single_rank_world()
     model_dir = small_checkpoint("policy", seed=1234)
     pairs, ids = sample_pairs(model_dir, 1)
     model = _build_ours(model_dir).train()
@@ -448,9 +428,10 @@ def bench_train(quick: bool) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
+    import omni_model as om
     import train
 
-    init_world()
+    om.init_single_rank_world()
     n_pairs, timed = (6, 2) if quick else (16, 5)
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     pairs, ids = sample_pairs(pol_dir, n_pairs)

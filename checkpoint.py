@@ -426,19 +426,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False
 
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not torch.cuda.is_available():
-        import cpu_compat
-
-        cpu_compat.apply()
     from megatron.core import tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
+    omni_model.init_single_rank_world()
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
@@ -449,14 +439,6 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     _unwrap(model).load_state_dict(loaded["model"])
     omni_model.export_hf(model, out_dir, cfg.model.hf_path)
     return Path(out_dir)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

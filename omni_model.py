@@ -113,6 +113,35 @@ def _apply_cpu_shims() -> None:
     cpu_compat.apply()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reported free a moment ago (another process may still take it first)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_rank_world() -> None:
+    """In-process gloo world of size 1 (on a free local port) with megatron-core parallel state TP = CP = EP = PP = 1,
+    for building models outside torchrun (HF export, bench, tests); applies the CPU shims when there is no GPU.
+
+    Idempotent: an existing process group or parallel state is kept; megatron's RNG tracker is seeded (0) only when the
+    parallel state is created here (callers that need another seed call `model_parallel_cuda_manual_seed` after).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    _apply_cpu_shims()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+
+
 # ======================================================================================================================
 # Config: the checkpoint's config.json -> typed facts -> megatron-core TransformerConfigs
 
@@ -1295,11 +1324,7 @@ if __name__ == "__main__":
     from config import ModelConfig, ParallelConfig
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    init_single_rank_world()
     hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
     model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
     print(load_hf_weights(model, hf_dir))

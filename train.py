@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -328,10 +327,8 @@ def init_distributed(cfg, num_experts: int | None):
     from megatron.core import parallel_state
 
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(omni_model.free_port()))
     dp = config_mod.validate_parallel(cfg, int(os.environ["WORLD_SIZE"]), num_experts)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -7,7 +7,6 @@ rows sharing one image, pack.py's PackedBatch fields), deterministic from a seed
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -58,26 +57,3 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
                      image_token_counts=torch.tensor([n_img, n_img]), media_index=torch.tensor([0, 1]),
                      media_image_offsets=torch.tensor([0, 1, 2]))
     return batch
-
-
-def init_single_rank_world() -> None:
-    """In-process gloo world of size 1 with megatron parallel_state (TP = CP = EP = 1), once per process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    import cpu_compat
-
-    cpu_compat.apply()
-    if not dist.is_initialized():
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 
 import pytest
 import torch
@@ -30,18 +29,13 @@ from megatron.core.tensor_parallel import (  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 import mamba_torch  # noqa: E402
+import omni_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo_world():
     """A single-rank gloo process group with megatron's model-parallel groups (TP = PP = EP = 1)."""
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+    omni_model.init_single_rank_world()
     model_parallel_cuda_manual_seed(1234)
     yield
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import ROOT, TINY, init_single_rank_world, make_pair_batch  # noqa: E402
+from omni_model_cases import ROOT, TINY, make_pair_batch  # noqa: E402
 
 PARITY = 1e-4  # issue 6: logits max-abs vs transformers
 INVARIANCE = 1e-5  # issue 6: packed = unpacked, TP/EP/CP = 1 rank, vision once per pair
@@ -25,7 +25,9 @@ INVARIANCE = 1e-5  # issue 6: packed = unpacked, TP/EP/CP = 1 rank, vision once 
 
 @pytest.fixture(scope="module")
 def world():
-    init_single_rank_world()
+    import omni_model as om
+
+    om.init_single_rank_world()
 
 
 @pytest.fixture(scope="module")

@@ -191,12 +191,10 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     loading `step_dir` into a fresh tiny policy + DDP + optimizer in this process (a world of one: the DP = 2
     checkpoint reshards over DP). In-memory state, so the uninitialised padding megatron's `dp_reshardable` format
     writes between parameters in its buckets is not compared."""
-    from omni_model_cases import init_single_rank_world
-
     import checkpoint
     import omni_model
 
-    init_single_rank_world()
+    omni_model.init_single_rank_world()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
@@ -397,13 +395,12 @@ def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
     for name in ("config.json", "tokenizer.json", "processor_config.json", "model.safetensors.index.json"):
         assert (out / name).is_file(), name
 
-    from omni_model_cases import init_single_rank_world
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
-    import checkpoint  # noqa: I001
+    import checkpoint
     import omni_model
 
-    init_single_rank_world()
+    omni_model.init_single_rank_world()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
     ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     checkpoint.load(readme.dir / "step_6", ours)
