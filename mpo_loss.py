@@ -20,7 +20,7 @@ optimizer step, the loss only returns its sufficient statistics and the training
 The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
 `token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):
 
-    seq_ids = token_sequence_ids(cu_seqlens_padded, T)[cp_index]   # [T_local]; cp_index = this CP rank's tokens
+    seq_ids = pack.token_sequence_ids(cu_seqlens_padded, T)[cp_index]   # [T_local]; cp_index = this CP rank's tokens
     pol, n  = packed_sequence_logps(logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)  # [S], [S]
     with torch.no_grad():                                            # the reference model's logits, same layout
         ref, _ = packed_sequence_logps(ref_logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)
@@ -177,27 +177,6 @@ def token_logprobs(
 # Segment reduction over the packed row
 
 
-def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The sequence index of every token of a packed THD row.
-
-    Args:
-        cu_seqlens_padded: [S+1] int32/int64 cumulative padded sequence lengths, starting at 0.
-        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] (bin padding) get the id S.
-
-    Returns:
-        [T] int64 in [0, S]. With context parallelism, index this with the same CP partition index as input_ids.
-
-    Raises:
-        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than num_tokens.
-    """
-    cu = cu_seqlens_padded.long().cpu()
-    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > num_tokens:
-        raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {num_tokens}; got {cu.tolist()}")
-    lengths = torch.cat([cu[1:] - cu[:-1], torch.tensor([num_tokens - cu[-1]])])
-    ids = torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long), lengths)
-    return ids.to(cu_seqlens_padded.device)
-
-
 def sequence_sums(
     values: torch.Tensor,
     seq_ids: torch.Tensor,
@@ -238,7 +217,7 @@ def sequence_logps(
     Args:
         token_logps: [T_local] fp32 per-token log-probs (policy or reference).
         loss_mask: [T_local] bool/int, 1 on response tokens (the final assistant turn) of the pre-rolled labels.
-        seq_ids: [T_local] int64 sequence index of each token (`token_sequence_ids`, CP-sliced like the tokens).
+        seq_ids: [T_local] int64 sequence index of each token (`pack.token_sequence_ids`, CP-sliced like the tokens).
         num_sequences: S, sequences in the packed row.
         cp_group: context-parallel group (see `sequence_sums`).
 
@@ -352,7 +331,7 @@ def count_valid_pairs(
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
     get `num_global_pairs` before the first forward. `num_tokens` [S] is the per-sequence count of loss_mask over the
-    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), token_sequence_ids(cu_seqlens_padded, T), S)`."""
+    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), pack.token_sequence_ids(cu_seqlens_padded, T), S)`."""
     return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 

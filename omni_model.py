@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pack import cp_partition_index, thd_packed_seq_params
+from pack import cp_partition_index, thd_packed_seq_params, token_sequence_ids
 
 IMAGE_PREFIX_DEFAULT = 10
 
@@ -416,13 +416,6 @@ def _make_norm_linear():
 
     _LocalNormColumnParallelLinear.__name__ = "LocalNormColumnParallelLinear"
     return _LocalNormColumnParallelLinear
-
-
-def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total] int64 sequence index of every packed position (positions past cu_seqlens[-1] get a new id)."""
-    cu = cu_seqlens.to(torch.int64)
-    lens = torch.cat([cu[1:] - cu[:-1], cu.new_tensor([max(total - int(cu[-1]), 0)])])
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)[:total]
 
 
 def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
@@ -875,7 +868,7 @@ class OmniModel(nn.Module):
                                  f"{n_feat} features")
             return positions, torch.cat(feats) if feats else None
         rows = []
-        counts = torch.bincount(_segment_ids(cu_pad, ids.numel())[is_img], minlength=cu_pad.numel() - 1)
+        counts = torch.bincount(token_sequence_ids(cu_pad, ids.numel())[is_img], minlength=cu_pad.numel() - 1)
         offsets = offsets.tolist()
         for s, slot in enumerate(media_index.tolist()):
             slot_feats = feats[offsets[slot]:offsets[slot + 1]]

@@ -643,6 +643,27 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Ten
     )
 
 
+def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The sequence index of every token of a packed THD row.
+
+    Args:
+        cu_seqlens_padded: [S+1] int32/int64 cumulative padded sequence lengths, starting at 0.
+        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] (bin padding) get the id S.
+
+    Returns:
+        [T] int64 in [0, S]. With context parallelism, index this with the same CP partition index as input_ids.
+
+    Raises:
+        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than num_tokens.
+    """
+    cu = cu_seqlens_padded.long().cpu()
+    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {num_tokens}; got {cu.tolist()}")
+    lengths = torch.cat([cu[1:] - cu[:-1], torch.tensor([num_tokens - cu[-1]])])
+    ids = torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long), lengths)
+    return ids.to(cu_seqlens_padded.device)
+
+
 # ======================================================================================================================
 # Context-parallel slicing
 

@@ -395,7 +395,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
     T, S = batch.input_ids.shape[1], batch.num_sequences
     labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = mpo_loss.token_sequence_ids(batch.cu_seqlens_padded, T)
+    seq_ids = pack.token_sequence_ids(batch.cu_seqlens_padded, T)
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
@@ -409,7 +409,7 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward."""
     local = 0
     for b in batches:
-        seq_ids = mpo_loss.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
+        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
         num_tokens = torch.zeros(b.num_sequences + 1, dtype=torch.long).index_add_(
             0, seq_ids.cpu(), b.loss_mask[0].long().cpu()
         )[:-1]

@@ -31,9 +31,9 @@ from mpo_loss import (  # noqa: E402
     mpo_loss,
     sequence_logps,
     token_logprobs,
-    token_sequence_ids,
     update_reward_shift,
 )
+from pack import token_sequence_ids  # noqa: E402
 
 
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

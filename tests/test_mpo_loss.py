@@ -28,9 +28,9 @@ from mpo_loss import (
     sequence_logps,
     sequence_logratios,
     token_logprobs,
-    token_sequence_ids,
     update_reward_shift,
 )
+from pack import token_sequence_ids
 
 LN2 = math.log(2.0)
 

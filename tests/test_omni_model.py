@@ -19,6 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omni_model_cases import ROOT, TINY, make_pair_batch  # noqa: E402
 
+import pack  # noqa: E402
+
 PARITY = 1e-4  # issue 6: logits max-abs vs transformers
 INVARIANCE = 1e-5  # issue 6: packed = unpacked, TP/EP/CP = 1 rank, vision once per pair
 
@@ -326,14 +328,13 @@ def test_core_attention_per_sequence_equals_dense_reference(causal, monkeypatch)
 
     import megatron.core.tensor_parallel.mappings as mappings
 
-    import omni_model as om
     from pack import cp_partition_index
 
     gen = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 5, 14, 16], dtype=torch.int32)
     T = 19
     q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
-    seg = om._segment_ids(cu, T)
+    seg = pack.token_sequence_ids(cu, T)
     psp = SimpleNamespace(qkv_format="thd", cu_seqlens_q_padded=cu, cu_seqlens_q=cu)
     qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = _core_attention(causal)(qs, ks, vs, packed_seq_params=psp)
@@ -350,7 +351,7 @@ def test_core_attention_per_sequence_equals_dense_reference(causal, monkeypatch)
     cu = torch.tensor([0, 8, 24, 28], dtype=torch.int32)
     T = 28
     q, k, v = (torch.randn(T, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
-    ref = _dense_attention(q, k, v, om._segment_ids(cu, T), causal)
+    ref = _dense_attention(q, k, v, pack.token_sequence_ids(cu, T), causal)
     idx = [cp_partition_index(cu, 2, r) for r in range(2)]
     gathered = []
     monkeypatch.setattr(mappings, "gather_from_sequence_parallel_region", lambda t, *a, **kw: gathered.pop(0))
