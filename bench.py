@@ -424,8 +424,6 @@ def _row_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> t
 
 def bench_train(quick: bool) -> dict:
     """One optimizer step, ours vs the transformers baseline: step-1 loss and gradient norm equal, pairs/s, tokens/s."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
     import omni_model as om
@@ -442,17 +440,7 @@ def bench_train(quick: bool) -> dict:
     # -- ours: train.train_step as train.main sets it up (one rank) --------------------------------------------------
     policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
     reference.eval().requires_grad_(False)
-    ddp_cfg = copy.copy(policy.lm_config)
-    ddp_cfg.calculate_per_token_loss = True
-    ddp = DistributedDataParallel(ddp_cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                         use_distributed_optimizer=True), policy)
-    optim_cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                clip_grad=o.clip_grad, bf16=False, params_dtype=torch.float32,
-                                use_distributed_optimizer=True)
-    with train.cuda_to_cpu():
-        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
-    scheduler = train.build_scheduler(optimizer, cfg)
+    ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)  # fp32, distributed Adam: the config's defaults
     ctx = train.Ctx(cfg, torch.device("cpu"), 1)
     ddp.train()
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
