@@ -1,5 +1,6 @@
 """Nemotron-3-Nano-Omni on megatron-core: config mapping, layer specs, packed THD forward, HF import / export.
 
+    init_single_rank_world()                                           # outside torchrun: a gloo world of one
     model = build_model("assets/tiny-omni", cfg.model, cfg.parallel)   # after parallel_state is initialised
     report = load_hf_weights(model, "assets/tiny-omni")                # each rank reads only its slices
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch

@@ -11,7 +11,6 @@ import copy
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -692,15 +691,11 @@ def test_rank0_builds_and_others_read_under_torchrun(tmp_path):
     script = tmp_path / "dist_index.py"
     script.write_text(DIST_SCRIPT)
     bad = write_set(tmp_path / "bad", [row(0, image="nope.png")], {})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "REPO": str(ROOT), "MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
            "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
            "OUT_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(port), str(script)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert res[0]["status"] == "built" and res[1]["status"] == "hit"
