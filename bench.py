@@ -105,7 +105,7 @@ def bench_packing(quick: bool) -> dict:
         loads = [sum(b.tokens for b in r) for r in ranks]
         total = sum(loads)
         return {"tokens": total, "useful_fraction": useful / total, "busiest_rank_share": max(loads) / total,
-                "busiest_rank_tokens": max(loads), "imbalance": max(loads) * len(loads) / total}
+                "busiest_rank_tokens": max(loads), "imbalance": pack.rank_imbalance(ranks)}
 
     ours = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="greedy")
     rr = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="round_robin")

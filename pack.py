@@ -17,7 +17,8 @@ Three layers, cheapest first:
 3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
    keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (tests, metrics).
 
-`synthetic_mmpr_lengths`, `packing_efficiency`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark.
+`synthetic_mmpr_lengths`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark; `rank_imbalance`
+and `packing_efficiency` also fill `Plan.stats`.
 
 Run `python pack.py` to print the packing efficiency and the DP imbalance of a synthetic MMPR-like step.
 Tests: `pytest tests/test_pack.py`.
