@@ -409,10 +409,8 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward."""
     local = 0
     for b in batches:
-        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
-        num_tokens = torch.zeros(b.num_sequences + 1, dtype=torch.long).index_add_(
-            0, seq_ids.cpu(), b.loss_mask[0].long().cpu()
-        )[:-1]
+        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1]).cpu()
+        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long().cpu(), seq_ids, b.num_sequences)
         local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
