@@ -22,14 +22,12 @@ O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurr
     y_t   = h_t · C_t + D_h · x_t,   then y_t · silu(z_t) if z is given
 
 Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
-`set_megatron_dt_min` switches megatron's mixer to transformers' time-step floor (see its docstring).
+The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
 
 Tests: `pytest tests/test_mamba_torch.py`.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +39,6 @@ __all__ = [
     "rmsnorm_fn",
     "RMSNormGated",
     "seq_idx_from_cu_seqlens",
-    "set_megatron_dt_min",
 ]
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -480,45 +477,3 @@ def mamba_split_conv1d_scan_combined(
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight, outproj_bias)
     return (y, final) if return_final_states else y
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The time-step floor switch
-
-
-def set_megatron_dt_min(dt_min: float) -> None:
-    """Make megatron-core's MambaMixer clamp the processed time step to ≥ dt_min (0 restores megatron's default).
-
-    transformers' NemotronH (and the checkpoint's reference semantics) clamp softplus(dt + dt_bias) to
-    [time_step_min, inf) ("time_step_limit"); megatron-core's MambaMixer calls the scan without dt_limit, i.e. no
-    clamp (shared/research/nemotron_omni_arch.md §8.1). This wraps the scan functions that megatron's mixer module
-    currently uses (ours on CPU after cpu_compat.apply(), mamba-ssm's Triton kernels on a GPU) so a call without
-    dt_limit gets (dt_min, inf). Process-global, like the kernels themselves; call it after cpu_compat.apply().
-    Raises ValueError for a negative or non-finite dt_min.
-    """
-    if not (math.isfinite(dt_min) and dt_min >= 0):
-        raise ValueError(f"dt_min must be finite and >= 0, got {dt_min}")
-    from megatron.core.ssm import mamba_mixer
-
-    names = ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined")
-    base = getattr(mamba_mixer, "_omni_dt_base", None)
-    if base is None or any(getattr(mamba_mixer, nm) is not getattr(mamba_mixer, "_omni_dt_wrapped", {}).get(nm)
-                           for nm in names):
-        base = {nm: getattr(mamba_mixer, nm) for nm in names}
-        mamba_mixer._omni_dt_base = base
-    wrapped = {}
-    for nm in names:
-        fn = base[nm]
-        if fn is None or dt_min == 0:
-            wrapped[nm] = fn
-            continue
-
-        def clamped(*args, _fn=fn, **kwargs):
-            kwargs.setdefault("dt_limit", (dt_min, float("inf")))
-            return _fn(*args, **kwargs)
-
-        clamped.__wrapped__ = fn
-        wrapped[nm] = clamped
-    for nm in names:
-        setattr(mamba_mixer, nm, wrapped[nm])
-    mamba_mixer._omni_dt_wrapped = wrapped

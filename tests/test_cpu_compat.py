@@ -28,7 +28,6 @@ from megatron.core.tensor_parallel import (  # noqa: E402
 )
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-import mamba_torch  # noqa: E402
 import omni_model  # noqa: E402
 
 
@@ -181,15 +180,18 @@ def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
 
 def _mixers(time_step_min=0.01, **config_overrides):
     """A megatron MambaMixer (local linears) and transformers' NemotronHMamba2Mixer with the same weights."""
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from transformers.models.nemotron_h import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
     hidden, heads, headdim, groups, state, chunk = 16, 4, 4, 2, 8, 8
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
                        mamba_num_heads=heads, **config_overrides)
-    ours = MambaMixer(cfg, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
-                      d_model=hidden, chunk_size=chunk, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    # megatron's MambaMixer with the project's time-step clamp switch (off until `dt_limit` is set)
+    omni_model._install_mamba_dt_limit_hook()
+    submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    ours = omni_model._mamba_mixer_class()(cfg, submodules, d_model=hidden, chunk_size=chunk,
+                                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     hf_cfg = NemotronHConfig(hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=headdim, n_groups=groups,
                              ssm_state_size=state, conv_kernel=4, chunk_size=chunk, hybrid_override_pattern="M",
                              layer_norm_epsilon=1e-5, time_step_min=time_step_min, use_conv_bias=True,
@@ -217,11 +219,9 @@ def test_megatron_mamba_mixer_matches_transformers():
     x = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(10))  # [batch, seq, hidden] (HF layout)
     with torch.no_grad():
         expected = ref(x)
-        try:
-            mamba_torch.set_megatron_dt_min(0.01)  # follow the reference's time-step floor
-            clamped = ours(x.transpose(0, 1))[0].transpose(0, 1)
-        finally:
-            mamba_torch.set_megatron_dt_min(0.0)
+        ours.dt_limit = (0.01, float("inf"))  # follow the reference's time-step floor
+        clamped = ours(x.transpose(0, 1))[0].transpose(0, 1)
+        ours.dt_limit = None  # megatron-core's (0, inf)
         unclamped = ours(x.transpose(0, 1))[0].transpose(0, 1)
         ref.time_step_limit = (0.0, float("inf"))
         expected_unclamped = ref(x)
