@@ -166,14 +166,16 @@ def test_loss_mask_boundaries_token_by_token(sample, processor):
 
 def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
     """A reasoning response's prompt is the thinking-on generation prompt; `<think></think>\\n\\n` + text renders
-    like the bare text; a pair mixing the two has no common prompt (prompt_mismatch)."""
+    like the bare text; a pair mixing the two is kept (NeMo-RL's rule): the prompt is what both generation prompts
+    share, and each response opens its own block, token for token the template's rendering of the conversation."""
     meta = write_set(tmp_path, [
         row(0, chosen="<think>\nlook at it\n</think>\nRed.", rejected="<think>guess</think>Blue."),
         row(1, chosen="<think></think>\n\nRed.", rejected="Blue."),
         row(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
+        row(3, chosen="Red.", rejected="too short</think>Blue."),  # the block opened by the generation prompt
     ], {"a.png": rgb()})
     index = md.build_index(meta, processor, make_cfg())
-    assert len(index) == 2 and index.stats["sub"]["dropped"] == {"prompt_mismatch": 1}
+    assert len(index) == 4 and md.summary_drops(index) == {}
     ds = md.PairDataset(index, processor)
     tok = processor.tokenizer
     p0, p1 = ds[0], ds[1]
@@ -184,6 +186,21 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
     assert tok.decode(p1.chosen_ids[p1.chosen_loss_mask].tolist()) == "Red.<|im_end|>"
     p = int(index.prompt_len[1])
     assert torch.equal(p1.chosen_ids[:p], p1.rejected_ids[:p])
+    img = Image.open(tmp_path / "MMPR-t" / "images" / "a.png").convert("RGB")
+    for i, (chosen_loss, rejected_loss) in ((2, ("<think>\nhmm\n</think>\nRed.", "<think></think>Blue.")),
+                                            (3, ("<think></think>Red.", "<think>\ntoo short\n</think>\nBlue."))):
+        pair, p = ds[i], int(index.prompt_len[i])
+        assert torch.equal(pair.chosen_ids[:p], pair.rejected_ids[:p])
+        assert tok.decode(pair.chosen_ids[:p].tolist()).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert tok.decode(pair.chosen_ids[pair.chosen_loss_mask].tolist()) == chosen_loss + "<|im_end|>"
+        assert tok.decode(pair.rejected_ids[pair.rejected_loss_mask].tolist()) == rejected_loss + "<|im_end|>"
+        assert not pair.chosen_loss_mask[:p].any() and pair.chosen_loss_mask[p] and pair.rejected_loss_mask[p]
+        raw = json.loads((tmp_path / "MMPR-t" / "annotations" / "sub.jsonl").read_text().splitlines()[i])
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]}
+        for side in ("chosen", "rejected"):  # the rows are the template's rendering of each conversation
+            text = processor.apply_chat_template([user, {"role": "assistant", "content": raw[side]}], tokenize=False)
+            ref = processor(images=[img], text=text, return_tensors="pt")["input_ids"][0]
+            assert torch.equal(getattr(pair, f"{side}_ids"), ref)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -236,6 +253,9 @@ def test_meta_errors(tmp_path):
         md.read_meta(bad)
     bad.write_text(json.dumps({"a": {"root": "r", "annotation": "x", "repeat_time": -1}}))
     with pytest.raises(md.DataError, match="repeat_time = -1 must be a number >= 0"):
+        md.read_meta(bad)
+    bad.write_text(json.dumps({"a": {"root": 3, "annotation": "x"}}))
+    with pytest.raises(md.DataError, match="subset 'a': root = 3 must be a folder path or null"):
         md.read_meta(bad)
 
 
@@ -356,21 +376,37 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(10, image="nope.png"),  # image_missing
         row(11, image="garbage.png"),  # image_unreadable
         row(12, image="half.png"),  # image_truncated
-        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # prompt_mismatch
+        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # valid: a mixed reasoning pair is kept
         row(14, chosen="word " * 200),  # too_long
         "",  # blank line: not a row
         row(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
+        row(16, video="clip.mp4", image=None, q="What happens?"),  # video_unsupported
+        row(17, chosen="<think>cut off while", rejected="<think>also cut"),  # unterminated_reasoning
+        row(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
+        row(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
+        row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
+        row(21, q="<image>\nA" + "".join(chr(c) for c in range(0xE000, 0xE040))),  # template_rewrites_text
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2]})
+    # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
+    spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
+    meta.write_text(json.dumps(spec))
     cfg = make_cfg(max_seq_length=200, train__max_images_per_row=2)
     index = md.build_index(meta, processor, cfg)
     st = index.stats["sub"]
-    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "too_many_images": 1, "placeholder_mismatch": 2,
-                             "stray_media_token": 3, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
-                             "image_truncated": 1, "prompt_mismatch": 1, "too_long": 1}
-    assert set(st["dropped"]) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 19 and st["valid"] == 2 and len(index) == 2 and index.line.tolist() == [1, 20]
+    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
+                             "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
+                             "malformed_reasoning": 2, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
+                             "image_truncated": 1, "template_rewrites_text": 1, "too_long": 1}
+    assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
+    assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
+        f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
+        "relative image path 'a.png' cannot be resolved"]
+    assert set(md.summary_drops(index)) == set(md.DROP_REASONS)
+    assert st["rows_read"] == 25 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
