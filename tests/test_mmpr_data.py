@@ -11,6 +11,7 @@ import copy
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from pack import pack, plan_step
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-omni"
 SAMPLE_META = ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "meta.json"
-IMAGE_ID, IMG_START, IMG_END, IM_END, THINK_END = 18, 21, 22, 11, 13
+IMAGE_ID, IMG_START, IMG_END, IM_END, THINK, THINK_END = 18, 21, 22, 11, 12, 13
 
 
 @pytest.fixture(scope="module")
@@ -435,6 +436,191 @@ def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
     with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
         md.build_index(meta, processor, make_cfg())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rows as real MMPR / NeMo-RL data writes them: the R1 prompt, directives, null roots, video, reasoning, <image_N>
+
+R1_QUESTION = ("<image>\nEnclose this entire thinking process within <think> and </think> tags.\nWhat is 2+2?")
+
+
+def _user_turn(question: str, n_tokens: int, system: str = "") -> str:
+    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+            + question.replace("<image>", "<img>" + "<image>" * n_tokens + "</img>") + "<|im_end|>\n")
+
+
+def test_row_text_is_rendered_as_written(tmp_path, processor):
+    """The template strips `/think` / `/no_think` wherever they occur (in `</think>`, a word, a URL) and obeys them;
+    a row's text reaches the model as written instead, and the pair's reasoning mode comes from its responses."""
+    url_q = "<image>\nOpen https://example.com/thinking-maps/no_thinking.png: a/think b /no_think c?"
+    meta = write_set(tmp_path, [
+        row(0, q=R1_QUESTION, chosen="<think>\n2+2=4\n</think>\n4", rejected="<think>\n2+2=5\n</think>\n5"),
+        row(1, q=url_q, chosen="Red.", rejected="Blue."),
+        row(2, q="<image>\nWhat? /think", chosen="Red.", rejected="Blue."),  # a directive against plain responses
+        row(3, system="/no_think", chosen="<think>r</think>Red.", rejected="<think>s</think>Blue."),
+    ], {"a.png": rgb(640, 480)})
+    # the template on its own: these rewrites are what the renderer prevents (the rows crashed the build before)
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": R1_QUESTION}]}]
+    assert "within <think> and <> tags." in processor.apply_chat_template(user, tokenize=False)
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": url_q}]}]
+    assert "https://example.coming-mapsing.png: a b  c?" in processor.apply_chat_template(user, tokenize=False)
+    index = md.build_index(meta, processor, make_cfg())
+    assert len(index) == 4 and md.summary_drops(index) == {}
+    ds, tok = md.PairDataset(index, processor), processor.tokenizer
+    n = int(index.image_token_counts[0])
+    expect = {
+        0: (_user_turn(R1_QUESTION, n), "<think>\n", "2+2=4\n</think>\n4", "2+2=5\n</think>\n5"),
+        1: (_user_turn(url_q, n), "<think></think>", "Red.", "Blue."),
+        2: (_user_turn("<image>\nWhat? /think", n), "<think></think>", "Red.", "Blue."),
+        3: (_user_turn("<image>\nWhat is it?", n, "/no_think"), "<think>\n",
+            "r\n</think>\nRed.", "s\n</think>\nBlue."),
+    }
+    for i, (turns, opener, chosen, rejected) in expect.items():
+        pair = ds[i]
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            text = turns + "<|im_start|>assistant\n" + opener + response + "<|im_end|>\n"
+            ids = tok(text, add_special_tokens=False)["input_ids"]  # <think> / </think> are the reasoning tokens
+            assert getattr(pair, f"{side}_ids").tolist() == ids
+            assert tok.decode(getattr(pair, f"{side}_ids")[getattr(pair, f"{side}_loss_mask")].tolist()) == (
+                response + "<|im_end|>")
+    # the R1 instruction keeps both reasoning tokens in the user turn, as a tokenizer gives them at inference
+    user_ids = ds[0].chosen_ids[: int(index.prompt_len[0])].tolist()
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, THINK_END]
+    assert user_ids.count(THINK) == 2 and user_ids.count(THINK_END) == 1  # the question's two, + the opener
+
+
+def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
+    """Any other rewrite by a chat template (here one that respells a word) is dropped, not trained silently."""
+    from transformers import AutoProcessor
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    tpl = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(tpl.replace("| trim -}}", "| replace('colour', 'color') | trim -}}"))
+    other = AutoProcessor.from_pretrained(model)
+    meta = write_set(tmp_path, [row(0, q="<image>\nWhich colour?"), row(1, q="<image>\nWhich color?"),
+                                row(2, system="Say colour.")], {"a.png": rgb()})
+    index = md.build_index(meta, other, make_cfg())
+    assert index.line.tolist() == [2] and index.stats["sub"]["dropped"] == {"template_rewrites_text": 2}
+    ex = index.stats["sub"]["drop_examples"]["template_rewrites_text"]
+    assert "sub.jsonl:1: the chat template changes the question text" in ex[0]
+    assert "sub.jsonl:3: the chat template changes the system text" in ex[1]
+    assert len(md.build_index(meta, processor, make_cfg(), use_cache=False)) == 3  # the tiny template keeps them
+
+
+def test_subset_without_root(tmp_path, processor):
+    """InternVL's text-only subsets have "root": null (or none): accepted; rows that need a root are dropped."""
+    d = tmp_path / "set"
+    d.mkdir()
+    rgb().save(d / "abs.png")
+    (d / "text.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+        row(1, image=str(d / "abs.png")),  # an absolute image path needs no root
+        row(2, image="rel.png"),
+    )) + "\n")
+    (d / "meta.json").write_text(json.dumps({"text_null": {"root": None, "annotation": "text.jsonl"},
+                                             "text_missing": {"annotation": "text.jsonl", "repeat_time": 1}}))
+    subs = md.read_meta(d / "meta.json")
+    assert [s.root for s in subs] == [None, None]
+    index = md.build_index(d / "meta.json", processor, make_cfg())
+    assert len(index) == 4 and index.num_images.tolist() == [0, 1, 0, 1]
+    assert index.images(1) == [str(d / "abs.png")] and index.image_roots == ["", ""]
+    for name in ("text_null", "text_missing"):
+        assert index.stats[name]["dropped"] == {"no_image_root": 1}
+        assert f"subset '{name}' has no root" in index.stats[name]["drop_examples"]["no_image_root"][0]
+    ds = md.PairDataset(index, processor)
+    assert ds[0].pixel_values.shape == (0, 768) and ds[1].image_grid_hw.shape == (1, 2)
+
+
+def test_video_rows_are_dropped_as_video(tmp_path, processor):
+    meta = write_set(tmp_path, [
+        {"video": "clip.mp4", "question": "What happens in the video?", "chosen": "A dog runs.", "rejected": "Nothing."},
+        {"video": "clip.mp4", "question": "<video>\nWhat happens in the video?", "chosen": "A dog runs.",
+         "rejected": "Nothing."},
+        row(2, q="<image>\nIs this a frame of <video>?"),
+        row(3),
+    ], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [4] and st["dropped"] == {"video_unsupported": 3}
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["video_unsupported"]] == [
+        "the row has a video ('clip.mp4'); video preference pairs are not supported yet"] * 2 + [
+        "question has a <video> placeholder; video preference pairs are not supported yet"]
+
+
+def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
+    meta = write_set(tmp_path, [
+        row(0, chosen="<think>\nThe image is plain grey, so", rejected="<think>\nThere is a cat."),
+        row(1, chosen="<think>a</think>Red.", rejected="<think>\nThere is a"),
+        row(2, chosen="<think>a</think>Red.<think>b</think>Really red.", rejected="Blue."),
+        row(3, chosen="Red. <think>why</think>Yes.", rejected="Blue."),
+        row(4, chosen="a</think>b</think>Red.", rejected="Blue."),
+        row(5, chosen="<think>a</think>Red.", rejected="Blue."),
+    ], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [6] and st["dropped"] == {"unterminated_reasoning": 2, "malformed_reasoning": 3}
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["unterminated_reasoning"]] == [
+        "chosen opens <think> but never closes it with </think>", "rejected opens <think> but never closes it with "
+        "</think>"]
+    assert st["drop_examples"]["malformed_reasoning"][0].endswith(
+        "chosen has 2 <think> and 2 </think>; one reasoning block at the start of the response is allowed")
+
+
+def test_numbered_image_placeholders(tmp_path, processor):
+    """`<image_N>` (NeMo-RL's placeholder) is the N-th image at that place: the pair equals the `<image>` row with
+    the images in placeholder order."""
+    imgs = {"a.png": rgb(64, 40, (255, 0, 0)), "b.png": rgb(30, 90, (0, 0, 255))}
+    meta = write_set(tmp_path, [
+        row(0, image=["a.png", "b.png"], q="<image_1> <image_2> Same?", chosen="Yes.", rejected="No."),
+        row(1, image=["a.png", "b.png"], q="<image> <image> Same?", chosen="Yes.", rejected="No."),
+        row(2, image=["b.png", "a.png"], q="<image_2> <image_1> Same?", chosen="Yes.", rejected="No."),
+        row(3, image="a.png", q="<image_1>\nWhat is it?"),
+        row(4, image=["a.png", "b.png"], q="<image_1> <image_3>"),
+        row(5, image=["a.png", "b.png"], q="<image_1> <image_1>"),
+        row(6, image=["a.png", "b.png"], q="<image_1> only"),
+    ], imgs)
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [1, 2, 3, 4] and st["dropped"] == {"placeholder_mismatch": 3}
+    assert st["drop_examples"]["placeholder_mismatch"][0].endswith(
+        "placeholders <image_1>, <image_3> for 2 images: expected each of <image_1>..<image_2> once")
+    folder = tmp_path / "MMPR-t" / "images"
+    assert index.images(0) == index.images(1) == index.images(2) == [str(folder / "a.png"), str(folder / "b.png")]
+    ds = md.PairDataset(index, processor)
+    for i in (0, 2):
+        for k in ("chosen_ids", "rejected_ids", "pixel_values", "image_grid_hw", "image_token_counts"):
+            assert torch.equal(getattr(ds[i], k), getattr(ds[1], k))
+    assert "<image_1>" not in processor.tokenizer.decode(ds[3].chosen_ids.tolist())
+    assert ds[3].chosen_ids.tolist().count(IMG_START) == 1
+
+
+def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
+    meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
+    with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
+        with pytest.raises(md.DataError, match=r"no preference pair: repeat_time kept none of the valid rows "
+                                               r"\('sub': repeat_time 0.005 x 3 valid rows -> 0 pairs\); drops: \{\}"):
+            md.build_index(meta, processor, make_cfg())
+
+
+def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
+    meta = write_set(tmp_path, [
+        row(0),
+        {"video": "clip.mp4", "question": "What happens?", "chosen": "x", "rejected": "y"},
+        row(2, chosen="<think>cut", rejected="<think>off"),
+        row(3, chosen="Well <think>a</think>Red."),
+        row(4, q="<image>\n" + "".join(chr(c) for c in range(0xE000, 0xE040))),
+    ], {"a.png": rgb()})
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(row(5)) + "\n")
+    spec["noroot"] = {"root": None, "annotation": "MMPR-t/annotations/noroot.jsonl"}
+    meta.write_text(json.dumps(spec))
+    assert md.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    for reason in ("video_unsupported", "unterminated_reasoning", "malformed_reasoning", "template_rewrites_text",
+                   "no_image_root"):
+        assert f"    dropped {reason}: 1  e.g. " in out
+    assert out.splitlines()[0].split(": ")[1].startswith("1 pairs")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
