@@ -35,6 +35,33 @@ Text layout of a row (the Omni chat template, shared/research/nemotron_omni_arch
 The prompt is exactly the template's generation prompt (thinking off for a response without reasoning, on for one
 with `<think>...</think>`); the loss mask covers what the model generates after it: the response and `<|im_end|>`.
 
+Row rules, where InternVL's loader (the MMPR authors', template-agnostic: its models have no reasoning tokens) and
+NeMo-RL's (NVIDIA's MPO loader for this checkpoint, shared/research/nemo_rl_mpo.md §3) differ, and what is done here:
+
+- Text as written. The Omni template removes `/think` and `/no_think` from system and user text wherever they occur
+  (in `</think>`, a word, a URL: `https://x.com/thinking` becomes `https://x.coming`) and switches reasoning on or off
+  for them; NeMo-RL trains on that rewritten text, InternVL on the text as written. Here the text is rendered as
+  written (InternVL): the template never sees these substrings (`TextRenderer.render`), so MMPR-v1.2's R1 prompt
+  ("...within <think> and </think> tags.") keeps its `</think>`, and a pair's reasoning mode comes from its responses
+  only, never from a directive in its text. `<think>` / `</think>` in a question are tokenised as the reasoning tokens,
+  as a tokenizer does at inference. Any other change a template makes to the system, question or response text is a
+  counted drop (`template_rewrites_text`).
+- One side reasons, the other not: kept (NeMo-RL; InternVL has no reasoning blocks). The two rows share the prompt up
+  to `<|im_start|>assistant\\n`; the reasoning side continues `<think>\\n...\\n</think>\\n`, the plain side
+  `<think></think>`, each the template's own rendering of its conversation, and the loss covers that opening too.
+- A reasoning block is one block at the start of a response (or closed by `</think>` after the generation prompt
+  opened it). `<think>` never closed (a generation cut off while reasoning, which both loaders keep and the template
+  renders as a second `<think>` after a thinking-off prompt) is dropped as `unterminated_reasoning`: trained as a
+  chosen response it teaches to stop mid-thought. Several blocks or text before `<think>` (the template silently keeps
+  only its first block and the text after the last `</think>`) are `malformed_reasoning`.
+- `<image_N>` (NeMo-RL) is the N-th image's placeholder, N = 1..n each once; `<image>` and no placeholder as before.
+- `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
+  subset is dropped as `no_image_root`, naming the subset.
+- Video rows (a `video` field or a `<video>` placeholder) are dropped as `video_unsupported`: video preference pairs
+  are not supported yet (NeMo-RL drops every row without exactly one image).
+- `repeat_time` as InternVL (NeMo-RL ignores it); a subset it empties is a warning, an index it empties an error that
+  says so.
+
 Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
 
     python mmpr_data.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
@@ -92,10 +119,11 @@ DROP_REASONS = (
     "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
 )
-# Special tokens a row's text may contain: the reasoning delimiters (tokenised as the reasoning tokens, as at inference).
+# Special tokens a row's text may contain: the reasoning delimiters (tokenised as the reasoning tokens, as at
+# inference).
 REASONING_TOKENS = ("<think>", "</think>")
 # Reasoning switches the Omni chat template removes from system / user text wherever they occur (inside a word, a URL
-# or `</think>` too) and obeys. In a row they are text: the renderer hides them from the template (`TextRenderer.render`).
+# or `</think>` too) and obeys. In a row they are text: the renderer hides them from the template (TextRenderer.render).
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")
 # NeMo-RL's numbered image placeholder; `<image_N>` stands for the N-th image of the row (1-based).
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")

@@ -534,7 +534,8 @@ def test_subset_without_root(tmp_path, processor):
 
 def test_video_rows_are_dropped_as_video(tmp_path, processor):
     meta = write_set(tmp_path, [
-        {"video": "clip.mp4", "question": "What happens in the video?", "chosen": "A dog runs.", "rejected": "Nothing."},
+        {"video": "clip.mp4", "question": "What happens in the video?", "chosen": "A dog runs.",
+         "rejected": "Nothing."},
         {"video": "clip.mp4", "question": "<video>\nWhat happens in the video?", "chosen": "A dog runs.",
          "rejected": "Nothing."},
         row(2, q="<image>\nIs this a frame of <video>?"),
