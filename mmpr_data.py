@@ -450,13 +450,15 @@ class TextRenderer:
             DataError: the template does not render a conversation as a generation prompt + response.
         """
         texts = (system, question, chosen, rejected)
-        mark = next((m for m in self._marks if not any(m in t for t in texts)), None)
-        if mark is None:
-            raise _Drop("template_rewrites_text", "the row uses every private-use character this renderer could "
-                                                  "hide its /think and /no_think from the chat template with")
+        mark = "/"  # the identity, unless the row has a directive to hide
+        if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
+            mark = next((m for m in self._marks if not any(m in t for t in texts)), "")
+            if not mark:
+                raise _Drop("template_rewrites_text", "the row uses every private-use character this renderer could "
+                                                      "hide its /think and /no_think from the chat template with")
 
         def hide(text: str, keep_think_end: bool) -> str:
-            for d in TEMPLATE_DIRECTIVES:  # "/no_think" does not contain "/think": the order does not matter
+            for d in TEMPLATE_DIRECTIVES if mark != "/" else ():  # "/no_think" does not contain "/think": the order does not matter
                 text = (re.sub(f"(?<!<){re.escape(d)}", mark + d[1:], text) if keep_think_end
                         else text.replace(d, mark + d[1:]))
             return text

@@ -386,7 +386,8 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
         row(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
         row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
-        row(21, q="<image>\nA" + "".join(chr(c) for c in range(0xE000, 0xE040))),  # template_rewrites_text
+        # template_rewrites_text: no character is left to hide the /think from the template with
+        row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2]})
@@ -610,7 +611,7 @@ def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
         {"video": "clip.mp4", "question": "What happens?", "chosen": "x", "rejected": "y"},
         row(2, chosen="<think>cut", rejected="<think>off"),
         row(3, chosen="Well <think>a</think>Red."),
-        row(4, q="<image>\n" + "".join(chr(c) for c in range(0xE000, 0xE040))),
+        row(4, q="<image>\n/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
     ], {"a.png": rgb()})
     spec = json.loads(meta.read_text())
     (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(row(5)) + "\n")
