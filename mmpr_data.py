@@ -336,9 +336,12 @@ def check_reasoning(name: str, response: str) -> None:
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
         raise _Drop("unterminated_reasoning", f"{name} opens <think> but never closes it with </think>")
-    if closes > 1 or opens > 1 or (opens and not response.startswith("<think>")):
+    if closes > 1 or opens > 1:
         raise _Drop("malformed_reasoning", f"{name} has {opens} <think> and {closes} </think>; one reasoning "
                                            "block at the start of the response is allowed")
+    if opens and not response.startswith("<think>"):
+        raise _Drop("malformed_reasoning", f"{name} has text before its <think>; one reasoning block at the start "
+                                           "of the response is allowed")
 
 
 class TextRenderer:

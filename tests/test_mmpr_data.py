@@ -565,8 +565,10 @@ def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["unterminated_reasoning"]] == [
         "chosen opens <think> but never closes it with </think>", "rejected opens <think> but never closes it with "
         "</think>"]
-    assert st["drop_examples"]["malformed_reasoning"][0].endswith(
-        "chosen has 2 <think> and 2 </think>; one reasoning block at the start of the response is allowed")
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["malformed_reasoning"]] == [
+        "chosen has 2 <think> and 2 </think>; one reasoning block at the start of the response is allowed",
+        "chosen has text before its <think>; one reasoning block at the start of the response is allowed",
+        "chosen has 0 <think> and 2 </think>; one reasoning block at the start of the response is allowed"]
 
 
 def test_numbered_image_placeholders(tmp_path, processor):
