@@ -35,6 +35,33 @@ Text layout of a row (the Omni chat template, shared/research/nemotron_omni_arch
 The prompt is exactly the template's generation prompt (thinking off for a response without reasoning, on for one
 with `<think>...</think>`); the loss mask covers what the model generates after it: the response and `<|im_end|>`.
 
+Row rules, where InternVL's loader (the MMPR authors', template-agnostic: its models have no reasoning tokens) and
+NeMo-RL's (NVIDIA's MPO loader for this checkpoint, shared/research/nemo_rl_mpo.md §3) differ, and what is done here:
+
+- Text as written. The Omni template removes `/think` and `/no_think` from system and user text wherever they occur
+  (in `</think>`, a word, a URL: `https://x.com/thinking` becomes `https://x.coming`) and switches reasoning on or off
+  for them; NeMo-RL trains on that rewritten text, InternVL on the text as written. Here the text is rendered as
+  written (InternVL): the template never sees these substrings (`TextRenderer.render`), so MMPR-v1.2's R1 prompt
+  ("...within <think> and </think> tags.") keeps its `</think>`, and a pair's reasoning mode comes from its responses
+  only, never from a directive in its text. `<think>` / `</think>` in a question are tokenised as the reasoning tokens,
+  as a tokenizer does at inference. Any other change a template makes to the system, question or response text is a
+  counted drop (`template_rewrites_text`).
+- One side reasons, the other not: kept (NeMo-RL; InternVL has no reasoning blocks). The two rows share the prompt up
+  to `<|im_start|>assistant\\n`; the reasoning side continues `<think>\\n...\\n</think>\\n`, the plain side
+  `<think></think>`, each the template's own rendering of its conversation, and the loss covers that opening too.
+- A reasoning block is one block at the start of a response (or closed by `</think>` after the generation prompt
+  opened it). `<think>` never closed (a generation cut off while reasoning, which both loaders keep and the template
+  renders as a second `<think>` after a thinking-off prompt) is dropped as `unterminated_reasoning`: trained as a
+  chosen response it teaches to stop mid-thought. Several blocks or text before `<think>` (the template silently keeps
+  only its first block and the text after the last `</think>`) are `malformed_reasoning`.
+- `<image_N>` (NeMo-RL) is the N-th image's placeholder, N = 1..n each once; `<image>` and no placeholder as before.
+- `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
+  subset is dropped as `no_image_root`, naming the subset.
+- Video rows (a `video` field or a `<video>` placeholder) are dropped as `video_unsupported`: video preference pairs
+  are not supported yet (NeMo-RL drops every row without exactly one image).
+- `repeat_time` as InternVL (NeMo-RL ignores it); a subset it empties is a warning, an index it empties an error that
+  says so.
+
 Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
 
     python mmpr_data.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
@@ -53,6 +80,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -70,25 +98,35 @@ from pack import PreferencePair
 
 logger = logging.getLogger("omni_mpo.mmpr_data")
 
-CACHE_VERSION = 1  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 2  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 
 # Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
     "invalid_json",  # the line is not a JSON object
     "missing_field",  # question / chosen / rejected missing or not a string; image not a string or list of strings
+    "video_unsupported",  # a `video` field or a <video> placeholder: video preference pairs are not supported yet
     "too_many_images",  # more images than data.train.max_images_per_row
-    "placeholder_mismatch",  # the question has <image> placeholders, but not one per image
+    "placeholder_mismatch",  # <image> / <image_N> placeholders in the question, but not one per image
     "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
+    "unterminated_reasoning",  # a response opens <think> and never closes it (a generation cut off while reasoning)
+    "malformed_reasoning",  # a response with several reasoning blocks, or text before its <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
+    "no_image_root",  # relative image paths in a subset whose meta entry has no root (null or missing)
     "image_missing",  # an image file does not exist
     "image_unreadable",  # PIL cannot open or decode it
     "image_truncated",  # the file ends before the image data does
-    "prompt_mismatch",  # chosen and rejected render different prompts (e.g. one has reasoning, the other not)
+    "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
 )
-# Special tokens a response may contain: the reasoning delimiters, which the chat template itself interprets.
+# Special tokens a row's text may contain: the reasoning delimiters (tokenised as the reasoning tokens, as at
+# inference).
 REASONING_TOKENS = ("<think>", "</think>")
+# Reasoning switches the Omni chat template removes from system / user text wherever they occur (inside a word, a URL
+# or `</think>` too) and obeys. In a row they are text: the renderer hides them from the template (TextRenderer.render).
+TEMPLATE_DIRECTIVES = ("/no_think", "/think")
+# NeMo-RL's numbered image placeholder; `<image_N>` stands for the N-th image of the row (1-based).
+NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")
 
 
 class DataError(ValueError):
@@ -112,7 +150,7 @@ class Subset:
     """One meta-recipe entry with its paths resolved. repeat_time follows InternVL (see `apply_repeat_time`)."""
 
     name: str
-    root: Path  # image folder; row image paths are relative to it
+    root: Path | None  # image folder; relative row image paths are relative to it (None: no root in the meta)
     annotation: Path  # JSONL file
     repeat_time: float = 1.0
     length: int | None = None  # row count the meta claims (informational, as in InternVL)
@@ -147,11 +185,14 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`).
 
-    Required keys per subset: `root`, `annotation`. `repeat_time` (float >= 0, default 1) is honoured; `length` is
-    compared with the rows read later; `data_augment: true` warns (not supported); other keys are ignored.
+    Required key per subset: `annotation`. `root` may be null or missing, as InternVL allows for text-only subsets:
+    rows with relative image paths are then dropped (no_image_root). `repeat_time` (float >= 0, default 1) is
+    honoured; `length` is compared with the rows read later; `data_augment: true` warns (not supported); other keys
+    are ignored.
 
     Raises:
-        DataError: invalid JSON (with file, line and column), a missing key, a bad repeat_time, a path not found.
+        DataError: invalid JSON (with file, line and column), a missing annotation, a root that is neither a string
+            nor null, a bad repeat_time, a path not found.
     """
     meta_path = Path(meta_path)
     try:
@@ -168,9 +209,10 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     for name, spec in meta.items():
         if not isinstance(spec, dict):
             raise DataError(f"{meta_path}: subset {name!r} must be an object, got {type(spec).__name__}")
-        for key in ("root", "annotation"):
-            if not isinstance(spec.get(key), str):
-                raise DataError(f"{meta_path}: subset {name!r} has no {key!r} string (required: root, annotation)")
+        if not isinstance(spec.get("annotation"), str):
+            raise DataError(f"{meta_path}: subset {name!r} has no 'annotation' string (required: annotation)")
+        if not isinstance(spec.get("root"), (str, type(None))):
+            raise DataError(f"{meta_path}: subset {name!r}: root = {spec['root']!r} must be a folder path or null")
         r = spec.get("repeat_time", 1)
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
             raise DataError(f"{meta_path}: subset {name!r}: repeat_time = {r!r} must be a number >= 0")
@@ -180,7 +222,7 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         length = spec.get("length")
         subsets.append(Subset(
             name=name,
-            root=resolve_path(spec["root"], meta_path, data_root, want_dir=True),
+            root=None if spec.get("root") is None else resolve_path(spec["root"], meta_path, data_root, want_dir=True),
             annotation=resolve_path(spec["annotation"], meta_path, data_root),
             repeat_time=float(r),
             length=length if isinstance(length, int) and not isinstance(length, bool) else None,
@@ -283,6 +325,25 @@ def _as_str(row: dict, *keys: str) -> str | None:
     return None
 
 
+def check_reasoning(name: str, response: str) -> None:
+    """Check the reasoning block of a stripped response; raises _Drop when it is not one block the template renders.
+
+    Allowed: no reasoning token; `<think>` at the start, reasoning, one `</think>`, the answer; or reasoning, one
+    `</think>`, the answer (the block opened by the thinking-on generation prompt). `<think>` without `</think>` is
+    unterminated_reasoning (a generation cut off while reasoning); anything else (a second block, text before
+    `<think>`) is malformed_reasoning: the template would silently drop the text outside its one block.
+    """
+    opens, closes = response.count("<think>"), response.count("</think>")
+    if opens and not closes:
+        raise _Drop("unterminated_reasoning", f"{name} opens <think> but never closes it with </think>")
+    if closes > 1 or opens > 1:
+        raise _Drop("malformed_reasoning", f"{name} has {opens} <think> and {closes} </think>; one reasoning "
+                                           "block at the start of the response is allowed")
+    if opens and not response.startswith("<think>"):
+        raise _Drop("malformed_reasoning", f"{name} has text before its <think>; one reasoning block at the start "
+                                           "of the response is allowed")
+
+
 class TextRenderer:
     """Validates a row's fields and renders them with the processor's chat template (one instance per processor)."""
 
@@ -292,10 +353,15 @@ class TextRenderer:
         self.image_token = processor.image_token  # "<image>"
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.video_token = getattr(processor, "video_token", None) or "<video>"
         specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
         # Any special-token string inside the data would be tokenised as that token and shift or fake structure
         # (an extra <image> takes an image feature); only the reasoning delimiters and real placeholders may appear.
         self.forbidden = sorted(specials - set(REASONING_TOKENS) - {self.image_token}, key=len, reverse=True)
+        # a character that neither the template nor (checked per row) the data contains: stands in for the '/' of a
+        # directive while the template renders, so that the template neither strips nor obeys it
+        template = str(processor.chat_template)
+        self._marks = [chr(c) for c in range(0xE000, 0xF900) if chr(c) not in template][:64]
 
     def _stray(self, text: str, allow_image: bool) -> str | None:
         for t in self.forbidden:
@@ -303,8 +369,13 @@ class TextRenderer:
                 return t
         return None if allow_image or self.image_token not in text else self.image_token
 
-    def parse(self, row: Any, root: Path, max_images: int) -> tuple[str, str, str, str, list[str]]:
-        """Check a JSON row; return (system, question, chosen, rejected, image paths). Raises _Drop."""
+    def parse(self, row: Any, root: Path | None, max_images: int,
+              subset: str = "") -> tuple[str, str, str, str, list[str]]:
+        """Check a JSON row; return (system, question, chosen, rejected, image paths in placeholder order).
+
+        `<image_N>` placeholders become `<image>` with the N-th image at that place; relative image paths are joined
+        to `root` (None: the subset `subset` has no root, so such a row is dropped). Raises _Drop (DROP_REASONS).
+        """
         if not isinstance(row, dict):
             raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
         question = _as_str(row, "question")
@@ -319,8 +390,16 @@ class TextRenderer:
         images = [] if image is None else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
             raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
+        if row.get("video") is not None:
+            raise _Drop("video_unsupported", f"the row has a video ({row['video']!r}); video preference pairs are "
+                                             "not supported yet")
+        for name, text in (("question", question), ("system", system)):
+            if self.video_token in text:
+                raise _Drop("video_unsupported", f"{name} has a {self.video_token} placeholder; video preference "
+                                                 "pairs are not supported yet")
         if len(images) > max_images:
             raise _Drop("too_many_images", f"{len(images)} images > data.train.max_images_per_row = {max_images}")
+        question, images = self._numbered_placeholders(question, images)
         n_ph = question.count(self.image_token)
         if n_ph and n_ph != len(images):
             raise _Drop("placeholder_mismatch", f"{n_ph} {self.image_token} placeholders for {len(images)} images")
@@ -330,22 +409,66 @@ class TextRenderer:
                 raise _Drop("stray_media_token", f"{name} contains the special-token string {t!r}")
         chosen, rejected = chosen.strip(), rejected.strip()
         for name, text in (("chosen", chosen), ("rejected", rejected)):
+            check_reasoning(name, text)
+        for name, text in (("chosen", chosen), ("rejected", rejected)):
             if not text.split("</think>")[-1].strip():
                 raise _Drop("empty_response", f"{name} is empty")
-        return system, question, chosen, rejected, [str(root / p) for p in images]
+        if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
+            raise _Drop("no_image_root", f"subset {subset!r} has no root in the meta-recipe, so the relative image "
+                                         f"path {rel[0]!r} cannot be resolved")
+        return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images]
+
+    def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
+        """`<image_N>` (NeMo-RL's placeholder, N = 1..n) -> `<image>`, images reordered to placeholder order.
+
+        Raises _Drop(placeholder_mismatch) when `<image_N>` and `<image>` are mixed or the numbers are not each of
+        1..len(images) once."""
+        numbers = [int(m) for m in NUMBERED_IMAGE.findall(question)]
+        if not numbers:
+            return question, images
+        if self.image_token in question:
+            raise _Drop("placeholder_mismatch", f"the question mixes {self.image_token} and <image_N> placeholders")
+        if sorted(numbers) != list(range(1, len(images) + 1)):
+            raise _Drop("placeholder_mismatch", f"placeholders <image_{'>, <image_'.join(map(str, numbers))}> for "
+                                                f"{len(images)} images: expected each of <image_1>..<image_"
+                                                f"{len(images)}> once")
+        return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
     def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
         """Render the prompt and both responses with the chat template. Returns (prompt, chosen, rejected) strings.
 
         The prompt is the template's own generation prompt (thinking off / on) that the full rendered conversation
-        starts with; the response string is the rest (`... <|im_end|>\\n`).
+        starts with; the response string is the rest (`... <|im_end|>\\n`). When one response reasons and the other
+        does not, the prompt is the part both generation prompts share (up to `<|im_start|>assistant\\n`) and each
+        response starts with its own `<think>\\n` or `<think></think>` (NeMo-RL's rule).
+
+        The row's text is rendered as written: `/think` and `/no_think` (TEMPLATE_DIRECTIVES) anywhere in it are
+        hidden from the template while it renders (their '/' replaced by a character found in neither the row nor
+        the template, put back afterwards), so the template neither removes them nor switches reasoning on or off
+        for them; the reasoning mode of a pair comes from its responses only.
 
         Raises:
-            _Drop: prompt_mismatch when chosen and rejected need different prompts.
+            _Drop: template_rewrites_text when the rendering lacks the system / question text or a response's
+                reasoning or answer, as written.
             DataError: the template does not render a conversation as a generation prompt + response.
         """
-        user = {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}
-        msgs = ([{"role": "system", "content": system}] if system else []) + [user]
+        texts = (system, question, chosen, rejected)
+        mark = "/"  # the identity, unless the row has a directive to hide
+        if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
+            mark = next((m for m in self._marks if not any(m in t for t in texts)), "")
+            if not mark:
+                raise _Drop("template_rewrites_text", "the row uses every private-use character this renderer could "
+                                                      "hide its /think and /no_think from the chat template with")
+
+        def hide(text: str, keep_think_end: bool) -> str:
+            for d in TEMPLATE_DIRECTIVES if mark != "/" else ():  # "/no_think" does not contain "/think": the order does not matter
+                text = (re.sub(f"(?<!<){re.escape(d)}", mark + d[1:], text) if keep_think_end
+                        else text.replace(d, mark + d[1:]))
+            return text
+
+        user = {"role": "user", "content": [{"type": "image"}] * n_images
+                + [{"type": "text", "text": hide(question, False)}]}
+        msgs = ([{"role": "system", "content": hide(system, False)}] if system else []) + [user]
         apply = self.processor.apply_chat_template
         prompts: dict[bool, str] = {}  # rendered lazily: most MMPR responses need only the thinking-off prompt
 
@@ -360,19 +483,30 @@ class TextRenderer:
 
         out = []
         for response in (chosen, rejected):
-            full = apply(msgs + [{"role": "assistant", "content": response}], tokenize=False)
+            # a response keeps its reasoning delimiter </think>: the template splits the reasoning off at it
+            full = apply(msgs + [{"role": "assistant", "content": hide(response, True)}], tokenize=False)
             prompt = prompt_of(full)
             if prompt is None or not full.endswith("<|im_end|>\n"):
                 raise DataError(f"the chat template does not render {full!r} as one of its generation prompts "
                                 f"{list(prompts.values())!r} followed by the response and '<|im_end|>\\n'")
-            out.append((prompt, full[len(prompt):]))
-        if out[0][0] != out[1][0]:
-            raise _Drop("prompt_mismatch", "chosen and rejected render different prompts "
-                                           "(one has <think> reasoning, the other not)")
-        if out[0][0].count(self.image_token) != n_images:
-            raise DataError(f"the rendered prompt has {out[0][0].count(self.image_token)} {self.image_token} "
-                            f"for {n_images} images: {out[0][0]!r}")
-        return out[0][0], out[0][1], out[1][1]
+            out.append((prompt.replace(mark, "/"), full[len(prompt):].replace(mark, "/")))
+        prompt = out[0][0]
+        if out[1][0] != prompt:  # one side reasons, the other not: share the prompt up to the reasoning switch
+            prompt = os.path.commonprefix([out[0][0], out[1][0]])
+            prompt = prompt[: len(prompt) - len("<think>")] if prompt.endswith("<think>") else prompt
+            out = [(prompt, p[len(prompt):] + r) for p, r in out]
+        if prompt.count(self.image_token) != n_images:
+            raise DataError(f"the rendered prompt has {prompt.count(self.image_token)} {self.image_token} "
+                            f"for {n_images} images: {prompt!r}")
+        for name, text in (("system", system), ("question", question)):
+            if text.strip() and text.strip() not in prompt:
+                raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")
+        for (_, rendered), (name, response) in zip(out, (("chosen", chosen), ("rejected", rejected)), strict=True):
+            parts = response.split("</think>")
+            for part in (parts[0].split("<think>")[-1].strip(), parts[-1].strip()) if len(parts) > 1 else parts:
+                if part not in rendered:
+                    raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {rendered!r}")
+        return prompt, out[0][1], out[1][1]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS: the Omni processor tokenises with add_special_tokens=False)."""
@@ -410,7 +544,7 @@ class PairIndex:
     fingerprint: str
     subsets: list[str]
     annotation_files: list[str]
-    image_roots: list[str]
+    image_roots: list[str]  # "" for a subset without root
     image_paths: list[str]
     subset_id: torch.Tensor
     line: torch.Tensor
@@ -483,7 +617,8 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
     h.update(Path(meta_path).read_bytes())
     for s in subsets:
         st = s.annotation.stat()
-        h.update(f"|{s.name}|{s.annotation}|{st.st_size}|{st.st_mtime_ns}|{s.root}|{s.root.stat().st_mtime_ns}".encode())
+        root_mtime = s.root.stat().st_mtime_ns if s.root is not None else None
+        h.update(f"|{s.name}|{s.annotation}|{st.st_size}|{st.st_mtime_ns}|{s.root}|{root_mtime}".encode())
     h.update(processor_identity(processor).encode())
     h.update(json.dumps({**settings, "cache_version": CACHE_VERSION}, sort_keys=True).encode())
     return h.hexdigest()
@@ -510,8 +645,10 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
     return cache[path]
 
 
-def _check_chunk(root: str, lines: list[tuple[int, int, bytes]]) -> list[tuple[int, int, dict | tuple[str, str]]]:
-    """Validate rows [(line number, byte offset, raw line)]; return (line, offset, lengths dict or (reason, detail))."""
+def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
+                 subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
+    """Validate rows [(line number, byte offset, raw line)] of `subset` (image root `root`, "" = none); return
+    (line, offset, lengths dict or (reason, detail))."""
     text, ip = _CHUNK_CTX["text"], _CHUNK_CTX["ip"]
     max_images, max_len = _CHUNK_CTX["max_images"], _CHUNK_CTX["max_len"]
     merge = round(1 / ip.downsample_ratio)
@@ -522,7 +659,8 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]]) -> list[tuple[i
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise _Drop("invalid_json", str(e)) from None
-            system, question, chosen, rejected, imgs = text.parse(row, Path(root), max_images)
+            system, question, chosen, rejected, imgs = text.parse(row, Path(root) if root else None, max_images,
+                                                                  subset)
             sizes = [_probe(p) for p in imgs]
             bad = next((s for s in sizes if isinstance(s[0], str)), None)
             if bad is not None:
@@ -557,17 +695,18 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
         yield chunk
 
 
-def _checked_rows(pool, workers: int, root: str, path: Path) -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
+def _checked_rows(pool, workers: int, root: str, path: Path,
+                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
     """`_check_chunk` results of a file in file order; a pool keeps 2 chunks per worker in flight."""
     if pool is None:
         for chunk in _read_chunks(path):
-            yield from _check_chunk(root, chunk)
+            yield from _check_chunk(root, chunk, subset)
         return
     window: collections.deque = collections.deque()
     chunks = _read_chunks(path)
     try:
         for chunk in chunks:
-            window.append(pool.submit(_check_chunk, root, chunk))
+            window.append(pool.submit(_check_chunk, root, chunk, subset))
             if len(window) >= 2 * workers:
                 yield from window.popleft().result()
         while window:
@@ -612,7 +751,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
             exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
             valid: list[dict] = []
             stopped_early = False
-            rows = _checked_rows(pool, data.num_workers, str(sub.root), sub.annotation)
+            rows = _checked_rows(pool, data.num_workers, str(sub.root or ""), sub.annotation, sub.name)
             for lineno, offset, res in rows:  # settled in file order, so stats stop exactly where reading stops
                 st["rows_read"] += 1
                 if isinstance(res, tuple):
@@ -628,6 +767,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
                               f"{st['rows_read']} rows", stacklevel=3)
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
+            if valid and not keep:
+                warnings.warn(f"subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} "
+                              f"valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)", stacklevel=3)
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
             first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
@@ -664,7 +806,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: 
 
     return PairIndex(
         meta_path=str(meta_path), fingerprint=fingerprint, subsets=[s.name for s in subsets],
-        annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root) for s in subsets],
+        annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root or "") for s in subsets],
         image_paths=image_paths,
         subset_id=t("subset_id"), line=t("line"), offset=t("offset"), prompt_len=t("prompt_len"),
         chosen_len=t("chosen_len"), rejected_len=t("rejected_len"), image_tokens=t("image_tokens"),
@@ -794,6 +936,12 @@ def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | Non
             raise DataError(f"{first['where']}: row dropped ({first['reason']}: {first['detail']}) and "
                             f"data.strict = true (cached index {index.cache_dir})")
     if len(index) == 0:
+        emptied = {name: st for name, st in index.stats.items() if st.get("valid")}
+        if emptied:  # valid rows, but repeat_time < 1 kept none of them
+            what = ", ".join(f"{name!r}: repeat_time {st['repeat_time']} x {st['valid']} valid rows -> 0 pairs"
+                             for name, st in emptied.items())
+            raise DataError(f"{meta_path}: no preference pair: repeat_time kept none of the valid rows ({what}); "
+                            f"drops: {summary_drops(index)}")
         raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}")
     return index
 
@@ -896,8 +1044,9 @@ class PairDataset(torch.utils.data.Dataset):
             raw = f.readline()
         images = ix.images(i)
         try:
+            root = ix.image_roots[sub]
             system, question, chosen, rejected, imgs = self.text.parse(
-                json.loads(raw), Path(ix.image_roots[sub]), self.max_images)
+                json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
                 raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)

@@ -11,6 +11,7 @@ import copy
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from pack import pack, plan_step
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-omni"
 SAMPLE_META = ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "meta.json"
-IMAGE_ID, IMG_START, IMG_END, IM_END, THINK_END = 18, 21, 22, 11, 13
+IMAGE_ID, IMG_START, IMG_END, IM_END, THINK, THINK_END = 18, 21, 22, 11, 12, 13
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +167,16 @@ def test_loss_mask_boundaries_token_by_token(sample, processor):
 
 def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
     """A reasoning response's prompt is the thinking-on generation prompt; `<think></think>\\n\\n` + text renders
-    like the bare text; a pair mixing the two has no common prompt (prompt_mismatch)."""
+    like the bare text; a pair mixing the two is kept (NeMo-RL's rule): the prompt is what both generation prompts
+    share, and each response opens its own block, token for token the template's rendering of the conversation."""
     meta = write_set(tmp_path, [
         row(0, chosen="<think>\nlook at it\n</think>\nRed.", rejected="<think>guess</think>Blue."),
         row(1, chosen="<think></think>\n\nRed.", rejected="Blue."),
         row(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
+        row(3, chosen="Red.", rejected="too short</think>Blue."),  # the block opened by the generation prompt
     ], {"a.png": rgb()})
     index = md.build_index(meta, processor, make_cfg())
-    assert len(index) == 2 and index.stats["sub"]["dropped"] == {"prompt_mismatch": 1}
+    assert len(index) == 4 and md.summary_drops(index) == {}
     ds = md.PairDataset(index, processor)
     tok = processor.tokenizer
     p0, p1 = ds[0], ds[1]
@@ -184,6 +187,21 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
     assert tok.decode(p1.chosen_ids[p1.chosen_loss_mask].tolist()) == "Red.<|im_end|>"
     p = int(index.prompt_len[1])
     assert torch.equal(p1.chosen_ids[:p], p1.rejected_ids[:p])
+    img = Image.open(tmp_path / "MMPR-t" / "images" / "a.png").convert("RGB")
+    for i, (chosen_loss, rejected_loss) in ((2, ("<think>\nhmm\n</think>\nRed.", "<think></think>Blue.")),
+                                            (3, ("<think></think>Red.", "<think>\ntoo short\n</think>\nBlue."))):
+        pair, p = ds[i], int(index.prompt_len[i])
+        assert torch.equal(pair.chosen_ids[:p], pair.rejected_ids[:p])
+        assert tok.decode(pair.chosen_ids[:p].tolist()).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert tok.decode(pair.chosen_ids[pair.chosen_loss_mask].tolist()) == chosen_loss + "<|im_end|>"
+        assert tok.decode(pair.rejected_ids[pair.rejected_loss_mask].tolist()) == rejected_loss + "<|im_end|>"
+        assert not pair.chosen_loss_mask[:p].any() and pair.chosen_loss_mask[p] and pair.rejected_loss_mask[p]
+        raw = json.loads((tmp_path / "MMPR-t" / "annotations" / "sub.jsonl").read_text().splitlines()[i])
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]}
+        for side in ("chosen", "rejected"):  # the rows are the template's rendering of each conversation
+            text = processor.apply_chat_template([user, {"role": "assistant", "content": raw[side]}], tokenize=False)
+            ref = processor(images=[img], text=text, return_tensors="pt")["input_ids"][0]
+            assert torch.equal(getattr(pair, f"{side}_ids"), ref)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -236,6 +254,9 @@ def test_meta_errors(tmp_path):
         md.read_meta(bad)
     bad.write_text(json.dumps({"a": {"root": "r", "annotation": "x", "repeat_time": -1}}))
     with pytest.raises(md.DataError, match="repeat_time = -1 must be a number >= 0"):
+        md.read_meta(bad)
+    bad.write_text(json.dumps({"a": {"root": 3, "annotation": "x"}}))
+    with pytest.raises(md.DataError, match="subset 'a': root = 3 must be a folder path or null"):
         md.read_meta(bad)
 
 
@@ -356,21 +377,38 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(10, image="nope.png"),  # image_missing
         row(11, image="garbage.png"),  # image_unreadable
         row(12, image="half.png"),  # image_truncated
-        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # prompt_mismatch
+        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # valid: a mixed reasoning pair is kept
         row(14, chosen="word " * 200),  # too_long
         "",  # blank line: not a row
         row(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
+        row(16, video="clip.mp4", image=None, q="What happens?"),  # video_unsupported
+        row(17, chosen="<think>cut off while", rejected="<think>also cut"),  # unterminated_reasoning
+        row(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
+        row(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
+        row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
+        # template_rewrites_text: no character is left to hide the /think from the template with
+        row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2]})
+    # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
+    spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
+    meta.write_text(json.dumps(spec))
     cfg = make_cfg(max_seq_length=200, train__max_images_per_row=2)
     index = md.build_index(meta, processor, cfg)
     st = index.stats["sub"]
-    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "too_many_images": 1, "placeholder_mismatch": 2,
-                             "stray_media_token": 3, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
-                             "image_truncated": 1, "prompt_mismatch": 1, "too_long": 1}
-    assert set(st["dropped"]) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 19 and st["valid"] == 2 and len(index) == 2 and index.line.tolist() == [1, 20]
+    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
+                             "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
+                             "malformed_reasoning": 2, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
+                             "image_truncated": 1, "template_rewrites_text": 1, "too_long": 1}
+    assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
+    assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
+        f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
+        "relative image path 'a.png' cannot be resolved"]
+    assert set(md.summary_drops(index)) == set(md.DROP_REASONS)
+    assert st["rows_read"] == 25 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -399,6 +437,194 @@ def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
     with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
         md.build_index(meta, processor, make_cfg())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rows as real MMPR / NeMo-RL data writes them: the R1 prompt, directives, null roots, video, reasoning, <image_N>
+
+R1_QUESTION = ("<image>\nEnclose this entire thinking process within <think> and </think> tags.\nWhat is 2+2?")
+
+
+def _user_turn(question: str, n_tokens: int, system: str = "") -> str:
+    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+            + question.replace("<image>", "<img>" + "<image>" * n_tokens + "</img>") + "<|im_end|>\n")
+
+
+def test_row_text_is_rendered_as_written(tmp_path, processor):
+    """The template strips `/think` / `/no_think` wherever they occur (in `</think>`, a word, a URL) and obeys them;
+    a row's text reaches the model as written instead, and the pair's reasoning mode comes from its responses."""
+    url_q = "<image>\nOpen https://example.com/thinking-maps/no_thinking.png: a/think b /no_think c?"
+    meta = write_set(tmp_path, [
+        row(0, q=R1_QUESTION, chosen="<think>\n2+2=4\n</think>\n4", rejected="<think>\n2+2=5\n</think>\n5"),
+        row(1, q=url_q, chosen="Red.", rejected="Blue."),
+        row(2, q="<image>\nWhat? /think", chosen="Red.", rejected="Blue."),  # a directive against plain responses
+        row(3, system="/no_think", chosen="<think>r</think>Red.", rejected="<think>s</think>Blue."),
+    ], {"a.png": rgb(640, 480)})
+    # the template on its own: these rewrites are what the renderer prevents (the rows crashed the build before)
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": R1_QUESTION}]}]
+    assert "within <think> and <> tags." in processor.apply_chat_template(user, tokenize=False)
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": url_q}]}]
+    assert "https://example.coming-mapsing.png: a b  c?" in processor.apply_chat_template(user, tokenize=False)
+    index = md.build_index(meta, processor, make_cfg())
+    assert len(index) == 4 and md.summary_drops(index) == {}
+    ds, tok = md.PairDataset(index, processor), processor.tokenizer
+    n = int(index.image_token_counts[0])
+    expect = {
+        0: (_user_turn(R1_QUESTION, n), "<think>\n", "2+2=4\n</think>\n4", "2+2=5\n</think>\n5"),
+        1: (_user_turn(url_q, n), "<think></think>", "Red.", "Blue."),
+        2: (_user_turn("<image>\nWhat? /think", n), "<think></think>", "Red.", "Blue."),
+        3: (_user_turn("<image>\nWhat is it?", n, "/no_think"), "<think>\n",
+            "r\n</think>\nRed.", "s\n</think>\nBlue."),
+    }
+    for i, (turns, opener, chosen, rejected) in expect.items():
+        pair = ds[i]
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            text = turns + "<|im_start|>assistant\n" + opener + response + "<|im_end|>\n"
+            ids = tok(text, add_special_tokens=False)["input_ids"]  # <think> / </think> are the reasoning tokens
+            assert getattr(pair, f"{side}_ids").tolist() == ids
+            assert tok.decode(getattr(pair, f"{side}_ids")[getattr(pair, f"{side}_loss_mask")].tolist()) == (
+                response + "<|im_end|>")
+    # the R1 instruction keeps both reasoning tokens in the user turn, as a tokenizer gives them at inference
+    user_ids = ds[0].chosen_ids[: int(index.prompt_len[0])].tolist()
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, THINK_END]
+    assert user_ids.count(THINK) == 2 and user_ids.count(THINK_END) == 1  # the question's two, + the opener
+
+
+def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
+    """Any other rewrite by a chat template (here one that respells a word) is dropped, not trained silently."""
+    from transformers import AutoProcessor
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    tpl = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(tpl.replace("| trim -}}", "| replace('colour', 'color') | trim -}}"))
+    other = AutoProcessor.from_pretrained(model)
+    meta = write_set(tmp_path, [row(0, q="<image>\nWhich colour?"), row(1, q="<image>\nWhich color?"),
+                                row(2, system="Say colour.")], {"a.png": rgb()})
+    index = md.build_index(meta, other, make_cfg())
+    assert index.line.tolist() == [2] and index.stats["sub"]["dropped"] == {"template_rewrites_text": 2}
+    ex = index.stats["sub"]["drop_examples"]["template_rewrites_text"]
+    assert "sub.jsonl:1: the chat template changes the question text" in ex[0]
+    assert "sub.jsonl:3: the chat template changes the system text" in ex[1]
+    assert len(md.build_index(meta, processor, make_cfg(), use_cache=False)) == 3  # the tiny template keeps them
+
+
+def test_subset_without_root(tmp_path, processor):
+    """InternVL's text-only subsets have "root": null (or none): accepted; rows that need a root are dropped."""
+    d = tmp_path / "set"
+    d.mkdir()
+    rgb().save(d / "abs.png")
+    (d / "text.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+        row(1, image=str(d / "abs.png")),  # an absolute image path needs no root
+        row(2, image="rel.png"),
+    )) + "\n")
+    (d / "meta.json").write_text(json.dumps({"text_null": {"root": None, "annotation": "text.jsonl"},
+                                             "text_missing": {"annotation": "text.jsonl", "repeat_time": 1}}))
+    subs = md.read_meta(d / "meta.json")
+    assert [s.root for s in subs] == [None, None]
+    index = md.build_index(d / "meta.json", processor, make_cfg())
+    assert len(index) == 4 and index.num_images.tolist() == [0, 1, 0, 1]
+    assert index.images(1) == [str(d / "abs.png")] and index.image_roots == ["", ""]
+    for name in ("text_null", "text_missing"):
+        assert index.stats[name]["dropped"] == {"no_image_root": 1}
+        assert f"subset '{name}' has no root" in index.stats[name]["drop_examples"]["no_image_root"][0]
+    ds = md.PairDataset(index, processor)
+    assert ds[0].pixel_values.shape == (0, 768) and ds[1].image_grid_hw.shape == (1, 2)
+
+
+def test_video_rows_are_dropped_as_video(tmp_path, processor):
+    meta = write_set(tmp_path, [
+        {"video": "clip.mp4", "question": "What happens in the video?", "chosen": "A dog runs.",
+         "rejected": "Nothing."},
+        {"video": "clip.mp4", "question": "<video>\nWhat happens in the video?", "chosen": "A dog runs.",
+         "rejected": "Nothing."},
+        row(2, q="<image>\nIs this a frame of <video>?"),
+        row(3),
+    ], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [4] and st["dropped"] == {"video_unsupported": 3}
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["video_unsupported"]] == [
+        "the row has a video ('clip.mp4'); video preference pairs are not supported yet"] * 2 + [
+        "question has a <video> placeholder; video preference pairs are not supported yet"]
+
+
+def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
+    meta = write_set(tmp_path, [
+        row(0, chosen="<think>\nThe image is plain grey, so", rejected="<think>\nThere is a cat."),
+        row(1, chosen="<think>a</think>Red.", rejected="<think>\nThere is a"),
+        row(2, chosen="<think>a</think>Red.<think>b</think>Really red.", rejected="Blue."),
+        row(3, chosen="Red. <think>why</think>Yes.", rejected="Blue."),
+        row(4, chosen="a</think>b</think>Red.", rejected="Blue."),
+        row(5, chosen="<think>a</think>Red.", rejected="Blue."),
+    ], {"a.png": rgb()})
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [6] and st["dropped"] == {"unterminated_reasoning": 2, "malformed_reasoning": 3}
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["unterminated_reasoning"]] == [
+        "chosen opens <think> but never closes it with </think>", "rejected opens <think> but never closes it with "
+        "</think>"]
+    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["malformed_reasoning"]] == [
+        "chosen has 2 <think> and 2 </think>; one reasoning block at the start of the response is allowed",
+        "chosen has text before its <think>; one reasoning block at the start of the response is allowed",
+        "chosen has 0 <think> and 2 </think>; one reasoning block at the start of the response is allowed"]
+
+
+def test_numbered_image_placeholders(tmp_path, processor):
+    """`<image_N>` (NeMo-RL's placeholder) is the N-th image at that place: the pair equals the `<image>` row with
+    the images in placeholder order."""
+    imgs = {"a.png": rgb(64, 40, (255, 0, 0)), "b.png": rgb(30, 90, (0, 0, 255))}
+    meta = write_set(tmp_path, [
+        row(0, image=["a.png", "b.png"], q="<image_1> <image_2> Same?", chosen="Yes.", rejected="No."),
+        row(1, image=["a.png", "b.png"], q="<image> <image> Same?", chosen="Yes.", rejected="No."),
+        row(2, image=["b.png", "a.png"], q="<image_2> <image_1> Same?", chosen="Yes.", rejected="No."),
+        row(3, image="a.png", q="<image_1>\nWhat is it?"),
+        row(4, image=["a.png", "b.png"], q="<image_1> <image_3>"),
+        row(5, image=["a.png", "b.png"], q="<image_1> <image_1>"),
+        row(6, image=["a.png", "b.png"], q="<image_1> only"),
+    ], imgs)
+    index = md.build_index(meta, processor, make_cfg())
+    st = index.stats["sub"]
+    assert index.line.tolist() == [1, 2, 3, 4] and st["dropped"] == {"placeholder_mismatch": 3}
+    assert st["drop_examples"]["placeholder_mismatch"][0].endswith(
+        "placeholders <image_1>, <image_3> for 2 images: expected each of <image_1>..<image_2> once")
+    folder = tmp_path / "MMPR-t" / "images"
+    assert index.images(0) == index.images(1) == index.images(2) == [str(folder / "a.png"), str(folder / "b.png")]
+    ds = md.PairDataset(index, processor)
+    for i in (0, 2):
+        for k in ("chosen_ids", "rejected_ids", "pixel_values", "image_grid_hw", "image_token_counts"):
+            assert torch.equal(getattr(ds[i], k), getattr(ds[1], k))
+    assert "<image_1>" not in processor.tokenizer.decode(ds[3].chosen_ids.tolist())
+    assert ds[3].chosen_ids.tolist().count(IMG_START) == 1
+
+
+def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
+    meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
+    with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
+        with pytest.raises(md.DataError, match=r"no preference pair: repeat_time kept none of the valid rows "
+                                               r"\('sub': repeat_time 0.005 x 3 valid rows -> 0 pairs\); drops: \{\}"):
+            md.build_index(meta, processor, make_cfg())
+
+
+def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
+    meta = write_set(tmp_path, [
+        row(0),
+        {"video": "clip.mp4", "question": "What happens?", "chosen": "x", "rejected": "y"},
+        row(2, chosen="<think>cut", rejected="<think>off"),
+        row(3, chosen="Well <think>a</think>Red."),
+        row(4, q="<image>\n/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
+    ], {"a.png": rgb()})
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(row(5)) + "\n")
+    spec["noroot"] = {"root": None, "annotation": "MMPR-t/annotations/noroot.jsonl"}
+    meta.write_text(json.dumps(spec))
+    assert md.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    for reason in ("video_unsupported", "unterminated_reasoning", "malformed_reasoning", "template_rewrites_text",
+                   "no_image_root"):
+        assert f"    dropped {reason}: 1  e.g. " in out
+    assert out.splitlines()[0].split(": ")[1].startswith("1 pairs")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
