@@ -16,13 +16,14 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   tanh approximation instead. Images are packed (THD) and each attends only to itself.
 - `vision_projection`: megatron-core `MultimodalProjector` (RMSNorm -> Linear -> squared ReLU -> Linear).
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
-  when transformer_engine imports, else a local spec of megatron-core's non-TE modules plus two project modules:
+  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two project modules:
   `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
   checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
   attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
   all-gathering K/V).
-- Mamba runs megatron-core's own `MambaMixer`; on CPU through the project's pure-torch mamba_ssm stand-in
-  (mamba_torch.py, installed by cpu_compat.apply()).
+- Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
+  and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
+  cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
 
 Forward (vision once per pair): every image of the microbatch is encoded once; the `<image>` positions of each sequence
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
@@ -106,9 +107,8 @@ def _install_mamba_cp_thd_indices() -> None:
 
 
 def _apply_cpu_shims() -> None:
-    """Apply cpu_compat's megatron-core CPU shims when there is no GPU (no-op with CUDA)."""
-    if torch.cuda.is_available():
-        return
+    """Apply cpu_compat's shims for what this process lacks (cpu_compat.shims_for(select_kernels())): the CPU-only ones
+    without CUDA, the local-spec norms without Transformer Engine, the torch Mamba without mamba-ssm."""
     import cpu_compat
 
     cpu_compat.apply()
@@ -699,12 +699,11 @@ def local_vit_layer_spec():
 
 
 def have_transformer_engine() -> bool:
-    """True when transformer_engine imports with its torch extension (then the TE specs are used)."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
+    """True when the TE specs are used: transformer_engine's torch extension imports and CUDA is used
+    (cpu_compat.select_kernels)."""
+    import cpu_compat
+
+    return cpu_compat.select_kernels().spec == "te"
 
 
 # ======================================================================================================================
