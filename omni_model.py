@@ -123,9 +123,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_single_rank_world() -> None:
-    """In-process gloo world of size 1 (on a free local port) with megatron-core parallel state TP = CP = EP = PP = 1,
-    for building models outside torchrun (HF export, bench, tests); applies the CPU shims when there is no GPU.
+def init_single_rank_world(device: torch.device | None = None) -> None:
+    """In-process world of size 1 (on a free local port; gloo, or nccl when `device` is a CUDA device, which becomes
+    the current device) with megatron-core parallel state TP = CP = EP = PP = 1, for building models outside torchrun
+    (HF export, bench, tests); applies cpu_compat's shims for what this process lacks.
 
     Idempotent: an existing process group or parallel state is kept; megatron's RNG tracker is seeded (0) only when the
     parallel state is created here (callers that need another seed call `model_parallel_cuda_manual_seed` after).
@@ -135,7 +136,13 @@ def init_single_rank_world() -> None:
 
     _apply_cpu_shims()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        if device is not None and torch.device(device).type == "cuda":
+            device = torch.device("cuda", torch.device(device).index or 0)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    device_id=device)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -106,22 +106,6 @@ def tiny_config(*overrides: str):
     return config_mod.load_config(str(TINY_TOML), list(overrides))
 
 
-def init_world(device: torch.device) -> None:
-    """A one-rank world (nccl on CUDA, gloo on the CPU) with megatron's parallel state TP = CP = EP = 1."""
-    import torch.distributed as dist
-
-    import omni_model as om
-
-    if not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{om.free_port()}", rank=0, world_size=1,
-                                    device_id=device)
-        else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{om.free_port()}", rank=0, world_size=1)
-    om.init_single_rank_world()
-
-
 def tiny_step(device, *overrides: str) -> dict:
     """What train.main sets up for one rank with configs/tiny.toml (+ overrides), on `device`, and the first step's
     packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, batches, run(batches,
@@ -135,7 +119,7 @@ def tiny_step(device, *overrides: str) -> dict:
     try:
         device = torch.device(device)
         cfg = tiny_config(*overrides)
-        init_world(device)
+        om.init_single_rank_world(device)
         train.seed_everything(cfg.mpo.seed)
         policy = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
         om.load_hf_weights(policy, cfg.model.hf_path)
