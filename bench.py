@@ -604,9 +604,11 @@ def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab
         for _ in range(2):
             r = torch.randint(32, vocab, (rint(response),), generator=g)
             rows.append(torch.cat([p, r]))
-            masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(r.numel(), dtype=torch.bool)]))
-        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1], chosen_loss_mask=masks[0],
-                                       rejected_loss_mask=masks[1], pixel_values=torch.zeros(0, 3 * 16 * 16),
+            masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool),
+                                    torch.ones(r.numel(), dtype=torch.bool)]))
+        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
+                                       chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
+                                       pixel_values=torch.zeros(0, 3 * 16 * 16),
                                        image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
                                        image_token_counts=torch.zeros(0, dtype=torch.int64))
     return pairs
@@ -639,56 +641,19 @@ def _shape_checkpoint(shape: dict) -> Path:
     return out
 
 
-def mpo_step_bench(device, shape: dict, timed: int) -> dict:
-    """One MPO optimizer step (policy fwd+bwd, frozen reference fwd, fused loss, distributed Adam: train.train_step) on
-    `shape`'s text pairs packed `pairs_per_bin` pairs per THD microbatch, vs transformers' model doing the conventional
-    step (each pair one padded [2, L] batch, log_softmax + gather, torch Adam), both on `device`.
+def _release(device: torch.device) -> None:
+    """Free what a finished system left (its objects are gone with its function's frame) before the next starts."""
+    import gc
 
-    Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
-    both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
-    Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
-    (8·N_active·tokens / s / peak bf16 FLOP/s, train.mfu; N_active = train.active_params: every non-expert parameter,
-    the embedding table and output layer included, plus top-k/E of the routed experts), and the speed ratio.
-    Raises AssertionError when a step-1 loss is off.
-    """
-    import math
+    gc.collect()
+    _reset_peak(device)
 
-    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
-    import config as config_mod
+def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps) -> dict:
+    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank)."""
     import omni_model as om
     import train
 
-    device = torch.device(device)
-    om.init_single_rank_world(device)
-    dtype = getattr(torch, shape["dtype"])
-    ckpt = _shape_checkpoint(shape)
-    hf = om.read_hf_config(ckpt)
-    cfg = config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
-        f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}", f"policy.train_global_batch_size={shape['pairs']}",
-        f"packing.max_sequences_per_bin={shape['pairs_per_bin']}", "packing.max_tokens_per_bin=65536",
-        "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100", "policy.logprob_chunk_size=1024"])
-    m = cfg.mpo
-    want = m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2)
-    tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
-    pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], hf.text.vocab_size)
-    tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
-    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
-    ids = {"image": hf.image_token_id, "pad": 0}
-    out = {"device": str(device), "dtype": shape["dtype"], "pairs": shape["pairs"], "tokens": tokens,
-           "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size}
-
-    def timed_steps(step, n: int) -> list[float]:
-        times = []
-        for _ in range(n):
-            _sync(device)
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t)
-        return times
-
-    # -- ours ---------------------------------------------------------------------------------------------------------
     train.seed_everything(cfg.mpo.seed)
     policy = om.build_model(ckpt, cfg.model, cfg.parallel)
     reference = om.build_model(ckpt, cfg.model, cfg.parallel)
@@ -711,12 +676,14 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     m1 = ours_step()
     assert abs(m1["loss"] - want) <= tol, f"gpu step: ours step-1 loss {m1['loss']} != {want} (policy = reference)"
     t_ours = timed_steps(ours_step, timed)
-    out.update(loss_ours=m1["loss"], microbatches_ours=len(plan.ranks[0]), n_active=n_active,
-               step_s_ours=min(t_ours), peak_bytes_ours=_peak_memory(device))
-    del policy, reference, ddp, optimizer, scheduler
-    _reset_peak(device)
+    return dict(loss_ours=m1["loss"], microbatches_ours=len(plan.ranks[0]), n_active=n_active,
+                step_s_ours=min(t_ours), peak_bytes_ours=_peak_memory(device))
 
-    # -- baseline: transformers' model, one padded [2, L] batch per pair -----------------------------------------------
+
+def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps) -> dict:
+    """mpo_step_bench's baseline: transformers' model, one padded [2, L] batch per pair, torch Adam."""
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
     hcfg = NemotronH_Omni_Reasoning_V3_Config(**json.loads((ckpt / "config.json").read_text()))
     torch.manual_seed(0)
     with torch.device(device):
@@ -749,18 +716,71 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
         hf_opt.step()
         return {"loss": total}
 
+    _reset_peak(device)
     b1 = base_step()
     assert abs(b1["loss"] - want) <= tol, f"gpu step: baseline step-1 loss {b1['loss']} != {want}"
     t_base = timed_steps(base_step, timed)
-    out.update(loss_baseline=b1["loss"], loss_expected=want, step_s_baseline=min(t_base),
-               peak_bytes_baseline=_peak_memory(device), timed_steps=timed)
-    del hf_pol, hf_ref, hf_opt, params
-    _reset_peak(device)
+    return dict(loss_baseline=b1["loss"], loss_expected=want, step_s_baseline=min(t_base),
+                peak_bytes_baseline=_peak_memory(device), timed_steps=timed)
+
+
+def mpo_step_bench(device, shape: dict, timed: int) -> dict:
+    """One MPO optimizer step (policy fwd+bwd, frozen reference fwd, fused loss, distributed Adam: train.train_step) on
+    `shape`'s text pairs packed `pairs_per_bin` pairs per THD microbatch, vs transformers' model doing the conventional
+    step (each pair one padded [2, L] batch, log_softmax + gather, torch Adam), both on `device`.
+
+    Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
+    both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
+    Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
+    (8·N_active·tokens / s / peak bf16 FLOP/s, train.mfu; N_active = train.active_params: every non-expert parameter,
+    the embedding table and output layer included, plus top-k/E of the routed experts), and the speed ratio.
+    Raises AssertionError when a step-1 loss is off.
+    """
+    import math
+
+    import config as config_mod
+    import omni_model as om
+    import train
+
+    device = torch.device(device)
+    om.init_single_rank_world(device)
+    dtype = getattr(torch, shape["dtype"])
+    ckpt = _shape_checkpoint(shape)
+    hf = om.read_hf_config(ckpt)
+    cfg = config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
+        f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}",
+        f"policy.train_global_batch_size={shape['pairs']}", f"packing.max_sequences_per_bin={shape['pairs_per_bin']}",
+        "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
+        "policy.logprob_chunk_size=1024"])
+    m = cfg.mpo
+    want = m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2)
+    tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
+    pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], hf.text.vocab_size)
+    tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
+    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
+    ids = {"image": hf.image_token_id, "pad": 0}
+    out = {"device": str(device), "dtype": shape["dtype"], "pairs": shape["pairs"], "tokens": tokens,
+           "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size}
+
+    def timed_steps(step, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        return times
+
+    out.update(_ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps))
+    _release(device)
+    out.update(_baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps))
+    _release(device)
     s_o, s_b = out["step_s_ours"], out["step_s_baseline"]
     out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
                pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
-               mfu_ours=train.mfu(tokens, s_o, n_active, 1) if device.type == "cuda" else None,
-               mfu_baseline=train.mfu(tokens, s_b, n_active, 1) if device.type == "cuda" else None)
+               mfu_ours=train.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
+               mfu_baseline=train.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
     return out
 
 

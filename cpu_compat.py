@@ -6,8 +6,8 @@ GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and ma
 `select_kernels()` decides from what imports and whether CUDA is used: the TE spec only with TE and CUDA, else the local
 spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch. `apply()` patches exactly the
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
-sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not. Every shim names the upstream behaviour it works
-around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
+sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not. Every shim
+names the upstream behaviour it works around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
 shared/research/mcore_cpu.md). The patches touch private names: re-check them on every megatron-core bump.
 
 Use:

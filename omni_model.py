@@ -16,7 +16,8 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   tanh approximation instead. Images are packed (THD) and each attends only to itself.
 - `vision_projection`: megatron-core `MultimodalProjector` (RMSNorm -> Linear -> squared ReLU -> Linear).
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
-  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two project modules:
+  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two
+  project modules:
   `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
   checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
   attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
