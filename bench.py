@@ -786,7 +786,11 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
 
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
-    mamba-ssm's Triton kernel when it imports with CUDA (cpu_compat.select_kernels)."""
+    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm), and fla-core's Triton
+    simple-GLA kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate
+    of issue 12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
+    import functools
+
     import cpu_compat
     import mamba_torch
 
@@ -795,6 +799,16 @@ def mamba_scan_kernels(device: torch.device) -> dict:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
+    if device.type == "cuda":
+        try:
+            from fla.ops.simple_gla import chunk_simple_gla
+        except Exception:  # not installed, or a build for another torch / Triton
+            chunk_simple_gla = None
+        if chunk_simple_gla is not None:
+            def gla(q, k, v, g, cu):
+                return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
+
+            kernels["fla"] = functools.partial(mamba_torch.mamba_chunk_scan_via_simple_gla, gla=gla)
     return kernels
 
 
@@ -965,7 +979,7 @@ def table(res: dict) -> str:
              f"want {st['loss_expected']:.6f}"),
         ]
         sc = g["scan"]
-        for name in ("torch", "mamba-ssm"):
+        for name in ("torch", "mamba-ssm", "fla"):
             if name in sc:
                 rows.append((f"Mamba-2 scan {name}, T={sc['tokens']} {sc['dtype']}", "fwd+bwd (first call)",
                              f"{sc[name]['fwd_bwd_s'] * 1e3:.1f} ms", f"{sc[name]['first_call_s']:.2f} s", ""))
