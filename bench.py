@@ -83,10 +83,13 @@ def interleaved_times(fns: dict, reps: int) -> dict[str, dict[str, float]]:
     other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use the minimum, the estimate
     least inflated by contention on a shared machine."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work is asynchronous
     for _ in range(reps):
         for k, fn in fns.items():
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             times[k].append(time.perf_counter() - t)
     return {k: {"min": min(v), "median": statistics.median(v)} for k, v in times.items()}
 
@@ -212,14 +215,21 @@ def _build_ours(model_dir: Path):
 # 2. Vision once per pair
 
 
+def _device() -> torch.device:
+    """The device items 2 and 4 run on: the current CUDA device when there is one (where build_model puts the model),
+    else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _per_row_media(batch: pack.PackedBatch) -> dict:
     """The same packed pair with each row holding its own copy of the images (the reference system's layout)."""
     d = {k: getattr(batch, k) for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
     s = batch.num_sequences
     n_img = batch.image_grid_hw.shape[0]
+    dev = batch.input_ids.device
     d.update(pixel_values=torch.cat([batch.pixel_values] * s), image_grid_hw=torch.cat([batch.image_grid_hw] * s),
-             image_token_counts=torch.cat([batch.image_token_counts] * s), media_index=torch.arange(s),
-             media_image_offsets=torch.arange(s + 1) * n_img)
+             image_token_counts=torch.cat([batch.image_token_counts] * s), media_index=torch.arange(s, device=dev),
+             media_image_offsets=torch.arange(s + 1, device=dev) * n_img)
     return d
 
 
@@ -227,17 +237,17 @@ def bench_vision(quick: bool) -> dict:
     """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
     import omni_model as om
 
-    om.init_single_rank_world()
+    om.init_single_rank_world(_device())
     model_dir = small_checkpoint("policy", seed=1234)
     pairs, ids = sample_pairs(model_dir, 1)
     model = _build_ours(model_dir).train()
-    shared = pack.pack([pairs[0]], 8, ids["image"], ids["pad"])
+    shared = pack.pack([pairs[0]], 8, ids["image"], ids["pad"]).to(_device())
     per_row = _per_row_media(shared)
 
     def fwd_bwd(batch):
         model.zero_grad(set_to_none=True)
         logits = model(batch)
-        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11)).to(logits.device)
         (logits * w).sum().backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return logits.detach(), grads
@@ -434,7 +444,7 @@ def bench_train(quick: bool) -> dict:
     import omni_model as om
     import train
 
-    om.init_single_rank_world()
+    om.init_single_rank_world(_device())
     n_pairs, timed = (6, 2) if quick else (16, 5)
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     pairs, ids = sample_pairs(pol_dir, n_pairs)
@@ -446,7 +456,7 @@ def bench_train(quick: bool) -> dict:
     policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
     reference.eval().requires_grad_(False)
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)  # fp32, distributed Adam: the config's defaults
-    ctx = train.Ctx(cfg, torch.device("cpu"), 1)
+    ctx = train.Ctx(cfg, _device(), 1)
     ddp.train()
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
     state = {"shift": cfg.mpo.reward_shift}
@@ -463,8 +473,9 @@ def bench_train(quick: bool) -> dict:
         return m
 
     # -- baseline: transformers, conventional padded per-pair step ---------------------------------------------------
-    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).train()
-    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).eval().requires_grad_(False)
+    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).to(ctx.device).train()
+    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).to(ctx.device).eval()
+    hf_ref.requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
     hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                               weight_decay=o.weight_decay)
@@ -480,8 +491,10 @@ def bench_train(quick: bool) -> dict:
             resp = torch.zeros(2, L, dtype=torch.bool)
             for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
                 input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
+            input_ids, attn, resp = input_ids.to(ctx.device), attn.to(ctx.device), resp.to(ctx.device)
             kw = dict(input_ids=input_ids, attention_mask=attn, pixel_values=torch.cat([p.pixel_values] * 2),
                       image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
+            kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
             with torch.no_grad():
                 ref, _ = _row_logps(hf_ref(**kw).logits, input_ids, resp)
             pol, n_tok = _row_logps(hf_pol(**kw).logits, input_ids, resp)
