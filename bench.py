@@ -900,7 +900,6 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None) -> dict:
     device = torch.device(device)
     shape = GPU_SHAPE if shape is None else shape
     kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
-    print(kernels.line(), file=sys.stderr, flush=True)
     out = {"kernels": kernels.line(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     out["step"] = mpo_step_bench(device, shape, timed=2 if quick else 5)
     out["scan"] = scan_bench(device, shape, reps=2 if quick else 5)
@@ -1044,6 +1043,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    import cpu_compat
+
+    print(cpu_compat.select_kernels().line(), file=sys.stderr, flush=True)
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
                  "command": "python bench.py" + (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "")}
     try:
