@@ -107,9 +107,10 @@ def test_tiny_main_job_trains_four_steps_on_one_gpu(runs):
     assert "device cuda" in runs.out and "kernels: spec" in runs.out
 
 
-def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world):
+def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path):
     from step_cases import DeviceAudit, tiny_step
 
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
     s = tiny_step("cuda:0")
     audit = DeviceAudit("cuda:0")
     with audit:

@@ -455,9 +455,10 @@ def _count_pairs_before_issue_12(batches, ctx):  # train.count_global_pairs as i
     return local
 
 
-def test_train_step_keeps_one_device():
+def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     from step_cases import DeviceAudit, tiny_step
 
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # the sample's index cache
     s = tiny_step("cpu")
     audit = DeviceAudit("cpu")
     with audit:
