@@ -898,11 +898,12 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None) -> dict:
             return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    shape = GPU_SHAPE if shape is None else shape
+    if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan, for tests/gpu_check.sh
+        shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
     kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
     out = {"kernels": kernels.line(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    out["step"] = mpo_step_bench(device, shape, timed=2 if quick else 5)
-    out["scan"] = scan_bench(device, shape, reps=2 if quick else 5)
+    out["step"] = mpo_step_bench(device, shape, timed=1 if quick else 5)
+    out["scan"] = scan_bench(device, shape, reps=1 if quick else 5)
     return out
 
 

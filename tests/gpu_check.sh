@@ -4,7 +4,7 @@
 # 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions;
 # 2. prints the kernel selection (cpu_compat.select_kernels);
-# 3. runs tests/test_gpu.py (<= 270 s) and `bench.py --gpu --quick` (<= 200 s, results to $OMNI_OUT, default
+# 3. runs tests/test_gpu.py (<= 270 s) and `bench.py --gpu --quick` (<= 180 s, results to $OMNI_OUT, default
 #    /tmp/omni_gpu_check, never over the committed bench files);
 # 4. prints a short table; exits non-zero when any step fails. Under 8 minutes in all.
 set -uo pipefail
@@ -85,7 +85,7 @@ done < <(grep -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT/test_gpu.log")
 
 # -- 3. bench.py --gpu --quick ----------------------------------------------------------------------------------------
 t0=$SECONDS
-timeout 200 "$PY" bench.py --gpu --quick --json "$OUT/bench_gpu_quick.json" >"$OUT/bench.log" 2>&1
+timeout 180 "$PY" bench.py --gpu --quick --json "$OUT/bench_gpu_quick.json" >"$OUT/bench.log" 2>&1
 rc=$?
 row "bench.py --gpu --quick" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "rc $rc, $OUT/bench_gpu_quick.json"
 
