@@ -26,7 +26,12 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              relative (asserted); pairs/s, tokens/s and the speed ratio.
 5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
              image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
-6. gpu       only with an accelerator; skipped with a message otherwise.
+6. gpu       only with CUDA (`--gpu` runs it alone, into bench_gpu_results.json; a skip record otherwise): one MPO
+             step of a Nano-width model at reduced depth (hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups,
+             d_state 128, attention 32/2 heads of 128, 128 experts top-6 of 1856 + shared 3712, vocabulary 131072,
+             bf16, random weights) on 16 MMPR-like text pairs packed 4 per bin vs transformers' padded per-pair step:
+             tokens/s, pairs/s, MFU, peak memory, step-1 losses (ln 2 forms, asserted); and the Mamba-2 scan fwd+bwd of
+             every available kernel at T = 16384 (first call, with Triton autotuning, reported apart).
 
 Timings on a shared CPU are noisy: read ratios from one run, not absolute times. Memory and value equalities are exact.
 Errors: an equality that does not hold raises AssertionError naming the item and both values.
@@ -78,10 +83,13 @@ def interleaved_times(fns: dict, reps: int) -> dict[str, dict[str, float]]:
     other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use the minimum, the estimate
     least inflated by contention on a shared machine."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work is asynchronous
     for _ in range(reps):
         for k, fn in fns.items():
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             times[k].append(time.perf_counter() - t)
     return {k: {"min": min(v), "median": statistics.median(v)} for k, v in times.items()}
 
@@ -207,14 +215,21 @@ def _build_ours(model_dir: Path):
 # 2. Vision once per pair
 
 
+def _device() -> torch.device:
+    """The device items 2 and 4 run on: the current CUDA device when there is one (where build_model puts the model),
+    else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _per_row_media(batch: pack.PackedBatch) -> dict:
     """The same packed pair with each row holding its own copy of the images (the reference system's layout)."""
     d = {k: getattr(batch, k) for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
     s = batch.num_sequences
     n_img = batch.image_grid_hw.shape[0]
+    dev = batch.input_ids.device
     d.update(pixel_values=torch.cat([batch.pixel_values] * s), image_grid_hw=torch.cat([batch.image_grid_hw] * s),
-             image_token_counts=torch.cat([batch.image_token_counts] * s), media_index=torch.arange(s),
-             media_image_offsets=torch.arange(s + 1) * n_img)
+             image_token_counts=torch.cat([batch.image_token_counts] * s), media_index=torch.arange(s, device=dev),
+             media_image_offsets=torch.arange(s + 1, device=dev) * n_img)
     return d
 
 
@@ -222,17 +237,17 @@ def bench_vision(quick: bool) -> dict:
     """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
     import omni_model as om
 
-    om.init_single_rank_world()
+    om.init_single_rank_world(_device())
     model_dir = small_checkpoint("policy", seed=1234)
     pairs, ids = sample_pairs(model_dir, 1)
     model = _build_ours(model_dir).train()
-    shared = pack.pack([pairs[0]], 8, ids["image"], ids["pad"])
+    shared = pack.pack([pairs[0]], 8, ids["image"], ids["pad"]).to(_device())
     per_row = _per_row_media(shared)
 
     def fwd_bwd(batch):
         model.zero_grad(set_to_none=True)
         logits = model(batch)
-        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11)).to(logits.device)
         (logits * w).sum().backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return logits.detach(), grads
@@ -429,7 +444,7 @@ def bench_train(quick: bool) -> dict:
     import omni_model as om
     import train
 
-    om.init_single_rank_world()
+    om.init_single_rank_world(_device())
     n_pairs, timed = (6, 2) if quick else (16, 5)
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     pairs, ids = sample_pairs(pol_dir, n_pairs)
@@ -441,7 +456,7 @@ def bench_train(quick: bool) -> dict:
     policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
     reference.eval().requires_grad_(False)
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)  # fp32, distributed Adam: the config's defaults
-    ctx = train.Ctx(cfg, torch.device("cpu"), 1)
+    ctx = train.Ctx(cfg, _device(), 1)
     ddp.train()
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
     state = {"shift": cfg.mpo.reward_shift}
@@ -458,8 +473,9 @@ def bench_train(quick: bool) -> dict:
         return m
 
     # -- baseline: transformers, conventional padded per-pair step ---------------------------------------------------
-    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).train()
-    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).eval().requires_grad_(False)
+    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).to(ctx.device).train()
+    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).to(ctx.device).eval()
+    hf_ref.requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
     hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                               weight_decay=o.weight_decay)
@@ -475,8 +491,10 @@ def bench_train(quick: bool) -> dict:
             resp = torch.zeros(2, L, dtype=torch.bool)
             for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
                 input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
+            input_ids, attn, resp = input_ids.to(ctx.device), attn.to(ctx.device), resp.to(ctx.device)
             kw = dict(input_ids=input_ids, attention_mask=attn, pixel_values=torch.cat([p.pixel_values] * 2),
                       image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
+            kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
             with torch.no_grad():
                 ref, _ = _row_logps(hf_ref(**kw).logits, input_ids, resp)
             pol, n_tok = _row_logps(hf_pol(**kw).logits, input_ids, resp)
@@ -571,12 +589,322 @@ def bench_data(quick: bool) -> dict:
 # 6. GPU
 
 
-def bench_gpu(quick: bool) -> dict:
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
-    # Not written yet: no accelerator was available to develop and check it on (a known gap, reported as such).
-    return {"skipped": f"CUDA device {torch.cuda.get_device_name()} present, but the GPU benchmark (step time, "
-                       "tokens/s, MFU) is not implemented yet"}
+# The GPU step of issue 12: Nano width at reduced depth (pattern MEM*EM), random weights.
+NANO_WIDTH_LLM = dict(hidden_size=2688, hybrid_override_pattern="MEM*EM", num_attention_heads=32,
+                      num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128,
+                      n_groups=8, chunk_size=128, intermediate_size=1856, moe_intermediate_size=1856,
+                      moe_shared_expert_intermediate_size=3712, n_routed_experts=128, num_experts_per_tok=6,
+                      vocab_size=131072)
+GPU_SHAPE = dict(llm=NANO_WIDTH_LLM, dtype="bfloat16", pairs=16, pairs_per_bin=4, prompt=(600, 2400),
+                 response=(100, 700), scan_tokens=16384, scan_sequences=8)
+# The same step at the tiny asset's width (tests/test_bench.py runs it on the CPU).
+TINY_GPU_SHAPE = dict(llm={}, dtype="float32", pairs=8, pairs_per_bin=4, prompt=(20, 60), response=(5, 20),
+                      scan_tokens=512, scan_sequences=4)
+
+
+def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> dict:
+    """n MMPR-like text pairs (pack.PreferencePair, no image): one prompt of U[prompt] tokens shared by the chosen and
+    the rejected row, each followed by its own response of U[response] tokens (the loss mask), random token ids."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rint(lo_hi):
+        return int(torch.randint(lo_hi[0], lo_hi[1] + 1, (), generator=g))
+
+    pairs = {}
+    for i in range(n):
+        p = torch.randint(32, vocab, (rint(prompt),), generator=g)
+        rows, masks = [], []
+        for _ in range(2):
+            r = torch.randint(32, vocab, (rint(response),), generator=g)
+            rows.append(torch.cat([p, r]))
+            masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool),
+                                    torch.ones(r.numel(), dtype=torch.bool)]))
+        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
+                                       chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
+                                       pixel_values=torch.zeros(0, 3 * 16 * 16),
+                                       image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
+                                       image_token_counts=torch.zeros(0, dtype=torch.int64))
+    return pairs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _shape_checkpoint(shape: dict) -> Path:
+    """A folder with the tiny asset's config.json widened by shape["llm"] (no weights: both models init randomly)."""
+    if "tmp" not in _STATE:
+        _STATE["tmp"] = Path(tempfile.mkdtemp(prefix="omni_bench_"))
+    out = _STATE["tmp"] / f"gpu_shape_{len(list(_STATE['tmp'].iterdir()))}"
+    out.mkdir()
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg["llm_config"].update(shape["llm"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def _release(device: torch.device) -> None:
+    """Free what a finished system left (its objects are gone with its function's frame) before the next starts."""
+    import gc
+
+    gc.collect()
+    _reset_peak(device)
+
+
+def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps) -> dict:
+    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank)."""
+    import omni_model as om
+    import train
+
+    train.seed_everything(cfg.mpo.seed)
+    policy = om.build_model(ckpt, cfg.model, cfg.parallel)
+    reference = om.build_model(ckpt, cfg.model, cfg.parallel)
+    reference.load_state_dict(policy.state_dict())
+    reference.eval().requires_grad_(False)
+    n_active = train.active_params(policy, hf)
+    ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
+    ctx = train.Ctx(cfg, device, 1)
+    ddp.train()
+    plan = pack.plan_step(lengths, cfg, 1)
+    state = {"shift": cfg.mpo.reward_shift}
+
+    def ours_step() -> dict:
+        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        metrics, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx,
+                                                   state["shift"])
+        return metrics
+
+    _reset_peak(device)
+    m1 = ours_step()
+    assert abs(m1["loss"] - want) <= tol, f"gpu step: ours step-1 loss {m1['loss']} != {want} (policy = reference)"
+    t_ours = timed_steps(ours_step, timed)
+    return dict(loss_ours=m1["loss"], microbatches_ours=len(plan.ranks[0]), n_active=n_active,
+                step_s_ours=min(t_ours), peak_bytes_ours=_peak_memory(device))
+
+
+def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps) -> dict:
+    """mpo_step_bench's baseline: transformers' model, one padded [2, L] batch per pair, torch Adam."""
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    hcfg = NemotronH_Omni_Reasoning_V3_Config(**json.loads((ckpt / "config.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf_pol = NemotronH_Omni_Reasoning_V3(hcfg).to(dtype).train()
+    hf_ref = copy.deepcopy(hf_pol).eval().requires_grad_(False)
+    params = [p for p in hf_pol.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                              weight_decay=o.weight_decay)
+
+    def base_step() -> dict:
+        hf_opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for p in pairs.values():
+            rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
+            L = max(r.numel() for r in rows)
+            input_ids = torch.full((2, L), ids["pad"], dtype=torch.int64)
+            attn = torch.zeros(2, L, dtype=torch.int64)
+            resp = torch.zeros(2, L, dtype=torch.bool)
+            for j, (r, mk) in enumerate(zip(rows, masks, strict=True)):
+                input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, mk
+            input_ids, attn, resp = input_ids.to(device), attn.to(device), resp.to(device)
+            with torch.no_grad():
+                ref, _ = _row_logps(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+            pol, n_tok = _row_logps(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+            loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        hf_opt.step()
+        return {"loss": total}
+
+    _reset_peak(device)
+    b1 = base_step()
+    assert abs(b1["loss"] - want) <= tol, f"gpu step: baseline step-1 loss {b1['loss']} != {want}"
+    t_base = timed_steps(base_step, timed)
+    return dict(loss_baseline=b1["loss"], loss_expected=want, step_s_baseline=min(t_base),
+                peak_bytes_baseline=_peak_memory(device), timed_steps=timed)
+
+
+def mpo_step_bench(device, shape: dict, timed: int) -> dict:
+    """One MPO optimizer step (policy fwd+bwd, frozen reference fwd, fused loss, distributed Adam: train.train_step) on
+    `shape`'s text pairs packed `pairs_per_bin` pairs per THD microbatch, vs transformers' model doing the conventional
+    step (each pair one padded [2, L] batch, log_softmax + gather, torch Adam), both on `device`.
+
+    Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
+    both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
+    Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
+    (8·N_active·tokens / s / peak bf16 FLOP/s, train.mfu; N_active = train.active_params: every non-expert parameter,
+    the embedding table and output layer included, plus top-k/E of the routed experts), and the speed ratio.
+    Raises AssertionError when a step-1 loss is off.
+    """
+    import math
+
+    import config as config_mod
+    import omni_model as om
+    import train
+
+    device = torch.device(device)
+    om.init_single_rank_world(device)
+    dtype = getattr(torch, shape["dtype"])
+    ckpt = _shape_checkpoint(shape)
+    hf = om.read_hf_config(ckpt)
+    cfg = config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
+        f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}",
+        f"policy.train_global_batch_size={shape['pairs']}", f"packing.max_sequences_per_bin={shape['pairs_per_bin']}",
+        "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
+        "policy.logprob_chunk_size=1024"])
+    m = cfg.mpo
+    want = m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2)
+    tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
+    pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], hf.text.vocab_size)
+    tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
+    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
+    ids = {"image": hf.image_token_id, "pad": 0}
+    out = {"device": str(device), "dtype": shape["dtype"], "pairs": shape["pairs"], "tokens": tokens,
+           "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size}
+
+    def timed_steps(step, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        return times
+
+    out.update(_ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps))
+    _release(device)
+    out.update(_baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps))
+    _release(device)
+    s_o, s_b = out["step_s_ours"], out["step_s_baseline"]
+    out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
+               pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
+               mfu_ours=train.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
+               mfu_baseline=train.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
+    return out
+
+
+def mamba_scan_kernels(device: torch.device) -> dict:
+    """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
+    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm), and fla-core's Triton
+    simple-GLA kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate
+    of issue 12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
+    import functools
+
+    import cpu_compat
+    import mamba_torch
+
+    kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
+    if device.type == "cuda" and cpu_compat.have_mamba_ssm():
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+        kernels["mamba-ssm"] = mamba_chunk_scan_combined
+    if device.type == "cuda":
+        try:
+            from fla.ops.simple_gla import chunk_simple_gla
+        except Exception:  # not installed, or a build for another torch / Triton
+            chunk_simple_gla = None
+        if chunk_simple_gla is not None:
+            def gla(q, k, v, g, cu):
+                return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
+
+            kernels["fla"] = functools.partial(mamba_torch.mamba_chunk_scan_via_simple_gla, gla=gla)
+    return kernels
+
+
+def scan_inputs(device, T: int, n_seq: int, heads: int, head_dim: int, groups: int, d_state: int, dtype,
+                seed: int = 0) -> dict:
+    """Inputs of one packed Mamba-2 scan: x [1,T,h,p], dt [1,T,h], A [h], B/C [1,T,g,n], D [h], z [1,T,h,p], dt_bias
+    [h], seq_idx [1,T] int32 of `n_seq` near-equal sequences (float inputs require grad)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.linspace(0, T, n_seq + 1).long()
+    seq_idx = torch.repeat_interleave(torch.arange(n_seq, dtype=torch.int32), torch.diff(cuts))[None]
+    t = {"x": torch.randn(1, T, heads, head_dim, generator=g), "dt": torch.randn(1, T, heads, generator=g) - 1.0,
+         "B": torch.randn(1, T, groups, d_state, generator=g), "C": torch.randn(1, T, groups, d_state, generator=g),
+         "z": torch.randn(1, T, heads, head_dim, generator=g)}
+    fixed = {"A": -torch.rand(heads, generator=g) - 0.5, "D": torch.randn(heads, generator=g),
+             "dt_bias": torch.randn(heads, generator=g) * 0.1}
+    out = {k: v.to(device=device, dtype=dtype).requires_grad_(True) for k, v in t.items()}
+    out.update({k: v.to(device) for k, v in fixed.items()})
+    out["seq_idx"] = seq_idx.to(device)
+    return out
+
+
+def run_scan(kernel, inp: dict, chunk_size: int, grad_out: torch.Tensor | None = None):
+    """Forward (+ backward with `grad_out`) of one scan with dt softplus, dt_limit (0.001, inf), D and z, as
+    megatron's mixer calls it. Returns (y, {name: grad of x, dt, B, C, z})."""
+    for k in ("x", "dt", "B", "C", "z"):
+        inp[k].grad = None
+    y = kernel(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size, D=inp["D"], z=inp["z"],
+               dt_bias=inp["dt_bias"], dt_softplus=True, seq_idx=inp["seq_idx"], dt_limit=(0.001, float("inf")))
+    grads = {}
+    if grad_out is not None:
+        y.backward(grad_out)
+        grads = {k: inp[k].grad for k in ("x", "dt", "B", "C", "z")}
+    return y, grads
+
+
+def scan_bench(device, shape: dict, reps: int) -> dict:
+    """Mamba-2 scan fwd+bwd time of every available kernel at the Nano layer shape (64 heads x 64, 8 groups, d_state
+    128, chunk 128) on shape["scan_tokens"] tokens in shape["scan_sequences"] packed sequences, bf16 on CUDA (fp32
+    on the CPU). The first call (Triton compiles and autotunes there) is reported apart from the min of `reps`."""
+    device = torch.device(device)
+    llm = {**json.loads((TINY / "config.json").read_text())["llm_config"], **shape["llm"]}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dims = dict(heads=llm["mamba_num_heads"], head_dim=llm["mamba_head_dim"], groups=llm["n_groups"],
+                d_state=llm["ssm_state_size"])
+    T, n_seq, chunk = shape["scan_tokens"], shape["scan_sequences"], llm["chunk_size"]
+    inp = scan_inputs(device, T, n_seq, dtype=dtype, **dims)
+    grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    out = {"tokens": T, "sequences": n_seq, "chunk_size": chunk, "dtype": str(dtype).removeprefix("torch."), **dims}
+    for name, kernel in mamba_scan_kernels(device).items():
+        _reset_peak(device)
+        _sync(device)
+        t = time.perf_counter()
+        run_scan(kernel, inp, chunk, grad_out)
+        _sync(device)
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            run_scan(kernel, inp, chunk, grad_out)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        out[name] = {"first_call_s": first, "fwd_bwd_s": min(times), "peak_bytes": _peak_memory(device)}
+    return out
+
+
+def bench_gpu(quick: bool, device=None, shape: dict | None = None) -> dict:
+    """Item 6: the MPO step at Nano width (mpo_step_bench) and the Mamba scans (scan_bench) on a CUDA device.
+    Without one (and no explicit `device`), a skip record. `device`/`shape` let a CPU test run it at a tiny shape."""
+    import cpu_compat
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan, for tests/gpu_check.sh
+        shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
+    kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
+    out = {"kernels": kernels.line(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    out["step"] = mpo_step_bench(device, shape, timed=1 if quick else 5)
+    out["scan"] = scan_bench(device, shape, reps=1 if quick else 5)
+    return out
 
 
 # ======================================================================================================================
@@ -647,9 +975,27 @@ def table(res: dict) -> str:
             ("data decode + process", "pairs/s, 2 workers vs 0", f"{d['pairs_per_s_workers2']:.1f}",
              f"{d['pairs_per_s_workers0']:.1f}", f"{d['workers2_over_workers0']:.2f}x"),
         ]
-    if "gpu" in res:
-        g = res["gpu"]
-        rows.append(("GPU", "step time, tokens/s, MFU", g.get("skipped", "see JSON"), "", ""))
+    if "gpu" in res and "skipped" in res["gpu"]:
+        rows.append(("GPU", "step time, tokens/s, MFU", res["gpu"]["skipped"], "", ""))
+    elif "gpu" in res:
+        g, st = res["gpu"], res["gpu"]["step"]
+        what = f"MPO step {st['pattern']} h{st['hidden_size']} {st['dtype']} vs transformers"
+        mfu = f" (MFU {100 * st['mfu_ours']:.1f}%)" if st.get("mfu_ours") is not None else ""
+        peak = (_mib(st["peak_bytes_ours"]), _mib(st["peak_bytes_baseline"])) if st["peak_bytes_ours"] else ("", "")
+        rows += [
+            (what, f"tokens/s ({st['pairs']} pairs, {st['tokens']} tokens)", f"{st['tokens_per_s_ours']:.0f}{mfu}",
+             f"{st['tokens_per_s_baseline']:.0f}", f"{st['speed_ratio']:.2f}x the speed"),
+            (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", f"{st['pairs_per_s_baseline']:.2f}",
+             f"{st['speed_ratio']:.2f}x the speed"),
+            (what, "peak memory", *peak, ""),
+            (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", f"{st['loss_baseline']:.6f}",
+             f"want {st['loss_expected']:.6f}"),
+        ]
+        sc = g["scan"]
+        for name in ("torch", "mamba-ssm", "fla"):
+            if name in sc:
+                rows.append((f"Mamba-2 scan {name}, T={sc['tokens']} {sc['dtype']}", "fwd+bwd (first call)",
+                             f"{sc[name]['fwd_bwd_s'] * 1e3:.1f} ms", f"{sc[name]['first_call_s']:.2f} s", ""))
     head = ("item", "metric", "ours", "baseline", "ratio")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -671,7 +1017,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced sizes (< 3 min on 2 CPU cores)")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ITEMS)}")
-    ap.add_argument("--json", default=str(ROOT / "bench_results.json"), help="where to write the results")
+    ap.add_argument("--gpu", action="store_true", help="only the GPU item (needs CUDA), written to "
+                    "bench_gpu_results.json unless --json is given")
+    ap.add_argument("--json", default=None, help="where to write the results (default bench_results.json)")
     ap.add_argument("--print", metavar="JSON", help="print the table of a saved results file and exit")
     ap.add_argument("--logprobs-worker", nargs=4, type=int, metavar=("T", "V", "CHUNK", "REPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -684,12 +1032,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}")
         print(table({k: v for k, v in res.items() if k in ITEMS}))
         return 0
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("bench.py --gpu: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine",
+                  file=sys.stderr)
+            return 2
+        args.only = "gpu"
+        args.json = args.json or str(ROOT / "bench_gpu_results.json")
+    args.json = args.json or str(ROOT / "bench_results.json")
     names = [n for n in args.only.split(",") if n] or list(ITEMS)
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    import cpu_compat
+
+    print(cpu_compat.select_kernels().line(), file=sys.stderr, flush=True)
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
-                 "command": "python bench.py" + (" --quick" if args.quick else "")}
+                 "command": "python bench.py" + (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "")}
     try:
         for name in names:
             t = time.perf_counter()

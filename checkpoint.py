@@ -161,7 +161,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if state["megatron_tracker"]:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for i, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):  # the devices this node has
+            torch.cuda.set_rng_state(cuda_state, i)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

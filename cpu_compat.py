@@ -1,20 +1,26 @@
-"""CPU shims that let megatron-core 0.19.2 build, run and train models on a machine without a GPU.
+"""Kernel selection by capability, and the shims that let megatron-core 0.19.2 build, run and train models without
+Transformer Engine, without mamba-ssm, or without a GPU.
 
-megatron-core assumes CUDA in a few dozen places (device="cuda" literals, CUDA RNG states, CUDA streams, the
-Transformer-Engine final norm of the hybrid stack, the mamba-ssm Triton kernels). On a CPU-only machine (the project's
-CI and tests, torchrun + gloo) `apply()` patches exactly those places. Every shim names the upstream behaviour it works
-around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
+megatron-core assumes CUDA in a few dozen places (device="cuda" literals, CUDA RNG states, CUDA streams) and, even on a
+GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and mamba-ssm (the Mamba mixer's kernels).
+`select_kernels()` decides from what imports and whether CUDA is used: the TE spec only with TE and CUDA, else the local
+spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch. `apply()` patches exactly the
+places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
+sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not. Every shim
+names the upstream behaviour it works around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
 shared/research/mcore_cpu.md). The patches touch private names: re-check them on every megatron-core bump.
 
 Use:
     import cpu_compat
-    cpu_compat.apply()                 # before building any megatron module; no-op when CUDA is available
+    print(cpu_compat.select_kernels().line())   # e.g. "kernels: spec local; mamba torch; device cpu"
+    cpu_compat.apply()                 # before building any megatron module
     ...build the model, parallel_state, model_parallel_cuda_manual_seed(seed)...
     with cpu_compat.cuda_to_cpu():     # around optimizer construction, optimizer.step() and checkpoint loading
         optimizer = get_megatron_optimizer(...)
 
-`apply()` is idempotent and guarded on `torch.cuda.is_available()` (not on the torch build: the project's torch 2.14.1
-is a CUDA build that runs on CPU). Run it in every process (each torchrun rank) before megatron modules are built.
+`apply()` is idempotent; its CPU-only part is guarded on `torch.cuda.is_available()` (not on the torch build: the
+project's torch 2.14.1 is a CUDA build that runs on CPU). Run it in every process (each torchrun rank) before megatron
+modules are built; on a CUDA machine it installs only the TE / mamba-ssm stand-ins the selection needs.
 
 Run the tests: `pytest tests/test_cpu_compat.py`.
 """
@@ -26,6 +32,7 @@ import importlib.util
 import os
 import sys
 import types
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,36 +43,102 @@ _APPLIED = False
 
 
 def needed() -> bool:
-    """True when the shims are needed: no usable CUDA device in this process."""
+    """True when the CPU-only shims are needed: no usable CUDA device in this process."""
     return not torch.cuda.is_available()
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a model build uses, chosen by capability (`select_kernels`), never by "CPU or not".
+
+    spec: "te" (megatron-core's Transformer Engine spec) or "local" (torch norms, SDPA per sequence: omni_model's
+        local spec). mamba: "mamba-ssm" (mamba-ssm's fused Triton/CUDA kernels) or "torch" (mamba_torch, on the
+        step's device). device: "cuda" or "cpu".
+    """
+
+    spec: str
+    mamba: str
+    device: str
+
+    def line(self) -> str:
+        """The one start-up line of train.py and bench.py, e.g. `kernels: spec local; mamba torch; device cuda`."""
+        return f"kernels: spec {self.spec}; mamba {self.mamba}; device {self.device}"
+
+
+def have_transformer_engine() -> bool:
+    """True when transformer_engine's torch extension imports (whatever the device)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or OSError/RuntimeError from a TE build that does not match this CUDA/torch
+        return False
+    return True
+
+
+def have_mamba_ssm() -> bool:
+    """True when mamba-ssm's fused Mamba-2 kernels and causal-conv1d import (what megatron's MambaMixer needs)."""
+    try:
+        import causal_conv1d  # noqa: F401
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined  # noqa: F401
+    except Exception:  # ImportError, or an OSError from a compiled extension built for another torch
+        return False
+    return True
+
+
+def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: bool | None = None) -> Kernels:
+    """The kernels for this process: the TE spec only when Transformer Engine imports AND CUDA is used, else the local
+    spec; mamba-ssm's kernels only when mamba-ssm + causal-conv1d import AND CUDA is used, else mamba_torch.
+
+    Args: te, mamba_ssm, cuda: the capabilities; None probes them (have_transformer_engine, have_mamba_ssm,
+        torch.cuda.is_available). Tests inject them.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te = (cuda and have_transformer_engine()) if te is None else te
+    mamba_ssm = (cuda and have_mamba_ssm()) if mamba_ssm is None else mamba_ssm
+    return Kernels(spec="te" if te and cuda else "local", mamba="mamba-ssm" if mamba_ssm and cuda else "torch",
+                   device="cuda" if cuda else "cpu")
+
+
+# Which shim each missing capability needs (names of functions of this module, applied in this order).
+CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_streams", "_install_cpu_rng_tracker",
+                  "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads")  # CUDA-only code paths
+LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
+TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
+
+
+def shims_for(kernels: Kernels) -> tuple[str, ...]:
+    """Names of the shims `apply` installs for `kernels`: the paged-stash stub always (it checks for triton itself),
+    the CPU-only shims without CUDA, the norm shims with the local spec, the torch Mamba without mamba-ssm."""
+    names = ("_stub_paged_stash_without_triton",)
+    if kernels.device == "cpu":
+        names += CPU_ONLY_SHIMS
+    if kernels.spec == "local":
+        names += LOCAL_SPEC_SHIMS
+    if kernels.mamba == "torch":
+        names += TORCH_MAMBA_SHIMS
+    return names
+
+
+_INSTALLED: set[str] = set()
+
+
 def apply(force: bool = False) -> bool:
-    """Install every CPU shim (idempotent).
+    """Install the shims the selected kernels need (`shims_for(select_kernels())`; idempotent). Run it in every
+    process before megatron modules are built (omni_model.build_model and init_single_rank_world do).
 
     Args:
-        force: install even though CUDA is available (only for tests of the shims themselves).
+        force: install the CPU-only shims even though CUDA is available (only for tests of the shims themselves).
     Returns:
-        True when the shims are (or already were) installed, False when CUDA is available and nothing was done.
+        True when the CPU-only shims are (or already were) installed, False on a CUDA machine (where only the shims
+        of missing Transformer Engine / mamba-ssm were installed).
     """
     global _APPLIED
-    if _APPLIED:
-        return True
-    if not force and not needed():
-        return False
-    _disable_dynamo()
-    _stub_paged_stash_without_triton()
-    _patch_current_device()
-    _patch_cuda_streams()
-    _install_cpu_rng_tracker()
-    _patch_causal_masks()
-    _patch_torch_norm_sequence_parallel()
-    _patch_hybrid_final_norm()
-    _patch_moe_split_sizes()
-    _patch_clip_grads()
-    install_torch_mamba()
-    _APPLIED = True
-    return True
+    kernels = select_kernels(cuda=False) if force else select_kernels()
+    for name in shims_for(kernels):
+        if name not in _INSTALLED:
+            globals()[name]()
+            _INSTALLED.add(name)
+    _APPLIED = _APPLIED or kernels.device == "cpu"
+    return _APPLIED
 
 
 # ---------------------------------------------------------------------------------------------------------------------

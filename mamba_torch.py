@@ -334,6 +334,55 @@ def mamba_chunk_scan_combined(
     return out if len(result) == 1 else tuple(result)
 
 
+def mamba_chunk_scan_via_simple_gla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    gla=None,
+) -> torch.Tensor:
+    """`mamba_chunk_scan_combined`'s forward as a simple-GLA recurrence (Mamba-2's SSD has one scalar decay per head):
+    q = C, k = B (groups repeated over their heads), v = dt·x, log-decay g = dt·A, scale 1, then + D·x and · silu(z).
+
+    For evaluating a portable kernel of that recurrence, e.g. fla-core's Triton `chunk_simple_gla`:
+        gla = lambda q, k, v, g, cu: chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
+    gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) must return
+    o_t = q_t · S_t with S_t = exp(g_t) S_{t-1} + k_t^T v_t, S = 0 at each sequence start. (chunk_size is unused:
+    the kernel picks its own.) Packed rows need batch 1 (the sequences from seq_idx's runs).
+    Returns out [batch, seqlen, nheads, headdim] in x.dtype. Raises ValueError for batch > 1 with seq_idx.
+    """
+    b, seqlen, h, p = x.shape
+    r = h // B.shape[2]
+    cdt = _compute_dtype(x)
+    dtf = dt.to(cdt) + (dt_bias.to(cdt) if dt_bias is not None else 0.0)
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    if tuple(dt_limit) != _NO_LIMIT:
+        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    cu = None
+    if seq_idx is not None:
+        if b != 1:
+            raise ValueError(f"packed sequences (seq_idx) need batch 1, got {b}")
+        counts = torch.unique_consecutive(seq_idx[0], return_counts=True)[1]
+        cu = F.pad(torch.cumsum(counts, 0), (1, 0))
+    q, k = C.repeat_interleave(r, dim=2), B.repeat_interleave(r, dim=2)
+    v = (x.to(cdt) * dtf[..., None]).to(x.dtype)
+    o = gla(q, k, v, dtf * A.to(cdt), cu).to(cdt)
+    if D is not None:
+        o = o + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+    if z is not None:
+        o = o * F.silu(z.to(cdt))
+    return o.to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated grouped RMSNorm
 

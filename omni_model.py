@@ -16,13 +16,15 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   tanh approximation instead. Images are packed (THD) and each attends only to itself.
 - `vision_projection`: megatron-core `MultimodalProjector` (RMSNorm -> Linear -> squared ReLU -> Linear).
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
-  when transformer_engine imports, else a local spec of megatron-core's non-TE modules plus two project modules:
+  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two
+  project modules:
   `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
   checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
   attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
   all-gathering K/V).
-- Mamba runs megatron-core's own `MambaMixer`; on CPU through the project's pure-torch mamba_ssm stand-in
-  (mamba_torch.py, installed by cpu_compat.apply()).
+- Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
+  and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
+  cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
 
 Forward (vision once per pair): every image of the microbatch is encoded once; the `<image>` positions of each sequence
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
@@ -106,9 +108,8 @@ def _install_mamba_cp_thd_indices() -> None:
 
 
 def _apply_cpu_shims() -> None:
-    """Apply cpu_compat's megatron-core CPU shims when there is no GPU (no-op with CUDA)."""
-    if torch.cuda.is_available():
-        return
+    """Apply cpu_compat's shims for what this process lacks (cpu_compat.shims_for(select_kernels())): the CPU-only ones
+    without CUDA, the local-spec norms without Transformer Engine, the torch Mamba without mamba-ssm."""
     import cpu_compat
 
     cpu_compat.apply()
@@ -123,9 +124,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_single_rank_world() -> None:
-    """In-process gloo world of size 1 (on a free local port) with megatron-core parallel state TP = CP = EP = PP = 1,
-    for building models outside torchrun (HF export, bench, tests); applies the CPU shims when there is no GPU.
+def init_single_rank_world(device: torch.device | None = None) -> None:
+    """In-process world of size 1 (on a free local port; gloo, or nccl when `device` is a CUDA device, which becomes
+    the current device) with megatron-core parallel state TP = CP = EP = PP = 1, for building models outside torchrun
+    (HF export, bench, tests); applies cpu_compat's shims for what this process lacks.
 
     Idempotent: an existing process group or parallel state is kept; megatron's RNG tracker is seeded (0) only when the
     parallel state is created here (callers that need another seed call `model_parallel_cuda_manual_seed` after).
@@ -135,7 +137,13 @@ def init_single_rank_world() -> None:
 
     _apply_cpu_shims()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        if device is not None and torch.device(device).type == "cuda":
+            device = torch.device("cuda", torch.device(device).index or 0)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    device_id=device)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -699,12 +707,11 @@ def local_vit_layer_spec():
 
 
 def have_transformer_engine() -> bool:
-    """True when transformer_engine imports with its torch extension (then the TE specs are used)."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
+    """True when the TE specs are used: transformer_engine's torch extension imports and CUDA is used
+    (cpu_compat.select_kernels)."""
+    import cpu_compat
+
+    return cpu_compat.select_kernels().spec == "te"
 
 
 # ======================================================================================================================

@@ -469,7 +469,8 @@ class PackedBatch:
         return self.media_image_offsets.numel() - 1
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        """Copy of the batch with every tensor moved to `device`."""
+        """Copy of the batch with every tensor moved to `device`: the one move of a step's batch (train.load_bins;
+        the device rule is stated in train.py's docstring)."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -657,12 +658,12 @@ def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torc
     Raises:
         ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than num_tokens.
     """
-    cu = cu_seqlens_padded.long().cpu()
+    cu = cu_seqlens_padded.long()  # computed where cu_seqlens_padded lives (train.py's device rule)
     if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > num_tokens:
         raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {num_tokens}; got {cu.tolist()}")
-    lengths = torch.cat([cu[1:] - cu[:-1], torch.tensor([num_tokens - cu[-1]])])
-    ids = torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long), lengths)
-    return ids.to(cu_seqlens_padded.device)
+    lengths = torch.cat([cu[1:] - cu[:-1], num_tokens - cu[-1:]])
+    return torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long, device=cu.device), lengths,
+                                   output_size=num_tokens)
 
 
 # ======================================================================================================================

@@ -15,6 +15,14 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
     6. gradient reduction over DP (a sum: each loss is already divided by the global pair count), optimizer step,
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
+Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
+`load_bins` builds each packed microbatch on the CPU (pack.pack, in the data loader's processes) and moves the whole
+`PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
+with `device=ctx.device`, and only Python numbers leave the device (`.item()`, `.tolist()`, for logging and δ). The
+exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
+its passes), checkpoint files and the HF export (written from CPU copies), RNG states (CPU byte tensors).
+tests/test_train.py::test_train_step_keeps_one_device checks it with a recording TorchFunctionMode.
+
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
 pre-timeout signal): it finishes the current step, saves a checkpoint and exits 0. A run directory with a complete
@@ -330,14 +338,14 @@ def init_distributed(cfg, num_experts: int | None):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(omni_model.free_port()))
     dp = config_mod.validate_parallel(cfg, int(os.environ["WORLD_SIZE"]), num_experts)
+    import cpu_compat
+
+    cpu_compat.apply()  # the stand-ins for what this process lacks: TE, mamba-ssm, CUDA (cpu_compat.shims_for)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
-        import cpu_compat
-
-        cpu_compat.apply()
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     p = cfg.parallel
@@ -406,11 +414,12 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward."""
+    """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward.
+    Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1]).cpu()
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long().cpu(), seq_ids, b.num_sequences)
+        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
+        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), seq_ids, b.num_sequences)
         local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
@@ -558,6 +567,9 @@ def main(cfg) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.mpo.seed)
     if rank == 0:
+        import cpu_compat
+
+        print(cpu_compat.select_kernels().line())
         print(json.dumps(config_mod.to_dict(cfg), indent=1))
         print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
               f"DP {dp} EP {cfg.parallel.expert_model_parallel_size} on {device.type}")  # fmt: skip

@@ -1,67 +1,101 @@
 #!/usr/bin/env bash
-# GPU check for omni_model (issue 6). NOT RUN YET: no GPU was available when it was written.
-#   bash tests/gpu_check.sh            # on a CUDA machine, from the repo root; prints a small table
-# 1. tries to install mamba-ssm / causal-conv1d (Triton + CUDA kernels; needs nvcc or a matching prebuilt wheel),
-# 2. compares mamba_torch's mamba_split_conv1d_scan_combined (with seq_idx, dt_limit) against mamba_ssm's kernel,
-# 3. runs the model parity (text, image+text) against transformers on CUDA, fp32, TE spec if TE imports.
+# GPU check of issue 12, for a fresh CUDA machine without network. From the repo root:
+#   bash tests/gpu_check.sh WHEEL_DIR          # WHEEL_DIR: the wheels this machine lacks (README "GPU check")
+# 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
+#    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions;
+# 2. prints the kernel selection (cpu_compat.select_kernels);
+# 3. runs tests/test_gpu.py (<= 270 s) and `bench.py --gpu --quick` (<= 180 s, results to $OMNI_OUT, default
+#    /tmp/omni_gpu_check, never over the committed bench files);
+# 4. prints a short table; exits non-zero when any step fails. Under 8 minutes in all.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export TORCHDYNAMO_DISABLE=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "no GPU"; exit 1; }
-timeout 400 pip install -q --no-build-isolation causal-conv1d mamba-ssm >/tmp/gpu_check_pip.log 2>&1 \
-  && echo "mamba-ssm: installed" || echo "mamba-ssm: install failed (tail /tmp/gpu_check_pip.log)"
-python - <<'PY'
-import os, socket, sys, torch
-sys.path.insert(0, "."); sys.path.insert(0, "tests")
-rows = []
-def row(name, value, tol):
-    rows.append((name, value, tol, "ok" if value is not None and value <= tol else "FAIL"))
-# --- torch Mamba path vs mamba_ssm kernels
-try:
-    from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as kernel
-    import mamba_torch
-    g = torch.Generator(device="cuda").manual_seed(0)
-    b, L, h, p, G, N, W = 1, 256, 8, 16, 2, 16, 4
-    d = h * p
-    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
-        zx = torch.randn(b, L, 2 * d + 2 * G * N + h, device="cuda", generator=g).to(dtype)
-        cw = (0.3 * torch.randn(d + 2 * G * N, W, device="cuda", generator=g)).to(dtype)
-        cb = torch.randn(d + 2 * G * N, device="cuda", generator=g).to(dtype)
-        dtb, A, D = torch.randn(h, device="cuda", generator=g), -torch.rand(h, device="cuda", generator=g) - 0.5, \
-            torch.randn(h, device="cuda", generator=g)
-        seq_idx = torch.cat([torch.zeros(100), torch.ones(L - 100)]).to(torch.int32).cuda()[None]
-        kw = dict(chunk_size=64, seq_idx=seq_idx, dt_limit=(0.001, float("inf")), headdim=p, ngroups=G,
-                  norm_before_gate=False)
-        y_k = kernel(zx, cw, cb, dtb, A, D, **kw).float()
-        y_t = mamba_torch.mamba_split_conv1d_scan_combined(zx, cw, cb, dtb, A, D, **kw).float()
-        row(f"mamba torch vs kernel {dtype}", ((y_k - y_t).abs().max() / y_k.abs().max()).item(), tol)
-except Exception as e:
-    rows.append(("mamba torch vs kernel", None, None, f"skipped: {type(e).__name__}: {e}"[:100]))
-# --- model parity on CUDA
-try:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    import omni_model as om
-    from config import ModelConfig, ParallelConfig
-    from omni_model_cases import TINY
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel(); model_parallel_cuda_manual_seed(0)
-    m = om.build_model(TINY, ModelConfig(), ParallelConfig())
-    om.load_hf_weights(m, TINY); m.eval()
-    rows.append(("spec", None, None, "TE" if m.use_te else "local"))
-    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
-    ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).cuda().eval()
-    ids = torch.randint(32, 1000, (1, 40), device="cuda")
-    with torch.no_grad():
-        row("text logits vs transformers (cuda fp32)",
-            (m({"input_ids": ids}) - ref.language_model(input_ids=ids).logits[0]).abs().max().item(), 1e-4)
-except Exception as e:
-    rows.append(("model parity", None, None, f"skipped: {type(e).__name__}: {e}"[:100]))
-print(f"{'check':45s} {'max diff':>12s} {'tol':>8s}  result")
-for name, v, tol, res in rows:
-    print(f"{name:45s} {'' if v is None else f'{v:12.3e}':>12s} {'' if tol is None else f'{tol:8.0e}':>8s}  {res}")
+cd "$(dirname "$0")/.." || exit 1
+WHEELS=${1:?usage: bash tests/gpu_check.sh WHEEL_DIR (a folder of .whl files; see README, GPU check)}
+SITE=${OMNI_SITE:-/tmp/omni_site}
+OUT=${OMNI_OUT:-/tmp/omni_gpu_check}
+PY=${PYTHON:-python3}
+export TORCHDYNAMO_DISABLE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+declare -a ROWS
+FAILED=0
+row() { ROWS+=("$(printf '%-34s %-6s %7s  %s' "$1" "$2" "${3:+${3}s}" "$4")"); [ "$2" = ok ] || [ "$2" = skip ] || FAILED=1; }
+
+# -- 1. GPU and dependencies ------------------------------------------------------------------------------------------
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False)" >&2
+  exit 1
+fi
+t0=$SECONDS
+shopt -s nullglob
+whls=("$WHEELS"/*.whl)
+if [ ${#whls[@]} -gt 0 ]; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whls[@]}" \
+      >"$OUT/pip.log" 2>&1; then
+    row "install ${#whls[@]} wheels" ok $((SECONDS - t0)) "into $SITE"
+  else
+    row "install ${#whls[@]} wheels" FAIL $((SECONDS - t0)) "see $OUT/pip.log"
+  fi
+else
+  row "install wheels" ok 0 "none in $WHEELS"
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+t0=$SECONDS
+deps=$("$PY" - <<'PY' 2>&1
+# the project's requirements that this check needs (torch, torchvision and numpy stay the machine's own CUDA builds)
+import importlib.metadata as md
+need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "einops": None, "psutil": None, "safetensors": None,
+        "pillow": None, "tqdm": None, "pytest": None}
+bad = []
+for name, version in need.items():
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        bad.append(f"{name} missing")
+        continue
+    if version and have != version:
+        bad.append(f"{name} {have} != {version}")
+extra = []
+for name in ("transformer-engine", "mamba-ssm", "causal-conv1d"):
+    try:
+        extra.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+print("; ".join(bad) if bad else "ok " + ", ".join(extra))
 PY
+)
+case "$deps" in
+  ok*) row "dependencies" ok $((SECONDS - t0)) "${deps#ok }" ;;
+  *) row "dependencies" FAIL $((SECONDS - t0)) "$deps (add the wheels to $WHEELS)" ;;
+esac
+kernels=$("$PY" -c "import cpu_compat; print(cpu_compat.select_kernels().line())" 2>"$OUT/kernels.log" | tail -1)
+row "kernel selection" "$([ -n "$kernels" ] && echo ok || echo FAIL)" 0 "${kernels:-see $OUT/kernels.log}"
+
+# -- 2. tests/test_gpu.py ---------------------------------------------------------------------------------------------
+t0=$SECONDS
+timeout 270 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py >"$OUT/test_gpu.log" 2>&1
+rc=$?
+summary=$(tail -1 "$OUT/test_gpu.log")
+row "tests/test_gpu.py" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "rc $rc: $summary"
+while read -r status name rest; do
+  case "$status" in
+    PASSED) row "  ${name#tests/test_gpu.py::}" ok "" "" ;;
+    SKIPPED) row "  skipped" skip "" "${rest:0:100}" ;;
+    FAILED|ERROR) row "  ${name#tests/test_gpu.py::}" FAIL "" "${rest:0:80}" ;;
+  esac
+done < <(grep -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT/test_gpu.log")
+
+# -- 3. bench.py --gpu --quick ----------------------------------------------------------------------------------------
+t0=$SECONDS
+timeout 180 "$PY" bench.py --gpu --quick --json "$OUT/bench_gpu_quick.json" >"$OUT/bench.log" 2>&1
+rc=$?
+row "bench.py --gpu --quick" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "rc $rc, $OUT/bench_gpu_quick.json"
+
+# -- 4. table ---------------------------------------------------------------------------------------------------------
+echo
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+printf '%-34s %-6s %7s  %s\n' check result time note
+for r in "${ROWS[@]}"; do echo "$r"; done
+echo
+grep -E '^\|' "$OUT/bench.log" || tail -5 "$OUT/bench.log"
+[ $FAILED -eq 0 ] || { echo "gpu_check: FAILED (logs in $OUT)"; tail -30 "$OUT/test_gpu.log"; }
+exit $FAILED

@@ -57,3 +57,16 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
                      image_token_counts=torch.tensor([n_img, n_img]), media_index=torch.tensor([0, 1]),
                      media_image_offsets=torch.tensor([0, 1, 2]))
     return batch
+
+
+def image_text_inputs() -> dict:
+    """The tiny processor's inputs for one chart image + a short chat (input_ids, pixel_values, image_grid_hw, ...)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(TINY)
+    img = Image.open(ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "images" / "ChartQA" / "chart_000.png")
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is highest?"}]},
+         {"role": "assistant", "content": "Figs."}], tokenize=False)
+    return proc(images=[img], text=text, return_tensors="pt")

@@ -85,3 +85,38 @@ def test_gpu_skipped_with_a_message(results):
 
     if not torch.cuda.is_available():
         assert "no CUDA device" in results["gpu"]["skipped"]
+
+
+def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
+    """bench.bench_gpu's code path (the MPO step ours vs transformers, the Mamba scans) at the tiny asset's width on
+    the CPU: both step-1 losses are the closed form of policy = reference, w_p·ln 2 + w_q·2 ln 2."""
+    import math
+
+    import bench
+
+    r = bench.bench_gpu(True, device="cpu", shape=bench.TINY_GPU_SHAPE)
+    st = r["step"]
+    want = 0.8 * math.log(2) + 0.2 * 2 * math.log(2)  # configs/tiny.toml's weights
+    assert st["loss_expected"] == pytest.approx(want, abs=1e-12)
+    assert st["loss_ours"] == pytest.approx(want, abs=1e-5) and st["loss_baseline"] == pytest.approx(want, abs=1e-5)
+    assert st["pairs"] == 8 and st["microbatches_ours"] == 2  # 4 pairs per bin
+    assert st["tokens"] == sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in bench.text_pairs(
+        8, (20, 60), (5, 20), 1024).values())
+    assert st["mfu_ours"] is None and st["peak_bytes_ours"] is None  # CUDA-only numbers
+    assert r["kernels"] == "kernels: spec local; mamba torch; device cpu"
+    assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}
+    assert r["scan"]["torch"]["fwd_bwd_s"] > 0
+
+
+def test_gpu_flag_without_cuda_is_one_line_and_nonzero(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the no-CUDA message is not reachable")
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--gpu", "--quick", "--json", str(out)], cwd=ROOT,
+                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("bench.py --gpu: no CUDA device here (torch.cuda.is_available() "
+                                                    "is False); run it on a GPU machine")
+    assert "Traceback" not in proc.stderr and not out.exists()

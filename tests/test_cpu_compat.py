@@ -53,6 +53,45 @@ def test_apply_is_idempotent_and_guarded():
     assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
 
 
+def test_kernel_selection_by_capability():
+    """The decision for every combination of (Transformer Engine imports, mamba-ssm + causal-conv1d import, CUDA)."""
+    from itertools import product
+
+    sel = cpu_compat.select_kernels
+    for te, ms, cuda in product((True, False), repeat=3):
+        k = sel(te=te, mamba_ssm=ms, cuda=cuda)
+        assert k == cpu_compat.Kernels(spec="te" if te and cuda else "local",
+                                       mamba="mamba-ssm" if ms and cuda else "torch",
+                                       device="cuda" if cuda else "cpu"), (te, ms, cuda)
+        names = cpu_compat.shims_for(k)
+        assert all(callable(getattr(cpu_compat, n)) for n in names)
+        # CUDA-only workarounds only without CUDA; the TE final-norm swap whenever the local spec is used; the torch
+        # Mamba whenever mamba-ssm's kernels are not used
+        assert (set(cpu_compat.CPU_ONLY_SHIMS) <= set(names)) == (not cuda)
+        assert bool(set(cpu_compat.CPU_ONLY_SHIMS) & set(names)) == (not cuda)
+        assert ("_patch_hybrid_final_norm" in names) == (k.spec == "local")
+        assert ("install_torch_mamba" in names) == (k.mamba == "torch")
+    # the issue's H200 (no TE, no compiled mamba-ssm): local spec and torch Mamba on CUDA, no CPU shim
+    k = sel(te=False, mamba_ssm=False, cuda=True)
+    assert k.line() == "kernels: spec local; mamba torch; device cuda"
+    assert cpu_compat.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
+                                       "_patch_hybrid_final_norm", "install_torch_mamba")
+    assert cpu_compat.shims_for(sel(te=True, mamba_ssm=True, cuda=True)) == ("_stub_paged_stash_without_triton",)
+    # this machine: probed, and every shim the CPU path always had is installed (CPU behaviour unchanged)
+    here = sel()
+    assert here == cpu_compat.Kernels("local", "torch", "cpu") and not omni_model.have_transformer_engine()
+    assert set(cpu_compat.shims_for(here)) == {
+        "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
+        "_install_cpu_rng_tracker", "_patch_causal_masks", "_patch_torch_norm_sequence_parallel",
+        "_patch_hybrid_final_norm", "_patch_moe_split_sizes", "_patch_clip_grads", "install_torch_mamba"}
+    assert set(cpu_compat.shims_for(here)) <= cpu_compat._INSTALLED
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    assert hybrid_block.TENorm is WrappedTorchNorm and mamba_mixer._omni_torch_mamba
+
+
 def test_rng_tracker_forks_the_cpu_generator():
     model_parallel_cuda_manual_seed(77)
     before = torch.get_rng_state()

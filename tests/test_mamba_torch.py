@@ -226,3 +226,41 @@ def test_norm_before_gate_and_swiglu_prefix():
     out = mt.mamba_split_conv1d_scan_combined(**t2, chunk_size=4, **kw)
     assert torch.equal(out[..., 2:], base)
     assert (out[..., :2] - F.silu(prefix[..., :2]) * prefix[..., 2:]).abs().max() < 1e-14
+
+
+def simple_gla_recurrence(q, k, v, g, cu_seqlens):
+    """The simple-GLA contract token by token (fla-core's chunk_simple_gla, scale 1): S_t = exp(g_t)·S_{t−1} +
+    k_tᵀv_t, o_t = q_t·S_t, S = 0 at each cu_seqlens start. q, k [1,T,H,N], v [1,T,H,P], g [1,T,H]."""
+    T, H, N, P = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    starts = set(cu_seqlens.tolist()) if cu_seqlens is not None else {0}
+    o = torch.zeros(1, T, H, P, dtype=v.dtype)
+    S = torch.zeros(H, N, P, dtype=v.dtype)
+    for t in range(T):
+        if t in starts:
+            S = torch.zeros_like(S)
+        S = torch.exp(g[0, t])[:, None, None] * S + k[0, t][:, :, None] * v[0, t][:, None, :]
+        o[0, t] = (q[0, t][:, :, None] * S).sum(1)
+    return o
+
+
+def test_mamba_scan_as_simple_gla_matches_the_scan():
+    """The mapping a portable simple-GLA kernel (fla-core) would be evaluated through: output and gradients equal
+    mamba_chunk_scan_combined's on packed sequences with dt_bias, softplus, dt_limit, D and z."""
+    x, dt_raw, A, B, C, D = scan_inputs(b=1, seqlen=29)
+    seq_idx = packed_seq_idx([[9, 13, 7]])
+    gen = torch.Generator().manual_seed(5)
+    dt_bias = torch.randn(4, generator=gen, dtype=F64)
+    z = torch.randn_like(x)
+    kw = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=True, seq_idx=seq_idx, dt_limit=(0.3, float("inf")))
+    outs = []
+    for fn in (mt.mamba_chunk_scan_combined,
+               lambda *a, **k: mt.mamba_chunk_scan_via_simple_gla(*a, **k, gla=simple_gla_recurrence)):
+        xx, dd = x.clone().requires_grad_(True), dt_raw.clone().requires_grad_(True)
+        y = fn(xx, dd, A, B, C, 8, **kw)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xx.grad, dd.grad))
+    for a, b in zip(*outs, strict=True):
+        assert (a - b).abs().max() < 1e-10
+    with pytest.raises(ValueError, match="packed sequences \\(seq_idx\\) need batch 1, got 2"):
+        mt.mamba_chunk_scan_via_simple_gla(*scan_inputs()[:5], 8, seq_idx=packed_seq_idx([[37], [37]]),
+                                           gla=simple_gla_recurrence)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import ROOT, TINY, make_pair_batch  # noqa: E402
+from omni_model_cases import ROOT, TINY, image_text_inputs, make_pair_batch  # noqa: E402
 
 import pack  # noqa: E402
 
@@ -52,15 +52,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def image_text_batch():
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    proc = AutoProcessor.from_pretrained(TINY)
-    img = Image.open(ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "images" / "ChartQA" / "chart_000.png")
-    text = proc.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is highest?"}]},
-         {"role": "assistant", "content": "Figs."}], tokenize=False)
-    return proc(images=[img], text=text, return_tensors="pt")
+    return image_text_inputs()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

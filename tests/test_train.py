@@ -437,3 +437,41 @@ def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monke
     assert any("wandb" in str(p) for p in files)
     for p in files:
         assert secret.encode() not in p.read_bytes(), p
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The device rule (train.py's docstring), in process: every tensor of a step on the step's device
+
+
+def _count_pairs_before_issue_12(batches, ctx):  # train.count_global_pairs as it was when it failed on a GPU
+    import mpo_loss
+    import pack
+
+    local = 0
+    for b in batches:
+        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1]).cpu()
+        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long().cpu(), seq_ids, b.num_sequences)
+        local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+    return local
+
+
+def test_train_step_keeps_one_device(monkeypatch, tmp_path):
+    from step_cases import DeviceAudit, tiny_step
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # the sample's index cache
+    s = tiny_step("cpu")
+    audit = DeviceAudit("cpu")
+    with audit:
+        metrics, shift = s["run"](s["batches"], 0.0)
+    assert audit.calls > 1000  # the audit saw the step's project code
+    assert audit.violations == []
+    # golden numbers: identical policy and reference
+    assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
+    # the audit flags the count that broke the first GPU run (a `.cpu()` of the loss mask and sequence ids)
+    old = DeviceAudit("cpu", extra_files=[__file__])
+    with old:
+        n_old = _count_pairs_before_issue_12(s["batches"], s["ctx"])
+    assert n_old == train.count_global_pairs(s["batches"], s["ctx"]) == 4
+    assert any("_count_pairs_before_issue_12: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
+        old.violations

@@ -1,0 +1,150 @@
+"""Shared code of the CPU and GPU tests of a training step: an in-process tiny MPO step and the device-rule audit.
+
+Not a test module itself. `tiny_step(device)` sets up what train.main sets up for one rank (tiny config, tiny-omni
+policy and reference, megatron DDP + Adam, the sample's first step packed into microbatches on `device`);
+`DeviceAudit` is a TorchFunctionMode that records every breach of train.py's device rule while a step runs.
+tests/test_train.py runs both on the CPU, tests/test_gpu.py on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TOML = ROOT / "configs" / "tiny.toml"
+
+# The modules whose code runs inside a step on the step's device (cpu_compat's CPU-only shims are not on a GPU path).
+PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "omni_model.py",
+                                                  "mamba_torch.py", "checkpoint.py"))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+                       torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint})
+MOVES = {torch.Tensor.cpu: "Tensor.cpu", torch.Tensor.cuda: "Tensor.cuda", torch.Tensor.numpy: "Tensor.numpy"}
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _device_arg(args, kwargs):
+    """The target device of a Tensor.to call, or None (a dtype-only or tensor-like conversion)."""
+    for v in (kwargs.get("device"), *args[1:]):
+        if isinstance(v, (torch.device, str)) and not isinstance(v, torch.dtype):
+            try:
+                return torch.device(v)
+            except RuntimeError:
+                continue
+        if isinstance(v, int) and not isinstance(v, bool):
+            return torch.device("cuda", v)
+    return None
+
+
+class DeviceAudit(TorchFunctionMode):
+    """Records breaches of train.py's device rule by the project's code while active.
+
+    For every torch call whose nearest non-torch caller is a project file (`PROJECT_FILES`, plus `extra_files`) it
+    records (file:line function: what) when the call
+      - moves a tensor explicitly off the device (Tensor.cpu / .cuda / .numpy, or Tensor.to another device),
+      - creates a tensor with a factory (torch.tensor, zeros, arange, ...) without `device=` (the default device),
+      - gets a tensor argument, or returns a tensor, on another device than `device`.
+    On the CPU the third check cannot fire (everything is on the CPU), the first two can: they are what would put a
+    tensor on the wrong device on a GPU (the count_global_pairs bug of issue 12 was a `.cpu()`).
+    `violations` is the list of records; `calls` counts the audited calls (a check that saw nothing is no check).
+    """
+
+    def __init__(self, device, extra_files=()):
+        super().__init__()
+        self.device = torch.device(device)
+        self.files = PROJECT_FILES | {str(Path(f).resolve()) for f in extra_files}
+        self.violations: list[str] = []
+        self.calls = 0
+
+    def _caller(self) -> str | None:
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename
+            if name in self.files:
+                return f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
+            if not (name.startswith(_TORCH_DIR) or name == __file__):
+                return None
+            f = f.f_back
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        where = self._caller()
+        if where is None:
+            return out
+        self.calls += 1
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        if func in MOVES:
+            self.violations.append(f"{where}: {MOVES[func]} moves a tensor off {self.device}")
+        elif func is torch.Tensor.to:
+            target = _device_arg(args, kwargs)
+            if target is not None and not _same(target, self.device):
+                self.violations.append(f"{where}: Tensor.to({target}) moves a tensor off {self.device}")
+        elif func in FACTORIES and "device" not in kwargs:
+            self.violations.append(f"{where}: {name} without device= (lands on the default device)")
+        for kind, tree in (("argument", (args, kwargs)), ("result", out)):
+            leaves, _ = tree_flatten(tree)
+            bad = {str(t.device) for t in leaves if isinstance(t, torch.Tensor) and not _same(t.device, self.device)}
+            if bad:
+                self.violations.append(f"{where}: {name} has a tensor {kind} on {sorted(bad)}, not {self.device}")
+        return out
+
+
+def tiny_config(*overrides: str):
+    import config as config_mod
+
+    return config_mod.load_config(str(TINY_TOML), list(overrides))
+
+
+def tiny_step(device, *overrides: str) -> dict:
+    """What train.main sets up for one rank with configs/tiny.toml (+ overrides), on `device`, and the first step's
+    packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, batches, run(batches,
+    reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
+    import omni_model as om
+    import pack
+    import train
+
+    old = os.getcwd()
+    os.chdir(ROOT)  # the config's relative paths
+    try:
+        device = torch.device(device)
+        cfg = tiny_config(*overrides)
+        om.init_single_rank_world(device)
+        train.seed_everything(cfg.mpo.seed)
+        policy = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        om.load_hf_weights(policy, cfg.model.hf_path)
+        reference = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        om.load_hf_weights(reference, cfg.model.hf_path)
+        reference.eval().requires_grad_(False)
+        ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
+        ctx = train.Ctx(cfg, device, 1)
+        ddp.train()
+        import mmpr_data
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
+        train_split, _ = mmpr_data.load_splits(processor, cfg)
+        dataset = mmpr_data.PairDataset(train_split.index, processor)
+        ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
+        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1)
+        pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
+        hf = om.read_hf_config(cfg.model.hf_path)
+        batches = train.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
+    finally:
+        os.chdir(old)
+
+    def run(batches, reward_shift: float):
+        return train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx, reward_shift)
+
+    return dict(cfg=cfg, ctx=ctx, policy=policy, reference=reference, ddp=ddp, optimizer=optimizer,
+                scheduler=scheduler, batches=batches, run=run)

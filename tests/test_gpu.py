@@ -1,0 +1,177 @@
+"""GPU checks of issue 12 (skipped without CUDA, so CI collects and skips them). Run on a CUDA machine from the repo
+root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU benchmark; about 4 minutes).
+
+1. CUDA fp32 parity with transformers (text; image+text; logits max-abs <= 1e-4) for each spec that imports (local
+   always; Transformer Engine's when it imports).
+2. The tiny main job on one GPU (`torchrun --nproc-per-node 1 train.py configs/tiny.toml`), 4 steps: step-1 preference
+   loss ln 2 and BCO loss 2 ln 2 within 1e-4, every logged number finite, and no tensor off the step's device
+   (tests/step_cases.DeviceAudit around one in-process step, the CPU test's audit).
+3. 2 steps, then resume for 2 more = the 4 straight steps (losses, δ, grad norm within 1e-6).
+4. model.params_dtype=bfloat16 (with reference.offload): 4 finite steps.
+5. Every available Mamba-2 kernel against mamba_torch on packed sequences (output and the gradients of x, dt, B, C, z;
+   max relative difference <= 1e-2 in bf16, <= 5e-3 in fp32: the issue's measured 7.2e-3 / 2.6e-3 with headroom), and
+   mamba_torch on CUDA against mamba_torch on the CPU in fp32 (<= 1e-4).
+The helpers are the CPU tests' own: test_train's torchrun launcher and metrics reader, test_omni_model's parity
+inputs, step_cases' in-process step and device audit, bench's scan inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU checks need one")
+
+PARITY = 1e-4
+STEP1 = 1e-4
+RESUME = 1e-6
+KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float32: 5e-3}
+
+from test_train import _rows, _torchrun, env  # noqa: E402, F401  (env: the CPU tests' launch environment fixture)
+
+
+def _finite(rows: list[dict]) -> bool:
+    return all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. Parity with transformers on CUDA, fp32
+
+
+def _specs() -> list:
+    import cpu_compat
+
+    te = pytest.param("te", marks=pytest.mark.skipif(not cpu_compat.have_transformer_engine(),
+                                                       reason="transformer_engine does not import here"))
+    return ["local", te]
+
+
+@pytest.fixture(scope="module")
+def cuda_world():
+    import omni_model as om
+
+    om.init_single_rank_world(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("spec", _specs())
+def test_cuda_fp32_parity_with_transformers(spec, cuda_world):
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+    from omni_model_cases import TINY, image_text_inputs
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    dev = torch.device("cuda", 0)
+    model = om.build_model(TINY, ModelConfig(), ParallelConfig(), use_te=spec == "te")
+    om.load_hf_weights(model, TINY)
+    model.eval()
+    assert next(model.parameters()).device == dev and model.use_te == (spec == "te")
+    ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).to(dev).eval()
+    ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0)).to(dev)
+    b = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in image_text_inputs().items()}
+    with torch.no_grad():
+        text = (model({"input_ids": ids}) - ref.language_model(input_ids=ids).logits[0]).abs().max().item()
+        ours = model({"input_ids": b["input_ids"], "pixel_values": b["pixel_values"],
+                      "image_grid_hw": b["image_grid_hw"]})
+        image = (ours - ref(**b).logits[0]).abs().max().item()
+    assert text <= PARITY and image <= PARITY, (text, image)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2-4. The main job on one GPU
+
+
+@pytest.fixture(scope="module")
+def runs(env, tmp_path_factory):
+    four = ["mpo.max_num_steps=4", "scheduler.lr_warmup_steps=1"]
+    straight, seg, bf16 = (tmp_path_factory.mktemp(n) for n in ("straight", "segments", "bf16"))
+    out = _torchrun(env, 1, straight, *four).stdout
+    _torchrun(env, 1, seg, *four, "mpo.stop_after_step=2")
+    resumed = _torchrun(env, 1, seg, *four).stdout
+    _torchrun(env, 1, bf16, *four, "model.params_dtype=bfloat16", "reference.offload=true")
+    return SimpleNamespace(out=out, straight=_rows(straight), resumed_out=resumed, segments=_rows(seg),
+                           bf16=_rows(bf16))
+
+
+def test_tiny_main_job_trains_four_steps_on_one_gpu(runs):
+    rows = runs.straight
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and _finite(rows)
+    assert rows[0]["preference_loss"] == pytest.approx(math.log(2), abs=STEP1)
+    assert rows[0]["bco_loss"] == pytest.approx(2 * math.log(2), abs=STEP1)
+    assert "device cuda" in runs.out and "kernels: spec" in runs.out
+
+
+def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path):
+    from step_cases import DeviceAudit, tiny_step
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    s = tiny_step("cuda:0")
+    audit = DeviceAudit("cuda:0")
+    with audit:
+        metrics, _ = s["run"](s["batches"], 0.0)
+    assert audit.calls > 1000 and audit.violations == []
+    assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=STEP1)
+
+
+def test_two_steps_plus_resume_two_equal_four_steps(runs):
+    assert "resumed from" in runs.resumed_out
+    keys = ("loss", "preference_loss", "bco_loss", "accuracy", "rewards/margin", "reward_shift", "reward_shift_used",
+            "lr", "grad_norm")
+    assert [r["step"] for r in runs.segments] == [1, 2, 3, 4]
+    for a, b in zip(runs.straight, runs.segments, strict=True):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], abs=RESUME, rel=RESUME), (a["step"], k)
+
+
+def test_bf16_trains_four_finite_steps(runs):
+    assert [r["step"] for r in runs.bf16] == [1, 2, 3, 4] and _finite(runs.bf16)
+    assert runs.bf16[0]["preference_loss"] == pytest.approx(math.log(2), abs=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 5. Mamba-2 kernels
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _scan(kernel, device, dtype):
+    import bench
+
+    # the issue's comparison: 300 tokens in 3 packed sequences, 8 heads x 16, 2 groups, d_state 16, chunk 64
+    inp = bench.scan_inputs(device, 300, 3, heads=8, head_dim=16, groups=2, d_state=16, dtype=dtype)
+    grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    y, grads = bench.run_scan(kernel, inp, 64, grad_out)
+    return {"y": y.detach(), **{k: v.detach() for k, v in grads.items()}}
+
+
+def test_mamba_torch_on_cuda_matches_the_cpu():
+    import mamba_torch
+
+    gpu = _scan(mamba_torch.mamba_chunk_scan_combined, torch.device("cuda", 0), torch.float32)
+    cpu = _scan(mamba_torch.mamba_chunk_scan_combined, torch.device("cpu"), torch.float32)
+    worst = {k: _rel(gpu[k].cpu(), cpu[k]) for k in cpu}
+    assert max(worst.values()) <= 1e-4, worst
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_mamba_kernel_matches_mamba_torch(dtype):
+    import bench
+    import mamba_torch
+
+    dev = torch.device("cuda", 0)
+    kernels = {k: v for k, v in bench.mamba_scan_kernels(dev).items() if k != "torch"}
+    if not kernels:
+        pytest.skip("no Mamba-2 kernel besides mamba_torch imports here (mamba-ssm + causal-conv1d missing)")
+    want = _scan(mamba_torch.mamba_chunk_scan_combined, dev, dtype)
+    for name, kernel in kernels.items():
+        got = _scan(kernel, dev, dtype)
+        worst = {k: _rel(got[k], want[k]) for k in want}
+        assert max(worst.values()) <= KERNEL_TOL[dtype], (name, worst)
