@@ -1031,6 +1031,14 @@ class StepData:
     sampler_state: dict = field(default_factory=dict)
 
 
+def _ignore_sigint(worker_id: int) -> None:
+    """DataLoader workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the training process, not its
+    workers, decides to finish the step and save (train.StopSignal)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class StepLoader:
     """Steps of `global_batch_size` pairs; each rank decodes only the pairs of its own bins, in DataLoader workers.
 
@@ -1058,6 +1066,7 @@ class StepLoader:
 
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs, num_workers=self.num_workers,
+            worker_init_fn=_ignore_sigint,
         )
         for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
             ids, plan, state = pending.popleft()

@@ -1,6 +1,6 @@
 """MPO training of Nemotron-3-Nano-Omni with torchrun: the whole job, read top to bottom.
 
-    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~2 min
+    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
     torchrun --nproc-per-node 8 train.py configs/nano.toml data.train.data_path=/abs/meta.json   # one 8-GPU node
 
 Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
@@ -17,9 +17,10 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
 
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
-pre-timeout signal): it finishes the current step, saves a checkpoint and exits 0. A run directory with a complete
-checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0, `<checkpoint.dir>/metrics.jsonl`
-and Weights & Biases (`logging.wandb`).
+pre-timeout signal) / SIGINT (Ctrl-C): it finishes the current step, saves a checkpoint and exits 0. A run directory
+with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
+`<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
+`<checkpoint.dir>/config.json`.
 
 Tests: `pytest tests/test_train.py`.
 """
@@ -41,10 +42,12 @@ import torch.distributed as dist
 
 import checkpoint
 import config as config_mod
-import mmpr_data
-import mpo_loss
-import omni_model
-import pack
+
+config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
+import mmpr_data  # noqa: E402
+import mpo_loss  # noqa: E402
+import omni_model  # noqa: E402
+import pack  # noqa: E402
 
 # ======================================================================================================================
 # Small helpers (each tested on its own)
@@ -115,7 +118,9 @@ def build_optimizer(policy, cfg):
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit); the loop finishes the step, saves, exits 0.
+    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C); the loop finishes the
+    step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank twice (the terminal's and torchrun's forward);
+    repeats are ignored, so a second Ctrl-C does not abort the save (Ctrl-\\, SIGQUIT, still kills at once).
 
     `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
     when the signal reaches the ranks at different times.
@@ -123,7 +128,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
@@ -138,6 +143,34 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+def write_resolved_config(cfg) -> Path:
+    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
+    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
+    returns its path."""
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
+    return path
+
+
+def report_error(e: Exception) -> str:
+    """The one-line message of a known bad input (ConfigError / DataError / CheckpointError), printed to stderr by
+    global rank 0 only (every rank usually hits the same check). Under torchrun every rank also writes it to its
+    TORCHELASTIC_ERROR_FILE, so torchrun's failure report ends with this line ("Root Cause ... traceback : error: ...")
+    instead of a pointer to its documentation. Returns the message."""
+    msg = f"error: {type(e).__name__}: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
+        data = {"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(data))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, file=sys.stderr, flush=True)
+    return msg
 
 
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
@@ -281,10 +314,20 @@ class MetricsLog:
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # rows after the resumed step belong to a segment that died before saving
-            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
+        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
+            n = 1
+            while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
+                n += 1
+            self.path.rename(old)
+            print(f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
+                  f"{old.name}, this run starts a new {self.path.name}")  # fmt: skip
+        elif rows:  # rows after the resumed step belong to a segment that died before saving
             keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
-            self.path.write_text("".join(r + "\n" for r in keep))
+            if len(keep) < len(rows):
+                self.path.write_text("".join(r + "\n" for r in keep))
+                print(f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
+                      "(logged by a segment that stopped before saving)")  # fmt: skip
         if cfg.logging.wandb != "disabled":
             import wandb
 
@@ -558,10 +601,11 @@ def main(cfg) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.mpo.seed)
     if rank == 0:
-        print(json.dumps(config_mod.to_dict(cfg), indent=1))
         print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
               f"DP {dp} EP {cfg.parallel.expert_model_parallel_size} on {device.type}")  # fmt: skip
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
+    if rank == 0:
+        print(f"config: {write_resolved_config(cfg)}")
     stopper = StopSignal()
     ctx = Ctx(cfg, device, dp)
 
@@ -697,7 +741,12 @@ if __name__ == "__main__":
     except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError) as e:
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
-        sys.exit(f"error: {type(e).__name__}: {e}")
+        report_error(e)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted before the first step: nothing saved", file=sys.stderr)
+        sys.exit(130)
     if dist.is_initialized():
         from megatron.core import parallel_state
 
