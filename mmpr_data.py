@@ -1139,6 +1139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
+        raise DataError(f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
+                        f"chat template and processor; relative paths are relative to {os.getcwd()})")  # fmt: skip
     from transformers import AutoProcessor
 
     cfg = Config()
