@@ -50,7 +50,8 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
     import omni_model
 
     omni_model.init_single_rank_world()
-    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, f"optimizer.use_distributed_optimizer={dopt}"])
+    dopt_key = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, dopt_key])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
     with train.cuda_to_cpu():
@@ -63,14 +64,16 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[(1, True), (1, False), (2, True), (2, False)], ids=lambda p: f"n{p[0]}-dopt{int(p[1])}")
+@pytest.fixture(scope="module", params=[(1, True), (1, False), (2, True), (2, False)],
+                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}")
 def bf16_runs(request, tmp_path_factory):
     nproc, dopt = request.param
     straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
     opt = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
     _run(nproc, straight, opt, "checkpoint.save_period=2")
     shutil.copytree(straight / "step_2", resumed / "step_2")
-    (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in (straight / "metrics.jsonl").read_text().splitlines()[:2]))
+    first_two = (straight / "metrics.jsonl").read_text().splitlines()[:2]
+    (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in first_two))
     _run(nproc, resumed, opt, "checkpoint.resume=true")
     return SimpleNamespace(nproc=nproc, dopt=dopt, straight=straight, resumed=resumed)
 
