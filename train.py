@@ -604,8 +604,6 @@ def main(cfg) -> int:
         print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
               f"DP {dp} EP {cfg.parallel.expert_model_parallel_size} on {device.type}")  # fmt: skip
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
-    if rank == 0:
-        print(f"config: {write_resolved_config(cfg)}")
     stopper = StopSignal()
     ctx = Ctx(cfg, device, dp)
 
@@ -648,6 +646,8 @@ def main(cfg) -> int:
         sampler.load_state_dict(state["sampler"])
         if rank == 0:
             print(f"resumed from {resume_from} (step {step}, reward_shift {reward_shift!r})")
+    if rank == 0:  # after a successful resume: a refused config never replaces the run's
+        print(f"config: {write_resolved_config(cfg)}")
     log = MetricsLog(cfg, run_id, step, rank)
     last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
     if step >= last:
