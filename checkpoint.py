@@ -2,12 +2,16 @@
 
 Layout of a run directory (`checkpoint.dir`):
 
-    <dir>/metrics.jsonl               one JSON object per step (written by train.py)
+    <dir>/metrics.jsonl               one JSON object per step (written by train.py; metrics.<n>.jsonl: the rows of an
+                                      earlier run there that saved no checkpoint)
+    <dir>/config.json                 the resolved config of the latest segment (written by train.py)
     <dir>/step_<N>/                   a complete checkpoint after optimizer step N
         model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
-        run_state.json                step, consumed pairs, sampler state, LR-scheduler state, reward_shift and its
-                                      update count, W&B run id, world size and parallel layout, the resolved config
+        run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr; checked
+                                      against the config by `check_schedule` before a resume loads any state),
+                                      reward_shift and its update count, W&B run id, world size and parallel layout,
+                                      the resolved config
         rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
                                       crash mid-save never leaves a directory that looks complete (it is ignored)
@@ -16,6 +20,9 @@ Layout of a run directory (`checkpoint.dir`):
 after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`, so a checkpoint reloads
 with another data-parallel size or another tensor-parallel size (the model part reshards freely; the distributed
 optimizer's `dp_reshardable` format reshards over DP only, so change TP/CP/EP only together with a fresh optimizer).
+`dp_reshardable` is also the GPU recipe's format: it writes each rank's buckets without communication, and the
+alternatives do not fix what broke bf16 saves (a param group mixing fp32 and bf16 parameters: every format reads the
+same position map; omni_model.cast_params_to), while the model-space default fails on CPU.
 
 Known megatron-core trap, handled in `load` (research/mcore_cpu.md, appendix): without Transformer Engine or Apex the
 distributed optimizer restores torch Adam's per-parameter `step` as the dummy value 1 (its loader also makes every

@@ -303,6 +303,10 @@ def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
 
+    An existing metrics.jsonl is never restarted silently: a fresh start (resumed_step 0) moves it to
+    `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
+    before saving); both print a `metrics:` line.
+
     W&B: mode `logging.wandb` (online / offline / disabled), project WANDB_PROJECT else `logging.wandb_project`,
     WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in the checkpoint and reused with resume="allow" so the
     segments of a chained run continue one curve. WANDB_API_KEY is read by wandb itself, never printed or written.
