@@ -1,8 +1,12 @@
 """Measured performance of omni-mpo against the baselines a user would otherwise pick, side by side, as ratios.
 
-    python bench.py            # everything below; prints one table, writes bench_results.json
+    python bench.py            # everything below; prints one table, writes bench_results.json (README's table)
     python bench.py --quick    # reduced sizes, < 3 min on 2 CPU cores (tests/test_bench.py runs it)
     python bench.py --only packing,logprobs --json out.json
+    python bench.py --print    # the table of bench_results.json (or --print FILE)
+
+Only a full run of every item writes bench_results.json by default; a --quick or --only run writes
+results/bench_results.json (git-ignored) unless --json says otherwise, so it never replaces the committed full results.
 
 Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in the JSON):
 1. packing   pack.py on a synthetic MMPR-like step (256 pairs, 8 DP ranks): (a) our pair-atomic THD bins with greedy
@@ -1018,9 +1022,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced sizes (< 3 min on 2 CPU cores)")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ITEMS)}")
     ap.add_argument("--gpu", action="store_true", help="only the GPU item (needs CUDA), written to "
-                    "bench_gpu_results.json unless --json is given")
-    ap.add_argument("--json", default=None, help="where to write the results (default bench_results.json)")
-    ap.add_argument("--print", metavar="JSON", help="print the table of a saved results file and exit")
+                    "bench_gpu_results.json (results/bench_gpu_results.json with --quick) unless --json is given")
+    ap.add_argument("--json", help="where to write the results (default: bench_results.json for a full run of every "
+                    "item, results/bench_results.json for --quick / --only)")
+    ap.add_argument("--print", metavar="JSON", nargs="?", const=str(ROOT / "bench_results.json"),
+                    help="print the table of a saved results file (default bench_results.json) and exit")
     ap.add_argument("--logprobs-worker", nargs=4, type=int, metavar=("T", "V", "CHUNK", "REPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.logprobs_worker:
@@ -1029,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.print:
         res = json.loads(Path(args.print).read_text())
-        print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}")
+        print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}: "
+              f"`{res.get('command', 'python bench.py')}`")
         print(table({k: v for k, v in res.items() if k in ITEMS}))
         return 0
     if args.gpu:
@@ -1038,8 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         args.only = "gpu"
-        args.json = args.json or str(ROOT / "bench_gpu_results.json")
-    args.json = args.json or str(ROOT / "bench_results.json")
+        args.json = args.json or str(ROOT / ("results" if args.quick else ".") / "bench_gpu_results.json")
     names = [n for n in args.only.split(",") if n] or list(ITEMS)
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
@@ -1058,7 +1064,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "tmp" in _STATE:
             shutil.rmtree(_STATE["tmp"], ignore_errors=True)
-    Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    out = Path(args.json or (ROOT / "bench_results.json" if not args.quick and not args.only else
+                             ROOT / "results" / "bench_results.json"))  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
     print(f"omni-mpo bench ({'quick' if args.quick else 'full'}), {res['date']}, {res['machine']}")
     print(table({k: v for k, v in res.items() if k in ITEMS}))
     if "logprobs" in res:

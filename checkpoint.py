@@ -2,12 +2,16 @@
 
 Layout of a run directory (`checkpoint.dir`):
 
-    <dir>/metrics.jsonl               one JSON object per step (written by train.py)
+    <dir>/metrics.jsonl               one JSON object per step (written by train.py; metrics.<n>.jsonl: the rows of an
+                                      earlier run there that saved no checkpoint)
+    <dir>/config.json                 the resolved config of the latest segment (written by train.py)
     <dir>/step_<N>/                   a complete checkpoint after optimizer step N
         model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
-        run_state.json                step, consumed pairs, sampler state, LR-scheduler state, reward_shift and its
-                                      update count, W&B run id, world size and parallel layout, the resolved config
+        run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr; checked
+                                      against the config by `check_schedule` before a resume loads any state),
+                                      reward_shift and its update count, W&B run id, world size and parallel layout,
+                                      the resolved config
         rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
                                       crash mid-save never leaves a directory that looks complete (it is ignored)
@@ -16,6 +20,9 @@ Layout of a run directory (`checkpoint.dir`):
 after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`, so a checkpoint reloads
 with another data-parallel size or another tensor-parallel size (the model part reshards freely; the distributed
 optimizer's `dp_reshardable` format reshards over DP only, so change TP/CP/EP only together with a fresh optimizer).
+`dp_reshardable` is also the GPU recipe's format: it writes each rank's buckets without communication, and the
+alternatives do not fix what broke bf16 saves (a param group mixing fp32 and bf16 parameters: every format reads the
+same position map; omni_model.cast_params_to), while the model-space default fails on CPU.
 
 Known megatron-core trap, handled in `load` (research/mcore_cpu.md, appendix): without Transformer Engine or Apex the
 distributed optimizer restores torch Adam's per-parameter `step` as the dummy value 1 (its loader also makes every
@@ -270,7 +277,7 @@ def save(
     final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
     state = dict(run_state, step=step, world_size=_world())
     if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        state["scheduler"] = schedule_state(scheduler)
     try:
         state_text = json.dumps(state, indent=1)
     except (TypeError, ValueError) as e:
@@ -336,6 +343,43 @@ def _restore_adam_steps(optimizer) -> int:
     return int(steps.pop()) if steps else -1
 
 
+# The schedule entries of a scheduler state (all but the step count) and the settings behind them.
+SCHEDULE_KEYS = {
+    "max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "init_lr": "scheduler.lr_warmup_init",
+    "lr_warmup_steps": "scheduler.lr_warmup_steps", "lr_decay_steps": "mpo.max_num_steps",
+    "lr_decay_style": "scheduler.lr_decay_style", "start_wd": "optimizer.weight_decay",
+    "end_wd": "optimizer.weight_decay", "wd_incr_steps": "mpo.max_num_steps", "wd_incr_style": "optimizer.weight_decay",
+}  # fmt: skip
+
+
+def schedule_state(scheduler) -> dict[str, Any]:
+    """megatron-core `OptimizerParamScheduler.state_dict()` plus its `init_lr` (the warmup start, which megatron does
+    not save): what run_state.json stores under "scheduler"."""
+    return dict(scheduler.state_dict(), init_lr=scheduler.init_lr)
+
+
+def check_schedule(path: str | Path, saved: dict[str, Any] | None, mine: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint whose LR / weight-decay schedule differs from this run's.
+
+    Compares every entry of SCHEDULE_KEYS present in the saved state (all but the step count; checkpoints written
+    before `init_lr` was saved skip that one). Run before any tensor is loaded.
+
+    Raises:
+        CheckpointError: no saved scheduler state, or any entry differs; the message lists (saved, now) per entry and
+            the settings to restore.
+    """
+    if saved is None:
+        raise CheckpointError(f"{Path(path) / RUN_STATE_FILE} has no scheduler state")
+    diff = {k: (saved[k], mine[k]) for k in SCHEDULE_KEYS if k in saved and saved[k] != mine[k]}
+    if diff:
+        names = ", ".join(dict.fromkeys(SCHEDULE_KEYS[k] for k in diff))
+        raise CheckpointError(
+            f"the LR schedule of {path} differs from this run's (saved, now): {diff}; set {names} back to the saved "
+            "values (chained segments keep optimizer.lr, optimizer.min_lr, optimizer.weight_decay, scheduler.* and "
+            "mpo.max_num_steps, the horizon, unchanged) or start a new run in another checkpoint.dir"
+        )
+
+
 def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` into a freshly built model / optimizer / scheduler (collective).
 
@@ -345,8 +389,9 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
     Returns: the run state (run_state.json) with `step`, `scheduler`, `reward_shift`, ...
 
     Raises:
-        CheckpointError: missing files, or a scheduler whose schedule (lr, min_lr, warmup, horizon, decay style)
-            differs from the saved one (chained segments must share one schedule).
+        CheckpointError: missing files, or a scheduler whose schedule (lr, min_lr, warmup start and steps, horizon,
+            decay style, weight decay: `check_schedule`) differs from the saved one, raised before any state is
+            loaded (chained segments must share one schedule).
     """
     from megatron.core import dist_checkpointing
 
@@ -354,6 +399,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
     if not (path / RUN_STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
     state = json.loads((path / RUN_STATE_FILE).read_text())
+    if scheduler is not None:  # before any state is loaded: megatron's optimizer load fails on another lr (KeyError)
+        check_schedule(path, state.get("scheduler"), schedule_state(scheduler))
 
     if optimizer is not None:
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
@@ -367,21 +414,9 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
         with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
-
     if scheduler is not None:
-        saved = state.get("scheduler")
-        if saved is None:
-            raise CheckpointError(f"{path / RUN_STATE_FILE} has no scheduler state")
-        mine = scheduler.state_dict()
-        keys = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
-        diff = {k: (saved[k], mine[k]) for k in keys if saved[k] != mine[k]}
-        if diff:
-            raise CheckpointError(
-                f"the LR schedule of {path} differs from this run's (saved, now): {diff}; chained segments must keep "
-                "optimizer.lr, optimizer.min_lr, scheduler.* and mpo.max_num_steps (the horizon) unchanged"
-            )
         scheduler.num_steps = 0
-        scheduler.load_state_dict(saved)
+        scheduler.load_state_dict(state["scheduler"])
 
     rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
     if state.get("world_size") == _world() and rng_file.is_file():

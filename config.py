@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -268,11 +269,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """Build a `Config` from defaults, a TOML file (optional) and `key.path=value` overrides, then validate it.
 
     Raises:
-        ConfigError: invalid TOML (with line and column), an unknown key, a wrong type, or an invalid value.
-        FileNotFoundError: the TOML file does not exist.
+        ConfigError: the TOML file is not a file, invalid TOML (with line and column), an unknown key, a wrong type,
+            or an invalid value.
     """
     cfg = Config()
     if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {str(path)!r} not found (relative paths are relative to the working "
+                              f"directory {os.getcwd()}; the shipped configs are in configs/)")  # fmt: skip
         text = Path(path).read_text()
         try:
             data = tomllib.loads(text)
@@ -395,6 +399,46 @@ def from_dict(data: dict[str, Any]) -> Config:
     _apply(cfg, data, "", "saved config")
     validate(cfg)
     return cfg
+
+
+# Known-harmless library messages kept off the console by `quiet_known_warnings` (checked on megatron-core 0.19.2,
+# transformers 5.23, torch 2.14): Python warnings by message start, and records of the named loggers by message start.
+KNOWN_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (cpu_compat)
+    "Apex is not installed",
+    "absl.logging is not installed",
+    "full scope is deprecated",  # megatron's TransformerConfig default cuda_graph_scope
+    "MimoModelConfig is experimental",
+    "The .grad attribute of a Tensor that is not a leaf Tensor",  # megatron optimizer probes main params
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",  # megatron DDP / distributed optimizer
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "Mismatch dtype between input and weight",  # bf16 input to an fp32-computed norm on CPU
+)
+KNOWN_LOG_RECORDS = {
+    "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",
+    "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    "transformers.configuration_utils": "You are using a model of type",  # the Omni processor's sub-configs
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+SHOW_WARNINGS_ENV = "OMNI_MPO_SHOW_WARNINGS"
+
+
+def quiet_known_warnings() -> bool:
+    """Keep the known-harmless library warnings (KNOWN_WARNINGS, KNOWN_LOG_RECORDS) off the console; every other
+    warning still prints. Call before megatron-core is imported. Returns False (and changes nothing) when the
+    environment variable OMNI_MPO_SHOW_WARNINGS is set to a non-empty value other than 0."""
+    import logging
+    import re
+    import warnings
+
+    if os.environ.get(SHOW_WARNINGS_ENV, "0") not in ("", "0"):
+        return False
+    for text in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text))
+    for name, start in KNOWN_LOG_RECORDS.items():
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+    return True
 
 
 if __name__ == "__main__":

@@ -1180,6 +1180,14 @@ class StepData:
     sampler_state: dict = field(default_factory=dict)
 
 
+def _ignore_sigint(worker_id: int) -> None:
+    """DataLoader workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the training process, not its
+    workers, decides to finish the step and save (train.StopSignal)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class StepLoader:
     """Steps of `global_batch_size` pairs; each rank decodes only the pairs of its own bins, in DataLoader workers.
 
@@ -1207,6 +1215,7 @@ class StepLoader:
 
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs, num_workers=self.num_workers,
+            worker_init_fn=_ignore_sigint,
         )
         for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
             ids, plan, state = pending.popleft()
@@ -1279,6 +1288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
+        raise DataError(f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
+                        f"chat template and processor; relative paths are relative to {os.getcwd()})")  # fmt: skip
     from transformers import AutoProcessor
 
     cfg = Config()

@@ -929,6 +929,29 @@ class OmniModel(nn.Module):
         return logits[0]
 
 
+def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Give every floating-point parameter of `model` the dtype `dtype` (in place; buffers such as the router's fp32
+    `expert_bias` are kept); returns the names of the parameters cast.
+
+    megatron-core creates a few parameters in fp32 whatever `params_dtype` says (the Mamba mixer's `A_log` and `D`;
+    without Transformer Engine also the hybrid stack's final norm). Megatron-LM's `Float16Module` casts the whole model
+    to bf16, and megatron-core's mixed-precision optimizers rely on it: in 0.19.2 both map their fp32 main parameters
+    to model parameters by position inside a param group assuming every parameter of the group is 16-bit (the
+    distributed optimizer orders the group as [fp32 params, fp32 copies of 16-bit params]; the non-distributed one
+    zips the state with its 16-bit params only). A group that mixes fp32 and bf16 parameters trains correctly but its
+    optimizer checkpoint maps states to the wrong tensors (`AssertionError: (torch.Size([64]), 6144, 6272)` in
+    `sharded_param_state_dp_reshardable`, "Optimizer shape ... does not match model shape" without the distributed
+    optimizer). With one dtype the fp32 precision of `A_log` and `D` lives in the optimizer's fp32 main copies, as in
+    Megatron-LM and in transformers' bf16 model (where only `e_score_correction_bias` stays fp32).
+    """
+    cast = []
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast.append(name)
+    return cast
+
+
 def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None) -> OmniModel:
     """Build the Omni model on this rank (megatron-core parallel_state must be initialised with the sizes in
     `parallel_cfg`). Weights are megatron-core's initialisation until `load_hf_weights`.
@@ -963,6 +986,7 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         raise ValueError(f"expert_tensor_parallel_size = {parallel_cfg.expert_tensor_parallel_size}: only 1 "
                          "(experts whole on their EP rank) is supported")
     model = OmniModel(hf, model_cfg, parallel_cfg, use_te)
+    cast_params_to(model, _dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -1,6 +1,6 @@
 """MPO training of Nemotron-3-Nano-Omni with torchrun: the whole job, read top to bottom.
 
-    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~2 min
+    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
     torchrun --nproc-per-node 8 train.py configs/nano.toml data.train.data_path=/abs/meta.json   # one 8-GPU node
 
 Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
@@ -25,9 +25,10 @@ tests/test_train.py::test_train_step_keeps_one_device checks it with a recording
 
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
-pre-timeout signal): it finishes the current step, saves a checkpoint and exits 0. A run directory with a complete
-checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0, `<checkpoint.dir>/metrics.jsonl`
-and Weights & Biases (`logging.wandb`).
+pre-timeout signal) / SIGINT (Ctrl-C): it finishes the current step, saves a checkpoint and exits 0. A run directory
+with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
+`<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
+`<checkpoint.dir>/config.json`.
 
 Tests: `pytest tests/test_train.py`.
 """
@@ -49,10 +50,12 @@ import torch.distributed as dist
 
 import checkpoint
 import config as config_mod
-import mmpr_data
-import mpo_loss
-import omni_model
-import pack
+
+config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
+import mmpr_data  # noqa: E402
+import mpo_loss  # noqa: E402
+import omni_model  # noqa: E402
+import pack  # noqa: E402
 
 # ======================================================================================================================
 # Small helpers (each tested on its own)
@@ -123,7 +126,9 @@ def build_optimizer(policy, cfg):
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit); the loop finishes the step, saves, exits 0.
+    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C); the loop finishes the
+    step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank twice (the terminal's and torchrun's forward);
+    repeats are ignored, so a second Ctrl-C does not abort the save (Ctrl-\\, SIGQUIT, still kills at once).
 
     `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
     when the signal reaches the ranks at different times.
@@ -131,7 +136,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
@@ -146,6 +151,34 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+def write_resolved_config(cfg) -> Path:
+    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
+    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
+    returns its path."""
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
+    return path
+
+
+def report_error(e: Exception) -> str:
+    """The one-line message of a known bad input (ConfigError / DataError / CheckpointError), printed to stderr by
+    global rank 0 only (every rank usually hits the same check). Under torchrun every rank also writes it to its
+    TORCHELASTIC_ERROR_FILE, so torchrun's failure report ends with this line ("Root Cause ... traceback : error: ...")
+    instead of a pointer to its documentation. Returns the message."""
+    msg = f"error: {type(e).__name__}: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
+        data = {"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(data))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, file=sys.stderr, flush=True)
+    return msg
 
 
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
@@ -278,6 +311,10 @@ def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
 
+    An existing metrics.jsonl is never restarted silently: a fresh start (resumed_step 0) moves it to
+    `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
+    before saving); both print a `metrics:` line.
+
     W&B: mode `logging.wandb` (online / offline / disabled), project WANDB_PROJECT else `logging.wandb_project`,
     WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in the checkpoint and reused with resume="allow" so the
     segments of a chained run continue one curve. WANDB_API_KEY is read by wandb itself, never printed or written.
@@ -289,10 +326,20 @@ class MetricsLog:
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # rows after the resumed step belong to a segment that died before saving
-            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
+        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
+            n = 1
+            while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
+                n += 1
+            self.path.rename(old)
+            print(f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
+                  f"{old.name}, this run starts a new {self.path.name}")  # fmt: skip
+        elif rows:  # rows after the resumed step belong to a segment that died before saving
             keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
-            self.path.write_text("".join(r + "\n" for r in keep))
+            if len(keep) < len(rows):
+                self.path.write_text("".join(r + "\n" for r in keep))
+                print(f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
+                      "(logged by a segment that stopped before saving)")  # fmt: skip
         if cfg.logging.wandb != "disabled":
             import wandb
 
@@ -570,7 +617,6 @@ def main(cfg) -> int:
         import cpu_compat
 
         print(cpu_compat.select_kernels().line())
-        print(json.dumps(config_mod.to_dict(cfg), indent=1))
         print(f"world {world}: TP {cfg.parallel.tensor_model_parallel_size} CP {cfg.parallel.context_parallel_size} "
               f"DP {dp} EP {cfg.parallel.expert_model_parallel_size} on {device.type}")  # fmt: skip
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
@@ -616,6 +662,8 @@ def main(cfg) -> int:
         sampler.load_state_dict(state["sampler"])
         if rank == 0:
             print(f"resumed from {resume_from} (step {step}, reward_shift {reward_shift!r})")
+    if rank == 0:  # after a successful resume: a refused config never replaces the run's
+        print(f"config: {write_resolved_config(cfg)}")
     log = MetricsLog(cfg, run_id, step, rank)
     last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
     if step >= last:
@@ -709,7 +757,12 @@ if __name__ == "__main__":
     except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError) as e:
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
-        sys.exit(f"error: {type(e).__name__}: {e}")
+        report_error(e)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted before the first step: nothing saved", file=sys.stderr)
+        sys.exit(130)
     if dist.is_initialized():
         from megatron.core import parallel_state
 

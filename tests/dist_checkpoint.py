@@ -42,7 +42,7 @@ import cpu_compat  # noqa: E402
 VOCAB, SEQ = 64, 16
 
 
-def build(tp: int, distributed_optimizer: bool, max_steps: int = 4):
+def build(tp: int, distributed_optimizer: bool, max_steps: int = 4, lr: float = 1e-2, min_lr: float = 1e-3):
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     cfg = TransformerConfig(
@@ -55,11 +55,11 @@ def build(tp: int, distributed_optimizer: bool, max_steps: int = 4):
                      max_sequence_length=SEQ)  # fmt: skip
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer),
                                   model)  # fmt: skip
-    ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, clip_grad=1.0,
+    ocfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=0.1, clip_grad=1.0,
                            use_distributed_optimizer=distributed_optimizer)  # fmt: skip
     with cpu_compat.cuda_to_cpu():
         opt = get_megatron_optimizer(ocfg, [ddp])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=1,
                                     lr_decay_steps=max_steps, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                     wd_incr_steps=max_steps, wd_incr_style="constant")  # fmt: skip
     return ddp, opt, sched
@@ -167,14 +167,18 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     res["final_max_diff"] = max_diff(final_straight, final_resumed)
     res["final_count"] = len(final_straight)
 
-    # A scheduler with another horizon (mpo.max_num_steps changed between segments) is refused.
-    ddp, opt, sched = build(1, distributed_optimizer, max_steps=5)
-    try:
-        with cpu_compat.cuda_to_cpu():
-            checkpoint.load(latest, ddp, opt, sched)
-        res["horizon_error"] = None
-    except checkpoint.CheckpointError as e:
-        res["horizon_error"] = str(e)
+    # Another horizon (mpo.max_num_steps), lr or min_lr between segments is refused before any state is loaded
+    # (megatron's optimizer load alone raises a KeyError on the lr / min_lr of its param groups).
+    for name, kwargs in (("horizon", {"max_steps": 5}), ("lr", {"lr": 5e-3}), ("min_lr", {"min_lr": 1e-4})):
+        ddp, opt, sched = build(1, distributed_optimizer, **kwargs)
+        before = opt_tensors(opt)
+        try:
+            with cpu_compat.cuda_to_cpu():
+                checkpoint.load(latest, ddp, opt, sched)
+            res[f"{name}_error"] = None
+        except checkpoint.CheckpointError as e:
+            res[f"{name}_error"] = str(e)
+        res[f"{name}_untouched"] = max_diff(before, opt_tensors(opt)) == 0.0 and sched.num_steps == 0
     return res
 
 

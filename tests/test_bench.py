@@ -120,3 +120,19 @@ def test_gpu_flag_without_cuda_is_one_line_and_nonzero(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("bench.py --gpu: no CUDA device here (torch.cuda.is_available() "
                                                     "is False); run it on a GPU machine")
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_quick_and_partial_runs_never_replace_the_full_results(tmp_path, monkeypatch, capsys):
+    import bench
+
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    full = {"quick": False, "date": "2026-01-01", "machine": "m", "command": "python bench.py",
+            "packing": bench.bench_packing(False)}  # fmt: skip
+    (tmp_path / "bench_results.json").write_text(json.dumps(full))
+    assert bench.main(["--quick", "--only", "packing"]) == 0
+    assert f"wrote {tmp_path / 'results' / 'bench_results.json'}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench_results.json").read_text()) == full  # untouched
+    assert json.loads((tmp_path / "results" / "bench_results.json").read_text())["quick"] is True
+    assert bench.main(["--print"]) == 0  # no argument: the committed full results
+    out = capsys.readouterr().out
+    assert out.startswith("omni-mpo bench (full), 2026-01-01, m: `python bench.py`")

@@ -140,10 +140,37 @@ def test_run_state_tmp_and_keep_last(dist_result, variant):
     assert r["state"]["consumed_pairs"] == 8
 
 
-def test_changed_schedule_horizon_is_refused(dist_result):
-    for variant in ("dopt1", "dopt0"):
-        err = dist_result[variant]["horizon_error"]
-        assert err is not None and "'lr_decay_steps': (4, 5)" in err
+@pytest.mark.parametrize("variant", ["dopt1", "dopt0"])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("horizon", "(saved, now): {'lr_decay_steps': (4, 5), 'wd_incr_steps': (4, 5)}; set mpo.max_num_steps back"),
+        ("lr", "(saved, now): {'max_lr': (0.01, 0.005)}; set optimizer.lr back"),
+        ("min_lr", "(saved, now): {'min_lr': (0.001, 0.0001)}; set optimizer.min_lr back"),
+    ],
+)
+def test_changed_schedule_is_refused_before_any_state_is_loaded(dist_result, variant, change, message):
+    r = dist_result[variant]
+    assert r[f"{change}_error"] is not None and message in r[f"{change}_error"]
+    assert r[f"{change}_untouched"]  # the optimizer's tensors and the scheduler are as built
+
+
+def test_check_schedule_names_every_changed_setting(tmp_path):
+    saved = {"max_lr": 1e-4, "min_lr": 1e-6, "init_lr": 0.0, "lr_warmup_steps": 2, "lr_decay_steps": 6,
+             "lr_decay_style": "cosine", "start_wd": 0.0, "end_wd": 0.0, "wd_incr_steps": 6,
+             "wd_incr_style": "constant", "num_steps": 2}  # fmt: skip
+    checkpoint.check_schedule(tmp_path, saved, dict(saved, num_steps=0))  # the step count is not a setting
+    checkpoint.check_schedule(tmp_path, {k: v for k, v in saved.items() if k != "init_lr"}, dict(saved, init_lr=1e-5))
+    now = dict(saved, init_lr=1e-5, lr_decay_style="linear", start_wd=0.1, end_wd=0.1)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_schedule(tmp_path / "step_2", saved, now)
+    assert str(e.value).startswith(
+        f"the LR schedule of {tmp_path / 'step_2'} differs from this run's (saved, now): {{'init_lr': (0.0, 1e-05), "
+        "'lr_decay_style': ('cosine', 'linear'), 'start_wd': (0.0, 0.1), 'end_wd': (0.0, 0.1)}; set "
+        "scheduler.lr_warmup_init, scheduler.lr_decay_style, optimizer.weight_decay back to the saved values"
+    )
+    with pytest.raises(checkpoint.CheckpointError, match="run_state.json has no scheduler state"):
+        checkpoint.check_schedule(tmp_path, None, saved)
 
 
 def test_model_reshards_tp1_to_tp2(dist_result):

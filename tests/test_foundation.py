@@ -264,3 +264,18 @@ def test_transformers_loads_the_asset_and_runs_image_text(processor):
     assert torch.isfinite(logits).all() and logits.std() > 0
     # causal: the text before the first image token does not depend on the image
     assert torch.allclose(logits[0, :5], text_only[0], atol=1e-5)
+
+
+def test_input_conditioner_keys_transformers_ignores_repeat_the_processor_statistics(processor):
+    """Why transformers' "UNEXPECTED keys" table for vision_model.input_conditioner.norm_mean/std is harmless: the
+    native Omni class normalises pixels in its image processor (image_mean / image_std), and those are the stored
+    statistics to fp32 precision. The keys stay because the hub checkpoint (and its remote code) has them."""
+    from safetensors import safe_open
+
+    with safe_open(TINY / "model.safetensors", "pt") as f:
+        mean = f.get_tensor("vision_model.radio_model.input_conditioner.norm_mean")
+        std = f.get_tensor("vision_model.radio_model.input_conditioner.norm_std")
+    ip = processor.image_processor
+    assert mean.shape == std.shape == (3, 1, 1) and mean.dtype == torch.float32
+    assert torch.equal(mean.flatten(), torch.tensor(ip.image_mean, dtype=torch.float32))
+    assert torch.equal(std.flatten(), torch.tensor(ip.image_std, dtype=torch.float32))

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -867,6 +868,16 @@ def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: {meta}:1:47: invalid JSON: Expecting property name enclosed in double quotes" in proc.stderr
+
+
+def test_cli_model_that_is_not_a_local_directory_is_one_immediate_line(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="0")  # a hub lookup would be tried (and retried) without the check
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "mmpr_data.py", str(SAMPLE_META), "--model", "assets/nope"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and time.perf_counter() - t < 60
+    assert proc.stderr == (f"error: --model 'assets/nope': no config.json there (a local model directory with the "
+                           f"tokenizer, chat template and processor; relative paths are relative to {ROOT})\n")
 
 
 def test_report_text_and_values(tmp_path, processor):

@@ -327,7 +327,7 @@ def test_lr_follows_the_schedule(readme):
 
 
 def test_segment_stop_saves_and_exits(segments):
-    assert segments.after_first == ["metrics.jsonl", "step_2"]
+    assert segments.after_first == ["config.json", "metrics.jsonl", "step_2"]
     assert "stopped after step 2 (stop_after_step)" in segments.first
     assert "resumed from" in segments.second and "step_2" in segments.second  # not the killed step_5.tmp
     assert sorted(p.name for p in segments.dir.glob("step_*")) == ["step_2", "step_4", "step_5.tmp"]

@@ -1,0 +1,148 @@
+"""bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export (issue 14, point 1).
+
+For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer: the tiny
+run in bf16 for 4 steps with `checkpoint.save_period=2`, then a second run resumed from a copy of its step_2 (2 + 2
+steps). Steps 3-4 of the resumed run, its step-4 weights and every optimizer tensor equal the uninterrupted run's.
+The DP = 2 distributed-optimizer run is exported and loaded by transformers' Omni class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config as config_mod
+import train
+
+pytestmark = pytest.mark.slow  # 8 tiny runs: about 6 minutes on 2 busy cores
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = ["model.params_dtype=bfloat16", "mpo.max_num_steps=4", "mpo.val_at_end=false"]
+KEYS = ("loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/margin", "reward_shift",
+        "reward_shift_used", "lr", "grad_norm", "bco/reward_sum", "consumed_pairs")  # fmt: skip
+
+
+def _run(nproc: int, run_dir: Path, *overrides: str) -> None:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]  # fmt: skip
+    cmd = [*launcher, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *BF16, *overrides]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
+    """Policy weights (with dtype) and every optimizer tensor after loading `step_dir` into a fresh bf16 tiny policy
+    in this process (a world of one)."""
+    import checkpoint
+    import omni_model
+
+    omni_model.init_single_rank_world()
+    dopt_key = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, dopt_key])
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    ddp, opt, sched = train.build_optimizer(policy, cfg)
+    with train.cuda_to_cpu():
+        checkpoint.load(step_dir, ddp, opt, sched)
+    out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
+    for i, o in enumerate(checkpoint._inner_optimizers(opt)):
+        for g in o.optimizer.param_groups:
+            for j, p in enumerate(g["params"]):
+                out += [(f"opt {i}.{j}.{k}", v.detach().clone()) for k, v in sorted(o.optimizer.state[p].items())]
+    return out
+
+
+@pytest.fixture(scope="module", params=[(1, True), (1, False), (2, True), (2, False)],
+                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}")
+def bf16_runs(request, tmp_path_factory):
+    nproc, dopt = request.param
+    straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
+    opt = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
+    _run(nproc, straight, opt, "checkpoint.save_period=2")
+    shutil.copytree(straight / "step_2", resumed / "step_2")
+    first_two = (straight / "metrics.jsonl").read_text().splitlines()[:2]
+    (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in first_two))
+    _run(nproc, resumed, opt, "checkpoint.resume=true")
+    return SimpleNamespace(nproc=nproc, dopt=dopt, straight=straight, resumed=resumed)
+
+
+def test_bf16_model_has_one_parameter_dtype():
+    """megatron-core builds Mamba's A_log / D (and, without TE, the final norm) in fp32; build_model casts them."""
+    import omni_model
+
+    omni_model.init_single_rank_world()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", BF16)
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    biases = {n: b.dtype for n, b in policy.named_buffers() if n.endswith("expert_bias")}
+    assert biases and set(biases.values()) == {torch.float32}  # HF keeps e_score_correction_bias in fp32 too
+
+
+def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
+    a, b = _rows(bf16_runs.straight), _rows(bf16_runs.resumed)
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a[0]["preference_loss"] == pytest.approx(0.6931, abs=1e-3)  # bf16 logits: ln 2 up to rounding
+    for x, y in zip(a, b, strict=True):
+        assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
+    assert a[3]["loss"] != a[0]["loss"]  # the steps trained something
+    straight = _loaded_state(bf16_runs.straight / "step_4", bf16_runs.dopt)
+    resumed = _loaded_state(bf16_runs.resumed / "step_4", bf16_runs.dopt)
+    assert [k for k, _ in straight] == [k for k, _ in resumed]
+    assert sum(k.endswith("exp_avg_sq") for k, _ in straight) > 10
+    params = [v for k, v in straight if k.startswith("param")]
+    assert len(params) > 10 and {v.dtype for v in params} == {torch.bfloat16}
+    for (k, x), (_, y) in zip(straight, resumed, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), k
+    assert {float(v) for k, v in straight if k.endswith(".step")} == {4.0}
+
+
+@pytest.mark.parametrize("bf16_runs", [(2, True)], indirect=True, ids=["n2-dopt1"])
+def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
+    out = tmp_path / "hf"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(bf16_runs.straight), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    from safetensors.torch import load_file
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    import checkpoint
+    import omni_model
+
+    omni_model.init_single_rank_world()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", BF16)
+    ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    checkpoint.load(bf16_runs.straight / "step_4", ours)
+    ours.eval()
+    # the exported tensors are the trained bf16 weights (widened exactly to the source checkpoint's dtype)
+    exported = {}
+    for f in out.glob("*.safetensors"):
+        exported.update(load_file(f))
+    a_log = next(k for k in exported if k.endswith("mixer.A_log"))
+    mine = dict(ours.named_parameters())
+    ours_a_log = next(v for k, v in mine.items() if k.endswith("mixer.A_log"))
+    assert torch.equal(exported[a_log].to(torch.bfloat16), ours_a_log.detach())
+
+    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    # only the keys the hub checkpoint has and transformers' class ignores (its processor normalises; see README)
+    assert info["unexpected_keys"] == {"vision_model.input_conditioner.norm_mean",
+                                       "vision_model.input_conditioner.norm_std"}  # fmt: skip
+    ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model.eval().language_model(input_ids=ids).logits[0].float()
+        logits = ours({"input_ids": ids}).float()
+    assert (logits - theirs).abs().max().item() <= 0.05 * theirs.abs().max().item()  # bf16 vs fp32 forward

@@ -1,0 +1,97 @@
+"""What a user sees on the console (issue 14, points 4-6): one error line printed once and last, the resolved config
+written to the run directory, known library warnings kept out, Ctrl-C saving like SIGTERM, metrics.jsonl never
+restarted silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import config as config_mod
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
+ENV.pop(config_mod.SHOW_WARNINGS_ENV, None)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_misspelled_config_path_is_one_line_and_nothing_else():
+    proc = subprocess.run([sys.executable, "train.py", "configs/tiny.tom"], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == (f"error: ConfigError: config file 'configs/tiny.tom' not found (relative paths are relative "
+                           f"to the working directory {ROOT}; the shipped configs are in configs/)\n")  # fmt: skip
+    assert proc.stdout == ""
+
+
+def test_error_under_torchrun_is_printed_once_and_ends_the_report():
+    proc = subprocess.run([*TORCHRUN, "train.py", "configs/tiny.tom"], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1
+    msg = "error: ConfigError: config file 'configs/tiny.tom' not found"
+    lines = proc.stderr.splitlines()
+    assert sum(line.startswith(msg) for line in lines) == 1  # rank 0 only
+    assert 'train.py", line' not in proc.stderr and "config.py" not in proc.stderr  # no traceback from the ranks
+    last = [line for line in lines if line.strip() and not set(line) <= {"="}][-1]
+    assert last.startswith(f"  traceback : {msg}")  # torchrun's root cause is our line, not a docs link
+
+
+def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    old = "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(old)
+    (tmp_path / "metrics.1.jsonl").write_text("earlier\n")
+    log = train.MetricsLog(cfg, None, resumed_step=0, rank=0)  # a fresh start over rows of a run that never saved
+    log.log(1, {"loss": 0.5})
+    assert (tmp_path / "metrics.2.jsonl").read_text() == old
+    assert (tmp_path / "metrics.1.jsonl").read_text() == "earlier\n"
+    assert [json.loads(r)["loss"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0.5]
+    assert capsys.readouterr().out == (f"metrics: {tmp_path / 'metrics.jsonl'} held 3 rows of an earlier run without a "
+                                       "checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
+    (tmp_path / "metrics.jsonl").write_text(old)
+    train.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    assert capsys.readouterr().out == (f"metrics: dropped 1 rows after step 2 from {tmp_path / 'metrics.jsonl'} "
+                                       "(logged by a segment that stopped before saving)\n")
+    train.MetricsLog(cfg, None, resumed_step=2, rank=0)  # nothing to drop: nothing said, nothing rewritten
+    assert capsys.readouterr().out == ""
+
+
+def test_quiet_known_warnings_respects_the_switch(monkeypatch):
+    monkeypatch.setenv(config_mod.SHOW_WARNINGS_ENV, "1")
+    assert config_mod.quiet_known_warnings() is False
+
+
+def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does), DataLoader workers included."""
+    run_dir = tmp_path / "run"
+    cmd = [*TORCHRUN, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "mpo.max_num_steps=20",
+           "data.num_workers=1", "mpo.val_at_end=false"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=300)
+    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
+    last = rows[-1]["step"]
+    assert 2 <= last < 20
+    assert f"stopped after step {last} (signal)" in out and f"saved {run_dir / f'step_{last}'}" in out
+    assert json.loads((run_dir / f"step_{last}" / "run_state.json").read_text())["step"] == last
+    # torchrun itself exits 1 after forwarding the signal (its SignalException report), the ranks exit 0
+    assert proc.returncode == 1 and "SignalException" in err, err[-3000:]
+    assert "KeyboardInterrupt" not in err and "UserWarning" not in err and "Rewrapping ModuleSpec" not in err
+    # the resolved config is a file in the run directory, announced in one line
+    assert f"config: {run_dir / 'config.json'}\n" in out
+    saved = config_mod.from_dict(json.loads((run_dir / "config.json").read_text()))
+    assert saved.mpo.max_num_steps == 20 and saved.data.num_workers == 1
+    assert len(out.splitlines()) <= 6 + last  # world, config, data, one line per step, saved, stopped
