@@ -121,8 +121,9 @@ def test_job_dry_run_one_node_bare_metal_maps_every_knob(tmp_path):
     # srun starts the per-node launcher, which gets the exact torchrun argv.
     i = srun.index("bash")
     assert srun[i + 1] == "-c" and srun[i + 3] == "run_node" and srun[i + 4 :] == torchrun
-    # printed for bash (shlex keeps the backslash before $): each node defines run_node and runs it on the argv
-    assert ' bash -c "$(declare -f run_node); run_node \\"\\$@\\"" run_node torchrun ' in r.stdout
+    # printed for bash (shlex keeps the backslash before $): each node traps SIGUSR1 first (a stop request that
+    # arrives while it starts is kept, not fatal), defines run_node and runs it on the argv
+    assert ''' bash -c "trap 'stop=1' USR1; $(declare -f run_node); run_node \\"\\$@\\"" run_node torchrun ''' in r.stdout
     env = _exports(r.stdout)
     assert env["WANDB_PROJECT"] == "vlm-mpo" and env["WANDB_PIN_VERSION"] == "0.28.1"
     assert env["HF_HOME"] == "/shared/omni/.cache/huggingface"
@@ -182,8 +183,9 @@ def test_submit_mode_dry_run_prints_sbatch_and_never_calls_it(tmp_path):
     r = _run(SBATCH, env, ["a.b=1"], tmp_path)
     assert r.returncode == 0, r.stderr
     [sbatch] = _lines(r.stdout, "sbatch")
-    assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--export=ALL", "--account=acct", "--partition=batch",
-                      "--time=01:00:00", "--dependency=afterok:77", str(SBATCH), "a.b=1"]  # fmt: skip
+    assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=8", "--export=ALL", "--account=acct",
+                      "--partition=batch", "--time=01:00:00", "--dependency=afterok:77", "--kill-on-invalid-dep=yes",
+                      str(SBATCH), "a.b=1"]  # fmt: skip
     [torchrun] = _lines(r.stdout, "torchrun")
     assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:29500"  # known only in the allocation
     assert f"checkpoint.dir={tmp_path}/rel/run" in torchrun  # relative RESULTS_DIR made absolute at submission
@@ -194,7 +196,8 @@ def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
     r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline"}, [], tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "1001"  # `id;cluster` from --parsable, cut to the id
-    assert (tmp_path / "sbatch.log").read_text().split() == ["--parsable", "--nodes=1", "--export=ALL", str(SBATCH)]
+    assert (tmp_path / "sbatch.log").read_text().split() == [
+        "--parsable", "--nodes=1", "--gpus-per-node=8", "--export=ALL", str(SBATCH)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
