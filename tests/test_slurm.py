@@ -123,7 +123,8 @@ def test_job_dry_run_one_node_bare_metal_maps_every_knob(tmp_path):
     assert srun[i + 1] == "-c" and srun[i + 3] == "run_node" and srun[i + 4 :] == torchrun
     # printed for bash (shlex keeps the backslash before $): each node traps SIGUSR1 first (a stop request that
     # arrives while it starts is kept, not fatal), defines run_node and runs it on the argv
-    assert ''' bash -c "trap 'stop=1' USR1; $(declare -f run_node); run_node \\"\\$@\\"" run_node torchrun ''' in r.stdout
+    node_cmd = '''"trap 'stop=1' USR1; $(declare -f run_node); run_node \\"\\$@\\""'''
+    assert f" bash -c {node_cmd} run_node torchrun " in r.stdout
     env = _exports(r.stdout)
     assert env["WANDB_PROJECT"] == "vlm-mpo" and env["WANDB_PIN_VERSION"] == "0.28.1"
     assert env["HF_HOME"] == "/shared/omni/.cache/huggingface"
