@@ -9,11 +9,15 @@
 # (checkpoint.dir: each segment resumes from the latest checkpoint there) and the same WANDB_RUN_ID (one W&B curve),
 # and MPO_STOP_AFTER_STEP=<its target>; segment i starts only after segment i-1 ended successfully (afterok).
 # A segment cut short by the time-limit signal still exits 0 after saving; the next one resumes from that step.
+# A segment that fails, is cancelled or hits the hard time limit makes Slurm cancel every later segment
+# (--kill-on-invalid-dep=yes; they never wait forever in PD DependencyNeverSatisfied). Resume the run with
+# CHAIN_CONTINUE=1 RESULTS_DIR=<the same directory> slurm/chain.sh (the command is printed at submission).
 #
 #   CHAIN_SEGMENTS (2)        number of jobs
 #   CHAIN_STEP_TARGETS        comma list of cumulative step boundaries, strictly increasing, one per segment, the last
 #                             equal to MPO_MAX_NUM_STEPS (which defaults to it); optional when CHAIN_SEGMENTS=1
-#   RESULTS_DIR               default $PWD/results/omni-mpo-<run id>; must be empty or absent unless CHAIN_CONTINUE=1
+#   RESULTS_DIR               default $PWD/results/omni-mpo-<run id>; must be empty, absent or hold only chain.env (a
+#                             chain whose first job failed before it saved anything) unless CHAIN_CONTINUE=1
 #   CHAIN_CONTINUE (0)        1 = add segments to the run already in RESULTS_DIR (its chain.env fixes the run id and
 #                             MPO_MAX_NUM_STEPS; targets continue from where it stands)
 #   WANDB_RUN_ID              default mpo<6 hex digits>; letters, digits, '_' and '-' only
@@ -78,13 +82,19 @@ continue_run=${CHAIN_CONTINUE:-0}
 if [[ "$continue_run" == 1 && -z "${RESULTS_DIR:-}" ]]; then
     die "CHAIN_CONTINUE=1 needs RESULTS_DIR (the run to continue)"
 fi
+rewrite_marker=0
 marker_value() { # KEY FILE: the value of KEY=... in FILE (never sourced)
     sed -n "s/^$1=//p" "$2" | tail -n1
 }
 if [[ -n "${RESULTS_DIR:-}" ]]; then
     [[ "$RESULTS_DIR" == /* ]] || RESULTS_DIR="$PWD/$RESULTS_DIR"
     marker="$RESULTS_DIR/chain.env"
-    if [[ -d "$RESULTS_DIR" && -n "$(ls -A "$RESULTS_DIR")" ]]; then
+    if [[ "$(ls -A "$RESULTS_DIR" 2>/dev/null)" == chain.env ]]; then
+        # Only what chain.sh wrote before its first job failed (nothing was saved): start the chain again; keep the
+        # recorded run id unless one is given, and rewrite chain.env with this chain's MPO_MAX_NUM_STEPS.
+        WANDB_RUN_ID=${WANDB_RUN_ID:-$(marker_value WANDB_RUN_ID "$marker")}
+        rewrite_marker=1
+    elif [[ -d "$RESULTS_DIR" && -n "$(ls -A "$RESULTS_DIR")" ]]; then
         [[ "$continue_run" == 1 ]] || die "RESULTS_DIR=$RESULTS_DIR already holds a run; set CHAIN_CONTINUE=1 to" \
             "continue it, or choose another RESULTS_DIR"
         if [[ -f "$marker" ]]; then
@@ -132,7 +142,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 mkdir -p "$RESULTS_DIR"
-[[ -f "$RESULTS_DIR/chain.env" ]] ||
+[[ -f "$RESULTS_DIR/chain.env" && "$rewrite_marker" == 0 ]] ||
     printf 'WANDB_RUN_ID=%s\nMPO_MAX_NUM_STEPS=%s\n' "$WANDB_RUN_ID" "$max_steps" >"$RESULTS_DIR/chain.env"
 jobs=()
 prev=""
@@ -146,3 +156,5 @@ for ((i = 1; i <= segments; i++)); do
     echo "segment $i/$segments: job $job (stop after step ${targets[i - 1]})"
 done
 echo "chain: jobs ${jobs[*]}; W&B run id $WANDB_RUN_ID; results $RESULTS_DIR"
+echo "chain: if a segment fails, Slurm cancels the later ones; resume with CHAIN_CONTINUE=1 RESULTS_DIR=$RESULTS_DIR" \
+    "CHAIN_SEGMENTS=<n> CHAIN_STEP_TARGETS=<...,$max_steps> $0 (each segment resumes from the latest checkpoint)"

