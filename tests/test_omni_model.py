@@ -465,6 +465,9 @@ def test_two_rank_layouts_match_one_rank(tmp_path):
         assert "error" not in r, (layout, r)
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
+        # expert-bias token counts: the real tokens (21 + 30) x top-2 per router, padding excluded, in every layout
+        assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
+        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(21 + 30) * 2] * 2, (layout, r)
 
 
 def test_recompute_full_gives_the_same_gradients(model, world):

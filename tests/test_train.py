@@ -124,6 +124,47 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     assert dist.is_initialized() == was_initialized  # nothing distributed was started
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tensor_model_parallel_size=2"],  # megatron-core's MoELayer.forward refuses it at the first step
+     "parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel = true"),
+    (["parallel.tensor_model_parallel_size=4", "parallel.sequence_parallel=true"],  # the ViT's 2 heads
+     "megatron-core refuses the vision encoder config: num_attention_heads (2) must be a multiple of "
+     "tensor_model_parallel_size (4). (this run's parallel.tensor_model_parallel_size = 4; the other sizes come from "
+     "assets/tiny-omni/config.json)"),
+    (["parallel.tensor_model_parallel_size=8", "parallel.sequence_parallel=true"],  # the language model's 4 heads
+     "megatron-core refuses the language model config: num_attention_heads (4) must be a multiple of "
+     "tensor_model_parallel_size (8)"),
+    (["parallel.expert_tensor_parallel_size=2"], "parallel.expert_tensor_parallel_size = 2: only 1"),
+    (["model.freeze_vision_encoder=true", "model.freeze_vision_projector=true", "model.freeze_language_model=true"],
+     "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
+     "nothing to train"),
+])
+def test_megatron_constraints_are_config_errors_before_any_work(overrides, message):
+    """Issue 13.5: megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build
+    or at the first forward) fail in check_model_config, before any process group, data or model, naming our keys."""
+    import torch.distributed as dist
+
+    import omni_model
+
+    was_initialized = dist.is_initialized()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)
+    hf = omni_model.read_hf_config(ROOT / cfg.model.hf_path)
+    with pytest.raises(config_mod.ConfigError) as e:
+        train.check_model_config(cfg, hf)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    for fine in ([], ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+                 ["model.freeze_vision_encoder=true", "model.freeze_language_model=true"]):
+        train.check_model_config(config_mod.load_config(ROOT / "configs" / "tiny.toml", fine), hf)  # no exception
+    assert dist.is_initialized() == was_initialized
+
+
+def test_seq_aux_loss_is_refused_with_the_reason():
+    """Issue 13.3: megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
+    with pytest.raises(config_mod.ConfigError, match="'seq_aux_loss' is not supported: megatron-core computes it per "
+                                                     "row of the batch, and a packed THD row holds several sequences"):
+        config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_router_load_balancing_type=seq_aux_loss"])
+
+
 def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
     from mmpr_data import Split
 
@@ -163,6 +204,17 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
     assert proc.returncode == 1
     assert f"error: ConfigError: model.hf_path = '{tmp_path}': no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # megatron-core's constraints too (issue 13.5): before, data, models and optimizer were built and the first
+    # forward raised megatron's ValueError as a traceback
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", "parallel.tensor_model_parallel_size=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: ConfigError: parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel "
+        "= true (megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
+    )
 
 
 @pytest.fixture(scope="module")
