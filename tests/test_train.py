@@ -253,6 +253,8 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     with train.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
+    # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
+    out += [(f"buffer {n}", b.detach().clone()) for n, b in policy.named_buffers() if n.endswith("expert_bias")]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:
             for j, p in enumerate(g["params"]):
@@ -295,6 +297,33 @@ def tp2(env, tmp_path_factory):
     _torchrun(env, 2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
               "mpo.stop_after_step=3")  # fmt: skip
     return _rows(run_dir)
+
+
+SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
+         "mpo.val_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def padding(env, tmp_path_factory):
+    """Issue 13.1: two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
+    padded to 8 on DP = 2."""
+    runs = {}
+    for name, nproc, multiple in (("pad8", 1, 8), ("pad64", 1, 64), ("dp2", 2, 8)):
+        run_dir = tmp_path_factory.mktemp(name)
+        _torchrun(env, nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
+        runs[name] = SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def frozen(env, tmp_path_factory):
+    """Issues 13.2 and 13.6: lr 0 and bias update rate 0 for 7 steps of 4 pairs on the first 27 sample pairs (step 7
+    straddles the epoch boundary)."""
+    run_dir = tmp_path_factory.mktemp("frozen")
+    _torchrun(env, 1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
+              "mpo.max_num_steps=7", "scheduler.lr_warmup_steps=0", "data.train.split_validation_size=0",
+              "data.train.max_samples=27", "mpo.val_at_end=false")  # fmt: skip
+    return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -425,6 +454,55 @@ def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
         for key in ("loss", "preference_loss", "bco_loss", "sft_loss", "rewards/margin", "reward_shift"):
             assert learn[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
             assert tp2[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "TP=2")
+
+
+def _assert_same_state(a: list, b: list, what: str) -> None:
+    """Parameters and optimizer state to float tolerance (other reduction orders), the expert bias exactly (a sum of
+    ±rate steps decided by integer token counts)."""
+    assert [k for k, _ in a] == [k for k, _ in b]
+    assert sum(k.startswith("buffer") for k, _ in a) == 2
+    for (k, x), (_, y) in zip(a, b, strict=True):
+        if k.startswith("buffer"):
+            assert torch.equal(x, y), (what, k, x.tolist(), y.tolist())
+        else:
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-7), (what, k, (x - y).abs().max().item())
+
+
+def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
+    """Issue 13.1: padding takes no part in routing statistics, so the padding multiple (8 vs 64) and the DP layout
+    change neither the losses nor the weights nor the routers' expert bias (before: step 2 differed, and the exported
+    e_score_correction_bias differed in sign for one expert)."""
+    ref = padding["pad8"]
+    assert len(ref.rows) == 2 and ref.rows[0]["lr"] == 0.0 and ref.rows[1]["lr"] > 0
+    ref_state = _loaded_state(ref.dir / "step_2")
+    assert any(k.startswith("buffer") and v.abs().max() > 0 for k, v in ref_state)  # the bias did move
+    for name in ("pad64", "dp2"):
+        run = padding[name]
+        for a, b in zip(ref.rows, run.rows, strict=True):
+            for key in ("loss", "preference_loss", "bco_loss", "rewards/margin", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, a["step"], key)
+        assert [r["num_global_pairs"] for r in run.rows] == [4, 4]
+        _assert_same_state(ref_state, _loaded_state(run.dir / "step_2"), name)
+
+
+def test_lr_zero_and_bias_rate_zero_keep_the_policy_equal_to_the_reference(frozen):
+    """Issue 13.2: with optimizer.lr = 0 and model.moe_router_bias_update_rate = 0 nothing moves the policy: the
+    margin stays exactly 0 and the losses stay ln 2 / 2 ln 2 for every step (before: the expert bias moved at lr 0)."""
+    assert len(frozen.rows) == 7
+    for r in frozen.rows:
+        assert r["rewards/margin"] == 0.0 and r["accuracy"] == 0.0, r["step"]
+        assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_step_straddling_the_epoch_boundary_trains_four_distinct_pairs(frozen):
+    """Issue 13.6: 27 pairs, 4 per step: step 7 ends epoch 0 and starts epoch 1, whose first pair is already in the
+    step; the sampler defers it, so every step trains 4 pairs and consumed_pairs counts exactly what was trained
+    (before: step 7 trained 3 pairs beside a dummy bin while consumed_pairs added 4)."""
+    assert [r["num_global_pairs"] for r in frozen.rows] == [4] * 7
+    assert [r["consumed_pairs"] for r in frozen.rows] == [4 * k for k in range(1, 8)]
+    assert [r["bco/reward_count"] for r in frozen.rows] == [8.0] * 7  # chosen + rejected of 4 real pairs
+    state = json.loads((frozen.dir / "step_7" / "run_state.json").read_text())
+    assert state["consumed_pairs"] == 28 and state["sampler"]["epoch"] == 1 and len(state["sampler"]["deferred"]) == 1
 
 
 def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
