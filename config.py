@@ -50,8 +50,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)
     # mcore router balancing; "seq_aux_loss" is refused: megatron-core takes a packed THD row as one sequence
     moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
-    # expert-bias step per optimizer step (aux-loss-free balancing, sign of the load offset); megatron-core 0.19.2's
-    # TransformerConfig default 1e-3 (DeepSeek-V3's bias update speed); 0 freezes it, as model.freeze_language_model does
+    # expert-bias step per optimizer step (aux-loss-free balancing: ±rate by the sign of each expert's load offset);
+    # default: megatron-core 0.19.2's TransformerConfig default (DeepSeek-V3's bias update speed 0.001); 0 freezes
+    # the bias, as model.freeze_language_model does
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
 

@@ -772,6 +772,8 @@ class OmniModel(nn.Module):
         pixel_values: float [N_patches, 3*P*P] and image_grid_hw: int64 [N_images, 2] (optional without images).
         media_index: int64 [S] media slot of each sequence, media_image_offsets: int64 [M+1] (images of slot m are
             offsets[m]:offsets[m+1]) (optional: without them all `<image>` tokens take all images' features, in order).
+        sample_mask: float [S] (optional): sequences of weight 0 (dummy bins), like each sequence's padding, take no
+            part in the MoE routers' statistics (pack.routing_padding_mask).
     T must be divisible by 2*CP (and by TP under sequence parallelism). Returns fp32/bf16 logits [T/CP(/...), V/TP]
     in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
