@@ -7,6 +7,8 @@ Launches are shared between tests (module fixtures); each costs ~10 s of start-u
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
     tp2      TP = 2 (+ sequence parallel), the learn config, 3 steps
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
+    padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
+    frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
 Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
 """
 
