@@ -289,8 +289,8 @@ def segments(env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def learn(env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
-    _torchrun(env, 2, run_dir, *LEARN)
-    return _rows(run_dir)
+    _torchrun(env, 2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
+    return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +301,7 @@ def tp2(env, tmp_path_factory):
     return _rows(run_dir)
 
 
+PARAM_ATOL_AFTER_3_STEPS = 1e-5  # lr 1e-3 Adam: fp32 noise in near-zero gradients moves a parameter by up to ~lr
 SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
          "mpo.val_at_end=false"]
 
@@ -332,7 +333,8 @@ def frozen(env, tmp_path_factory):
 def tp1_signal(env, tmp_path_factory):
     """One process without torchrun, stopped with SIGUSR1 once step 3 is logged."""
     run_dir = tmp_path_factory.mktemp("tp1")
-    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LEARN]
+    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LEARN,
+           "checkpoint.save_period=3"]  # step_3: the DP = 1 state
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -442,8 +444,8 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
 
 
 def test_loss_goes_down_with_a_higher_lr(learn):
-    assert len(learn) == 20
-    first, last = learn[0], learn[-6:]
+    assert len(learn.rows) == 20
+    first, last = learn.rows[0], learn.rows[-6:]
     assert sum(r["loss"] for r in last) / 6 < 0.7 * first["loss"]
     assert sum(r["accuracy"] for r in last) / 6 >= 0.9
     assert sum(r["rewards/margin"] for r in last) / 6 > 0.5
@@ -454,11 +456,14 @@ def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
     assert len(tp1) >= 3 and len(tp2) == 3
     for step in range(3):
         for key in ("loss", "preference_loss", "bco_loss", "sft_loss", "rewards/margin", "reward_shift"):
-            assert learn[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
+            assert learn.rows[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
             assert tp2[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "TP=2")
+    # the state after step 3, the routers' expert bias (a buffer) included: DP = 2 as DP = 1 (issue 13.1)
+    _assert_same_state(_loaded_state(tp1_signal.dir / "step_3", *LEARN), _loaded_state(learn.dir / "step_3", *LEARN),
+                       "DP=2", atol=PARAM_ATOL_AFTER_3_STEPS)
 
 
-def _assert_same_state(a: list, b: list, what: str) -> None:
+def _assert_same_state(a: list, b: list, what: str, atol: float = 1e-7) -> None:
     """Parameters and optimizer state to float tolerance (other reduction orders), the expert bias exactly (a sum of
     ±rate steps decided by integer token counts)."""
     assert [k for k, _ in a] == [k for k, _ in b]
@@ -467,7 +472,7 @@ def _assert_same_state(a: list, b: list, what: str) -> None:
         if k.startswith("buffer"):
             assert torch.equal(x, y), (what, k, x.tolist(), y.tolist())
         else:
-            assert torch.allclose(x, y, rtol=1e-4, atol=1e-7), (what, k, (x - y).abs().max().item())
+            assert torch.allclose(x, y, rtol=1e-4, atol=atol), (what, k, (x - y).abs().max().item())
 
 
 def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
@@ -514,7 +519,8 @@ def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
     last = tp1_signal.rows[-1]["step"]
     assert 3 <= last < 20
     assert f"stopped after step {last} (signal)" in tp1_signal.out
-    assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == [f"step_{last}"]
+    # the signal's save, beside the periodic step_3 (checkpoint.save_period=3)
+    assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == sorted({"step_3", f"step_{last}"})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
