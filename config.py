@@ -49,7 +49,12 @@ class ModelConfig:
     recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation granularity
     mamba_dt_clamp: bool = True  # clamp softplus(dt) to >= time_step_min as transformers does (False = mcore)
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)
-    moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"  # mcore router balancing
+    # mcore router balancing; "seq_aux_loss" is refused: megatron-core takes a packed THD row as one sequence
+    moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
+    # expert-bias step per optimizer step (aux-loss-free balancing: ±rate by the sign of each expert's load offset);
+    # default: megatron-core 0.19.2's TransformerConfig default (DeepSeek-V3's bias update speed 0.001); 0 freezes
+    # the bias, as model.freeze_language_model does
+    moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
 
 
@@ -340,6 +345,14 @@ def validate(cfg: Config) -> None:
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} = {v} must be >= 0")
+    if cfg.model.moe_router_bias_update_rate < 0:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {cfg.model.moe_router_bias_update_rate} must be >= 0")
+    if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
+        raise ConfigError(
+            "model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported: megatron-core computes it per "
+            "row of the batch, and a packed THD row holds several sequences, so it would silently equal 'aux_loss'; "
+            "use 'aux_loss' or 'none'"
+        )
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr = {cfg.optimizer.min_lr} must be <= optimizer.lr = {cfg.optimizer.lr}")
     for k in ("adam_beta1", "adam_beta2"):

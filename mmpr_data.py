@@ -1101,8 +1101,12 @@ class PairSampler:
     """The global pair order: a seeded shuffle per epoch, identical on every rank; resumable.
 
     Epoch e is `pair_ids` permuted by numpy's PCG64 seeded with (seed, e) (or kept in order with shuffle=False).
-    `take(n)` returns the next n pair ids, continuing into the next epoch when one ends. `state_dict()` = {epoch,
-    offset (pairs of the epoch already taken), num_pairs, seed, shuffle}; `load_state_dict` continues from there.
+    `take(n)` returns the next n pair ids, continuing into the next epoch when one ends, and never the same pair twice:
+    a step straddling an epoch boundary would otherwise draw a pair at the end of one epoch and again at the start of
+    the next, and the step is planned and trained by pair id (one pair, one pair_index). Such a repeat is deferred: it
+    opens the next step instead (still once per epoch pass, one step late), so every step trains n distinct pairs.
+    `state_dict()` = {epoch, offset (pairs of the epoch already taken), deferred (pair ids waiting for the next step),
+    num_pairs, seed, shuffle}; `load_state_dict` continues from there.
     """
 
     def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True):
@@ -1111,6 +1115,7 @@ class PairSampler:
         self.pair_ids = list(pair_ids)
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.offset = 0, 0
+        self.deferred: list[int] = []
         self._order_epoch, self._order = -1, []
 
     def epoch_order(self, epoch: int) -> list[int]:
@@ -1124,11 +1129,22 @@ class PairSampler:
         return self._order
 
     def take(self, n: int) -> list[int]:
-        out: list[int] = []
+        """The next n distinct pair ids (the deferred repeats of the previous take first).
+
+        Raises DataError when n exceeds the number of pairs (a step cannot hold n distinct pairs)."""
+        if n > len(self.pair_ids):
+            raise DataError(f"PairSampler: {n} distinct pairs per step but only {len(self.pair_ids)} pairs")
+        out, self.deferred = self.deferred, []
+        seen = set(out)
         while len(out) < n:
             order = self.epoch_order(self.epoch)
             k = min(n - len(out), len(order) - self.offset)
-            out += order[self.offset:self.offset + k]
+            for pid in order[self.offset:self.offset + k]:
+                if pid in seen:
+                    self.deferred.append(pid)
+                else:
+                    out.append(pid)
+                    seen.add(pid)
             self.offset += k
             if self.offset == len(order):
                 self.epoch, self.offset = self.epoch + 1, 0
@@ -1139,8 +1155,8 @@ class PairSampler:
             yield self.take(1)[0]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "num_pairs": len(self.pair_ids), "seed": self.seed,
-                "shuffle": self.shuffle}
+        return {"epoch": self.epoch, "offset": self.offset, "deferred": list(self.deferred),
+                "num_pairs": len(self.pair_ids), "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position. Raises DataError if the data or seed differ from the saved run's."""
@@ -1149,6 +1165,7 @@ class PairSampler:
                 raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the data or "
                                 "data.train.seed changed, so the saved position does not apply")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self.deferred = [int(p) for p in state.get("deferred", [])]
 
 
 def _collate_pairs(pairs: list[PreferencePair]) -> list[PreferencePair]:

@@ -36,6 +36,7 @@ Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import json
@@ -53,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pack import cp_partition_index, thd_packed_seq_params, token_sequence_ids
+from pack import cp_partition_index, routing_padding_mask, thd_packed_seq_params, token_sequence_ids
 
 IMAGE_PREFIX_DEFAULT = 10
 
@@ -105,6 +106,27 @@ def _install_mamba_cp_thd_indices() -> None:
 
     mcp.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
     mcp.is_te_min_version = lambda version, *a, **k: True
+
+
+def _install_router_padding_mask_fix() -> None:
+    """SHIM: megatron-core 0.19.2's `TopKRouter._apply_expert_bias` masks the routing map [N, E] with the flattened
+    padding mask [N] (`routing_map & ~padding_mask`), which broadcasts along the expert dim and fails (or, with
+    N == E, masks the wrong entries). Same update, with the mask applied per token: counts of non-padding tokens
+    only, outside evaluation and activation recomputation (grad enabled), as megatron-core intends."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_omni_fixed", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._omni_fixed = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 def _apply_cpu_shims() -> None:
@@ -280,14 +302,20 @@ def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
         fp32_residual_connection=bool(getattr(t, "residual_in_fp32", False)),
     )
     if "E" in hf.pattern:
-        n_shared = getattr(t, "n_shared_experts", 1) or 0
+        # The checkpoint's moe_shared_expert_intermediate_size is already the total width of the shared expert(s):
+        # transformers' NemotronHMOE builds one shared MLP of that width whatever n_shared_experts says, and so does
+        # megatron-core (one SharedExpertMLP of moe_shared_expert_intermediate_size).
         kw.update(
             num_moe_experts=t.n_routed_experts,
             moe_router_topk=t.num_experts_per_tok,
             moe_ffn_hidden_size=t.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=(t.moe_shared_expert_intermediate_size * n_shared) or None,
+            moe_shared_expert_intermediate_size=t.moe_shared_expert_intermediate_size or None,
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
+            # aux-loss-free balancing: the expert bias moves by ±rate per optimizer step (finalize_model_grads); a
+            # frozen language model keeps its routing, so its bias does not move either
+            moe_router_bias_update_rate=0.0 if model_cfg.freeze_language_model else
+            model_cfg.moe_router_bias_update_rate,
             moe_router_topk_scaling_factor=t.routed_scaling_factor,
             moe_router_dtype="fp32",
             moe_router_num_groups=t.n_group if t.n_group > 1 else None,
@@ -718,6 +746,23 @@ def have_transformer_engine() -> bool:
 # The model
 
 
+@contextlib.contextmanager
+def _routers_without_statistics(module: nn.Module, active: bool):
+    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin).
+
+    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers only compute the aux
+    losses in training mode, and the expert-bias counts are 0 anyway. The rest of the model stays in training mode.
+    """
+    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
+    for m in routers:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in routers:
+            m.training = True
+
+
 def _get(batch, name: str, default=None):
     if isinstance(batch, dict):
         return batch.get(name, default)
@@ -734,6 +779,8 @@ class OmniModel(nn.Module):
         pixel_values: float [N_patches, 3*P*P] and image_grid_hw: int64 [N_images, 2] (optional without images).
         media_index: int64 [S] media slot of each sequence, media_image_offsets: int64 [M+1] (images of slot m are
             offsets[m]:offsets[m+1]) (optional: without them all `<image>` tokens take all images' features, in order).
+        sample_mask: float [S] (optional): sequences of weight 0 (dummy bins), like each sequence's padding, take no
+            part in the MoE routers' statistics (pack.routing_padding_mask).
     T must be divisible by 2*CP (and by TP under sequence parallelism). Returns fp32/bf16 logits [T/CP(/...), V/TP]
     in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
@@ -924,8 +971,20 @@ class OmniModel(nn.Module):
             emb = scatter_to_sequence_parallel_region(emb, group=self.pg.tp)
         max_seqlen = _get(batch, "max_seqlen") or int((cu_pad[1:] - cu_pad[:-1]).max())
         psp = thd_packed_seq_params(cu, cu_pad, max_seqlen)
-        logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
-                                     packed_seq_params=psp)
+        # Padding and zero-weight (dummy-bin) tokens take no part in the routers' statistics: megatron-core's
+        # padding_mask ([1, tokens of this rank], True = padding) reaches every MoE router (expert-bias counts, aux
+        # loss, z-loss) on the TE and local specs. It is sliced like the embeddings: CP layout, then this TP rank's
+        # contiguous SP chunk (HybridModel, unlike GPTModel, does not scatter it itself).
+        pad = routing_padding_mask(cu, cu_pad, T, _get(batch, "sample_mask"))
+        no_real_token = bool(pad.all())
+        if cp > 1:
+            pad = pad[index]
+        if self.lm_config.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
+        with _routers_without_statistics(self.language_model, no_real_token and self.training):
+            logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
+                                         packed_seq_params=psp, padding_mask=pad[None])
         return logits[0]
 
 
@@ -964,6 +1023,7 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 
     _apply_cpu_shims()
     _install_mamba_dt_limit_hook()
+    _install_router_padding_mask_fix()
     if parallel_cfg.context_parallel_size > 1:
         _install_mamba_cp_thd_indices()
     global LocalNormColumnParallelLinear

@@ -666,6 +666,32 @@ def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torc
                                    output_size=num_tokens)
 
 
+def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, num_tokens: int,
+                         sample_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens of a packed THD row that must take no part in MoE routing statistics (megatron-core's
+    `padding_mask` convention: True = padding, excluded from the expert-bias token counts, the aux loss and the z-loss).
+
+    Args:
+        cu_seqlens: [S+1] cumulative real lengths; cu_seqlens_padded: [S+1] cumulative padded lengths.
+        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] are padding.
+        sample_mask: optional float [S]; every token of a sequence with weight 0 (a dummy bin) is padding too.
+
+    Returns:
+        bool [T] on cu_seqlens_padded's device: True at each sequence's padding (between cu_seqlens_padded[s] +
+        real length and cu_seqlens_padded[s+1]), past the last sequence, and on zero-weight sequences.
+    """
+    seq_ids = token_sequence_ids(cu_seqlens_padded, num_tokens)
+    cu, cu_pad = cu_seqlens.long().to(seq_ids.device), cu_seqlens_padded.long().to(seq_ids.device)
+    real = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # the trailing run (id S) has no real token
+    start = torch.cat([cu_pad[:-1], cu_pad[-1:]])
+    pos = torch.arange(num_tokens, device=seq_ids.device) - start[seq_ids]
+    pad = pos >= real[seq_ids]
+    if sample_mask is not None:
+        dead = torch.cat([sample_mask.to(seq_ids.device) == 0, torch.ones(1, dtype=torch.bool, device=seq_ids.device)])
+        pad |= dead[seq_ids]
+    return pad
+
+
 # ======================================================================================================================
 # Context-parallel slicing
 

@@ -223,6 +223,80 @@ def check_inputs(cfg) -> None:
         raise config_mod.ConfigError(str(e)) from None
 
 
+# megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json)
+MCORE_FIELD_KEYS = {
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "context_parallel_size": "parallel.context_parallel_size",
+    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "params_dtype": "model.params_dtype",
+    "bf16": "model.params_dtype",
+    "recompute_granularity": "model.recompute",
+    "recompute_method": "model.recompute",
+    "moe_token_dispatcher_type": "model.moe_token_dispatcher_type",
+    "moe_router_load_balancing_type": "model.moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "model.moe_aux_loss_coeff",
+    "moe_router_bias_update_rate": "model.moe_router_bias_update_rate",
+}
+
+
+def check_model_config(cfg, hf) -> None:
+    """megatron-core's constraints on this model and layout, checked before any process group, data or model work.
+
+    Builds the three megatron-core TransformerConfigs (language model, ViT, projector: their __post_init__ runs
+    megatron's own checks) and applies the rules megatron-core enforces only later, at build or at the first training
+    forward: MoE with TP > 1 needs sequence parallelism (MoELayer.forward), experts whole on their EP rank (ETP = 1,
+    build_model), a vocabulary divisible by TP (the output layer stays vocab-parallel). Nothing to train is an error.
+
+    Raises:
+        config.ConfigError: one line naming the project's keys (and their values) behind megatron-core's message.
+    """
+    m, p = cfg.model, cfg.parallel
+    if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
+        raise config_mod.ConfigError(
+            "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
+            "nothing to train; unfreeze at least one"
+        )
+    use_te = omni_model.have_transformer_engine()
+    parts = (("language model", omni_model.language_config), ("vision encoder", omni_model.vision_config),
+             ("vision projector", omni_model.projector_config))  # fmt: skip
+    for what, build in parts:
+        try:
+            mcore = build(hf, m, p, use_te)
+        except (ValueError, AssertionError, TypeError) as e:
+            named = {k: v for k, v in MCORE_FIELD_KEYS.items() if k in str(e)}
+            keys = ", ".join(dict.fromkeys(f"{v} = {_dotted(cfg, v)!r}" for v in named.values()))
+            raise config_mod.ConfigError(
+                f"megatron-core refuses the {what} config: {str(e).strip()} (this run's "
+                f"{keys or 'settings'}; the other sizes come from {m.hf_path}/config.json)"
+            ) from None
+        if what == "language model":
+            lm = mcore
+    tp = p.tensor_model_parallel_size
+    if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
+        raise config_mod.ConfigError(
+            f"parallel.tensor_model_parallel_size = {tp} with MoE layers needs parallel.sequence_parallel = true "
+            "(megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
+        )
+    if lm.num_moe_experts and p.expert_tensor_parallel_size != 1:
+        raise config_mod.ConfigError(
+            f"parallel.expert_tensor_parallel_size = {p.expert_tensor_parallel_size}: only 1 (experts whole on their "
+            "EP rank) is supported"
+        )
+    if hf.text.vocab_size % tp:
+        raise config_mod.ConfigError(
+            f"parallel.tensor_model_parallel_size = {tp} must divide the vocabulary size {hf.text.vocab_size} "
+            f"({m.hf_path}/config.json): the output layer stays vocab-parallel"
+        )
+
+
+def _dotted(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def check_splits(train_split, val_split, cfg):
     """Check the loaded splits against the batch and bin sizes before the models are built; returns the validation
     split to use (None when it has no pair) and a list of notes for the console.
@@ -610,6 +684,7 @@ def main(cfg) -> int:
     # -- config, distributed, seeds --------------------------------------------------------------------------------
     check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
+    check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
     device, dp = init_distributed(cfg, getattr(hf.text, "n_routed_experts", None))
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.mpo.seed)

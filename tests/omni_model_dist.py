@@ -77,6 +77,15 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
         if cp > 1:
             dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
         grads[name] = g
+    # MoE routing statistics (expert-bias token counts) summed over the ranks that split the tokens (TP under SP,
+    # CP), as finalize_model_grads does: only real tokens count, whatever the layout (issue 13.1)
+    counts = torch.stack([m.local_tokens_per_expert for m in model.language_model.modules()
+                          if hasattr(m, "expert_bias")])
+    if tp > 1 and sp:
+        dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+    if cp > 1:
+        dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
+    grads["tokens_per_expert"] = counts
     destroy_moe_metrics_tracker()
     parallel_state.destroy_model_parallel()
     return full, grads
@@ -93,14 +102,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
     ref, ref_grads = run_layout(1, 1, 1, False, batch)
+    ref_counts = ref_grads.pop("tokens_per_expert")
     result = {}
     for name, (tp, ep, cp, sp) in {"tp2_sp": (2, 1, 1, True), "ep2": (1, 2, 1, False),
                                    "cp2": (1, 1, 2, False)}.items():
         try:
             full, grads = run_layout(tp, ep, cp, sp, batch)
+            counts = grads.pop("tokens_per_expert")
             result[name] = {"logits": (full - ref).abs().max().item(),
                             "grads_rel": {k: ((grads[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max()).item()
                                           for k in grads},
+                            "tokens_per_expert": counts.tolist(), "ref_tokens_per_expert": ref_counts.tolist(),
                             "logit_scale": ref.abs().max().item()}
         except Exception as e:  # reported, and the test fails on it
             import traceback

@@ -787,20 +787,47 @@ def test_sampler_order_and_resume():
     first = a.take(7)
     assert first == b.take(7)
     state = a.state_dict()
-    assert state == {"epoch": 0, "offset": 7, "num_pairs": 10, "seed": 3, "shuffle": True}
-    cont = a.take(8)  # crosses into epoch 1
-    assert a.state_dict()["epoch"] == 1 and a.state_dict()["offset"] == 5
+    assert state == {"epoch": 0, "offset": 7, "deferred": [], "num_pairs": 10, "seed": 3, "shuffle": True}
+    cont = a.take(8)  # crosses into epoch 1, whose order starts [104, 101, 102, 108, 105, ...]
     assert sorted(first + cont[:3]) == ids  # epoch 0 is a permutation
+    # 108 and 105 ended epoch 0 in this step: their epoch-1 draws are deferred to the next step, never repeated here
+    assert cont == [105, 103, 108, 104, 101, 102, 100, 107] and len(set(cont)) == 8
+    assert a.state_dict()["epoch"] == 1 and a.state_dict()["offset"] == 7 and a.state_dict()["deferred"] == [108, 105]
     resumed = md.PairSampler(ids, seed=3)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert resumed.take(8) == cont  # continues with the next unseen pair
     e0, e1 = a.epoch_order(0), a.epoch_order(1)
     assert sorted(e1) == ids and e0 != e1 and e0 != ids
-    assert md.PairSampler(ids, seed=3, shuffle=False).take(12) == ids + ids[:2]
+    unshuffled = md.PairSampler(ids, seed=3, shuffle=False)
+    assert unshuffled.take(10) + unshuffled.take(2) == ids + ids[:2]
+    with pytest.raises(md.DataError, match="11 distinct pairs per step but only 10 pairs"):
+        unshuffled.take(11)
     with pytest.raises(md.DataError, match="num_pairs = 10 but this run has 9"):
         md.PairSampler(ids[:9], seed=3).load_state_dict(state)
     with pytest.raises(md.DataError, match="seed"):
         md.PairSampler(ids, seed=4).load_state_dict(state)
+
+
+def test_sampler_never_repeats_a_pair_within_a_step_across_epoch_boundaries():
+    """27 pairs, 4 per step: step 7 straddles the epoch boundary (3 pairs of epoch 0, then epoch 1, which begins with
+    pair 1 of the tail); every step holds 4 distinct pairs, every epoch pass draws every pair exactly once."""
+    a = md.PairSampler(list(range(27)), seed=42)
+    steps = [a.take(4) for _ in range(14)]
+    assert all(len(set(s)) == 4 for s in steps)
+    assert sorted([p for s in steps[:6] for p in s] + steps[6][:3]) == list(range(27))  # epoch 0, once each
+    assert a.epoch_order(1)[0] == 1 and 1 in steps[6][:3]  # the repeat the old sampler put in step 7
+    assert steps[6] == [1, 13, 8, 11] and steps[7][0] == 1  # deferred: pair 1 opens step 8
+    flat = [p for s in steps for p in s][27:]  # epoch 1 (and the start of epoch 2): each pair once within 27 draws
+    assert sorted(flat[:27]) == list(range(27))
+    # resume from the state after step 7 (a deferral pending) continues identically
+    b = md.PairSampler(list(range(27)), seed=42)
+    for _ in range(7):
+        b.take(4)
+    state = json.loads(json.dumps(b.state_dict()))
+    assert state["deferred"] == [1]
+    c = md.PairSampler(list(range(27)), seed=42)
+    c.load_state_dict(state)
+    assert [c.take(4) for _ in range(7)] == steps[7:]
 
 
 def test_step_loader_with_workers_and_packer(sample, processor):
@@ -908,7 +935,8 @@ rank = dist.get_rank()
 p = AutoProcessor.from_pretrained(os.environ["MODEL"])
 cfg = Config()
 index = md.build_index(os.environ["META"], p, cfg)
-order = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed).take(len(index) + 3)
+sampler = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed)
+order = sampler.take(len(index)) + sampler.take(3)
 cfg.data.strict = True
 try:
     md.build_index(os.environ["BAD_META"], p, cfg)

@@ -177,6 +177,47 @@ def test_vision_once_per_pair_equals_per_row_encoding(model):
         assert (g1[n] - g2[n]).abs().max().item() / scale <= INVARIANCE, n
 
 
+def _routers(m) -> list:
+    return [x for x in m.language_model.modules() if hasattr(x, "expert_bias")]
+
+
+def _routing_step(m, batch, weight: float = 1.0):
+    """Training-mode forward + backward of a fixed scalar of the real tokens' logits (times `weight`): the routers'
+    token counts [n_routers, E] and their weight gradients (main loss + aux loss)."""
+    for r in _routers(m):
+        r.local_tokens_per_expert.zero_()
+    m.zero_grad(set_to_none=True)
+    logits = m(batch)
+    real = ~pack.routing_padding_mask(batch["cu_seqlens"], batch["cu_seqlens_padded"], logits.shape[0])
+    w = torch.randn(int(real.sum()), logits.shape[1], generator=torch.Generator().manual_seed(11))
+    ((logits[real] * w).sum() * weight).backward()
+    counts = torch.stack([r.local_tokens_per_expert.clone() for r in _routers(m)])
+    grads = torch.stack([r.weight.grad.detach().clone() for r in _routers(m)])
+    return counts, grads
+
+
+def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world):
+    """Issue 13.1: the expert-bias token counts and the aux loss see only real tokens. The same pair padded to a
+    multiple of 8 or of 64 gives the same counts (sum = real tokens x top-k) and the same router gradients; a dummy
+    bin (sample_mask 0, loss weight 0) counts nothing and adds no gradient (before: its aux loss did)."""
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    m = om.build_model(TINY, ModelConfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+                       ParallelConfig())
+    om.load_hf_weights(m, TINY)
+    m.train()
+    topk, n_real = m.lm_config.moe_router_topk, 21 + 30
+    c8, g8 = _routing_step(m, make_pair_batch(seed=3, lens=(21, 30), divisible_by=8))
+    c64, g64 = _routing_step(m, make_pair_batch(seed=3, lens=(21, 30), divisible_by=64))
+    assert len(c8) == 2 and c8.sum(dim=1).tolist() == [n_real * topk] * 2
+    assert torch.equal(c8, c64)
+    assert (g8 - g64).abs().max().item() <= INVARIANCE * g8.abs().max().item()
+    dummy = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8) | {"sample_mask": torch.zeros(2)}
+    cd, gd = _routing_step(m, dummy, weight=0.0)
+    assert not cd.any() and not gd.any() and torch.isfinite(gd).all()
+
+
 def test_image_token_count_mismatch_names_both_counts(model):
     batch = make_pair_batch(seed=2)
     first = int((batch["input_ids"][0] == 18).nonzero()[0])
@@ -238,6 +279,49 @@ def test_options_freeze_and_no_dt_clamp(world):
     m = om.build_model(TINY, ModelConfig(freeze_language_model=True), ParallelConfig())
     assert {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad} == {"vision_model",
                                                                                     "vision_projection"}
+
+
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_shared_expert_width_is_the_checkpoints_total(world, tmp_path, n_shared):
+    """Issue 13.4: moe_shared_expert_intermediate_size is already the total shared-expert width (transformers builds
+    one shared MLP of that width whatever n_shared_experts says), so a checkpoint with n_shared_experts = 2 loads
+    (before: megatron shape (96, 64) vs (48, 64)) and gives transformers' logits."""
+    import shutil
+
+    from transformers import NemotronHForCausalLM
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    hf_dir = tmp_path / "tiny"
+    shutil.copytree(TINY, hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["llm_config"]["n_shared_experts"] = n_shared
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    ref = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir).eval().language_model
+    assert isinstance(ref, NemotronHForCausalLM) and ref.config.n_shared_experts == n_shared
+    shared = ref.model.layers[2].mixer.shared_experts.up_proj.weight
+    m = om.build_model(hf_dir, ModelConfig(), ParallelConfig())
+    om.load_hf_weights(m, hf_dir)
+    mine = m.language_model.decoder.layers[2].mlp.shared_experts.linear_fc1.weight
+    assert m.lm_config.moe_shared_expert_intermediate_size == 48 and mine.shape == shared.shape == (48, 64)
+    ids = torch.randint(32, 1000, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (m.eval()({"input_ids": ids}) - ref(input_ids=ids).logits[0]).abs().max().item() <= PARITY
+
+
+def test_bias_update_rate_is_a_key_and_frozen_with_the_language_model():
+    """Issue 13.2: megatron-core's moe_router_bias_update_rate comes from model.moe_router_bias_update_rate (default
+    megatron-core's 1e-3) and is 0 when the language model is frozen."""
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    hf = om.read_hf_config(TINY)
+    rate = [om.language_config(hf, m, ParallelConfig(), False).moe_router_bias_update_rate
+            for m in (ModelConfig(), ModelConfig(moe_router_bias_update_rate=0.01),
+                      ModelConfig(moe_router_bias_update_rate=0.01, freeze_language_model=True))]
+    assert rate == [1e-3, 0.01, 0.0]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -373,6 +457,9 @@ def test_two_rank_layouts_match_one_rank(tmp_path):
         assert "error" not in r, (layout, r)
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
+        # expert-bias token counts: the real tokens (21 + 30) x top-2 per router, padding excluded, in every layout
+        assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
+        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(21 + 30) * 2] * 2, (layout, r)
 
 
 def test_recompute_full_gives_the_same_gradients(model, world):

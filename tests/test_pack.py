@@ -341,6 +341,16 @@ def test_packed_seq_params():
     assert psp.seq_idx.tolist() == [[0] * 16 + [1] * 8]
 
 
+def test_routing_padding_mask_marks_padding_tail_and_dummy_bins():
+    """True (megatron-core's "padding") at each row's padding, past the last sequence, and on a dummy bin."""
+    b = pack.pack([make_pair(0, 13, 6)], divisible_by=8, image_token_id=IMG)  # rows 13 -> 16 and 6 -> 8 tokens
+    want = [False] * 13 + [True] * 3 + [False] * 6 + [True] * 2
+    assert pack.routing_padding_mask(b.cu_seqlens, b.cu_seqlens_padded, 24, b.sample_mask).tolist() == want
+    assert pack.routing_padding_mask(b.cu_seqlens, b.cu_seqlens_padded, 28).tolist() == want + [True] * 4
+    dummy = pack.pack([make_pair(0, 13, 6)], divisible_by=8, image_token_id=IMG, dummy=True)
+    assert pack.routing_padding_mask(dummy.cu_seqlens, dummy.cu_seqlens_padded, 24, dummy.sample_mask).all()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Context parallelism
 

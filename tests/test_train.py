@@ -7,6 +7,8 @@ Launches are shared between tests (module fixtures); each costs ~10 s of start-u
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
     tp2      TP = 2 (+ sequence parallel), the learn config, 3 steps
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
+    padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
+    frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
 Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
 """
 
@@ -124,6 +126,47 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     assert dist.is_initialized() == was_initialized  # nothing distributed was started
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tensor_model_parallel_size=2"],  # megatron-core's MoELayer.forward refuses it at the first step
+     "parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel = true"),
+    (["parallel.tensor_model_parallel_size=4", "parallel.sequence_parallel=true"],  # the ViT's 2 heads
+     "megatron-core refuses the vision encoder config: num_attention_heads (2) must be a multiple of "
+     "tensor_model_parallel_size (4). (this run's parallel.tensor_model_parallel_size = 4; the other sizes come from "
+     "assets/tiny-omni/config.json)"),
+    (["parallel.tensor_model_parallel_size=8", "parallel.sequence_parallel=true"],  # the language model's 4 heads
+     "megatron-core refuses the language model config: num_attention_heads (4) must be a multiple of "
+     "tensor_model_parallel_size (8)"),
+    (["parallel.expert_tensor_parallel_size=2"], "parallel.expert_tensor_parallel_size = 2: only 1"),
+    (["model.freeze_vision_encoder=true", "model.freeze_vision_projector=true", "model.freeze_language_model=true"],
+     "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
+     "nothing to train"),
+])
+def test_megatron_constraints_are_config_errors_before_any_work(overrides, message):
+    """Issue 13.5: megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build
+    or at the first forward) fail in check_model_config, before any process group, data or model, naming our keys."""
+    import torch.distributed as dist
+
+    import omni_model
+
+    was_initialized = dist.is_initialized()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)
+    hf = omni_model.read_hf_config(ROOT / cfg.model.hf_path)
+    with pytest.raises(config_mod.ConfigError) as e:
+        train.check_model_config(cfg, hf)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    for fine in ([], ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+                 ["model.freeze_vision_encoder=true", "model.freeze_language_model=true"]):
+        train.check_model_config(config_mod.load_config(ROOT / "configs" / "tiny.toml", fine), hf)  # no exception
+    assert dist.is_initialized() == was_initialized
+
+
+def test_seq_aux_loss_is_refused_with_the_reason():
+    """Issue 13.3: megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
+    with pytest.raises(config_mod.ConfigError, match="'seq_aux_loss' is not supported: megatron-core computes it per "
+                                                     "row of the batch, and a packed THD row holds several sequences"):
+        config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_router_load_balancing_type=seq_aux_loss"])
+
+
 def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
     from mmpr_data import Split
 
@@ -163,6 +206,17 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
     assert proc.returncode == 1
     assert f"error: ConfigError: model.hf_path = '{tmp_path}': no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # megatron-core's constraints too (issue 13.5): before, data, models and optimizer were built and the first
+    # forward raised megatron's ValueError as a traceback
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", "parallel.tensor_model_parallel_size=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: ConfigError: parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel "
+        "= true (megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +240,7 @@ def _rows(run_dir: Path, split: str = "train") -> list[dict]:
     return [r for r in rows if r["split"] == split]
 
 
-def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
+def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tensor]]:
     """Policy weights and every optimizer state tensor (fp32 main params, Adam moments, per-parameter step) after
     loading `step_dir` into a fresh tiny policy + DDP + optimizer in this process (a world of one: the DP = 2
     checkpoint reshards over DP). In-memory state, so the uninitialised padding megatron's `dp_reshardable` format
@@ -195,12 +249,14 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     import omni_model
 
     omni_model.init_single_rank_world()
-    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
     with train.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
+    # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
+    out += [(f"buffer {n}", b.detach().clone()) for n, b in policy.named_buffers() if n.endswith("expert_bias")]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:
             for j, p in enumerate(g["params"]):
@@ -233,8 +289,8 @@ def segments(env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def learn(env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
-    _torchrun(env, 2, run_dir, *LEARN)
-    return _rows(run_dir)
+    _torchrun(env, 2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
+    return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -245,11 +301,40 @@ def tp2(env, tmp_path_factory):
     return _rows(run_dir)
 
 
+PARAM_ATOL_AFTER_3_STEPS = 1e-5  # lr 1e-3 Adam: fp32 noise in near-zero gradients moves a parameter by up to ~lr
+SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
+         "mpo.val_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def padding(env, tmp_path_factory):
+    """Issue 13.1: two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
+    padded to 8 on DP = 2."""
+    runs = {}
+    for name, nproc, multiple in (("pad8", 1, 8), ("pad64", 1, 64), ("dp2", 2, 8)):
+        run_dir = tmp_path_factory.mktemp(name)
+        _torchrun(env, nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
+        runs[name] = SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def frozen(env, tmp_path_factory):
+    """Issues 13.2 and 13.6: lr 0 and bias update rate 0 for 7 steps of 4 pairs on the first 27 sample pairs (step 7
+    straddles the epoch boundary)."""
+    run_dir = tmp_path_factory.mktemp("frozen")
+    _torchrun(env, 1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
+              "mpo.max_num_steps=7", "scheduler.lr_warmup_steps=0", "data.train.split_validation_size=0",
+              "data.train.max_samples=27", "mpo.val_at_end=false")  # fmt: skip
+    return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
+
+
 @pytest.fixture(scope="module")
 def tp1_signal(env, tmp_path_factory):
     """One process without torchrun, stopped with SIGUSR1 once step 3 is logged."""
     run_dir = tmp_path_factory.mktemp("tp1")
-    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LEARN]
+    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LEARN,
+           "checkpoint.save_period=3"]  # step_3: the DP = 1 state
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -359,8 +444,8 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
 
 
 def test_loss_goes_down_with_a_higher_lr(learn):
-    assert len(learn) == 20
-    first, last = learn[0], learn[-6:]
+    assert len(learn.rows) == 20
+    first, last = learn.rows[0], learn.rows[-6:]
     assert sum(r["loss"] for r in last) / 6 < 0.7 * first["loss"]
     assert sum(r["accuracy"] for r in last) / 6 >= 0.9
     assert sum(r["rewards/margin"] for r in last) / 6 > 0.5
@@ -371,8 +456,62 @@ def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
     assert len(tp1) >= 3 and len(tp2) == 3
     for step in range(3):
         for key in ("loss", "preference_loss", "bco_loss", "sft_loss", "rewards/margin", "reward_shift"):
-            assert learn[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
+            assert learn.rows[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "DP=2")
             assert tp2[step][key] == pytest.approx(tp1[step][key], abs=1e-5), (step, key, "TP=2")
+    # the state after step 3, the routers' expert bias (a buffer) included: DP = 2 as DP = 1 (issue 13.1)
+    _assert_same_state(_loaded_state(tp1_signal.dir / "step_3", *LEARN), _loaded_state(learn.dir / "step_3", *LEARN),
+                       "DP=2", atol=PARAM_ATOL_AFTER_3_STEPS)
+
+
+def _assert_same_state(a: list, b: list, what: str, atol: float = 1e-7) -> None:
+    """Parameters and optimizer state to float tolerance (other reduction orders), the expert bias exactly (a sum of
+    ±rate steps decided by integer token counts)."""
+    assert [k for k, _ in a] == [k for k, _ in b]
+    assert sum(k.startswith("buffer") for k, _ in a) == 2
+    for (k, x), (_, y) in zip(a, b, strict=True):
+        if k.startswith("buffer"):
+            assert torch.equal(x, y), (what, k, x.tolist(), y.tolist())
+        else:
+            assert torch.allclose(x, y, rtol=1e-4, atol=atol), (what, k, (x - y).abs().max().item())
+
+
+def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
+    """Issue 13.1: padding takes no part in routing statistics, so the padding multiple (8 vs 64) and the DP layout
+    change neither the losses nor the weights nor the routers' expert bias (before: step 2 differed, and the exported
+    e_score_correction_bias differed in sign for one expert)."""
+    ref = padding["pad8"]
+    assert len(ref.rows) == 2 and ref.rows[0]["lr"] == 0.0 and ref.rows[1]["lr"] > 0
+    ref_state = _loaded_state(ref.dir / "step_2", *SHORT)
+    assert any(k.startswith("buffer") and v.abs().max() > 0 for k, v in ref_state)  # the bias did move
+    for name in ("pad64", "dp2"):
+        run = padding[name]
+        for a, b in zip(ref.rows, run.rows, strict=True):
+            for key in ("loss", "preference_loss", "bco_loss", "grad_norm"):  # before: 4e-4 and 3e-3 apart at step 2
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, a["step"], key)
+            # a difference of two ~1e3 log-prob sums (x beta): fp32 summation noise is ~1e-6 here
+            assert a["rewards/margin"] == pytest.approx(b["rewards/margin"], abs=1e-5), (name, a["step"])
+        assert [r["num_global_pairs"] for r in run.rows] == [4, 4]
+        _assert_same_state(ref_state, _loaded_state(run.dir / "step_2", *SHORT), name)
+
+
+def test_lr_zero_and_bias_rate_zero_keep_the_policy_equal_to_the_reference(frozen):
+    """Issue 13.2: with optimizer.lr = 0 and model.moe_router_bias_update_rate = 0 nothing moves the policy: the
+    margin stays exactly 0 and the losses stay ln 2 / 2 ln 2 for every step (before: the expert bias moved at lr 0)."""
+    assert len(frozen.rows) == 7
+    for r in frozen.rows:
+        assert r["rewards/margin"] == 0.0 and r["accuracy"] == 0.0, r["step"]
+        assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_step_straddling_the_epoch_boundary_trains_four_distinct_pairs(frozen):
+    """Issue 13.6: 27 pairs, 4 per step: step 7 ends epoch 0 and starts epoch 1, whose first pair is already in the
+    step; the sampler defers it, so every step trains 4 pairs and consumed_pairs counts exactly what was trained
+    (before: step 7 trained 3 pairs beside a dummy bin while consumed_pairs added 4)."""
+    assert [r["num_global_pairs"] for r in frozen.rows] == [4] * 7
+    assert [r["consumed_pairs"] for r in frozen.rows] == [4 * k for k in range(1, 8)]
+    assert [r["bco/reward_count"] for r in frozen.rows] == [8.0] * 7  # chosen + rejected of 4 real pairs
+    state = json.loads((frozen.dir / "step_7" / "run_state.json").read_text())
+    assert state["consumed_pairs"] == 28 and state["sampler"]["epoch"] == 1 and len(state["sampler"]["deferred"]) == 1
 
 
 def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
@@ -380,7 +519,8 @@ def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
     last = tp1_signal.rows[-1]["step"]
     assert 3 <= last < 20
     assert f"stopped after step {last} (signal)" in tp1_signal.out
-    assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == [f"step_{last}"]
+    # the signal's save, beside the periodic step_3 (checkpoint.save_period=3)
+    assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == sorted({"step_3", f"step_{last}"})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
