@@ -174,6 +174,24 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
 
 
+def test_mixer_bf16_agrees_with_float64():
+    """bf16 (the recipe's dtype): the shared-prompt mixer is finite and as close to the float64 separate rows as the
+    existing packed mixer in bf16 is (its error is bf16 rounding, not a layout error)."""
+    seg, T = row_offsets(SPANS)
+    tensors, kw = mixer_tensors(T)
+    exact = mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    low = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+    shared = mt.mamba_split_conv1d_scan_shared_prompt(**low, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    assert shared.dtype == torch.bfloat16 and bool(torch.isfinite(shared).all())
+    err_shared = (shared.double() - exact).abs().max()
+    err_sep = 0.0
+    for idx, dest in separate_rows(seg, T):
+        alone = mt.mamba_split_conv1d_scan_combined(**dict(low, zxbcdt=low["zxbcdt"][:, idx]), chunk_size=4, **kw)
+        err_sep = max(err_sep, float((alone[:, idx.numel() - dest.numel():].double() - exact[:, dest]).abs().max()))
+    scale = float(exact.abs().max())
+    assert err_shared < 0.02 * scale and err_shared < 2 * err_sep + 1e-3 * scale
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention
 
@@ -267,6 +285,8 @@ def test_pack_shared_matches_separate_rows(div):
     sep = pack.pack(pairs, div, IMG)
     shr = pack.pack_shared(pairs, div, IMG)
     assert shr.shared_prompt and not sep.shared_prompt
+    moved = shr.to("cpu")
+    assert torch.equal(moved.segment_cu_seqlens_padded, shr.segment_cu_seqlens_padded) and moved.shared_prompt
     assert shr.num_responses == sep.num_responses == 6 and shr.num_sequences == 3
     for a, b in zip(pack.unpack_shared(shr), pack.unpack(sep), strict=True):
         for key in ("input_ids", "labels", "loss_mask", "position_ids", "row_loss_mask"):
