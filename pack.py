@@ -922,7 +922,7 @@ def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int
     Raises ValueError unless it has 3P+1 entries rising from 0 to at most T.
     """
     b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
-    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:])) or b[-1] > num_tokens:
+    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > num_tokens:
         raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
                          f"{num_tokens}; got {b}")
     return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]

@@ -343,8 +343,9 @@ def test_planner_sizes_match_packed_rows():
     assert b.tokens == packed.input_ids.shape[1] == 24 + 16 + 24
     assert b.useful == int(packed.cu_seqlens[-1]) == 55
     # cost: chosen sequence Lc, rejected sequence Lr + padding, prompt once
+    pads = (4, 2, 3)
     assert b.cost == pytest.approx(sum(pack.sequence_cost(c) + pack.sequence_cost(r + pad) - pack.sequence_cost(k)
-                                       for (c, r), k, pad in zip(lengths.values(), shared.values(), (4, 2, 3))))
+                                       for (c, r), k, pad in zip(lengths.values(), shared.values(), pads, strict=True)))
     with pytest.raises(ValueError, match=r"chosen 15 \+ rejected 17 - shared prompt 10 = 22 -> 24"):
         pack.plan_bins({0: (15, 17)}, 20, 1, 1, divisible_by=8, shared_lengths={0: 10})
     with pytest.raises(ValueError, match="pair 0: shared length 15 must be in"):
@@ -404,7 +405,7 @@ def toy_logits(params, kw, dims, batch):
         o = pack.shared_prompt_attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
     else:
         cu = batch.cu_seqlens_padded.tolist()
-        o = torch.cat([explicit_attention(q[a:b], k[a:b], v[a:b], 0.5) for a, b in zip(cu[:-1], cu[1:])])
+        o = torch.cat([explicit_attention(q[a:b], k[a:b], v[a:b], 0.5) for a, b in zip(cu[:-1], cu[1:], strict=True)])
     h = h + o @ params["wo"].T
     return h @ params["head"].T
 
