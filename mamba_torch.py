@@ -723,6 +723,8 @@ def mamba_split_conv1d_scan_shared_prompt(
     headdim: int | None = None,
     ngroups: int = 1,
     norm_before_gate: bool = True,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
     conv_fn=None,
     scan_fn=None,
     norm_fn=None,
@@ -734,11 +736,19 @@ def mamba_split_conv1d_scan_shared_prompt(
     causal_conv1d_fn, mamba_ssm's mamba_chunk_scan_combined and layernorm_gated.rmsnorm_fn, same signatures).
 
     Args: as `mamba_split_conv1d_scan_combined` (no initial_states / final states), plus segment_cu_seqlens_padded
-        int [3P+1] (pack.PackedBatch.segment_cu_seqlens_padded).
+        int [3P+1] (pack.PackedBatch.segment_cu_seqlens_padded). The keywords megatron-core's MambaMixer passes are
+        taken, so the call can replace the fused one as is: seq_idx [1, seqlen], when given, must be the pair spans'
+        (what megatron builds from cu_seqlens_padded of the spans), i.e. shared_prompt_seq_idx(.., False);
+        state_dtype is unused (no state is returned).
     Returns: out [1, seqlen, out] in zxbcdt.dtype.
-    Raises: ValueError on inconsistent shapes, batch > 1 or bad offsets.
+    Raises: ValueError on inconsistent shapes, batch > 1, bad offsets, or a seq_idx that is not the pair spans'.
     """
     batch, seqlen, total = zxbcdt.shape
+    if seq_idx is not None:
+        spans = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False).to(seq_idx.device)
+        if seq_idx.shape != spans.shape or not torch.equal(seq_idx.to(spans.dtype), spans):
+            raise ValueError("seq_idx does not separate the pair spans of segment_cu_seqlens_padded (pass the pair "
+                             "spans as cu_seqlens_padded of the PackedSeqParams)")
     nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     xBC = causal_conv1d_shared_prompt(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segment_cu_seqlens_padded,

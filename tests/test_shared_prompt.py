@@ -172,6 +172,15 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     loss.backward()
     for k in tensors:
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
+    # megatron-core's keywords: the pair spans' seq_idx (from cu_seqlens_padded of the spans) is accepted, another not
+    spans = torch.tensor([0] + [int(e) for *_, e in pack.shared_prompt_spans(seg, T)], dtype=torch.int32)
+    same = mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+                                                    seq_idx=mt.seq_idx_from_cu_seqlens(spans, T),
+                                                    state_dtype=torch.float32)
+    assert torch.equal(same, out.detach())
+    with pytest.raises(ValueError, match="seq_idx does not separate the pair spans"):
+        mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+                                                 seq_idx=mt.seq_idx_from_cu_seqlens(seg, T))
 
 
 def test_mixer_bf16_agrees_with_float64():
