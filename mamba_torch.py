@@ -24,7 +24,13 @@ O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurr
 Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
 The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
 
-Tests: `pytest tests/test_mamba_torch.py`.
+Shared-prompt rows (issue 16; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
+`mamba_split_conv1d_scan_shared_prompt` (built from `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt`)
+runs the rejected response from the prompt's SSM state and conv window, equal to running [prompt | chosen] and
+[prompt | rejected] as separate sequences. It wraps a packed conv and a packed scan (these torch ones, or the GPU
+kernels of causal-conv1d / mamba-ssm passed as conv_fn / scan_fn) with exact linear corrections; see the section.
+
+Tests: `pytest tests/test_mamba_torch.py` (shared-prompt rows: `pytest tests/test_shared_prompt.py`).
 """
 
 from __future__ import annotations

@@ -17,11 +17,18 @@ Three layers, cheapest first:
 3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
    keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (tests, metrics).
 
+4. Shared-prompt layout (issue 16, `packing.shared_prompt`): `pack_shared` stores each pair as one THD span
+   [prompt | chosen | rejected] (the prompt and its images once; `PackedBatch.segment_cu_seqlens_padded` marks the
+   segments); `plan_bins(..., shared_lengths=...)` sizes such spans; `response_sequence_ids` maps tokens to the loss's
+   chosen/rejected sequences; `shared_prompt_attention` is the attention of that layout (SDPA, two calls per pair; to
+   move into the attention spec); the Mamba side is `mamba_torch.mamba_split_conv1d_scan_shared_prompt`.
+   `shared_prompt_token_counts` compares the tokens of both layouts under one bin budget.
+
 `synthetic_mmpr_lengths`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark; `rank_imbalance`
 and `packing_efficiency` also fill `Plan.stats`.
 
 Run `python pack.py` to print the packing efficiency and the DP imbalance of a synthetic MMPR-like step.
-Tests: `pytest tests/test_pack.py`.
+Tests: `pytest tests/test_pack.py` (shared-prompt layout: `pytest tests/test_shared_prompt.py`).
 """
 
 from __future__ import annotations
@@ -80,7 +87,9 @@ def validate_packing_config(cfg) -> None:
     """Check `cfg.packing` against `cfg.parallel` before training (grouping key, divisibility).
 
     Raises:
-        ValueError: pair_grouping_key is not "pair_index", or the divisibility rule of `validate_divisibility` fails.
+        ValueError: pair_grouping_key is not "pair_index", the divisibility rule of `validate_divisibility` fails, or
+            packing.shared_prompt (when the config has it) is on with context parallelism (not supported yet: the CP
+            slices of a [prompt | chosen | rejected] span would need the shared-prompt masks across ranks).
     """
     if cfg.packing.pair_grouping_key != "pair_index":
         raise ValueError(
@@ -88,6 +97,11 @@ def validate_packing_config(cfg) -> None:
             "(the chosen and rejected rows of a pair must share a microbatch)"
         )
     p = cfg.parallel
+    if getattr(cfg.packing, "shared_prompt", False) and p.context_parallel_size > 1:
+        raise ValueError(
+            f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = "
+            f"{p.context_parallel_size} yet; set packing.shared_prompt = false or context_parallel_size = 1"
+        )
     validate_divisibility(
         cfg.packing.make_sequence_length_divisible_by,
         p.tensor_model_parallel_size,

@@ -449,3 +449,17 @@ def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
     assert abs(float(loss_a - loss_b)) < 1e-12
     for k in g_a:
         assert (g_a[k] - g_b[k]).abs().max() < 1e-10, k
+
+
+def test_shared_prompt_with_context_parallelism_is_a_config_error():
+    def cfg(shared, cp):
+        return SimpleNamespace(
+            packing=SimpleNamespace(pair_grouping_key="pair_index", make_sequence_length_divisible_by=8,
+                                    shared_prompt=shared),
+            parallel=SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=cp, sequence_parallel=False))
+
+    pack.validate_packing_config(cfg(True, 1))
+    pack.validate_packing_config(cfg(False, 2))
+    with pytest.raises(ValueError, match="packing.shared_prompt = true is not supported with "
+                                         "parallel.context_parallel_size = 2 yet"):
+        pack.validate_packing_config(cfg(True, 2))
