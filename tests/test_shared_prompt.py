@@ -463,3 +463,26 @@ def test_shared_prompt_with_context_parallelism_is_a_config_error():
     with pytest.raises(ValueError, match="packing.shared_prompt = true is not supported with "
                                          "parallel.context_parallel_size = 2 yet"):
         pack.validate_packing_config(cfg(True, 2))
+
+
+def test_head_shards_compute_their_heads_alone():
+    """Tensor parallelism splits heads (and their B/C groups, K/V groups): the shared-prompt scan and attention are
+    head-local, so a shard of heads gives exactly the full computation's heads (TP = 2 layout)."""
+    seg, T = row_offsets(SPANS)
+    h, p, g, n = 4, 2, 2, 3
+    gen = torch.Generator().manual_seed(9)
+    x, z = torch.randn(1, T, h, p, generator=gen, dtype=F64), torch.randn(1, T, h, p, generator=gen, dtype=F64)
+    dt = torch.randn(1, T, h, generator=gen, dtype=F64)
+    A, D = -torch.rand(h, generator=gen, dtype=F64) - 0.2, torch.randn(h, generator=gen, dtype=F64)
+    B, C = torch.randn(1, T, g, n, generator=gen, dtype=F64), torch.randn(1, T, g, n, generator=gen, dtype=F64)
+    full = mt.mamba_chunk_scan_shared_prompt(x, dt, A, B, C, 4, seg, D=D, z=z, dt_softplus=True)
+    for r in range(2):
+        hs, gs = slice(2 * r, 2 * r + 2), slice(r, r + 1)
+        part = mt.mamba_chunk_scan_shared_prompt(x[:, :, hs], dt[:, :, hs], A[hs], B[:, :, gs], C[:, :, gs], 4, seg,
+                                                 D=D[hs], z=z[:, :, hs], dt_softplus=True)
+        assert (part - full[:, :, hs]).abs().max() < 1e-13
+    q, k, v = (torch.randn(T, m, 5, generator=gen, dtype=F64) for m in (8, 2, 2))
+    full = pack.shared_prompt_attention(q, k, v, seg).view(T, 8, 5)
+    for r in range(2):
+        part = pack.shared_prompt_attention(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], v[:, r:r + 1], seg)
+        assert (part.view(T, 4, 5) - full[:, 4 * r:4 * r + 4]).abs().max() < 1e-13
