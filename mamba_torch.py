@@ -599,7 +599,9 @@ def causal_conv1d_shared_prompt(
         conv_fn: the packed causal conv to correct, `causal_conv1d_fn`'s signature (default: this module's; on a GPU
             causal_conv1d.causal_conv1d_fn with a channel-last x).
     Returns:
-        [1, dim, seqlen] in x.dtype (the correction is computed in float32/float64).
+        [1, dim, seqlen] in x.dtype (the correction terms are computed in float32/float64 and added to the packed
+        conv's output in its dtype: exact for float32/float64; for bf16 one more rounding on the first W-1 rejected
+        tokens of each pair).
     Raises:
         ValueError: batch > 1, bad activation or offsets.
     """
@@ -613,7 +615,7 @@ def causal_conv1d_shared_prompt(
     seqlen, width = x.shape[-1], weight.shape[1]
     cdt = _compute_dtype(x)
     seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False)
-    out = conv_fn(x, weight, bias, seq_idx=seq_idx, activation=None).to(cdt)
+    out = conv_fn(x, weight, bias, seq_idx=seq_idx, activation=None)
     # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
     # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
     # position before the pair start a reads 0 in both.
@@ -630,11 +632,11 @@ def causal_conv1d_shared_prompt(
     if ts:
         dev = x.device
         t, add, sub, tap = (torch.tensor(v, device=dev) for v in (ts, adds, subs, taps))
-        xf, wf = x[0].to(cdt), weight.to(cdt)
-        zero = xf.new_zeros(xf.shape[0], 1)
-        xz = torch.cat([xf, zero], dim=1)  # index -1 reads the zero column
-        terms = (xz[:, add] - xz[:, sub]) * wf[:, tap]  # [dim, n]
-        out = out.index_add(2, t, terms[None])
+        # only the few columns the taps read are gathered (no full-row copy); index -1 reads 0
+        x_add = x[0][:, add.clamp_min(0)].to(cdt) * (add >= 0)
+        x_sub = x[0][:, sub.clamp_min(0)].to(cdt) * (sub >= 0)
+        terms = (x_add - x_sub) * weight.to(cdt)[:, tap]  # [dim, n]
+        out = out.index_add(2, t, terms.to(out.dtype)[None])
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype)
@@ -661,11 +663,12 @@ def mamba_chunk_scan_shared_prompt(
     Args: as `mamba_chunk_scan_combined` (x [1, seqlen, nheads, headdim], dt [1, seqlen, nheads], A [nheads],
         B/C [1, seqlen, ngroups, dstate], D, z, dt_bias, dt_softplus, dt_limit), plus
         segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded);
-        scan_fn: the packed scan, `mamba_chunk_scan_combined`'s signature, called with the processed dt, seq_idx and
-            no D / z (default: this module's; on a GPU mamba_ssm's).
+        scan_fn: the packed scan, `mamba_chunk_scan_combined`'s signature, called with the processed dt, D, z and
+            seq_idx (default: this module's; on a GPU mamba_ssm's).
     Returns:
-        out [1, seqlen, nheads, headdim] in x.dtype: (y + D·x)·silu(z). The scan's own output is taken in x.dtype
-        (as the kernel returns it), the correction and D, z are applied in float32/float64.
+        out [1, seqlen, nheads, headdim] in x.dtype: (y + D·x)·silu(z). The prompt-state term of the rejected rows is
+        computed in float32/float64 and added to the scan's output in its dtype (exact for float32/float64; one more
+        rounding for bf16). Extra work and memory: O(prompt + rejected tokens) per pair, never a full-row copy.
     Raises:
         ValueError: batch > 1, inconsistent shapes or offsets.
     """
@@ -687,28 +690,31 @@ def mamba_chunk_scan_shared_prompt(
     if tuple(dt_limit) != _NO_LIMIT:
         dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
     seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
-    y = scan_fn(x, dtf, A, B, C, chunk_size, seq_idx=seq_idx).to(cdt)
-    r = nheads // B.shape[2]
-    Af, xf = A.to(cdt), x[0].to(cdt)
-    Bh, Ch = B[0].to(cdt).repeat_interleave(r, dim=1), C[0].to(cdt).repeat_interleave(r, dim=1)  # [l, h, n]
+    # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
+    # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
+    out = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx)
+    g = B.shape[2]
+    r = nheads // g
+    Af = A.to(cdt)
     rows, corrs = [], []
+    # Per pair, on its own slices (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group].
     for a, c0, r0, e in shared_prompt_spans(segment_cu_seqlens_padded, seqlen):
         if c0 == a or e == r0:
             continue
         cum_p = torch.cumsum(dtf[0, a:c0] * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
         w = torch.exp(cum_p[-1:] - cum_p) * dtf[0, a:c0]  # weight of token s in the state after the prompt
-        h_p = torch.einsum("sh,shp,shn->hpn", w, xf[a:c0], Bh[a:c0])  # [h, headdim, dstate]
+        x_p = x[0, a:c0].to(cdt).view(c0 - a, g, r, headdim)
+        h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, B[0, a:c0].to(cdt))  # state after prompt
         cum_r = torch.cumsum(dtf[0, r0:e] * Af, dim=0)  # [n_r, h]
-        corrs.append(torch.exp(cum_r)[..., None] * torch.einsum("thn,hpn->thp", Ch[r0:e], h_p))
+        read = torch.einsum("tgn,grpn->tgrp", C[0, r0:e].to(cdt), h_p).reshape(e - r0, nheads, headdim)
+        corr = torch.exp(cum_r)[..., None] * read
+        if z is not None:
+            corr = corr * F.silu(z[0, r0:e].to(cdt))
+        corrs.append(corr)
         rows.append(torch.arange(r0, e, device=x.device))
     if corrs:
-        y = y.index_add(1, torch.cat(rows), torch.cat(corrs)[None])
-    if D is not None:
-        Df = D.to(cdt)
-        y = y + x.to(cdt) * (Df[:, None] if Df.dim() == 1 else Df)
-    if z is not None:
-        y = y * F.silu(z.to(cdt))
-    return y.to(x.dtype)
+        out = out.index_add(1, torch.cat(rows), torch.cat(corrs).to(out.dtype)[None])
+    return out
 
 
 def mamba_split_conv1d_scan_shared_prompt(
