@@ -24,7 +24,13 @@ O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurr
 Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
 The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
 
-Tests: `pytest tests/test_mamba_torch.py`.
+Shared-prompt rows (issue 16; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
+`mamba_split_conv1d_scan_shared_prompt` (built from `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt`)
+runs the rejected response from the prompt's SSM state and conv window, equal to running [prompt | chosen] and
+[prompt | rejected] as separate sequences. It wraps a packed conv and a packed scan (these torch ones, or the GPU
+kernels of causal-conv1d / mamba-ssm passed as conv_fn / scan_fn) with exact linear corrections; see the section.
+
+Tests: `pytest tests/test_mamba_torch.py` (shared-prompt rows: `pytest tests/test_shared_prompt.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ __all__ = [
     "rmsnorm_fn",
     "RMSNormGated",
     "seq_idx_from_cu_seqlens",
+    "shared_prompt_seq_idx",
+    "causal_conv1d_shared_prompt",
+    "mamba_chunk_scan_shared_prompt",
+    "mamba_split_conv1d_scan_shared_prompt",
 ]
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -485,6 +495,30 @@ def mamba_split_conv1d_scan_combined(
         ValueError on inconsistent shapes.
     """
     batch, seqlen, total = zxbcdt.shape
+    nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
+    seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
+    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    xBC = causal_conv1d_fn(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
+                           activation=activation).transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    x = x.reshape(batch, seqlen, nheads, headdim)
+    B = B.reshape(batch, seqlen, ngroups, dstate)
+    C = C.reshape(batch, seqlen, ngroups, dstate)
+    z4 = z.reshape(batch, seqlen, nheads, headdim)
+    res = mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=D, z=None if rmsnorm_weight is not None else z4, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        return_final_states=return_final_states, state_dtype=state_dtype,
+    )
+    y, final = (res if return_final_states else (res, None))
+    y = _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
+                    norm_before_gate, outproj_weight, outproj_bias, rmsnorm_fn)
+    return (y, final) if return_final_states else y
+
+
+def _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
+    """(nheads, headdim, dim, dstate, d_nonssm) of a fused mixer call; ValueError on inconsistent shapes."""
+    total = zxbcdt.shape[-1]
     if D.dim() == 1:
         if headdim is None:
             raise ValueError("headdim is required when D is [nheads]")
@@ -501,28 +535,242 @@ def mamba_split_conv1d_scan_combined(
                          f"ngroups={ngroups}, conv channels={conv1d_weight.shape[0]}")
     if dt_bias.shape != (nheads,) or A.shape != (nheads,):
         raise ValueError(f"dt_bias and A must be ({nheads},)")
-    seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
-    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = causal_conv1d_fn(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
-                           activation=activation).transpose(1, 2)
-    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-    x = x.reshape(batch, seqlen, nheads, headdim)
-    B = B.reshape(batch, seqlen, ngroups, dstate)
-    C = C.reshape(batch, seqlen, ngroups, dstate)
-    z4 = z.reshape(batch, seqlen, nheads, headdim)
-    res = mamba_chunk_scan_combined(
-        x, dt, A, B, C, chunk_size, D=D, z=None if rmsnorm_weight is not None else z4, dt_bias=dt_bias,
-        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
-        return_final_states=return_final_states, state_dtype=state_dtype,
-    )
-    y, final = (res if return_final_states else (res, None))
-    y = y.reshape(batch, seqlen, dim)
+    return nheads, headdim, dim, dstate, d_nonssm
+
+
+def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, norm_before_gate, outproj_weight,
+                outproj_bias, norm_fn):
+    """Gated grouped RMSNorm (when rmsnorm_weight is given), the swiglu prefix of zx0, the output projection."""
     if rmsnorm_weight is not None:
-        y = rmsnorm_fn(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,
-                       norm_before_gate=norm_before_gate)
+        y = norm_fn(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,
+                    norm_before_gate=norm_before_gate)
     if d_nonssm > 0:
         a, g = zx0.chunk(2, dim=-1)
         y = torch.cat([F.silu(a) * g, y], dim=-1)
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight, outproj_bias)
-    return (y, final) if return_final_states else y
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared-prompt pairs (issue 16): one packed row holds [prompt | chosen | rejected] per pair; the chosen sequence is
+# prompt + chosen, the rejected sequence prompt + rejected (the rejected tokens never see the chosen ones).
+#
+# Mamba-2 is linear in its state, so the rejected segment's outputs split exactly into (a) a scan that starts the
+# rejected segment from a zero state and (b) the prompt's final state h_P carried into it:
+#     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
+# (a) is the ordinary packed scan with seq_idx restarting at every rejected segment ([prompt | chosen] stays one
+# sequence, so prompt and chosen need no correction), i.e. mamba-ssm's fused `mamba_chunk_scan_combined` on a GPU;
+# (b) is two small einsums per pair in torch (O(prompt·heads·headdim·dstate), like one chunk-state pass), whose
+# autograd carries the rejected response's gradient into the prompt. The causal conv works the same way: the packed
+# conv with one seq_idx per pair (causal-conv1d's kernel on a GPU) reads the chosen segment's last d_conv-1 inputs at
+# the start of the rejected segment; a correction of at most (d_conv-1)·d_conv/2 taps per pair swaps them for the
+# prompt's last inputs, before the activation.
+
+
+def shared_prompt_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int,
+                          split_rejected: bool) -> torch.Tensor:
+    """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span (`split_rejected=False`, for the conv),
+    or one id for [prompt | chosen] and one for [rejected] (`split_rejected=True`, for the scan); tokens after the last
+    pair get an id of their own. Raises ValueError for bad offsets (see pack.shared_prompt_spans)."""
+    from pack import shared_prompt_spans
+
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
+    cuts = [0]
+    for _, _, r0, e in spans:
+        cuts += [r0, e] if split_rejected else [e]
+    return seq_idx_from_cu_seqlens(torch.tensor(cuts, device=segment_cu_seqlens_padded.device), seqlen)
+
+
+def causal_conv1d_shared_prompt(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    segment_cu_seqlens_padded: torch.Tensor,
+    activation: str | None = None,
+    conv_fn=None,
+) -> torch.Tensor:
+    """Causal depthwise conv1d of a shared-prompt row: each pair's rejected segment sees the prompt's last W-1 inputs
+    before its own (as if it followed the prompt directly), never the chosen segment's.
+
+    Args:
+        x: [1, dim, seqlen]; weight [dim, W]; bias [dim] or None; activation None / "silu" / "swish".
+        segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded).
+        conv_fn: the packed causal conv to correct, `causal_conv1d_fn`'s signature (default: this module's; on a GPU
+            causal_conv1d.causal_conv1d_fn with a channel-last x).
+    Returns:
+        [1, dim, seqlen] in x.dtype (the correction terms are computed in float32/float64 and added to the packed
+        conv's output in its dtype: exact for float32/float64; for bf16 one more rounding on the first W-1 rejected
+        tokens of each pair).
+    Raises:
+        ValueError: batch > 1, bad activation or offsets.
+    """
+    from pack import shared_prompt_spans
+
+    if x.shape[0] != 1:
+        raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    conv_fn = conv_fn or causal_conv1d_fn
+    seqlen, width = x.shape[-1], weight.shape[1]
+    cdt = _compute_dtype(x)
+    seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False)
+    out = conv_fn(x, weight, bias, seq_idx=seq_idx, activation=None)
+    # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
+    # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
+    # position before the pair start a reads 0 in both.
+    ts, adds, subs, taps = [], [], [], []
+    for a, c0, r0, e in shared_prompt_spans(segment_cu_seqlens_padded, seqlen):
+        if r0 == c0:
+            continue
+        for j in range(min(width - 1, e - r0)):
+            for s in range(j + 1, width):
+                ts.append(r0 + j)
+                adds.append(c0 + j - s if c0 + j - s >= a else -1)
+                subs.append(r0 + j - s if r0 + j - s >= a else -1)
+                taps.append(width - 1 - s)
+    if ts:
+        dev = x.device
+        t, add, sub, tap = (torch.tensor(v, device=dev) for v in (ts, adds, subs, taps))
+        # only the few columns the taps read are gathered (no full-row copy); index -1 reads 0
+        x_add = x[0][:, add.clamp_min(0)].to(cdt) * (add >= 0)
+        x_sub = x[0][:, sub.clamp_min(0)].to(cdt) * (sub >= 0)
+        terms = (x_add - x_sub) * weight.to(cdt)[:, tap]  # [dim, n]
+        out = out.index_add(2, t, terms.to(out.dtype)[None])
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype)
+
+
+def mamba_chunk_scan_shared_prompt(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    segment_cu_seqlens_padded: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    scan_fn=None,
+) -> torch.Tensor:
+    """Mamba-2 SSD scan of a shared-prompt row: prompt and chosen tokens as the sequence [prompt | chosen], rejected
+    tokens as the continuation of the prompt's final state (SSM state only; the conv is `causal_conv1d_shared_prompt`).
+
+    Args: as `mamba_chunk_scan_combined` (x [1, seqlen, nheads, headdim], dt [1, seqlen, nheads], A [nheads],
+        B/C [1, seqlen, ngroups, dstate], D, z, dt_bias, dt_softplus, dt_limit), plus
+        segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded);
+        scan_fn: the packed scan, `mamba_chunk_scan_combined`'s signature, called with the processed dt, D, z and
+            seq_idx (default: this module's; on a GPU mamba_ssm's).
+    Returns:
+        out [1, seqlen, nheads, headdim] in x.dtype: (y + D·x)·silu(z). The prompt-state term of the rejected rows is
+        computed in float32/float64 and added to the scan's output in its dtype (exact for float32/float64; one more
+        rounding for bf16). Extra work and memory: O(prompt + rejected tokens) per pair, never a full-row copy.
+    Raises:
+        ValueError: batch > 1, inconsistent shapes or offsets.
+    """
+    from pack import shared_prompt_spans
+
+    batch, seqlen, nheads, headdim = x.shape
+    if batch != 1:
+        raise ValueError(f"a shared-prompt row is one packed row; got batch {batch}")
+    if B.shape[:2] != (1, seqlen) or B.shape != C.shape or nheads % B.shape[2] or dt.shape != (1, seqlen, nheads):
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)}, "
+                         f"C {tuple(C.shape)}")
+    scan_fn = scan_fn or mamba_chunk_scan_combined
+    cdt = _compute_dtype(x)
+    dtf = dt.to(cdt)
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.to(cdt)
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    if tuple(dt_limit) != _NO_LIMIT:
+        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
+    # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
+    # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
+    out = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx)
+    g = B.shape[2]
+    r = nheads // g
+    Af = A.to(cdt)
+    rows, corrs = [], []
+    # Per pair, on its own slices (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group].
+    for a, c0, r0, e in shared_prompt_spans(segment_cu_seqlens_padded, seqlen):
+        if c0 == a or e == r0:
+            continue
+        cum_p = torch.cumsum(dtf[0, a:c0] * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
+        w = torch.exp(cum_p[-1:] - cum_p) * dtf[0, a:c0]  # weight of token s in the state after the prompt
+        x_p = x[0, a:c0].to(cdt).view(c0 - a, g, r, headdim)
+        h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, B[0, a:c0].to(cdt))  # state after prompt
+        cum_r = torch.cumsum(dtf[0, r0:e] * Af, dim=0)  # [n_r, h]
+        read = torch.einsum("tgn,grpn->tgrp", C[0, r0:e].to(cdt), h_p).reshape(e - r0, nheads, headdim)
+        corr = torch.exp(cum_r)[..., None] * read
+        if z is not None:
+            corr = corr * F.silu(z[0, r0:e].to(cdt))
+        corrs.append(corr)
+        rows.append(torch.arange(r0, e, device=x.device))
+    if corrs:
+        out = out.index_add(1, torch.cat(rows), torch.cat(corrs).to(out.dtype)[None])
+    return out
+
+
+def mamba_split_conv1d_scan_shared_prompt(
+    zxbcdt: torch.Tensor,
+    conv1d_weight: torch.Tensor,
+    conv1d_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    segment_cu_seqlens_padded: torch.Tensor,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    activation: str = "silu",
+    rmsnorm_weight: torch.Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: torch.Tensor | None = None,
+    outproj_bias: torch.Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    conv_fn=None,
+    scan_fn=None,
+    norm_fn=None,
+) -> torch.Tensor:
+    """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1): the same split, conv, scan, gated norm
+    and projections, with `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt` in place of the packed
+    conv and scan, so each pair's rejected response continues the prompt (conv window and SSM state), not the chosen
+    response. conv_fn / scan_fn / norm_fn select the kernels (defaults: this module's torch ones; on a GPU
+    causal_conv1d_fn, mamba_ssm's mamba_chunk_scan_combined and layernorm_gated.rmsnorm_fn, same signatures).
+
+    Args: as `mamba_split_conv1d_scan_combined` (no initial_states / final states), plus segment_cu_seqlens_padded
+        int [3P+1] (pack.PackedBatch.segment_cu_seqlens_padded). The keywords megatron-core's MambaMixer passes are
+        taken, so the call can replace the fused one as is: seq_idx [1, seqlen], when given, must be the pair spans'
+        (what megatron builds from cu_seqlens_padded of the spans), i.e. shared_prompt_seq_idx(.., False);
+        state_dtype is unused (no state is returned).
+    Returns: out [1, seqlen, out] in zxbcdt.dtype.
+    Raises: ValueError on inconsistent shapes, batch > 1, bad offsets, or a seq_idx that is not the pair spans'.
+    """
+    batch, seqlen, total = zxbcdt.shape
+    if seq_idx is not None:
+        spans = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False).to(seq_idx.device)
+        if seq_idx.shape != spans.shape or not torch.equal(seq_idx.to(spans.dtype), spans):
+            raise ValueError("seq_idx does not separate the pair spans of segment_cu_seqlens_padded (pass the pair "
+                             "spans as cu_seqlens_padded of the PackedSeqParams)")
+    nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
+    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    xBC = causal_conv1d_shared_prompt(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segment_cu_seqlens_padded,
+                                      activation=activation, conv_fn=conv_fn).transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    y = mamba_chunk_scan_shared_prompt(
+        x.reshape(batch, seqlen, nheads, headdim), dt, A, B.reshape(batch, seqlen, ngroups, dstate),
+        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, segment_cu_seqlens_padded, D=D,
+        z=None if rmsnorm_weight is not None else z.reshape(batch, seqlen, nheads, headdim), dt_bias=dt_bias,
+        dt_softplus=True, dt_limit=dt_limit, scan_fn=scan_fn,
+    )
+    return _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
+                       norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)

@@ -27,6 +27,13 @@ The pipeline for one packed microbatch (THD: one row of T tokens holding S seque
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
+Shared-prompt layout (`pack.pack_shared`, issue 16: each pair one THD span [prompt | chosen | rejected]): only the
+token -> sequence map changes. Use `pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T)` (chosen segment of
+pair i -> 2i, rejected -> 2i+1, prompt tokens -> dropped) in place of `token_sequence_ids`, and S = batch.num_responses
+(2P) in place of batch.num_sequences (P spans there). pair_index, is_chosen and sample_mask are per response as in the
+separate layout, so `count_valid_pairs`, `mpo_loss`, δ and the metrics take them unchanged; the per-response sums
+equal the separate rows' (tests/test_shared_prompt.py).
+
 Gradient reduction contract (for train.py): `loss` is already divided by the global number of valid pairs, so the
 data-parallel gradient reduction must SUM (not average) the per-rank gradients. With context parallelism every CP rank
 returns the same (replicated) loss and the gradient of its local tokens is exact (the CP all-reduce of per-sequence

@@ -17,11 +17,18 @@ Three layers, cheapest first:
 3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
    keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (tests, metrics).
 
+4. Shared-prompt layout (issue 16, `packing.shared_prompt`): `pack_shared` stores each pair as one THD span
+   [prompt | chosen | rejected] (the prompt and its images once; `PackedBatch.segment_cu_seqlens_padded` marks the
+   segments); `plan_bins(..., shared_lengths=...)` sizes such spans; `response_sequence_ids` maps tokens to the loss's
+   chosen/rejected sequences; `shared_prompt_attention` is the attention of that layout (SDPA, two calls per pair; to
+   move into the attention spec); the Mamba side is `mamba_torch.mamba_split_conv1d_scan_shared_prompt`.
+   `shared_prompt_token_counts` compares the tokens of both layouts under one bin budget.
+
 `synthetic_mmpr_lengths`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark; `rank_imbalance`
 and `packing_efficiency` also fill `Plan.stats`.
 
 Run `python pack.py` to print the packing efficiency and the DP imbalance of a synthetic MMPR-like step.
-Tests: `pytest tests/test_pack.py`.
+Tests: `pytest tests/test_pack.py` (shared-prompt layout: `pytest tests/test_shared_prompt.py`).
 """
 
 from __future__ import annotations
@@ -80,7 +87,9 @@ def validate_packing_config(cfg) -> None:
     """Check `cfg.packing` against `cfg.parallel` before training (grouping key, divisibility).
 
     Raises:
-        ValueError: pair_grouping_key is not "pair_index", or the divisibility rule of `validate_divisibility` fails.
+        ValueError: pair_grouping_key is not "pair_index", the divisibility rule of `validate_divisibility` fails, or
+            packing.shared_prompt (when the config has it) is on with context parallelism (not supported yet: the CP
+            slices of a [prompt | chosen | rejected] span would need the shared-prompt masks across ranks).
     """
     if cfg.packing.pair_grouping_key != "pair_index":
         raise ValueError(
@@ -88,6 +97,11 @@ def validate_packing_config(cfg) -> None:
             "(the chosen and rejected rows of a pair must share a microbatch)"
         )
     p = cfg.parallel
+    if getattr(cfg.packing, "shared_prompt", False) and p.context_parallel_size > 1:
+        raise ValueError(
+            f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = "
+            f"{p.context_parallel_size} yet; set packing.shared_prompt = false or context_parallel_size = 1"
+        )
     validate_divisibility(
         cfg.packing.make_sequence_length_divisible_by,
         p.tensor_model_parallel_size,
@@ -150,6 +164,22 @@ class Plan:
 def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int], float]) -> tuple[int, int, float]:
     pc, pr = padded_length(lens[0], divisible_by), padded_length(lens[1], divisible_by)
     return pc + pr, lens[0] + lens[1], cost_fn(pc) + cost_fn(pr)
+
+
+def _shared_pair_sizes(
+    lens: tuple[int, int], shared: int, divisible_by: int, cost_fn: Callable[[int], float]
+) -> tuple[int, int, float]:
+    """(padded tokens, real tokens, cost) of a pair stored as one [prompt | chosen | rejected] span (`pack_shared`).
+
+    lens = (chosen row, rejected row) full lengths; `shared` = tokens stored once (`shared_prefix_length`). The span
+    holds Lc + Lr - shared real tokens, padded as a whole. Cost: the chosen sequence is [prompt | chosen] (Lc tokens),
+    the rejected one [prompt | rejected (+ the span's padding)], and the prompt runs once, so
+    cost = cost_fn(Lc) + cost_fn(Lr + pad) - cost_fn(shared): for `sequence_cost` the linear part is the span's tokens
+    and the quadratic part the causal attention of both sequences (the rejected queries see the prompt keys too).
+    """
+    real = lens[0] + lens[1] - shared
+    padded = padded_length(real, divisible_by)
+    return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
 
 
 def first_fit_decreasing(
@@ -264,6 +294,7 @@ def plan_bins(
     drop_oversized: bool = False,
     cost_fn: Callable[[int], float] = sequence_cost,
     balance: str = "greedy",
+    shared_lengths: Mapping[int, int] | None = None,
 ) -> Plan:
     """Plan the packed microbatches of one optimizer step.
 
@@ -279,6 +310,9 @@ def plan_bins(
             attention quadratic term), `token_cost` for tokens only.
         balance: "greedy" (largest cost first to the least-loaded rank) or "round_robin" (the baseline: bins in the
             order their pairs arrive in `lengths`, i.e. the step's data order, bin i to rank i % DP).
+        shared_lengths: pair id -> tokens stored once per pair in the shared-prompt layout (`shared_prefix_length`;
+            `packing.shared_prompt`), or None for separate rows. With it a pair's size is its [prompt | chosen |
+            rejected] span, Lc + Lr - shared padded as a whole, and its cost that of `_shared_pair_sizes`.
     Returns:
         Plan with ranks[r] = list of Bin, and stats (see `Plan`).
     Raises:
@@ -293,15 +327,26 @@ def plan_bins(
     for pid, lens in lengths.items():
         if len(lens) != 2 or min(lens) < 1:
             raise ValueError(f"pair {pid}: lengths {tuple(lens)} must be (chosen tokens, rejected tokens), both >= 1")
-    info = {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
+    if shared_lengths is None:
+        info = {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
+    else:
+        for pid, lens in lengths.items():
+            k = shared_lengths.get(pid)
+            if k is None or not 0 <= k < min(lens):
+                raise ValueError(f"pair {pid}: shared length {k} must be in [0, {min(lens)}) for rows {tuple(lens)}")
+        info = {pid: _shared_pair_sizes(tuple(lens), shared_lengths[pid], divisible_by, cost_fn)
+                for pid, lens in lengths.items()}
     dropped = []
     for pid in sorted(info):
         if info[pid][0] > max_tokens_per_bin:
             if not drop_oversized:
                 c, r = lengths[pid]
+                how = (f"chosen {c} -> {padded_length(c, divisible_by)}, rejected {r} -> "
+                       f"{padded_length(r, divisible_by)}" if shared_lengths is None else
+                       f"chosen {c} + rejected {r} - shared prompt {shared_lengths[pid]} = {info[pid][1]} -> "
+                       f"{info[pid][0]}")
                 raise ValueError(
-                    f"pair {pid} needs {info[pid][0]} tokens (chosen {c} -> {padded_length(c, divisible_by)}, "
-                    f"rejected {r} -> {padded_length(r, divisible_by)} after padding to a multiple of {divisible_by})"
+                    f"pair {pid} needs {info[pid][0]} tokens ({how} after padding to a multiple of {divisible_by})"
                     f" but packing.max_tokens_per_bin = {max_tokens_per_bin}; raise the limit, shorten "
                     "data.max_seq_length, or set packing.drop_oversized_pairs = true"
                 )
@@ -353,8 +398,10 @@ def plan_bins(
     return plan
 
 
-def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int) -> Plan:
-    """`plan_bins` with the capacities, padding and drop switch of `cfg.packing` (after `validate_packing_config`)."""
+def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int,
+              shared_lengths: Mapping[int, int] | None = None) -> Plan:
+    """`plan_bins` with the capacities, padding and drop switch of `cfg.packing` (after `validate_packing_config`);
+    `shared_lengths` as in `plan_bins` (the shared-prompt layout)."""
     validate_packing_config(cfg)
     pk = cfg.packing
     return plan_bins(
@@ -364,6 +411,7 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int) -> Plan
         dp_size,
         divisible_by=pk.make_sequence_length_divisible_by,
         drop_oversized=pk.drop_oversized_pairs,
+        shared_lengths=shared_lengths,
     )
 
 
@@ -379,6 +427,12 @@ def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, 
     dominated by image tokens. Responses are log-uniform in 50..1500 tokens; the rejected response is the chosen
     length times exp(N(0, 0.3)), clipped to 50..1500. Deterministic for (n_pairs, seed).
     """
+    return {i: (p + c, p + r) for i, (p, c, r) in synthetic_mmpr_parts(n_pairs, seed).items()}
+
+
+def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int, int]]:
+    """Pair id -> (prompt tokens, chosen response tokens, rejected response tokens), the parts of
+    `synthetic_mmpr_lengths` (same draws: its rows are prompt + response). For the shared-prompt layout's sizes."""
     rng = random.Random(seed)
     out = {}
     for i in range(n_pairs):
@@ -386,7 +440,7 @@ def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, 
         prompt = gh * gw // 4 + rng.randint(40, 72)
         chosen = int(math.exp(rng.uniform(math.log(50), math.log(1500))))
         rejected = min(1500, max(50, int(chosen * math.exp(rng.gauss(0.0, 0.3)))))
-        out[i] = (prompt + chosen, prompt + rejected)
+        out[i] = (prompt, chosen, rejected)
     return out
 
 
@@ -441,6 +495,20 @@ class PackedBatch:
         media_image_offsets (int64 [P+1]): images of slot m are image_grid_hw[offsets[m]:offsets[m+1]]; the
             `<image>` tokens of a sequence take their embeddings from those images, in order.
         media_patch_offsets (int64 [P+1]): the same in rows of pixel_values.
+
+    Shared-prompt layout (`pack_shared`, `packing.shared_prompt`; `segment_cu_seqlens_padded` is not None): each pair
+    is ONE THD sequence [prompt | chosen response | rejected response | padding], the prompt (and its `<image>` tokens)
+    stored once. Then cu_seqlens / cu_seqlens_padded / max_seqlen describe the pair spans ([P+1]), media_index is
+    arange(P) (one media slot per span), and pair_index / is_chosen / sample_mask stay per response ([2P], chosen then
+    rejected, as in the separate layout, so `mpo_loss` takes them unchanged). The extra fields:
+        segment_cu_seqlens (int32 [3P+1]): cumulative real lengths of the segments prompt_0, chosen_0, rejected_0,
+            prompt_1, ...; segment_cu_seqlens_padded (int32 [3P+1]): their boundaries in the row (segment j of pair i
+            is input_ids[0, b[3i+j]:b[3i+j+1]]; the pair's padding belongs to its rejected segment, so
+            segment_cu_seqlens_padded[3i] = cu_seqlens_padded[i]).
+    The chosen sequence is prompt + chosen segment, the rejected sequence prompt + rejected segment: the rejected
+    tokens must see the prompt but never the chosen segment (attention: `shared_prompt_attention` in
+    omni_model's attention; Mamba: `mamba_torch.mamba_split_conv1d_scan_shared_prompt`), and their log-probs are
+    summed with `response_sequence_ids`.
     """
 
     input_ids: torch.Tensor
@@ -459,10 +527,22 @@ class PackedBatch:
     media_index: torch.Tensor
     media_image_offsets: torch.Tensor
     media_patch_offsets: torch.Tensor
+    segment_cu_seqlens: torch.Tensor | None = None
+    segment_cu_seqlens_padded: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+    @property
+    def shared_prompt(self) -> bool:
+        """True for the shared-prompt layout (`pack_shared`)."""
+        return self.segment_cu_seqlens_padded is not None
+
+    @property
+    def num_responses(self) -> int:
+        """Sequences the loss sees (chosen and rejected rows, 2 per pair) in either layout: len(pair_index)."""
+        return self.pair_index.numel()
 
     @property
     def num_pairs(self) -> int:
@@ -735,6 +815,245 @@ def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, d
     cat = torch.cat(list(slices), dim=dim)
     out = torch.empty_like(cat)
     out.index_copy_(dim, index, cat)
+    return out
+
+
+# ======================================================================================================================
+# Shared-prompt layout: [prompt | chosen | rejected] per pair, the prompt stored and computed once (issue 16)
+
+
+def shared_prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
+                         rejected_loss_mask: torch.Tensor) -> int:
+    """Tokens of a pair stored once in the shared-prompt layout: k = m - 1, where m is the longest common prefix of
+    the two rows on which both response masks are False (the prompt, `<image>` tokens and assistant header included).
+
+    Why m - 1: the last common token predicts the first response token, which differs between the rows, so it
+    starts each response segment instead (stored twice, positions unchanged) and every position keeps one label.
+    Args: [L_c] / [L_r] int64 ids and bool masks of one pair. Returns k in [0, min(L_c, L_r) - 1].
+    """
+    n = min(chosen_ids.numel(), rejected_ids.numel())
+    same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
+    m = int(same.long().cumprod(0).sum())
+    return max(m - 1, 0)
+
+
+def pack_shared(
+    pairs: Sequence[PreferencePair],
+    divisible_by: int,
+    image_token_id: int,
+    pad_token_id: int = 0,
+    dummy: bool = False,
+) -> PackedBatch:
+    """Pack the pairs of one bin in the shared-prompt layout (see `PackedBatch`): per pair one THD sequence
+    [prompt (k = `shared_prefix_length` tokens) | chosen row[k:] | rejected row[k:] | padding to divisible_by].
+
+    Labels and loss masks are those of the separate rows, position by position (labels never cross a segment: the
+    last token of each response segment gets IGNORE_INDEX; the prompt's last label is row[k], the first token of both
+    response segments). position_ids: prompt 0..k-1, both responses k, k+1, ... (each continues from the prompt's
+    end), padding continues the rejected count. Images are stored once per pair, their `<image>` tokens once (in the
+    prompt). pair_index / is_chosen / sample_mask are per response [2P] as in `pack`.
+
+    Raises:
+        ValueError: as `pack`, plus a pair whose rows share no prompt token (k = 0) or whose `<image>` tokens are not
+            all inside the shared prompt.
+    """
+    if not pairs:
+        raise ValueError("cannot pack an empty bin")
+    if divisible_by < 1:
+        raise ValueError(f"divisible_by = {divisible_by} must be >= 1")
+    ids, labels, lmask, pos = [], [], [], []
+    cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
+    pair_index, is_chosen = [], []
+    img_off, patch_off = [0], [0]
+    for p in pairs:
+        _check_pair(p, image_token_id)
+        k = shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
+        if k < 1:
+            raise ValueError(f"pair {p.pair_index}: the chosen and rejected rows share no prompt token "
+                             "(shared_prefix_length 0); use the separate-rows layout for such data")
+        n_img = int(p.image_token_counts.sum())
+        if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
+            raise ValueError(f"pair {p.pair_index}: {n_img} <image> tokens expected inside the shared prompt "
+                             f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
+        row_c, row_r = p.chosen_ids, p.rejected_ids
+        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into segments.
+        parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
+        for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
+            n = row.numel()
+            lab = torch.full((n - k,), IGNORE_INDEX, dtype=torch.int64)
+            lab[: n - k - 1] = row[k + 1:]
+            msk = torch.zeros(n - k, dtype=torch.bool)
+            msk[: n - k - 1] = rmask[k + 1:]
+            parts.append((row[k:], lab, msk, torch.arange(k, n)))
+        real = sum(t[0].numel() for t in parts)
+        n_pad = padded_length(real, divisible_by) - real
+        last = row_r.numel()
+        parts.append((torch.full((n_pad,), pad_token_id, dtype=torch.int64),
+                      torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64),
+                      torch.zeros(n_pad, dtype=torch.bool), torch.arange(last, last + n_pad)))
+        for a, b, c, d in parts:
+            ids.append(a)
+            labels.append(b)
+            lmask.append(c)
+            pos.append(d)
+        lens = [t[0].numel() for t in parts[:3]]
+        for j, n in enumerate(lens):
+            seg.append(seg[-1] + n)
+            seg_pad.append(seg_pad[-1] + n + (n_pad if j == 2 else 0))
+        cu.append(cu[-1] + real)
+        cu_pad.append(cu_pad[-1] + real + n_pad)
+        pair_index += [-1 if dummy else p.pair_index] * 2
+        is_chosen += [True, False]
+        img_off.append(img_off[-1] + p.image_grid_hw.shape[0])
+        patch_off.append(patch_off[-1] + p.pixel_values.shape[0])
+    cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
+    return PackedBatch(
+        input_ids=torch.cat(ids)[None],
+        labels=torch.cat(labels)[None],
+        loss_mask=torch.cat(lmask)[None],
+        position_ids=torch.cat(pos).to(torch.int64)[None],
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_padded=cu_pad_t,
+        max_seqlen=int((cu_pad_t[1:] - cu_pad_t[:-1]).max()),
+        pair_index=torch.tensor(pair_index, dtype=torch.int64),
+        is_chosen=torch.tensor(is_chosen, dtype=torch.bool),
+        sample_mask=torch.full((len(is_chosen),), 0.0 if dummy else 1.0, dtype=torch.float32),
+        pixel_values=torch.cat([p.pixel_values for p in pairs], dim=0),
+        image_grid_hw=torch.cat([p.image_grid_hw.to(torch.int64) for p in pairs], dim=0),
+        image_token_counts=torch.cat([p.image_token_counts.to(torch.int64) for p in pairs], dim=0),
+        media_index=torch.arange(len(pairs), dtype=torch.int64),
+        media_image_offsets=torch.tensor(img_off, dtype=torch.int64),
+        media_patch_offsets=torch.tensor(patch_off, dtype=torch.int64),
+        segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
+        segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32),
+    )
+
+
+def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> list[tuple[int, int, int, int]]:
+    """(prompt start, chosen start, rejected start, end) row offsets of every pair of a shared-prompt row, as ints.
+
+    Args: segment_cu_seqlens_padded: int [3P+1] (`PackedBatch.segment_cu_seqlens_padded`); num_tokens: T.
+    Raises ValueError unless it has 3P+1 entries rising from 0 to at most T.
+    """
+    b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
+    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > num_tokens:
+        raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
+                         f"{num_tokens}; got {b}")
+    return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
+
+
+def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The loss sequence of every token of a shared-prompt row: 2i on pair i's chosen segment, 2i+1 on its rejected
+    segment (padding included), 2P (dropped by `mpo_loss.sequence_sums`) on prompts and after the last pair.
+
+    The shared-layout replacement of `token_sequence_ids` for the loss: mpo_loss.sequence_logps(logps, loss_mask,
+    response_sequence_ids(..)[cp_index], 2P) gives the per-response sums in the order of pair_index / is_chosen.
+    Prompt tokens have loss_mask False, so nothing is lost. Returns [T] int64 on the offsets' device.
+    """
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, num_tokens)
+    n = 2 * len(spans)
+    b = segment_cu_seqlens_padded.long()
+    lengths = torch.cat([b[1:] - b[:-1], num_tokens - b[-1:]])
+    role = torch.arange(lengths.numel(), device=b.device)
+    ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
+    ids[-1] = n
+    return torch.repeat_interleave(ids, lengths, output_size=num_tokens)
+
+
+def unpack_shared(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
+    """The separate rows of a shared-prompt batch: per response (chosen 0, rejected 0, chosen 1, ...) the dict of
+    `unpack` (input_ids, labels, loss_mask, position_ids, row_loss_mask over prompt + response, padding removed)."""
+    out = []
+    seg = batch.segment_cu_seqlens.long()
+    for i, (a, c0, r0, _) in enumerate(shared_prompt_spans(batch.segment_cu_seqlens_padded, batch.input_ids.shape[1])):
+        k = int(seg[3 * i + 1] - seg[3 * i])
+        for start, n in ((c0, int(seg[3 * i + 2] - seg[3 * i + 1])), (r0, int(seg[3 * i + 3] - seg[3 * i + 2]))):
+            d = {f: torch.cat([getattr(batch, f)[0, a:a + k], getattr(batch, f)[0, start:start + n]])
+                 for f in ("input_ids", "labels", "loss_mask", "position_ids")}
+            row_mask = torch.zeros(k + n, dtype=torch.bool)
+            row_mask[1:] = d["loss_mask"][:-1]
+            d["row_loss_mask"] = row_mask
+            out.append(d)
+    return out
+
+
+def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
+                            dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal self-attention of a shared-prompt THD row (to move into the local attention spec, issue 15's
+    local_spec.py): prompt and chosen tokens attend causally within [prompt | chosen]; rejected tokens attend to the
+    whole prompt and causally to earlier rejected tokens, never to the chosen segment.
+
+    Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
+    the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens
+    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is the same two
+    calls (cu_seqlens_q of the rejected runs, cu_seqlens_kv of the gathered [prompt | rejected] keys, mask type
+    padding_causal_bottom_right).
+
+    Args:
+        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs; GQA: heads is a
+            multiple of groups, group j serves heads j*heads/groups ...).
+        segment_cu_seqlens_padded: int [3P+1] (`PackedBatch.segment_cu_seqlens_padded`).
+        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
+    Returns:
+        [T, heads * d] in query's dtype (megatron's core-attention output layout).
+    Raises:
+        ValueError: bad offsets (`shared_prompt_spans`) or heads not a multiple of groups.
+    """
+    T, h, d = query.shape
+    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
+        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
+                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
+    q = query.permute(1, 0, 2)  # [h, T, d]
+    k = key.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
+    v = value.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
+    outs = []
+
+    def sdpa(qs, ks, vs, mask=None):
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
+                                                                is_causal=mask is None, scale=scale)
+
+    for a, c0, r0, e in spans:
+        if r0 > a:
+            outs.append(sdpa(q[:, a:r0], k[:, a:r0], v[:, a:r0]))
+        if e > r0:
+            n_p, n_r = c0 - a, e - r0
+            keys = torch.cat([k[:, a:c0], k[:, r0:e]], dim=1)
+            vals = torch.cat([v[:, a:c0], v[:, r0:e]], dim=1)
+            mask = (torch.arange(n_p + n_r, device=q.device)[None, :]
+                    <= torch.arange(n_r, device=q.device)[:, None] + n_p)
+            outs.append(sdpa(q[:, r0:e], keys, vals, mask))
+    end = spans[-1][3] if spans else 0
+    if end < T:
+        outs.append(sdpa(q[:, end:], k[:, end:], v[:, end:]))
+    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
+    return out.permute(1, 0, 2).reshape(T, h * d)
+
+
+def shared_prompt_token_counts(parts: Mapping[int, tuple[int, int, int]], max_tokens_per_bin: int,
+                               max_sequences_per_bin: int, dp_size: int, divisible_by: int = 1) -> dict:
+    """Tokens the language model computes for the same pairs, separate rows vs the shared-prompt layout, each planned
+    with `plan_bins` under the same bin budget (a CPU measure for the benchmark; no tensors).
+
+    Args: parts: pair id -> (prompt tokens, chosen response tokens, rejected response tokens), e.g.
+        `synthetic_mmpr_parts`; the rows are prompt + response and the shared layout stores k = prompt - 1 tokens
+        once (`shared_prefix_length`: the last prompt token starts both responses). Other args as `plan_bins`.
+    Returns: dict with tokens_separate / tokens_shared (padded tokens over all bins, dummies included), real tokens
+        of each, bins of each, and token_ratio = tokens_separate / tokens_shared.
+    """
+    lengths = {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
+    shared = {i: p - 1 for i, (p, _, _) in parts.items()}
+    sep = plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by)
+    shr = plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by, shared_lengths=shared)
+
+    def total(plan, key):
+        return sum(getattr(b, key) for r in plan.ranks for b in r)
+
+    out = {"tokens_separate": total(sep, "tokens"), "tokens_shared": total(shr, "tokens"),
+           "useful_separate": total(sep, "useful"), "useful_shared": total(shr, "useful"),
+           "bins_separate": sep.stats["bins"], "bins_shared": shr.stats["bins"]}
+    out["token_ratio"] = out["tokens_separate"] / out["tokens_shared"]
     return out
 
 
