@@ -446,6 +446,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             directory) has no config.json.
     """
     import config as config_mod
+    import hf_weights
     import omni_model
 
     ckpt = Path(ckpt)
@@ -473,7 +474,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     model_sd = model_sharded_state_dict(model)
     loaded = dist_checkpointing.load({"model": model_sd}, str(path / MODEL_OPTIM_DIR))
     _unwrap(model).load_state_dict(loaded["model"])
-    omni_model.export_hf(model, out_dir, cfg.model.hf_path)
+    hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
     return Path(out_dir)
 
 

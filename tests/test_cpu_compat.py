@@ -227,9 +227,9 @@ def _mixers(time_step_min=0.01, **config_overrides):
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
                        mamba_num_heads=heads, **config_overrides)
     # megatron's MambaMixer with the project's time-step clamp switch (off until `dt_limit` is set)
-    omni_model._install_mamba_dt_limit_hook()
+    cpu_compat.install_mamba_dt_limit_hook()
     submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
-    ours = omni_model._mamba_mixer_class()(cfg, submodules, d_model=hidden, chunk_size=chunk,
+    ours = omni_model.OmniMambaMixer(cfg, submodules, d_model=hidden, chunk_size=chunk,
                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     hf_cfg = NemotronHConfig(hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=headdim, n_groups=groups,
                              ssm_state_size=state, conv_kernel=4, chunk_size=chunk, hybrid_override_pattern="M",
