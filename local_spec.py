@@ -59,7 +59,10 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
 
 class LocalNorm(nn.Module):
     """Non-TE norm (RMSNorm or LayerNorm after `config.normalization`), usable under sequence parallelism: its
-    parameters are tagged `sequence_parallel` so megatron all-reduces their gradients over TP."""
+    parameters are tagged `sequence_parallel` so megatron all-reduces their gradients over TP.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50 (megatron's non-TE norm refuses sequence
+    parallelism; this one computes in fp32 and casts back, as the TE norm and transformers' NemotronH RMSNorm do)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__()
@@ -81,7 +84,11 @@ class LocalNormColumnParallelLinear(ColumnParallelLinear):
     """Pre-norm + ColumnParallelLinear: the non-TE equivalent of TELayerNormColumnParallelLinear, with the same
     parameter names (`layer_norm_weight`, `layer_norm_bias` for LayerNorm, `weight`, `bias`). The norm runs on the
     local sequence shard before the linear's sequence-parallel all-gather (it is per token). Keyword arguments that
-    ColumnParallelLinear does not take (TE-only ones a spec may pass) are dropped."""
+    ColumnParallelLinear does not take (TE-only ones a spec may pass) are dropped.
+
+    SHIM(megatron-core 0.19.2): megatron/core/extensions/transformer_engine.py:1122 (the fused norm + linear exists
+    only as a Transformer Engine module; megatron-core has no non-TE one).
+    """
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config,
@@ -144,6 +151,9 @@ class ThdDotProductAttention(nn.Module):
     sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
     square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
     bottom-right-aligned causal mask of [len, o + len]. The TE spec is the production path.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/dot_product_attention.py:153 (megatron's non-TE
+    DotProductAttention asserts "Packed sequence is not supported by DotProductAttention").
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
