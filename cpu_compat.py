@@ -13,7 +13,7 @@ This module is the project's one boundary for platform code: every workaround of
 non-TE modules themselves are in local_spec.py) and carries a `SHIM(megatron-core 0.19.2): <upstream file:line>`
 marker naming the line it works around (paths relative to the installed package's site-packages). The patches touch
 private names, so `apply()` refuses to run on any megatron-core but MEGATRON_CORE_VERSION_CHECKED: on a bump, re-check
-every marker (the failures and their exact errors: shared/research/mcore_cpu.md), then raise the constant.
+every marker (its comment states the upstream failure and its exact error), then raise the constant.
 
 Use:
     import cpu_compat

@@ -10,7 +10,8 @@ safetensors' get_slice; export all-gathers the shards over their groups and lays
 components this project does not train (audio, RADIO's input conditioner and summary heads, video embedder) are
 counted, kept aside and copied back unchanged on export (`UNTOUCHED_PREFIXES`).
 
-The key names are the hub checkpoint's (facts: shared/research/nemotron_omni_arch.md section 5).
+The key names are the hub checkpoint's (`language_model.backbone.layers.<i>.mixer.*`,
+`vision_model.radio_model.model.*`, `mlp1.*` for the projector), as in assets/tiny-omni.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
 def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     """megatron-core name -> ParamMap for every parameter (and the router expert-bias buffer) of `model`.
 
-    Mapping: shared/research/nemotron_omni_arch.md section 5 (hub key names). Raises ValueError for a megatron
-    tensor without an HF source.
+    Keys are the hub checkpoint's names (the tables below). Raises ValueError for a megatron tensor without an HF
+    source.
     """
     hf, t, v = model.hf, model.hf.text, model.hf.vision
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads

@@ -27,8 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -190,8 +189,8 @@ class ThdDotProductAttention(nn.Module):
         # the ViT shares megatron's process groups but is replicated over CP (its config says CP = 1)
         cp = self.cp_group.size() if self.cp_group is not None and self.config.context_parallel_size > 1 else 1
         if cp > 1:
-            key = gather_from_sequence_parallel_region(key.contiguous(), True, group=self.cp_group)
-            value = gather_from_sequence_parallel_region(value.contiguous(), True, group=self.cp_group)
+            key = mappings.gather_from_sequence_parallel_region(key.contiguous(), True, group=self.cp_group)
+            value = mappings.gather_from_sequence_parallel_region(value.contiguous(), True, group=self.cp_group)
         s_total = key.shape[0]
         device = query.device
         if thd:

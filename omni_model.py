@@ -1,12 +1,16 @@
-"""Nemotron-3-Nano-Omni on megatron-core: config mapping, layer specs, packed THD forward, HF import / export.
+"""Nemotron-3-Nano-Omni on megatron-core: config mapping, spec choice, the model (`OmniModel`) and `build_model`.
 
     init_single_rank_world()                                           # outside torchrun: a gloo world of one
     model = build_model("assets/tiny-omni", cfg.model, cfg.parallel)   # after parallel_state is initialised
-    report = load_hf_weights(model, "assets/tiny-omni")                # each rank reads only its slices
+    hf_weights.load_hf_weights(model, "assets/tiny-omni")              # each rank reads only its slices
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
-    export_hf(model, "out/", "assets/tiny-omni")                       # exact inverse, untouched keys written back
 
-What is built (facts and names: shared/research/nemotron_omni_arch.md):
+HF import / export is hf_weights.py; the non-TE modules and specs are local_spec.py; every megatron-core workaround
+(including the two this model needs on every platform: Mamba's time-step clamp and the MoE routers' padding mask) is
+cpu_compat.py, installed by cpu_compat.apply() (build_model calls it). megatron-core is imported at the top: it imports
+on CPU before any shim is applied (the shims patch names megatron looks up at call time).
+
+What is built:
 - `language_model`: megatron-core `HybridModel`, one layer per pattern letter (`M` Mamba-2, `*` attention without
   positional embedding, `E` MoE with sigmoid router + fp32 expert bias + shared expert, `-` dense MLP), squared-ReLU
   MLPs, RMSNorm pre-norms, final norm, untied vocab-parallel output layer. Logits stay sharded: [T_local, V/TP].
@@ -16,12 +20,9 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   tanh approximation instead. Images are packed (THD) and each attends only to itself.
 - `vision_projection`: megatron-core `MultimodalProjector` (RMSNorm -> Linear -> squared ReLU -> Linear).
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
-  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two
-  project modules:
-  `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
-  checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
-  attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
-  all-gathering K/V).
+  when transformer_engine imports and CUDA is used, else local_spec.py's (megatron-core's non-TE modules plus
+  `LocalNormColumnParallelLinear`, with TE's parameter names so a checkpoint does not depend on the spec, and
+  `ThdDotProductAttention`, torch SDPA per packed sequence). Both use `OmniMambaMixer` for the `M` layers.
 - Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
   and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
   cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
