@@ -642,3 +642,22 @@ def install_mamba_cp_thd_indices(partition_index: Callable[[torch.Tensor, int, i
 
     mcp.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
     mcp.is_te_min_version = lambda version, *a, **k: True
+
+
+@contextlib.contextmanager
+def routers_without_statistics(module: torch.nn.Module, active: bool):
+    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin; used
+    by omni_model.OmniModel.forward). The rest of the model stays in training mode.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/moe_utils.py:141
+    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers compute the aux losses
+    only in training mode, and the expert-bias counts are 0 anyway.
+    """
+    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
+    for m in routers:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in routers:
+            m.training = True

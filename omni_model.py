@@ -37,7 +37,6 @@ Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -365,23 +364,6 @@ def have_transformer_engine() -> bool:
 # The model
 
 
-@contextlib.contextmanager
-def _routers_without_statistics(module: nn.Module, active: bool):
-    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin).
-
-    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers only compute the aux
-    losses in training mode, and the expert-bias counts are 0 anyway. The rest of the model stays in training mode.
-    """
-    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
-    for m in routers:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in routers:
-            m.training = True
-
-
 def _get(batch, name: str, default=None):
     if isinstance(batch, dict):
         return batch.get(name, default)
@@ -589,7 +571,7 @@ class OmniModel(nn.Module):
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        with _routers_without_statistics(self.language_model, no_real_token and self.training):
+        with cpu_compat.routers_without_statistics(self.language_model, no_real_token and self.training):
             logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
                                          packed_seq_params=psp, padding_mask=pad[None])
         return logits[0]

@@ -79,7 +79,8 @@ def test_every_shim_names_an_upstream_line_that_exists():
     site = Path(megatron.core.__file__).parents[2]
     names = ("_stub_paged_stash_without_triton", *cpu_compat.CPU_ONLY_SHIMS, *cpu_compat.LOCAL_SPEC_SHIMS,
              *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS, "install_mamba_cp_thd_indices")
-    objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode, local_spec.LocalNorm,
+    objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
+                                                         cpu_compat.routers_without_statistics, local_spec.LocalNorm,
                                                          local_spec.LocalNormColumnParallelLinear,
                                                          local_spec.ThdDotProductAttention]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
