@@ -207,11 +207,12 @@ def sample_pairs(model_dir: Path, n: int) -> tuple[dict, dict]:
 
 
 def _build_ours(model_dir: Path):
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
     m = om.build_model(model_dir, ModelConfig(), ParallelConfig())
-    om.load_hf_weights(m, model_dir)
+    hf_weights.load_hf_weights(m, model_dir)
     return m
 
 

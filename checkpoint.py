@@ -18,16 +18,23 @@ Layout of a run directory (`checkpoint.dir`):
 
 `latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
 after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`, so a checkpoint reloads
-with another data-parallel size or another tensor-parallel size (the model part reshards freely; the distributed
-optimizer's `dp_reshardable` format reshards over DP only, so change TP/CP/EP only together with a fresh optimizer).
-`dp_reshardable` is also the GPU recipe's format: it writes each rank's buckets without communication, and the
-alternatives do not fix what broke bf16 saves (a param group mixing fp32 and bf16 parameters: every format reads the
-same position map; omni_model.cast_params_to), while the model-space default fails on CPU.
+with another data-parallel size or another tensor-parallel size (the model part reshards freely).
 
-Known megatron-core trap, handled in `load` (research/mcore_cpu.md, appendix): without Transformer Engine or Apex the
-distributed optimizer restores torch Adam's per-parameter `step` as the dummy value 1 (its loader also makes every
-parameter share one `step` tensor, which torch's Adam then increments once per parameter); bias correction would
-restart and the resumed run diverge. `load` gives every parameter its own `step` tensor holding the saved count.
+The optimizer format is a choice, the same on every platform: the distributed optimizer's `dp_reshardable`
+(`OPTIMIZER_METADATA`). Each rank writes its own gradient-buffer shards without communication, which is what a
+large run wants at every save; the price is that the optimizer state reshards over DP only, so change TP/CP/EP only
+together with a fresh optimizer. The alternatives would not buy bf16 correctness either (a param group mixing fp32 and
+bf16 parameters breaks every format alike, because all read the same position map: hence
+omni_model.cast_params_to). That megatron-core 0.19.2's model-space default (`fully_sharded_model_space`) also fails
+without Transformer Engine or Apex ("flattened_range is not supported") is a fact about that alternative, not the
+reason for the choice.
+
+Known megatron-core trap, handled in `load` (`_restore_adam_steps`).
+SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032 - without Transformer Engine or Apex
+the distributed optimizer restores torch Adam's per-parameter `step` from the param group's `step`, which is the dummy
+value 1, as one tensor shared by every parameter (torch's Adam then increments it once per parameter); bias correction
+would restart and the resumed run diverge. `load` gives every parameter its own `step` tensor holding the saved count.
+(It stays in `load` rather than cpu_compat.py because it repairs loaded state, not megatron-core code.)
 
 Command line (export the trained policy as a Hugging Face checkpoint that transformers loads):
 
@@ -438,7 +445,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     """Write the policy of checkpoint `ckpt` (a run directory: its latest step; or a step_<N>) as an HF checkpoint.
 
     Single process: builds the model with TP = CP = EP = 1 from the saved config's `model.hf_path`, loads the
-    (resharded) weights, and calls omni_model.export_hf, which writes safetensors plus the original config,
+    (resharded) weights, and calls hf_weights.export_hf, which writes safetensors plus the original config,
     tokenizer and processor files of `model.hf_path`.
 
     Raises:
@@ -446,6 +453,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             directory) has no config.json.
     """
     import config as config_mod
+    import hf_weights
     import omni_model
 
     ckpt = Path(ckpt)
@@ -473,7 +481,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     model_sd = model_sharded_state_dict(model)
     loaded = dist_checkpointing.load({"model": model_sd}, str(path / MODEL_OPTIM_DIR))
     _unwrap(model).load_state_dict(loaded["model"])
-    omni_model.export_hf(model, out_dir, cfg.model.hf_path)
+    hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
     return Path(out_dir)
 
 

@@ -6,9 +6,14 @@ GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and ma
 `select_kernels()` decides from what imports and whether CUDA is used: the TE spec only with TE and CUDA, else the local
 spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch. `apply()` patches exactly the
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
-sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not. Every shim
-names the upstream behaviour it works around; all were checked on megatron-core 0.19.2 (the failures and their exact errors are listed in
-shared/research/mcore_cpu.md). The patches touch private names: re-check them on every megatron-core bump.
+sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not; then the model
+shims every platform needs (`MODEL_SHIMS`: Mamba's time-step clamp, the routers' padding mask).
+
+This module is the project's one boundary for platform code: every workaround of megatron-core behaviour is here (the
+non-TE modules themselves are in local_spec.py) and carries a `SHIM(megatron-core 0.19.2): <upstream file:line>`
+marker naming the line it works around (paths relative to the installed package's site-packages). The patches touch
+private names, so `apply()` refuses to run on any megatron-core but MEGATRON_CORE_VERSION_CHECKED: on a bump, re-check
+every marker (its comment states the upstream failure and its exact error), then raise the constant.
 
 Use:
     import cpu_compat
@@ -28,15 +33,20 @@ Run the tests: `pytest tests/test_cpu_compat.py`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+# The megatron-core release every SHIM below was checked against (each names the upstream file:line it works around).
+# apply() refuses any other installed version: re-check every marker, then bump this.
 MEGATRON_CORE_VERSION_CHECKED = "0.19.2"
 
 _APPLIED = False
@@ -103,6 +113,9 @@ CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_strea
                   "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads")  # CUDA-only code paths
 LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
 TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
+# Upstream behaviour the Omni model needs changed on every platform; installed by apply() after the ones above (the
+# dt-limit hook wraps whichever Mamba scan kernel is installed by then).
+MODEL_SHIMS = ("install_mamba_dt_limit_hook", "_fix_router_padding_mask")
 
 
 def shims_for(kernels: Kernels) -> tuple[str, ...]:
@@ -121,19 +134,39 @@ def shims_for(kernels: Kernels) -> tuple[str, ...]:
 _INSTALLED: set[str] = set()
 
 
+def check_megatron_core_version() -> str:
+    """The installed megatron-core version (package metadata; megatron is not imported).
+
+    Raises RuntimeError (one line naming both versions) when it is not MEGATRON_CORE_VERSION_CHECKED: the shims patch
+    private names of that release and are not known to be right for another.
+    """
+    installed = metadata.version("megatron-core")
+    if installed != MEGATRON_CORE_VERSION_CHECKED:
+        raise RuntimeError(f"megatron-core {installed} is installed but cpu_compat's shims were checked on "
+                           f"megatron-core {MEGATRON_CORE_VERSION_CHECKED}; re-check every SHIM marker, then update "
+                           "cpu_compat.MEGATRON_CORE_VERSION_CHECKED (or install megatron-core "
+                           f"{MEGATRON_CORE_VERSION_CHECKED})")
+    return installed
+
+
 def apply(force: bool = False) -> bool:
-    """Install the shims the selected kernels need (`shims_for(select_kernels())`; idempotent). Run it in every
-    process before megatron modules are built (omni_model.build_model and init_single_rank_world do).
+    """Install the shims the selected kernels need (`shims_for(select_kernels())`) and the model shims
+    (`MODEL_SHIMS`); idempotent. Run it in every process before megatron modules are built (omni_model.build_model
+    and init_single_rank_world do).
 
     Args:
         force: install the CPU-only shims even though CUDA is available (only for tests of the shims themselves).
     Returns:
         True when the CPU-only shims are (or already were) installed, False on a CUDA machine (where only the shims
-        of missing Transformer Engine / mamba-ssm were installed).
+        of missing Transformer Engine / mamba-ssm and the model shims were installed).
+    Raises:
+        RuntimeError when the installed megatron-core is not MEGATRON_CORE_VERSION_CHECKED
+        (check_megatron_core_version).
     """
     global _APPLIED
+    check_megatron_core_version()
     kernels = select_kernels(cuda=False) if force else select_kernels()
-    for name in shims_for(kernels):
+    for name in shims_for(kernels) + MODEL_SHIMS:
         if name not in _INSTALLED:
             globals()[name]()
             _INSTALLED.add(name)
@@ -146,9 +179,9 @@ def apply(force: bool = False) -> bool:
 
 
 def _disable_dynamo() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/jit.py:21
     # megatron.core.jit.jit_fuser is torch.compile: the first call of the sigmoid router's expert-bias helper compiles
     # C++ with inductor (1.3-12 s on 2 cores). An explicit TORCHDYNAMO_DISABLE in the environment wins.
-    # Checked on megatron-core 0.19.2.
     if os.environ.get("TORCHDYNAMO_DISABLE") is None:
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         import torch._dynamo
@@ -157,10 +190,10 @@ def _disable_dynamo() -> None:
 
 
 def _stub_paged_stash_without_triton() -> None:
-    # megatron/core/transformer/moe/ops/paged_stash.py imports triton unguarded and is pulled in by
-    # `import megatron.core` (-> pipeline_parallel.schedules -> moe/paged_stash.py): ModuleNotFoundError without triton
-    # (upstream NVIDIA/Megatron-LM PR #6891). torch 2.14.1 ships triton, so this only fires on a bare CPU torch.
-    # Checked on megatron-core 0.19.2.
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/ops/paged_stash.py:4
+    # paged_stash.py imports triton unguarded and is pulled in by `import megatron.core` (-> pipeline_parallel.schedules
+    # -> moe/paged_stash.py): ModuleNotFoundError without triton (upstream NVIDIA/Megatron-LM PR #6891). torch 2.14.1
+    # ships triton, so this only fires on a bare CPU torch, and then only if apply() runs before megatron is imported.
     name = "megatron.core.transformer.moe.ops.paged_stash"
     if importlib.util.find_spec("triton") is not None or name in sys.modules:
         return
@@ -177,9 +210,11 @@ def _stub_paged_stash_without_triton() -> None:
 
 
 def _patch_current_device() -> None:
-    # About 230 megatron-core sites allocate with device=torch.cuda.current_device() (rotary inv_freq, Mamba conv/dt/D
-    # params, optimizer buffers), which raises "Torch not compiled with CUDA enabled"/"No CUDA GPUs" without a GPU.
-    # Returning "cpu" makes those allocations land on the CPU. Checked on megatron-core 0.19.2.
+    # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:326 (and ~230 more sites, e.g.
+    # megatron/core/models/common/embeddings/rotary_pos_embedding.py:162)
+    # megatron-core allocates with device=torch.cuda.current_device() (rotary inv_freq, Mamba conv/dt/D params,
+    # optimizer buffers), which raises "Torch not compiled with CUDA enabled"/"No CUDA GPUs" without a GPU.
+    # Returning "cpu" makes those allocations land on the CPU.
     torch.cuda.current_device = lambda: "cpu"
 
 
@@ -234,9 +269,10 @@ _DEFAULT_STREAM = _NoOpStream()
 
 
 def _patch_cuda_streams() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/token_dispatcher.py:469 (and :922)
     # MoEAlltoAllTokenDispatcher.__init__ creates torch.cuda.Stream() ("torch.cuda.Stream requires CUDA support") and
     # _maybe_dtoh_and_synchronize uses current_stream / stream / record_event().synchronize(). On CPU every op is
-    # synchronous, so no-op streams and events are exact. Checked on megatron-core 0.19.2.
+    # synchronous, so no-op streams and events are exact.
     torch.cuda.Stream = _NoOpStream
     torch.cuda.Event = _NoOpEvent
     torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
@@ -250,11 +286,12 @@ def _patch_cuda_streams() -> None:
 
 
 def _install_cpu_rng_tracker() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/tensor_parallel/random.py:303
     # tensor_parallel.random.CudaRNGStatesTracker.add calls torch.cuda.get_rng_state() ("Torch not compiled with CUDA
     # enabled"), and without a seeded tracker every get_cuda_rng_tracker().fork() raises "cuda rng state
     # model-parallel-rng is not added" (weight init, dropout). This tracker keeps named states of the *CPU* generator,
     # so model_parallel_cuda_manual_seed and fork() work unchanged; activation recomputation (CheckpointFunction) goes
-    # through the same _get/_set_cuda_rng_state helpers, patched to the CPU generator. Checked on megatron-core 0.19.2.
+    # through the same _get/_set_cuda_rng_state helpers, patched to the CPU generator.
     from megatron.core.tensor_parallel import random as mrandom
 
     class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
@@ -304,9 +341,9 @@ def _install_cpu_rng_tracker() -> None:
 
 
 def _patch_causal_masks() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/utils.py:39 (and :44)
     # transformer/utils.py builds the default causal and sliding-window masks with device="cuda" (used by the local
     # DotProductAttention / FusedScaleMaskSoftmax when no mask is passed). Same masks, on the CPU.
-    # Checked on megatron-core 0.19.2.
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 
@@ -324,10 +361,11 @@ def _patch_causal_masks() -> None:
 
 
 def _patch_torch_norm_sequence_parallel() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50
     # WrappedTorchNorm.__new__ asserts "sequence parallel not supported by torch LayerNorm" (not CPU-specific: any
     # setup without TE/Apex). A norm's weight is replicated over TP; with sequence parallelism each rank sees only its
     # sequence slice, so the weight's grad must be all-reduced over TP: megatron does that for params tagged
-    # `sequence_parallel=True` (finalize_model_grads), as TENorm tags them. Checked on megatron-core 0.19.2.
+    # `sequence_parallel=True` (finalize_model_grads), as TENorm tags them.
     from megatron.core.transformer import torch_norm
 
     cls = torch_norm.WrappedTorchNorm
@@ -351,9 +389,10 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
 
 def _patch_hybrid_final_norm() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/models/hybrid/hybrid_block.py:215
     # HybridStack.__init__ builds its final norm with a hard-coded TENorm, which raises "Transformer Engine is not
-    # installed" without TE (models/hybrid/hybrid_block.py:215). WrappedTorchNorm (torch.nn.RMSNorm) is the same op
-    # with the same parameter name (final_norm.weight). Checked on megatron-core 0.19.2.
+    # installed" without TE. WrappedTorchNorm (torch.nn.RMSNorm) is the same op with the same parameter name
+    # (final_norm.weight).
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -365,10 +404,10 @@ def _patch_hybrid_final_norm() -> None:
 
 
 def _patch_moe_split_sizes() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/moe_utils.py:1184
     # moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) converts only CUDA tensors, so on CPU the alltoall
     # dispatcher's input/output split sizes stay tensors and gloo's all_to_all_single raises "incompatible function
     # arguments" with EP>1. Convert CPU tensors to numpy too (what the CUDA path hands to all_to_all).
-    # Checked on megatron-core 0.19.2.
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
@@ -387,9 +426,10 @@ def _patch_moe_split_sizes() -> None:
 
 
 def _patch_clip_grads() -> None:
-    # optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor' and
-    # allocates its overflow buffer with device='cuda'. On CPU: scale every grad by max_norm / (total_norm + 1e-6)
-    # when that is < 1, the same rule. Checked on megatron-core 0.19.2.
+    # SHIM(megatron-core 0.19.2): megatron/core/optimizer/clip_grads.py:174 (and :180)
+    # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor' and allocates its overflow
+    # buffer with device='cuda'. On CPU: scale every grad by max_norm / (total_norm + 1e-6) when that is < 1, the
+    # same rule.
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -430,11 +470,14 @@ _CUDA_TYPE = {
 class CudaToCpuMode(TorchFunctionMode):
     """Catch-all for megatron's optimizer/checkpoint code on CPU.
 
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/optimizer.py:1249 (and :690, :1028;
+    megatron/core/optimizer/distrib_optimizer.py:466)
+
     megatron-core 0.19.2's optimizer path allocates with device='cuda' (optimizer.py:1249 `_scale`, found_inf, clip
     buffers), moves with `.cuda()`, pins memory, and checks `param.type() == 'torch.cuda.FloatTensor'`
     (Float16Optimizer, DistributedOptimizer: "Wrapped parameters must be one of torch.cuda.FloatTensor, ...").
     Inside this mode a 'cuda' device becomes 'cpu', `.cuda()` is the identity, pin_memory is dropped and
-    `Tensor.type()` (no argument) reports the CUDA type name of the dtype. Checked on megatron-core 0.19.2.
+    `Tensor.type()` (no argument) reports the CUDA type name of the dtype.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -470,12 +513,14 @@ def cuda_to_cpu():
 def install_torch_mamba() -> None:
     """Make megatron-core's MambaMixer build and run with the pure-torch Mamba-2 path of `mamba_torch`.
 
+    SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
+
     megatron/core/ssm/mamba_mixer.py imports mamba_ssm's Triton kernels in a try block; without them HAVE_MAMBA_SSM is
     False and MambaMixer.__init__ raises "MambaSSM is not installed", RMSNormGated is a MagicMock, and packed-sequence
     training asserts a mamba_ssm/causal_conv1d version. This sets the mixer module's own names (not sys.modules, so
     transformers' NemotronH keeps its independent torch path and stays a valid reference): the kernels, the gated norm
     class (with the sharded_state_dict of megatron's ExtendedRMSNorm), HAVE_MAMBA_SSM, and the packing check for the
-    training path. Checked on megatron-core 0.19.2.
+    training path.
     """
     from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -517,3 +562,102 @@ def install_torch_mamba() -> None:
     mamba_mixer.HAVE_MAMBA_SSM = True
     mamba_mixer._check_mamba_sequence_packing_support = _check_packing
     mamba_mixer._omni_torch_mamba = True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model shims (every platform): upstream behaviour the Omni model needs changed
+
+# The time-step clamp of the Mamba mixer running now: set by omni_model.OmniMambaMixer around its training scan, read
+# by install_mamba_dt_limit_hook's wrapper. None: megatron-core's default (0, inf).
+MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
+
+
+def install_mamba_dt_limit_hook() -> None:
+    """Let a Mamba mixer pass `dt_limit` to the fused scan: megatron-core always calls it with the default (0, inf).
+
+    SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:755
+    transformers clamps softplus(dt + dt_bias) to >= time_step_min (NemotronHMamba2Mixer.time_step_limit);
+    megatron-core does not. This wrapper, installed once over the function megatron's mamba_mixer module calls
+    (mamba-ssm's kernel on GPU, mamba_torch's on CPU), forwards `MAMBA_DT_LIMIT` as `dt_limit` when it is set.
+    """
+    from megatron.core.ssm import mamba_mixer
+
+    fn = mamba_mixer.mamba_split_conv1d_scan_combined
+    if fn is None or getattr(fn, "_omni_dt_limit", False):
+        return
+
+    def scan_with_dt_limit(*args, **kwargs):
+        limit = MAMBA_DT_LIMIT.get()
+        if limit is not None and "dt_limit" not in kwargs:
+            kwargs["dt_limit"] = limit
+        return fn(*args, **kwargs)
+
+    scan_with_dt_limit._omni_dt_limit = True
+    scan_with_dt_limit.__wrapped__ = fn
+    mamba_mixer.mamba_split_conv1d_scan_combined = scan_with_dt_limit
+
+
+def _fix_router_padding_mask() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/router.py:738
+    # TopKRouter._apply_expert_bias masks the routing map [N, E] with the flattened padding mask [N]
+    # (`routing_map & ~padding_mask`), which broadcasts along the expert dim and fails (or, with N == E, masks the
+    # wrong entries). Same update, with the mask applied per token: counts of non-padding tokens only, outside
+    # evaluation and activation recomputation (grad enabled), as megatron-core intends.
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_omni_fixed", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._omni_fixed = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+def install_mamba_cp_thd_indices(partition_index: Callable[[torch.Tensor, int, int], torch.Tensor]) -> None:
+    """Without Transformer Engine, give megatron-core's Mamba context parallelism with THD packing the load-balanced
+    token index it asks TE for (omni_model.build_model calls it when CP > 1; a no-op when TE imports).
+
+    SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_context_parallel.py:392 (and :377, :415, :430)
+    `_undo/_redo_attention_load_balancing` call `tex.thd_get_partitioned_indices` and assert TE >= 1.10.
+
+    Args: partition_index(cu_seqlens_padded int32 [S+1], cp_size, cp_rank) -> int64 [T/CP], the token positions of
+        this rank (chunk r and 2*CP-1-r of every padded sequence: pack.cp_partition_index).
+    Raises (from the installed function): ValueError when cu_seqlens does not end at total_tokens.
+    """
+    from megatron.core.ssm import mamba_context_parallel as mcp
+
+    if mcp.tex is not None:
+        return
+
+    def thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank):
+        if int(cu_seqlens[-1]) != int(total_tokens):
+            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, total_tokens is {total_tokens}")
+        return partition_index(cu_seqlens, cp_size, cp_rank).to(torch.int32)
+
+    mcp.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
+    mcp.is_te_min_version = lambda version, *a, **k: True
+
+
+@contextlib.contextmanager
+def routers_without_statistics(module: torch.nn.Module, active: bool):
+    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin; used
+    by omni_model.OmniModel.forward). The rest of the model stays in training mode.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/moe_utils.py:141
+    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers compute the aux losses
+    only in training mode, and the expert-bias counts are 0 anyway.
+    """
+    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
+    for m in routers:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in routers:
+            m.training = True

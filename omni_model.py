@@ -1,12 +1,16 @@
-"""Nemotron-3-Nano-Omni on megatron-core: config mapping, layer specs, packed THD forward, HF import / export.
+"""Nemotron-3-Nano-Omni on megatron-core: config mapping, spec choice, the model (`OmniModel`) and `build_model`.
 
     init_single_rank_world()                                           # outside torchrun: a gloo world of one
     model = build_model("assets/tiny-omni", cfg.model, cfg.parallel)   # after parallel_state is initialised
-    report = load_hf_weights(model, "assets/tiny-omni")                # each rank reads only its slices
+    hf_weights.load_hf_weights(model, "assets/tiny-omni")              # each rank reads only its slices
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
-    export_hf(model, "out/", "assets/tiny-omni")                       # exact inverse, untouched keys written back
 
-What is built (facts and names: shared/research/nemotron_omni_arch.md):
+HF import / export is hf_weights.py; the non-TE modules and specs are local_spec.py; every megatron-core workaround
+(including the two this model needs on every platform: Mamba's time-step clamp and the MoE routers' padding mask) is
+cpu_compat.py, installed by cpu_compat.apply() (build_model calls it). megatron-core is imported at the top: it imports
+on CPU before any shim is applied (the shims patch names megatron looks up at call time).
+
+What is built:
 - `language_model`: megatron-core `HybridModel`, one layer per pattern letter (`M` Mamba-2, `*` attention without
   positional embedding, `E` MoE with sigmoid router + fp32 expert bias + shared expert, `-` dense MLP), squared-ReLU
   MLPs, RMSNorm pre-norms, final norm, untied vocab-parallel output layer. Logits stay sharded: [T_local, V/TP].
@@ -16,12 +20,9 @@ What is built (facts and names: shared/research/nemotron_omni_arch.md):
   tanh approximation instead. Images are packed (THD) and each attends only to itself.
 - `vision_projection`: megatron-core `MultimodalProjector` (RMSNorm -> Linear -> squared ReLU -> Linear).
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
-  when transformer_engine imports and CUDA is used, else a local spec of megatron-core's non-TE modules plus two
-  project modules:
-  `LocalNormColumnParallelLinear` (the non-TE twin of `TELayerNormColumnParallelLinear`: same parameter names, so a
-  checkpoint is the same whichever spec built the model) and `ThdDotProductAttention` (THD `cu_seqlens`
-  attention within each sequence, causal or not, via torch's SDPA per sequence; context parallelism by
-  all-gathering K/V).
+  when transformer_engine imports and CUDA is used, else local_spec.py's (megatron-core's non-TE modules plus
+  `LocalNormColumnParallelLinear`, with TE's parameter names so a checkpoint does not depend on the spec, and
+  `ThdDotProductAttention`, torch SDPA per packed sequence). Both use `OmniMambaMixer` for the `M` layers.
 - Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
   and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
   cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
@@ -36,15 +37,9 @@ Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import json
-import math
 import os
-import re
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -52,88 +47,31 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
+from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear, TERowParallelLinear
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.radio import RADIOViTModel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.tensor_parallel import RowParallelLinear, scatter_to_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
+import cpu_compat
+from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import cp_partition_index, routing_padding_mask, thd_packed_seq_params, token_sequence_ids
 
 IMAGE_PREFIX_DEFAULT = 10
 
-# ======================================================================================================================
-# Shims owned by this module (megatron-core 0.19.2). The general CPU shims live in cpu_compat.py.
-
-_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
-
-
-def _install_mamba_dt_limit_hook() -> None:
-    """SHIM: let a Mamba mixer pass `dt_limit` to the fused scan (megatron-core calls it with the default (0, inf)).
-
-    transformers clamps softplus(dt + dt_bias) to >= time_step_min (NemotronHMamba2Mixer.time_step_limit); megatron-core
-    does not. `OmniMambaMixer` sets `_DT_LIMIT` around its training scan; this wrapper, installed once over the
-    function megatron's mamba_mixer module calls (mamba_ssm's kernel on GPU, the torch stand-in on CPU), forwards it.
-    """
-    from megatron.core.ssm import mamba_mixer
-
-    fn = mamba_mixer.mamba_split_conv1d_scan_combined
-    if fn is None or getattr(fn, "_omni_dt_limit", False):
-        return
-
-    def scan_with_dt_limit(*args, **kwargs):
-        limit = _DT_LIMIT.get()
-        if limit is not None and "dt_limit" not in kwargs:
-            kwargs["dt_limit"] = limit
-        return fn(*args, **kwargs)
-
-    scan_with_dt_limit._omni_dt_limit = True
-    scan_with_dt_limit.__wrapped__ = fn
-    mamba_mixer.mamba_split_conv1d_scan_combined = scan_with_dt_limit
-
-
-def _install_mamba_cp_thd_indices() -> None:
-    """SHIM: megatron-core's Mamba context parallelism with THD packing asks Transformer Engine for
-    `tex.thd_get_partitioned_indices` (mamba_context_parallel.py, `_undo/_redo_attention_load_balancing`). Without TE,
-    provide the same load-balanced index (chunk r and 2*CP-1-r of every padded sequence) from `cp_partition_index`."""
-    import types
-
-    from megatron.core.ssm import mamba_context_parallel as mcp
-
-    if mcp.tex is not None:
-        return
-
-    def thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank):
-        if int(cu_seqlens[-1]) != int(total_tokens):
-            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, total_tokens is {total_tokens}")
-        return cp_partition_index(cu_seqlens, cp_size, cp_rank).to(torch.int32)
-
-    mcp.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
-    mcp.is_te_min_version = lambda version, *a, **k: True
-
-
-def _install_router_padding_mask_fix() -> None:
-    """SHIM: megatron-core 0.19.2's `TopKRouter._apply_expert_bias` masks the routing map [N, E] with the flattened
-    padding mask [N] (`routing_map & ~padding_mask`), which broadcasts along the expert dim and fails (or, with
-    N == E, masks the wrong entries). Same update, with the mask applied per token: counts of non-padding tokens
-    only, outside evaluation and activation recomputation (grad enabled), as megatron-core intends."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    if getattr(TopKRouter._apply_expert_bias, "_omni_fixed", False):
-        return
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        if self.enable_expert_bias and torch.is_grad_enabled():
-            with torch.no_grad():
-                if padding_mask is not None:
-                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
-
-    _apply_expert_bias._omni_fixed = True
-    TopKRouter._apply_expert_bias = _apply_expert_bias
-
 
 def _apply_cpu_shims() -> None:
-    """Apply cpu_compat's shims for what this process lacks (cpu_compat.shims_for(select_kernels())): the CPU-only ones
-    without CUDA, the local-spec norms without Transformer Engine, the torch Mamba without mamba-ssm."""
-    import cpu_compat
-
+    """cpu_compat.apply() (init_single_rank_world's call; goes with it to the distributed-initialisation module)."""
     cpu_compat.apply()
 
 
@@ -277,9 +215,6 @@ def _common_config_kwargs(model_cfg, parallel_cfg, use_te: bool) -> dict:
 
 def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     """megatron-core TransformerConfig of the hybrid language model (every dimension from the checkpoint)."""
-    from megatron.core.activations import squared_relu
-    from megatron.core.transformer import TransformerConfig
-
     t = hf.text
     kw = _common_config_kwargs(model_cfg, parallel_cfg, use_te)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
@@ -333,8 +268,6 @@ def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
 
 def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     """TransformerConfig of the RADIO ViT: replicated over CP, never sequence-parallel (images are short, packed)."""
-    from megatron.core.transformer import TransformerConfig
-
     v = hf.vision
     act = {"gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}.get(v.hidden_act)
     if act is None:
@@ -361,9 +294,6 @@ def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
 def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     """TransformerConfig of the mlp1 projector (hidden_size = the language model's; RMSNorm eps 1e-5 as
     transformers' NemotronH_Omni_Reasoning_V3MultiModalProjector)."""
-    from megatron.core.activations import squared_relu
-    from megatron.core.transformer import TransformerConfig
-
     kw = _common_config_kwargs(model_cfg, parallel_cfg, use_te)
     kw.update(
         num_layers=1,
@@ -380,236 +310,25 @@ def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
 
 
 # ======================================================================================================================
-# Local (non-TE) modules with TE's parameter names
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
-    """RMSNorm / LayerNorm over the last dim, computed in fp32 and cast back (as transformers' NemotronH RMSNorm)."""
-    shape = (x.shape[-1],)
-    xf = x.float()
-    if kind == "RMSNorm":
-        y = F.rms_norm(xf, shape, weight.float(), eps)
-    else:
-        y = F.layer_norm(xf, shape, weight.float(), None if bias is None else bias.float(), eps)
-    return y.to(x.dtype)
-
-
-class LocalNorm(nn.Module):
-    """Non-TE norm (RMSNorm or LayerNorm after `config.normalization`), usable under sequence parallelism: its
-    parameters are tagged `sequence_parallel` so megatron all-reduces their gradients over TP."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
-        super().__init__()
-        self.kind, self.eps = config.normalization, eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)) if self.kind == "LayerNorm" \
-            else None
-        for p in self.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _norm(x, self.weight, self.bias, self.eps, self.kind)
-
-
-def _column_parallel_linear():
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    return ColumnParallelLinear
-
-
-class LocalNormColumnParallelLinear(nn.Module):
-    """Placeholder replaced at import by `_make_norm_linear()` (a ColumnParallelLinear subclass)."""
-
-
-def _make_norm_linear():
-    """Build the class lazily so importing omni_model does not import megatron-core."""
-    import inspect
-
-    base = _column_parallel_linear()
-    allowed = set(inspect.signature(base.__init__).parameters)
-
-    class _LocalNormColumnParallelLinear(base):
-        """Pre-norm + ColumnParallelLinear: the non-TE equivalent of TELayerNormColumnParallelLinear, with the same
-        parameter names (`layer_norm_weight`, `layer_norm_bias` for LayerNorm, `weight`, `bias`). The norm runs on
-        the local sequence shard before the linear's sequence-parallel all-gather (it is per token)."""
-
-        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-            super().__init__(input_size, output_size, config=config,
-                             **{k: v for k, v in kwargs.items() if k in allowed})
-            self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
-            self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
-            norm_params = [self.layer_norm_weight]
-            if self.norm_kind == "LayerNorm":
-                self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
-                norm_params.append(self.layer_norm_bias)
-            else:
-                self.layer_norm_bias = None
-            for p in norm_params:
-                p.sequence_parallel = bool(config.sequence_parallel)
-
-        def forward(self, input_, weight=None, runtime_gather_output=None):
-            x = _norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps, self.norm_kind)
-            return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
-
-    _LocalNormColumnParallelLinear.__name__ = "LocalNormColumnParallelLinear"
-    return _LocalNormColumnParallelLinear
-
-
-def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
-    """Contiguous runs of this rank's queries, each within one sequence of the packed row.
-
-    cu: cumulative (padded) sequence lengths as ints; total: packed length (all CP ranks); positions past cu[-1]
-    form one more sequence (trailing padding, CP = 1 only). Without CP a run is a whole sequence; under CP a
-    sequence of padded length L gives two runs of L/(2·CP) queries, chunks cp_rank and 2·CP−1−cp_rank (the layout of
-    pack.cp_partition_index, so local query order matches it). Returns (local query start, query count, sequence
-    start, sequence end, query offset within the sequence) per run, in local order.
-    Raises ValueError when CP > 1 and the row extends past cu[-1].
-    """
-    bounds = list(zip(cu[:-1], cu[1:], strict=True))
-    if total > cu[-1]:
-        if cp > 1:
-            raise ValueError(f"under CP the packed length {total} must equal cu_seqlens_padded[-1] = {cu[-1]}")
-        bounds.append((cu[-1], total))
-    runs, local = [], 0
-    for start, end in bounds:
-        length = end - start
-        if length <= 0:
-            continue
-        chunk = length // (2 * cp) if cp > 1 else length
-        for j in ((cp_rank, 2 * cp - 1 - cp_rank) if cp > 1 else (0,)):
-            runs.append((local, chunk, start, end, j * chunk))
-            local += chunk
-    return runs
-
-
-class ThdDotProductAttention(nn.Module):
-    """Core attention (softmax(QK^T * scale) V) for the local spec that honours THD packing and context parallelism.
-
-    Inputs as megatron's SelfAttention hands them to core attention: BSHD-style `[s, b, heads, d]`, or with THD
-    `packed_seq_params` `[t, heads, d]`. Keys attend only within their own sequence (segments from
-    `cu_seqlens_q_padded`, else `cu_seqlens_q`), and only to earlier-or-equal positions when the mask type is causal.
-    Under CP (`config.context_parallel_size > 1`) each rank holds the load-balanced slice of every sequence; K and V
-    are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
-    GQA: K/V groups are repeated to the query heads.
-
-    Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
-    sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
-    square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
-    bottom-right-aligned causal mask of [len, o + len]. The TE spec is the production path.
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, **unused):
-        super().__init__()
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        self.config = config
-        self.causal = attn_mask_type == AttnMaskType.causal
-        self.cp_group = getattr(pg_collection, "cp", None)
-        tp = pg_collection.tp.size()
-        self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        """query [s, b, heads, d] (or [t, heads, d] with THD packed_seq_params), key/value with query groups.
-
-        attention_mask: megatron's bool [b, 1, s, s_total], True where attention is not allowed (non-THD only).
-        Returns [s, b, heads·d] (or [t, heads·d]) in the input dtype.
-        Raises ValueError for an attention_bias, or under CP for a row longer than cu_seqlens_padded[-1].
-        """
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if attention_bias is not None:
-            raise ValueError("ThdDotProductAttention does not take an attention_bias")
-        causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if thd:  # [t, h, d] -> [t, 1, h, d]
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        s_local, b = query.shape[0], query.shape[1]
-        # the ViT shares megatron's process groups but is replicated over CP (its config says CP = 1)
-        cp = self.cp_group.size() if self.cp_group is not None and self.config.context_parallel_size > 1 else 1
-        if cp > 1:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-            key = gather_from_sequence_parallel_region(key.contiguous(), True, group=self.cp_group)
-            value = gather_from_sequence_parallel_region(value.contiguous(), True, group=self.cp_group)
-        s_total = key.shape[0]
-        device = query.device
-        if thd:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        else:
-            cu = torch.tensor([0, s_total])
-        runs = _query_runs([int(c) for c in cu.tolist()], s_total, cp, self.cp_group.rank() if cp > 1 else 0)
-        if cp > 1:
-            # the gathered K/V are rank-major slices: put them back in packed order
-            cu = cu.to(device)
-            order = torch.cat([cp_partition_index(cu, cp, r) for r in range(cp)]).to(device)
-            inv = torch.empty_like(order)
-            inv[order] = torch.arange(order.numel(), device=device)
-            key, value = key.index_select(0, inv), value.index_select(0, inv)
-        q = query.permute(1, 2, 0, 3)  # [b, h, s, d]
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-        if self.heads != k.shape[1]:
-            rep = self.heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        dropout = self.dropout if self.training else 0.0
-        outs = []
-        for q0, n, start, end, off in runs:
-            k_end = start + off + n if causal else end
-            mask, is_causal = None, False
-            if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
-                kk = torch.arange(off + n, device=device)
-                mask = kk[None, :] <= torch.arange(n, device=device)[:, None] + off
-            elif causal:
-                is_causal = True
-            if attention_mask is not None and not thd:
-                # megatron masks are True where attention is *not* allowed, [b, 1, sq, sk]
-                allowed = ~attention_mask[..., q0:q0 + n, start:k_end].to(torch.bool)
-                if is_causal:
-                    mask = torch.ones(n, k_end - start, dtype=torch.bool, device=device).tril()
-                mask = allowed if mask is None else allowed & mask
-                is_causal = False
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end], attn_mask=mask,
-                dropout_p=dropout, is_causal=is_causal, scale=self.scale))
-        out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, self.heads, 0, self.head_dim)  # [b, h, s, d]
-        out = out.permute(2, 0, 1, 3).reshape(s_local, b, self.heads * self.head_dim)
-        return out.squeeze(1) if thd else out
-
-
-# ======================================================================================================================
 # Layer specs
 
 
-def _mamba_mixer_class():
-    from megatron.core.ssm.mamba_mixer import MambaMixer
+class OmniMambaMixer(MambaMixer):
+    """megatron-core MambaMixer plus the reference's time-step clamp: transformers clamps softplus(dt + dt_bias) to
+    >= time_step_min (NemotronHMamba2Mixer.time_step_limit), megatron-core does not. The mixer sets
+    `cpu_compat.MAMBA_DT_LIMIT` around its training scan, which cpu_compat's dt-limit shim forwards to the fused scan
+    as `dt_limit`. `dt_clamp_min=None` keeps megatron-core's (0, inf)."""
 
-    class OmniMambaMixer(MambaMixer):
-        """megatron-core MambaMixer plus the reference's time-step clamp (`dt_limit`, see
-        `_install_mamba_dt_limit_hook`). `dt_clamp_min=None` keeps megatron-core's (0, inf)."""
+    def __init__(self, *args, dt_clamp_min: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dt_limit = None if dt_clamp_min is None else (float(dt_clamp_min), float("inf"))
 
-        def __init__(self, *args, dt_clamp_min: float | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.dt_limit = None if dt_clamp_min is None else (float(dt_clamp_min), float("inf"))
-
-        def _ssm_training(self, zxBCdt, packed_seq_params=None):
-            token = _DT_LIMIT.set(self.dt_limit)
-            try:
-                return super()._ssm_training(zxBCdt, packed_seq_params)
-            finally:
-                _DT_LIMIT.reset(token)
-
-    return OmniMambaMixer
+    def _ssm_training(self, zxBCdt, packed_seq_params=None):
+        token = cpu_compat.MAMBA_DT_LIMIT.set(self.dt_limit)
+        try:
+            return super()._ssm_training(zxBCdt, packed_seq_params)
+        finally:
+            cpu_compat.MAMBA_DT_LIMIT.reset(token)
 
 
 def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
@@ -624,143 +343,25 @@ def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
         dt_clamp_min=t.time_step_min if model_cfg.mamba_dt_clamp else None,
     )
 
-
-def local_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
-    """HybridStack spec of megatron-core's non-TE modules (+ the two project modules above)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.tensor_parallel import RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
-
-    norm_linear = LocalNormColumnParallelLinear
-    moe = get_moe_module_spec(use_te=False, num_experts=max(1, getattr(hf.text, "n_routed_experts", 1) or 1),
-                              moe_grouped_gemm=False)
-    return ModuleSpec(
-        module=HybridStack,
-        submodules=HybridStackSubmodules(
-            mamba_layer=ModuleSpec(
-                module=MambaLayer,
-                submodules=MambaLayerSubmodules(
-                    mixer=ModuleSpec(
-                        module=_mamba_mixer_class(),
-                        params=_mamba_params(hf, model_cfg),
-                        submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear),
-                    ),
-                    mamba_bda=get_bias_dropout_add,
-                ),
-            ),
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    self_attention=ModuleSpec(
-                        module=SelfAttention,
-                        params={"attn_mask_type": AttnMaskType.causal},
-                        submodules=SelfAttentionSubmodules(
-                            linear_qkv=norm_linear, core_attention=ThdDotProductAttention,
-                            linear_proj=RowParallelLinear,
-                        ),
-                    ),
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
-            mlp_layer=ModuleSpec(
-                module=MLPLayer,
-                submodules=TransformerLayerSubmodules(
-                    mlp=partial(MLP.as_mlp_submodule,
-                                submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear)),
-                    mlp_bda=get_bias_dropout_add,
-                ),
-            ),
-            moe_layer=ModuleSpec(
-                module=MoETransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=get_bias_dropout_add),
-            ),
-        ),
-    )
-
-
 def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
     """megatron-core's TE `hybrid_stack_spec` with the Mamba mixer swapped for OmniMambaMixer (checkpoint's conv
     kernel, chunk size and dt clamp)."""
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
     spec = copy.deepcopy(hybrid_stack_spec)
     mixer = spec.submodules.mamba_layer.submodules.mixer
-    mixer.module = _mamba_mixer_class()
+    mixer.module = OmniMambaMixer
     mixer.params = {**(mixer.params or {}), **_mamba_params(hf, model_cfg)}
     return spec
 
-
-def local_vit_layer_spec():
-    """Pre-LN ViT layer of non-TE modules (LayerNorm fused into qkv / fc1 like TE's ViT spec), non-causal THD
-    attention (each image attends only to itself)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.tensor_parallel import RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=LocalNormColumnParallelLinear, core_attention=ThdDotProductAttention,
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=LocalNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
 
 
 def have_transformer_engine() -> bool:
     """True when the TE specs are used: transformer_engine's torch extension imports and CUDA is used
     (cpu_compat.select_kernels)."""
-    import cpu_compat
-
     return cpu_compat.select_kernels().spec == "te"
 
 
 # ======================================================================================================================
 # The model
-
-
-@contextlib.contextmanager
-def _routers_without_statistics(module: nn.Module, active: bool):
-    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin).
-
-    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers only compute the aux
-    losses in training mode, and the expert-bias counts are 0 anyway. The rest of the model stays in training mode.
-    """
-    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
-    for m in routers:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in routers:
-            m.training = True
 
 
 def _get(batch, name: str, default=None):
@@ -790,14 +391,6 @@ class OmniModel(nn.Module):
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
         super().__init__()
-        from megatron.core import parallel_state
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-        from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-        from megatron.core.models.vision.radio import RADIOViTModel
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.tensor_parallel import RowParallelLinear
-        from megatron.core.transformer.mlp import MLPSubmodules
-
         self.hf = hf
         self.use_te = use_te
         self.model_cfg, self.parallel_cfg = model_cfg, parallel_cfg
@@ -810,7 +403,11 @@ class OmniModel(nn.Module):
             raise ValueError(f"vocab_size {vocab} is not divisible by TP = {tp} (the output stays vocab-parallel)")
         pg = ProcessGroupCollection.use_mpu_process_groups()
         self.lm_config = language_config(hf, model_cfg, parallel_cfg, use_te)
-        spec = te_hybrid_stack_spec(hf, model_cfg) if use_te else local_hybrid_stack_spec(hf, model_cfg)
+        if use_te:
+            spec = te_hybrid_stack_spec(hf, model_cfg)
+        else:
+            experts = max(1, getattr(hf.text, "n_routed_experts", 1) or 1)
+            spec = local_hybrid_stack_spec(OmniMambaMixer, _mamba_params(hf, model_cfg), experts)
         self.language_model = HybridModel(
             config=self.lm_config,
             hybrid_stack_spec=spec,
@@ -825,9 +422,6 @@ class OmniModel(nn.Module):
         )
         self.vit_config = vision_config(hf, model_cfg, parallel_cfg, use_te)
         if use_te:
-            from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear, TERowParallelLinear
-            from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
-
             vit_spec = get_vit_layer_with_transformer_engine_spec()
             fc1, fc2 = TELayerNormColumnParallelLinear, TERowParallelLinear
         else:
@@ -875,8 +469,6 @@ class OmniModel(nn.Module):
         Returns: list of [gh*gw/4, H_lm] features, one per image, in the language model's dtype.
         Raises: ValueError on odd grids or a patch count that does not match the grids.
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         grids = [(int(h), int(w)) for h, w in image_grid_hw.tolist()]
         if not grids:
             return []
@@ -939,9 +531,6 @@ class OmniModel(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------------------
 
     def forward(self, batch) -> torch.Tensor:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
-
         input_ids = _get(batch, "input_ids")
         ids = input_ids.reshape(-1)
         T = ids.numel()
@@ -982,7 +571,7 @@ class OmniModel(nn.Module):
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        with _routers_without_statistics(self.language_model, no_real_token and self.training):
+        with cpu_compat.routers_without_statistics(self.language_model, no_real_token and self.training):
             logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
                                          packed_seq_params=psp, padding_mask=pad[None])
         return logits[0]
@@ -1019,16 +608,9 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         config.ParallelConfig. use_te: force the TE (True) or local (False) spec; default: TE when it imports with CUDA.
     Raises: ValueError for unsupported checkpoint settings or sizes that do not divide (named in the message).
     """
-    from megatron.core import parallel_state
-
-    _apply_cpu_shims()
-    _install_mamba_dt_limit_hook()
-    _install_router_padding_mask_fix()
+    cpu_compat.apply()
     if parallel_cfg.context_parallel_size > 1:
-        _install_mamba_cp_thd_indices()
-    global LocalNormColumnParallelLinear
-    if not issubclass(LocalNormColumnParallelLinear, _column_parallel_linear()):
-        LocalNormColumnParallelLinear = _make_norm_linear()
+        cpu_compat.install_mamba_cp_thd_indices(cp_partition_index)
     hf = read_hf_config(hf_dir)
     if use_te is None:
         use_te = have_transformer_engine()
@@ -1053,355 +635,6 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 
 
 # ======================================================================================================================
-# HF import / export
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of `length` rows (dim 0) or columns (dim 1) of HF tensor `key`, starting at `start`."""
-
-    key: str
-    start: int
-    length: int
-
-
-@dataclass
-class ParamMap:
-    """How one megatron-core tensor is made of HF tensors: along `dim`, the local tensor of rank r of `group`
-    ("tp", "ep", or None for replicated) is the concatenation of `segments(r, size)`."""
-
-    dim: int
-    group: str | None
-    segments: Callable[[int, int], list[Segment]]
-
-
-def _split(key: str, n: int, dim: int = 0, group: str | None = "tp") -> ParamMap:
-    return ParamMap(dim, group, lambda r, s: [Segment(key, r * n // s, n // s)])
-
-
-def _whole(key: str, n: int) -> ParamMap:
-    return ParamMap(0, None, lambda r, s: [Segment(key, 0, n)])
-
-
-def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
-    """Concatenated components (key, offset, size), each split evenly over TP (Mamba in_proj z|x|B|C|dt, conv x|B|C)."""
-    return ParamMap(dim, "tp", lambda r, s: [Segment(k, off + r * n // s, n // s) for k, off, n in parts])
-
-
-def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
-    """megatron-core name -> ParamMap for every parameter (and the router expert-bias buffer) of `model`.
-
-    Mapping: shared/research/nemotron_omni_arch.md section 5 (hub key names). Raises ValueError for a megatron
-    tensor without an HF source.
-    """
-    hf, t, v = model.hf, model.hf.text, model.hf.vision
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    di, gn, nh = t.mamba_num_heads * t.mamba_head_dim, t.n_groups * t.ssm_state_size, t.mamba_num_heads
-    hpg = t.num_attention_heads // t.num_key_value_heads
-    n_exp = getattr(t, "n_routed_experts", 0) or 0
-    ep = model.lm_config.expert_model_parallel_size
-    local_experts = n_exp // ep if n_exp else 0
-    vh, vheads = v.hidden_size, v.num_attention_heads
-    vd = vh // vheads
-    vffn = int(vh * v.mlp_ratio)
-    lm, vm = "language_model.backbone.", "vision_model.radio_model.model."
-    maps: dict[str, ParamMap] = {}
-
-    def qkv(layer: int, groups: int) -> ParamMap:
-        def seg(r, s):
-            out = []
-            for g in range(r * groups // s, (r + 1) * groups // s):
-                out += [Segment(f"{lm}layers.{layer}.mixer.q_proj.weight", g * hpg * head_dim, hpg * head_dim),
-                        Segment(f"{lm}layers.{layer}.mixer.k_proj.weight", g * head_dim, head_dim),
-                        Segment(f"{lm}layers.{layer}.mixer.v_proj.weight", g * head_dim, head_dim)]
-            return out
-        return ParamMap(0, "tp", seg)
-
-    def vit_qkv(key: str) -> ParamMap:
-        def seg(r, s):  # timm rows [Q; K; V] -> megatron per head [q_h; k_h; v_h]
-            return [Segment(key, part * vh + h * vd, vd)
-                    for h in range(r * vheads // s, (r + 1) * vheads // s) for part in range(3)]
-        return ParamMap(0, "tp", seg)
-
-    def expert(key_fmt: str, j: int) -> ParamMap:
-        return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
-
-    names = list(_model_tensors(model))
-    for name in names:
-        m = re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            i, rest = int(m.group(1)), m.group(2)
-            p = f"{lm}layers.{i}."
-            kind = hf.pattern[i]
-            inp, cw, cb = p + "mixer.in_proj.weight", p + "mixer.conv1d.weight", p + "mixer.conv1d.bias"
-            table = {
-                "mixer.in_proj.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
-                "mixer.in_proj.weight": _pieces([(inp, 0, di), (inp, di, di), (inp, 2 * di, gn),
-                                                 (inp, 2 * di + gn, gn), (inp, 2 * di + 2 * gn, nh)]),
-                "mixer.conv1d_weight": _pieces([(cw, 0, di), (cw, di, gn), (cw, di + gn, gn)]),
-                "mixer.conv1d_bias": _pieces([(cb, 0, di), (cb, di, gn), (cb, di + gn, gn)]),
-                "mixer.A_log": _split(p + "mixer.A_log", nh),
-                "mixer.D": _split(p + "mixer.D", nh),
-                "mixer.dt_bias": _split(p + "mixer.dt_bias", nh),
-                "mixer.norm.weight": _split(p + "mixer.norm.weight", di),
-                "mixer.out_proj.weight": _split(p + "mixer.out_proj.weight", di, dim=1),
-                "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
-                "self_attention.linear_qkv.weight": qkv(i, t.num_key_value_heads),
-                "self_attention.linear_proj.weight": _split(p + "mixer.o_proj.weight",
-                                                            t.num_attention_heads * head_dim, dim=1),
-                "mlp.linear_fc1.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
-                "mlp.linear_fc1.weight": _split(p + "mixer.up_proj.weight", t.intermediate_size),
-                "mlp.linear_fc2.weight": _split(p + "mixer.down_proj.weight", t.intermediate_size, dim=1),
-                "pre_mlp_layernorm.weight": _whole(p + "norm.weight", t.hidden_size),
-                "mlp.router.weight": _whole(p + "mixer.gate.weight", n_exp),
-                "mlp.router.expert_bias": _whole(p + "mixer.gate.e_score_correction_bias", n_exp),
-            }
-            if kind == "E":
-                sh = t.moe_shared_expert_intermediate_size
-                table["mlp.shared_experts.linear_fc1.weight"] = _split(p + "mixer.shared_experts.up_proj.weight", sh)
-                table["mlp.shared_experts.linear_fc2.weight"] = _split(p + "mixer.shared_experts.down_proj.weight", sh,
-                                                                       dim=1)
-            e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest) or \
-                re.match(r"mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
-            if e:
-                j, fc = (int(e.group(1)), e.group(2)) if "local_experts" in rest else (int(e.group(2)), e.group(1))
-                proj = "up_proj" if fc == "1" else "down_proj"
-                maps[name] = expert(p + "mixer.experts.{e}." + proj + ".weight", j)
-                continue
-            if rest not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[rest]
-            continue
-        m = re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            p = f"{vm}blocks.{m.group(1)}."
-            table = {
-                "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm1.weight", vh),
-                "self_attention.linear_qkv.layer_norm_bias": _whole(p + "norm1.bias", vh),
-                "self_attention.linear_qkv.weight": vit_qkv(p + "attn.qkv.weight"),
-                "self_attention.linear_qkv.bias": vit_qkv(p + "attn.qkv.bias"),
-                "self_attention.linear_proj.weight": _split(p + "attn.proj.weight", vh, dim=1),
-                "self_attention.linear_proj.bias": _whole(p + "attn.proj.bias", vh),
-                "mlp.linear_fc1.layer_norm_weight": _whole(p + "norm2.weight", vh),
-                "mlp.linear_fc1.layer_norm_bias": _whole(p + "norm2.bias", vh),
-                "mlp.linear_fc1.weight": _split(p + "mlp.fc1.weight", vffn),
-                "mlp.linear_fc1.bias": _split(p + "mlp.fc1.bias", vffn),
-                "mlp.linear_fc2.weight": _split(p + "mlp.fc2.weight", vffn, dim=1),
-                "mlp.linear_fc2.bias": _whole(p + "mlp.fc2.bias", vh),
-            }
-            if m.group(2) not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[m.group(2)]
-            continue
-        table = {
-            "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
-            "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
-            "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
-            "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
-            "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
-            "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
-            "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
-            "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
-            "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size, dim=1),
-        }
-        if name not in table:
-            raise ValueError(f"no HF mapping for megatron parameter {name}")
-        maps[name] = table[name]
-    return maps
-
-
-# Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
-UNTOUCHED_PREFIXES = (
-    "sound_encoder.",
-    "sound_projection.",
-    "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
-    "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
-    "vision_model.radio_model.model.patch_generator.video_embedder.",  # video tubelets (images only here)
-)
-
-
-class HFReader:
-    """Lazy access to a safetensors checkpoint (single file or sharded with model.safetensors.index.json); reads
-    only the requested slices (safetensors get_slice)."""
-
-    def __init__(self, hf_dir: str | os.PathLike):
-        from safetensors import safe_open
-
-        self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
-            self.weight_map = {}
-            for f in files:
-                with safe_open(f, "pt") as h:
-                    self.weight_map.update({k: f.name for k in h.keys()})
-        self._open = safe_open
-        self._handles: dict[str, Any] = {}
-
-    def _handle(self, key: str):
-        if key not in self.weight_map:
-            raise KeyError(f"{self.dir}: checkpoint has no tensor {key!r}")
-        fname = self.weight_map[key]
-        if fname not in self._handles:
-            self._handles[fname] = self._open(self.dir / fname, "pt")
-        return self._handles[fname]
-
-    def shape_dtype(self, key: str) -> tuple[list[int], str]:
-        sl = self._handle(key).get_slice(key)
-        return sl.get_shape(), sl.get_dtype()
-
-    def read(self, key: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
-        sl = self._handle(key).get_slice(key)
-        shape = sl.get_shape()
-        if length is None:
-            return sl[:]
-        idx = [slice(None)] * len(shape)
-        idx[dim] = slice(start, start + length)
-        return sl[tuple(idx)]
-
-    def full(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
-
-
-def _group(name: str | None):
-    from megatron.core import parallel_state
-
-    if name == "tp":
-        return parallel_state.get_tensor_model_parallel_group()
-    if name == "ep":
-        return parallel_state.get_expert_model_parallel_group()
-    return None
-
-
-def _rank_size(group) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(model.named_parameters())
-    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
-    return out
-
-
-def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
-    """Copy the HF checkpoint's tensors into `model` (this rank's TP / EP slices only, read with get_slice).
-
-    Returns a report: {"params": n megatron tensors loaded, "hf_keys": n checkpoint keys used by the model,
-    "untouched": {prefix: count} of keys kept aside (audio, input conditioner, ...)}; the untouched key names are also
-    stored on `model.hf_untouched_keys` for export.
-    Raises: ValueError listing checkpoint keys that are neither mapped nor a known untouched component, or a shape
-    mismatch (named). KeyError for a missing checkpoint key.
-    """
-    reader = HFReader(hf_dir)
-    maps = hf_param_map(model)
-    tensors = _model_tensors(model)
-    used: set[str] = set()
-    for name, pm in maps.items():
-        rank, size = _rank_size(_group(pm.group))
-        for r in range(size):  # every rank of the group: the keys the whole model covers
-            used.update(s.key for s in pm.segments(r, size))
-        parts = [reader.read(s.key, pm.dim, s.start, s.length) for s in pm.segments(rank, size)]
-        value = torch.cat(parts, dim=pm.dim) if len(parts) > 1 else parts[0]
-        target = tensors[name]
-        if value.shape != target.shape:
-            raise ValueError(f"{name}: megatron shape {tuple(target.shape)} but the checkpoint gives "
-                             f"{tuple(value.shape)} from {[s.key for s in pm.segments(rank, size)][:3]}")
-        with torch.no_grad():
-            target.copy_(value.to(target.dtype))
-    untouched = sorted(k for k in reader.weight_map if k not in used)
-    unknown = [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]
-    if unknown:
-        raise ValueError(f"{hf_dir}: {len(unknown)} checkpoint keys have no place in the model and are not a known "
-                         f"untrained component: {unknown[:10]}")
-    counts: dict[str, int] = {}
-    for k in untouched:
-        prefix = next(p for p in UNTOUCHED_PREFIXES if k.startswith(p))
-        counts[prefix] = counts.get(prefix, 0) + 1
-    model.hf_untouched_keys = untouched
-    return {"params": len(maps), "hf_keys": len(used), "untouched": counts}
-
-
-def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
-    """Write `model` as a complete HF Omni checkpoint in the source's key names, files and dtypes (collective: every
-    rank calls it; global rank 0 writes).
-
-    TP / EP shards are all-gathered over their groups and laid back into the HF tensors (the exact inverse of
-    load_hf_weights); keys the model does not hold (audio, input conditioner, ...) are copied from `src_hf_dir`
-    unchanged; config.json, tokenizer and processor files are copied. Returns {"keys": n, "files": n} on rank 0,
-    None elsewhere. Import -> export is bit-identical when the parameters are unchanged.
-    """
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    src = HFReader(src_hf_dir)
-    maps = hf_param_map(model)
-    tensors = _model_tensors(model)
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    out: dict[str, torch.Tensor] = {}
-    for name, pm in maps.items():
-        group = _group(pm.group)
-        rank, size = _rank_size(group)
-        local = tensors[name].detach().contiguous()
-        shards = [local]
-        if size > 1:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local, group=group)
-        if not is_writer:
-            continue
-        for r, shard in enumerate(shards):
-            off = 0
-            for s in pm.segments(r, size):
-                if s.key not in out:
-                    shape, dtype = src.shape_dtype(s.key)
-                    out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
-                dst = out[s.key]
-                n = dst.shape[pm.dim] if s.length is None else s.length
-                piece = shard.narrow(pm.dim, off, n)
-                target = dst.narrow(pm.dim, s.start, n)
-                if piece.shape != target.shape:
-                    raise ValueError(f"export {name}: piece {tuple(piece.shape)} does not fit {s.key} "
-                                     f"rows {s.start}:{s.start + n} {tuple(target.shape)}")
-                target.copy_(piece)
-                off += n
-    if not is_writer:
-        dist.barrier()
-        return None
-    for key in getattr(model, "hf_untouched_keys", None) or [k for k in src.weight_map if k not in out]:
-        out[key] = src.full(key)
-    missing = [k for k in src.weight_map if k not in out]
-    if missing:
-        raise ValueError(f"export would drop {len(missing)} source keys: {missing[:10]}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in Path(src_hf_dir).iterdir():  # config, tokenizer, processor, custom code
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out_dir / f.name)
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    for key, fname in src.weight_map.items():
-        files.setdefault(fname, {})[key] = out[key].contiguous()
-    for fname, sd in files.items():
-        save_file(sd, str(out_dir / fname), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in out.values())},
-             "weight_map": dict(sorted(src.weight_map.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    if dist.is_initialized():
-        dist.barrier()
-    return {"keys": len(out), "files": len(files)}
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-                       "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-# ======================================================================================================================
 
 if __name__ == "__main__":
     import sys
@@ -1412,6 +645,6 @@ if __name__ == "__main__":
     init_single_rank_world()
     hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
     model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
-    print(load_hf_weights(model, hf_dir))
     ids = torch.randint(32, 200, (1, 16))
     print("logits", tuple(model({"input_ids": ids}).shape))
+

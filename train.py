@@ -52,6 +52,7 @@ import checkpoint
 import config as config_mod
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
+import hf_weights  # noqa: E402
 import mmpr_data  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -716,9 +717,9 @@ def main(cfg) -> int:
 
     # -- policy and frozen reference (same initial weights) --------------------------------------------------------
     policy = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
-    omni_model.load_hf_weights(policy, cfg.model.hf_path)
+    hf_weights.load_hf_weights(policy, cfg.model.hf_path)
     reference = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
-    omni_model.load_hf_weights(reference, cfg.model.hf_path)
+    hf_weights.load_hf_weights(reference, cfg.model.hf_path)
     reference.eval().requires_grad_(False)
     if cfg.reference.offload and device.type == "cuda":
         reference.to("cpu")

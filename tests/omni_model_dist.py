@@ -27,6 +27,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from omni_model_cases import TINY
 
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
     from pack import cp_partition_index
@@ -38,7 +39,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     pcfg = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep,
                           sequence_parallel=sp)
     model = om.build_model(TINY, ModelConfig(), pcfg)
-    om.load_hf_weights(model, TINY)
+    hf_weights.load_hf_weights(model, TINY)
     logits = model(batch)  # [T/CP, V/TP]
     # a fixed scalar loss of the full logits, so every layout's gradients must agree
     T = batch["input_ids"].numel()

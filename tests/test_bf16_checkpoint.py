@@ -120,6 +120,7 @@ def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
     import checkpoint
+    import hf_weights
     import omni_model
 
     omni_model.init_single_rank_world()
@@ -143,7 +144,7 @@ def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
                                        "vision_model.input_conditioner.norm_std"}  # fmt: skip
     # our loader reads the export back to exactly the trained bf16 state (parameters and the router's expert bias)
     reloaded = omni_model.build_model(out, cfg.model, cfg.parallel)
-    omni_model.load_hf_weights(reloaded, out)
+    hf_weights.load_hf_weights(reloaded, out)
     want = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
     got = {**dict(reloaded.named_parameters()), **dict(reloaded.named_buffers())}
     assert want.keys() == got.keys()
@@ -151,7 +152,7 @@ def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     # and transformers computes what we compute from it: both in fp32 on the same exported weights
     fp32 = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, "model.params_dtype=float32"])
     ours32 = omni_model.build_model(out, fp32.model, fp32.parallel)
-    omni_model.load_hf_weights(ours32, out)
+    hf_weights.load_hf_weights(ours32, out)
     ours32.eval()
     ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

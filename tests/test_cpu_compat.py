@@ -53,6 +53,48 @@ def test_apply_is_idempotent_and_guarded():
     assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
 
 
+
+def test_apply_refuses_another_megatron_core_version(monkeypatch):
+    """The checked version is read: the installed one passes, any other fails apply() with one line naming both."""
+    assert cpu_compat.check_megatron_core_version() == cpu_compat.MEGATRON_CORE_VERSION_CHECKED == "0.19.2"
+    monkeypatch.setattr(cpu_compat.metadata, "version", lambda name: {"megatron-core": "0.20.0"}[name])
+    with pytest.raises(RuntimeError) as err:
+        cpu_compat.apply()  # already applied in this process: the check still runs first
+    assert str(err.value) == (
+        "megatron-core 0.20.0 is installed but cpu_compat's shims were checked on megatron-core 0.19.2; re-check "
+        "every SHIM marker, then update cpu_compat.MEGATRON_CORE_VERSION_CHECKED (or install megatron-core 0.19.2)")
+    assert "\n" not in str(err.value)
+
+
+def test_every_shim_names_an_upstream_line_that_exists():
+    """Every shim apply() installs, and every non-TE stand-in, carries `SHIM(megatron-core 0.19.2): <file:line>`,
+    and each named file:line exists in the installed megatron-core (a bump that moves a file shows up here)."""
+    import inspect
+    from pathlib import Path
+
+    import megatron.core
+
+    import local_spec
+
+    site = Path(megatron.core.__file__).parents[2]
+    names = ("_stub_paged_stash_without_triton", *cpu_compat.CPU_ONLY_SHIMS, *cpu_compat.LOCAL_SPEC_SHIMS,
+             *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS, "install_mamba_cp_thd_indices")
+    objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
+                                                         cpu_compat.routers_without_statistics, local_spec.LocalNorm,
+                                                         local_spec.LocalNormColumnParallelLinear,
+                                                         local_spec.ThdDotProductAttention]
+    marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
+    for obj in objects:
+        found = marker.findall(inspect.getsource(obj))
+        assert found, f"{obj.__name__} has no SHIM marker"
+        for version, path, line in found:
+            assert version == cpu_compat.MEGATRON_CORE_VERSION_CHECKED, (obj.__name__, version)
+            lines = (site / path).read_text().splitlines()
+            assert int(line) <= len(lines) and lines[int(line) - 1].strip(), (obj.__name__, path, line)
+    # the model shims are installed by apply() on every platform
+    assert set(cpu_compat.MODEL_SHIMS) <= cpu_compat._INSTALLED
+
+
 def test_kernel_selection_by_capability():
     """The decision for every combination of (Transformer Engine imports, mamba-ssm + causal-conv1d import, CUDA)."""
     from itertools import product
@@ -227,9 +269,9 @@ def _mixers(time_step_min=0.01, **config_overrides):
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
                        mamba_num_heads=heads, **config_overrides)
     # megatron's MambaMixer with the project's time-step clamp switch (off until `dt_limit` is set)
-    omni_model._install_mamba_dt_limit_hook()
+    cpu_compat.install_mamba_dt_limit_hook()
     submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
-    ours = omni_model._mamba_mixer_class()(cfg, submodules, d_model=hidden, chunk_size=chunk,
+    ours = omni_model.OmniMambaMixer(cfg, submodules, d_model=hidden, chunk_size=chunk,
                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     hf_cfg = NemotronHConfig(hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=headdim, n_groups=groups,
                              ssm_state_size=state, conv_kernel=4, chunk_size=chunk, hybrid_override_pattern="M",

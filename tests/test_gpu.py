@@ -62,14 +62,16 @@ def cuda_world():
 
 @pytest.mark.parametrize("spec", _specs())
 def test_cuda_fp32_parity_with_transformers(spec, cuda_world):
-    import omni_model as om
-    from config import ModelConfig, ParallelConfig
     from omni_model_cases import TINY, image_text_inputs
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
+    import hf_weights
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
     dev = torch.device("cuda", 0)
     model = om.build_model(TINY, ModelConfig(), ParallelConfig(), use_te=spec == "te")
-    om.load_hf_weights(model, TINY)
+    hf_weights.load_hf_weights(model, TINY)
     model.eval()
     assert next(model.parameters()).device == dev and model.use_te == (spec == "te")
     ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).to(dev).eval()

@@ -34,11 +34,12 @@ def world():
 
 @pytest.fixture(scope="module")
 def model(world):
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
     m = om.build_model(TINY, ModelConfig(), ParallelConfig())
-    report = om.load_hf_weights(m, TINY)
+    report = hf_weights.load_hf_weights(m, TINY)
     m.load_report = report
     return m.eval()
 
@@ -200,12 +201,13 @@ def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world):
     """Issue 13.1: the expert-bias token counts and the aux loss see only real tokens. The same pair padded to a
     multiple of 8 or of 64 gives the same counts (sum = real tokens x top-k) and the same router gradients; a dummy
     bin (sample_mask 0, loss weight 0) counts nothing and adds no gradient (before: its aux loss did)."""
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
     m = om.build_model(TINY, ModelConfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
                        ParallelConfig())
-    om.load_hf_weights(m, TINY)
+    hf_weights.load_hf_weights(m, TINY)
     m.train()
     topk, n_real = m.lm_config.moe_router_topk, 21 + 30
     c8, g8 = _routing_step(m, make_pair_batch(seed=3, lens=(21, 30), divisible_by=8))
@@ -291,6 +293,7 @@ def test_shared_expert_width_is_the_checkpoints_total(world, tmp_path, n_shared)
     from transformers import NemotronHForCausalLM
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
@@ -303,7 +306,7 @@ def test_shared_expert_width_is_the_checkpoints_total(world, tmp_path, n_shared)
     assert isinstance(ref, NemotronHForCausalLM) and ref.config.n_shared_experts == n_shared
     shared = ref.model.layers[2].mixer.shared_experts.up_proj.weight
     m = om.build_model(hf_dir, ModelConfig(), ParallelConfig())
-    om.load_hf_weights(m, hf_dir)
+    hf_weights.load_hf_weights(m, hf_dir)
     mine = m.language_model.decoder.layers[2].mlp.shared_experts.linear_fc1.weight
     assert m.lm_config.moe_shared_expert_intermediate_size == 48 and mine.shape == shared.shape == (48, 64)
     ids = torch.randint(32, 1000, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -332,13 +335,13 @@ def test_import_export_is_bit_identical_and_reloads_in_transformers(model, refer
     from safetensors import safe_open
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
-    import omni_model as om
+    import hf_weights
 
     assert model.load_report["untouched"] == {"vision_model.radio_model.input_conditioner.": 2,
                                               "vision_model.radio_model.model.patch_generator.video_embedder.": 1,
                                               "vision_model.radio_model.summary_idxs": 1}
     out = tmp_path / "export"
-    om.export_hf(model, out, TINY)
+    hf_weights.export_hf(model, out, TINY)
     src_index = json.loads((TINY / "model.safetensors.index.json").read_text())["weight_map"]
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == src_index
     with safe_open(TINY / "model.safetensors", "pt") as a, safe_open(out / "model.safetensors", "pt") as b:
@@ -354,15 +357,15 @@ def test_import_export_is_bit_identical_and_reloads_in_transformers(model, refer
 def test_unknown_checkpoint_key_is_an_error(model, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    import omni_model as om
+    import hf_weights
 
     sd = load_file(TINY / "model.safetensors")
     sd["language_model.backbone.layers.0.mixer.extra.weight"] = torch.zeros(2)
     save_file(sd, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((TINY / "config.json").read_text())
     with pytest.raises(ValueError, match=r"1 checkpoint keys have no place .*mixer\.extra\.weight"):
-        om.load_hf_weights(model, tmp_path)
-    om.load_hf_weights(model, TINY)  # restore the module fixture's tensors and untouched-key list
+        hf_weights.load_hf_weights(model, tmp_path)
+    hf_weights.load_hf_weights(model, TINY)  # restore the module fixture's tensors and untouched-key list
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -386,14 +389,14 @@ def _core_attention(causal, cp=1, cp_rank=0):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    import omni_model as om
+    import local_spec
 
     cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
                           context_parallel_size=cp)
     group = SimpleNamespace(size=lambda: cp, rank=lambda: cp_rank)
     pgs = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=group)
     mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
-    return om.ThdDotProductAttention(cfg, 1, mask_type, pg_collection=pgs)
+    return local_spec.ThdDotProductAttention(cfg, 1, mask_type, pg_collection=pgs)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -463,11 +466,12 @@ def test_two_rank_layouts_match_one_rank(tmp_path):
 
 
 def test_recompute_full_gives_the_same_gradients(model, world):
+    import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
     r = om.build_model(TINY, ModelConfig(recompute="full"), ParallelConfig())
-    om.load_hf_weights(r, TINY)
+    hf_weights.load_hf_weights(r, TINY)
     r.train()
     assert r.lm_config.recompute_granularity == "full"
     batch = make_pair_batch(seed=4)

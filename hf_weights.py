@@ -1,0 +1,385 @@
+"""HF import / export of the Omni model: the exact map between megatron-core's parameters and the hub checkpoint.
+
+    model = omni_model.build_model("assets/tiny-omni", cfg.model, cfg.parallel)
+    report = load_hf_weights(model, "assets/tiny-omni")   # each rank reads only its TP / EP slices
+    export_hf(model, "out/", "assets/tiny-omni")           # exact inverse; untouched keys written back unchanged
+
+`hf_param_map(model)` says, for every megatron-core tensor, which rows or columns of which HF tensors make up each
+rank's local shard (`ParamMap` of `Segment`s, split over TP or EP, or replicated). Loading reads those slices with
+safetensors' get_slice; export all-gathers the shards over their groups and lays them back. Checkpoint keys of
+components this project does not train (audio, RADIO's input conditioner and summary heads, video embedder) are
+counted, kept aside and copied back unchanged on export (`UNTOUCHED_PREFIXES`).
+
+The key names are the hub checkpoint's (`language_model.backbone.layers.<i>.mixer.*`,
+`vision_model.radio_model.model.*`, `mlp1.*` for the projector), as in assets/tiny-omni.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from omni_model import OmniModel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of `length` rows (dim 0) or columns (dim 1) of HF tensor `key`, starting at `start`."""
+
+    key: str
+    start: int
+    length: int
+
+
+@dataclass
+class ParamMap:
+    """How one megatron-core tensor is made of HF tensors: along `dim`, the local tensor of rank r of `group`
+    ("tp", "ep", or None for replicated) is the concatenation of `segments(r, size)`."""
+
+    dim: int
+    group: str | None
+    segments: Callable[[int, int], list[Segment]]
+
+
+def _split(key: str, n: int, dim: int = 0, group: str | None = "tp") -> ParamMap:
+    return ParamMap(dim, group, lambda r, s: [Segment(key, r * n // s, n // s)])
+
+
+def _whole(key: str, n: int) -> ParamMap:
+    return ParamMap(0, None, lambda r, s: [Segment(key, 0, n)])
+
+
+def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
+    """Concatenated components (key, offset, size), each split evenly over TP (Mamba in_proj z|x|B|C|dt, conv x|B|C)."""
+    return ParamMap(dim, "tp", lambda r, s: [Segment(k, off + r * n // s, n // s) for k, off, n in parts])
+
+
+def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
+    """megatron-core name -> ParamMap for every parameter (and the router expert-bias buffer) of `model`.
+
+    Keys are the hub checkpoint's names (the tables below). Raises ValueError for a megatron tensor without an HF
+    source.
+    """
+    hf, t, v = model.hf, model.hf.text, model.hf.vision
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    di, gn, nh = t.mamba_num_heads * t.mamba_head_dim, t.n_groups * t.ssm_state_size, t.mamba_num_heads
+    hpg = t.num_attention_heads // t.num_key_value_heads
+    n_exp = getattr(t, "n_routed_experts", 0) or 0
+    ep = model.lm_config.expert_model_parallel_size
+    local_experts = n_exp // ep if n_exp else 0
+    vh, vheads = v.hidden_size, v.num_attention_heads
+    vd = vh // vheads
+    vffn = int(vh * v.mlp_ratio)
+    lm, vm = "language_model.backbone.", "vision_model.radio_model.model."
+    maps: dict[str, ParamMap] = {}
+
+    def qkv(layer: int, groups: int) -> ParamMap:
+        def seg(r, s):
+            out = []
+            for g in range(r * groups // s, (r + 1) * groups // s):
+                out += [Segment(f"{lm}layers.{layer}.mixer.q_proj.weight", g * hpg * head_dim, hpg * head_dim),
+                        Segment(f"{lm}layers.{layer}.mixer.k_proj.weight", g * head_dim, head_dim),
+                        Segment(f"{lm}layers.{layer}.mixer.v_proj.weight", g * head_dim, head_dim)]
+            return out
+        return ParamMap(0, "tp", seg)
+
+    def vit_qkv(key: str) -> ParamMap:
+        def seg(r, s):  # timm rows [Q; K; V] -> megatron per head [q_h; k_h; v_h]
+            return [Segment(key, part * vh + h * vd, vd)
+                    for h in range(r * vheads // s, (r + 1) * vheads // s) for part in range(3)]
+        return ParamMap(0, "tp", seg)
+
+    def expert(key_fmt: str, j: int) -> ParamMap:
+        return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
+
+    names = list(_model_tensors(model))
+    for name in names:
+        m = re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name)
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            p = f"{lm}layers.{i}."
+            kind = hf.pattern[i]
+            inp, cw, cb = p + "mixer.in_proj.weight", p + "mixer.conv1d.weight", p + "mixer.conv1d.bias"
+            table = {
+                "mixer.in_proj.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
+                "mixer.in_proj.weight": _pieces([(inp, 0, di), (inp, di, di), (inp, 2 * di, gn),
+                                                 (inp, 2 * di + gn, gn), (inp, 2 * di + 2 * gn, nh)]),
+                "mixer.conv1d_weight": _pieces([(cw, 0, di), (cw, di, gn), (cw, di + gn, gn)]),
+                "mixer.conv1d_bias": _pieces([(cb, 0, di), (cb, di, gn), (cb, di + gn, gn)]),
+                "mixer.A_log": _split(p + "mixer.A_log", nh),
+                "mixer.D": _split(p + "mixer.D", nh),
+                "mixer.dt_bias": _split(p + "mixer.dt_bias", nh),
+                "mixer.norm.weight": _split(p + "mixer.norm.weight", di),
+                "mixer.out_proj.weight": _split(p + "mixer.out_proj.weight", di, dim=1),
+                "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
+                "self_attention.linear_qkv.weight": qkv(i, t.num_key_value_heads),
+                "self_attention.linear_proj.weight": _split(p + "mixer.o_proj.weight",
+                                                            t.num_attention_heads * head_dim, dim=1),
+                "mlp.linear_fc1.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
+                "mlp.linear_fc1.weight": _split(p + "mixer.up_proj.weight", t.intermediate_size),
+                "mlp.linear_fc2.weight": _split(p + "mixer.down_proj.weight", t.intermediate_size, dim=1),
+                "pre_mlp_layernorm.weight": _whole(p + "norm.weight", t.hidden_size),
+                "mlp.router.weight": _whole(p + "mixer.gate.weight", n_exp),
+                "mlp.router.expert_bias": _whole(p + "mixer.gate.e_score_correction_bias", n_exp),
+            }
+            if kind == "E":
+                sh = t.moe_shared_expert_intermediate_size
+                table["mlp.shared_experts.linear_fc1.weight"] = _split(p + "mixer.shared_experts.up_proj.weight", sh)
+                table["mlp.shared_experts.linear_fc2.weight"] = _split(p + "mixer.shared_experts.down_proj.weight", sh,
+                                                                       dim=1)
+            e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest) or \
+                re.match(r"mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
+            if e:
+                j, fc = (int(e.group(1)), e.group(2)) if "local_experts" in rest else (int(e.group(2)), e.group(1))
+                proj = "up_proj" if fc == "1" else "down_proj"
+                maps[name] = expert(p + "mixer.experts.{e}." + proj + ".weight", j)
+                continue
+            if rest not in table:
+                raise ValueError(f"no HF mapping for megatron parameter {name}")
+            maps[name] = table[rest]
+            continue
+        m = re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name)
+        if m:
+            p = f"{vm}blocks.{m.group(1)}."
+            table = {
+                "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm1.weight", vh),
+                "self_attention.linear_qkv.layer_norm_bias": _whole(p + "norm1.bias", vh),
+                "self_attention.linear_qkv.weight": vit_qkv(p + "attn.qkv.weight"),
+                "self_attention.linear_qkv.bias": vit_qkv(p + "attn.qkv.bias"),
+                "self_attention.linear_proj.weight": _split(p + "attn.proj.weight", vh, dim=1),
+                "self_attention.linear_proj.bias": _whole(p + "attn.proj.bias", vh),
+                "mlp.linear_fc1.layer_norm_weight": _whole(p + "norm2.weight", vh),
+                "mlp.linear_fc1.layer_norm_bias": _whole(p + "norm2.bias", vh),
+                "mlp.linear_fc1.weight": _split(p + "mlp.fc1.weight", vffn),
+                "mlp.linear_fc1.bias": _split(p + "mlp.fc1.bias", vffn),
+                "mlp.linear_fc2.weight": _split(p + "mlp.fc2.weight", vffn, dim=1),
+                "mlp.linear_fc2.bias": _whole(p + "mlp.fc2.bias", vh),
+            }
+            if m.group(2) not in table:
+                raise ValueError(f"no HF mapping for megatron parameter {name}")
+            maps[name] = table[m.group(2)]
+            continue
+        table = {
+            "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
+            "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
+            "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
+            "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
+            "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
+            "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
+            "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
+            "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
+            "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size, dim=1),
+        }
+        if name not in table:
+            raise ValueError(f"no HF mapping for megatron parameter {name}")
+        maps[name] = table[name]
+    return maps
+
+
+# Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
+UNTOUCHED_PREFIXES = (
+    "sound_encoder.",
+    "sound_projection.",
+    "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
+    "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
+    "vision_model.radio_model.model.patch_generator.video_embedder.",  # video tubelets (images only here)
+)
+
+
+class HFReader:
+    """Lazy access to a safetensors checkpoint (single file or sharded with model.safetensors.index.json); reads
+    only the requested slices (safetensors get_slice)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
+            self.weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as h:
+                    self.weight_map.update({k: f.name for k in h.keys()})
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, key: str):
+        if key not in self.weight_map:
+            raise KeyError(f"{self.dir}: checkpoint has no tensor {key!r}")
+        fname = self.weight_map[key]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(self.dir / fname, "pt")
+        return self._handles[fname]
+
+    def shape_dtype(self, key: str) -> tuple[list[int], str]:
+        sl = self._handle(key).get_slice(key)
+        return sl.get_shape(), sl.get_dtype()
+
+    def read(self, key: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        sl = self._handle(key).get_slice(key)
+        shape = sl.get_shape()
+        if length is None:
+            return sl[:]
+        idx = [slice(None)] * len(shape)
+        idx[dim] = slice(start, start + length)
+        return sl[tuple(idx)]
+
+    def full(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+
+def _group(name: str | None):
+    if name == "tp":
+        return parallel_state.get_tensor_model_parallel_group()
+    if name == "ep":
+        return parallel_state.get_expert_model_parallel_group()
+    return None
+
+
+def _rank_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    return out
+
+
+def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
+    """Copy the HF checkpoint's tensors into `model` (this rank's TP / EP slices only, read with get_slice).
+
+    Returns a report: {"params": n megatron tensors loaded, "hf_keys": n checkpoint keys used by the model,
+    "untouched": {prefix: count} of keys kept aside (audio, input conditioner, ...)}; the untouched key names are also
+    stored on `model.hf_untouched_keys` for export.
+    Raises: ValueError listing checkpoint keys that are neither mapped nor a known untouched component, or a shape
+    mismatch (named). KeyError for a missing checkpoint key.
+    """
+    reader = HFReader(hf_dir)
+    maps = hf_param_map(model)
+    tensors = _model_tensors(model)
+    used: set[str] = set()
+    for name, pm in maps.items():
+        rank, size = _rank_size(_group(pm.group))
+        for r in range(size):  # every rank of the group: the keys the whole model covers
+            used.update(s.key for s in pm.segments(r, size))
+        parts = [reader.read(s.key, pm.dim, s.start, s.length) for s in pm.segments(rank, size)]
+        value = torch.cat(parts, dim=pm.dim) if len(parts) > 1 else parts[0]
+        target = tensors[name]
+        if value.shape != target.shape:
+            raise ValueError(f"{name}: megatron shape {tuple(target.shape)} but the checkpoint gives "
+                             f"{tuple(value.shape)} from {[s.key for s in pm.segments(rank, size)][:3]}")
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+    untouched = sorted(k for k in reader.weight_map if k not in used)
+    unknown = [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]
+    if unknown:
+        raise ValueError(f"{hf_dir}: {len(unknown)} checkpoint keys have no place in the model and are not a known "
+                         f"untrained component: {unknown[:10]}")
+    counts: dict[str, int] = {}
+    for k in untouched:
+        prefix = next(p for p in UNTOUCHED_PREFIXES if k.startswith(p))
+        counts[prefix] = counts.get(prefix, 0) + 1
+    model.hf_untouched_keys = untouched
+    return {"params": len(maps), "hf_keys": len(used), "untouched": counts}
+
+
+def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
+    """Write `model` as a complete HF Omni checkpoint in the source's key names, files and dtypes (collective: every
+    rank calls it; global rank 0 writes).
+
+    TP / EP shards are all-gathered over their groups and laid back into the HF tensors (the exact inverse of
+    load_hf_weights); keys the model does not hold (audio, input conditioner, ...) are copied from `src_hf_dir`
+    unchanged; config.json, tokenizer and processor files are copied. Returns {"keys": n, "files": n} on rank 0,
+    None elsewhere. Import -> export is bit-identical when the parameters are unchanged.
+    """
+    src = HFReader(src_hf_dir)
+    maps = hf_param_map(model)
+    tensors = _model_tensors(model)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, pm in maps.items():
+        group = _group(pm.group)
+        rank, size = _rank_size(group)
+        local = tensors[name].detach().contiguous()
+        shards = [local]
+        if size > 1:
+            shards = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(shards, local, group=group)
+        if not is_writer:
+            continue
+        for r, shard in enumerate(shards):
+            off = 0
+            for s in pm.segments(r, size):
+                if s.key not in out:
+                    shape, dtype = src.shape_dtype(s.key)
+                    out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
+                dst = out[s.key]
+                n = dst.shape[pm.dim] if s.length is None else s.length
+                piece = shard.narrow(pm.dim, off, n)
+                target = dst.narrow(pm.dim, s.start, n)
+                if piece.shape != target.shape:
+                    raise ValueError(f"export {name}: piece {tuple(piece.shape)} does not fit {s.key} "
+                                     f"rows {s.start}:{s.start + n} {tuple(target.shape)}")
+                target.copy_(piece)
+                off += n
+    if not is_writer:
+        dist.barrier()
+        return None
+    for key in getattr(model, "hf_untouched_keys", None) or [k for k in src.weight_map if k not in out]:
+        out[key] = src.full(key)
+    missing = [k for k in src.weight_map if k not in out]
+    if missing:
+        raise ValueError(f"export would drop {len(missing)} source keys: {missing[:10]}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(src_hf_dir).iterdir():  # config, tokenizer, processor, custom code
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for key, fname in src.weight_map.items():
+        files.setdefault(fname, {})[key] = out[key].contiguous()
+    for fname, sd in files.items():
+        save_file(sd, str(out_dir / fname), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in out.values())},
+             "weight_map": dict(sorted(src.weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+    return {"keys": len(out), "files": len(files)}
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+                       "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+if __name__ == "__main__":
+    import sys
+
+    from config import ModelConfig, ParallelConfig
+    from omni_model import build_model, init_single_rank_world
+
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    init_single_rank_world()
+    hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
+    model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
+    print(load_hf_weights(model, hf_dir))
+    ids = torch.randint(32, 200, (1, 16))
+    print("logits", tuple(model({"input_ids": ids}).shape))

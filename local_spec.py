@@ -1,0 +1,319 @@
+"""The local (non-Transformer-Engine) spec: the modules and layer specs used on CPU and on GPUs without Transformer
+Engine (cpu_compat.select_kernels decides; omni_model.build_model picks the spec).
+
+megatron-core's own non-TE modules (ColumnParallelLinear, RowParallelLinear, SelfAttention, MLP, the MoE layer,
+MambaMixer) plus the project modules that stand in for Transformer Engine ones:
+- `LocalNorm`: RMSNorm / LayerNorm in fp32 (as transformers' NemotronH RMSNorm), usable under sequence parallelism.
+- `LocalNormColumnParallelLinear`: the non-TE twin of `TELayerNormColumnParallelLinear`, with the same parameter
+  names, so a checkpoint is the same whichever spec built the model.
+- `ThdDotProductAttention`: THD `cu_seqlens` attention within each sequence (causal or not) through torch's SDPA per
+  sequence; context parallelism by all-gathering K/V.
+The specs take what differs per model as arguments (the Mamba mixer class and its parameters, the expert count), so
+this module imports only megatron-core, torch and pack.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+from torch import nn
+
+from pack import cp_partition_index
+
+# ======================================================================================================================
+# Modules with Transformer Engine's parameter names
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
+    """RMSNorm / LayerNorm over the last dim, computed in fp32 and cast back (as transformers' NemotronH RMSNorm)."""
+    shape = (x.shape[-1],)
+    xf = x.float()
+    if kind == "RMSNorm":
+        y = F.rms_norm(xf, shape, weight.float(), eps)
+    else:
+        y = F.layer_norm(xf, shape, weight.float(), None if bias is None else bias.float(), eps)
+    return y.to(x.dtype)
+
+
+class LocalNorm(nn.Module):
+    """Non-TE norm (RMSNorm or LayerNorm after `config.normalization`), usable under sequence parallelism: its
+    parameters are tagged `sequence_parallel` so megatron all-reduces their gradients over TP.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50 (megatron's non-TE norm refuses sequence
+    parallelism; this one computes in fp32 and casts back, as the TE norm and transformers' NemotronH RMSNorm do)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__()
+        self.kind, self.eps = config.normalization, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)) if self.kind == "LayerNorm" \
+            else None
+        for p in self.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _norm(x, self.weight, self.bias, self.eps, self.kind)
+
+
+_COLUMN_PARALLEL_ARGS = frozenset(inspect.signature(ColumnParallelLinear.__init__).parameters)
+
+
+class LocalNormColumnParallelLinear(ColumnParallelLinear):
+    """Pre-norm + ColumnParallelLinear: the non-TE equivalent of TELayerNormColumnParallelLinear, with the same
+    parameter names (`layer_norm_weight`, `layer_norm_bias` for LayerNorm, `weight`, `bias`). The norm runs on the
+    local sequence shard before the linear's sequence-parallel all-gather (it is per token). Keyword arguments that
+    ColumnParallelLinear does not take (TE-only ones a spec may pass) are dropped.
+
+    SHIM(megatron-core 0.19.2): megatron/core/extensions/transformer_engine.py:1122 (the fused norm + linear exists
+    only as a Transformer Engine module; megatron-core has no non-TE one).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config,
+                         **{k: v for k, v in kwargs.items() if k in _COLUMN_PARALLEL_ARGS})
+        self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
+        self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        norm_params = [self.layer_norm_weight]
+        if self.norm_kind == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+            norm_params.append(self.layer_norm_bias)
+        else:
+            self.layer_norm_bias = None
+        for p in norm_params:
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        """input_ [s, b, input_size] (this rank's sequence shard under SP) -> (output, bias) as ColumnParallelLinear."""
+        x = _norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps, self.norm_kind)
+        return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
+    """Contiguous runs of this rank's queries, each within one sequence of the packed row.
+
+    cu: cumulative (padded) sequence lengths as ints; total: packed length (all CP ranks); positions past cu[-1]
+    form one more sequence (trailing padding, CP = 1 only). Without CP a run is a whole sequence; under CP a
+    sequence of padded length L gives two runs of L/(2·CP) queries, chunks cp_rank and 2·CP−1−cp_rank (the layout of
+    pack.cp_partition_index, so local query order matches it). Returns (local query start, query count, sequence
+    start, sequence end, query offset within the sequence) per run, in local order.
+    Raises ValueError when CP > 1 and the row extends past cu[-1].
+    """
+    bounds = list(zip(cu[:-1], cu[1:], strict=True))
+    if total > cu[-1]:
+        if cp > 1:
+            raise ValueError(f"under CP the packed length {total} must equal cu_seqlens_padded[-1] = {cu[-1]}")
+        bounds.append((cu[-1], total))
+    runs, local = [], 0
+    for start, end in bounds:
+        length = end - start
+        if length <= 0:
+            continue
+        chunk = length // (2 * cp) if cp > 1 else length
+        for j in ((cp_rank, 2 * cp - 1 - cp_rank) if cp > 1 else (0,)):
+            runs.append((local, chunk, start, end, j * chunk))
+            local += chunk
+    return runs
+
+
+class ThdDotProductAttention(nn.Module):
+    """Core attention (softmax(QK^T * scale) V) for the local spec that honours THD packing and context parallelism.
+
+    Inputs as megatron's SelfAttention hands them to core attention: BSHD-style `[s, b, heads, d]`, or with THD
+    `packed_seq_params` `[t, heads, d]`. Keys attend only within their own sequence (segments from
+    `cu_seqlens_q_padded`, else `cu_seqlens_q`), and only to earlier-or-equal positions when the mask type is causal.
+    Under CP (`config.context_parallel_size > 1`) each rank holds the load-balanced slice of every sequence; K and V
+    are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
+    GQA: K/V groups are repeated to the query heads.
+
+    Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
+    sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
+    square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
+    bottom-right-aligned causal mask of [len, o + len]. The TE spec is the production path.
+
+    SHIM(megatron-core 0.19.2): megatron/core/transformer/dot_product_attention.py:153 (megatron's non-TE
+    DotProductAttention asserts "Packed sequence is not supported by DotProductAttention").
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, **unused):
+        super().__init__()
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.config = config
+        self.causal = attn_mask_type == AttnMaskType.causal
+        self.cp_group = getattr(pg_collection, "cp", None)
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query [s, b, heads, d] (or [t, heads, d] with THD packed_seq_params), key/value with query groups.
+
+        attention_mask: megatron's bool [b, 1, s, s_total], True where attention is not allowed (non-THD only).
+        Returns [s, b, heads·d] (or [t, heads·d]) in the input dtype.
+        Raises ValueError for an attention_bias, or under CP for a row longer than cu_seqlens_padded[-1].
+        """
+        if attention_bias is not None:
+            raise ValueError("ThdDotProductAttention does not take an attention_bias")
+        causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # [t, h, d] -> [t, 1, h, d]
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        s_local, b = query.shape[0], query.shape[1]
+        # the ViT shares megatron's process groups but is replicated over CP (its config says CP = 1)
+        cp = self.cp_group.size() if self.cp_group is not None and self.config.context_parallel_size > 1 else 1
+        if cp > 1:
+            key = mappings.gather_from_sequence_parallel_region(key.contiguous(), True, group=self.cp_group)
+            value = mappings.gather_from_sequence_parallel_region(value.contiguous(), True, group=self.cp_group)
+        s_total = key.shape[0]
+        device = query.device
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        else:
+            cu = torch.tensor([0, s_total])
+        runs = _query_runs([int(c) for c in cu.tolist()], s_total, cp, self.cp_group.rank() if cp > 1 else 0)
+        if cp > 1:
+            # the gathered K/V are rank-major slices: put them back in packed order
+            cu = cu.to(device)
+            order = torch.cat([cp_partition_index(cu, cp, r) for r in range(cp)]).to(device)
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), device=device)
+            key, value = key.index_select(0, inv), value.index_select(0, inv)
+        q = query.permute(1, 2, 0, 3)  # [b, h, s, d]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        if self.heads != k.shape[1]:
+            rep = self.heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        outs = []
+        for q0, n, start, end, off in runs:
+            k_end = start + off + n if causal else end
+            mask, is_causal = None, False
+            if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
+                kk = torch.arange(off + n, device=device)
+                mask = kk[None, :] <= torch.arange(n, device=device)[:, None] + off
+            elif causal:
+                is_causal = True
+            if attention_mask is not None and not thd:
+                # megatron masks are True where attention is *not* allowed, [b, 1, sq, sk]
+                allowed = ~attention_mask[..., q0:q0 + n, start:k_end].to(torch.bool)
+                if is_causal:
+                    mask = torch.ones(n, k_end - start, dtype=torch.bool, device=device).tril()
+                mask = allowed if mask is None else allowed & mask
+                is_causal = False
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end], attn_mask=mask,
+                dropout_p=dropout, is_causal=is_causal, scale=self.scale))
+        out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, self.heads, 0, self.head_dim)  # [b, h, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s_local, b, self.heads * self.head_dim)
+        return out.squeeze(1) if thd else out
+
+
+# ======================================================================================================================
+# Layer specs
+
+
+def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int) -> ModuleSpec:
+    """HybridStack spec of megatron-core's non-TE modules plus this module's norm-linear and THD attention.
+
+    Args: mamba_mixer: the MambaMixer class of every `M` layer (omni_model.OmniMambaMixer); mamba_params: its keyword
+        arguments (conv kernel, chunk size, dt settings); num_experts: routed experts of every `E` layer (>= 1).
+    """
+    norm_linear = LocalNormColumnParallelLinear
+    moe = get_moe_module_spec(use_te=False, num_experts=num_experts,
+                              moe_grouped_gemm=False)
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    mixer=ModuleSpec(
+                        module=mamba_mixer,
+                        params=mamba_params,
+                        submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear),
+                    ),
+                    mamba_bda=get_bias_dropout_add,
+                ),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    self_attention=ModuleSpec(
+                        module=SelfAttention,
+                        params={"attn_mask_type": AttnMaskType.causal},
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=norm_linear, core_attention=ThdDotProductAttention,
+                            linear_proj=RowParallelLinear,
+                        ),
+                    ),
+                    self_attn_bda=get_bias_dropout_add,
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    mlp=partial(MLP.as_mlp_submodule,
+                                submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear)),
+                    mlp_bda=get_bias_dropout_add,
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=MoETransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=get_bias_dropout_add),
+            ),
+        ),
+    )
+
+
+
+def local_vit_layer_spec() -> ModuleSpec:
+    """Pre-LN ViT layer of non-TE modules (LayerNorm fused into qkv / fc1 like TE's ViT spec), non-causal THD
+    attention (each image attends only to itself)."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.no_mask},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=LocalNormColumnParallelLinear, core_attention=ThdDotProductAttention,
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=LocalNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
