@@ -407,6 +407,114 @@ def test_lr_follows_the_schedule(readme):
     assert lrs == pytest.approx(want, rel=1e-12)
 
 
+# The golden trace: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
+# validation row, as recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2 train.py
+# configs/tiny.toml). A change of behaviour anywhere on the step's path (data order, packing, model, loss, optimizer,
+# schedule, δ update, metric reduction) moves some of these numbers; a refactor moves none. The timing-derived keys
+# are not part of the trace.
+TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
+GOLDEN_ATOL = 1e-6
+GOLDEN_TRAIN = {  # /work/wt/golden_before/metrics.jsonl: key -> values of steps 1..6
+    "step": [1, 2, 3, 4, 5, 6],
+    "loss": [
+        0.8317766189575195, 0.8316849917173386, 0.8319676667451859, 0.8239318430423737, 0.8099147528409958,
+        0.7964173704385757,
+    ],
+    "preference_loss": [
+        0.6931471824645996, 0.6930555105209351, 0.6933378875255585, 0.6853062957525253, 0.671313539147377,
+        0.6578790247440338,
+    ],
+    "bco_loss": [
+        1.3862943649291992, 1.3862028121948242, 1.386486679315567, 1.378434032201767, 1.3643195629119873,
+        1.3505707681179047,
+    ],
+    "sft_loss": [
+        6.935289144515991, 6.929535865783691, 6.920889496803284, 6.956742167472839, 6.918849349021912,
+        6.907892823219299,
+    ],
+    "accuracy": [0.0, 0.5, 0.5, 1.0, 1.0, 0.75],
+    "rewards/chosen": [
+        0.0, 0.00029716491189901717, -0.002969741850392893, 0.008215332054533064, 0.02557086991146207,
+        0.032439995382446796,
+    ],
+    "rewards/rejected": [
+        0.0, 0.00011367798651917838, -0.0025901794724632055, -0.007584762875922024, -0.018798066244926304,
+        -0.0402156850323081,
+    ],
+    "rewards/margin": [
+        0.0, 0.00018348693629377522, -0.00037956234882585704, 0.015800095163285732, 0.04436893644742668,
+        0.07265568152070045,
+    ],
+    "logps/chosen": [
+        -232.21193313598633, -213.1753158569336, -224.96408462524414, -236.3661003112793, -250.8388900756836,
+        -257.3639144897461,
+    ],
+    "logps/rejected": [
+        -189.3702507019043, -195.02611923217773, -205.60759735107422, -218.4793930053711, -237.12194442749023,
+        -241.23694610595703,
+    ],
+    "nll/chosen": [
+        6.935289144515991, 6.929535865783691, 6.920889496803284, 6.956742167472839, 6.918849349021912,
+        6.907892823219299,
+    ],
+    "bco/reward_mean": [
+        0.0, 0.00020542145466606598, -0.0027799606905318797, 0.00031528467661701143, 0.0033864020369946957,
+        -0.0038878447376191616,
+    ],
+    "num_valid_pairs": [4.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+    "reward_shift": [
+        0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
+        -2.726362257783856e-05,
+    ],
+    "lr": [0.0, 5e-05, 0.0001, 8.55017856687341e-05, 5.05e-05, 1.54982143312659e-05],
+    "grad_norm": [
+        2.864051704781807, 2.9464952436557965, 2.417524700650062, 2.2201662513410456, 2.8733358127674755,
+        3.635003854363876,
+    ],
+    "num_global_pairs": [4, 4, 4, 4, 4, 4],
+    "reward_shift_used": [
+        0.0, 0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
+    ],
+    "bco/reward_sum": [
+        0.0, 0.0016433716373285279, -0.022239685524255037, 0.0025222774129360914, 0.027091216295957565,
+        -0.031102757900953293,
+    ],
+    "bco/reward_count": [8.0, 8.0, 8.0, 8.0, 8.0, 8.0],
+    "tokens": [1113, 1014, 1035, 1238, 1220, 1244],
+    "dropped_oversized": [0, 0, 0, 0, 0, 0],
+    "consumed_pairs": [4, 8, 12, 16, 20, 24],
+}
+GOLDEN_VALIDATION = {  # the val_at_end row after step 6
+    "step": 6,
+    "loss": 0.8033683598041534,
+    "preference_loss": 0.6648219078779221,
+    "bco_loss": 1.357554167509079,
+    "sft_loss": 6.940609335899353,
+    "accuracy": 0.75,
+    "rewards/chosen": 0.021422386867925525,
+    "rewards/rejected": -0.036983110127039254,
+    "rewards/margin": 0.058405498741194606,
+    "logps/chosen": -234.18470764160156,
+    "logps/rejected": -222.03285217285156,
+    "nll/chosen": 6.940609335899353,
+    "bco/reward_mean": -0.007780361745972186,
+    "num_valid_pairs": 4.0,
+    "val_batches": 1,
+}
+
+
+def test_golden_trace_of_the_readme_command(readme):
+    assert [set(r) - TIMING_KEYS for r in readme.rows] == [set(GOLDEN_TRAIN) | {"split"}] * 6  # no metric gone or new
+    for key, want in GOLDEN_TRAIN.items():
+        got = [r[key] for r in readme.rows]
+        assert got == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
+        assert [type(v) for v in got] == [type(v) for v in want], key  # counts stay ints, means stay floats
+    [val] = readme.val
+    assert set(val) == set(GOLDEN_VALIDATION) | {"split"}
+    for key, want in GOLDEN_VALIDATION.items():
+        assert val[key] == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Resume
 
