@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -493,8 +494,26 @@ def test_multi_rank_tp_cp_dp():
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_mpo_config_fields_used_exist():
+LOSS_FIELDS = {"reference_policy_kl_penalty": 0.25, "preference_loss_weight": 0.5, "bco_loss_weight": 0.5,
+               "sft_loss_weight": 0.5, "preference_average_log_probs": True, "quality_average_log_probs": True,
+               "sft_average_log_probs": True}  # field -> a changed value (the base below has the other)
+
+
+def test_mpo_config_fields_used_exist_and_each_moves_the_loss():
+    """mpo_loss reads exactly the seven loss fields of MPOConfig (a namespace holding only them gives the same loss),
+    and each one changes the loss of FLAG_PAIR (every term nonzero there); the δ fields are update_reward_shift's."""
     names = {f.name for f in dataclasses.fields(MPOConfig)}
     assert {"reference_policy_kl_penalty", "preference_loss_weight", "bco_loss_weight", "sft_loss_weight",
             "preference_average_log_probs", "quality_average_log_probs", "sft_average_log_probs",
             "reward_shift", "reward_shift_momentum"} <= names
+    base = cfg(reference_policy_kl_penalty=0.5, preference_loss_weight=0.3, bco_loss_weight=0.2, sft_loss_weight=0.1)
+
+    def loss_of(c) -> float:
+        return one_pair(FLAG_PAIR["l_c"], FLAG_PAIR["l_r"], c, 0.1, pol=FLAG_PAIR["pol"], n=FLAG_PAIR["n"])[0].item()
+
+    only = SimpleNamespace(**{k: getattr(base, k) for k in LOSS_FIELDS})  # AttributeError if mpo_loss read more
+    want = 0.3 * 0.2014132779827524 + 0.2 * 0.8003505775153834 + 0.1 * 3.0  # the flag tests' closed forms
+    assert loss_of(only) == loss_of(base) == pytest.approx(want, abs=1e-12)
+    for field, value in LOSS_FIELDS.items():
+        assert getattr(base, field) != value, field
+        assert abs(loss_of(dataclasses.replace(base, **{field: value})) - loss_of(base)) > 1e-3, field

@@ -239,8 +239,19 @@ def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
 
 
 def test_data_path_may_come_from_an_override(tmp_path):
+    """Without MPO_DATA_PATH, a data.train.data_path=... argument is the data path: passed on to sbatch and to
+    train.py's overrides once; with neither, the one-line error before any submission."""
     r = _run(SBATCH, {"DRY_RUN": "1", "WANDB_MODE": "offline"}, ["data.train.data_path=/x.json"], tmp_path)
     assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert sbatch[-2:] == [str(SBATCH), "data.train.data_path=/x.json"]
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert [a for a in _overrides(torchrun) if a.startswith("data.")] == ["data.train.data_path=/x.json"]
+    r = _run(SBATCH, {"DRY_RUN": "1", "WANDB_MODE": "offline"}, [], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "train.sbatch: error: MPO_DATA_PATH is required (the MMPR meta.json), or pass data.train.data_path=... as an "
+        "argument")
+    assert not (tmp_path / "sbatch.log").exists()
 
 
 CHAIN_ENV = {"MPO_DATA_PATH": "/data/meta.json", "WANDB_MODE": "offline", "CHAIN_SEGMENTS": "3"}

@@ -70,9 +70,26 @@ def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
         train.build_scheduler(_Opt(), bad)
 
 
-def test_reduce_metrics_without_group_keeps_values():
+def test_reduce_metrics_without_group_keeps_values(monkeypatch):
+    """No group (or a group of one): the values as given. A group of two ranks: "mean" and "count" metrics are summed
+    (each rank's value is already divided by the global pair count), "constant" ones (δ) kept, in one all-reduce."""
+    import torch.distributed as dist
+
     m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}
     assert train.reduce_metrics(m, None, torch.device("cpu")) == m
+    other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift": 0.25}
+    calls = []
+
+    def all_reduce(t, group=None):  # the other rank's sum, in the key order reduce_metrics sent
+        calls.append((t.dtype, group))
+        t += torch.tensor([other_rank[k] for k in sorted(k for k in m if k != "reward_shift")], dtype=t.dtype)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
+    assert train.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
+    got = train.reduce_metrics(m, "two", torch.device("cpu"))
+    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift": 0.25} and calls == [(torch.float64, "two")]
+    assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}  # the input is not modified
 
 
 def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
