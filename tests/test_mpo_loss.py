@@ -1,6 +1,6 @@
 """Tests of mpo_loss.py: closed-form values of every term and flag, the reward-shift EMA, invariances (microbatch,
 row order, chunking), masking of invalid pairs, extreme margins, a float64 gradient check of the whole pipeline, and
-one 2-rank torchrun launch (tests/dist_mpo_loss.py) for the TP / CP / DP checks.
+one 2-rank torchrun launch (tests/dist/mpo_loss.py) for the TP / CP / DP checks.
 
 Run: `pytest tests/test_mpo_loss.py`.
 """
@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +31,7 @@ from mpo_loss import (
 from pack import token_sequence_ids
 
 LN2 = math.log(2.0)
+DIST = Path(__file__).resolve().parent / "dist"  # the multi-rank workers
 
 
 def softplus(x: float) -> float:
@@ -482,16 +480,11 @@ def test_token_sequence_ids_and_sequence_logps():
 # Multi-rank (one torchrun launch): TP vocab-parallel, CP slices, DP invariance
 
 
-def test_multi_rank_tp_cp_dp():
-    script = Path(__file__).with_name("dist_mpo_loss.py")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_multi_rank_tp_cp_dp(torchrun):
+    proc = torchrun(DIST / "mpo_loss.py", env={"OMP_NUM_THREADS": "1"}, timeout=240)
     for check in ("tp", "cp", "dp"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
+    assert proc.ranks == {0: {"passed": ["tp", "cp", "dp"]}, 1: {"passed": ["tp", "cp", "dp"]}}
 
 
 LOSS_FIELDS = {"reference_policy_kl_penalty": 0.25, "preference_loss_weight": 0.5, "bco_loss_weight": 0.5,
