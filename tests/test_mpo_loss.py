@@ -1,6 +1,6 @@
 """Tests of mpo_loss.py: closed-form values of every term and flag, the reward-shift EMA, invariances (microbatch,
 row order, chunking), masking of invalid pairs, extreme margins, a float64 gradient check of the whole pipeline, and
-one 2-rank torchrun launch (tests/dist/mpo_loss.py) for the TP / CP / DP checks.
+one 2-rank torchrun launch (tests/dist/check_mpo_loss.py) for the TP / CP / DP checks.
 
 Run: `pytest tests/test_mpo_loss.py`.
 """
@@ -481,7 +481,7 @@ def test_token_sequence_ids_and_sequence_logps():
 
 
 def test_multi_rank_tp_cp_dp(torchrun):
-    proc = torchrun(DIST / "mpo_loss.py", env={"OMP_NUM_THREADS": "1"}, timeout=240)
+    proc = torchrun(DIST / "check_mpo_loss.py", env={"OMP_NUM_THREADS": "1"}, timeout=240)
     for check in ("tp", "cp", "dp"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
     assert proc.ranks == {0: {"passed": ["tp", "cp", "dp"]}, 1: {"passed": ["tp", "cp", "dp"]}}

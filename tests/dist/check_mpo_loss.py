@@ -1,7 +1,7 @@
 """Multi-rank checks of mpo_loss.py in one 2-rank gloo world (the world plays TP, then CP, then DP).
 
-Run: `torchrun --standalone --nproc-per-node 2 tests/dist/mpo_loss.py` (tests/test_mpo_loss.py does, through the
-`torchrun` fixture). Every rank checks against a single-process float64 reference it computes itself; rank 0 prints
+Run: `torchrun --standalone --nproc-per-node 2 tests/dist/check_mpo_loss.py` (tests/test_mpo_loss.py does, through
+the `torchrun` fixture). Every rank checks against a single-process float64 reference it computes itself; rank 0 prints
 `PASS <check>` per check, every rank reports the checks it passed (tests/dist/report.py: {"passed": [...]}), and any
 mismatch raises (non-zero exit).
 
@@ -23,6 +23,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import report  # noqa: E402  (tests/dist/report.py, beside this file)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -35,8 +36,6 @@ from mpo_loss import (  # noqa: E402
     update_reward_shift,
 )
 from pack import token_sequence_ids  # noqa: E402
-
-import report  # noqa: E402  (tests/dist/report.py, beside this file)
 
 
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
