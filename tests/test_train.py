@@ -1,7 +1,8 @@
 """Tests of train.py: the README command end to end (2 gloo ranks), step-1 values, the δ update, learning, exact
 resume across a segment stop, a killed save, SIGUSR1, TP = 2 / DP = 2 = TP = 1 / DP = 1, and the HF export.
 
-Launches are shared between tests (module fixtures); each costs ~10 s of start-up on 2 cores:
+Launches are shared between tests (module fixtures, through the torchrun fixture of tests/conftest.py); each costs
+~10 s of start-up on 2 cores:
     readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
@@ -9,6 +10,7 @@ Launches are shared between tests (module fixtures); each costs ~10 s of start-u
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
     padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
     frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
+The readme run is also the golden trace: every metric of every step against main's recorded numbers (1e-6).
 Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
 """
 
@@ -237,19 +239,21 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("hf_cache")
-    e = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(cache))
-    e.pop("WANDB_API_KEY", None)
-    return e
+def env(torchrun, tmp_path_factory):
+    """The launch environment of this module's runs (the harness's, with one data-index cache for all of them)."""
+    return torchrun.env({"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_cache"))})
 
 
-def _torchrun(env, nproc: int, run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py",
-           "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+@pytest.fixture(scope="module")
+def train_run(torchrun, env):
+    """`train_run(nproc, run_dir, *overrides)`: `train.py configs/tiny.toml checkpoint.dir=run_dir *overrides` on
+    `nproc` ranks through the torchrun fixture; fails the test on a non-zero exit."""
+
+    def run(nproc: int, run_dir: Path, *overrides: str, timeout: int = 300):
+        return torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides, nproc=nproc,
+                        env={"HF_DATASETS_CACHE": env["HF_DATASETS_CACHE"]}, timeout=timeout)  # fmt: skip
+
+    return run
 
 
 def _rows(run_dir: Path, split: str = "train") -> list[dict]:
@@ -282,38 +286,38 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
 
 
 @pytest.fixture(scope="module")
-def readme(env, tmp_path_factory):
+def readme(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("readme")
-    proc = _torchrun(env, 2, run_dir, "checkpoint.save_period=4")
+    proc = train_run(2, run_dir, "checkpoint.save_period=4")
     return SimpleNamespace(dir=run_dir, out=proc.stdout, rows=_rows(run_dir), val=_rows(run_dir, "validation"))
 
 
 @pytest.fixture(scope="module")
-def segments(env, tmp_path_factory):
+def segments(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("segments")
-    first = _torchrun(env, 2, run_dir, "mpo.stop_after_step=2")
+    first = train_run(2, run_dir, "mpo.stop_after_step=2")
     after_first = sorted(p.name for p in run_dir.iterdir())
     killed = run_dir / "step_5.tmp"  # a save killed mid-way: files present, never renamed
     (killed / "model_optim").mkdir(parents=True)
     (killed / "run_state.json").write_text('{"step": 5}')
     with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
         f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
-    second = _torchrun(env, 2, run_dir, "mpo.stop_after_step=4")
+    second = train_run(2, run_dir, "mpo.stop_after_step=4")
     return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, after_first=after_first,
                            rows=_rows(run_dir))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def learn(env, tmp_path_factory):
+def learn(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
-    _torchrun(env, 2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
+    train_run(2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
     return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
 @pytest.fixture(scope="module")
-def tp2(env, tmp_path_factory):
+def tp2(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp2")
-    _torchrun(env, 2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+    train_run(2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
               "mpo.stop_after_step=3")  # fmt: skip
     return _rows(run_dir)
 
@@ -324,23 +328,23 @@ SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split
 
 
 @pytest.fixture(scope="module")
-def padding(env, tmp_path_factory):
+def padding(train_run, tmp_path_factory):
     """Issue 13.1: two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
     padded to 8 on DP = 2."""
     runs = {}
     for name, nproc, multiple in (("pad8", 1, 8), ("pad64", 1, 64), ("dp2", 2, 8)):
         run_dir = tmp_path_factory.mktemp(name)
-        _torchrun(env, nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
+        train_run(nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
         runs[name] = SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
     return runs
 
 
 @pytest.fixture(scope="module")
-def frozen(env, tmp_path_factory):
+def frozen(train_run, tmp_path_factory):
     """Issues 13.2 and 13.6: lr 0 and bias update rate 0 for 7 steps of 4 pairs on the first 27 sample pairs (step 7
     straddles the epoch boundary)."""
     run_dir = tmp_path_factory.mktemp("frozen")
-    _torchrun(env, 1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
+    train_run(1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
               "mpo.max_num_steps=7", "scheduler.lr_warmup_steps=0", "data.train.split_validation_size=0",
               "data.train.max_samples=27", "mpo.val_at_end=false")  # fmt: skip
     return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
