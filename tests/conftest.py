@@ -62,14 +62,27 @@ class Torchrun:
                 str(script), *map(str, args)]  # fmt: skip
 
     @staticmethod
-    def env(extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The launch environment: this one, no torch.compile, wandb off and no API key, plus `extra`."""
+    def env(extra: dict[str, str | None] | None = None) -> dict[str, str]:
+        """The launch environment: this one, no torch.compile, wandb off and no API key, plus `extra` (a None value
+        removes the variable)."""
         e = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
         e.pop("WANDB_API_KEY", None)
-        e.update(extra or {})
+        for k, v in (extra or {}).items():
+            if v is None:
+                e.pop(k, None)
+            else:
+                e[k] = v
         return e
 
-    def __call__(self, script: str | Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None,
+    def start(self, script: str | Path, *args: str, nproc: int = 2,
+              env: dict[str, str | None] | None = None) -> subprocess.Popen:  # fmt: skip
+        """The same launch without waiting, in a session of its own (so a test can signal the whole process group as
+        a terminal's Ctrl-C does); stdout / stderr are text pipes. No report directory: signal tests read the run."""
+        return subprocess.Popen(self.argv(script, *args, nproc=nproc), cwd=ROOT, env=self.env(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    def __call__(self, script: str | Path, *args: str, nproc: int = 2, env: dict[str, str | None] | None = None,
                  timeout: int = 300, check: bool = True) -> Launch:  # fmt: skip
         """Run `script` on `nproc` ranks and wait; with `check`, a non-zero exit fails the test with the output tails.
 
@@ -90,5 +103,6 @@ class Torchrun:
 
 @pytest.fixture(scope="session")
 def torchrun(tmp_path_factory) -> Torchrun:
-    """`torchrun(script, *args, nproc=2, env=None, timeout=300, check=True) -> Launch`; see `Torchrun`."""
+    """`torchrun(script, *args, nproc=2, env=None, timeout=300, check=True) -> Launch`, `torchrun.start(...)` ->
+    Popen; see `Torchrun`."""
     return Torchrun(tmp_path_factory.mktemp("torchrun"))
