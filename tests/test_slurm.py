@@ -350,23 +350,7 @@ def test_chain_reports_a_failed_submission(tmp_path):
 
 # --- signals: the real launcher around a real torchrun ------------------------------------------------------------
 
-RANK_SCRIPT = """\
-import os, signal, sys, time
-from pathlib import Path
-out = Path(sys.argv[1])
-time.sleep(float(os.environ.get("RANK_STARTUP_S", "0")))  # imports, model build: SIGUSR1 is still SIG_IGN here
-got = []
-def on_usr1(signum, frame):  # the contract for train.py: note it, then ignore repeats (a second USR1 can arrive
-    got.append(signum)       # during interpreter shutdown, when Python has restored the default action: death)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-signal.signal(signal.SIGUSR1, on_usr1)
-(out / f"ready{os.environ['RANK']}").write_text("")
-deadline = time.time() + 60
-while not got and time.time() < deadline:
-    time.sleep(0.05)
-(out / f"saved{os.environ['RANK']}").write_text(str(len(got)))
-sys.exit(0 if got else 3)
-"""
+RANK_SCRIPT = Path(__file__).resolve().parent / "dist" / "slurm_rank.py"  # the fake repo's train.py
 
 # Like slurmstepd with proctrack/cgroup or linuxproc, the fake srun signals every process of the step (torchrun
 # included), as the local Slurm 22.05 was seen to do.
@@ -389,7 +373,7 @@ def _start_signal_job(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.P
     (b / "srun").chmod(0o755)
     repo = tmp_path / "repo"
     repo.mkdir()
-    (repo / "train.py").write_text(RANK_SCRIPT)
+    shutil.copy(RANK_SCRIPT, repo / "train.py")
     full = {
         "PATH": f"{b}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
