@@ -80,11 +80,30 @@ def test_data_cache(results):
     assert d["build_over_load"] > 1
 
 
-def test_gpu_skipped_with_a_message(results):
+GPU_SKIP = "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"
+
+
+def test_gpu_skipped_with_a_message(results, tmp_path, monkeypatch, capsys):
+    """Without CUDA the GPU item is a skip record whose message reaches the JSON, the table and the last line; with
+    CUDA the --quick run measured the step instead. The no-CUDA path is also forced in-process, so a GPU machine
+    checks it too."""
     import torch
+
+    import bench
 
     if not torch.cuda.is_available():
         assert "no CUDA device" in results["gpu"]["skipped"]
+        assert results["gpu"]["skipped"] == GPU_SKIP and set(results["gpu"]) == {"skipped", "bench_seconds"}
+    else:
+        assert "skipped" not in results["gpu"] and results["gpu"]["step"]["pairs"] == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    assert bench.main(["--quick", "--only", "gpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"gpu: skipped ({GPU_SKIP})"
+    assert any(line.startswith("| GPU |") and GPU_SKIP in line for line in out.splitlines()), out
+    written = json.loads((tmp_path / "results" / "bench_results.json").read_text())
+    assert written["gpu"]["skipped"] == GPU_SKIP and set(written) == {"quick", "machine", "date", "command", "gpu"}
 
 
 def test_gpu_bench_at_a_tiny_shape_on_the_cpu():

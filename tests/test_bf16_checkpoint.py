@@ -30,12 +30,15 @@ KEYS = ("loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/
         "reward_shift_used", "lr", "grad_norm", "bco/reward_sum", "consumed_pairs")  # fmt: skip
 
 
-def _run(nproc: int, run_dir: Path, *overrides: str) -> None:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc-per-node", str(nproc)]  # fmt: skip
-    cmd = [*launcher, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *BF16, *overrides]
+def _run(torchrun, nproc: int, run_dir: Path, *overrides: str) -> None:
+    """The tiny bf16 run: `python train.py` on one rank (no launcher), the torchrun fixture on more."""
+    args = ["configs/tiny.toml", f"checkpoint.dir={run_dir}", *BF16, *overrides]
+    if nproc > 1:
+        torchrun("train.py", *args, nproc=nproc, timeout=400)
+        return
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -66,15 +69,15 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module", params=[(1, True), (1, False), (2, True), (2, False)],
                 ids=lambda p: f"n{p[0]}-dopt{int(p[1])}")
-def bf16_runs(request, tmp_path_factory):
+def bf16_runs(request, torchrun, tmp_path_factory):
     nproc, dopt = request.param
     straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
     opt = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
-    _run(nproc, straight, opt, "checkpoint.save_period=2")
+    _run(torchrun, nproc, straight, opt, "checkpoint.save_period=2")
     shutil.copytree(straight / "step_2", resumed / "step_2")
     first_two = (straight / "metrics.jsonl").read_text().splitlines()[:2]
     (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in first_two))
-    _run(nproc, resumed, opt, "checkpoint.resume=true")
+    _run(torchrun, nproc, resumed, opt, "checkpoint.resume=true")
     return SimpleNamespace(nproc=nproc, dopt=dopt, straight=straight, resumed=resumed)
 
 

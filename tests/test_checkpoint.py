@@ -1,16 +1,14 @@
-"""Tests of checkpoint.py: layout, latest resolution, refusal to overwrite, RNG round trip, and (one torchrun launch of
-tests/dist_checkpoint.py on 2 gloo ranks) exact resume of a megatron-core model + DDP + (distributed) Adam, including
-the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model part.
+"""Tests of checkpoint.py: layout, latest resolution, refusal to overwrite, RNG round trip, and (one torchrun launch
+of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-core model + DDP + (distributed) Adam,
+including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
+part.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,14 +86,9 @@ def test_rng_state_round_trip(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dist_result(tmp_path_factory):
+def dist_result(torchrun, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist_ckpt")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "dist_checkpoint.py"), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "result.json").read_text())
+    return torchrun(ROOT / "tests" / "dist" / "check_checkpoint.py", out).result
 
 
 @pytest.mark.parametrize("variant", ["dopt1", "dopt0"])

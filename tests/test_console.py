@@ -19,7 +19,7 @@ import train
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
 ENV.pop(config_mod.SHOW_WARNINGS_ENV, None)
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN_ENV = {config_mod.SHOW_WARNINGS_ENV: None}  # the torchrun fixture's environment, known warnings quiet
 
 
 def test_misspelled_config_path_is_one_line_and_nothing_else():
@@ -31,9 +31,8 @@ def test_misspelled_config_path_is_one_line_and_nothing_else():
     assert proc.stdout == ""
 
 
-def test_error_under_torchrun_is_printed_once_and_ends_the_report():
-    proc = subprocess.run([*TORCHRUN, "train.py", "configs/tiny.tom"], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+def test_error_under_torchrun_is_printed_once_and_ends_the_report(torchrun):
+    proc = torchrun("train.py", "configs/tiny.tom", env=TORCHRUN_ENV, check=False)
     assert proc.returncode == 1
     msg = "error: ConfigError: config file 'configs/tiny.tom' not found"
     lines = proc.stderr.splitlines()
@@ -68,13 +67,11 @@ def test_quiet_known_warnings_respects_the_switch(monkeypatch):
     assert config_mod.quiet_known_warnings() is False
 
 
-def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(tmp_path):
+def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(torchrun, tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does), DataLoader workers included."""
     run_dir = tmp_path / "run"
-    cmd = [*TORCHRUN, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "mpo.max_num_steps=20",
-           "data.num_workers=1", "mpo.val_at_end=false"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = torchrun.start("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "mpo.max_num_steps=20",
+                          "data.num_workers=1", "mpo.val_at_end=false", env=TORCHRUN_ENV)  # fmt: skip
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:

@@ -7,7 +7,6 @@ Runs in-process on a gloo world of size 1 (TP = EP = 1). Run: `pytest tests/test
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ import cpu_compat
 
 cpu_compat.apply()
 
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel import (  # noqa: E402
     ColumnParallelLinear,
@@ -359,58 +356,12 @@ def test_megatron_mamba_mixer_backward_runs():
 # Two ranks: MoE alltoall with EP = 2 (the split-size shim only matters when tokens cross ranks)
 
 
-def _ep2_main():
-    """torchrun entry: EP=2 MoE layer with known weights; each rank checks its tokens against the explicit mixture."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    model_parallel_cuda_manual_seed(5)
-    cfg = small_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
-                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=2,
-                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_permute_fusion=False,
-                       bias_activation_fusion=False)
-    moe = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)(
-        config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    gen = torch.Generator().manual_seed(0)
-    router_w = torch.randn(4, 16, generator=gen)
-    fc1 = [torch.randn(8, 16, generator=gen) * 0.3 for _ in range(4)]
-    fc2 = [torch.randn(16, 8, generator=gen) * 0.3 for _ in range(4)]
-    with torch.no_grad():
-        moe.router.weight.copy_(router_w)
-        for local, expert in enumerate(moe.experts.local_experts):
-            expert.linear_fc1.weight.copy_(fc1[2 * rank + local])
-            expert.linear_fc2.weight.copy_(fc2[2 * rank + local])
-    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(100 + rank))
-    out, _ = moe(x)
-    flat = x.view(-1, 16)
-    probs, routing_map = moe.router(flat)
-    expected = sum(probs[:, e : e + 1] * routing_map[:, e : e + 1] * (F.gelu(flat @ fc1[e].T) @ fc2[e].T)
-                   for e in range(4))
-    remote = int(routing_map[:, 2 * (1 - rank) : 2 * (1 - rank) + 2].sum())
-    err = (out.view(-1, 16) - expected).abs().max().item()
-    print(f"EP2 rank {rank} max_err {err:.3e} remote_assignments {remote}", flush=True)
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow  # one 2-rank torchrun launch: about 17 s on 2 cores, mostly imports
-def test_moe_alltoall_expert_parallel_two_ranks():
-    import os
-    import subprocess
-    import sys
+def test_moe_alltoall_expert_parallel_two_ranks(torchrun):
     from pathlib import Path
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__],
-        capture_output=True, text=True, timeout=180, env=env,
-    )
-    found = re.findall(r"EP2 rank (\d) max_err (\S+) remote_assignments (\d+)", proc.stdout)
-    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for _, err, remote in found:
-        assert float(err) < 1e-5 and int(remote) > 0  # tokens did travel to the other rank's experts
-
-
-if __name__ == "__main__":
-    _ep2_main()
+    launch = torchrun(Path(__file__).resolve().parent / "dist" / "check_moe_alltoall.py",
+                      env={"OMP_NUM_THREADS": "1"}, timeout=180)  # fmt: skip
+    assert set(launch.ranks) == {0, 1}, launch.stdout[-3000:] + launch.stderr[-3000:]
+    for r in launch.ranks.values():
+        assert r["max_err"] < 1e-5 and r["remote_assignments"] > 0  # tokens did travel to the other rank's experts

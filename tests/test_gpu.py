@@ -11,8 +11,8 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 5. Every available Mamba-2 kernel against mamba_torch on packed sequences (output and the gradients of x, dt, B, C, z;
    max relative difference <= 1e-2 in bf16, <= 5e-3 in fp32: the issue's measured 7.2e-3 / 2.6e-3 with headroom), and
    mamba_torch on CUDA against mamba_torch on the CPU in fp32 (<= 1e-4).
-The helpers are the CPU tests' own: test_train's torchrun launcher and metrics reader, test_omni_model's parity
-inputs, step_cases' in-process step and device audit, bench's scan inputs.
+The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
+metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ STEP1 = 1e-4
 RESUME = 1e-6
 KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float32: 5e-3}
 
-from test_train import _rows, _torchrun, env  # noqa: E402, F401  (env: the CPU tests' launch environment fixture)
+from test_train import _rows, env, train_run  # noqa: E402, F401  (fixtures: the CPU tests' train.py launches)
 
 
 def _finite(rows: list[dict]) -> bool:
@@ -90,13 +90,13 @@ def test_cuda_fp32_parity_with_transformers(spec, cuda_world):
 
 
 @pytest.fixture(scope="module")
-def runs(env, tmp_path_factory):
+def runs(train_run, tmp_path_factory):
     four = ["mpo.max_num_steps=4", "scheduler.lr_warmup_steps=1"]
     straight, seg, bf16 = (tmp_path_factory.mktemp(n) for n in ("straight", "segments", "bf16"))
-    out = _torchrun(env, 1, straight, *four).stdout
-    _torchrun(env, 1, seg, *four, "mpo.stop_after_step=2")
-    resumed = _torchrun(env, 1, seg, *four).stdout
-    _torchrun(env, 1, bf16, *four, "model.params_dtype=bfloat16", "reference.offload=true")
+    out = train_run(1, straight, *four).stdout
+    train_run(1, seg, *four, "mpo.stop_after_step=2")
+    resumed = train_run(1, seg, *four).stdout
+    train_run(1, bf16, *four, "model.params_dtype=bfloat16", "reference.offload=true")
     return SimpleNamespace(out=out, straight=_rows(straight), resumed_out=resumed, segments=_rows(seg),
                            bf16=_rows(bf16))
 

@@ -923,46 +923,14 @@ def test_report_text_and_values(tmp_path, processor):
 # ----------------------------------------------------------------------------------------------------------------------
 # distributed: rank 0 builds, the other waits and reads; a failure on rank 0 reaches every rank
 
-DIST_SCRIPT = r"""
-import json, os, sys, warnings
-import torch.distributed as dist
-sys.path.insert(0, os.environ["REPO"])
-import mmpr_data as md
-from config import Config
-from transformers import AutoProcessor
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-p = AutoProcessor.from_pretrained(os.environ["MODEL"])
-cfg = Config()
-index = md.build_index(os.environ["META"], p, cfg)
-sampler = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed)
-order = sampler.take(len(index)) + sampler.take(3)
-cfg.data.strict = True
-try:
-    md.build_index(os.environ["BAD_META"], p, cfg)
-    err = None
-except md.DataError as e:
-    err = str(e)
-# one file per rank: two ranks printing long lines to one pipe can interleave them
-with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as f:
-    json.dump({"rank": rank, "status": index.cache_status, "n": len(index), "order": order,
-               "lens": index.chosen_len.tolist(), "err": err}, f)
-dist.destroy_process_group()
-"""
-
 
 @pytest.mark.slow  # two processes importing transformers: ~25 s on 2 busy cores
-def test_rank0_builds_and_others_read_under_torchrun(tmp_path):
-    script = tmp_path / "dist_index.py"
-    script.write_text(DIST_SCRIPT)
+def test_rank0_builds_and_others_read_under_torchrun(torchrun, tmp_path):
     bad = write_set(tmp_path / "bad", [row(0, image="nope.png")], {})
-    env = {**os.environ, "REPO": str(ROOT), "MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
-           "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
-           "OUT_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    env = {"MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
+           "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    res = torchrun(Path(__file__).resolve().parent / "dist" / "check_mmpr_index.py", env=env).ranks
+    assert set(res) == {0, 1}
     assert res[0]["status"] == "built" and res[1]["status"] == "hit"
     assert res[0]["n"] == res[1]["n"] == 34 and res[0]["lens"] == res[1]["lens"]
     assert res[0]["order"] == res[1]["order"]  # the same global order on every rank

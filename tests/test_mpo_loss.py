@@ -1,6 +1,6 @@
 """Tests of mpo_loss.py: closed-form values of every term and flag, the reward-shift EMA, invariances (microbatch,
 row order, chunking), masking of invalid pairs, extreme margins, a float64 gradient check of the whole pipeline, and
-one 2-rank torchrun launch (tests/dist_mpo_loss.py) for the TP / CP / DP checks.
+one 2-rank torchrun launch (tests/dist/check_mpo_loss.py) for the TP / CP / DP checks.
 
 Run: `pytest tests/test_mpo_loss.py`.
 """
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +31,7 @@ from mpo_loss import (
 from pack import token_sequence_ids
 
 LN2 = math.log(2.0)
+DIST = Path(__file__).resolve().parent / "dist"  # the multi-rank workers
 
 
 def softplus(x: float) -> float:
@@ -481,20 +480,33 @@ def test_token_sequence_ids_and_sequence_logps():
 # Multi-rank (one torchrun launch): TP vocab-parallel, CP slices, DP invariance
 
 
-def test_multi_rank_tp_cp_dp():
-    script = Path(__file__).with_name("dist_mpo_loss.py")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_multi_rank_tp_cp_dp(torchrun):
+    proc = torchrun(DIST / "check_mpo_loss.py", env={"OMP_NUM_THREADS": "1"}, timeout=240)
     for check in ("tp", "cp", "dp"):
         assert f"PASS {check}" in proc.stdout, proc.stdout[-3000:]
+    assert proc.ranks == {0: {"passed": ["tp", "cp", "dp"]}, 1: {"passed": ["tp", "cp", "dp"]}}
 
 
-def test_mpo_config_fields_used_exist():
+LOSS_FIELDS = {"reference_policy_kl_penalty": 0.25, "preference_loss_weight": 0.5, "bco_loss_weight": 0.5,
+               "sft_loss_weight": 0.5, "preference_average_log_probs": True, "quality_average_log_probs": True,
+               "sft_average_log_probs": True}  # field -> a changed value (the base below has the other)
+
+
+def test_mpo_config_fields_used_exist_and_each_moves_the_loss():
+    """mpo_loss reads exactly the seven loss fields of MPOConfig (a namespace holding only them gives the same loss),
+    and each one changes the loss of FLAG_PAIR (every term nonzero there); the δ fields are update_reward_shift's."""
     names = {f.name for f in dataclasses.fields(MPOConfig)}
     assert {"reference_policy_kl_penalty", "preference_loss_weight", "bco_loss_weight", "sft_loss_weight",
             "preference_average_log_probs", "quality_average_log_probs", "sft_average_log_probs",
             "reward_shift", "reward_shift_momentum"} <= names
+    base = cfg(reference_policy_kl_penalty=0.5, preference_loss_weight=0.3, bco_loss_weight=0.2, sft_loss_weight=0.1)
+
+    def loss_of(c) -> float:
+        return one_pair(FLAG_PAIR["l_c"], FLAG_PAIR["l_r"], c, 0.1, pol=FLAG_PAIR["pol"], n=FLAG_PAIR["n"])[0].item()
+
+    only = SimpleNamespace(**{k: getattr(base, k) for k in LOSS_FIELDS})  # AttributeError if mpo_loss read more
+    want = 0.3 * 0.2014132779827524 + 0.2 * 0.8003505775153834 + 0.1 * 3.0  # the flag tests' closed forms
+    assert loss_of(only) == loss_of(base) == pytest.approx(want, abs=1e-12)
+    for field, value in LOSS_FIELDS.items():
+        assert getattr(base, field) != value, field
+        assert abs(loss_of(dataclasses.replace(base, **{field: value})) - loss_of(base)) > 1e-3, field

@@ -8,8 +8,6 @@ Run: `pytest tests/test_omni_model.py` (CPU, fp32, gloo; about a minute: one in-
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import ROOT, TINY, image_text_inputs, make_pair_batch  # noqa: E402
+from omni_model_cases import TINY, image_text_inputs, make_pair_batch  # noqa: E402
 
 import pack  # noqa: E402
 
@@ -445,16 +443,9 @@ def test_core_attention_per_sequence_equals_dense_reference(causal, monkeypatch)
 # 2 ranks: TP=2 (+SP), EP=2, CP=2 against one rank, weights from the same HF files
 
 
-def test_two_rank_layouts_match_one_rank(tmp_path):
-    out = tmp_path / "dist.json"
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).resolve().parent / "omni_model_dist.py"), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+def test_two_rank_layouts_match_one_rank(torchrun):
+    worker = Path(__file__).resolve().parent / "dist" / "check_omni_model.py"
+    result = torchrun(worker, env={"OMP_NUM_THREADS": "1"}).result
     assert set(result) == {"tp2_sp", "ep2", "cp2"}
     for layout, r in result.items():
         assert "error" not in r, (layout, r)

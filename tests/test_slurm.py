@@ -239,8 +239,19 @@ def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
 
 
 def test_data_path_may_come_from_an_override(tmp_path):
+    """Without MPO_DATA_PATH, a data.train.data_path=... argument is the data path: passed on to sbatch and to
+    train.py's overrides once; with neither, the one-line error before any submission."""
     r = _run(SBATCH, {"DRY_RUN": "1", "WANDB_MODE": "offline"}, ["data.train.data_path=/x.json"], tmp_path)
     assert r.returncode == 0, r.stderr
+    [sbatch] = _lines(r.stdout, "sbatch")
+    assert sbatch[-2:] == [str(SBATCH), "data.train.data_path=/x.json"]
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert [a for a in _overrides(torchrun) if a.startswith("data.")] == ["data.train.data_path=/x.json"]
+    r = _run(SBATCH, {"DRY_RUN": "1", "WANDB_MODE": "offline"}, [], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "train.sbatch: error: MPO_DATA_PATH is required (the MMPR meta.json), or pass data.train.data_path=... as an "
+        "argument")
+    assert not (tmp_path / "sbatch.log").exists()
 
 
 CHAIN_ENV = {"MPO_DATA_PATH": "/data/meta.json", "WANDB_MODE": "offline", "CHAIN_SEGMENTS": "3"}
@@ -339,23 +350,7 @@ def test_chain_reports_a_failed_submission(tmp_path):
 
 # --- signals: the real launcher around a real torchrun ------------------------------------------------------------
 
-RANK_SCRIPT = """\
-import os, signal, sys, time
-from pathlib import Path
-out = Path(sys.argv[1])
-time.sleep(float(os.environ.get("RANK_STARTUP_S", "0")))  # imports, model build: SIGUSR1 is still SIG_IGN here
-got = []
-def on_usr1(signum, frame):  # the contract for train.py: note it, then ignore repeats (a second USR1 can arrive
-    got.append(signum)       # during interpreter shutdown, when Python has restored the default action: death)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-signal.signal(signal.SIGUSR1, on_usr1)
-(out / f"ready{os.environ['RANK']}").write_text("")
-deadline = time.time() + 60
-while not got and time.time() < deadline:
-    time.sleep(0.05)
-(out / f"saved{os.environ['RANK']}").write_text(str(len(got)))
-sys.exit(0 if got else 3)
-"""
+RANK_SCRIPT = Path(__file__).resolve().parent / "dist" / "slurm_rank.py"  # the fake repo's train.py
 
 # Like slurmstepd with proctrack/cgroup or linuxproc, the fake srun signals every process of the step (torchrun
 # included), as the local Slurm 22.05 was seen to do.
@@ -378,7 +373,7 @@ def _start_signal_job(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.P
     (b / "srun").chmod(0o755)
     repo = tmp_path / "repo"
     repo.mkdir()
-    (repo / "train.py").write_text(RANK_SCRIPT)
+    shutil.copy(RANK_SCRIPT, repo / "train.py")
     full = {
         "PATH": f"{b}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         "HOME": str(tmp_path), "TMPDIR": str(tmp_path),

@@ -1,7 +1,8 @@
 """Tests of train.py: the README command end to end (2 gloo ranks), step-1 values, the δ update, learning, exact
 resume across a segment stop, a killed save, SIGUSR1, TP = 2 / DP = 2 = TP = 1 / DP = 1, and the HF export.
 
-Launches are shared between tests (module fixtures); each costs ~10 s of start-up on 2 cores:
+Launches are shared between tests (module fixtures, through the torchrun fixture of tests/conftest.py); each costs
+~10 s of start-up on 2 cores:
     readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
@@ -9,6 +10,7 @@ Launches are shared between tests (module fixtures); each costs ~10 s of start-u
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
     padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
     frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
+The readme run is also the golden trace: every metric of every step against main's recorded numbers (1e-6).
 Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
 """
 
@@ -70,9 +72,26 @@ def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
         train.build_scheduler(_Opt(), bad)
 
 
-def test_reduce_metrics_without_group_keeps_values():
+def test_reduce_metrics_without_group_keeps_values(monkeypatch):
+    """No group (or a group of one): the values as given. A group of two ranks: "mean" and "count" metrics are summed
+    (each rank's value is already divided by the global pair count), "constant" ones (δ) kept, in one all-reduce."""
+    import torch.distributed as dist
+
     m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}
     assert train.reduce_metrics(m, None, torch.device("cpu")) == m
+    other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift": 0.25}
+    calls = []
+
+    def all_reduce(t, group=None):  # the other rank's sum, in the key order reduce_metrics sent
+        calls.append((t.dtype, group))
+        t += torch.tensor([other_rank[k] for k in sorted(k for k in m if k != "reward_shift")], dtype=t.dtype)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
+    assert train.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
+    got = train.reduce_metrics(m, "two", torch.device("cpu"))
+    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift": 0.25} and calls == [(torch.float64, "two")]
+    assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}  # the input is not modified
 
 
 def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
@@ -220,19 +239,21 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("hf_cache")
-    e = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled", HF_DATASETS_CACHE=str(cache))
-    e.pop("WANDB_API_KEY", None)
-    return e
+def env(torchrun, tmp_path_factory):
+    """The launch environment of this module's runs (the harness's, with one data-index cache for all of them)."""
+    return torchrun.env({"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_cache"))})
 
 
-def _torchrun(env, nproc: int, run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py",
-           "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+@pytest.fixture(scope="module")
+def train_run(torchrun, env):
+    """`train_run(nproc, run_dir, *overrides)`: `train.py configs/tiny.toml checkpoint.dir=run_dir *overrides` on
+    `nproc` ranks through the torchrun fixture; fails the test on a non-zero exit."""
+
+    def run(nproc: int, run_dir: Path, *overrides: str, timeout: int = 300):
+        return torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides, nproc=nproc,
+                        env={"HF_DATASETS_CACHE": env["HF_DATASETS_CACHE"]}, timeout=timeout)  # fmt: skip
+
+    return run
 
 
 def _rows(run_dir: Path, split: str = "train") -> list[dict]:
@@ -265,38 +286,38 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
 
 
 @pytest.fixture(scope="module")
-def readme(env, tmp_path_factory):
+def readme(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("readme")
-    proc = _torchrun(env, 2, run_dir, "checkpoint.save_period=4")
+    proc = train_run(2, run_dir, "checkpoint.save_period=4")
     return SimpleNamespace(dir=run_dir, out=proc.stdout, rows=_rows(run_dir), val=_rows(run_dir, "validation"))
 
 
 @pytest.fixture(scope="module")
-def segments(env, tmp_path_factory):
+def segments(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("segments")
-    first = _torchrun(env, 2, run_dir, "mpo.stop_after_step=2")
+    first = train_run(2, run_dir, "mpo.stop_after_step=2")
     after_first = sorted(p.name for p in run_dir.iterdir())
     killed = run_dir / "step_5.tmp"  # a save killed mid-way: files present, never renamed
     (killed / "model_optim").mkdir(parents=True)
     (killed / "run_state.json").write_text('{"step": 5}')
     with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
         f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
-    second = _torchrun(env, 2, run_dir, "mpo.stop_after_step=4")
+    second = train_run(2, run_dir, "mpo.stop_after_step=4")
     return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, after_first=after_first,
                            rows=_rows(run_dir))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def learn(env, tmp_path_factory):
+def learn(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
-    _torchrun(env, 2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
+    train_run(2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
     return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
 @pytest.fixture(scope="module")
-def tp2(env, tmp_path_factory):
+def tp2(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp2")
-    _torchrun(env, 2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+    train_run(2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
               "mpo.stop_after_step=3")  # fmt: skip
     return _rows(run_dir)
 
@@ -307,23 +328,23 @@ SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split
 
 
 @pytest.fixture(scope="module")
-def padding(env, tmp_path_factory):
+def padding(train_run, tmp_path_factory):
     """Issue 13.1: two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
     padded to 8 on DP = 2."""
     runs = {}
     for name, nproc, multiple in (("pad8", 1, 8), ("pad64", 1, 64), ("dp2", 2, 8)):
         run_dir = tmp_path_factory.mktemp(name)
-        _torchrun(env, nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
+        train_run(nproc, run_dir, *SHORT, f"packing.make_sequence_length_divisible_by={multiple}")
         runs[name] = SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
     return runs
 
 
 @pytest.fixture(scope="module")
-def frozen(env, tmp_path_factory):
+def frozen(train_run, tmp_path_factory):
     """Issues 13.2 and 13.6: lr 0 and bias update rate 0 for 7 steps of 4 pairs on the first 27 sample pairs (step 7
     straddles the epoch boundary)."""
     run_dir = tmp_path_factory.mktemp("frozen")
-    _torchrun(env, 1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
+    train_run(1, run_dir, "optimizer.lr=0", "optimizer.min_lr=0", "model.moe_router_bias_update_rate=0",
               "mpo.max_num_steps=7", "scheduler.lr_warmup_steps=0", "data.train.split_validation_size=0",
               "data.train.max_samples=27", "mpo.val_at_end=false")  # fmt: skip
     return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
@@ -405,6 +426,114 @@ def test_lr_follows_the_schedule(readme):
     lrs = [r["lr"] for r in readme.rows]  # tiny: warmup 2 steps from 0 to 1e-4, cosine to 1e-6 at step 6
     want = [0.0, 5e-5, 1e-4] + [1e-6 + 0.5 * (1e-4 - 1e-6) * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3)]
     assert lrs == pytest.approx(want, rel=1e-12)
+
+
+# The golden trace: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
+# validation row, as recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2 train.py
+# configs/tiny.toml). A change of behaviour anywhere on the step's path (data order, packing, model, loss, optimizer,
+# schedule, δ update, metric reduction) moves some of these numbers; a refactor moves none. The timing-derived keys
+# are not part of the trace.
+TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
+GOLDEN_ATOL = 1e-6
+GOLDEN_TRAIN = {  # /work/wt/golden_before/metrics.jsonl: key -> values of steps 1..6
+    "step": [1, 2, 3, 4, 5, 6],
+    "loss": [
+        0.8317766189575195, 0.8316849917173386, 0.8319676667451859, 0.8239318430423737, 0.8099147528409958,
+        0.7964173704385757,
+    ],
+    "preference_loss": [
+        0.6931471824645996, 0.6930555105209351, 0.6933378875255585, 0.6853062957525253, 0.671313539147377,
+        0.6578790247440338,
+    ],
+    "bco_loss": [
+        1.3862943649291992, 1.3862028121948242, 1.386486679315567, 1.378434032201767, 1.3643195629119873,
+        1.3505707681179047,
+    ],
+    "sft_loss": [
+        6.935289144515991, 6.929535865783691, 6.920889496803284, 6.956742167472839, 6.918849349021912,
+        6.907892823219299,
+    ],
+    "accuracy": [0.0, 0.5, 0.5, 1.0, 1.0, 0.75],
+    "rewards/chosen": [
+        0.0, 0.00029716491189901717, -0.002969741850392893, 0.008215332054533064, 0.02557086991146207,
+        0.032439995382446796,
+    ],
+    "rewards/rejected": [
+        0.0, 0.00011367798651917838, -0.0025901794724632055, -0.007584762875922024, -0.018798066244926304,
+        -0.0402156850323081,
+    ],
+    "rewards/margin": [
+        0.0, 0.00018348693629377522, -0.00037956234882585704, 0.015800095163285732, 0.04436893644742668,
+        0.07265568152070045,
+    ],
+    "logps/chosen": [
+        -232.21193313598633, -213.1753158569336, -224.96408462524414, -236.3661003112793, -250.8388900756836,
+        -257.3639144897461,
+    ],
+    "logps/rejected": [
+        -189.3702507019043, -195.02611923217773, -205.60759735107422, -218.4793930053711, -237.12194442749023,
+        -241.23694610595703,
+    ],
+    "nll/chosen": [
+        6.935289144515991, 6.929535865783691, 6.920889496803284, 6.956742167472839, 6.918849349021912,
+        6.907892823219299,
+    ],
+    "bco/reward_mean": [
+        0.0, 0.00020542145466606598, -0.0027799606905318797, 0.00031528467661701143, 0.0033864020369946957,
+        -0.0038878447376191616,
+    ],
+    "num_valid_pairs": [4.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+    "reward_shift": [
+        0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
+        -2.726362257783856e-05,
+    ],
+    "lr": [0.0, 5e-05, 0.0001, 8.55017856687341e-05, 5.05e-05, 1.54982143312659e-05],
+    "grad_norm": [
+        2.864051704781807, 2.9464952436557965, 2.417524700650062, 2.2201662513410456, 2.8733358127674755,
+        3.635003854363876,
+    ],
+    "num_global_pairs": [4, 4, 4, 4, 4, 4],
+    "reward_shift_used": [
+        0.0, 0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
+    ],
+    "bco/reward_sum": [
+        0.0, 0.0016433716373285279, -0.022239685524255037, 0.0025222774129360914, 0.027091216295957565,
+        -0.031102757900953293,
+    ],
+    "bco/reward_count": [8.0, 8.0, 8.0, 8.0, 8.0, 8.0],
+    "tokens": [1113, 1014, 1035, 1238, 1220, 1244],
+    "dropped_oversized": [0, 0, 0, 0, 0, 0],
+    "consumed_pairs": [4, 8, 12, 16, 20, 24],
+}
+GOLDEN_VALIDATION = {  # the val_at_end row after step 6
+    "step": 6,
+    "loss": 0.8033683598041534,
+    "preference_loss": 0.6648219078779221,
+    "bco_loss": 1.357554167509079,
+    "sft_loss": 6.940609335899353,
+    "accuracy": 0.75,
+    "rewards/chosen": 0.021422386867925525,
+    "rewards/rejected": -0.036983110127039254,
+    "rewards/margin": 0.058405498741194606,
+    "logps/chosen": -234.18470764160156,
+    "logps/rejected": -222.03285217285156,
+    "nll/chosen": 6.940609335899353,
+    "bco/reward_mean": -0.007780361745972186,
+    "num_valid_pairs": 4.0,
+    "val_batches": 1,
+}
+
+
+def test_golden_trace_of_the_readme_command(readme):
+    assert [set(r) - TIMING_KEYS for r in readme.rows] == [set(GOLDEN_TRAIN) | {"split"}] * 6  # no metric gone or new
+    for key, want in GOLDEN_TRAIN.items():
+        got = [r[key] for r in readme.rows]
+        assert got == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
+        assert [type(v) for v in got] == [type(v) for v in want], key  # counts stay ints, means stay floats
+    [val] = readme.val
+    assert set(val) == set(GOLDEN_VALIDATION) | {"split"}
+    for key, want in GOLDEN_VALIDATION.items():
+        assert val[key] == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
 
 
 # ----------------------------------------------------------------------------------------------------------------------

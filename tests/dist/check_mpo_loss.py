@@ -1,7 +1,8 @@
 """Multi-rank checks of mpo_loss.py in one 2-rank gloo world (the world plays TP, then CP, then DP).
 
-Run: `torchrun --standalone --nproc-per-node 2 tests/dist_mpo_loss.py` (tests/test_mpo_loss.py does). Every rank
-checks against a single-process float64 reference it computes itself; rank 0 prints `PASS <check>` per check and any
+Run: `torchrun --standalone --nproc-per-node 2 tests/dist/check_mpo_loss.py` (tests/test_mpo_loss.py does, through
+the `torchrun` fixture). Every rank checks against a single-process float64 reference it computes itself; rank 0 prints
+`PASS <check>` per check, every rank reports the checks it passed (tests/dist/report.py: {"passed": [...]}), and any
 mismatch raises (non-zero exit).
 
 - tp: vocab-parallel token log-probs (V split over 2 ranks, fp32 logits, chunked) equal the full-vocabulary float64
@@ -20,8 +21,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import report  # noqa: E402  (tests/dist/report.py, beside this file)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -187,6 +189,7 @@ def main() -> None:
     check_tp(rank, world)
     check_cp(rank, world)
     check_dp(rank, world)
+    report.write({"passed": ["tp", "cp", "dp"]})
     dist.barrier()
     dist.destroy_process_group()
 

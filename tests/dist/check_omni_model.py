@@ -1,10 +1,11 @@
-"""2-rank checks of omni_model (run by tests/test_omni_model.py; by hand:
-`torchrun --standalone --nproc-per-node 2 tests/omni_model_dist.py OUT.json`).
+"""2-rank checks of omni_model (run by tests/test_omni_model.py through the `torchrun` fixture; by hand:
+`torchrun --standalone --nproc-per-node 2 tests/dist/check_omni_model.py`).
 
 In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
 parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
 (image + text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
-gradient of a fixed scalar loss w.r.t. a few parameters, and write the max-abs differences to the reference to OUT.json.
+gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs differences to the reference (rank
+0, tests/dist/report.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: omni_model_cases
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, first
 
 
 def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
@@ -93,6 +94,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
 
 
 def main() -> None:
+    import report
     import torch
     import torch.distributed as dist
     from omni_model_cases import make_pair_batch
@@ -124,7 +126,7 @@ def main() -> None:
 
             parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
+        report.write(result)
         print(json.dumps(result, indent=2))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """Multi-rank checkpoint checks (torchrun, gloo, CPU), driven by tests/test_checkpoint.py.
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_checkpoint.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/dist/check_checkpoint.py WORK_DIR
 
 A small megatron-core GPT model (2 layers, hidden 32) under megatron DDP with Adam, for both the distributed and the
 plain megatron optimizer, on DP = 2:
@@ -9,12 +9,11 @@ plain megatron optimizer, on DP = 2:
   * the megatron-core Adam-step trap: what the upstream loader alone restores (step 1 / a shared tensor) vs `load`;
   * a leftover `step_3.tmp` is ignored, keep_last prunes, the run state (reward_shift) round-trips exactly;
   * the model part reloads into TP = 2 (resharded) and gives the TP = 1 loss.
-Rank 0 writes OUT_DIR/result.json; the pytest side asserts on it.
+The checkpoints go under WORK_DIR; rank 0 reports the result (tests/dist/report.py), the pytest side asserts on it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import report  # noqa: E402  (tests/dist/report.py, beside this file)
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -205,7 +205,7 @@ def main() -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     result = {"dopt1": scenario(out, True), "dopt0": scenario(out, False), "reshard": reshard(out)}
     if dist.get_rank() == 0:
-        (out / "result.json").write_text(json.dumps(result, indent=1))
+        report.write(result)
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
