@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_mod
+import mmpr_data
 import mpo_loss
 
 
@@ -82,8 +83,9 @@ def report_error(e: Exception) -> str:
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
     """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
 
-    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (each microbatch value is already divided by
-    the global pair count), "constant" ones are kept. Keys must be the same on every rank.
+    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract: each
+    microbatch value is already divided by the step's global pair count), "constant" ones are kept. Keys must be the
+    same on every rank.
     """
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
     vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
@@ -122,7 +124,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
     """Model FLOPs utilisation: (6·N·tokens for the policy fwd+bwd + 2·N·tokens for the reference fwd) /
     (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU. Ignores attention's quadratic term
-    and the vision tower (the hybrid LM is mostly linear in tokens; shared/research/nemotron_omni_arch.md)."""
+    and the vision tower (the hybrid LM is mostly Mamba and MoE layers, linear in tokens; pack.py's cost model)."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()
@@ -263,3 +265,17 @@ def print_validation(step: int, vm: dict, rank: int) -> None:
             f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
             f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)"
         )
+
+
+def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
+    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
+    if rank != 0:
+        return
+    print(
+        f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
+        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
+    )
+    if val_split is not None and val_split.index is not train_split.index:
+        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+    for note in notes:
+        print(note)

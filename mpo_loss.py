@@ -11,11 +11,14 @@ Preference Optimization", arXiv 2411.10442) trains on (chosen c, rejected r) res
     L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over the response tokens of row y (÷ the row's own response-token
             count when the term's *_average_log_probs flag is set)
 
-with the semantics of the seed (NeMo-RL's MPOLossFn, facts in shared/research/nemo_rl_mpo.md §1): every term is a sum
-over the valid pairs of this microbatch divided by the number of valid pairs of the whole optimizer step (all
-microbatches, all data-parallel ranks), so gradients do not depend on how pairs are split; δ is constant within an
-optimizer step, the loss only returns its sufficient statistics and the training loop updates δ once after
-`optimizer.step()` with `update_reward_shift`.
+with the semantics of NeMo-RL's MPOLossFn (NVIDIA-NeMo/RL branch linglinj/nemotron-omni-mpo at 1ca5ab861,
+nemo_rl/algorithms/loss/loss_functions.py).
+
+Denominator contract (stated here once; the other modules point to it): every term is a sum over the valid pairs of
+this microbatch divided by the number of valid pairs of the whole optimizer step (all microbatches, all data-parallel
+ranks: `num_global_pairs`), so gradients do not depend on how pairs are split, and the DP/CP gradient reduction sums
+(see the gradient reduction contract below). δ is constant within an optimizer step: the loss only returns its
+sufficient statistics and the training loop updates δ once after `optimizer.step()` with `update_reward_shift`.
 
 The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
 `token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):

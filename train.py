@@ -9,10 +9,10 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
 
     1. take `policy.train_global_batch_size` pairs (mmpr_data sampler, the same on every rank)
     2. plan bins (pack.plan_step; a pair is never split) and load this data-parallel rank's bins
-    3. count the step's valid pairs over all ranks: the denominator of every loss term
+    3. count the step's valid pairs over all ranks: the denominator of every loss term (mpo_loss's contract)
     4. reference forward of every microbatch (no grad; with `reference.offload` the reference visits the GPU once)
     5. per microbatch: policy forward -> fused MPO loss -> backward (gradients accumulate)
-    6. gradient reduction over DP (a sum: each loss is already divided by the global pair count), optimizer step,
+    6. gradient reduction over DP (a sum, by mpo_loss's denominator contract), optimizer step,
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
 Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
@@ -171,15 +171,7 @@ def load_data(cfg, hf, rank: int) -> Data:
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
     train_split, val_split = mmpr_data.load_splits(processor, cfg)
     val_split, notes = preflight.check_splits(train_split, val_split, cfg)
-    if rank == 0:
-        print(
-            f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-            f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
-        )
-        if val_split is not None and val_split.index is not train_split.index:
-            print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
-        for note in notes:
-            print(note)
+    monitor.print_data(train_split, val_split, notes, rank)
     return Data(
         train_split=train_split,
         val_split=val_split,
@@ -237,9 +229,8 @@ def build_optimizer(policy, cfg):
     """megatron-core DDP around the policy, its Adam (distributed optimizer by default; bf16 params keep fp32 master
     weights) and the LR scheduler. Returns (ddp, optimizer, scheduler).
 
-    The DDP sums gradients over data (and context) parallel ranks instead of averaging them: every microbatch loss
-    is already divided by the step's global pair count (the denominator contract of mpo_loss), megatron's
-    `calculate_per_token_loss` regime. Gradient buffers are fp32.
+    The DDP sums gradients over data (and context) parallel ranks instead of averaging them (mpo_loss's denominator
+    contract), megatron's `calculate_per_token_loss` regime. Gradient buffers are fp32.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -348,22 +339,14 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
-    cp_group = ctx.cp_group if ctx.cp > 1 else None
-    return mpo_loss.packed_sequence_logps(
-        logits,
-        labels,
-        loss_mask,
-        seq_ids,
-        S,
-        ctx.tp_group,
-        cp_group,
-        ctx.cfg.policy.logprob_chunk_size,
-        inplace_backward=True,
-    )  # the logits are read by nothing else
+    cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
+    return mpo_loss.packed_sequence_logps(  # inplace_backward: the logits are read by nothing else
+        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True
+    )
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Valid pairs of the step over all microbatches and DP ranks (the loss denominator), before any forward.
+    """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward.
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
@@ -388,7 +371,9 @@ def reference_logps(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> lis
     return out
 
 
-def policy_forward_backward(batches, ref_logps, policy, ctx: Ctx, reward_shift: float, num_pairs: int, backward: bool):
+def policy_forward_backward(
+    batches, ref_logps, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
+):
     """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
     (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
     (reward_sum, reward_count)."""
@@ -397,7 +382,15 @@ def policy_forward_backward(batches, ref_logps, policy, ctx: Ctx, reward_shift: 
         with torch.set_grad_enabled(backward):
             logps, num_tokens = sequence_logps(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(
-                logps, ref, num_tokens, b.pair_index, b.is_chosen, b.sample_mask, ctx.cfg.mpo, reward_shift, num_pairs
+                logps,
+                ref,
+                num_tokens,
+                b.pair_index,
+                b.is_chosen,
+                b.sample_mask,
+                ctx.cfg.mpo,
+                reward_shift,
+                num_global_pairs,
             )
         if backward:
             loss.backward()  # megatron DDP accumulates into its main_grad buffers
@@ -415,12 +408,14 @@ def train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx: Ctx, 
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    num_pairs = count_global_pairs(batches, ctx)
+    num_global_pairs = count_global_pairs(batches, ctx)
     ref = reference_logps(reference, batches, ctx)
     # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here).
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=ctx.device) / (len(batches) * ctx.dp * ctx.cp))
-    local, r_sum, r_count = policy_forward_backward(batches, ref, ddp, ctx, reward_shift, num_pairs, backward=True)
+    local, r_sum, r_count = policy_forward_backward(
+        batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True
+    )
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
     with distributed.cuda_to_cpu():
@@ -434,7 +429,7 @@ def train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx: Ctx, 
     metrics.update(
         lr=lr,
         grad_norm=float(grad_norm),
-        num_global_pairs=num_pairs,
+        num_global_pairs=num_global_pairs,
         reward_shift=new_shift,
         reward_shift_used=reward_shift,
         **{"bco/reward_sum": r_sum, "bco/reward_count": r_count},
@@ -456,16 +451,16 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
         plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp)
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        num_pairs = count_global_pairs(batches, ctx)
+        num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logps(reference, batches, ctx)
-        local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_pairs, backward=False)
+        local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
         m = monitor.reduce_metrics(local, ctx.dp_group, ctx.device)
         for k, v in m.items():
             if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean":
-                total[k] = total.get(k, 0.0) + v * num_pairs
+                total[k] = total.get(k, 0.0) + v * num_global_pairs
             elif mpo_loss.METRIC_REDUCTION.get(k) == "count":
                 total[k] = total.get(k, 0.0) + v
-        pairs_seen += num_pairs
+        pairs_seen += num_global_pairs
     policy.train()
     mean = {k for k in total if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean"}
     out = {k: (v / max(pairs_seen, 1) if k in mean else v) for k, v in total.items()}
