@@ -73,6 +73,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def group_rank_size(group) -> tuple[int, int]:
+    """(this process's rank in `group`, the group's size); (0, 1) for None (no process group: a world of one)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None) -> Ctx:
     """torch.distributed and megatron-core parallel state for `cfg.parallel` (all sizes 1 when `cfg` is None) on
     `device` (None: the CPU); returns the `Ctx` of this process.

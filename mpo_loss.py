@@ -58,14 +58,10 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+from distributed import group_rank_size
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Fused, chunked, vocab-parallel token log-probabilities
-
-
-def _group_rank_size(group: torch.distributed.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -86,7 +82,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, tp_group, chunk_size, inplace_backward):
         num_tokens, partition_vocab = logits.shape
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
-        rank, world = _group_rank_size(tp_group)
+        rank, world = group_rank_size(tp_group)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
         logps = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
         lse = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)

@@ -185,6 +185,19 @@ def _shared_pair_sizes(
     return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
 
 
+def pair_bin_tokens(
+    lengths: Mapping[int, tuple[int, int]], divisible_by: int, shared_lengths: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """The tokens each pair takes in a bin: both rows padded to `divisible_by` (`pack`), or its [prompt | chosen |
+    rejected] span padded as a whole (`pack_shared`, with `shared_lengths`). The oversized-pair rule, stated once: a
+    pair fits a bin iff this is <= packing.max_tokens_per_bin (`plan_bins` drops or refuses the others at a step,
+    preflight.check_splits over a whole split at start)."""
+    no_cost = float  # the cost model plays no part in the size
+    if shared_lengths is None:
+        return {p: _pair_sizes(tuple(lens), divisible_by, no_cost)[0] for p, lens in lengths.items()}
+    return {p: _shared_pair_sizes(tuple(n), shared_lengths[p], divisible_by, no_cost)[0] for p, n in lengths.items()}
+
+
 def first_fit_decreasing(
     sizes: Mapping[int, int], max_tokens_per_bin: int, max_sequences_per_bin: int
 ) -> list[list[int]]:

@@ -144,8 +144,7 @@ def check_splits(train_split, val_split, cfg):
     for name, split in (("training", train_split), ("validation", val_split)):
         if split is None:
             continue
-        lengths = split.index.lengths(split.pair_ids)
-        sizes = {p: pack.padded_length(c, d) + pack.padded_length(r, d) for p, (c, r) in lengths.items()}
+        sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d)
         big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
         if not big:
             continue

@@ -11,7 +11,7 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
     2. plan bins (pack.plan_step; a pair is never split) and load this data-parallel rank's bins
     3. count the step's valid pairs over all ranks: the denominator of every loss term (mpo_loss's contract)
     4. reference forward of every microbatch (no grad; with `reference.offload` the reference visits the GPU once)
-    5. per microbatch: policy forward -> fused MPO loss -> backward (gradients accumulate)
+    5. per microbatch: policy forward -> fused MPO loss -> backward (`policy_forward_backward`; gradients accumulate)
     6. gradient reduction over DP (a sum, by mpo_loss's denominator contract), optimizer step,
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
@@ -29,6 +29,9 @@ pre-timeout signal) / SIGINT (Ctrl-C): it finishes the current step, saves a che
 with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
 `<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
 `<checkpoint.dir>/config.json`.
+
+Layout: `main(cfg)` first, in sections; then the set-up helpers, the run state and one step. The checks before any
+work are in preflight.py, the process groups (`Ctx`) in distributed.py, metrics, console and signals in monitor.py.
 
 Tests: `pytest tests/test_train.py`.
 """
