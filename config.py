@@ -280,8 +280,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = Config()
     if path is not None:
         if not Path(path).is_file():
-            raise ConfigError(f"config file {str(path)!r} not found (relative paths are relative to the working "
-                              f"directory {os.getcwd()}; the shipped configs are in configs/)")  # fmt: skip
+            raise ConfigError(
+                f"config file {str(path)!r} not found (relative paths are relative to the working "
+                f"directory {os.getcwd()}; the shipped configs are in configs/)"
+            )
         text = Path(path).read_text()
         try:
             data = tomllib.loads(text)

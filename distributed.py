@@ -87,7 +87,7 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
     The world is torchrun's (environment variables) or, without torchrun, one rank on a free local port. The backend
     is nccl for a CUDA device (which becomes the current device), gloo otherwise. cpu_compat's stand-ins for what this
     process lacks (TE, mamba-ssm, CUDA) are applied first. Idempotent: an existing process group or parallel state is
-    kept. A parallel state created here seeds megatron's RNG tracker with 0 (train.seed_everything reseeds it).
+    kept. A parallel state created here seeds megatron's RNG tracker with 0 (seed_everything reseeds it).
 
     Raises:
         config.ConfigError: (with `cfg`) world size != TP·CP·DP, ETP·EP not dividing it, EP not dividing

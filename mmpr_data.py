@@ -1199,7 +1199,7 @@ class StepData:
 
 def _ignore_sigint(worker_id: int) -> None:
     """DataLoader workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the training process, not its
-    workers, decides to finish the step and save (train.StopSignal)."""
+    workers, decides to finish the step and save (monitor.StopSignal)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1306,8 +1306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
-        raise DataError(f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
-                        f"chat template and processor; relative paths are relative to {os.getcwd()})")  # fmt: skip
+        raise DataError(
+            f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
+            f"chat template and processor; relative paths are relative to {os.getcwd()})"
+        )
     from transformers import AutoProcessor
 
     cfg = Config()

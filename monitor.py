@@ -156,14 +156,18 @@ class MetricsLog:
             while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
                 n += 1
             self.path.rename(old)
-            print(f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
-                  f"{old.name}, this run starts a new {self.path.name}")  # fmt: skip
+            print(
+                f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
+                f"{old.name}, this run starts a new {self.path.name}"
+            )
         elif rows:  # rows after the resumed step belong to a segment that died before saving
             keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
             if len(keep) < len(rows):
                 self.path.write_text("".join(r + "\n" for r in keep))
-                print(f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
-                      "(logged by a segment that stopped before saving)")  # fmt: skip
+                print(
+                    f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
+                    "(logged by a segment that stopped before saving)"
+                )
         if cfg.logging.wandb != "disabled":
             import wandb
 

@@ -30,8 +30,10 @@ def check_inputs(cfg) -> None:
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
             f"paths are relative to the working directory {os.getcwd()})"
         )
-    for key, path in (("data.train.data_path", cfg.data.train.data_path),
-                      ("data.validation.data_path", cfg.data.validation.data_path)):  # fmt: skip
+    for key, path in (
+        ("data.train.data_path", cfg.data.train.data_path),
+        ("data.validation.data_path", cfg.data.validation.data_path),
+    ):
         if path and not Path(path).expanduser().is_file():
             raise config_mod.ConfigError(
                 f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON; relative paths are relative to the "
@@ -79,8 +81,11 @@ def check_model_config(cfg, hf) -> None:
             "nothing to train; unfreeze at least one"
         )
     use_te = omni_model.have_transformer_engine()
-    parts = (("language model", omni_model.language_config), ("vision encoder", omni_model.vision_config),
-             ("vision projector", omni_model.projector_config))  # fmt: skip
+    parts = (
+        ("language model", omni_model.language_config),
+        ("vision encoder", omni_model.vision_config),
+        ("vision projector", omni_model.projector_config),
+    )
     for what, build in parts:
         try:
             mcore = build(hf, m, p, use_te)
@@ -136,8 +141,10 @@ def check_splits(train_split, val_split, cfg):
             "use more data"
         )
     if val_split is not None and not val_split.pair_ids:
-        notes.append(f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
-                     f"{len(train_split.index)} pairs is 0 pairs: no validation")  # fmt: skip
+        notes.append(
+            f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
+            f"{len(train_split.index)} pairs is 0 pairs: no validation"
+        )
         val_split = None
     pk = cfg.packing
     d = pk.make_sequence_length_divisible_by
@@ -159,7 +166,9 @@ def check_splits(train_split, val_split, cfg):
             raise config_mod.ConfigError(
                 f"every {name} pair needs more than packing.max_tokens_per_bin = {pk.max_tokens_per_bin} tokens"
             )
-        notes.append(f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = "
-                     f"{pk.max_tokens_per_bin} and are dropped from the steps that hold them "
-                     "(metrics: dropped_oversized)")  # fmt: skip
+        notes.append(
+            f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = "
+            f"{pk.max_tokens_per_bin} and are dropped from the steps that hold them "
+            "(metrics: dropped_oversized)"
+        )
     return val_split, notes
