@@ -23,6 +23,9 @@ import config as config_mod
 import mmpr_data
 import mpo_loss
 
+# ======================================================================================================================
+# Signals and errors
+
 
 class StopSignal:
     """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C); the loop finishes the
@@ -52,19 +55,6 @@ class StopSignal:
         return bool(flag.item())
 
 
-RESOLVED_CONFIG_FILE = "config.json"
-
-
-def write_resolved_config(cfg) -> Path:
-    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
-    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
-    returns its path."""
-    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
-    return path
-
-
 def report_error(e: Exception) -> str:
     """The one-line message of a known bad input (ConfigError / DataError / CheckpointError), printed to stderr by
     global rank 0 only (every rank usually hits the same check). Under torchrun every rank also writes it to its
@@ -78,6 +68,28 @@ def report_error(e: Exception) -> str:
     if global_rank() == 0:
         print(msg, file=sys.stderr, flush=True)
     return msg
+
+
+def global_rank() -> int:
+    """torchrun's RANK (0 outside torchrun): usable before and after the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+def write_resolved_config(cfg) -> Path:
+    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
+    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
+    returns its path."""
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
+    return path
+
+
+# ======================================================================================================================
+# Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B
 
 
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
@@ -94,6 +106,17 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
     out = dict(local)
     out.update(zip(keys, vals.tolist(), strict=True))
     return out
+
+
+def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
+    """A step's throughput metrics: tokens (global), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
+    return {
+        "tokens": tokens,
+        "step_time": seconds,
+        "pairs_per_s": pairs / seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": mfu(tokens, seconds, n_active, world),
+    }
 
 
 def active_params(model, hf) -> int:
@@ -197,35 +220,34 @@ class MetricsLog:
             self.run.finish()
 
 
-def _duration(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+# ======================================================================================================================
+# Console lines (rank 0)
 
 
-def format_line(step: int, cfg, m: dict) -> str:
-    """The per-step console line (rank 0)."""
-    mx = cfg.mpo.max_num_steps
-    speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
-    if m.get("mfu") is not None:
-        speed += f" mfu {100 * m['mfu']:.1f}%"
-    return (
-        f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
-        f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
-        f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
-        f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}"
+def print_layout(ctx, world: int) -> None:
+    """The kernels line and the parallel layout line (rank 0)."""
+    import cpu_compat
+
+    p = ctx.cfg.parallel
+    print(cpu_compat.select_kernels().line())
+    print(
+        f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
+        f"EP {p.expert_model_parallel_size} on {ctx.device.type}"
     )
 
 
-def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
-    """A step's throughput metrics: tokens (global), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
-    return {
-        "tokens": tokens,
-        "step_time": seconds,
-        "pairs_per_s": pairs / seconds,
-        "tokens_per_s": tokens / seconds,
-        "mfu": mfu(tokens, seconds, n_active, world),
-    }
+def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
+    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
+    if rank != 0:
+        return
+    print(
+        f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
+        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
+    )
+    if val_split is not None and val_split.index is not train_split.index:
+        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+    for note in notes:
+        print(note)
 
 
 def progress_bar(cfg, step: int, rank: int):
@@ -245,21 +267,24 @@ def print_step(bar, step: int, cfg, metrics: dict, rank: int) -> None:
         bar.update(1)
 
 
-def global_rank() -> int:
-    """torchrun's RANK (0 outside torchrun): usable before and after the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def print_layout(ctx, world: int) -> None:
-    """The kernels line and the parallel layout line (rank 0)."""
-    import cpu_compat
-
-    p = ctx.cfg.parallel
-    print(cpu_compat.select_kernels().line())
-    print(
-        f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
-        f"EP {p.expert_model_parallel_size} on {ctx.device.type}"
+def format_line(step: int, cfg, m: dict) -> str:
+    """The per-step console line (rank 0)."""
+    mx = cfg.mpo.max_num_steps
+    speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
+    if m.get("mfu") is not None:
+        speed += f" mfu {100 * m['mfu']:.1f}%"
+    return (
+        f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
+        f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
+        f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
+        f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}"
     )
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def print_validation(step: int, vm: dict, rank: int) -> None:
@@ -269,17 +294,3 @@ def print_validation(step: int, vm: dict, rank: int) -> None:
             f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
             f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)"
         )
-
-
-def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
-    if rank != 0:
-        return
-    print(
-        f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
-    )
-    if val_split is not None and val_split.index is not train_split.index:
-        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
-    for note in notes:
-        print(note)
