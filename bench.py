@@ -240,9 +240,9 @@ def _per_row_media(batch: pack.PackedBatch) -> dict:
 
 def bench_vision(quick: bool) -> dict:
     """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
-    import omni_model as om
+    import distributed
 
-    om.init_single_rank_world(_device())
+    distributed.init_distributed(device=_device())
     model_dir = small_checkpoint("policy", seed=1234)
     pairs, ids = sample_pairs(model_dir, 1)
     model = _build_ours(model_dir).train()
@@ -446,10 +446,10 @@ def bench_train(quick: bool) -> dict:
     """One optimizer step, ours vs the transformers baseline: step-1 loss and gradient norm equal, pairs/s, tokens/s."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
-    import omni_model as om
+    import distributed
     import train
 
-    om.init_single_rank_world(_device())
+    distributed.init_distributed(device=_device())
     n_pairs, timed = (6, 2) if quick else (16, 5)
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     pairs, ids = sample_pairs(pol_dir, n_pairs)
@@ -461,7 +461,7 @@ def bench_train(quick: bool) -> dict:
     policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
     reference.eval().requires_grad_(False)
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)  # fp32, distributed Adam: the config's defaults
-    ctx = train.Ctx(cfg, _device(), 1)
+    ctx = distributed.Ctx.current(cfg, _device())
     ddp.train()
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
     state = {"shift": cfg.mpo.reward_shift}
@@ -669,17 +669,19 @@ def _release(device: torch.device) -> None:
 
 def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps) -> dict:
     """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank)."""
+    import distributed
+    import monitor
     import omni_model as om
     import train
 
-    train.seed_everything(cfg.mpo.seed)
+    distributed.seed_everything(cfg.mpo.seed)
     policy = om.build_model(ckpt, cfg.model, cfg.parallel)
     reference = om.build_model(ckpt, cfg.model, cfg.parallel)
     reference.load_state_dict(policy.state_dict())
     reference.eval().requires_grad_(False)
-    n_active = train.active_params(policy, hf)
+    n_active = monitor.active_params(policy, hf)
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
-    ctx = train.Ctx(cfg, device, 1)
+    ctx = distributed.Ctx.current(cfg, device)
     ddp.train()
     plan = pack.plan_step(lengths, cfg, 1)
     state = {"shift": cfg.mpo.reward_shift}
@@ -750,18 +752,20 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
     both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
     Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
-    (8·N_active·tokens / s / peak bf16 FLOP/s, train.mfu; N_active = train.active_params: every non-expert parameter,
-    the embedding table and output layer included, plus top-k/E of the routed experts), and the speed ratio.
+    (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: every non-expert
+    parameter, the embedding table and output layer included, plus top-k/E of the routed experts), and the speed
+    ratio.
     Raises AssertionError when a step-1 loss is off.
     """
     import math
 
     import config as config_mod
+    import distributed
+    import monitor
     import omni_model as om
-    import train
 
     device = torch.device(device)
-    om.init_single_rank_world(device)
+    distributed.init_distributed(device=device)
     dtype = getattr(torch, shape["dtype"])
     ckpt = _shape_checkpoint(shape)
     hf = om.read_hf_config(ckpt)
@@ -797,8 +801,8 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     s_o, s_b = out["step_s_ours"], out["step_s_baseline"]
     out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
                pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
-               mfu_ours=train.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
-               mfu_baseline=train.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
+               mfu_ours=monitor.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
+               mfu_baseline=monitor.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
     return out
 
 

@@ -453,6 +453,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             directory) has no config.json.
     """
     import config as config_mod
+    import distributed
     import hf_weights
     import omni_model
 
@@ -472,7 +473,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     from megatron.core import tensor_parallel
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()  # a gloo world of one on the CPU
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()

@@ -280,8 +280,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = Config()
     if path is not None:
         if not Path(path).is_file():
-            raise ConfigError(f"config file {str(path)!r} not found (relative paths are relative to the working "
-                              f"directory {os.getcwd()}; the shipped configs are in configs/)")  # fmt: skip
+            raise ConfigError(
+                f"config file {str(path)!r} not found (relative paths are relative to the working "
+                f"directory {os.getcwd()}; the shipped configs are in configs/)"
+            )
         text = Path(path).read_text()
         try:
             data = tomllib.loads(text)
@@ -358,11 +360,19 @@ def validate(cfg: Config) -> None:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
             raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
-    s = cfg.scheduler
-    if s.lr_warmup_steps >= m.max_num_steps:  # megatron's scheduler needs a decay phase
-        raise ConfigError(
-            f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = {m.max_num_steps}"
-        )
+    validate_schedule(cfg)
+
+
+def validate_schedule(cfg: Config) -> None:
+    """The learning-rate schedule's rules (config.validate, and train.build_scheduler for a config changed after it).
+
+    Raises:
+        ConfigError: scheduler.lr_warmup_steps >= mpo.max_num_steps (megatron's scheduler needs a decay phase), or
+            scheduler.lr_warmup_init > optimizer.lr.
+    """
+    s, horizon = cfg.scheduler, cfg.mpo.max_num_steps
+    if s.lr_warmup_steps >= horizon:
+        raise ConfigError(f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = {horizon}")
     if s.lr_warmup_init > cfg.optimizer.lr:
         raise ConfigError(f"scheduler.lr_warmup_init = {s.lr_warmup_init} must be <= optimizer.lr = {cfg.optimizer.lr}")
 

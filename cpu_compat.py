@@ -152,7 +152,7 @@ def check_megatron_core_version() -> str:
 def apply(force: bool = False) -> bool:
     """Install the shims the selected kernels need (`shims_for(select_kernels())`) and the model shims
     (`MODEL_SHIMS`); idempotent. Run it in every process before megatron modules are built (omni_model.build_model
-    and init_single_rank_world do).
+    and distributed.init_distributed do).
 
     Args:
         force: install the CPU-only shims even though CUDA is available (only for tests of the shims themselves).

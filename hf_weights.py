@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from distributed import group_rank_size
 from omni_model import OmniModel
 
 
@@ -251,12 +252,6 @@ def _group(name: str | None):
     return None
 
 
-def _rank_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = dict(model.named_parameters())
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
@@ -277,7 +272,7 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
     tensors = _model_tensors(model)
     used: set[str] = set()
     for name, pm in maps.items():
-        rank, size = _rank_size(_group(pm.group))
+        rank, size = group_rank_size(_group(pm.group))
         for r in range(size):  # every rank of the group: the keys the whole model covers
             used.update(s.key for s in pm.segments(r, size))
         parts = [reader.read(s.key, pm.dim, s.start, s.length) for s in pm.segments(rank, size)]
@@ -317,7 +312,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
     out: dict[str, torch.Tensor] = {}
     for name, pm in maps.items():
         group = _group(pm.group)
-        rank, size = _rank_size(group)
+        rank, size = group_rank_size(group)
         local = tensors[name].detach().contiguous()
         shards = [local]
         if size > 1:
@@ -374,10 +369,11 @@ if __name__ == "__main__":
     import sys
 
     from config import ModelConfig, ParallelConfig
-    from omni_model import build_model, init_single_rank_world
+    from distributed import init_distributed
+    from omni_model import build_model
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    init_single_rank_world()
+    init_distributed()
     hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
     model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
     print(load_hf_weights(model, hf_dir))

@@ -59,17 +59,13 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """[num_seqs + 1] cumulative lengths (starting at 0) → seq_idx [1, seqlen] int32.
-
-    Tokens at or beyond cu_seqlens[-1] (padding) get index num_seqs, a sequence of their own.
+    """[num_seqs + 1] cumulative lengths (starting at 0) → seq_idx [1, seqlen] int32: pack.token_sequence_ids (the one
+    token -> sequence rule; tokens at or beyond cu_seqlens[-1], the padding, get index num_seqs) in the kernel's layout.
     Raises ValueError if cu_seqlens does not start at 0, decreases, or ends beyond seqlen.
     """
-    cu = cu_seqlens.to(torch.int64).flatten()
-    if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seqlen:
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to at most seqlen={seqlen}, got {cu.tolist()}")
-    lengths = torch.diff(torch.cat([cu, cu.new_tensor([seqlen])]))
-    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
-    return seq_idx.to(torch.int32).unsqueeze(0)
+    from pack import token_sequence_ids
+
+    return token_sequence_ids(cu_seqlens.flatten(), seqlen).to(torch.int32).unsqueeze(0)
 
 
 def _check_seq_idx(seq_idx: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

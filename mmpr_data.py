@@ -1,10 +1,9 @@
 """MMPR meta-recipe -> validated, cached, processor-expanded preference pairs for MPO.
 
 Reads the InternVL / MMPR meta-recipe JSON (`{subset: {"root", "annotation", "repeat_time", ...}}`, the format of the
-public MMPR v1.0-v1.2 releases; facts in shared/research/mpo_papers.md §2 and nemo_rl_mpo.md §3) and produces, per
-preference pair, the chosen and rejected token rows with their loss masks and the pair's image tensors, expanded by the
-model's own processor (transformers `AutoProcessor` of the model directory: chat template, tokenizer, dynamic-
-resolution image processor).
+public MMPR v1.0-v1.2 releases on the HF hub, OpenGVLab/MMPR*) and produces, per preference pair, the chosen and
+rejected token rows with their loss masks and the pair's image tensors, expanded by the model's own processor
+(transformers `AutoProcessor` of the model directory: chat template, tokenizer, dynamic-resolution image processor).
 
 Two stages:
 
@@ -25,7 +24,7 @@ Sampling: `PairSampler` (seeded per-epoch shuffle, identical on every rank, `sta
 hands back the sampler state of each step for checkpoints). `load_splits(processor, cfg)` gives the train and
 validation splits.
 
-Text layout of a row (the Omni chat template, shared/research/nemotron_omni_arch.md §4):
+Text layout of a row (the Omni chat template, chat_template.jinja of the hub checkpoint):
 
     <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{images + question}<|im_end|>\\n      <- prompt
     <|im_start|>assistant\\n<think></think>                                                        <- prompt
@@ -36,7 +35,8 @@ The prompt is exactly the template's generation prompt (thinking off for a respo
 with `<think>...</think>`); the loss mask covers what the model generates after it: the response and `<|im_end|>`.
 
 Row rules, where InternVL's loader (the MMPR authors', template-agnostic: its models have no reasoning tokens) and
-NeMo-RL's (NVIDIA's MPO loader for this checkpoint, shared/research/nemo_rl_mpo.md §3) differ, and what is done here:
+NeMo-RL's (NVIDIA's MPO loader for this checkpoint, nemo_rl/data/processors.py::vlm_preference_preprocessor) differ,
+and what is done here:
 
 - Text as written. The Omni template removes `/think` and `/no_think` from system and user text wherever they occur
   (in `</think>`, a word, a URL: `https://x.com/thinking` becomes `https://x.coming`) and switches reasoning on or off
@@ -280,8 +280,8 @@ def load_image(path: str | Path):
 def image_patch_budget(image_processor, n_images: int) -> int:
     """Most 16-px patches per image when `n_images` images are processed in one call.
 
-    The budget rule of transformers' NemotronH_Omni_Reasoning_V3ImageProcessor (shared/research/
-    nemotron_omni_arch.md §2.2): clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min, max), m = 1/ratio.
+    The budget rule of transformers' (5.23.0) NemotronH_Omni_Reasoning_V3ImageProcessor:
+    clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min, max), m = 1/ratio.
     Tested against the processor; used to size images at index time without resizing them.
     """
     ip = image_processor
@@ -1199,7 +1199,7 @@ class StepData:
 
 def _ignore_sigint(worker_id: int) -> None:
     """DataLoader workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the training process, not its
-    workers, decides to finish the step and save (train.StopSignal)."""
+    workers, decides to finish the step and save (monitor.StopSignal)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1306,8 +1306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
-        raise DataError(f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
-                        f"chat template and processor; relative paths are relative to {os.getcwd()})")  # fmt: skip
+        raise DataError(
+            f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
+            f"chat template and processor; relative paths are relative to {os.getcwd()})"
+        )
     from transformers import AutoProcessor
 
     cfg = Config()

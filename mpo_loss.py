@@ -11,11 +11,14 @@ Preference Optimization", arXiv 2411.10442) trains on (chosen c, rejected r) res
     L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over the response tokens of row y (÷ the row's own response-token
             count when the term's *_average_log_probs flag is set)
 
-with the semantics of the seed (NeMo-RL's MPOLossFn, facts in shared/research/nemo_rl_mpo.md §1): every term is a sum
-over the valid pairs of this microbatch divided by the number of valid pairs of the whole optimizer step (all
-microbatches, all data-parallel ranks), so gradients do not depend on how pairs are split; δ is constant within an
-optimizer step, the loss only returns its sufficient statistics and the training loop updates δ once after
-`optimizer.step()` with `update_reward_shift`.
+with the semantics of NeMo-RL's MPOLossFn (NVIDIA-NeMo/RL branch linglinj/nemotron-omni-mpo at 1ca5ab861,
+nemo_rl/algorithms/loss/loss_functions.py).
+
+Denominator contract (stated here once; the other modules point to it): every term is a sum over the valid pairs of
+this microbatch divided by the number of valid pairs of the whole optimizer step (all microbatches, all data-parallel
+ranks: `num_global_pairs`), so gradients do not depend on how pairs are split, and the DP/CP gradient reduction sums
+(see the gradient reduction contract below). δ is constant within an optimizer step: the loss only returns its
+sufficient statistics and the training loop updates δ once after `optimizer.step()` with `update_reward_shift`.
 
 The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
 `token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):
@@ -40,7 +43,7 @@ returns the same (replicated) loss and the gradient of its local tokens is exact
 sums has an identity backward), so gradients must also be summed, not averaged, over the CP group; report the loss of
 one CP rank only.
 
-Run the tests: `pytest tests/test_mpo_loss.py` (the multi-rank checks launch tests/dist_mpo_loss.py with torchrun).
+Run the tests: `pytest tests/test_mpo_loss.py` (the multi-rank checks launch tests/dist/check_mpo_loss.py with torchrun).
 """
 
 from __future__ import annotations
@@ -55,14 +58,10 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+from distributed import group_rank_size
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Fused, chunked, vocab-parallel token log-probabilities
-
-
-def _group_rank_size(group: torch.distributed.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -83,7 +82,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, tp_group, chunk_size, inplace_backward):
         num_tokens, partition_vocab = logits.shape
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
-        rank, world = _group_rank_size(tp_group)
+        rank, world = group_rank_size(tp_group)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
         logps = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
         lse = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)

@@ -1,6 +1,6 @@
 """Nemotron-3-Nano-Omni on megatron-core: config mapping, spec choice, the model (`OmniModel`) and `build_model`.
 
-    init_single_rank_world()                                           # outside torchrun: a gloo world of one
+    distributed.init_distributed()                                     # outside torchrun: a gloo world of one
     model = build_model("assets/tiny-omni", cfg.model, cfg.parallel)   # after parallel_state is initialised
     hf_weights.load_hf_weights(model, "assets/tiny-omni")              # each rank reads only its slices
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
@@ -68,47 +68,6 @@ from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, l
 from pack import cp_partition_index, routing_padding_mask, thd_packed_seq_params, token_sequence_ids
 
 IMAGE_PREFIX_DEFAULT = 10
-
-
-def _apply_cpu_shims() -> None:
-    """cpu_compat.apply() (init_single_rank_world's call; goes with it to the distributed-initialisation module)."""
-    cpu_compat.apply()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reported free a moment ago (another process may still take it first)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_single_rank_world(device: torch.device | None = None) -> None:
-    """In-process world of size 1 (on a free local port; gloo, or nccl when `device` is a CUDA device, which becomes
-    the current device) with megatron-core parallel state TP = CP = EP = PP = 1, for building models outside torchrun
-    (HF export, bench, tests); applies cpu_compat's shims for what this process lacks.
-
-    Idempotent: an existing process group or parallel state is kept; megatron's RNG tracker is seeded (0) only when the
-    parallel state is created here (callers that need another seed call `model_parallel_cuda_manual_seed` after).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    _apply_cpu_shims()
-    if not dist.is_initialized():
-        if device is not None and torch.device(device).type == "cuda":
-            device = torch.device("cuda", torch.device(device).index or 0)
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    device_id=device)
-        else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
 
 
 # ======================================================================================================================
@@ -640,9 +599,10 @@ if __name__ == "__main__":
     import sys
 
     from config import ModelConfig, ParallelConfig
+    from distributed import init_distributed
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    init_single_rank_world()
+    init_distributed()
     hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
     model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
     ids = torch.randint(32, 200, (1, 16))

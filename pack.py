@@ -2,7 +2,8 @@
 
 A preference pair (chosen row + rejected row, same prompt and image(s)) is the unit of packing: both rows always land
 in the same bin, i.e. the same microbatch on the same data-parallel (DP) rank, so the loss sees both members of every
-pair (reference behaviour: NeMo-RL's `pair_grouping_key="pair_index"` packing, research/nemo_rl_mpo.md §4).
+pair (reference behaviour: NeMo-RL's `pair_grouping_key="pair_index"` packing,
+nemo_rl/distributed/batched_data_dict.py::shard_by_batch_size).
 
 Three layers, cheapest first:
 
@@ -44,7 +45,8 @@ import torch
 IGNORE_INDEX = -100  # label of positions that predict nothing (sequence ends, padding); torch cross_entropy's default
 
 # Cost model of one sequence of L tokens, in "LM token" units: L + L^2 / ATTENTION_QUADRATIC_TOKENS.
-# Derivation for Nemotron-3-Nano (research/nemotron_omni_arch.md): the linear part is ~2 * 3.58e9 active params
+# Derivation for Nemotron-3-Nano (its config.json; ~3.58e9 active parameters with embedding and output layer): the
+# linear part is ~2 * 3.58e9 active params
 # = 7.2e9 forward FLOPs per token; the quadratic part is the 6 attention layers with 32 heads x 128 = 4096 q dims:
 # causal QK^T + AV = 2 * L^2 * 4096 FLOPs per layer, 4.9e4 * L^2 in all. 7.2e9 / 4.9e4 ~= 1.46e5 tokens: the
 # quadratic term adds ~3% at L = 4096 (the hybrid is mostly Mamba and MoE, linear in L).
@@ -61,7 +63,8 @@ def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel
     Every sequence is padded to a multiple of `divisible_by`. Context parallelism cuts each sequence into 2*CP equal
     chunks (load-balanced causal layout), so CP > 1 needs a multiple of 2*CP. Sequence parallelism splits the local
     token dimension over the TP ranks; with CP as well each rank's share of a sequence (L/CP) must still split over
-    TP, hence 2*CP*TP. This is NeMo-RL's rule (research/nemo_rl_mpo.md §4.2).
+    TP, hence 2*CP*TP. This is NeMo-RL's rule (nemo_rl/models/megatron/data.py::
+    _get_pack_sequence_parameters_for_megatron).
 
     Raises:
         ValueError: naming the value, TP, CP, sequence parallelism and the required factor.
@@ -180,6 +183,19 @@ def _shared_pair_sizes(
     real = lens[0] + lens[1] - shared
     padded = padded_length(real, divisible_by)
     return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
+
+
+def pair_bin_tokens(
+    lengths: Mapping[int, tuple[int, int]], divisible_by: int, shared_lengths: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """The tokens each pair takes in a bin: both rows padded to `divisible_by` (`pack`), or its [prompt | chosen |
+    rejected] span padded as a whole (`pack_shared`, with `shared_lengths`). The oversized-pair rule, stated once: a
+    pair fits a bin iff this is <= packing.max_tokens_per_bin (`plan_bins` drops or refuses the others at a step,
+    preflight.check_splits over a whole split at start)."""
+    no_cost = float  # the cost model plays no part in the size
+    if shared_lengths is None:
+        return {p: _pair_sizes(tuple(lens), divisible_by, no_cost)[0] for p, lens in lengths.items()}
+    return {p: _shared_pair_sizes(tuple(n), shared_lengths[p], divisible_by, no_cost)[0] for p, n in lengths.items()}
 
 
 def first_fit_decreasing(

@@ -110,6 +110,7 @@ def tiny_step(device, *overrides: str) -> dict:
     """What train.main sets up for one rank with configs/tiny.toml (+ overrides), on `device`, and the first step's
     packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, batches, run(batches,
     reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
+    import distributed
     import hf_weights
     import omni_model as om
     import pack
@@ -120,15 +121,15 @@ def tiny_step(device, *overrides: str) -> dict:
     try:
         device = torch.device(device)
         cfg = tiny_config(*overrides)
-        om.init_single_rank_world(device)
-        train.seed_everything(cfg.mpo.seed)
+        distributed.init_distributed(device=device)
+        distributed.seed_everything(cfg.mpo.seed)
         policy = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
         hf_weights.load_hf_weights(policy, cfg.model.hf_path)
         reference = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
         hf_weights.load_hf_weights(reference, cfg.model.hf_path)
         reference.eval().requires_grad_(False)
         ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
-        ctx = train.Ctx(cfg, device, 1)
+        ctx = distributed.Ctx.current(cfg, device)
         ddp.train()
         import mmpr_data
         from transformers import AutoProcessor

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import config as config_mod
+import distributed
 import train
 
 pytestmark = pytest.mark.slow  # 8 tiny runs: about 6 minutes on 2 busy cores
@@ -52,12 +53,12 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
     import checkpoint
     import omni_model
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     dopt_key = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, dopt_key])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with train.cuda_to_cpu():
+    with distributed.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
@@ -85,7 +86,7 @@ def test_bf16_model_has_one_parameter_dtype():
     """megatron-core builds Mamba's A_log / D (and, without TE, the final norm) in fp32; build_model casts them."""
     import omni_model
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", BF16)
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
@@ -126,7 +127,7 @@ def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     import hf_weights
     import omni_model
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", BF16)
     ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     checkpoint.load(bf16_runs.straight / "step_4", ours)

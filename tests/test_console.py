@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import config as config_mod
-import train
+import monitor
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
@@ -47,7 +47,7 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     old = "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(old)
     (tmp_path / "metrics.1.jsonl").write_text("earlier\n")
-    log = train.MetricsLog(cfg, None, resumed_step=0, rank=0)  # a fresh start over rows of a run that never saved
+    log = monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)  # a fresh start over rows of a run that never saved
     log.log(1, {"loss": 0.5})
     assert (tmp_path / "metrics.2.jsonl").read_text() == old
     assert (tmp_path / "metrics.1.jsonl").read_text() == "earlier\n"
@@ -55,10 +55,10 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     assert capsys.readouterr().out == (f"metrics: {tmp_path / 'metrics.jsonl'} held 3 rows of an earlier run without a "
                                        "checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
     (tmp_path / "metrics.jsonl").write_text(old)
-    train.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
     assert capsys.readouterr().out == (f"metrics: dropped 1 rows after step 2 from {tmp_path / 'metrics.jsonl'} "
                                        "(logged by a segment that stopped before saving)\n")
-    train.MetricsLog(cfg, None, resumed_step=2, rank=0)  # nothing to drop: nothing said, nothing rewritten
+    monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)  # nothing to drop: nothing said, nothing rewritten
     assert capsys.readouterr().out == ""
 
 

@@ -25,13 +25,14 @@ from megatron.core.tensor_parallel import (  # noqa: E402
 )
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
+import distributed  # noqa: E402
 import omni_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo_world():
     """A single-rank gloo process group with megatron's model-parallel groups (TP = PP = EP = 1)."""
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     model_parallel_cuda_manual_seed(1234)
     yield
 

@@ -55,9 +55,9 @@ def _specs() -> list:
 
 @pytest.fixture(scope="module")
 def cuda_world():
-    import omni_model as om
+    import distributed
 
-    om.init_single_rank_world(torch.device("cuda", 0))
+    distributed.init_distributed(device=torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("spec", _specs())

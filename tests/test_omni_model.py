@@ -25,9 +25,9 @@ INVARIANCE = 1e-5  # issue 6: packed = unpacked, TP/EP/CP = 1 rank, vision once 
 
 @pytest.fixture(scope="module")
 def world():
-    import omni_model as om
+    import distributed
 
-    om.init_single_rank_world()
+    distributed.init_distributed()
 
 
 @pytest.fixture(scope="module")

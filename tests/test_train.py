@@ -30,6 +30,9 @@ import pytest
 import torch
 
 import config as config_mod
+import distributed
+import monitor
+import preflight
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +81,7 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     import torch.distributed as dist
 
     m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}
-    assert train.reduce_metrics(m, None, torch.device("cpu")) == m
+    assert monitor.reduce_metrics(m, None, torch.device("cpu")) == m
     other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift": 0.25}
     calls = []
 
@@ -88,8 +91,8 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
-    assert train.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
-    got = train.reduce_metrics(m, "two", torch.device("cpu"))
+    assert monitor.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
+    got = monitor.reduce_metrics(m, "two", torch.device("cpu"))
     assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift": 0.25} and calls == [(torch.float64, "two")]
     assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}  # the input is not modified
 
@@ -98,7 +101,7 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
     rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 2, "split": "validation"}, {"step": 3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    log = train.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    log = monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
     log.log(3, {"loss": 0.5})
     got = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert got == rows[:3] + [{"step": 3, "split": "train", "loss": 0.5}]
@@ -110,7 +113,7 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 
 
 class _FakeIndex:
-    """The part of mmpr_data.PairIndex that train.check_splits reads."""
+    """The part of mmpr_data.PairIndex that preflight.check_splits reads."""
 
     def __init__(self, lengths):
         self._lengths = lengths
@@ -131,17 +134,17 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     was_initialized = dist.is_initialized()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={tmp_path}"])
     with pytest.raises(config_mod.ConfigError, match=f"model.hf_path = '{tmp_path}': no config.json"):
-        train.check_inputs(cfg)
+        preflight.check_inputs(cfg)
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"data.train.data_path={tmp_path}/meta.json"])
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
-        train.check_inputs(cfg)
+        preflight.check_inputs(cfg)
     cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
     cfg.parallel.context_parallel_size, cfg.packing.make_sequence_length_divisible_by = 2, 2
     with pytest.raises(config_mod.ConfigError, match="make_sequence_length_divisible_by = 2 must be a multiple of 4"):
-        train.check_inputs(cfg)
+        preflight.check_inputs(cfg)
     cfg.packing.make_sequence_length_divisible_by = 8
-    train.check_inputs(cfg)  # all good: no exception
+    preflight.check_inputs(cfg)  # all good: no exception
     assert dist.is_initialized() == was_initialized  # nothing distributed was started
 
 
@@ -171,11 +174,11 @@ def test_megatron_constraints_are_config_errors_before_any_work(overrides, messa
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)
     hf = omni_model.read_hf_config(ROOT / cfg.model.hf_path)
     with pytest.raises(config_mod.ConfigError) as e:
-        train.check_model_config(cfg, hf)
+        preflight.check_model_config(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)
     for fine in ([], ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
                  ["model.freeze_vision_encoder=true", "model.freeze_language_model=true"]):
-        train.check_model_config(config_mod.load_config(ROOT / "configs" / "tiny.toml", fine), hf)  # no exception
+        preflight.check_model_config(config_mod.load_config(ROOT / "configs" / "tiny.toml", fine), hf)  # no exception
     assert dist.is_initialized() == was_initialized
 
 
@@ -193,7 +196,7 @@ def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empt
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=4"])
     train_split, val_split = Split(index, [0, 1, 2]), Split(index, [3])
     with pytest.raises(config_mod.ConfigError, match="train_global_batch_size = 4 pairs per step but only 3 training"):
-        train.check_splits(train_split, val_split, cfg)
+        preflight.check_splits(train_split, val_split, cfg)
     cfg.policy.train_global_batch_size = 2
     cfg.packing.max_tokens_per_bin = 256  # pair 2 pads to 200 + 192 = 392 tokens
     with pytest.raises(
@@ -201,14 +204,14 @@ def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empt
         match=r"1 of 3 training pairs need more than packing.max_tokens_per_bin"
         r" = 256 tokens \(largest: a.jsonl:3, 392 tokens",
     ):
-        train.check_splits(train_split, val_split, cfg)
+        preflight.check_splits(train_split, val_split, cfg)
     cfg.packing.drop_oversized_pairs = True
-    val, notes = train.check_splits(train_split, val_split, cfg)
+    val, notes = preflight.check_splits(train_split, val_split, cfg)
     assert val is val_split and notes == [
         "training: 1 of 3 pairs exceed packing.max_tokens_per_bin = 256 and are dropped from the steps that hold them "
         "(metrics: dropped_oversized)"
     ]
-    val, notes = train.check_splits(Split(index, [0, 1, 4]), Split(index, []), cfg)  # e.g. 0.01 of 64 pairs
+    val, notes = preflight.check_splits(Split(index, [0, 1, 4]), Split(index, []), cfg)  # e.g. 0.01 of 64 pairs
     assert val is None and notes == ["validation: data.train.split_validation_size = 4.0 of 5 pairs is 0 pairs: "
                                      "no validation"]  # fmt: skip
 
@@ -269,11 +272,11 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
     import checkpoint
     import omni_model
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with train.cuda_to_cpu():
+    with distributed.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
@@ -669,7 +672,7 @@ def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
     import checkpoint
     import omni_model
 
-    omni_model.init_single_rank_world()
+    distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml")
     ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     checkpoint.load(readme.dir / "step_6", ours)
@@ -693,12 +696,12 @@ def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monke
     monkeypatch.setenv("WANDB_PROJECT", "omni-mpo-test")
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=offline"])
-    log = train.MetricsLog(cfg, None, resumed_step=0, rank=0)
+    log = monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)
     run_id = log.run_id
     assert run_id and log.run.project == "omni-mpo-test"
     log.log(1, {"loss": 0.5})
     log.finish()
-    again = train.MetricsLog(cfg, run_id, resumed_step=1, rank=0)  # a resumed segment continues the same run
+    again = monitor.MetricsLog(cfg, run_id, resumed_step=1, rank=0)  # a resumed segment continues the same run
     assert again.run_id == run_id
     again.log(2, {"loss": 0.25})
     again.finish()

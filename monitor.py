@@ -1,0 +1,296 @@
+"""What a training run reports and listens to: the per-step metrics (DP reduction, metrics.jsonl, Weights & Biases,
+the console line, MFU) and the stop signals; also the one-line error report and the resolved config file.
+
+Everything here runs on the side of train.py's loop and changes no number the step computes. Rank 0 writes; the
+collective parts (`reduce_metrics`, `StopSignal.should_stop`) run on every rank.
+
+Tests: `pytest tests/test_train.py tests/test_console.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import config as config_mod
+import mmpr_data
+import mpo_loss
+
+# ======================================================================================================================
+# Signals and errors
+
+
+class StopSignal:
+    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C); the loop finishes the
+    step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank twice (the terminal's and torchrun's forward);
+    repeats are ignored, so a second Ctrl-C does not abort the save (Ctrl-\\, SIGQUIT, still kills at once).
+
+    `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
+    when the signal reaches the ranks at different times.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        # Ignore repeats at the OS level: under Slurm a rank can get USR1 twice (step-wide delivery and the launcher's
+        # forward), and a repeat arriving while the interpreter shuts down would take the default action and kill the
+        # rank (exit -10), failing a job that had already saved.
+        signal.signal(signum, signal.SIG_IGN)
+
+    def should_stop(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def report_error(e: Exception) -> str:
+    """The one-line message of a known bad input (ConfigError / DataError / CheckpointError), printed to stderr by
+    global rank 0 only (every rank usually hits the same check). Under torchrun every rank also writes it to its
+    TORCHELASTIC_ERROR_FILE, so torchrun's failure report ends with this line ("Root Cause ... traceback : error: ...")
+    instead of a pointer to its documentation. Returns the message."""
+    msg = f"error: {type(e).__name__}: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
+        data = {"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(data))
+    if global_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+    return msg
+
+
+def global_rank() -> int:
+    """torchrun's RANK (0 outside torchrun): usable before and after the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+def write_resolved_config(cfg) -> Path:
+    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
+    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
+    returns its path."""
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
+    return path
+
+
+# ======================================================================================================================
+# Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B
+
+
+def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
+    """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
+
+    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract: each
+    microbatch value is already divided by the step's global pair count), "constant" ones are kept. Keys must be the
+    same on every rank.
+    """
+    keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
+    vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(vals, group=group)
+    out = dict(local)
+    out.update(zip(keys, vals.tolist(), strict=True))
+    return out
+
+
+def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
+    """A step's throughput metrics: tokens (global), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
+    return {
+        "tokens": tokens,
+        "step_time": seconds,
+        "pairs_per_s": pairs / seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": mfu(tokens, seconds, n_active, world),
+    }
+
+
+def active_params(model, hf) -> int:
+    """Parameters used per token (global over TP/EP): dense parameters plus top-k of the routed experts' share.
+
+    Counts this rank's parameters, scales tensor-parallel ones by TP and expert ones by EP (megatron marks expert
+    parameters with `allreduce = False`), then keeps `num_experts_per_tok / n_routed_experts` of the expert part.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    dense = expert = 0
+    for p in model.parameters():
+        n = p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        if getattr(p, "allreduce", True):
+            dense += n
+        else:
+            expert += n * ep
+    n_exp = getattr(hf.text, "n_routed_experts", 0) or 0
+    top_k = getattr(hf.text, "num_experts_per_tok", 0) or 0
+    return int(dense + (expert * top_k / n_exp if n_exp else expert))
+
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12}  # dense, per GPU
+
+
+def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
+    """Model FLOPs utilisation: (6·N·tokens for the policy fwd+bwd + 2·N·tokens for the reference fwd) /
+    (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU. Ignores attention's quadratic term
+    and the vision tower (the hybrid LM is mostly Mamba and MoE layers, linear in tokens; pack.py's cost model)."""
+    if not torch.cuda.is_available() or seconds <= 0:
+        return None
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return None if peak is None else 8.0 * n_active * tokens / (seconds * world * peak)
+
+
+class MetricsLog:
+    """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
+
+    An existing metrics.jsonl is never restarted silently: a fresh start (resumed_step 0) moves it to
+    `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
+    before saving); both print a `metrics:` line.
+
+    W&B: mode `logging.wandb` (online / offline / disabled), project WANDB_PROJECT else `logging.wandb_project`,
+    WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in the checkpoint and reused with resume="allow" so the
+    segments of a chained run continue one curve. WANDB_API_KEY is read by wandb itself, never printed or written.
+    """
+
+    def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
+        self.rank, self.run, self.run_id = rank, None, run_id
+        self.path = Path(cfg.checkpoint.dir) / "metrics.jsonl"
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
+        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
+            n = 1
+            while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
+                n += 1
+            self.path.rename(old)
+            print(
+                f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
+                f"{old.name}, this run starts a new {self.path.name}"
+            )
+        elif rows:  # rows after the resumed step belong to a segment that died before saving
+            keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
+            if len(keep) < len(rows):
+                self.path.write_text("".join(r + "\n" for r in keep))
+                print(
+                    f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
+                    "(logged by a segment that stopped before saving)"
+                )
+        if cfg.logging.wandb != "disabled":
+            import wandb
+
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
+                entity=os.environ.get("WANDB_ENTITY") or None,
+                name=os.environ.get("WANDB_NAME") or None,
+                id=run_id or os.environ.get("WANDB_RUN_ID") or None,
+                resume="allow",
+                mode=cfg.logging.wandb,
+                dir=str(self.path.parent),
+                config=config_mod.to_dict(cfg),
+            )
+            self.run_id = self.run.id
+
+    def log(self, step: int, metrics: dict, split: str = "train") -> None:
+        if self.rank != 0:
+            return
+        row = {"step": step, "split": split, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+# ======================================================================================================================
+# Console lines (rank 0)
+
+
+def print_layout(ctx, world: int) -> None:
+    """The kernels line and the parallel layout line (rank 0)."""
+    import cpu_compat
+
+    p = ctx.cfg.parallel
+    print(cpu_compat.select_kernels().line())
+    print(
+        f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
+        f"EP {p.expert_model_parallel_size} on {ctx.device.type}"
+    )
+
+
+def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
+    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
+    if rank != 0:
+        return
+    print(
+        f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
+        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
+    )
+    if val_split is not None and val_split.index is not train_split.index:
+        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+    for note in notes:
+        print(note)
+
+
+def progress_bar(cfg, step: int, rank: int):
+    """A tqdm bar over mpo.max_num_steps starting at `step` on rank 0 when stdout is a terminal, else None."""
+    if rank != 0 or not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.mpo.max_num_steps, initial=step, unit="step")
+
+
+def print_step(bar, step: int, cfg, metrics: dict, rank: int) -> None:
+    """The console line every logging.log_period steps (rank 0; through the bar when there is one); advances the bar."""
+    if rank == 0 and step % cfg.logging.log_period == 0:
+        (bar.write if bar else print)(format_line(step, cfg, metrics))
+    if bar:
+        bar.update(1)
+
+
+def format_line(step: int, cfg, m: dict) -> str:
+    """The per-step console line (rank 0)."""
+    mx = cfg.mpo.max_num_steps
+    speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
+    if m.get("mfu") is not None:
+        speed += f" mfu {100 * m['mfu']:.1f}%"
+    return (
+        f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
+        f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
+        f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
+        f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def print_validation(step: int, vm: dict, rank: int) -> None:
+    """The console line of a validation (rank 0)."""
+    if rank == 0:
+        print(
+            f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
+            f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)"
+        )

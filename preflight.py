@@ -1,0 +1,174 @@
+"""The checks a training run makes before it spends time: the files the config names, the packing layout,
+megatron-core's constraints on the model and parallel layout (all before any process group exists), and the loaded
+splits against the batch and bin sizes (before the models are built). Each failure is one config.ConfigError line that
+names the keys to change.
+
+Tests: `pytest tests/test_train.py -k "check_"`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import config as config_mod
+import omni_model
+import pack
+
+
+def check_inputs(cfg) -> None:
+    """The checks that need neither a process group nor a model: the files the config names and the packing layout.
+
+    Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
+
+    Raises:
+        config.ConfigError: model.hf_path has no config.json; data.train.data_path (or data.validation.data_path, when
+            set) is not a file; the packing / parallel divisibility rule (pack.validate_packing_config) fails.
+    """
+    if not (Path(cfg.model.hf_path) / "config.json").is_file():
+        raise config_mod.ConfigError(
+            f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
+            f"paths are relative to the working directory {os.getcwd()})"
+        )
+    for key, path in (
+        ("data.train.data_path", cfg.data.train.data_path),
+        ("data.validation.data_path", cfg.data.validation.data_path),
+    ):
+        if path and not Path(path).expanduser().is_file():
+            raise config_mod.ConfigError(
+                f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON; relative paths are relative to the "
+                f"working directory {os.getcwd()})"
+            )
+    try:
+        pack.validate_packing_config(cfg)
+    except ValueError as e:
+        raise config_mod.ConfigError(str(e)) from None
+
+
+# megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json)
+MCORE_FIELD_KEYS = {
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "context_parallel_size": "parallel.context_parallel_size",
+    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "params_dtype": "model.params_dtype",
+    "bf16": "model.params_dtype",
+    "recompute_granularity": "model.recompute",
+    "recompute_method": "model.recompute",
+    "moe_token_dispatcher_type": "model.moe_token_dispatcher_type",
+    "moe_router_load_balancing_type": "model.moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "model.moe_aux_loss_coeff",
+    "moe_router_bias_update_rate": "model.moe_router_bias_update_rate",
+}
+
+
+def check_model_config(cfg, hf) -> None:
+    """megatron-core's constraints on this model and layout, checked before any process group, data or model work.
+
+    Builds the three megatron-core TransformerConfigs (language model, ViT, projector: their __post_init__ runs
+    megatron's own checks) and applies the rules megatron-core enforces only later, at build or at the first training
+    forward: MoE with TP > 1 needs sequence parallelism (MoELayer.forward), experts whole on their EP rank (ETP = 1,
+    build_model), a vocabulary divisible by TP (the output layer stays vocab-parallel). Nothing to train is an error.
+
+    Raises:
+        config.ConfigError: one line naming the project's keys (and their values) behind megatron-core's message.
+    """
+    m, p = cfg.model, cfg.parallel
+    if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
+        raise config_mod.ConfigError(
+            "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
+            "nothing to train; unfreeze at least one"
+        )
+    use_te = omni_model.have_transformer_engine()
+    parts = (
+        ("language model", omni_model.language_config),
+        ("vision encoder", omni_model.vision_config),
+        ("vision projector", omni_model.projector_config),
+    )
+    for what, build in parts:
+        try:
+            mcore = build(hf, m, p, use_te)
+        except (ValueError, AssertionError, TypeError) as e:
+            named = {k: v for k, v in MCORE_FIELD_KEYS.items() if k in str(e)}
+            keys = ", ".join(dict.fromkeys(f"{v} = {_dotted(cfg, v)!r}" for v in named.values()))
+            raise config_mod.ConfigError(
+                f"megatron-core refuses the {what} config: {str(e).strip()} (this run's "
+                f"{keys or 'settings'}; the other sizes come from {m.hf_path}/config.json)"
+            ) from None
+        if what == "language model":
+            lm = mcore
+    tp = p.tensor_model_parallel_size
+    if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
+        raise config_mod.ConfigError(
+            f"parallel.tensor_model_parallel_size = {tp} with MoE layers needs parallel.sequence_parallel = true "
+            "(megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
+        )
+    if lm.num_moe_experts and p.expert_tensor_parallel_size != 1:
+        raise config_mod.ConfigError(
+            f"parallel.expert_tensor_parallel_size = {p.expert_tensor_parallel_size}: only 1 (experts whole on their "
+            "EP rank) is supported"
+        )
+    if hf.text.vocab_size % tp:
+        raise config_mod.ConfigError(
+            f"parallel.tensor_model_parallel_size = {tp} must divide the vocabulary size {hf.text.vocab_size} "
+            f"({m.hf_path}/config.json): the output layer stays vocab-parallel"
+        )
+
+
+def _dotted(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_splits(train_split, val_split, cfg):
+    """Check the loaded splits against the batch and bin sizes before the models are built; returns the validation
+    split to use (None when it has no pair) and a list of notes for the console.
+
+    Raises:
+        config.ConfigError: fewer training pairs than policy.train_global_batch_size (every step would repeat pairs);
+            a training or validation pair larger than packing.max_tokens_per_bin without packing.drop_oversized_pairs
+            (found here, at start, instead of at the step that samples it).
+    """
+    notes = []
+    gbs, n_train = cfg.policy.train_global_batch_size, len(train_split.pair_ids)
+    if n_train < gbs:
+        raise config_mod.ConfigError(
+            f"policy.train_global_batch_size = {gbs} pairs per step but only {n_train} training pairs (after "
+            f"data.train.max_samples = {cfg.data.train.max_samples}, data.train.split_validation_size = "
+            f"{cfg.data.train.split_validation_size} and dropped rows): a step would repeat pairs; lower the batch or "
+            "use more data"
+        )
+    if val_split is not None and not val_split.pair_ids:
+        notes.append(
+            f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
+            f"{len(train_split.index)} pairs is 0 pairs: no validation"
+        )
+        val_split = None
+    pk = cfg.packing
+    d = pk.make_sequence_length_divisible_by
+    for name, split in (("training", train_split), ("validation", val_split)):
+        if split is None:
+            continue
+        sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d)
+        big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
+        if not big:
+            continue
+        if not pk.drop_oversized_pairs:
+            raise config_mod.ConfigError(
+                f"{len(big)} of {len(sizes)} {name} pairs need more than packing.max_tokens_per_bin = "
+                f"{pk.max_tokens_per_bin} tokens (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens after "
+                f"padding to a multiple of {d}); raise the limit, lower data.max_seq_length, or set "
+                "packing.drop_oversized_pairs = true"
+            )
+        if len(big) == len(sizes):
+            raise config_mod.ConfigError(
+                f"every {name} pair needs more than packing.max_tokens_per_bin = {pk.max_tokens_per_bin} tokens"
+            )
+        notes.append(
+            f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = "
+            f"{pk.max_tokens_per_bin} and are dropped from the steps that hold them "
+            "(metrics: dropped_oversized)"
+        )
+    return val_split, notes
