@@ -436,6 +436,9 @@ KNOWN_WARNINGS = (
     "`torch.distributed.reduce_scatter_tensor` is deprecated",  # megatron DDP / distributed optimizer
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Mismatch dtype between input and weight",  # bf16 input to an fp32-computed norm on CPU
+    # megatron's hybrid_layer_specs builds its TE spec when imported (omni_model imports it at the top); without
+    # Transformer Engine that spec is never used (cpu_compat.select_kernels picks the local spec)
+    "Only transformer-engine>=1.7.0 supports MoE experts",
 )
 KNOWN_LOG_RECORDS = {
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",
