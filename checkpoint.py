@@ -63,8 +63,8 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 RUN_STATE_FILE = "run_state.json"
 MODEL_OPTIM_DIR = "model_optim"
 RNG_DIR = "rng"
-# The distributed optimizer's only checkpoint format that saves and loads on CPU without TE/Apex (mcore_cpu.md #22):
-# the default (`fully_sharded_model_space`) raises "flattened_range is not supported", `fully_reshardable` KeyError.
+# The distributed optimizer's checkpoint format, a choice on its merits (module docstring); megatron-core 0.19.2's
+# default (`fully_sharded_model_space`) also raises "flattened_range is not supported" without TE/Apex.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

@@ -490,6 +490,8 @@ if __name__ == "__main__":
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
         monitor.report_error(e)
+        if monitor.global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
+            time.sleep(5)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
         if monitor.global_rank() == 0:

@@ -7,6 +7,7 @@ Runs in-process on a gloo world of size 1 (TP = EP = 1). Run: `pytest tests/test
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
