@@ -150,6 +150,11 @@ class PackingConfig:
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
     drop_oversized_pairs: bool = False  # drop (and count) pairs larger than a bin instead of failing at start
+    # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
+    # (and image tokens) computed once by the language model; bins are sized on that span. Exact against separate
+    # rows (tests/test_shared_prompt_model.py). Not supported (ConfigError at start): context parallelism, and the
+    # Transformer Engine spec (GPU with TE: its attention has no shared-prompt mask yet).
+    shared_prompt: bool = False
 
 
 @dataclass
