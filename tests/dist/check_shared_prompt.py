@@ -6,7 +6,8 @@ the tiny model from assets/tiny-omni, and run the same bins (tests/shared_prompt
 prompts not a multiple of the Mamba chunk; one bin of several pairs, then bins of one pair) through train.py's
 count_global_pairs / reference_logps / sequence_logps / policy_forward_backward in the separate-rows and in the
 shared-prompt layout. DP = 2: rank r takes bins r, r + 2, ...; gradients are summed over DP (what finalize_model_grads
-does), and over TP for the sequence-parallel (replicated) parameters. Each rank reports the max-abs differences of
+does), over TP for the sequence-parallel (replicated) parameters, and the experts' over the expert-DP group (ETP = 1:
+every rank that splits the tokens). Each rank reports the max-abs differences of
 its logps, metrics and gradient shards between the two layouts (tests/dist/report.py).
 """
 
@@ -54,6 +55,9 @@ def run_layout(tp: int, dp: int) -> dict:
                 if not p.requires_grad:
                     continue
                 g = r["grads"].setdefault(n, torch.zeros_like(p, dtype=torch.float64))
+                if not getattr(p, "allreduce", True):  # experts: summed over the expert-DP group (TP x DP here)
+                    dist.all_reduce(g, group=parallel_state.get_expert_data_parallel_group())
+                    continue
                 if tp > 1 and getattr(p, "sequence_parallel", False):
                     dist.all_reduce(g, group=ctx.tp_group)
                 if dp > 1:
