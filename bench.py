@@ -577,7 +577,7 @@ def bench_shared(quick: bool) -> dict:
     n_count = 2000 if quick else 10000
     counts = pack.shared_prompt_token_counts(pack.synthetic_mmpr_parts(n_count, seed=0), SHARED_BIN_TOKENS, 1, 8,
                                              divisible_by=8)
-    n_pairs, scale, timed = (8, 16, 2) if quick else (16, 4, 3)
+    n_pairs, scale, timed = (8, 16, 2) if quick else (8, 1, 3)
     distributed.init_distributed(device=_device())
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     vocab = json.loads((pol_dir / "config.json").read_text())["llm_config"]["vocab_size"]
