@@ -1088,7 +1088,8 @@ def table(res: dict) -> str:
              f"{sh['count_token_ratio']:.2f}x fewer"),
             ("shared prompt vs separate rows", f"MPO step pairs/s ({sh['pairs']} pairs, lengths / "
              f"{sh['length_scale']}, {sh['tokens_shared']} vs {sh['tokens_separate']} tokens)",
-             f"{sh['pairs_per_s_shared']:.2f}", f"{sh['pairs_per_s_separate']:.2f}", f"{sh['speed_ratio']:.2f}x the speed"),
+             f"{sh['pairs_per_s_shared']:.2f}", f"{sh['pairs_per_s_separate']:.2f}",
+             f"{sh['speed_ratio']:.2f}x the speed"),
         ]
     if "data" in res:
         d = res["data"]

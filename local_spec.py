@@ -142,8 +142,8 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
     """Causal self-attention of a shared-prompt THD row (pack.pack_shared; ThdDotProductAttention's path when
-    cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen]; rejected tokens attend to the
-    whole prompt and causally to earlier rejected tokens, never to the chosen segment.
+    cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
+    rejected tokens attend to the whole prompt and causally to earlier rejected tokens, never to the chosen segment.
 
     Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
     the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens

@@ -346,7 +346,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     """Forward one packed microbatch: per-response log-prob sums [S] (fp32) and response-token counts [S], S =
     batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
-    T, S = batch.input_ids.shape[1], batch.num_responses
+    S = batch.num_responses
     labels, loss_mask = batch.labels[0], batch.loss_mask[0]
     seq_ids = response_ids(batch)
     if ctx.cp > 1:

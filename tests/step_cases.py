@@ -131,8 +131,9 @@ def tiny_step(device, *overrides: str) -> dict:
         ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
         ctx = distributed.Ctx.current(cfg, device)
         ddp.train()
-        import mmpr_data
         from transformers import AutoProcessor
+
+        import mmpr_data
 
         processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
         train_split, _ = mmpr_data.load_splits(processor, cfg)

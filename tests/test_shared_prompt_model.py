@@ -38,10 +38,11 @@ def check_equal(d: dict, n_params: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiny():
+    from step_cases import tiny_config
+
     import distributed
     import hf_weights
     import omni_model as om
-    from step_cases import tiny_config
 
     cfg = tiny_config("packing.shared_prompt=true")
     distributed.init_distributed(device=torch.device("cpu"))
@@ -74,7 +75,8 @@ def test_shared_layout_equals_separate_rows_logps_loss_and_every_gradient(tiny, 
 
 def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatch):
     """The check is sensitive: with attention layers that ignore the segments (plain causal attention over each pair
-    span, the Mamba layers unchanged) the rejected log-probs move by far more than the tolerance, the chosen ones not."""
+    span, the Mamba layers unchanged) the rejected log-probs move by far more than the tolerance, the chosen ones
+    not."""
     from types import SimpleNamespace
 
     import local_spec
@@ -140,9 +142,10 @@ def test_main_job_step_one_is_ln2_and_2ln2_with_the_switch(torchrun, tmp_path):
 
 
 def test_unsupported_combinations_are_config_errors_at_start(monkeypatch):
+    from step_cases import tiny_config
+
     import omni_model
     import preflight
-    from step_cases import tiny_config
 
     cfg = tiny_config("packing.shared_prompt=true", "parallel.context_parallel_size=2")
     with pytest.raises(config_mod.ConfigError, match="packing.shared_prompt = true is not supported with "
