@@ -128,12 +128,18 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     assert train.count_global_pairs(s["batches"], s["ctx"]) == 4
 
 
-def test_main_job_step_one_is_ln2_and_2ln2_with_the_switch(torchrun, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_main_job_step_one_is_ln2_and_2ln2_with_the_switch(torchrun, tmp_path, dtype):
+    """The README command (DP = 2) with the switch, one step then validation (policy = reference at step 1, so the
+    losses are ln 2 / 2 ln 2 exactly in either dtype: both models take the same shared-prompt path)."""
     run_dir = tmp_path / "run"
     torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "packing.shared_prompt=true",
-             "mpo.stop_after_step=1", env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
+             "mpo.max_num_steps=1", "scheduler.lr_warmup_steps=0", f"model.params_dtype={dtype}",
+             env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     r = [r for r in rows if r["split"] == "train"][0]
+    val = [r for r in rows if r["split"] == "validation"]
+    assert len(val) == 1 and val[0]["num_valid_pairs"] == 4 and math.isfinite(val[0]["loss"])
     assert r["step"] == 1
     assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert r["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-5)
