@@ -30,8 +30,8 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              relative (asserted); pairs/s, tokens/s and the speed ratio.
 4b. shared   the shared-prompt pair layout (packing.shared_prompt) vs separate rows, same pairs and bin budget:
              LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step,
-             small config) on MMPR-like text pairs (lengths / 4; --quick: / 16, 8 pairs): pairs/s and the ratio;
-             the step-1 loss of both layouts must agree to 1e-5 (asserted).
+             small config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the
+             ratio; the step-1 loss of both layouts must agree to 1e-5 (asserted).
 5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
              image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
 6. gpu       only with CUDA (`--gpu` runs it alone, into bench_gpu_results.json; a skip record otherwise): one MPO
@@ -567,7 +567,7 @@ def bench_shared(quick: bool) -> dict:
     bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (pack.shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
     (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of pack.synthetic_mmpr_parts divided
-    by a scale, bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s and their ratio; the
+    by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s and their ratio; the
     step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
     import dataclasses
 
