@@ -567,8 +567,8 @@ def bench_shared(quick: bool) -> dict:
     bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (pack.shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
     (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of pack.synthetic_mmpr_parts divided
-    by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s and their ratio; the
-    step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
+    by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
+    and their ratio; the step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
     import dataclasses
 
     import distributed
