@@ -16,7 +16,8 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
 Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
-`load_bins` builds each packed microbatch on the CPU (pack.pack, in the data loader's processes) and moves the whole
+`load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
+pair's prompt once; in the data loader's processes) and moves the whole
 `PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
 with `device=ctx.device`, and only Python numbers leave the device (`.item()`, `.tolist()`, for logging and δ). The
 exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
