@@ -28,6 +28,10 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              weights doing the conventional step (each pair a padded [2, L] batch, the image once per row, policy and
              reference forwards, log_softmax+gather, torch Adam). Same step-1 loss to 1e-4 and gradient norm to 1e-4
              relative (asserted); pairs/s, tokens/s and the speed ratio.
+4b. shared   the shared-prompt pair layout (packing.shared_prompt) vs separate rows, same pairs and bin budget:
+             LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step,
+             small config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the
+             ratio; the step-1 loss of both layouts must agree to 1e-5 (asserted).
 5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
              image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
 6. gpu       only with CUDA (`--gpu` runs it alone, into bench_gpu_results.json; a skip record otherwise): one MPO
@@ -531,6 +535,106 @@ def bench_train(quick: bool) -> dict:
 
 
 # ======================================================================================================================
+# 4b. Shared-prompt pair layout vs separate rows (issue 16)
+
+SHARED_BIN_TOKENS = 16384  # configs/nano.toml's packing.max_tokens_per_bin: the budget of the token count
+SHARED_GOAL = 1.4  # issue 16: >= 1.4x pairs/s on the MMPR-like mix (CPU)
+
+
+def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> dict:
+    """Text pairs (pack.PreferencePair) with the (prompt, chosen, rejected) lengths of `parts`
+    (pack.synthetic_mmpr_parts) divided by `scale` (at least 2 / 1 / 1 tokens): the prompt's image tokens become text
+    tokens (the language model's work is the same; vision runs once per pair in both layouts). Random ids >= 32."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for i, (p, c, r) in parts.items():
+        prompt = torch.randint(32, vocab, (max(2, p // scale),), generator=g)
+        resp = [torch.randint(32, vocab, (max(1, n // scale),), generator=g) for n in (c, r)]
+        resp[1][0] = 32 + (int(resp[0][0]) - 31) % (vocab - 32)  # the responses differ from their first token
+        rows = [torch.cat([prompt, x]) for x in resp]
+        masks = [torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(x.numel(), dtype=torch.bool)])
+                 for x in resp]
+        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
+                                       chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
+                                       pixel_values=torch.zeros(0, 3 * 16 * 16),
+                                       image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
+                                       image_token_counts=torch.zeros(0, dtype=torch.int64))
+    return pairs
+
+
+def bench_shared(quick: bool) -> dict:
+    """Shared-prompt layout (packing.shared_prompt, pack.pack_shared) vs separate rows (pack.pack), same pairs, same
+    bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (pack.shared_prompt_token_counts,
+    budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
+    (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of pack.synthetic_mmpr_parts divided
+    by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
+    and their ratio; the step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
+    import dataclasses
+
+    import distributed
+    import train
+
+    n_count = 2000 if quick else 10000
+    counts = pack.shared_prompt_token_counts(pack.synthetic_mmpr_parts(n_count, seed=0), SHARED_BIN_TOKENS, 1, 8,
+                                             divisible_by=8)
+    n_pairs, scale, timed = (8, 16, 2) if quick else (8, 1, 3)
+    distributed.init_distributed(device=_device())
+    pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
+    vocab = json.loads((pol_dir / "config.json").read_text())["llm_config"]["vocab_size"]
+    parts = pack.synthetic_mmpr_parts(n_pairs, seed=1)
+    pairs = mmpr_like_text_pairs(parts, scale, vocab)
+    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
+    prompt = {i: int(p.chosen_ids.numel() - p.chosen_loss_mask.sum()) for i, p in pairs.items()}
+    cfg = _bench_cfg(pol_dir, n_pairs)
+    cfg.packing.max_tokens_per_bin = SHARED_BIN_TOKENS // scale
+    cfg.packing.max_sequences_per_bin = 8
+    cfg_shared = copy.deepcopy(cfg)
+    cfg_shared.packing.shared_prompt = True
+    policy, reference = _build_ours(pol_dir), _build_ours(ref_dir)
+    reference.eval().requires_grad_(False)
+    ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
+    ctx = distributed.Ctx.current(cfg, _device())
+    ctxs = {"separate": ctx, "shared": dataclasses.replace(ctx, cfg=cfg_shared)}
+    ddp.train()
+    batches = {}
+    for name, c in ctxs.items():
+        shared = {i: n - 1 for i, n in prompt.items()} if c.cfg.packing.shared_prompt else None
+        plan = pack.plan_step(lengths, c.cfg, 1, shared)
+        batches[name] = train.load_bins(plan, pairs, c, 18, 0)
+    tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
+    padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
+
+    def loss(name):  # step-1 loss without an update: the equality check
+        c, bs = ctxs[name], batches[name]
+        n = train.count_global_pairs(bs, c)
+        ref = train.reference_logps(reference, bs, c)
+        return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
+
+    loss_sep, loss_shr = loss("separate"), loss("shared")
+    assert abs(loss_sep - loss_shr) <= VALUE_TOL, f"shared: step-1 loss separate {loss_sep} vs shared {loss_shr}"
+    state = {"shift": 0.0}
+
+    def step(name):
+        def run():
+            _, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches[name],
+                                                 ctxs[name], state["shift"])
+        return run
+
+    t = interleaved_times({"separate": step("separate"), "shared": step("shared")}, timed)
+    t_sep, t_shr = t["separate"]["min"], t["shared"]["min"]
+    return {"count_pairs": n_count, "count_bin_tokens": SHARED_BIN_TOKENS, **{f"count_{k}": v for k, v in
+                                                                              counts.items()},
+            "pairs": n_pairs, "length_scale": scale, "bin_tokens": cfg.packing.max_tokens_per_bin,
+            "microbatches_separate": len(batches["separate"]), "microbatches_shared": len(batches["shared"]),
+            "tokens_separate": tokens["separate"], "tokens_shared": tokens["shared"],
+            "padded_tokens_separate": padded["separate"], "padded_tokens_shared": padded["shared"],
+            "token_ratio": tokens["separate"] / tokens["shared"], "loss_separate": loss_sep, "loss_shared": loss_shr,
+            "loss_abs_diff": abs(loss_sep - loss_shr), "step_s_separate": t_sep, "step_s_shared": t_shr,
+            "pairs_per_s_separate": n_pairs / t_sep, "pairs_per_s_shared": n_pairs / t_shr,
+            "speed_ratio": t_sep / t_shr, "goal": SHARED_GOAL, "timed_steps": timed, "step_s_median": t}
+
+
+# ======================================================================================================================
 # 5. Data: index build vs cache load, decoding throughput
 
 
@@ -921,7 +1025,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None) -> dict:
 
 
 ITEMS = {"packing": bench_packing, "vision": bench_vision, "logprobs": bench_logprobs, "train": bench_train,
-         "data": bench_data, "gpu": bench_gpu}
+         "shared": bench_shared, "data": bench_data, "gpu": bench_gpu}
 
 
 def _mib(b: float) -> str:
@@ -975,6 +1079,17 @@ def table(res: dict) -> str:
              f"{t['speed_ratio_8_per_bin']:.2f}x the speed"),
             ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",
              f"diff {t['loss_abs_diff']:.1e}"),
+        ]
+    if "shared" in res:
+        sh = res["shared"]
+        rows += [
+            ("shared prompt vs separate rows", f"LM tokens, {sh['count_pairs']} MMPR-like pairs (bins of "
+             f"{sh['count_bin_tokens']})", f"{sh['count_tokens_shared']}", f"{sh['count_tokens_separate']}",
+             f"{sh['count_token_ratio']:.2f}x fewer"),
+            ("shared prompt vs separate rows", f"MPO step pairs/s ({sh['pairs']} pairs, lengths / "
+             f"{sh['length_scale']}, {sh['tokens_shared']} vs {sh['tokens_separate']} tokens)",
+             f"{sh['pairs_per_s_shared']:.2f}", f"{sh['pairs_per_s_separate']:.2f}",
+             f"{sh['speed_ratio']:.2f}x the speed"),
         ]
     if "data" in res:
         d = res["data"]

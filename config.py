@@ -150,6 +150,14 @@ class PackingConfig:
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
     drop_oversized_pairs: bool = False  # drop (and count) pairs larger than a bin instead of failing at start
+    # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
+    # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that
+    # span. Exact against separate rows on the local spec, TP/DP (tests/test_shared_prompt_model.py). Not supported
+    # (ConfigError at start): context parallelism, and the Transformer Engine spec (its attention has no
+    # shared-prompt mask yet). Off by default until the GPU paths (TE attention; mamba-ssm kernels as the shared
+    # scan's conv_fn / scan_fn, wired but not yet run on a GPU) are checked. The `tokens` metric counts the tokens
+    # computed, so it drops with the switch on for the same pairs.
+    shared_prompt: bool = False
 
 
 @dataclass

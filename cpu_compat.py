@@ -572,13 +572,38 @@ def install_torch_mamba() -> None:
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
 
 
+# The shared-prompt layout of the language-model forward running now (pack.pack_shared): the batch's
+# segment_cu_seqlens_padded (int32 [3P+1], on the batch's device), set by omni_model.OmniModel.forward around the
+# language model only (never the ViT); read by install_mamba_dt_limit_hook's wrapper (Mamba layers) and
+# local_spec.ThdDotProductAttention (attention layers). None: the separate-rows layout.
+SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
+
+
+def _shared_prompt_kernels(fn) -> dict:
+    """conv_fn / scan_fn / norm_fn for mamba_torch.mamba_split_conv1d_scan_shared_prompt: mamba-ssm's and
+    causal-conv1d's kernels when the fused function megatron calls is mamba-ssm's (GPU), else {} (mamba_torch's)."""
+    import mamba_torch
+
+    if fn is mamba_torch.mamba_split_conv1d_scan_combined:
+        return {}
+    from causal_conv1d import causal_conv1d_fn
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return {"conv_fn": causal_conv1d_fn, "scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
+
+
 def install_mamba_dt_limit_hook() -> None:
-    """Let a Mamba mixer pass `dt_limit` to the fused scan: megatron-core always calls it with the default (0, inf).
+    """Let a Mamba mixer pass `dt_limit` to the fused scan: megatron-core always calls it with the default (0, inf);
+    and run the shared-prompt scan when `SHARED_PROMPT_SEGMENTS` is set.
 
     SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:755
     transformers clamps softplus(dt + dt_bias) to >= time_step_min (NemotronHMamba2Mixer.time_step_limit);
     megatron-core does not. This wrapper, installed once over the function megatron's mamba_mixer module calls
     (mamba-ssm's kernel on GPU, mamba_torch's on CPU), forwards `MAMBA_DT_LIMIT` as `dt_limit` when it is set.
+    With `SHARED_PROMPT_SEGMENTS` set (a shared-prompt batch, `packing.shared_prompt`) it calls
+    mamba_torch.mamba_split_conv1d_scan_shared_prompt instead, with the same arguments plus the segment offsets and
+    the platform's kernels (`_shared_prompt_kernels`): each rejected response continues the prompt's state.
     """
     from megatron.core.ssm import mamba_mixer
 
@@ -590,6 +615,12 @@ def install_mamba_dt_limit_hook() -> None:
         limit = MAMBA_DT_LIMIT.get()
         if limit is not None and "dt_limit" not in kwargs:
             kwargs["dt_limit"] = limit
+        segments = SHARED_PROMPT_SEGMENTS.get()
+        if segments is not None:
+            import mamba_torch
+
+            return mamba_torch.mamba_split_conv1d_scan_shared_prompt(
+                *args, segment_cu_seqlens_padded=segments, **kwargs, **_shared_prompt_kernels(fn))
         return fn(*args, **kwargs)
 
     scan_with_dt_limit._omni_dt_limit = True

@@ -7,9 +7,10 @@ MambaMixer) plus the project modules that stand in for Transformer Engine ones:
 - `LocalNormColumnParallelLinear`: the non-TE twin of `TELayerNormColumnParallelLinear`, with the same parameter
   names, so a checkpoint is the same whichever spec built the model.
 - `ThdDotProductAttention`: THD `cu_seqlens` attention within each sequence (causal or not) through torch's SDPA per
-  sequence; context parallelism by all-gathering K/V.
+  sequence; context parallelism by all-gathering K/V; the shared-prompt layout (`shared_prompt_attention`, when
+  cpu_compat.SHARED_PROMPT_SEGMENTS is set by the model's forward).
 The specs take what differs per model as arguments (the Mamba mixer class and its parameters, the expert count), so
-this module imports only megatron-core, torch and pack.
+this module imports only megatron-core, torch, pack and cpu_compat (the per-forward layout state).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import nn
 
-from pack import cp_partition_index
+import cpu_compat
+from pack import cp_partition_index, shared_prompt_spans
 
 # ======================================================================================================================
 # Modules with Transformer Engine's parameter names
@@ -136,6 +138,60 @@ def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[
     return runs
 
 
+def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
+                            dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal self-attention of a shared-prompt THD row (pack.pack_shared; ThdDotProductAttention's path when
+    cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
+    rejected tokens attend to the whole prompt and causally to earlier rejected tokens, never to the chosen segment.
+
+    Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
+    the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens
+    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is the same two
+    calls (cu_seqlens_q of the rejected runs, cu_seqlens_kv of the gathered [prompt | rejected] keys, mask type
+    padding_causal_bottom_right).
+
+    Args:
+        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs; GQA: heads is a
+            multiple of groups, group j serves heads j*heads/groups ...).
+        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
+        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
+    Returns:
+        [T, heads * d] in query's dtype (megatron's core-attention output layout).
+    Raises:
+        ValueError: bad offsets (`pack.shared_prompt_spans`) or heads not a multiple of groups.
+    """
+    T, h, d = query.shape
+    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
+        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
+                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
+    q = query.permute(1, 0, 2)  # [h, T, d]
+    k = key.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
+    v = value.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
+    outs = []
+
+    def sdpa(qs, ks, vs, mask=None):
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
+                                                                is_causal=mask is None, scale=scale)
+
+    for a, c0, r0, e in spans:
+        if r0 > a:
+            outs.append(sdpa(q[:, a:r0], k[:, a:r0], v[:, a:r0]))
+        if e > r0:
+            n_p, n_r = c0 - a, e - r0
+            keys = torch.cat([k[:, a:c0], k[:, r0:e]], dim=1)
+            vals = torch.cat([v[:, a:c0], v[:, r0:e]], dim=1)
+            mask = (torch.arange(n_p + n_r, device=q.device)[None, :]
+                    <= torch.arange(n_r, device=q.device)[:, None] + n_p)
+            outs.append(sdpa(q[:, r0:e], keys, vals, mask))
+    end = spans[-1][3] if spans else 0
+    if end < T:
+        outs.append(sdpa(q[:, end:], k[:, end:], v[:, end:]))
+    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
+    return out.permute(1, 0, 2).reshape(T, h * d)
+
+
 class ThdDotProductAttention(nn.Module):
     """Core attention (softmax(QK^T * scale) V) for the local spec that honours THD packing and context parallelism.
 
@@ -145,6 +201,9 @@ class ThdDotProductAttention(nn.Module):
     Under CP (`config.context_parallel_size > 1`) each rank holds the load-balanced slice of every sequence; K and V
     are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
     GQA: K/V groups are repeated to the query heads.
+
+    Shared-prompt layout (cpu_compat.SHARED_PROMPT_SEGMENTS set, THD): `shared_prompt_attention` over the segments
+    (rejected tokens see the prompt, never the chosen response).
 
     Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
     sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
@@ -183,6 +242,12 @@ class ThdDotProductAttention(nn.Module):
             raise ValueError("ThdDotProductAttention does not take an attention_bias")
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+        if segments is not None and thd:  # shared-prompt row (CP is refused at start: pack.validate_packing_config)
+            if not causal or self.config.context_parallel_size > 1:
+                raise ValueError("the shared-prompt layout needs causal attention without context parallelism")
+            return shared_prompt_attention(query, key, value, segments, scale=self.scale,
+                                           dropout_p=self.dropout if self.training else 0.0)
         if thd:  # [t, h, d] -> [t, 1, h, d]
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         s_local, b = query.shape[0], query.shape[1]

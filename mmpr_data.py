@@ -576,6 +576,14 @@ class PairIndex:
         c, r = self.chosen_len.tolist(), self.rejected_len.tolist()
         return {int(i): (c[i], r[i]) for i in ids}
 
+    def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (pack.pack_shared's
+        k = pack.shared_prefix_length is at least this: the last prompt token starts both responses), the
+        `shared_lengths` of pack.plan_bins / plan_step; sizes planned with it are upper bounds of the packed spans."""
+        ids = range(len(self)) if pair_ids is None else pair_ids
+        p = self.prompt_len.tolist()
+        return {int(i): p[i] - 1 for i in ids}
+
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""
         return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"

@@ -109,7 +109,8 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
 
 
 def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
-    """A step's throughput metrics: tokens (global), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
+    """A step's throughput metrics: tokens (global tokens the language model computed, train.global_tokens: each
+    prompt once with packing.shared_prompt), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
     return {
         "tokens": tokens,
         "step_time": seconds,

@@ -337,7 +337,8 @@ def count_valid_pairs(
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
     get `num_global_pairs` before the first forward. `num_tokens` [S] is the per-sequence count of loss_mask over the
-    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), pack.token_sequence_ids(cu_seqlens_padded, T), S)`."""
+    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), pack.token_sequence_ids(cu_seqlens_padded, T), S)`
+    (shared-prompt layout: `pack.response_sequence_ids(segment_cu_seqlens_padded, T)`, S = 2P; train.response_ids)."""
     return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 

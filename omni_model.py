@@ -31,6 +31,11 @@ Forward (vision once per pair): every image of the microbatch is encoded once; t
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
 share one encoding. Then: embed the full packed sequence, replace `<image>` positions, take this rank's context-parallel
 slice (pack.cp_partition_index layout), scatter for sequence parallelism, run the hybrid stack.
+Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; local spec, no CP): the sequences are the pair spans
+[prompt | chosen | rejected] (one media slot each); the forward sets cpu_compat.SHARED_PROMPT_SEGMENTS to the batch's
+segment_cu_seqlens_padded around the language model, so ThdDotProductAttention (local_spec.shared_prompt_attention)
+and the Mamba layers (mamba_torch.mamba_split_conv1d_scan_shared_prompt, through cpu_compat's Mamba hook) keep each
+rejected response off the chosen one; the routers' padding mask is per span.
 
 Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints the logits' shape.
 """
@@ -341,11 +346,13 @@ class OmniModel(nn.Module):
             offsets[m]:offsets[m+1]) (optional: without them all `<image>` tokens take all images' features, in order).
         sample_mask: float [S] (optional): sequences of weight 0 (dummy bins), like each sequence's padding, take no
             part in the MoE routers' statistics (pack.routing_padding_mask).
+        segment_cu_seqlens_padded: int32 [3P+1] (optional): the shared-prompt layout (pack.PackedBatch); then the
+            S = P sequences above are the pair spans and sample_mask is per response [2P].
     T must be divisible by 2*CP (and by TP under sequence parallelism). Returns fp32/bf16 logits [T/CP(/...), V/TP]
     in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
     Raises ValueError: `<image>` token count differs from the feature count (both counts in the message), an odd
-    image grid, or pixel rows that do not match the grids.
+    image grid, or pixel rows that do not match the grids; a shared-prompt batch on the TE spec or under CP.
     """
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
@@ -523,16 +530,29 @@ class OmniModel(nn.Module):
         # padding_mask ([1, tokens of this rank], True = padding) reaches every MoE router (expert-bias counts, aux
         # loss, z-loss) on the TE and local specs. It is sliced like the embeddings: CP layout, then this TP rank's
         # contiguous SP chunk (HybridModel, unlike GPTModel, does not scatter it itself).
-        pad = routing_padding_mask(cu, cu_pad, T, _get(batch, "sample_mask"))
+        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (pack.pack_shared)
+        sample_mask = _get(batch, "sample_mask")
+        if segments is not None:
+            if cp > 1 or self.use_te:
+                raise ValueError("a shared-prompt batch (packing.shared_prompt) needs the local spec and no context "
+                                 "parallelism (refused at start by preflight)")
+            segments = segments.to(device)
+            if sample_mask is not None:  # per response [2P] -> per pair span [P] (both rows of a pair share it)
+                sample_mask = sample_mask.view(-1, 2).amax(dim=1)
+        pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
         no_real_token = bool(pad.all())
         if cp > 1:
             pad = pad[index]
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        with cpu_compat.routers_without_statistics(self.language_model, no_real_token and self.training):
-            logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None, decoder_input=emb,
-                                         packed_seq_params=psp, padding_mask=pad[None])
+        token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
+        try:
+            with cpu_compat.routers_without_statistics(self.language_model, no_real_token and self.training):
+                logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
+                                             decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
+        finally:
+            cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
         return logits[0]
 
 

@@ -21,8 +21,8 @@ Three layers, cheapest first:
 4. Shared-prompt layout (issue 16, `packing.shared_prompt`): `pack_shared` stores each pair as one THD span
    [prompt | chosen | rejected] (the prompt and its images once; `PackedBatch.segment_cu_seqlens_padded` marks the
    segments); `plan_bins(..., shared_lengths=...)` sizes such spans; `response_sequence_ids` maps tokens to the loss's
-   chosen/rejected sequences; `shared_prompt_attention` is the attention of that layout (SDPA, two calls per pair; to
-   move into the attention spec); the Mamba side is `mamba_torch.mamba_split_conv1d_scan_shared_prompt`.
+   chosen/rejected sequences; the attention of that layout is local_spec.shared_prompt_attention (SDPA, two calls
+   per pair); the Mamba side is `mamba_torch.mamba_split_conv1d_scan_shared_prompt`.
    `shared_prompt_token_counts` compares the tokens of both layouts under one bin budget.
 
 `synthetic_mmpr_lengths`, `deal_round_robin` and `rank_imbalance` are shared with the benchmark; `rank_imbalance`
@@ -522,8 +522,8 @@ class PackedBatch:
             is input_ids[0, b[3i+j]:b[3i+j+1]]; the pair's padding belongs to its rejected segment, so
             segment_cu_seqlens_padded[3i] = cu_seqlens_padded[i]).
     The chosen sequence is prompt + chosen segment, the rejected sequence prompt + rejected segment: the rejected
-    tokens must see the prompt but never the chosen segment (attention: `shared_prompt_attention` in
-    omni_model's attention; Mamba: `mamba_torch.mamba_split_conv1d_scan_shared_prompt`), and their log-probs are
+    tokens must see the prompt but never the chosen segment (attention: local_spec.shared_prompt_attention in
+    ThdDotProductAttention; Mamba: `mamba_torch.mamba_split_conv1d_scan_shared_prompt`), and their log-probs are
     summed with `response_sequence_ids`.
     """
 
@@ -991,60 +991,6 @@ def unpack_shared(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
             d["row_loss_mask"] = row_mask
             out.append(d)
     return out
-
-
-def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
-                            dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal self-attention of a shared-prompt THD row (to move into the local attention spec, issue 15's
-    local_spec.py): prompt and chosen tokens attend causally within [prompt | chosen]; rejected tokens attend to the
-    whole prompt and causally to earlier rejected tokens, never to the chosen segment.
-
-    Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
-    the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens
-    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is the same two
-    calls (cu_seqlens_q of the rejected runs, cu_seqlens_kv of the gathered [prompt | rejected] keys, mask type
-    padding_causal_bottom_right).
-
-    Args:
-        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs; GQA: heads is a
-            multiple of groups, group j serves heads j*heads/groups ...).
-        segment_cu_seqlens_padded: int [3P+1] (`PackedBatch.segment_cu_seqlens_padded`).
-        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
-    Returns:
-        [T, heads * d] in query's dtype (megatron's core-attention output layout).
-    Raises:
-        ValueError: bad offsets (`shared_prompt_spans`) or heads not a multiple of groups.
-    """
-    T, h, d = query.shape
-    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
-        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
-                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
-    q = query.permute(1, 0, 2)  # [h, T, d]
-    k = key.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
-    v = value.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
-    outs = []
-
-    def sdpa(qs, ks, vs, mask=None):
-        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
-                                                                is_causal=mask is None, scale=scale)
-
-    for a, c0, r0, e in spans:
-        if r0 > a:
-            outs.append(sdpa(q[:, a:r0], k[:, a:r0], v[:, a:r0]))
-        if e > r0:
-            n_p, n_r = c0 - a, e - r0
-            keys = torch.cat([k[:, a:c0], k[:, r0:e]], dim=1)
-            vals = torch.cat([v[:, a:c0], v[:, r0:e]], dim=1)
-            mask = (torch.arange(n_p + n_r, device=q.device)[None, :]
-                    <= torch.arange(n_r, device=q.device)[:, None] + n_p)
-            outs.append(sdpa(q[:, r0:e], keys, vals, mask))
-    end = spans[-1][3] if spans else 0
-    if end < T:
-        outs.append(sdpa(q[:, end:], k[:, end:], v[:, end:]))
-    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
-    return out.permute(1, 0, 2).reshape(T, h * d)
 
 
 def shared_prompt_token_counts(parts: Mapping[int, tuple[int, int, int]], max_tokens_per_bin: int,

@@ -98,6 +98,11 @@ def check_model_config(cfg, hf) -> None:
             ) from None
         if what == "language model":
             lm = mcore
+    if cfg.packing.shared_prompt and use_te:
+        raise config_mod.ConfigError(
+            "packing.shared_prompt = true is not supported with the Transformer Engine spec yet (its attention has no "
+            "shared-prompt mask); set packing.shared_prompt = false"
+        )
     tp = p.tensor_model_parallel_size
     if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
         raise config_mod.ConfigError(
@@ -151,7 +156,8 @@ def check_splits(train_split, val_split, cfg):
     for name, split in (("training", train_split), ("validation", val_split)):
         if split is None:
             continue
-        sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d)
+        shared = split.index.shared_lengths(split.pair_ids) if pk.shared_prompt else None
+        sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d, shared)
         big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
         if not big:
             continue

@@ -16,7 +16,8 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
 Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
-`load_bins` builds each packed microbatch on the CPU (pack.pack, in the data loader's processes) and moves the whole
+`load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
+pair's prompt once; in the data loader's processes) and moves the whole
 `PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
 with `device=ctx.device`, and only Python numbers leave the device (`.item()`, `.tolist()`, for logging and δ). The
 exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
@@ -318,28 +319,37 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 # One microbatch, one step, one validation
 
 
+def shared_lengths(index: mmpr_data.PairIndex, pair_ids: list[int], cfg) -> dict[int, int] | None:
+    """The planner's `shared_lengths` (prompt tokens - 1 per pair, PairIndex.shared_lengths) with
+    `packing.shared_prompt`, else None (separate rows)."""
+    return index.shared_lengths(pair_ids) if cfg.packing.shared_prompt else None
+
+
 def plan_bins(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
     """A step's bins over all DP ranks (pack.plan_step) and the pairs this DP rank loads (mmpr_data.StepLoader's
     plan_fn, with `index` and `ctx` bound)."""
-    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp)
+    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp, shared_lengths(index, pair_ids, ctx.cfg))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
 def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
-    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count)."""
+    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count): pack.pack, or
+    pack.pack_shared with `packing.shared_prompt`."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
+    pack_fn = pack.pack_shared if ctx.cfg.packing.shared_prompt else pack.pack
     return [
-        pack.pack([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
+        pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
         for b in plan.ranks[ctx.dp_rank]
     ]
 
 
 def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one packed microbatch: per-sequence response log-prob sums [S] (fp32) and response-token counts [S]."""
+    """Forward one packed microbatch: per-response log-prob sums [S] (fp32) and response-token counts [S], S =
+    batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
-    T, S = batch.input_ids.shape[1], batch.num_sequences
+    S = batch.num_responses
     labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = pack.token_sequence_ids(batch.cu_seqlens_padded, T)
+    seq_ids = response_ids(batch)
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
@@ -349,13 +359,21 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     )
 
 
+def response_ids(batch: pack.PackedBatch) -> torch.Tensor:
+    """The loss sequence (response) of every token [T] int64: pack.token_sequence_ids for separate rows,
+    pack.response_sequence_ids for the shared-prompt layout (prompt tokens map to the dropped id S)."""
+    T = batch.input_ids.shape[1]
+    if batch.shared_prompt:
+        return pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T)
+    return pack.token_sequence_ids(batch.cu_seqlens_padded, T)
+
+
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward.
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1])
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), seq_ids, b.num_sequences)
+        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), response_ids(b), b.num_responses)
         local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
@@ -452,7 +470,7 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     total: dict[str, float] = {}
     pairs_seen = 0
     for chunk in chunks:
-        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp)
+        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp, shared_lengths(val.index, chunk, cfg))
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
@@ -473,7 +491,10 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
 
 
 def global_tokens(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Tokens of the step's rows (up to cu_seqlens[-1], bin padding excluded) summed over DP ranks."""
+    """Tokens the language model computes in the step (the `tokens` metric): the packed sequences' real tokens
+    (cu_seqlens[-1]: sequence and bin padding excluded) summed over microbatches and DP ranks. Separate rows count
+    every prompt twice (chosen and rejected row); the shared-prompt layout (`packing.shared_prompt`) once per pair,
+    so the same pairs give fewer tokens: tokens/s measures work done, pairs/s (`pairs_per_s`) throughput."""
     tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=ctx.device)
     dist.all_reduce(tokens, group=ctx.dp_group)
     return int(tokens.item())

@@ -108,8 +108,8 @@ def tiny_config(*overrides: str):
 
 def tiny_step(device, *overrides: str) -> dict:
     """What train.main sets up for one rank with configs/tiny.toml (+ overrides), on `device`, and the first step's
-    packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, batches, run(batches,
-    reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
+    packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, plan, batches,
+    run(batches, reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
     import distributed
     import hf_weights
     import omni_model as om
@@ -131,14 +131,15 @@ def tiny_step(device, *overrides: str) -> dict:
         ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
         ctx = distributed.Ctx.current(cfg, device)
         ddp.train()
-        import mmpr_data
         from transformers import AutoProcessor
+
+        import mmpr_data
 
         processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
         train_split, _ = mmpr_data.load_splits(processor, cfg)
         dataset = mmpr_data.PairDataset(train_split.index, processor)
         ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
-        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1)
+        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1, train.shared_lengths(train_split.index, ids, cfg))
         pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
         hf = om.read_hf_config(cfg.model.hf_path)
         batches = train.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
@@ -149,4 +150,4 @@ def tiny_step(device, *overrides: str) -> dict:
         return train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx, reward_shift)
 
     return dict(cfg=cfg, ctx=ctx, policy=policy, reference=reference, ddp=ddp, optimizer=optimizer,
-                scheduler=scheduler, batches=batches, run=run)
+                scheduler=scheduler, batches=batches, run=run, plan=plan)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_item_ran(results):
-    assert {"packing", "vision", "logprobs", "train", "data", "gpu"} <= set(results)
+    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu"} <= set(results)
     assert results["quick"] is True and results["command"] == "python bench.py --quick"
 
 
@@ -63,6 +63,15 @@ def test_training_step_matches_transformers(results):
     assert t["loss_abs_diff"] <= 1e-4
     assert t["grad_norm_rel_diff"] <= 1e-4
     assert t["loss_ours"] > 0 and t["pairs"] >= 2
+
+
+def test_shared_prompt_item(results):
+    sh = results["shared"]
+    assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both layouts (asserted by bench.py too)
+    # exact arithmetic: each prompt once; the 1.62x on the MMPR-like mix (2,000 pairs in --quick)
+    assert sh["count_tokens_shared"] < sh["count_tokens_separate"] and 1.5 < sh["count_token_ratio"] < 1.75
+    # the timed step's tokens: separate rows hold each prompt (minus the shared last token) twice
+    assert sh["tokens_separate"] > sh["tokens_shared"] and sh["pairs"] == 8
 
 
 def test_packing_arithmetic(results):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import local_spec
 import mamba_torch as mt
 import mpo_loss
 import pack
@@ -224,7 +225,7 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
               torch.randn(T, groups, d, generator=gen, dtype=F64)]
     weight = torch.randn(T, heads * d, generator=gen, dtype=F64)
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    out = pack.shared_prompt_attention(q, k, v, seg, scale=0.3)
+    out = local_spec.shared_prompt_attention(q, k, v, seg, scale=0.3)
     assert out.shape == (T, heads * d)
     (out * weight).sum().backward()
     q2, k2, v2 = (t.clone().requires_grad_(True) for t in leaves)
@@ -240,8 +241,8 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
     a, c0, r0, e = pack.shared_prompt_spans(seg, T)[0]
     k3 = leaves[1].clone()
     k3[c0:r0] += 5.0
-    out3 = pack.shared_prompt_attention(leaves[0], k3, leaves[2], seg, scale=0.3)
-    base = pack.shared_prompt_attention(*leaves, seg, scale=0.3)
+    out3 = local_spec.shared_prompt_attention(leaves[0], k3, leaves[2], seg, scale=0.3)
+    base = local_spec.shared_prompt_attention(*leaves, seg, scale=0.3)
     assert torch.equal(out3[r0:e], base[r0:e]) and (out3[c0:r0] - base[c0:r0]).abs().max() > 1e-3
 
 
@@ -411,7 +412,7 @@ def toy_logits(params, kw, dims, batch):
     k = (h @ params["wk"].T).view(T, groups, d)
     v = (h @ params["wv"].T).view(T, groups, d)
     if batch.shared_prompt:
-        o = pack.shared_prompt_attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
+        o = local_spec.shared_prompt_attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
     else:
         cu = batch.cu_seqlens_padded.tolist()
         o = torch.cat([explicit_attention(q[a:b], k[a:b], v[a:b], 0.5) for a, b in zip(cu[:-1], cu[1:], strict=True)])
@@ -482,7 +483,7 @@ def test_head_shards_compute_their_heads_alone():
                                                  D=D[hs], z=z[:, :, hs], dt_softplus=True)
         assert (part - full[:, :, hs]).abs().max() < 1e-13
     q, k, v = (torch.randn(T, m, 5, generator=gen, dtype=F64) for m in (8, 2, 2))
-    full = pack.shared_prompt_attention(q, k, v, seg).view(T, 8, 5)
+    full = local_spec.shared_prompt_attention(q, k, v, seg).view(T, 8, 5)
     for r in range(2):
-        part = pack.shared_prompt_attention(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], v[:, r:r + 1], seg)
+        part = local_spec.shared_prompt_attention(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], v[:, r:r + 1], seg)
         assert (part.view(T, 4, 5) - full[:, 4 * r:4 * r + 4]).abs().max() < 1e-13

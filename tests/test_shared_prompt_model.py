@@ -1,0 +1,165 @@
+"""The shared-prompt layout wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
+
+The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
+separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared) through train.py's own functions
+(count_global_pairs, reference_logps, sequence_logps, policy_forward_backward): per-response log-prob sums, every MPO
+metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several pairs with image
+and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1) and in a 2-rank
+launch (TP = 2 with sequence parallelism, DP = 2). Also: the one training step of tests/step_cases.py with the switch on
+(ln 2 / 2 ln 2, the device rule, bins sized by the planner), the main job's step-1 losses, and the refused
+combinations.
+
+Run: `pytest tests/test_shared_prompt_model.py` (CPU, about a minute and a half: one 2-rank launch, one train.py run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from shared_prompt_cases import DIST_WORKER, PAIR_SPECS, TINY, make_pairs, max_differences, mpo_step
+
+import config as config_mod
+
+TOL = 1e-5
+
+
+def check_equal(d: dict, n_params: int) -> None:
+    """Assert one `max_differences` report: every difference <= TOL, all trainable parameters compared."""
+    assert d["num_tokens_equal"]
+    assert d["logps"] <= TOL, d
+    assert max(d["metrics"].values()) <= TOL, d["metrics"]
+    assert d["grad"] <= TOL, (d["grad"], d["grad_param"])
+    assert d["grad_names_differ"] == [] and d["n_grads"] == n_params
+    assert d["grad_scale"] > 1e-2  # the gradients compared are not all zero
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from step_cases import tiny_config
+
+    import distributed
+    import hf_weights
+    import omni_model as om
+
+    cfg = tiny_config("packing.shared_prompt=true")
+    distributed.init_distributed(device=torch.device("cpu"))
+    model = om.build_model(str(TINY), cfg.model, cfg.parallel)
+    hf_weights.load_hf_weights(model, str(TINY))
+    return model, distributed.Ctx.current(cfg, torch.device("cpu"))
+
+
+def test_pairs_cover_the_cases():
+    chunk = json.loads((TINY / "config.json").read_text())["llm_config"]["chunk_size"]
+    assert all(p % chunk for p, _, _, _ in PAIR_SPECS)
+    assert {bool(i) for _, i, _, _ in PAIR_SPECS} == {True, False}
+    pairs = make_pairs()
+    assert [int(p.image_token_counts.sum()) for p in pairs] == [6, 0, 6, 0]
+
+
+@pytest.mark.parametrize("bins", ["bins_of_1", "one_bin_of_4"])
+def test_shared_layout_equals_separate_rows_logps_loss_and_every_gradient(tiny, bins):
+    model, ctx = tiny
+    pairs = make_pairs()
+    b = [[p] for p in pairs] if bins == "bins_of_1" else [pairs]
+    sep = mpo_step(model, ctx, b, shared=False)
+    shr = mpo_step(model, ctx, b, shared=True)
+    check_equal(max_differences(sep, shr), sum(p.requires_grad for p in model.parameters()))
+    assert sep["num_global_pairs"] == shr["num_global_pairs"] == 4
+    # each prompt computed once: the separate rows hold every prompt's tokens twice (minus the one shared token
+    # that starts both responses), nothing else changes
+    assert sep["tokens"] - shr["tokens"] == sum(p - 1 for p, _, _, _ in PAIR_SPECS)
+
+
+def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatch):
+    """The check is sensitive: with attention layers that ignore the segments (plain causal attention over each pair
+    span, the Mamba layers unchanged) the rejected log-probs move by far more than the tolerance, the chosen ones
+    not."""
+    from types import SimpleNamespace
+
+    import local_spec
+
+    model, ctx = tiny
+    pairs = make_pairs()
+    good = mpo_step(model, ctx, [pairs], shared=True)["logps"]
+    no_segments = SimpleNamespace(SHARED_PROMPT_SEGMENTS=SimpleNamespace(get=lambda: None))
+    monkeypatch.setattr(local_spec, "cpu_compat", no_segments)
+    bad = mpo_step(model, ctx, [pairs], shared=True)["logps"]
+    rejected = torch.tensor([False, True] * 4)
+    assert (good - bad)[rejected].abs().min() > 100 * TOL
+    assert (good - bad)[~rejected].abs().max() <= TOL
+
+
+def test_tp2_and_dp2_shared_layout_equals_separate_rows(torchrun):
+    launch = torchrun(DIST_WORKER, timeout=600)
+    for rank, result in launch.ranks.items():
+        for layout, per_bins in result.items():
+            assert "error" not in per_bins, (rank, layout, per_bins)
+            for bins, d in per_bins.items():
+                n_pairs = d["num_global_pairs"]
+                assert n_pairs == [4, 4], (rank, layout, bins)
+                assert d["n_grads"] > 50
+                assert d["grad_names_differ"] == []
+                assert d["num_tokens_equal"]
+                assert d["logps"] <= TOL and d["grad"] <= TOL, (rank, layout, bins, d)
+                assert max(d["metrics"].values()) <= TOL, (rank, layout, bins, d["metrics"])
+    assert sorted(launch.ranks) == [0, 1]
+
+
+def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_planned_bins(monkeypatch, tmp_path):
+    from step_cases import DeviceAudit, tiny_step
+
+    import train
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    s = tiny_step("cpu", "packing.shared_prompt=true")
+    assert all(b.shared_prompt for b in s["batches"])
+    # the planner's sizes (prompt - 1 stored once, PairIndex.shared_lengths) are the packed spans' sizes
+    planned = [b.tokens for b in s["plan"].ranks[0]]
+    assert [b.input_ids.shape[1] for b in s["batches"]] == planned
+    audit = DeviceAudit("cpu")
+    with audit:
+        metrics, _ = s["run"](s["batches"], 0.0)
+    assert audit.calls > 1000 and audit.violations == []
+    assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
+    assert train.count_global_pairs(s["batches"], s["ctx"]) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_main_job_step_one_is_ln2_and_2ln2_with_the_switch(torchrun, tmp_path, dtype):
+    """The README command (DP = 2) with the switch, one step then validation (policy = reference at step 1, so the
+    losses are ln 2 / 2 ln 2 exactly in either dtype: both models take the same shared-prompt path)."""
+    run_dir = tmp_path / "run"
+    torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "packing.shared_prompt=true",
+             "mpo.max_num_steps=1", "scheduler.lr_warmup_steps=0", f"model.params_dtype={dtype}",
+             env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    r = [r for r in rows if r["split"] == "train"][0]
+    val = [r for r in rows if r["split"] == "validation"]
+    assert len(val) == 1 and val[0]["num_valid_pairs"] == 4 and math.isfinite(val[0]["loss"])
+    assert r["step"] == 1
+    assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert r["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-5)
+    assert r["num_global_pairs"] == 4
+    assert json.loads((run_dir / "config.json").read_text())["packing"]["shared_prompt"] is True
+
+
+def test_unsupported_combinations_are_config_errors_at_start(monkeypatch):
+    from step_cases import tiny_config
+
+    import omni_model
+    import preflight
+
+    cfg = tiny_config("packing.shared_prompt=true", "parallel.context_parallel_size=2")
+    with pytest.raises(config_mod.ConfigError, match="packing.shared_prompt = true is not supported with "
+                                                     "parallel.context_parallel_size = 2"):
+        preflight.check_inputs(cfg)
+    cfg = tiny_config("packing.shared_prompt=true")
+    monkeypatch.setattr(omni_model, "have_transformer_engine", lambda: True)
+    hf = omni_model.read_hf_config(TINY)
+    with pytest.raises(config_mod.ConfigError, match="packing.shared_prompt = true is not supported with the "
+                                                     "Transformer Engine spec"):
+        preflight.check_model_config(cfg, hf)
