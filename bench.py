@@ -476,7 +476,7 @@ def bench_train(quick: bool) -> dict:
     def ours_step(plan_cfg=cfg) -> dict:
         plan = pack.plan_step(lengths, plan_cfg, 1)
         batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        m, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx,
+        m, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
                                              state["shift"])
         m["microbatches"] = len(batches)
         return m
@@ -598,8 +598,7 @@ def bench_shared(quick: bool) -> dict:
     ddp.train()
     batches = {}
     for name, c in ctxs.items():
-        shared = {i: n - 1 for i, n in prompt.items()} if c.cfg.packing.shared_prompt else None
-        plan = pack.plan_step(lengths, c.cfg, 1, shared)
+        plan = pack.plan_step(lengths, c.cfg, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
         batches[name] = train.load_bins(plan, pairs, c, 18, 0)
     tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
     padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
@@ -616,7 +615,7 @@ def bench_shared(quick: bool) -> dict:
 
     def step(name):
         def run():
-            _, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches[name],
+            _, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches[name],
                                                  ctxs[name], state["shift"])
         return run
 
@@ -792,7 +791,7 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
 
     def ours_step() -> dict:
         batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        metrics, state["shift"] = train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx,
+        metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
                                                    state["shift"])
         return metrics
 

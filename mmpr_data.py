@@ -580,9 +580,10 @@ class PairIndex:
         """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (pack.pack_shared's
         k = pack.shared_prefix_length is at least this: the last prompt token starts both responses), the
         `shared_lengths` of pack.plan_bins / plan_step; sizes planned with it are upper bounds of the packed spans."""
-        ids = range(len(self)) if pair_ids is None else pair_ids
-        p = self.prompt_len.tolist()
-        return {int(i): p[i] - 1 for i in ids}
+        if pair_ids is None:
+            return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
+        ids = [int(i) for i in pair_ids]
+        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist()))
 
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""

@@ -108,8 +108,19 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
     return out
 
 
+def global_tokens(batches, dp_group, device: torch.device) -> int:
+    """Tokens the language model computes in the step (the `tokens` metric): the packed sequences' real tokens
+    (cu_seqlens[-1]: sequence and bin padding excluded) of this rank's microbatches (pack.PackedBatch), summed over the
+    DP ranks. Separate rows count every prompt twice (chosen and rejected row); the shared-prompt layout
+    (`packing.shared_prompt`) once per pair, so the same pairs give fewer tokens: tokens/s measures work done, pairs/s
+    (`pairs_per_s`) throughput."""
+    tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
+    dist.all_reduce(tokens, group=dp_group)
+    return int(tokens.item())
+
+
 def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
-    """A step's throughput metrics: tokens (global tokens the language model computed, train.global_tokens: each
+    """A step's throughput metrics: tokens (global tokens the language model computed, global_tokens: each
     prompt once with packing.shared_prompt), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
     return {
         "tokens": tokens,

@@ -416,10 +416,15 @@ def plan_bins(
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the capacities, padding and drop switch of `cfg.packing` (after `validate_packing_config`);
-    `shared_lengths` as in `plan_bins` (the shared-prompt layout)."""
+    """`plan_bins` with the capacities, padding, drop switch and layout of `cfg.packing` (after
+    `validate_packing_config`). `shared_lengths` (as in `plan_bins`: prompt tokens stored once per pair) is used when
+    `cfg.packing.shared_prompt` is on and ignored for separate rows.
+
+    Raises: ValueError: `packing.shared_prompt` without `shared_lengths`; those of `plan_bins`."""
     validate_packing_config(cfg)
     pk = cfg.packing
+    if pk.shared_prompt and shared_lengths is None:
+        raise ValueError("packing.shared_prompt plans need shared_lengths (PairIndex.shared_lengths)")
     return plan_bins(
         lengths,
         pk.max_tokens_per_bin,
@@ -427,7 +432,7 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int,
         dp_size,
         divisible_by=pk.make_sequence_length_divisible_by,
         drop_oversized=pk.drop_oversized_pairs,
-        shared_lengths=shared_lengths,
+        shared_lengths=shared_lengths if pk.shared_prompt else None,
     )
 
 
@@ -559,6 +564,14 @@ class PackedBatch:
     def num_responses(self) -> int:
         """Sequences the loss sees (chosen and rejected rows, 2 per pair) in either layout: len(pair_index)."""
         return self.pair_index.numel()
+
+    def response_ids(self) -> torch.Tensor:
+        """The loss sequence (response) of every token, int64 [T] on the batch's device: token_sequence_ids for
+        separate rows, response_sequence_ids for the shared-prompt layout (prompt tokens map to the dropped id S)."""
+        T = self.input_ids.shape[1]
+        if self.shared_prompt:
+            return response_sequence_ids(self.segment_cu_seqlens_padded, T)
+        return token_sequence_ids(self.cu_seqlens_padded, T)
 
     @property
     def num_pairs(self) -> int:

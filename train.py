@@ -114,10 +114,10 @@ def main(cfg) -> int:
         t0 = time.perf_counter()
         step_data = next(loader)
         batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-        metrics, new_shift = train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+        metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
         advance_run_state(run, step_data, metrics, new_shift)
         steps_done += 1
-        tokens, dt = global_tokens(batches, ctx), time.perf_counter() - t0
+        tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
         metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
         metrics.update(
             dropped_oversized=len(step_data.plan.dropped),
@@ -319,16 +319,10 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 # One microbatch, one step, one validation
 
 
-def shared_lengths(index: mmpr_data.PairIndex, pair_ids: list[int], cfg) -> dict[int, int] | None:
-    """The planner's `shared_lengths` (prompt tokens - 1 per pair, PairIndex.shared_lengths) with
-    `packing.shared_prompt`, else None (separate rows)."""
-    return index.shared_lengths(pair_ids) if cfg.packing.shared_prompt else None
-
-
 def plan_bins(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
     """A step's bins over all DP ranks (pack.plan_step) and the pairs this DP rank loads (mmpr_data.StepLoader's
     plan_fn, with `index` and `ctx` bound)."""
-    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp, shared_lengths(index, pair_ids, ctx.cfg))
+    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
@@ -349,7 +343,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
     S = batch.num_responses
     labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = response_ids(batch)
+    seq_ids = batch.response_ids()
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
@@ -359,21 +353,12 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
     )
 
 
-def response_ids(batch: pack.PackedBatch) -> torch.Tensor:
-    """The loss sequence (response) of every token [T] int64: pack.token_sequence_ids for separate rows,
-    pack.response_sequence_ids for the shared-prompt layout (prompt tokens map to the dropped id S)."""
-    T = batch.input_ids.shape[1]
-    if batch.shared_prompt:
-        return pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T)
-    return pack.token_sequence_ids(batch.cu_seqlens_padded, T)
-
-
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward.
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), response_ids(b), b.num_responses)
+        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
         local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
@@ -421,10 +406,10 @@ def policy_forward_backward(
     return mpo_loss.combine_metrics(per_mb), r_sum, r_count
 
 
-def train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
+def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
     """One optimizer step over this rank's microbatches (steps 3-6 of the module docstring: pair count, reference
     forward, policy forward + backward, gradient reduction, optimizer and scheduler step, δ update). Returns (metrics
-    of the step over all DP ranks, the new reward shift δ). `policy` is unused (`ddp` wraps it)."""
+    of the step over all DP ranks, the new reward shift δ)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -470,7 +455,7 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     total: dict[str, float] = {}
     pairs_seen = 0
     for chunk in chunks:
-        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp, shared_lengths(val.index, chunk, cfg))
+        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp, val.index.shared_lengths(chunk))
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
@@ -488,16 +473,6 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     out = {k: (v / max(pairs_seen, 1) if k in mean else v) for k, v in total.items()}
     out["val_batches"] = len(chunks)
     return out
-
-
-def global_tokens(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Tokens the language model computes in the step (the `tokens` metric): the packed sequences' real tokens
-    (cu_seqlens[-1]: sequence and bin padding excluded) summed over microbatches and DP ranks. Separate rows count
-    every prompt twice (chosen and rejected row); the shared-prompt layout (`packing.shared_prompt`) once per pair,
-    so the same pairs give fewer tokens: tokens/s measures work done, pairs/s (`pairs_per_s`) throughput."""
-    tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=ctx.device)
-    dist.all_reduce(tokens, group=ctx.dp_group)
-    return int(tokens.item())
 
 
 # ======================================================================================================================

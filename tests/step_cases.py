@@ -139,7 +139,7 @@ def tiny_step(device, *overrides: str) -> dict:
         train_split, _ = mmpr_data.load_splits(processor, cfg)
         dataset = mmpr_data.PairDataset(train_split.index, processor)
         ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
-        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1, train.shared_lengths(train_split.index, ids, cfg))
+        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1, train_split.index.shared_lengths(ids))
         pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
         hf = om.read_hf_config(cfg.model.hf_path)
         batches = train.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
@@ -147,7 +147,7 @@ def tiny_step(device, *overrides: str) -> dict:
         os.chdir(old)
 
     def run(batches, reward_shift: float):
-        return train.train_step(policy, ddp, reference, optimizer, scheduler, batches, ctx, reward_shift)
+        return train.train_step(ddp, reference, optimizer, scheduler, batches, ctx, reward_shift)
 
     return dict(cfg=cfg, ctx=ctx, policy=policy, reference=reference, ddp=ddp, optimizer=optimizer,
                 scheduler=scheduler, batches=batches, run=run, plan=plan)
