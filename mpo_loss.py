@@ -405,7 +405,7 @@ def mpo_loss(
             microbatch's valid pairs.
 
     Formulas: MPO (Wang et al. 2024, arXiv 2411.10442 §3.2), DPO (Rafailov et al. 2023), paired BCO with reward shift
-    (Jung et al. 2024); term semantics, flags and the δ statistics follow NeMo-RL's MPOLossFn (nemo_rl_mpo.md §1).
+    (Jung et al. 2024); term semantics, flags and the δ statistics follow NeMo-RL's MPOLossFn.
     All log-sigmoids use softplus forms, finite for β·Δ = ±1000.
     """
     if not (policy_logps.shape == ref_logps.shape == num_tokens.shape) or policy_logps.dim() != 1:
@@ -500,7 +500,7 @@ def update_reward_shift(
     Raises:
         ValueError: momentum outside [0, 1), a negative count, or a non-finite statistic.
 
-    Source: NeMo-RL MPOLossFn.update_reward_shift (nemo_rl_mpo.md §1.7): the δ of step t only uses rewards of steps
+    Source: NeMo-RL MPOLossFn.update_reward_shift: the δ of step t only uses rewards of steps
     < t; the MPO paper (arXiv 2411.10442) describes δ as a moving average of previous rewards.
     """
     if not 0.0 <= momentum < 1.0:

@@ -17,7 +17,7 @@ What it writes (deterministic for a given seed, torch and transformers version; 
   `<so_embedding>`=27), the chat template (`chat_template.jinja`, ChatML with the Omni reasoning rules), and the
   processor / image-processor configs with a small patch budget (16-64 image tokens per image).
 
-Facts about the real layout: shared/research/nemotron_omni_arch.md sections 1-5 (numbers only; no code copied).
+Facts about the real layout come from the hub checkpoint's config.json and chat template (numbers only; no code copied).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ PROJECTOR_HIDDEN = 96
 # Image processor budget: 64..256 patches of 16 px, i.e. 16..64 `<image>` tokens after the 2x2 pixel shuffle.
 IMAGE_PROC = dict(min_num_patches=64, max_num_patches=256, max_model_len=68, patch_size=16, downsample_ratio=0.5)
 
-# ChatML with the Omni reasoning rules (shared/research/nemotron_omni_arch.md section 4): the system turn is always
+# ChatML with the Omni reasoning rules (the hub chat template's): the system turn is always
 # emitted (empty when absent); an assistant turn renders `<think>\n{reasoning}\n</think>\n{content}` when it has
 # reasoning and `<think></think>{content}` otherwise; reasoning of turns before the last user message is dropped;
 # images in list-style content become an `<image>\n` prefix (numbered when several) unless the text already holds

@@ -116,7 +116,7 @@ def test_resume_restores_adam_step_per_parameter(dist_result, variant):
 
 def test_upstream_distributed_optimizer_step_trap_is_present(dist_result):
     """megatron-core 0.19.2 without TE/Apex: the distributed optimizer alone brings `step` back as 1 in one shared
-    tensor (research/mcore_cpu.md, appendix). If this starts failing after an upgrade, the trap is fixed upstream."""
+    tensor. If this starts failing after an upgrade, the trap is fixed upstream."""
     r = dist_result["dopt1"]
     assert r["upstream_steps"] == [1.0] * r["num_params"]
     assert r["upstream_step_tensors"] == 1

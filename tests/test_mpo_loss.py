@@ -165,7 +165,7 @@ def test_update_reward_shift():
 
 
 def test_loss_statistics_over_reordered_rows_match_seed_example():
-    # The seed's unit example (nemo_rl_mpo.md §7): rows rej(p1), cho(p0), rej(p0), cho(p1), 2 tokens each,
+    # The seed's unit example: rows rej(p1), cho(p0), rej(p0), cho(p1), 2 tokens each,
     # policy sums −4, −1, −3, −2, reference 0, β = 1 → reward_sum −10 over 4 rows; δ = 1, m = 0.5 → −0.75.
     pol = torch.tensor([-4.0, -1.0, -3.0, -2.0], dtype=torch.float64)
     c = cfg(reference_policy_kl_penalty=1.0, preference_loss_weight=1.0, sft_loss_weight=0.25, bco_loss_weight=0.5,
