@@ -1153,6 +1153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(logprobs_worker(*args.logprobs_worker)))
         return 0
     if args.print:
+        if not Path(args.print).is_file():
+            print(f"error: no results file {args.print} (a full `python bench.py` writes bench_results.json, "
+                  "--quick / --only runs results/bench_results.json)", file=sys.stderr)
+            return 1
         res = json.loads(Path(args.print).read_text())
         print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}: "
               f"`{res.get('command', 'python bench.py')}`")

@@ -489,6 +489,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "export":
         sys.exit("usage: python checkpoint.py export CKPT_DIR OUT_DIR")
+    import config as config_mod
+
+    config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     try:
         print(f"exported {export(sys.argv[2], sys.argv[3])}")
     except CheckpointError as e:

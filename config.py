@@ -447,6 +447,13 @@ KNOWN_WARNINGS = (
     # megatron's hybrid_layer_specs builds its TE spec when imported (omni_model imports it at the top); without
     # Transformer Engine that spec is never used (cpu_compat.select_kernels picks the local spec)
     "Only transformer-engine>=1.7.0 supports MoE experts",
+    "The argument order of load has been changed",  # torch.distributed.checkpoint, called by megatron's loader
+    "Please use DTensor instead and we are deprecating ShardedTensor",  # megatron dist_checkpointing on torch 2.14
+    # megatron's load_common_state_dict reads the unsharded common state on every rank without a process group
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
+    # megatron's expert linears under sequence parallelism: experts are not TP-sharded here (ETP = 1), so SP has
+    # nothing to split in them; the attention / Mamba / shared-expert layers keep SP
+    "sequence_parallel is set to True, but tensor model parallel size is 1",
 )
 KNOWN_LOG_RECORDS = {
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",

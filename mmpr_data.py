@@ -1333,6 +1333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
+    import config as config_mod
+
+    config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     try:
         sys.exit(main())
     except DataError as e:  # a bad meta-recipe or path: the message names the file; a traceback would bury it
