@@ -446,6 +446,25 @@ def _row_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> t
     return torch.where(m, lp, torch.zeros((), dtype=lp.dtype)).sum(1), m.sum(1)
 
 
+def _padded_pair(p, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conventional batch of one pair (the baselines' layout): chosen and rejected rows right-padded to one [2, L]
+    batch. Returns (input_ids int64, attention_mask int64, response mask bool), each [2, L] on `device`."""
+    rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
+    L = max(r.numel() for r in rows)
+    input_ids = torch.full((2, L), pad_id, dtype=torch.int64)
+    attn = torch.zeros(2, L, dtype=torch.int64)
+    resp = torch.zeros(2, L, dtype=torch.bool)
+    for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
+    return input_ids.to(device), attn.to(device), resp.to(device)
+
+
+def _torch_adam(params, o) -> torch.optim.Adam:
+    """The baselines' optimizer: torch Adam with `o` (config.OptimizerConfig)'s lr, betas, eps and weight decay."""
+    return torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                            weight_decay=o.weight_decay)
+
+
 def bench_train(quick: bool) -> dict:
     """One optimizer step, ours vs the transformers baseline: step-1 loss and gradient norm equal, pairs/s, tokens/s."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
@@ -486,21 +505,13 @@ def bench_train(quick: bool) -> dict:
     hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).to(ctx.device).eval()
     hf_ref.requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
-    hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                              weight_decay=o.weight_decay)
+    hf_opt = _torch_adam(params, o)
 
     def base_step() -> dict:
         hf_opt.zero_grad(set_to_none=True)
         total = 0.0
         for p in pairs.values():
-            rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
-            L = max(r.numel() for r in rows)
-            input_ids = torch.full((2, L), ids["pad"], dtype=torch.int64)
-            attn = torch.zeros(2, L, dtype=torch.int64)
-            resp = torch.zeros(2, L, dtype=torch.bool)
-            for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
-                input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
-            input_ids, attn, resp = input_ids.to(ctx.device), attn.to(ctx.device), resp.to(ctx.device)
+            input_ids, attn, resp = _padded_pair(p, ids["pad"], ctx.device)
             kw = dict(input_ids=input_ids, attention_mask=attn, pixel_values=torch.cat([p.pixel_values] * 2),
                       image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
             kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
@@ -814,21 +825,13 @@ def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed,
     hf_ref = copy.deepcopy(hf_pol).eval().requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
     o = cfg.optimizer
-    hf_opt = torch.optim.Adam(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                              weight_decay=o.weight_decay)
+    hf_opt = _torch_adam(params, o)
 
     def base_step() -> dict:
         hf_opt.zero_grad(set_to_none=True)
         total = 0.0
         for p in pairs.values():
-            rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
-            L = max(r.numel() for r in rows)
-            input_ids = torch.full((2, L), ids["pad"], dtype=torch.int64)
-            attn = torch.zeros(2, L, dtype=torch.int64)
-            resp = torch.zeros(2, L, dtype=torch.bool)
-            for j, (r, mk) in enumerate(zip(rows, masks, strict=True)):
-                input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, mk
-            input_ids, attn, resp = input_ids.to(device), attn.to(device), resp.to(device)
+            input_ids, attn, resp = _padded_pair(p, ids["pad"], device)
             with torch.no_grad():
                 ref, _ = _row_logps(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
             pol, n_tok = _row_logps(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
