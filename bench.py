@@ -439,7 +439,7 @@ def _conventional_mpo_loss(pol: torch.Tensor, ref: torch.Tensor, n_tok: torch.Te
     return m.preference_loss_weight * pref + m.bco_loss_weight * bco + m.sft_loss_weight * sft
 
 
-def _row_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive per-row response log-prob sums from [B, L, V] logits: log_softmax + gather, the usual way."""
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     m = mask[:, 1:]
@@ -516,8 +516,8 @@ def bench_train(quick: bool) -> dict:
                       image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
             kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
             with torch.no_grad():
-                ref, _ = _row_logps(hf_ref(**kw).logits, input_ids, resp)
-            pol, n_tok = _row_logps(hf_pol(**kw).logits, input_ids, resp)
+                ref, _ = _row_logprobs(hf_ref(**kw).logits, input_ids, resp)
+            pol, n_tok = _row_logprobs(hf_pol(**kw).logits, input_ids, resp)
             loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
             loss.backward()
             total += loss.item()
@@ -617,7 +617,7 @@ def bench_shared(quick: bool) -> dict:
     def loss(name):  # step-1 loss without an update: the equality check
         c, bs = ctxs[name], batches[name]
         n = train.count_global_pairs(bs, c)
-        ref = train.reference_logps(reference, bs, c)
+        ref = train.reference_logprobs(reference, bs, c)
         return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
 
     loss_sep, loss_shr = loss("separate"), loss("shared")
@@ -833,8 +833,8 @@ def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed,
         for p in pairs.values():
             input_ids, attn, resp = _padded_pair(p, ids["pad"], device)
             with torch.no_grad():
-                ref, _ = _row_logps(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
-            pol, n_tok = _row_logps(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+                ref, _ = _row_logprobs(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+            pol, n_tok = _row_logprobs(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
             loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
             loss.backward()
             total += loss.item()

@@ -337,7 +337,7 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
     ]
 
 
-def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one packed microbatch: per-response log-prob sums [S] (fp32) and response-token counts [S], S =
     batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
@@ -348,7 +348,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
-    return mpo_loss.packed_sequence_logps(  # inplace_backward: the logits are read by nothing else
+    return mpo_loss.packed_sequence_logprobs(  # inplace_backward: the logits are read by nothing else
         logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True
     )
 
@@ -358,40 +358,40 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
-        local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
+        local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
     return int(n.item())
 
 
-def reference_logps(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
+def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
     """Reference log-prob sums [S] of every microbatch (no grad). With `reference.offload` (GPU) the frozen reference
     lives on the CPU and visits the GPU once per step, for these passes only."""
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
     with torch.no_grad():
-        out = [sequence_logps(reference, b, ctx)[0] for b in batches]
+        out = [sequence_logprobs(reference, b, ctx)[0] for b in batches]
     if offload:
         reference.to("cpu")
     return out
 
 
 def policy_forward_backward(
-    batches, ref_logps, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
+    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
 ):
     """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
     (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
     (reward_sum, reward_count)."""
     per_mb, r_sum, r_count = [], 0.0, 0.0
-    for b, ref in zip(batches, ref_logps, strict=True):
+    for b, ref in zip(batches, ref_logprobs, strict=True):
         with torch.set_grad_enabled(backward):
-            logps, num_tokens = sequence_logps(policy, b, ctx)
+            logprobs, num_response_tokens = sequence_logprobs(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(
-                logps,
+                logprobs,
                 ref,
-                num_tokens,
+                num_response_tokens,
                 b.pair_index,
                 b.is_chosen,
                 b.sample_mask,
@@ -416,7 +416,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     num_global_pairs = count_global_pairs(batches, ctx)
-    ref = reference_logps(reference, batches, ctx)
+    ref = reference_logprobs(reference, batches, ctx)
     # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here).
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=ctx.device) / (len(batches) * ctx.dp * ctx.cp))
@@ -437,8 +437,8 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
         lr=lr,
         grad_norm=float(grad_norm),
         num_global_pairs=num_global_pairs,
-        reward_shift=new_shift,
-        reward_shift_used=reward_shift,
+        reward_shift=new_shift,  # δ after this step's update: the next step's, saved as run_state's reward_shift
+        reward_shift_used=reward_shift,  # δ this step's loss used (the exact float; mpo_loss reports it in fp32)
         **{"bco/reward_sum": r_sum, "bco/reward_count": r_count},
     )
     return metrics, new_shift
@@ -459,7 +459,7 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
-        ref = reference_logps(reference, batches, ctx)
+        ref = reference_logprobs(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
         m = monitor.reduce_metrics(local, ctx.dp_group, ctx.device)
         for k, v in m.items():
