@@ -95,9 +95,8 @@ def write_resolved_config(cfg) -> Path:
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
     """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
 
-    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract: each
-    microbatch value is already divided by the step's global pair count), "constant" ones are kept. Keys must be the
-    same on every rank.
+    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract), "constant"
+    ones are kept. Keys must be the same on every rank.
     """
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
     vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)

@@ -575,6 +575,7 @@ class PackedBatch:
 
     @property
     def num_pairs(self) -> int:
+        """Pairs in the bin, P (dummy pairs included; `mpo_loss.count_valid_pairs` counts the valid ones)."""
         return self.media_image_offsets.numel() - 1
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
