@@ -493,7 +493,7 @@ def bench_train(quick: bool) -> dict:
     cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 rows) in one THD microbatch
 
     def ours_step(plan_cfg=cfg) -> dict:
-        plan = pack.plan_step(lengths, plan_cfg, 1)
+        plan = pack.plan_step(lengths, plan_cfg.packing, 1)
         batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         m, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
                                              state["shift"])
@@ -541,7 +541,7 @@ def bench_train(quick: bool) -> dict:
             "pairs_per_s_ours": n_pairs / t_ours, "pairs_per_s_baseline": n_pairs / t_base,
             "tokens_per_s_ours": tokens / t_ours, "tokens_per_s_baseline": tokens / t_base,
             "speed_ratio": t_base / t_ours, "step_s_ours_8_per_bin": t_packed,
-            "microbatches_ours_8_per_bin": len(pack.plan_step(lengths, cfg_packed, 1).ranks[0]),
+            "microbatches_ours_8_per_bin": len(pack.plan_step(lengths, cfg_packed.packing, 1).ranks[0]),
             "speed_ratio_8_per_bin": t_base / t_packed, "timed_steps": timed, "step_s_median": t}
 
 
@@ -609,7 +609,7 @@ def bench_shared(quick: bool) -> dict:
     ddp.train()
     batches = {}
     for name, c in ctxs.items():
-        plan = pack.plan_step(lengths, c.cfg, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
+        plan = pack.plan_step(lengths, c.cfg.packing, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
         batches[name] = train.load_bins(plan, pairs, c, 18, 0)
     tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
     padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
@@ -797,7 +797,7 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
     ctx = distributed.Ctx.current(cfg, device)
     ddp.train()
-    plan = pack.plan_step(lengths, cfg, 1)
+    plan = pack.plan_step(lengths, cfg.packing, 1)
     state = {"shift": cfg.mpo.reward_shift}
 
     def ours_step() -> dict:

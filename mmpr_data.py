@@ -1218,7 +1218,7 @@ class StepLoader:
     """Steps of `global_batch_size` pairs; each rank decodes only the pairs of its own bins, in DataLoader workers.
 
     plan_fn(global_pair_ids) -> (plan, ids_to_load) runs in the main process on every rank with the same input:
-    typically `plan = pack.plan_step(index.lengths(ids), cfg, dp)` and ids_to_load = the pair ids of
+    typically `plan = pack.plan_step(index.lengths(ids), cfg.packing, dp)` and ids_to_load = the pair ids of
     plan.ranks[dp_rank]. The DataLoader (num_workers workers, prefetching) loads those ids with `dataset`.
     Iterating is endless (epochs continue); stop after the last step.
     """

@@ -9,9 +9,9 @@ Three layers, cheapest first:
 
 1. Planning (pure Python, no tensors): `plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, ...)`
    bins the pairs of one optimizer step first-fit-decreasing, makes the bin count a multiple of DP (splitting multi-pair
-   bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg, dp_size)`
-   does the same from the typed config. The plan is a pure function of the step's pair ids and lengths, so every
-   rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
+   bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg.packing,
+   dp_size)` does the same from the config's packing section. The plan is a pure function of the step's pair ids and
+   lengths, so every rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
 2. Packing (tensors, one bin): `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one `[1, T]` THD row with
    `cu_seqlens`, pre-rolled labels, the loss mask aligned with the labels, position ids restarting per sequence, and the
    media of each pair stored once. `packed_seq_params(batch)` builds megatron-core's `PackedSeqParams`.
@@ -414,15 +414,14 @@ def plan_bins(
     return plan
 
 
-def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int,
+def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the capacities, padding, drop switch and layout of `cfg.packing` (after
-    `validate_packing_config`). `shared_lengths` (as in `plan_bins`: prompt tokens stored once per pair) is used when
-    `cfg.packing.shared_prompt` is on and ignored for separate rows.
+    """`plan_bins` with the capacities, padding, drop switch and layout of the `packing` section (config.PackingConfig,
+    checked once at start by `validate_packing_config`, preflight.check_inputs). `shared_lengths` (as in `plan_bins`:
+    prompt tokens stored once per pair) is used when `packing.shared_prompt` is on and ignored for separate rows.
 
     Raises: ValueError: `packing.shared_prompt` without `shared_lengths`; those of `plan_bins`."""
-    validate_packing_config(cfg)
-    pk = cfg.packing
+    pk = packing
     if pk.shared_prompt and shared_lengths is None:
         raise ValueError("packing.shared_prompt plans need shared_lengths (PairIndex.shared_lengths)")
     return plan_bins(

@@ -322,7 +322,7 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 def plan_bins(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
     """A step's bins over all DP ranks (pack.plan_step) and the pairs this DP rank loads (mmpr_data.StepLoader's
     plan_fn, with `index` and `ctx` bound)."""
-    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp, index.shared_lengths(pair_ids))
+    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
@@ -455,7 +455,7 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     total: dict[str, float] = {}
     pairs_seen = 0
     for chunk in chunks:
-        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp, val.index.shared_lengths(chunk))
+        plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)

@@ -837,7 +837,7 @@ def test_step_loader_with_workers_and_packer(sample, processor):
     dp, rank = 2, 1
 
     def plan_fn(ids):
-        plan = plan_step(index.lengths(ids), cfg, dp)
+        plan = plan_step(index.lengths(ids), cfg.packing, dp)
         return plan, [p for b in plan.ranks[rank] for p in b.pair_ids]
 
     sampler = md.PairSampler(list(range(len(index))), seed=0)

@@ -30,7 +30,6 @@ from mpo_loss import (
 )
 from pack import token_sequence_ids
 
-LN2 = math.log(2.0)
 DIST = Path(__file__).resolve().parent / "dist"  # the multi-rank workers
 
 
