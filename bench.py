@@ -201,7 +201,7 @@ def sample_pairs(model_dir: Path, n: int) -> tuple[dict, dict]:
     proc = _processor(model_dir)
     cfg = Config()
     cfg.data.train.data_path = str(SAMPLE_META)
-    index = mmpr_data.build_index(SAMPLE_META, proc, cfg, use_cache=False)
+    index = mmpr_data.build_index(SAMPLE_META, proc, cfg.data, use_cache=False)
     if len(index) < n:
         raise ValueError(f"the sample has {len(index)} pairs, fewer than the {n} asked for")
     ds = mmpr_data.PairDataset(index, proc)
@@ -679,10 +679,10 @@ def bench_data(quick: bool) -> dict:
         try:
             meta = _repeated_meta(Path(d), repeat)
             t = time.perf_counter()
-            built = mmpr_data.build_index(meta, proc, cfg)
+            built = mmpr_data.build_index(meta, proc, cfg.data)
             t_build = time.perf_counter() - t
             t = time.perf_counter()
-            loaded = mmpr_data.build_index(meta, proc, cfg)
+            loaded = mmpr_data.build_index(meta, proc, cfg.data)
             t_load = time.perf_counter() - t
         finally:
             if saved is None:

@@ -7,7 +7,7 @@ rejected token rows with their loss masks and the pair's image tensors, expanded
 
 Two stages:
 
-1. `build_index(meta_path, processor, cfg) -> PairIndex`: reads every subset, validates every row (text, images,
+1. `build_index(meta_path, processor, cfg.data) -> PairIndex`: reads every subset, validates every row (text, images,
    rendered template, lengths) and keeps, per pair, its source (subset, file, line, byte offset), its resolved image
    paths and grids, and the token lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to
    plan bins without opening an image. Dropped rows are counted by reason (`DROP_REASONS`); `data.strict` turns a
@@ -21,7 +21,7 @@ Two stages:
 
 Sampling: `PairSampler` (seeded per-epoch shuffle, identical on every rank, `state_dict()` = epoch + offset) and
 `StepLoader` (a torch DataLoader with `data.num_workers` workers that decodes only the pairs of this rank's bins and
-hands back the sampler state of each step for checkpoints). `load_splits(processor, cfg)` gives the train and
+hands back the sampler state of each step for checkpoints). `load_splits(processor, cfg.data)` gives the train and
 validation splits.
 
 Text layout of a row (the Omni chat template, chat_template.jinja of the hub checkpoint):
@@ -633,10 +633,6 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
     return h.hexdigest()
 
 
-def _data_cfg(cfg):
-    return cfg.data if hasattr(cfg, "data") else cfg
-
-
 # Row checking runs in forked worker processes (data.num_workers >= 2) or in-process; this is what they share.
 _CHUNK_CTX: dict[str, Any] = {}
 CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
@@ -725,9 +721,8 @@ def _checked_rows(pool, workers: int, root: str, path: Path,
             fut.cancel()
 
 
-def _build(meta_path: Path, subsets: list[Subset], processor, cfg, max_samples: int, fingerprint: str) -> PairIndex:
+def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
     """Scan every subset, validate rows and compute lengths (see build_index)."""
-    data = _data_cfg(cfg)
     t0 = time.perf_counter()
     _CHUNK_CTX.clear()
     _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor,
@@ -865,9 +860,9 @@ def _write_cache(folder: Path, index: PairIndex) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_or_build(meta_path, subsets, processor, cfg, max_samples, fingerprint, folder, use_cache, write):
+def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache, write):
     if not use_cache:
-        return _build(meta_path, subsets, processor, cfg, max_samples, fingerprint)
+        return _build(meta_path, subsets, processor, data, max_samples, fingerprint)
     status = "built"
     if folder.exists():
         try:
@@ -884,22 +879,23 @@ def _load_or_build(meta_path, subsets, processor, cfg, max_samples, fingerprint,
                 shutil.rmtree(aside, ignore_errors=True)
             except OSError:
                 pass  # another rank moved it already
-    index = _build(meta_path, subsets, processor, cfg, max_samples, fingerprint)
+    index = _build(meta_path, subsets, processor, data, max_samples, fingerprint)
     if write:
         _write_cache(folder, index)
     index.cache_status, index.cache_dir = status, str(folder)
     return index
 
 
-def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | None = None,
+def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
     """Validated, cached index of the pairs of a meta-recipe (see the module docstring).
 
     Args:
         meta_path: the MMPR meta-recipe JSON.
         processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
-        cfg: the run `Config` (or its `DataConfig`): data.max_seq_length, data.strict, data.num_workers (>= 2: forked
-            processes that check rows while indexing), data.train.data_root / seed / max_images_per_row / max_samples.
+        data: the config's data section (config.DataConfig, `cfg.data`): max_seq_length, strict, num_workers (>= 2:
+            forked processes that check rows while indexing), train.data_root / seed / max_images_per_row /
+            max_samples.
         max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
             random sample. Default data.train.max_samples; 0 = all.
         use_cache: read / write the cache (see `_cache_root`).
@@ -911,7 +907,6 @@ def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | Non
         DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
             path tried), no valid pair left, or with data.strict the first dropped row (file and line).
     """
-    data = _data_cfg(cfg)
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -919,7 +914,7 @@ def build_index(meta_path: str | Path, processor, cfg, *, max_samples: int | Non
                 "max_images_per_row": data.train.max_images_per_row, "data_root": data.train.data_root}
     fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
     folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
-    args = (meta_path, subsets, processor, cfg, max_samples, fingerprint, folder, use_cache)
+    args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
     dist = torch.distributed
     if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build
@@ -997,19 +992,19 @@ class Split:
     pair_ids: list[int]
 
 
-def load_splits(processor, cfg) -> tuple[Split, Split | None]:
-    """The train split and the validation split (None when neither source is configured).
+def load_splits(processor, data) -> tuple[Split, Split | None]:
+    """The train split and the validation split (None when neither source is configured) of the data section `data`
+    (config.DataConfig, `cfg.data`).
 
     Validation comes from data.validation.data_path (its own meta, data.validation.max_samples) when set, else from
     data.train.split_validation_size pairs of the train index (seed data.train.seed).
     """
-    data = _data_cfg(cfg)
-    train = build_index(data.train.data_path, processor, cfg)
+    train = build_index(data.train.data_path, processor, data)
     if data.validation.data_path:
         if data.train.split_validation_size:
             warnings.warn("data.validation.data_path is set: data.train.split_validation_size is ignored",
                           stacklevel=2)
-        val = build_index(data.validation.data_path, processor, cfg, max_samples=data.validation.max_samples)
+        val = build_index(data.validation.data_path, processor, data, max_samples=data.validation.max_samples)
         return Split(train, list(range(len(train)))), Split(val, list(range(len(val))))
     if data.train.split_validation_size:
         tr, va = split_validation(train, data.train.split_validation_size, data.train.seed)
@@ -1321,11 +1316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     from transformers import AutoProcessor
 
-    cfg = Config()
-    cfg.data.max_seq_length, cfg.data.num_workers = args.max_seq_length, args.num_workers
-    cfg.data.train.data_root = args.data_root
+    data = Config().data
+    data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
+    data.train.data_root = args.data_root
     processor = AutoProcessor.from_pretrained(args.model)
-    index = build_index(args.meta, processor, cfg, max_samples=args.max_samples, use_cache=not args.no_cache)
+    index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
     rep = report(index)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0

@@ -174,7 +174,7 @@ def load_data(cfg, hf, rank: int) -> Data:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-    train_split, val_split = mmpr_data.load_splits(processor, cfg)
+    train_split, val_split = mmpr_data.load_splits(processor, cfg.data)
     val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, notes, rank)
     return Data(

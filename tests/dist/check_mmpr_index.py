@@ -27,12 +27,12 @@ def main() -> None:
     rank = dist.get_rank()
     p = AutoProcessor.from_pretrained(os.environ["MODEL"])
     cfg = Config()
-    index = md.build_index(os.environ["META"], p, cfg)
+    index = md.build_index(os.environ["META"], p, cfg.data)
     sampler = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed)
     order = sampler.take(len(index)) + sampler.take(3)
     cfg.data.strict = True
     try:
-        md.build_index(os.environ["BAD_META"], p, cfg)
+        md.build_index(os.environ["BAD_META"], p, cfg.data)
         err = None
     except md.DataError as e:
         err = str(e)
