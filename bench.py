@@ -32,7 +32,7 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step,
              small config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the
              ratio; the step-1 loss of both layouts must agree to 1e-5 (asserted).
-5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
+5. data      mmpr_index.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
              image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
 6. gpu       only with CUDA (`--gpu` runs it alone, into bench_gpu_results.json; a skip record otherwise): one MPO
              step of a Nano-width model at reduced depth (hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups,
@@ -196,12 +196,13 @@ def _processor(path: Path):
 def sample_pairs(model_dir: Path, n: int) -> tuple[dict, dict]:
     """The first n pairs of the shipped sample as pack.PreferencePair (decoded once), and {image, pad} token ids."""
     import mmpr_data
+    import mmpr_index
     from config import Config
 
     proc = _processor(model_dir)
     cfg = Config()
     cfg.data.train.data_path = str(SAMPLE_META)
-    index = mmpr_data.build_index(SAMPLE_META, proc, cfg.data, use_cache=False)
+    index = mmpr_index.build_index(SAMPLE_META, proc, cfg.data, use_cache=False)
     if len(index) < n:
         raise ValueError(f"the sample has {len(index)} pairs, fewer than the {n} asked for")
     ds = mmpr_data.PairDataset(index, proc)
@@ -668,6 +669,7 @@ def _repeated_meta(folder: Path, repeat: int) -> Path:
 def bench_data(quick: bool) -> dict:
     """Index build (no cache) vs cache load of the sample repeated to ~5,000 rows; pairs/s with 0 and 2 workers."""
     import mmpr_data
+    import mmpr_index
     from config import Config
 
     repeat, n_decode = (15, 64) if quick else (148, 256)
@@ -679,10 +681,10 @@ def bench_data(quick: bool) -> dict:
         try:
             meta = _repeated_meta(Path(d), repeat)
             t = time.perf_counter()
-            built = mmpr_data.build_index(meta, proc, cfg.data)
+            built = mmpr_index.build_index(meta, proc, cfg.data)
             t_build = time.perf_counter() - t
             t = time.perf_counter()
-            loaded = mmpr_data.build_index(meta, proc, cfg.data)
+            loaded = mmpr_index.build_index(meta, proc, cfg.data)
             t_load = time.perf_counter() - t
         finally:
             if saved is None:

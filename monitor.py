@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_mod
-import mmpr_data
+import mmpr_index
 import mpo_loss
 
 # ======================================================================================================================
@@ -248,15 +248,15 @@ def print_layout(ctx, world: int) -> None:
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
+    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_index.summary_drops), the split notes."""
     if rank != 0:
         return
     print(
         f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
+        f"validation pairs, dropped rows {mmpr_index.summary_drops(train_split.index)}"
     )
     if val_split is not None and val_split.index is not train_split.index:
-        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+        print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")
     for note in notes:
         print(note)
 

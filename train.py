@@ -55,6 +55,7 @@ config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss)
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
 import mmpr_data  # noqa: E402
+import mmpr_index  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -161,8 +162,8 @@ def main(cfg) -> int:
 class Data:
     """The training and validation splits, their datasets, the training sampler and the special token ids."""
 
-    train_split: mmpr_data.Split
-    val_split: mmpr_data.Split | None
+    train_split: mmpr_index.Split
+    val_split: mmpr_index.Split | None
     train_set: mmpr_data.PairDataset
     val_set: mmpr_data.PairDataset | None
     sampler: mmpr_data.PairSampler
@@ -174,7 +175,7 @@ def load_data(cfg, hf, rank: int) -> Data:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-    train_split, val_split = mmpr_data.load_splits(processor, cfg.data)
+    train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, notes, rank)
     return Data(
@@ -444,7 +445,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     return metrics, new_shift
 
 
-def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
+def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
     """The MPO losses and metrics on (up to mpo.val_batches batches of) the validation split; no gradient, δ fixed.
 
     Batches of mpo.val_global_batch_size pairs in split order; the metrics are pair-weighted means over batches."""

@@ -134,9 +134,10 @@ def tiny_step(device, *overrides: str) -> dict:
         from transformers import AutoProcessor
 
         import mmpr_data
+        import mmpr_index
 
         processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-        train_split, _ = mmpr_data.load_splits(processor, cfg.data)
+        train_split, _ = mmpr_index.load_splits(processor, cfg.data)
         dataset = mmpr_data.PairDataset(train_split.index, processor)
         ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
         plan = pack.plan_step(train_split.index.lengths(ids), cfg.packing, 1, train_split.index.shared_lengths(ids))

@@ -191,7 +191,7 @@ def test_seq_aux_loss_is_refused_with_the_reason():
 
 
 def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
-    from mmpr_data import Split
+    from mmpr_index import Split
 
     index = _FakeIndex({0: (100, 90), 1: (30, 30), 2: (200, 190), 3: (40, 41), 4: (10, 10)})
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=4"])
