@@ -32,7 +32,7 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step,
              small config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the
              ratio; the step-1 loss of both layouts must agree to 1e-5 (asserted).
-5. data      mmpr_data.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
+5. data      mmpr_index.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and pairs/s of
              image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers.
 6. gpu       only with CUDA (`--gpu` runs it alone, into bench_gpu_results.json; a skip record otherwise): one MPO
              step of a Nano-width model at reduced depth (hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups,
@@ -196,12 +196,13 @@ def _processor(path: Path):
 def sample_pairs(model_dir: Path, n: int) -> tuple[dict, dict]:
     """The first n pairs of the shipped sample as pack.PreferencePair (decoded once), and {image, pad} token ids."""
     import mmpr_data
+    import mmpr_index
     from config import Config
 
     proc = _processor(model_dir)
     cfg = Config()
     cfg.data.train.data_path = str(SAMPLE_META)
-    index = mmpr_data.build_index(SAMPLE_META, proc, cfg, use_cache=False)
+    index = mmpr_index.build_index(SAMPLE_META, proc, cfg.data, use_cache=False)
     if len(index) < n:
         raise ValueError(f"the sample has {len(index)} pairs, fewer than the {n} asked for")
     ds = mmpr_data.PairDataset(index, proc)
@@ -439,7 +440,7 @@ def _conventional_mpo_loss(pol: torch.Tensor, ref: torch.Tensor, n_tok: torch.Te
     return m.preference_loss_weight * pref + m.bco_loss_weight * bco + m.sft_loss_weight * sft
 
 
-def _row_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive per-row response log-prob sums from [B, L, V] logits: log_softmax + gather, the usual way."""
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     m = mask[:, 1:]
@@ -493,7 +494,7 @@ def bench_train(quick: bool) -> dict:
     cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 rows) in one THD microbatch
 
     def ours_step(plan_cfg=cfg) -> dict:
-        plan = pack.plan_step(lengths, plan_cfg, 1)
+        plan = pack.plan_step(lengths, plan_cfg.packing, 1)
         batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         m, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
                                              state["shift"])
@@ -516,8 +517,8 @@ def bench_train(quick: bool) -> dict:
                       image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
             kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
             with torch.no_grad():
-                ref, _ = _row_logps(hf_ref(**kw).logits, input_ids, resp)
-            pol, n_tok = _row_logps(hf_pol(**kw).logits, input_ids, resp)
+                ref, _ = _row_logprobs(hf_ref(**kw).logits, input_ids, resp)
+            pol, n_tok = _row_logprobs(hf_pol(**kw).logits, input_ids, resp)
             loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
             loss.backward()
             total += loss.item()
@@ -541,7 +542,7 @@ def bench_train(quick: bool) -> dict:
             "pairs_per_s_ours": n_pairs / t_ours, "pairs_per_s_baseline": n_pairs / t_base,
             "tokens_per_s_ours": tokens / t_ours, "tokens_per_s_baseline": tokens / t_base,
             "speed_ratio": t_base / t_ours, "step_s_ours_8_per_bin": t_packed,
-            "microbatches_ours_8_per_bin": len(pack.plan_step(lengths, cfg_packed, 1).ranks[0]),
+            "microbatches_ours_8_per_bin": len(pack.plan_step(lengths, cfg_packed.packing, 1).ranks[0]),
             "speed_ratio_8_per_bin": t_base / t_packed, "timed_steps": timed, "step_s_median": t}
 
 
@@ -609,7 +610,7 @@ def bench_shared(quick: bool) -> dict:
     ddp.train()
     batches = {}
     for name, c in ctxs.items():
-        plan = pack.plan_step(lengths, c.cfg, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
+        plan = pack.plan_step(lengths, c.cfg.packing, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
         batches[name] = train.load_bins(plan, pairs, c, 18, 0)
     tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
     padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
@@ -617,7 +618,7 @@ def bench_shared(quick: bool) -> dict:
     def loss(name):  # step-1 loss without an update: the equality check
         c, bs = ctxs[name], batches[name]
         n = train.count_global_pairs(bs, c)
-        ref = train.reference_logps(reference, bs, c)
+        ref = train.reference_logprobs(reference, bs, c)
         return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
 
     loss_sep, loss_shr = loss("separate"), loss("shared")
@@ -668,6 +669,7 @@ def _repeated_meta(folder: Path, repeat: int) -> Path:
 def bench_data(quick: bool) -> dict:
     """Index build (no cache) vs cache load of the sample repeated to ~5,000 rows; pairs/s with 0 and 2 workers."""
     import mmpr_data
+    import mmpr_index
     from config import Config
 
     repeat, n_decode = (15, 64) if quick else (148, 256)
@@ -679,10 +681,10 @@ def bench_data(quick: bool) -> dict:
         try:
             meta = _repeated_meta(Path(d), repeat)
             t = time.perf_counter()
-            built = mmpr_data.build_index(meta, proc, cfg)
+            built = mmpr_index.build_index(meta, proc, cfg.data)
             t_build = time.perf_counter() - t
             t = time.perf_counter()
-            loaded = mmpr_data.build_index(meta, proc, cfg)
+            loaded = mmpr_index.build_index(meta, proc, cfg.data)
             t_load = time.perf_counter() - t
         finally:
             if saved is None:
@@ -797,7 +799,7 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
     ctx = distributed.Ctx.current(cfg, device)
     ddp.train()
-    plan = pack.plan_step(lengths, cfg, 1)
+    plan = pack.plan_step(lengths, cfg.packing, 1)
     state = {"shift": cfg.mpo.reward_shift}
 
     def ours_step() -> dict:
@@ -833,8 +835,8 @@ def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed,
         for p in pairs.values():
             input_ids, attn, resp = _padded_pair(p, ids["pad"], device)
             with torch.no_grad():
-                ref, _ = _row_logps(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
-            pol, n_tok = _row_logps(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+                ref, _ = _row_logprobs(hf_ref(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
+            pol, n_tok = _row_logprobs(hf_pol(input_ids=input_ids, attention_mask=attn).logits, input_ids, resp)
             loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
             loss.backward()
             total += loss.item()

@@ -96,10 +96,10 @@ class MPOConfig:
     reference_policy_kl_penalty: float = 0.05  # beta of the DPO / BCO log-ratio rewards
     preference_loss_weight: float = 0.8  # w_p: weight of the DPO (sigmoid) preference term
     sft_loss_weight: float = 0.0  # w_g: weight of the SFT (NLL of the chosen response) term
-    bco_loss_weight: float = 0.2  # w_q: weight of the BCO quality term
+    bco_loss_weight: float = 0.2  # w_q: weight of the BCO term (the MPO paper's quality loss)
     preference_average_log_probs: bool = False  # divide L_y by the response-token count in the preference term
     sft_average_log_probs: bool = True  # divide the SFT NLL by the chosen response-token count
-    quality_average_log_probs: bool = False  # divide L_y by the response-token count in the BCO term
+    quality_average_log_probs: bool = False  # divide L_y by the response-token count in the BCO (quality) term
     reward_shift: float = 0.0  # initial BCO reward shift delta (a resumed run uses the checkpointed value)
     reward_shift_momentum: float = 0.99  # EMA momentum m of delta: delta = m*delta + (1-m)*mean(beta*L); in [0, 1)
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_mod
-import mmpr_data
+import mmpr_index
 import mpo_loss
 
 # ======================================================================================================================
@@ -95,9 +95,8 @@ def write_resolved_config(cfg) -> Path:
 def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
     """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
 
-    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract: each
-    microbatch value is already divided by the step's global pair count), "constant" ones are kept. Keys must be the
-    same on every rank.
+    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract), "constant"
+    ones are kept. Keys must be the same on every rank.
     """
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
     vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
@@ -249,15 +248,15 @@ def print_layout(ctx, world: int) -> None:
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_data.summary_drops), the split notes."""
+    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_index.summary_drops), the split notes."""
     if rank != 0:
         return
     print(
         f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-        f"validation pairs, dropped rows {mmpr_data.summary_drops(train_split.index)}"
+        f"validation pairs, dropped rows {mmpr_index.summary_drops(train_split.index)}"
     )
     if val_split is not None and val_split.index is not train_split.index:
-        print(f"validation data: dropped rows {mmpr_data.summary_drops(val_split.index)}")
+        print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")
     for note in notes:
         print(note)
 

@@ -20,13 +20,13 @@ ranks: `num_global_pairs`), so gradients do not depend on how pairs are split, a
 (see the gradient reduction contract below). δ is constant within an optimizer step: the loss only returns its
 sufficient statistics and the training loop updates δ once after `optimizer.step()` with `update_reward_shift`.
 
-The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logps` is
-`token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logps` (segment sums):
+The pipeline for one packed microbatch (THD: one row of T tokens holding S sequences); `packed_sequence_logprobs` is
+`token_logprobs` (fp32 [T_local] from vocab-parallel logits, chunked) followed by `sequence_logprobs` (segment sums):
 
     seq_ids = pack.token_sequence_ids(cu_seqlens_padded, T)[cp_index]   # [T_local]; cp_index = this CP rank's tokens
-    pol, n  = packed_sequence_logps(logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)  # [S], [S]
+    pol, n  = packed_sequence_logprobs(logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)  # [S] x2
     with torch.no_grad():                                            # the reference model's logits, same layout
-        ref, _ = packed_sequence_logps(ref_logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)
+        ref, _ = packed_sequence_logprobs(ref_logits, labels, loss_mask, seq_ids, S, tp_group, cp_group, chunk_size)
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
@@ -80,14 +80,14 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, tp_group, chunk_size, inplace_backward):
-        num_tokens, partition_vocab = logits.shape
+        num_local_tokens, partition_vocab = logits.shape
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
         rank, world = group_rank_size(tp_group)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
-        logps = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
-        lse = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
-        for s in range(0, num_tokens, chunk_size):
-            e = min(num_tokens, s + chunk_size)
+        logprobs = torch.empty(num_local_tokens, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty(num_local_tokens, dtype=compute_dtype, device=logits.device)
+        for s in range(0, num_local_tokens, chunk_size):
+            e = min(num_local_tokens, s + chunk_size)
             # A private fp32 copy: megatron-core's helpers shift and exponentiate their input in place.
             x = logits[s:e].to(compute_dtype, copy=True)
             x_max = x.max(dim=-1).values
@@ -102,18 +102,18 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
                 torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.SUM, group=tp_group)
                 predicted, sum_exp = both[0], both[1]
             log_z = torch.log(sum_exp)
-            logps[s:e] = predicted - log_z  # predicted is already shifted by x_max
+            logprobs[s:e] = predicted - log_z  # predicted is already shifted by x_max
             lse[s:e] = x_max + log_z
         valid = (labels >= 0) & (labels < partition_vocab * world)  # e.g. −100 at padding positions
-        logps = torch.where(valid, logps, torch.zeros((), dtype=compute_dtype, device=logps.device))
+        logprobs = torch.where(valid, logprobs, torch.zeros((), dtype=compute_dtype, device=logprobs.device))
         ctx.save_for_backward(logits, labels, lse, valid)
         ctx.vocab_range = (vocab_start, vocab_end)
         ctx.chunk_size = chunk_size
         ctx.inplace_backward = inplace_backward
-        return logps
+        return logprobs
 
     @staticmethod
-    def backward(ctx, grad_logps):
+    def backward(ctx, grad_logprobs):
         logits, labels, lse, valid = ctx.saved_tensors
         vocab_start, vocab_end = ctx.vocab_range
         compute_dtype = lse.dtype
@@ -122,7 +122,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         # other autograd user of the logits would fail autograd's version check instead of reading garbage).
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         # d logp / d logits = onehot(label) − softmax; megatron's helpers compute (softmax − onehot)·grad_output.
-        neg_grad = -(grad_logps.to(compute_dtype) * valid)
+        neg_grad = -(grad_logprobs.to(compute_dtype) * valid)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             e = min(logits.shape[0], s + ctx.chunk_size)
             softmax = logits[s:e].to(compute_dtype, copy=True)
@@ -211,8 +211,8 @@ def sequence_sums(
     return out
 
 
-def sequence_logps(
-    token_logps: torch.Tensor,
+def sequence_logprobs(
+    logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
     num_sequences: int,
@@ -221,30 +221,31 @@ def sequence_logps(
     """Per-sequence response log-prob sums Σ_t log π(y_t) and response-token counts.
 
     Args:
-        token_logps: [T_local] fp32 per-token log-probs (policy or reference).
+        logprobs: [T_local] fp32 per-token log-probs (`token_logprobs`; policy or reference).
         loss_mask: [T_local] bool/int, 1 on response tokens (the final assistant turn) of the pre-rolled labels.
         seq_ids: [T_local] int64 sequence index of each token (`pack.token_sequence_ids`, CP-sliced like the tokens).
         num_sequences: S, sequences in the packed row.
         cp_group: context-parallel group (see `sequence_sums`).
 
     Returns:
-        (logp_sums [S] in token_logps' dtype, num_tokens [S] int64), whole-sequence values on every CP rank.
+        (logprob_sums [S] in logprobs' dtype, num_response_tokens [S] int64), whole-sequence values on every CP
+        rank.
     """
-    if not (token_logps.shape == loss_mask.shape == seq_ids.shape) or token_logps.dim() != 1:
+    if not (logprobs.shape == loss_mask.shape == seq_ids.shape) or logprobs.dim() != 1:
         raise ValueError(
-            f"token_logps, loss_mask and seq_ids must all be [T_local]; got {tuple(token_logps.shape)}, "
+            f"logprobs, loss_mask and seq_ids must all be [T_local]; got {tuple(logprobs.shape)}, "
             f"{tuple(loss_mask.shape)}, {tuple(seq_ids.shape)}"
         )
     mask = loss_mask.bool()
     # where, not multiply: a non-finite log-prob at a masked position must not become NaN (0·inf).
-    masked = torch.where(mask, token_logps, torch.zeros((), dtype=token_logps.dtype, device=token_logps.device))
+    masked = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
     sums = sequence_sums(masked, seq_ids, num_sequences, cp_group)
     with torch.no_grad():
         counts = sequence_sums(mask.to(torch.float64), seq_ids, num_sequences, cp_group)
     return sums, counts.round().long()
 
 
-def packed_sequence_logps(
+def packed_sequence_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -255,21 +256,21 @@ def packed_sequence_logps(
     chunk_size: int = 1024,
     inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` then `sequence_logps`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
+    """`token_logprobs` then `sequence_logprobs`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
     sequence's response tokens [S] fp32, response-token counts [S] int64). Run it under torch.no_grad() for the
     reference model; `inplace_backward` as in `token_logprobs`."""
-    logps = token_logprobs(logits, labels, tp_group, chunk_size, inplace_backward)
-    return sequence_logps(logps, loss_mask, seq_ids, num_sequences, cp_group)
+    logprobs = token_logprobs(logits, labels, tp_group, chunk_size, inplace_backward)
+    return sequence_logprobs(logprobs, loss_mask, seq_ids, num_sequences, cp_group)
 
 
 def sequence_logratios(
-    policy_logps: torch.Tensor, ref_logps: torch.Tensor, num_tokens: torch.Tensor, average: bool
+    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, num_response_tokens: torch.Tensor, average: bool
 ) -> torch.Tensor:
     """L_y = Σ_t (log πθ − log π_ref) per sequence, ÷ max(1, response tokens) when `average` (the seed's rule, so a
     row with no response token gives 0, never NaN). Shapes [S] → [S]."""
-    ratio = policy_logps - ref_logps
+    ratio = policy_logprobs - ref_logprobs
     if average:
-        ratio = ratio / num_tokens.clamp_min(1).to(ratio.dtype)
+        ratio = ratio / num_response_tokens.clamp_min(1).to(ratio.dtype)
     return ratio
 
 
@@ -318,28 +319,28 @@ def pair_layout(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torc
 
 
 def valid_pairs(
-    num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
+    num_response_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen [P], rejected [P], valid [P] bool): a pair is valid when both rows have sample_mask 1 and at least
     one response token. Raises ValueError for malformed pair metadata (see `pair_layout`)."""
-    if sample_mask.shape != pair_index.shape or num_tokens.shape != pair_index.shape:
+    if sample_mask.shape != pair_index.shape or num_response_tokens.shape != pair_index.shape:
         raise ValueError(
-            f"num_tokens, pair_index and sample_mask must all be [S]; got {tuple(num_tokens.shape)}, "
-            f"{tuple(pair_index.shape)}, {tuple(sample_mask.shape)}"
+            f"num_response_tokens, pair_index and sample_mask must all be [S]; got "
+            f"{tuple(num_response_tokens.shape)}, {tuple(pair_index.shape)}, {tuple(sample_mask.shape)}"
         )
     chosen, rejected, _ = pair_layout(pair_index, is_chosen)
-    row_ok = sample_mask.bool() & (num_tokens > 0)
+    row_ok = sample_mask.bool() & (num_response_tokens > 0)
     return chosen, rejected, row_ok[chosen] & row_ok[rejected]
 
 
 def count_valid_pairs(
-    num_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
+    num_response_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
-    get `num_global_pairs` before the first forward. `num_tokens` [S] is the per-sequence count of loss_mask over the
-    whole (un-CP-sliced) row: `sequence_sums(loss_mask.double(), pack.token_sequence_ids(cu_seqlens_padded, T), S)`
-    (shared-prompt layout: `pack.response_sequence_ids(segment_cu_seqlens_padded, T)`, S = 2P; train.response_ids)."""
-    return int(valid_pairs(num_tokens, pair_index, is_chosen, sample_mask)[2].sum())
+    get `num_global_pairs` before the first forward. `num_response_tokens` [S] is the per-sequence count of
+    loss_mask over the whole (un-CP-sliced) row: `sequence_sums(loss_mask, batch.response_ids(), S)`
+    (`pack.token_sequence_ids`, or `pack.response_sequence_ids` for the shared-prompt layout, S = 2P)."""
+    return int(valid_pairs(num_response_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -357,19 +358,19 @@ METRIC_REDUCTION: dict[str, str] = {
     "rewards/chosen": "mean",
     "rewards/rejected": "mean",
     "rewards/margin": "mean",
-    "logps/chosen": "mean",
-    "logps/rejected": "mean",
+    "logprobs/chosen": "mean",
+    "logprobs/rejected": "mean",
     "nll/chosen": "mean",
     "bco/reward_mean": "mean",
     "num_valid_pairs": "count",
-    "reward_shift": "constant",
+    "reward_shift_used": "constant",
 }
 
 
 def mpo_loss(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
-    num_tokens: torch.Tensor,
+    policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    num_response_tokens: torch.Tensor,
     pair_index: torch.Tensor,
     is_chosen: torch.Tensor,
     sample_mask: torch.Tensor,
@@ -380,9 +381,9 @@ def mpo_loss(
     """The MPO loss of one packed microbatch ("fused": all its pairs at once).
 
     Args:
-        policy_logps: [S] Σ_t log πθ over each sequence's response tokens (fp32; carries the gradient).
-        ref_logps: [S] Σ_t log π_ref, same layout (no gradient needed).
-        num_tokens: [S] int response-token count of each sequence (its own loss-mask count, never padding).
+        policy_logprobs: [S] Σ_t log πθ over each sequence's response tokens (fp32; carries the gradient).
+        ref_logprobs: [S] Σ_t log π_ref, same layout (no gradient needed).
+        num_response_tokens: [S] int response-token count of each sequence (its own loss-mask count, never padding).
         pair_index, is_chosen, sample_mask: [S] pair metadata; every pair id must have exactly one chosen and one
             rejected row (any order); sample_mask 0 marks dummy rows.
         mpo_cfg: config.MPOConfig (reference_policy_kl_penalty β, *_loss_weight, *_average_log_probs).
@@ -394,10 +395,11 @@ def mpo_loss(
         loss: 0-dim, Σ over this microbatch's valid pairs of w_p·pref + w_q·bco + w_g·sft, ÷ num_global_pairs.
             Invalid pairs (sample_mask 0 or no response token) contribute exactly 0 and are not counted.
         metrics: dict of detached 0-dim tensors, combined across microbatches as METRIC_REDUCTION says.
-            rewards/* are β·L with the preference flag (the DPO implicit reward); accuracy is L_c > L_r (strict);
-            logps/* are policy Σ log πθ per row; nll/chosen is the chosen row's token-mean NLL (always reported);
-            bco/reward_mean is the mean of β·L (quality flag) over valid chosen and rejected rows.
-        (reward_sum, reward_count): detached 0-dim tensors, Σ β·L_y (quality flag) over the valid chosen and
+            rewards/* are β·L with mpo.preference_average_log_probs (the DPO implicit reward); accuracy is
+            L_c > L_r (strict); logprobs/* are policy Σ log πθ per row; nll/chosen is the chosen row's token-mean NLL
+            (always reported); bco/reward_mean is the mean BCO reward β·L (mpo.quality_average_log_probs) over the
+            valid chosen and rejected rows; reward_shift_used is the δ this loss used (`reward_shift`).
+        (reward_sum, reward_count): detached 0-dim tensors, the BCO rewards' Σ β·L_y over the valid chosen and
             rejected rows and their count (2 per valid pair) — δ's sufficient statistics for `update_reward_shift`.
 
     Raises:
@@ -408,15 +410,16 @@ def mpo_loss(
     (Jung et al. 2024); term semantics, flags and the δ statistics follow NeMo-RL's MPOLossFn.
     All log-sigmoids use softplus forms, finite for β·Δ = ±1000.
     """
-    if not (policy_logps.shape == ref_logps.shape == num_tokens.shape) or policy_logps.dim() != 1:
+    if not (policy_logprobs.shape == ref_logprobs.shape == num_response_tokens.shape) or policy_logprobs.dim() != 1:
         raise ValueError(
-            f"policy_logps, ref_logps and num_tokens must all be [S]; got {tuple(policy_logps.shape)}, "
-            f"{tuple(ref_logps.shape)}, {tuple(num_tokens.shape)}"
+            f"policy_logprobs, ref_logprobs and num_response_tokens must all be [S]; got "
+            f"{tuple(policy_logprobs.shape)}, {tuple(ref_logprobs.shape)}, {tuple(num_response_tokens.shape)}"
         )
-    device = policy_logps.device
-    num_tokens = num_tokens.to(device)
-    chosen, rejected, valid = valid_pairs(num_tokens, pair_index.to(device), is_chosen.to(device),
-                                          sample_mask.to(device))
+    device = policy_logprobs.device
+    num_response_tokens = num_response_tokens.to(device)
+    chosen, rejected, valid = valid_pairs(
+        num_response_tokens, pair_index.to(device), is_chosen.to(device), sample_mask.to(device)
+    )
     num_local = int(valid.sum())
     if num_global_pairs < num_local:
         raise ValueError(
@@ -425,21 +428,22 @@ def mpo_loss(
     denom = float(max(int(num_global_pairs), 1))  # 0 only when no pair anywhere is valid: the loss is then 0
     beta = float(mpo_cfg.reference_policy_kl_penalty)
     delta = float(reward_shift)
-    ref_logps = ref_logps.detach().to(policy_logps.dtype)
+    ref_logprobs = ref_logprobs.detach().to(policy_logprobs.dtype)
 
-    l_pref = sequence_logratios(policy_logps, ref_logps, num_tokens, mpo_cfg.preference_average_log_probs)
-    l_qual = sequence_logratios(policy_logps, ref_logps, num_tokens, mpo_cfg.quality_average_log_probs)
+    n_resp = num_response_tokens
+    l_pref = sequence_logratios(policy_logprobs, ref_logprobs, n_resp, mpo_cfg.preference_average_log_probs)
+    l_bco = sequence_logratios(policy_logprobs, ref_logprobs, n_resp, mpo_cfg.quality_average_log_probs)
     # −log σ(x) = softplus(−x), stable for |x| large.
     pref = F.softplus(-beta * (l_pref[chosen] - l_pref[rejected]))
-    q_c, q_r = beta * l_qual[chosen], beta * l_qual[rejected]
+    q_c, q_r = beta * l_bco[chosen], beta * l_bco[rejected]  # the BCO rewards (the paper's quality rewards)
     bco = F.softplus(-(q_c - delta)) + F.softplus(q_r - delta)  # −log σ(q_c − δ) − log σ(−(q_r − δ))
-    nll_c = -policy_logps[chosen] / num_tokens[chosen].clamp_min(1).to(policy_logps.dtype)  # token-mean NLL
-    sft = nll_c if mpo_cfg.sft_average_log_probs else -policy_logps[chosen]
+    nll_c = -policy_logprobs[chosen] / n_resp[chosen].clamp_min(1).to(policy_logprobs.dtype)  # token-mean NLL
+    sft = nll_c if mpo_cfg.sft_average_log_probs else -policy_logprobs[chosen]
     per_pair = (
         mpo_cfg.preference_loss_weight * pref + mpo_cfg.bco_loss_weight * bco + mpo_cfg.sft_loss_weight * sft
     )
 
-    zero = torch.zeros((), dtype=policy_logps.dtype, device=device)
+    zero = torch.zeros((), dtype=policy_logprobs.dtype, device=device)
 
     def mean(x: torch.Tensor) -> torch.Tensor:  # Σ over valid local pairs ÷ global valid pairs; invalid → exactly 0
         return torch.where(valid, x, zero).sum() / denom
@@ -452,20 +456,20 @@ def mpo_loss(
             "preference_loss": mean(pref),
             "bco_loss": mean(bco),
             "sft_loss": mean(sft),
-            "accuracy": mean((l_pref[chosen] > l_pref[rejected]).to(policy_logps.dtype)),
+            "accuracy": mean((l_pref[chosen] > l_pref[rejected]).to(policy_logprobs.dtype)),
             "rewards/chosen": mean(r_c),
             "rewards/rejected": mean(r_r),
             "rewards/margin": mean(r_c - r_r),
-            "logps/chosen": mean(policy_logps[chosen]),
-            "logps/rejected": mean(policy_logps[rejected]),
+            "logprobs/chosen": mean(policy_logprobs[chosen]),
+            "logprobs/rejected": mean(policy_logprobs[rejected]),
             "nll/chosen": mean(nll_c),
             "bco/reward_mean": mean(q_c + q_r) / 2,
-            "num_valid_pairs": torch.tensor(float(num_local), dtype=policy_logps.dtype, device=device),
-            "reward_shift": torch.tensor(delta, dtype=policy_logps.dtype, device=device),
+            "num_valid_pairs": torch.tensor(float(num_local), dtype=policy_logprobs.dtype, device=device),
+            "reward_shift_used": torch.tensor(delta, dtype=policy_logprobs.dtype, device=device),
         }
         metrics = {k: v.detach() for k, v in metrics.items()}
         reward_sum = torch.where(valid, q_c + q_r, zero).sum().detach()
-        reward_count = torch.tensor(2.0 * num_local, dtype=policy_logps.dtype, device=device)
+        reward_count = torch.tensor(2.0 * num_local, dtype=policy_logprobs.dtype, device=device)
     return loss, metrics, (reward_sum, reward_count)
 
 

@@ -9,9 +9,9 @@ Three layers, cheapest first:
 
 1. Planning (pure Python, no tensors): `plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, ...)`
    bins the pairs of one optimizer step first-fit-decreasing, makes the bin count a multiple of DP (splitting multi-pair
-   bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg, dp_size)`
-   does the same from the typed config. The plan is a pure function of the step's pair ids and lengths, so every
-   rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
+   bins, then zero-weight dummy bins), and deals bins to DP ranks greedily by cost. `plan_step(lengths, cfg.packing,
+   dp_size)` does the same from the config's packing section. The plan is a pure function of the step's pair ids and
+   lengths, so every rank computes the same plan and takes `plan.ranks[dp_rank]`; no communication is needed.
 2. Packing (tensors, one bin): `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one `[1, T]` THD row with
    `cu_seqlens`, pre-rolled labels, the loss mask aligned with the labels, position ids restarting per sequence, and the
    media of each pair stored once. `packed_seq_params(batch)` builds megatron-core's `PackedSeqParams`.
@@ -414,15 +414,14 @@ def plan_bins(
     return plan
 
 
-def plan_step(lengths: Mapping[int, tuple[int, int]], cfg, dp_size: int,
+def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the capacities, padding, drop switch and layout of `cfg.packing` (after
-    `validate_packing_config`). `shared_lengths` (as in `plan_bins`: prompt tokens stored once per pair) is used when
-    `cfg.packing.shared_prompt` is on and ignored for separate rows.
+    """`plan_bins` with the capacities, padding, drop switch and layout of the `packing` section (config.PackingConfig,
+    checked once at start by `validate_packing_config`, preflight.check_inputs). `shared_lengths` (as in `plan_bins`:
+    prompt tokens stored once per pair) is used when `packing.shared_prompt` is on and ignored for separate rows.
 
     Raises: ValueError: `packing.shared_prompt` without `shared_lengths`; those of `plan_bins`."""
-    validate_packing_config(cfg)
-    pk = cfg.packing
+    pk = packing
     if pk.shared_prompt and shared_lengths is None:
         raise ValueError("packing.shared_prompt plans need shared_lengths (PairIndex.shared_lengths)")
     return plan_bins(
@@ -575,6 +574,7 @@ class PackedBatch:
 
     @property
     def num_pairs(self) -> int:
+        """Pairs in the bin, P (dummy pairs included; `mpo_loss.count_valid_pairs` counts the valid ones)."""
         return self.media_image_offsets.numel() - 1
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
@@ -754,46 +754,46 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Ten
     )
 
 
-def token_sequence_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """The sequence index of every token of a packed THD row.
 
     Args:
         cu_seqlens_padded: [S+1] int32/int64 cumulative padded sequence lengths, starting at 0.
-        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] (bin padding) get the id S.
+        total_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] (bin padding) get the id S.
 
     Returns:
         [T] int64 in [0, S]. With context parallelism, index this with the same CP partition index as input_ids.
 
     Raises:
-        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than num_tokens.
+        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than total_tokens.
     """
     cu = cu_seqlens_padded.long()  # computed where cu_seqlens_padded lives (train.py's device rule)
-    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > num_tokens:
-        raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {num_tokens}; got {cu.tolist()}")
-    lengths = torch.cat([cu[1:] - cu[:-1], num_tokens - cu[-1:]])
+    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > total_tokens:
+        raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {total_tokens}; got {cu.tolist()}")
+    lengths = torch.cat([cu[1:] - cu[:-1], total_tokens - cu[-1:]])
     return torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long, device=cu.device), lengths,
-                                   output_size=num_tokens)
+                                   output_size=total_tokens)
 
 
-def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, num_tokens: int,
+def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total_tokens: int,
                          sample_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens of a packed THD row that must take no part in MoE routing statistics (megatron-core's
     `padding_mask` convention: True = padding, excluded from the expert-bias token counts, the aux loss and the z-loss).
 
     Args:
         cu_seqlens: [S+1] cumulative real lengths; cu_seqlens_padded: [S+1] cumulative padded lengths.
-        num_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] are padding.
+        total_tokens: T, the row length; tokens at or after cu_seqlens_padded[-1] are padding.
         sample_mask: optional float [S]; every token of a sequence with weight 0 (a dummy bin) is padding too.
 
     Returns:
         bool [T] on cu_seqlens_padded's device: True at each sequence's padding (between cu_seqlens_padded[s] +
         real length and cu_seqlens_padded[s+1]), past the last sequence, and on zero-weight sequences.
     """
-    seq_ids = token_sequence_ids(cu_seqlens_padded, num_tokens)
+    seq_ids = token_sequence_ids(cu_seqlens_padded, total_tokens)
     cu, cu_pad = cu_seqlens.long().to(seq_ids.device), cu_seqlens_padded.long().to(seq_ids.device)
     real = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # the trailing run (id S) has no real token
     start = torch.cat([cu_pad[:-1], cu_pad[-1:]])
-    pos = torch.arange(num_tokens, device=seq_ids.device) - start[seq_ids]
+    pos = torch.arange(total_tokens, device=seq_ids.device) - start[seq_ids]
     pad = pos >= real[seq_ids]
     if sample_mask is not None:
         dead = torch.cat([sample_mask.to(seq_ids.device) == 0, torch.ones(1, dtype=torch.bool, device=seq_ids.device)])
@@ -958,35 +958,35 @@ def pack_shared(
     )
 
 
-def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> list[tuple[int, int, int, int]]:
+def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
     """(prompt start, chosen start, rejected start, end) row offsets of every pair of a shared-prompt row, as ints.
 
-    Args: segment_cu_seqlens_padded: int [3P+1] (`PackedBatch.segment_cu_seqlens_padded`); num_tokens: T.
+    Args: segment_cu_seqlens_padded: int [3P+1] (`PackedBatch.segment_cu_seqlens_padded`); total_tokens: T.
     Raises ValueError unless it has 3P+1 entries rising from 0 to at most T.
     """
     b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
-    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > num_tokens:
+    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
         raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
-                         f"{num_tokens}; got {b}")
+                         f"{total_tokens}; got {b}")
     return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
 
 
-def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """The loss sequence of every token of a shared-prompt row: 2i on pair i's chosen segment, 2i+1 on its rejected
     segment (padding included), 2P (dropped by `mpo_loss.sequence_sums`) on prompts and after the last pair.
 
-    The shared-layout replacement of `token_sequence_ids` for the loss: mpo_loss.sequence_logps(logps, loss_mask,
+    The shared-layout replacement of `token_sequence_ids` for the loss: mpo_loss.sequence_logprobs(logprobs, loss_mask,
     response_sequence_ids(..)[cp_index], 2P) gives the per-response sums in the order of pair_index / is_chosen.
     Prompt tokens have loss_mask False, so nothing is lost. Returns [T] int64 on the offsets' device.
     """
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, num_tokens)
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
     n = 2 * len(spans)
     b = segment_cu_seqlens_padded.long()
-    lengths = torch.cat([b[1:] - b[:-1], num_tokens - b[-1:]])
+    lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
     role = torch.arange(lengths.numel(), device=b.device)
     ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
     ids[-1] = n
-    return torch.repeat_interleave(ids, lengths, output_size=num_tokens)
+    return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
 
 
 def unpack_shared(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:

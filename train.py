@@ -55,6 +55,7 @@ config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss)
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
 import mmpr_data  # noqa: E402
+import mmpr_index  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -161,8 +162,8 @@ def main(cfg) -> int:
 class Data:
     """The training and validation splits, their datasets, the training sampler and the special token ids."""
 
-    train_split: mmpr_data.Split
-    val_split: mmpr_data.Split | None
+    train_split: mmpr_index.Split
+    val_split: mmpr_index.Split | None
     train_set: mmpr_data.PairDataset
     val_set: mmpr_data.PairDataset | None
     sampler: mmpr_data.PairSampler
@@ -174,7 +175,7 @@ def load_data(cfg, hf, rank: int) -> Data:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-    train_split, val_split = mmpr_data.load_splits(processor, cfg)
+    train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, notes, rank)
     return Data(
@@ -322,7 +323,7 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 def plan_bins(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
     """A step's bins over all DP ranks (pack.plan_step) and the pairs this DP rank loads (mmpr_data.StepLoader's
     plan_fn, with `index` and `ctx` bound)."""
-    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg, ctx.dp, index.shared_lengths(pair_ids))
+    plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
@@ -337,7 +338,7 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
     ]
 
 
-def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one packed microbatch: per-response log-prob sums [S] (fp32) and response-token counts [S], S =
     batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
@@ -348,7 +349,7 @@ def sequence_logps(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tens
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
-    return mpo_loss.packed_sequence_logps(  # inplace_backward: the logits are read by nothing else
+    return mpo_loss.packed_sequence_logprobs(  # inplace_backward: the logits are read by nothing else
         logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True
     )
 
@@ -358,40 +359,40 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
-        local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
+        local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
     return int(n.item())
 
 
-def reference_logps(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
+def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
     """Reference log-prob sums [S] of every microbatch (no grad). With `reference.offload` (GPU) the frozen reference
     lives on the CPU and visits the GPU once per step, for these passes only."""
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
     with torch.no_grad():
-        out = [sequence_logps(reference, b, ctx)[0] for b in batches]
+        out = [sequence_logprobs(reference, b, ctx)[0] for b in batches]
     if offload:
         reference.to("cpu")
     return out
 
 
 def policy_forward_backward(
-    batches, ref_logps, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
+    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
 ):
     """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
     (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
     (reward_sum, reward_count)."""
     per_mb, r_sum, r_count = [], 0.0, 0.0
-    for b, ref in zip(batches, ref_logps, strict=True):
+    for b, ref in zip(batches, ref_logprobs, strict=True):
         with torch.set_grad_enabled(backward):
-            logps, num_tokens = sequence_logps(policy, b, ctx)
+            logprobs, num_response_tokens = sequence_logprobs(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(
-                logps,
+                logprobs,
                 ref,
-                num_tokens,
+                num_response_tokens,
                 b.pair_index,
                 b.is_chosen,
                 b.sample_mask,
@@ -416,7 +417,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     num_global_pairs = count_global_pairs(batches, ctx)
-    ref = reference_logps(reference, batches, ctx)
+    ref = reference_logprobs(reference, batches, ctx)
     # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here).
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=ctx.device) / (len(batches) * ctx.dp * ctx.cp))
@@ -437,14 +438,14 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
         lr=lr,
         grad_norm=float(grad_norm),
         num_global_pairs=num_global_pairs,
-        reward_shift=new_shift,
-        reward_shift_used=reward_shift,
+        reward_shift=new_shift,  # δ after this step's update: the next step's, saved as run_state's reward_shift
+        reward_shift_used=reward_shift,  # δ this step's loss used (the exact float; mpo_loss reports it in fp32)
         **{"bco/reward_sum": r_sum, "bco/reward_count": r_count},
     )
     return metrics, new_shift
 
 
-def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
+def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
     """The MPO losses and metrics on (up to mpo.val_batches batches of) the validation split; no gradient, δ fixed.
 
     Batches of mpo.val_global_batch_size pairs in split order; the metrics are pair-weighted means over batches."""
@@ -455,11 +456,11 @@ def validate(policy, reference, val: mmpr_data.Split, dataset, ctx: Ctx, reward_
     total: dict[str, float] = {}
     pairs_seen = 0
     for chunk in chunks:
-        plan = pack.plan_step(val.index.lengths(chunk), cfg, ctx.dp, val.index.shared_lengths(chunk))
+        plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
         pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
-        ref = reference_logps(reference, batches, ctx)
+        ref = reference_logprobs(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
         m = monitor.reduce_metrics(local, ctx.dp_group, ctx.device)
         for k, v in m.items():

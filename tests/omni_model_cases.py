@@ -6,17 +6,12 @@ rows sharing one image, pack.py's PackedBatch fields), deterministic from a seed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-omni"
-
-
-def tiny_hf_config() -> dict:
-    return json.loads((TINY / "config.json").read_text())
 
 
 def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int = 8, image_token_id: int = 18,

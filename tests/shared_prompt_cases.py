@@ -55,8 +55,8 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
     """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared), then what train.train_step does
-    before its gradient reduction: count_global_pairs, reference_logps (the same model, no grad), the policy's
-    sequence_logps + MPO loss + backward (policy_forward_backward). Returns logps (the policy's per-response sums,
+    before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
+    sequence_logprobs + MPO loss + backward (policy_forward_backward). Returns logps (the policy's per-response sums,
     bins concatenated, [2 * pairs] float64), num_tokens, metrics (combined), grads ({name: float64 grad}) and tokens
     (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
@@ -68,11 +68,11 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
         assert b.shared_prompt == shared
     model.zero_grad(set_to_none=True)
     n_pairs = train.count_global_pairs(batches, ctx)
-    ref = train.reference_logps(model, batches, ctx)
+    ref = train.reference_logprobs(model, batches, ctx)
     logps, counts = [], []
     with torch.no_grad():
         for b in batches:
-            lp, n = train.sequence_logps(model, b, ctx)
+            lp, n = train.sequence_logprobs(model, b, ctx)
             logps.append(lp.double())
             counts.append(n)
     metrics, _, _ = train.policy_forward_backward(batches, ref, model, ctx, reward_shift, n_pairs, backward=True)

@@ -134,12 +134,13 @@ def tiny_step(device, *overrides: str) -> dict:
         from transformers import AutoProcessor
 
         import mmpr_data
+        import mmpr_index
 
         processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-        train_split, _ = mmpr_data.load_splits(processor, cfg)
+        train_split, _ = mmpr_index.load_splits(processor, cfg.data)
         dataset = mmpr_data.PairDataset(train_split.index, processor)
         ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
-        plan = pack.plan_step(train_split.index.lengths(ids), cfg, 1, train_split.index.shared_lengths(ids))
+        plan = pack.plan_step(train_split.index.lengths(ids), cfg.packing, 1, train_split.index.shared_lengths(ids))
         pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
         hf = om.read_hf_config(cfg.model.hf_path)
         batches = train.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)

@@ -1,4 +1,4 @@
-"""mmpr_data.py: meta-recipe parsing and path rules, row validation and every drop reason, image decoding, template
+"""mmpr_data.py and mmpr_index.py: meta-recipe parsing and path rules, row validation and every drop reason, image decoding, template
 rendering and loss masks (checked token by token and against the processor end to end), the index cache, splits,
 the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
 
@@ -23,7 +23,8 @@ import torch
 from PIL import Image
 
 import mmpr_data as md
-from config import Config
+import mmpr_index as mi
+from config import Config, DataConfig
 from pack import pack, plan_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,13 +47,13 @@ def hf_cache(tmp_path, monkeypatch):
     return cache
 
 
-def make_cfg(**data) -> Config:
-    """Config with data.* overrides, e.g. make_cfg(max_seq_length=300, train__max_samples=2)."""
-    cfg = Config()
-    for k, v in data.items():
-        obj, name = (cfg.data.train, k[7:]) if k.startswith("train__") else (cfg.data, k)
+def data_cfg(**overrides) -> DataConfig:
+    """The config's data section with overrides, e.g. data_cfg(max_seq_length=300, train__max_samples=2)."""
+    data = Config().data
+    for k, v in overrides.items():
+        obj, name = (data.train, k[7:]) if k.startswith("train__") else (data, k)
         setattr(obj, name, v)
-    return cfg
+    return data
 
 
 def rgb(w=48, h=40, color=(200, 30, 30)):
@@ -93,7 +94,7 @@ def row(i=0, image="a.png", q="<image>\nWhat is it?", chosen=None, rejected=None
 def sample(processor, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("sample_cache")))
-        index = md.build_index(SAMPLE_META, processor, make_cfg())
+        index = mi.build_index(SAMPLE_META, processor, data_cfg())
     return index, md.PairDataset(index, processor)
 
 
@@ -101,7 +102,7 @@ def test_sample_index(sample):
     index, _ = sample
     assert len(index) == 34 and index.subsets[0] == "chartqa_train_extracted_pairs_vqa_correctness_rules"
     assert [index.stats[s]["pairs"] for s in index.subsets] == [12, 10, 12]
-    assert md.summary_drops(index) == {}
+    assert mi.summary_drops(index) == {}
     assert index.line[:12].tolist() == list(range(1, 13))  # file order, 1-based lines
     assert index.source(13).endswith("geoqa_plus_extracted_pairs_vqa_format_rules.jsonl:2")
     # lengths: prompt + image tokens are consistent with the per-image arrays
@@ -176,8 +177,8 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
         row(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
         row(3, chosen="Red.", rejected="too short</think>Blue."),  # the block opened by the generation prompt
     ], {"a.png": rgb()})
-    index = md.build_index(meta, processor, make_cfg())
-    assert len(index) == 4 and md.summary_drops(index) == {}
+    index = mi.build_index(meta, processor, data_cfg())
+    assert len(index) == 4 and mi.summary_drops(index) == {}
     ds = md.PairDataset(index, processor)
     tok = processor.tokenizer
     p0, p1 = ds[0], ds[1]
@@ -210,7 +211,7 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
 
 
 def test_path_resolution_rules(tmp_path, processor):
-    cfg = make_cfg()
+    cfg = data_cfg()
     # 1. grandparent (official layout)
     meta = write_set(tmp_path / "g", [row()], {"a.png": rgb()})
     subs = md.read_meta(meta)
@@ -221,7 +222,7 @@ def test_path_resolution_rules(tmp_path, processor):
     rgb().save(d / "imgs" / "a.png")
     (d / "rows.jsonl").write_text(json.dumps(row()) + "\n")
     (d / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
-    assert len(md.build_index(d / "meta.json", processor, cfg)) == 1
+    assert len(mi.build_index(d / "meta.json", processor, cfg)) == 1
     # 3. data.train.data_root, for a meta that lives elsewhere
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
@@ -229,7 +230,7 @@ def test_path_resolution_rules(tmp_path, processor):
         md.read_meta(tmp_path / "elsewhere" / "meta.json")
     subs = md.read_meta(tmp_path / "elsewhere" / "meta.json", data_root=str(d))
     assert subs[0].root == (d / "imgs").resolve()
-    index = md.build_index(tmp_path / "elsewhere" / "meta.json", processor, make_cfg(train__data_root=str(d)))
+    index = mi.build_index(tmp_path / "elsewhere" / "meta.json", processor, data_cfg(train__data_root=str(d)))
     assert len(index) == 1
     # absolute paths are used as they are
     (tmp_path / "abs.json").write_text(json.dumps({"s": {"root": str(d / "imgs"),
@@ -265,7 +266,7 @@ def test_meta_warnings_length_and_data_augment(tmp_path, processor):
     meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True,
                                                                          "max_dynamic_patch": 6})
     with pytest.warns(UserWarning) as rec:
-        index = md.build_index(meta, processor, make_cfg())
+        index = mi.build_index(meta, processor, data_cfg())
     msgs = " ".join(str(w.message) for w in rec)
     assert "data_augment is not supported" in msgs and "length = 5 but" in msgs and "has 2 rows" in msgs
     assert len(index) == 2
@@ -284,7 +285,7 @@ def test_repeat_time(tmp_path, processor):
     rows = [row(i) for i in range(10)]
     for r, expect in ((0.5, 5), (2.5, 25)):
         meta = write_set(tmp_path / str(r), rows, {"a.png": rgb()}, spec={"repeat_time": r})
-        index = md.build_index(meta, processor, make_cfg(train__seed=3))
+        index = mi.build_index(meta, processor, data_cfg(train__seed=3))
         assert len(index) == expect and index.stats["sub"]["valid"] == 10 and index.stats["sub"]["pairs"] == expect
         lines = index.line.tolist()
         assert lines == [v + 1 for v in md.apply_repeat_time(10, r, 3, "sub")]
@@ -296,7 +297,7 @@ def test_repeat_time(tmp_path, processor):
 
 
 def test_max_samples_keeps_the_first_valid_pairs(processor):
-    index = md.build_index(SAMPLE_META, processor, make_cfg(), max_samples=14)
+    index = mi.build_index(SAMPLE_META, processor, data_cfg(), max_samples=14)
     assert len(index) == 14 and index.subset_id.tolist() == [0] * 12 + [1] * 2
     assert index.line.tolist() == list(range(1, 13)) + [1, 2]
     third = index.stats["cc0_photos_extracted_prefix_pair_sr0.5_with_image"]
@@ -318,8 +319,8 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
         {"image": ["a.png", "b.png"], "question": "Compare them.", "chosen": "Different.", "rejected": "Same."},
         {"question": "What is 2+2?", "chosen": "4", "rejected": "5", "system_prompt": None},
     ], imgs)
-    index = md.build_index(meta, processor, make_cfg())
-    assert len(index) == 4 and md.summary_drops(index) == {}
+    index = mi.build_index(meta, processor, data_cfg())
+    assert len(index) == 4 and mi.summary_drops(index) == {}
     assert index.num_images.tolist() == [1, 2, 2, 0]
     ds = md.PairDataset(index, processor)
     tok = processor.tokenizer
@@ -397,8 +398,8 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
     spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
     meta.write_text(json.dumps(spec))
-    cfg = make_cfg(max_seq_length=200, train__max_images_per_row=2)
-    index = md.build_index(meta, processor, cfg)
+    cfg = data_cfg(max_seq_length=200, train__max_images_per_row=2)
+    index = mi.build_index(meta, processor, cfg)
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
@@ -408,18 +409,18 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
-    assert set(md.summary_drops(index)) == set(md.DROP_REASONS)
+    assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
     assert st["rows_read"] == 25 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
     assert max(index.chosen_len.max(), index.rejected_len.max()) <= 200
     # strict: the first drop is an error naming the file and line
-    cfg.data.strict = True
+    cfg.strict = True
     with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*cached index"):
-        md.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
+        mi.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
     with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
-        md.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
+        mi.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
 
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
@@ -428,8 +429,8 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
     rows = [row(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
     meta = write_set(tmp_path, rows, {"a.png": rgb()})
     for max_samples in (0, 7):
-        serial = md.build_index(meta, processor, make_cfg(num_workers=0), max_samples=max_samples, use_cache=False)
-        forked = md.build_index(meta, processor, make_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
+        serial = mi.build_index(meta, processor, data_cfg(num_workers=0), max_samples=max_samples, use_cache=False)
+        forked = mi.build_index(meta, processor, data_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
         assert _same(serial, forked) and len(forked) == (16 if max_samples == 0 else 7)
     assert forked.stats["sub"]["rows_read"] == 9 and forked.stats["sub"]["dropped"] == {"image_missing": 2}
 
@@ -437,7 +438,7 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
     with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
-        md.build_index(meta, processor, make_cfg())
+        mi.build_index(meta, processor, data_cfg())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -466,8 +467,8 @@ def test_row_text_is_rendered_as_written(tmp_path, processor):
     assert "within <think> and <> tags." in processor.apply_chat_template(user, tokenize=False)
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": url_q}]}]
     assert "https://example.coming-mapsing.png: a b  c?" in processor.apply_chat_template(user, tokenize=False)
-    index = md.build_index(meta, processor, make_cfg())
-    assert len(index) == 4 and md.summary_drops(index) == {}
+    index = mi.build_index(meta, processor, data_cfg())
+    assert len(index) == 4 and mi.summary_drops(index) == {}
     ds, tok = md.PairDataset(index, processor), processor.tokenizer
     n = int(index.image_token_counts[0])
     expect = {
@@ -502,12 +503,12 @@ def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
     other = AutoProcessor.from_pretrained(model)
     meta = write_set(tmp_path, [row(0, q="<image>\nWhich colour?"), row(1, q="<image>\nWhich color?"),
                                 row(2, system="Say colour.")], {"a.png": rgb()})
-    index = md.build_index(meta, other, make_cfg())
+    index = mi.build_index(meta, other, data_cfg())
     assert index.line.tolist() == [2] and index.stats["sub"]["dropped"] == {"template_rewrites_text": 2}
     ex = index.stats["sub"]["drop_examples"]["template_rewrites_text"]
     assert "sub.jsonl:1: the chat template changes the question text" in ex[0]
     assert "sub.jsonl:3: the chat template changes the system text" in ex[1]
-    assert len(md.build_index(meta, processor, make_cfg(), use_cache=False)) == 3  # the tiny template keeps them
+    assert len(mi.build_index(meta, processor, data_cfg(), use_cache=False)) == 3  # the tiny template keeps them
 
 
 def test_subset_without_root(tmp_path, processor):
@@ -524,7 +525,7 @@ def test_subset_without_root(tmp_path, processor):
                                              "text_missing": {"annotation": "text.jsonl", "repeat_time": 1}}))
     subs = md.read_meta(d / "meta.json")
     assert [s.root for s in subs] == [None, None]
-    index = md.build_index(d / "meta.json", processor, make_cfg())
+    index = mi.build_index(d / "meta.json", processor, data_cfg())
     assert len(index) == 4 and index.num_images.tolist() == [0, 1, 0, 1]
     assert index.images(1) == [str(d / "abs.png")] and index.image_roots == ["", ""]
     for name in ("text_null", "text_missing"):
@@ -543,7 +544,7 @@ def test_video_rows_are_dropped_as_video(tmp_path, processor):
         row(2, q="<image>\nIs this a frame of <video>?"),
         row(3),
     ], {"a.png": rgb()})
-    index = md.build_index(meta, processor, make_cfg())
+    index = mi.build_index(meta, processor, data_cfg())
     st = index.stats["sub"]
     assert index.line.tolist() == [4] and st["dropped"] == {"video_unsupported": 3}
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["video_unsupported"]] == [
@@ -560,7 +561,7 @@ def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
         row(4, chosen="a</think>b</think>Red.", rejected="Blue."),
         row(5, chosen="<think>a</think>Red.", rejected="Blue."),
     ], {"a.png": rgb()})
-    index = md.build_index(meta, processor, make_cfg())
+    index = mi.build_index(meta, processor, data_cfg())
     st = index.stats["sub"]
     assert index.line.tolist() == [6] and st["dropped"] == {"unterminated_reasoning": 2, "malformed_reasoning": 3}
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["unterminated_reasoning"]] == [
@@ -585,7 +586,7 @@ def test_numbered_image_placeholders(tmp_path, processor):
         row(5, image=["a.png", "b.png"], q="<image_1> <image_1>"),
         row(6, image=["a.png", "b.png"], q="<image_1> only"),
     ], imgs)
-    index = md.build_index(meta, processor, make_cfg())
+    index = mi.build_index(meta, processor, data_cfg())
     st = index.stats["sub"]
     assert index.line.tolist() == [1, 2, 3, 4] and st["dropped"] == {"placeholder_mismatch": 3}
     assert st["drop_examples"]["placeholder_mismatch"][0].endswith(
@@ -605,7 +606,7 @@ def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
     with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
         with pytest.raises(md.DataError, match=r"no preference pair: repeat_time kept none of the valid rows "
                                                r"\('sub': repeat_time 0.005 x 3 valid rows -> 0 pairs\); drops: \{\}"):
-            md.build_index(meta, processor, make_cfg())
+            mi.build_index(meta, processor, data_cfg())
 
 
 def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
@@ -620,7 +621,7 @@ def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
     (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(row(5)) + "\n")
     spec["noroot"] = {"root": None, "annotation": "MMPR-t/annotations/noroot.jsonl"}
     meta.write_text(json.dumps(spec))
-    assert md.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
+    assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
     out = capsys.readouterr().out
     for reason in ("video_unsupported", "unterminated_reasoning", "malformed_reasoning", "template_rewrites_text",
                    "no_image_root"):
@@ -671,7 +672,7 @@ def test_exif_orientation_is_applied(tmp_path, processor):
     # the index sizes the image in its displayed orientation, as the processor sees it
     meta = write_set(tmp_path / "set", [row(0, image="rot.jpg")], {})
     (tmp_path / "set" / "MMPR-t" / "images" / "rot.jpg").write_bytes((tmp_path / "rot.jpg").read_bytes())
-    index = md.build_index(meta, processor, make_cfg())
+    index = mi.build_index(meta, processor, data_cfg())
     gh, gw = index.image_grid_hw[0].tolist()
     assert gh > gw and (gh, gw) == tuple(processor.image_processor(images=[out])["image_grid_hw"][0].tolist())
 
@@ -701,56 +702,56 @@ def _same(a: md.PairIndex, b: md.PairIndex) -> bool:
 
 def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
     meta = write_set(tmp_path, [row(i) for i in range(4)], {"a.png": rgb()})
-    cfg = make_cfg()
-    first = md.build_index(meta, processor, cfg)
+    cfg = data_cfg()
+    first = mi.build_index(meta, processor, cfg)
     assert first.cache_status == "built" and Path(first.cache_dir).parent == hf_cache
     assert sorted(p.name for p in Path(first.cache_dir).iterdir()) == ["index.json", "index.pt"]
-    hit = md.build_index(meta, processor, cfg)
+    hit = mi.build_index(meta, processor, cfg)
     assert hit.cache_status == "hit" and hit.cache_dir == first.cache_dir and _same(first, hit)
     # no temporary folders left behind
     assert [p.name for p in hf_cache.iterdir()] == [Path(first.cache_dir).name]
     # changed annotation file -> miss, new content indexed
     ann = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
     ann.write_text(ann.read_text() + json.dumps(row(9)) + "\n")
-    changed = md.build_index(meta, processor, cfg)
+    changed = mi.build_index(meta, processor, cfg)
     assert changed.cache_status == "built" and changed.cache_dir != first.cache_dir and len(changed) == 5
     # changed tokenizer (one more token) -> miss; changed settings -> miss
     other = copy.deepcopy(processor)
     other.tokenizer.add_tokens(["<new_token>"])
-    assert md.build_index(meta, other, cfg).cache_status == "built"
-    assert md.build_index(meta, processor, make_cfg(max_seq_length=4000)).cache_status == "built"
-    assert md.build_index(meta, processor, cfg, max_samples=2).cache_status == "built"
-    assert md.build_index(meta, processor, cfg).cache_status == "hit"
-    assert md.build_index(meta, processor, cfg, use_cache=False).cache_status == "disabled"
+    assert mi.build_index(meta, other, cfg).cache_status == "built"
+    assert mi.build_index(meta, processor, data_cfg(max_seq_length=4000)).cache_status == "built"
+    assert mi.build_index(meta, processor, cfg, max_samples=2).cache_status == "built"
+    assert mi.build_index(meta, processor, cfg).cache_status == "hit"
+    assert mi.build_index(meta, processor, cfg, use_cache=False).cache_status == "disabled"
 
 
 def test_corrupt_or_partial_cache_is_reported_and_rebuilt(tmp_path, processor):
     meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()})
-    cfg = make_cfg()
-    good = md.build_index(meta, processor, cfg)
+    cfg = data_cfg()
+    good = mi.build_index(meta, processor, cfg)
     folder = Path(good.cache_dir)
     data = (folder / "index.pt").read_bytes()
     (folder / "index.pt").write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # one flipped byte
     with pytest.warns(UserWarning, match="corrupt or partial.*checksum mismatch.*rebuilding"):
-        again = md.build_index(meta, processor, cfg)
+        again = mi.build_index(meta, processor, cfg)
     assert again.cache_status.startswith("rebuilt: ") and "checksum" in again.cache_status and _same(good, again)
-    assert md.build_index(meta, processor, cfg).cache_status == "hit"
+    assert mi.build_index(meta, processor, cfg).cache_status == "hit"
     (folder / "index.json").unlink()  # partial: manifest missing
     with pytest.warns(UserWarning, match="FileNotFoundError"):
-        assert md.build_index(meta, processor, cfg).cache_status.startswith("rebuilt")
+        assert mi.build_index(meta, processor, cfg).cache_status.startswith("rebuilt")
     (folder / "index.pt").write_bytes(data[: len(data) // 2])  # truncated payload
     with pytest.warns(UserWarning, match="corrupt"):
-        assert _same(good, md.build_index(meta, processor, cfg))
+        assert _same(good, mi.build_index(meta, processor, cfg))
 
 
 def test_cache_root_follows_hf_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "a"))
-    assert md._cache_root() == tmp_path / "a"
+    assert mi._cache_root() == tmp_path / "a"
     monkeypatch.delenv("HF_DATASETS_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "h"))
-    assert md._cache_root() == tmp_path / "h" / "datasets"
+    assert mi._cache_root() == tmp_path / "h" / "datasets"
     monkeypatch.delenv("HF_HOME")
-    assert md._cache_root() == Path.home() / ".cache" / "huggingface" / "datasets"
+    assert mi._cache_root() == Path.home() / ".cache" / "huggingface" / "datasets"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -759,25 +760,25 @@ def test_cache_root_follows_hf_variables(monkeypatch, tmp_path):
 
 def test_validation_split(sample, tmp_path, processor):
     index, _ = sample
-    tr, va = md.split_validation(index, 4, seed=42)
+    tr, va = mi.split_validation(index, 4, seed=42)
     assert len(va) == 4 and len(tr) == 30 and not set(tr) & set(va) and sorted(tr + va) == list(range(34))
-    assert md.split_validation(index, 4, seed=42) == (tr, va) and md.split_validation(index, 4, seed=1)[1] != va
-    assert len(md.split_validation(index, 0.25, seed=0)[1]) == 8  # floor(0.25 * 34)
+    assert mi.split_validation(index, 4, seed=42) == (tr, va) and mi.split_validation(index, 4, seed=1)[1] != va
+    assert len(mi.split_validation(index, 0.25, seed=0)[1]) == 8  # floor(0.25 * 34)
     with pytest.raises(md.DataError, match="leaves no training pairs"):
-        md.split_validation(index, 34, seed=0)
+        mi.split_validation(index, 34, seed=0)
     # repeats of one row stay on one side
     meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 3})
-    rep = md.build_index(meta, processor, make_cfg())
-    tr, va = md.split_validation(rep, 0.5, seed=5)
+    rep = mi.build_index(meta, processor, data_cfg())
+    tr, va = mi.split_validation(rep, 0.5, seed=5)
     assert not {int(rep.line[i]) for i in tr} & {int(rep.line[i]) for i in va} and len(va) == 9
     # load_splits: from split_validation_size, or a separate validation meta
-    cfg = make_cfg()
-    cfg.data.train.data_path, cfg.data.train.split_validation_size = str(SAMPLE_META), 4
-    train, val = md.load_splits(processor, cfg)
+    cfg = data_cfg()
+    cfg.train.data_path, cfg.train.split_validation_size = str(SAMPLE_META), 4
+    train, val = mi.load_splits(processor, cfg)
     assert len(train.pair_ids) == 30 and len(val.pair_ids) == 4 and val.index is train.index
-    cfg.data.validation.data_path = str(meta)
+    cfg.validation.data_path = str(meta)
     with pytest.warns(UserWarning, match="split_validation_size is ignored"):
-        train, val = md.load_splits(processor, cfg)
+        train, val = mi.load_splits(processor, cfg)
     assert len(train.pair_ids) == 34 and len(val.index) == 18 and val.index.meta_path == str(meta)
 
 
@@ -832,12 +833,12 @@ def test_sampler_never_repeats_a_pair_within_a_step_across_epoch_boundaries():
 
 def test_step_loader_with_workers_and_packer(sample, processor):
     index, ds = sample
-    cfg = make_cfg()
+    cfg = Config()
     cfg.packing.max_tokens_per_bin, cfg.packing.max_sequences_per_bin = 1024, 2
     dp, rank = 2, 1
 
     def plan_fn(ids):
-        plan = plan_step(index.lengths(ids), cfg, dp)
+        plan = plan_step(index.lengths(ids), cfg.packing, dp)
         return plan, [p for b in plan.ranks[rank] for p in b.pair_ids]
 
     sampler = md.PairSampler(list(range(len(index))), seed=0)
@@ -868,8 +869,8 @@ def test_step_loader_with_workers_and_packer(sample, processor):
 
 
 def test_report_json_cli(tmp_path, processor, capsys):
-    # in-process (a subprocess would pay the transformers import again); `python mmpr_data.py` calls this main
-    assert md.main([str(SAMPLE_META), "--model", str(TINY), "--max-samples", "20", "--json", "--num-workers", "2"]) == 0
+    # in-process (a subprocess would pay the transformers import again); `python mmpr_index.py` calls this main
+    assert mi.main([str(SAMPLE_META), "--model", str(TINY), "--max-samples", "20", "--json", "--num-workers", "2"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["num_pairs"] == 20 and rep["cache"] == "built" and rep["cache_dir"].startswith(str(tmp_path))
     subs = rep["subsets"]
@@ -883,7 +884,7 @@ def test_report_json_cli(tmp_path, processor, capsys):
         assert p["min"] <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
     assert lengths["image_tokens"]["max"] <= 64 and lengths["chosen"]["min"] > lengths["prompt"]["min"]
     # the same numbers as the in-process report
-    ref = md.report(md.build_index(SAMPLE_META, processor, make_cfg(), max_samples=20))
+    ref = mi.report(mi.build_index(SAMPLE_META, processor, data_cfg(), max_samples=20))
     assert rep["subsets"] == json.loads(json.dumps(ref["subsets"])) and rep["total"] == json.loads(json.dumps(
         ref["total"]))
 
@@ -891,7 +892,7 @@ def test_report_json_cli(tmp_path, processor, capsys):
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
     meta = tmp_path / "meta.json"
     meta.write_text('{"a": {"root": "img", "annotation": "a.jsonl",},}')  # trailing commas
-    proc = subprocess.run([sys.executable, "mmpr_data.py", str(meta), "--model", str(TINY)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "mmpr_index.py", str(meta), "--model", str(TINY)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: {meta}:1:47: invalid JSON: Expecting property name enclosed in double quotes" in proc.stderr
@@ -900,7 +901,7 @@ def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
 def test_cli_model_that_is_not_a_local_directory_is_one_immediate_line(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="0")  # a hub lookup would be tried (and retried) without the check
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "mmpr_data.py", str(SAMPLE_META), "--model", "assets/nope"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "mmpr_index.py", str(SAMPLE_META), "--model", "assets/nope"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and time.perf_counter() - t < 60
     assert proc.stderr == (f"error: --model 'assets/nope': no config.json there (a local model directory with the "
@@ -909,13 +910,13 @@ def test_cli_model_that_is_not_a_local_directory_is_one_immediate_line(tmp_path)
 
 def test_report_text_and_values(tmp_path, processor):
     meta = write_set(tmp_path, [row(0), row(1, image="nope.png"), row(2)], {"a.png": rgb()})
-    index = md.build_index(meta, processor, make_cfg())
-    rep = md.report(index)
+    index = mi.build_index(meta, processor, data_cfg())
+    rep = mi.report(index)
     assert rep["total"]["rows_read"] == 3 and rep["total"]["pairs"] == 2 and rep["total"]["dropped"] == {
         "image_missing": 1}
     c = index.chosen_len.double()
     assert rep["total"]["lengths"]["chosen"]["p50"] == pytest.approx(float(c.median() if len(c) % 2 else c.mean()))
-    text = md.format_report(rep)
+    text = mi.format_report(rep)
     assert "dropped image_missing: 1  e.g. " in text and "sub.jsonl:2" in text
     assert text.splitlines()[2].split()[:5] == ["sub", "3", "2", "2", "1"]
 

@@ -21,16 +21,15 @@ from mpo_loss import (
     combine_metrics,
     count_valid_pairs,
     mpo_loss,
-    packed_sequence_logps,
+    packed_sequence_logprobs,
     pair_layout,
-    sequence_logps,
+    sequence_logprobs,
     sequence_logratios,
     token_logprobs,
     update_reward_shift,
 )
 from pack import token_sequence_ids
 
-LN2 = math.log(2.0)
 DIST = Path(__file__).resolve().parent / "dist"  # the multi-rank workers
 
 
@@ -78,7 +77,7 @@ def test_beta_delta_closed_form():
     assert m["rewards/rejected"].item() == pytest.approx(-0.1)
     assert m["rewards/margin"].item() == pytest.approx(0.3)
     assert m["accuracy"].item() == 1.0
-    assert m["reward_shift"].item() == 0.05
+    assert m["reward_shift_used"].item() == 0.05
     assert rsum.item() == pytest.approx(0.1) and rcnt.item() == 2.0  # β·(2 + (−1)) over 2 rows
     assert m["bco/reward_mean"].item() == pytest.approx(0.05)
 
@@ -140,7 +139,7 @@ def test_sft_average_flag(average):
     loss, m, _ = one_pair(FLAG_PAIR["l_c"], FLAG_PAIR["l_r"], c, pol=FLAG_PAIR["pol"], n=FLAG_PAIR["n"])
     assert loss.item() == pytest.approx(1.5 if average else 3.0, abs=1e-12)  # −(−3) ÷ 2 chosen tokens
     assert m["nll/chosen"].item() == pytest.approx(1.5)  # always the token mean
-    assert m["logps/chosen"].item() == -3.0 and m["logps/rejected"].item() == -10.0
+    assert m["logprobs/chosen"].item() == -3.0 and m["logprobs/rejected"].item() == -10.0
 
 
 def test_sequence_logratios():
@@ -174,7 +173,7 @@ def test_loss_statistics_over_reordered_rows_match_seed_example():
                                   torch.tensor([1, 0, 0, 1]), torch.tensor([0, 1, 0, 1]), torch.ones(4), c, 1.0, 2)
     assert (rsum.item(), rcnt.item()) == (-10.0, 4.0)
     assert update_reward_shift(1.0, rsum, rcnt, c.reward_shift_momentum) == pytest.approx(-0.75)
-    assert m["reward_shift"].item() == 1.0  # the δ used, not updated by the loss
+    assert m["reward_shift_used"].item() == 1.0  # the δ used, not updated by the loss
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -243,13 +242,13 @@ def test_extreme_margins_are_finite(margin):
 def test_metrics_reduction_contract():
     assert set(METRIC_REDUCTION) == {
         "loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/chosen", "rewards/rejected",
-        "rewards/margin", "logps/chosen", "logps/rejected", "nll/chosen", "bco/reward_mean", "reward_shift",
+        "rewards/margin", "logprobs/chosen", "logprobs/rejected", "nll/chosen", "bco/reward_mean", "reward_shift_used",
         "num_valid_pairs",
     }
     _, m, _ = one_pair(2.0, -1.0, cfg(), 0.05)
     assert set(m) == set(METRIC_REDUCTION) and all(not v.requires_grad and v.dim() == 0 for v in m.values())
     both = combine_metrics([m, m])
-    assert both["reward_shift"] == 0.05 and both["num_valid_pairs"] == 2.0
+    assert both["reward_shift_used"] == 0.05 and both["num_valid_pairs"] == 2.0
     assert both["loss"] == pytest.approx(2 * m["loss"].item())
 
 
@@ -280,8 +279,8 @@ def bin_loss(rows, row_ids, c, delta, num_global, chunk=4):
     cu = torch.tensor([0, *torch.tensor([rows[i][0].shape[0] for i in row_ids]).cumsum(0).tolist()], dtype=torch.int32)
     seq = token_sequence_ids(cu, logits.shape[0])
     S = len(row_ids)
-    pol, n = packed_sequence_logps(logits, labels, mask, seq, S, None, None, chunk)
-    ref_s, _ = sequence_logps(ref, mask, seq, S)
+    pol, n = packed_sequence_logprobs(logits, labels, mask, seq, S, None, None, chunk)
+    ref_s, _ = sequence_logprobs(ref, mask, seq, S)
     return mpo_loss(pol, ref_s, n, torch.tensor([i // 2 for i in row_ids]), torch.tensor([i % 2 == 0 for i in row_ids]),
                     torch.ones(S), c, delta, num_global)
 
@@ -461,19 +460,19 @@ def test_token_logprobs_padding_labels_and_errors():
         token_logprobs(x[0], torch.zeros(6, dtype=torch.long), None, 2)
 
 
-def test_token_sequence_ids_and_sequence_logps():
+def test_token_sequence_ids_and_sequence_logprobs():
     seq = token_sequence_ids(torch.tensor([0, 3, 5], dtype=torch.int32), 7)
     assert seq.tolist() == [0, 0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
         token_sequence_ids(torch.tensor([0, 5, 3]), 7)
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
         token_sequence_ids(torch.tensor([0, 3, 9]), 7)
-    logps = torch.tensor([-1.0, -2.0, float("-inf"), -4.0, -5.0, -6.0, -7.0], requires_grad=True)
+    logprobs = torch.tensor([-1.0, -2.0, float("-inf"), -4.0, -5.0, -6.0, -7.0], requires_grad=True)
     mask = torch.tensor([1, 1, 0, 0, 1, 1, 0])  # the −inf sits on a masked token; token 5 is bin padding
-    sums, n = sequence_logps(logps, mask, seq, 2)
+    sums, n = sequence_logprobs(logprobs, mask, seq, 2)
     sums.sum().backward()
     assert sums.tolist() == [-3.0, -5.0] and n.tolist() == [2, 1]
-    assert logps.grad.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert logprobs.grad.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

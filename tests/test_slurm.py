@@ -83,7 +83,7 @@ JOB_ENV = {
     "DRY_RUN": "1",
 }
 ALL_KNOBS = {
-    "MPO_MODEL_NAME": "/ckpt/Nemotron-3-Nano-Omni",
+    "MPO_HF_PATH": "/ckpt/Nemotron-3-Nano-Omni",
     "MPO_DATA_PATH": "/data/MMPR/meta.json",
     "MPO_MAX_SAMPLES": "64",
     "MPO_MAX_NUM_STEPS": "2",
@@ -229,6 +229,7 @@ def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
         ({"WANDB_RUN_ID": "a b"}, "WANDB_RUN_ID='a b' may only hold"),
         ({"WANDB_MODE": "on"}, "WANDB_MODE='on'"),
         ({"MPO_DATA_PATH": ""}, "MPO_DATA_PATH is required"),
+        ({"MPO_MODEL_NAME": "/ckpt/x"}, "MPO_MODEL_NAME is now MPO_HF_PATH (it sets model.hf_path)"),
         ({"WANDB_MODE": "online"}, "neither WANDB_API_KEY nor ~/.netrc"),
     ],
 )

@@ -80,21 +80,22 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     (each rank's value is already divided by the global pair count), "constant" ones (δ) kept, in one all-reduce."""
     import torch.distributed as dist
 
-    m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}
+    m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}
     assert monitor.reduce_metrics(m, None, torch.device("cpu")) == m
-    other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift": 0.25}
+    other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift_used": 0.25}
     calls = []
 
     def all_reduce(t, group=None):  # the other rank's sum, in the key order reduce_metrics sent
         calls.append((t.dtype, group))
-        t += torch.tensor([other_rank[k] for k in sorted(k for k in m if k != "reward_shift")], dtype=t.dtype)
+        t += torch.tensor([other_rank[k] for k in sorted(k for k in m if k != "reward_shift_used")], dtype=t.dtype)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
     assert monitor.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
     got = monitor.reduce_metrics(m, "two", torch.device("cpu"))
-    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift": 0.25} and calls == [(torch.float64, "two")]
-    assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift": 0.25}  # the input is not modified
+    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift_used": 0.25}
+    assert calls == [(torch.float64, "two")]
+    assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}  # the input is not modified
 
 
 def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
@@ -190,7 +191,7 @@ def test_seq_aux_loss_is_refused_with_the_reason():
 
 
 def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
-    from mmpr_data import Split
+    from mmpr_index import Split
 
     index = _FakeIndex({0: (100, 90), 1: (30, 30), 2: (200, 190), 3: (40, 41), 4: (10, 10)})
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=4"])
@@ -435,7 +436,8 @@ def test_lr_follows_the_schedule(readme):
 # validation row, as recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2 train.py
 # configs/tiny.toml). A change of behaviour anywhere on the step's path (data order, packing, model, loss, optimizer,
 # schedule, δ update, metric reduction) moves some of these numbers; a refactor moves none. The timing-derived keys
-# are not part of the trace.
+# are not part of the trace. Issue 15 step 5 renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every
+# number is as recorded.
 TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
 GOLDEN_ATOL = 1e-6
 GOLDEN_TRAIN = {  # metrics.jsonl of the README command, recorded 2026-12-01: key -> values of steps 1..6
@@ -469,11 +471,11 @@ GOLDEN_TRAIN = {  # metrics.jsonl of the README command, recorded 2026-12-01: ke
         0.0, 0.00018348693629377522, -0.00037956234882585704, 0.015800095163285732, 0.04436893644742668,
         0.07265568152070045,
     ],
-    "logps/chosen": [
+    "logprobs/chosen": [
         -232.21193313598633, -213.1753158569336, -224.96408462524414, -236.3661003112793, -250.8388900756836,
         -257.3639144897461,
     ],
-    "logps/rejected": [
+    "logprobs/rejected": [
         -189.3702507019043, -195.02611923217773, -205.60759735107422, -218.4793930053711, -237.12194442749023,
         -241.23694610595703,
     ],
@@ -518,8 +520,8 @@ GOLDEN_VALIDATION = {  # the val_at_end row after step 6
     "rewards/chosen": 0.021422386867925525,
     "rewards/rejected": -0.036983110127039254,
     "rewards/margin": 0.058405498741194606,
-    "logps/chosen": -234.18470764160156,
-    "logps/rejected": -222.03285217285156,
+    "logprobs/chosen": -234.18470764160156,
+    "logprobs/rejected": -222.03285217285156,
     "nll/chosen": 6.940609335899353,
     "bco/reward_mean": -0.007780361745972186,
     "num_valid_pairs": 4.0,
@@ -722,8 +724,8 @@ def _count_pairs_before_issue_12(batches, ctx):  # train.count_global_pairs as i
     local = 0
     for b in batches:
         seq_ids = pack.token_sequence_ids(b.cu_seqlens_padded, b.input_ids.shape[1]).cpu()
-        num_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long().cpu(), seq_ids, b.num_sequences)
-        local += mpo_loss.count_valid_pairs(num_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long().cpu(), seq_ids, b.num_sequences)
+        local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     return local
 
 

@@ -1,4 +1,4 @@
-"""2-rank check of mmpr_data's rank-0 index build (run by tests/test_mmpr_data.py through the `torchrun` fixture).
+"""2-rank check of mmpr_index's rank-0 index build (run by tests/test_mmpr_data.py through the `torchrun` fixture).
 
 Environment: MODEL (the processor's directory), META (a good meta.json), BAD_META (one whose only row is dropped),
 HF_DATASETS_CACHE (the shared index cache, empty at start). Rank 0 builds the index and every other rank reads rank 0's
@@ -19,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoProcessor  # noqa: E402
 
 import mmpr_data as md  # noqa: E402
+import mmpr_index as mi  # noqa: E402
 from config import Config  # noqa: E402
 
 
@@ -27,12 +28,12 @@ def main() -> None:
     rank = dist.get_rank()
     p = AutoProcessor.from_pretrained(os.environ["MODEL"])
     cfg = Config()
-    index = md.build_index(os.environ["META"], p, cfg)
+    index = mi.build_index(os.environ["META"], p, cfg.data)
     sampler = md.PairSampler(list(range(len(index))), seed=cfg.data.train.seed)
     order = sampler.take(len(index)) + sampler.take(3)
     cfg.data.strict = True
     try:
-        md.build_index(os.environ["BAD_META"], p, cfg)
+        mi.build_index(os.environ["BAD_META"], p, cfg.data)
         err = None
     except md.DataError as e:
         err = str(e)

@@ -31,7 +31,7 @@ from config import MPOConfig  # noqa: E402
 from mpo_loss import (  # noqa: E402
     count_valid_pairs,
     mpo_loss,
-    sequence_logps,
+    sequence_logprobs,
     token_logprobs,
     update_reward_shift,
 )
@@ -90,8 +90,8 @@ def pairs_batch(g: torch.Generator, lengths: list[int], resp: list[int], V: int)
             loss_mask[int(cu[i + 1]) - n - 1 : int(cu[i + 1]) - 1] = True  # keep the last (pad) token masked
     logits = torch.randn(T, V, generator=g, dtype=torch.float64)
     labels = torch.randint(0, V, (T,), generator=g)
-    ref_logps = -torch.rand(T, generator=g, dtype=torch.float64) * 3
-    return cu, loss_mask, logits, labels, ref_logps
+    ref_logprobs = -torch.rand(T, generator=g, dtype=torch.float64) * 3
+    return cu, loss_mask, logits, labels, ref_logprobs
 
 
 def check_cp(rank: int, world: int) -> None:
@@ -106,8 +106,8 @@ def check_cp(rank: int, world: int) -> None:
     seq = token_sequence_ids(cu, T)
 
     def run(lg, lab, lm, sid, ref, group):
-        pol, n = sequence_logps(token_logprobs(lg, lab, None, 5), lm, sid, S, group)
-        rs, _ = sequence_logps(ref, lm, sid, S, group)
+        pol, n = sequence_logprobs(token_logprobs(lg, lab, None, 5), lm, sid, S, group)
+        rs, _ = sequence_logprobs(ref, lm, sid, S, group)
         loss, _, _ = mpo_loss(pol, rs, n, pair_index, is_chosen, sample_mask, cfg, 0.3, 2)
         return loss, pol, n
 
@@ -150,8 +150,8 @@ def check_dp(rank: int, world: int) -> None:
         cu = torch.tensor([0, *torch.tensor([lengths[i] for i in row_ids]).cumsum(0).tolist()])
         seq = token_sequence_ids(cu, int(cu[-1]))
         S = len(row_ids)
-        pol, n = sequence_logps(token_logprobs(h @ weight, lab, None, 7), m, seq, S)
-        rs, _ = sequence_logps(ref, m, seq, S)
+        pol, n = sequence_logprobs(token_logprobs(h @ weight, lab, None, 7), m, seq, S)
+        rs, _ = sequence_logprobs(ref, m, seq, S)
         pidx = torch.tensor([i // 2 for i in row_ids])
         cho = torch.tensor([i % 2 == 0 for i in row_ids])
         return mpo_loss(pol, rs, n, pidx, cho, torch.ones(S), cfg, -0.2, num_global)

@@ -1,0 +1,489 @@
+"""The MMPR index: every row of a meta-recipe checked once, its lengths cached, the splits, and the pre-flight report.
+
+`build_index(meta_path, processor, cfg.data) -> mmpr_data.PairIndex` reads every subset of the meta-recipe
+(`mmpr_data.read_meta`), checks every row with mmpr_data's row checks (text, images, rendered template, lengths) and
+keeps, per pair, its source (subset, file, line, byte offset), its resolved image paths and grids, and the token
+lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to plan bins without opening an image.
+Dropped rows are counted by reason (`mmpr_data.DROP_REASONS`); `data.strict` turns a drop into an error naming the file
+and line. Rows are checked in chunks by `data.num_workers` forked processes (rendering and image decoding are CPU
+bound) and settled in file order; `repeat_time` and `max_samples` then choose the pairs.
+
+The index is cached under `$HF_DATASETS_CACHE` (else `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a
+folder named by a fingerprint of the meta file, the annotation files (size, mtime), the tokenizer / template / image
+processor, and the settings that change the index; written atomically, checksummed, rebuilt (with a warning) when
+corrupt. Under torch.distributed global rank 0 builds it while the others wait.
+
+`load_splits(processor, cfg.data)` gives the train and validation splits (`Split`: an index and its pair ids);
+mmpr_data.PairDataset turns a pair id of an index into a pack.PreferencePair.
+
+Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
+
+    python mmpr_index.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
+
+Imports mmpr_data (the row-to-pair path), never the other way round. Tests: `pytest tests/test_mmpr_data.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmpr_data import (
+    DataError,
+    PairIndex,
+    Subset,
+    apply_repeat_time,
+    begin_row_checks,
+    checked_rows,
+    end_row_checks,
+    read_meta,
+)
+
+logger = logging.getLogger("omni_mpo.mmpr_index")
+
+CACHE_VERSION = 2  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_PREFIX = "omni_mpo_mmpr_"
+
+# ======================================================================================================================
+# Fingerprint and cache folder
+
+
+def _cache_root() -> Path:
+    """HF datasets' cache folder: $HF_DATASETS_CACHE, else $HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "datasets"
+    return Path("~/.cache/huggingface/datasets").expanduser()
+
+
+def processor_identity(processor) -> str:
+    """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template
+    and image-processor config; by content, so a copied model folder hits the same cache and an edited one misses."""
+    tok = processor.tokenizer
+    backend = getattr(tok, "backend_tokenizer", None)
+    h = hashlib.sha256()
+    h.update((backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))).encode())
+    h.update(str(processor.chat_template).encode())
+    h.update(processor.image_processor.to_json_string().encode())
+    h.update(type(processor).__name__.encode())
+    return h.hexdigest()
+
+
+def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processor, settings: dict) -> str:
+    """sha256 of the meta file's content, each annotation file's path, size and mtime, each image root's mtime, the
+    processor identity, the settings that change the index and CACHE_VERSION."""
+    h = hashlib.sha256()
+    h.update(Path(meta_path).read_bytes())
+    for s in subsets:
+        st = s.annotation.stat()
+        root_mtime = s.root.stat().st_mtime_ns if s.root is not None else None
+        h.update(f"|{s.name}|{s.annotation}|{st.st_size}|{st.st_mtime_ns}|{s.root}|{root_mtime}".encode())
+    h.update(processor_identity(processor).encode())
+    h.update(json.dumps({**settings, "cache_version": CACHE_VERSION}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+# ======================================================================================================================
+# Build, cache, load
+
+
+def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
+    """Scan every subset, validate rows and compute lengths (see build_index)."""
+    t0 = time.perf_counter()
+    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
+    image_paths: list[str] = []
+    path_ids: dict[str, int] = {}
+    cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
+    img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
+    stats: dict[str, dict] = {}
+    pool = None
+    if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, mp_context=multiprocessing.get_context("fork"))
+
+    def drop(st: dict, where: str, reason: str, detail: str) -> None:
+        if data.strict:
+            raise DataError(f"{where}: row dropped ({reason}: {detail}) and data.strict = true")
+        st["dropped"][reason] = st["dropped"].get(reason, 0) + 1
+        st.setdefault("first_drop", {"where": where, "reason": reason, "detail": detail})
+        ex = st["drop_examples"].setdefault(reason, [])
+        if len(ex) < 3:
+            ex.append(f"{where}: {detail}")
+
+    try:
+        for sid, sub in enumerate(subsets):
+            st = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                  "repeat_time": sub.repeat_time}
+            stats[sub.name] = st
+            exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
+            valid: list[dict] = []
+            stopped_early = False
+            rows = checked_rows(pool, data.num_workers, str(sub.root or ""), sub.annotation, sub.name)
+            for lineno, offset, res in rows:  # settled in file order, so stats stop exactly where reading stops
+                st["rows_read"] += 1
+                if isinstance(res, tuple):
+                    drop(st, f"{sub.annotation}:{lineno}", *res)
+                    continue
+                valid.append({**res, "line": lineno, "offset": offset})
+                if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
+                    stopped_early = True
+                    rows.close()
+                    break
+            if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
+                warnings.warn(f"subset {sub.name!r}: the meta says length = {sub.length} but {sub.annotation} has "
+                              f"{st['rows_read']} rows", stacklevel=3)
+            st["valid"] = len(valid)
+            keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
+            if valid and not keep:
+                warnings.warn(f"subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} "
+                              f"valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)", stacklevel=3)
+            if max_samples:
+                keep = keep[: max(0, max_samples - len(cols["line"]))]
+            first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
+            for k in keep:
+                v = valid[k]
+                if k not in first_image:
+                    first_image[k] = len(img_cols["count"])
+                    for p, g, n in zip(v["imgs"], v["grids"], v["counts"], strict=True):
+                        if p not in path_ids:
+                            path_ids[p] = len(image_paths)
+                            image_paths.append(p)
+                        img_cols["path_id"].append(path_ids[p])
+                        img_cols["grid"].append(list(g))
+                        img_cols["count"].append(n)
+                for key in ("line", "offset", "prompt_len", "chosen_len", "rejected_len"):
+                    cols[key].append(v[key])
+                cols["subset_id"].append(sid)
+                cols["image_tokens"].append(sum(v["counts"]))
+                cols["image_start"].append(first_image[k])
+                cols["num_images"].append(len(v["imgs"]))
+            st["pairs"] = len(keep)
+            if max_samples and len(cols["line"]) >= max_samples:
+                for later in subsets[sid + 1:]:
+                    stats[later.name] = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                                         "repeat_time": later.repeat_time, "not_read": "max_samples reached"}
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        end_row_checks()
+
+    def t(key, src=cols):
+        return torch.tensor(src[key], dtype=torch.int64)
+
+    return PairIndex(
+        meta_path=str(meta_path), fingerprint=fingerprint, subsets=[s.name for s in subsets],
+        annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root or "") for s in subsets],
+        image_paths=image_paths,
+        subset_id=t("subset_id"), line=t("line"), offset=t("offset"), prompt_len=t("prompt_len"),
+        chosen_len=t("chosen_len"), rejected_len=t("rejected_len"), image_tokens=t("image_tokens"),
+        image_start=t("image_start"), num_images=t("num_images"), image_path_id=t("path_id", img_cols),
+        image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols), stats=stats,
+        build_seconds=time.perf_counter() - t0,
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
+    """Read a cached index; raises (any exception) when it is missing, partial, corrupt or for another fingerprint."""
+    manifest = json.loads((folder / "index.json").read_text())
+    if manifest.get("fingerprint") != fingerprint or manifest.get("cache_version") != CACHE_VERSION:
+        raise ValueError("fingerprint or cache version differs")
+    if _sha256_file(folder / "index.pt") != manifest["sha256"]:
+        raise ValueError("index.pt checksum mismatch")
+    state = torch.load(folder / "index.pt", weights_only=True)
+    index = PairIndex(**state)
+    if len(index) != manifest["num_pairs"]:
+        raise ValueError(f"{len(index)} pairs, manifest says {manifest['num_pairs']}")
+    return index
+
+
+def _write_cache(folder: Path, index: PairIndex) -> None:
+    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        torch.save(index.state(), tmp / "index.pt")
+        manifest = {"fingerprint": index.fingerprint, "cache_version": CACHE_VERSION, "num_pairs": len(index),
+                    "sha256": _sha256_file(tmp / "index.pt"), "meta_path": index.meta_path}
+        (tmp / "index.json").write_text(json.dumps(manifest, indent=1))
+        os.rename(tmp, folder)  # fails if another process renamed its (identical) copy first: keep that one
+    except OSError as e:
+        if not (folder / "index.json").is_file():
+            logger.warning("could not write the MMPR index cache %s: %s", folder, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache, write):
+    if not use_cache:
+        return _build(meta_path, subsets, processor, data, max_samples, fingerprint)
+    status = "built"
+    if folder.exists():
+        try:
+            index = _load_cache(folder, fingerprint)
+            index.cache_status, index.cache_dir = "hit", str(folder)
+            return index
+        except Exception as e:  # a partial or corrupt cache must never stop a run: report, remove, rebuild
+            status = f"rebuilt: the cache was unreadable ({type(e).__name__}: {e})"
+            warnings.warn(f"MMPR index cache {folder} is corrupt or partial ({type(e).__name__}: {e}); rebuilding",
+                          stacklevel=3)
+            aside = folder.parent / f".{folder.name}.corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(folder, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            except OSError:
+                pass  # another rank moved it already
+    index = _build(meta_path, subsets, processor, data, max_samples, fingerprint)
+    if write:
+        _write_cache(folder, index)
+    index.cache_status, index.cache_dir = status, str(folder)
+    return index
+
+
+def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
+                use_cache: bool = True) -> PairIndex:
+    """Validated, cached index of the pairs of a meta-recipe (see the module docstring).
+
+    Args:
+        meta_path: the MMPR meta-recipe JSON.
+        processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
+        data: the config's data section (config.DataConfig, `cfg.data`): max_seq_length, strict, num_workers (>= 2:
+            forked processes that check rows while indexing), train.data_root / seed / max_images_per_row /
+            max_samples.
+        max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
+            random sample. Default data.train.max_samples; 0 = all.
+        use_cache: read / write the cache (see `_cache_root`).
+
+    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait, then read
+    it (or build it themselves when the cache folder is not shared with rank 0).
+
+    Raises:
+        DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
+            path tried), no valid pair left, or with data.strict the first dropped row (file and line).
+    """
+    meta_path = Path(meta_path)
+    max_samples = data.train.max_samples if max_samples is None else max_samples
+    subsets = read_meta(meta_path, data.train.data_root)
+    settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length, "seed": data.train.seed,
+                "max_images_per_row": data.train.max_images_per_row, "data_root": data.train.data_root}
+    fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
+    folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
+    args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
+    dist = torch.distributed
+    if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build
+        msg: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                index = _load_or_build(*args, write=True)
+            except Exception as e:
+                msg[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(msg, src=0)
+                raise
+            dist.broadcast_object_list(msg, src=0)
+        else:
+            dist.broadcast_object_list(msg, src=0)
+            if msg[0] is not None:
+                raise DataError(f"rank 0 failed to build the MMPR index: {msg[0]}")
+            index = _load_or_build(*args, write=False)
+    else:
+        index = _load_or_build(*args, write=True)
+    if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build
+        first = next((st["first_drop"] for st in index.stats.values() if "first_drop" in st), None)
+        if first is not None:
+            raise DataError(f"{first['where']}: row dropped ({first['reason']}: {first['detail']}) and "
+                            f"data.strict = true (cached index {index.cache_dir})")
+    if len(index) == 0:
+        emptied = {name: st for name, st in index.stats.items() if st.get("valid")}
+        if emptied:  # valid rows, but repeat_time < 1 kept none of them
+            what = ", ".join(f"{name!r}: repeat_time {st['repeat_time']} x {st['valid']} valid rows -> 0 pairs"
+                             for name, st in emptied.items())
+            raise DataError(f"{meta_path}: no preference pair: repeat_time kept none of the valid rows ({what}); "
+                            f"drops: {summary_drops(index)}")
+        raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}")
+    return index
+
+
+def summary_drops(index: PairIndex) -> dict[str, int]:
+    """Total drop counts by reason over all subsets."""
+    total: collections.Counter = collections.Counter()
+    for st in index.stats.values():
+        total.update(st["dropped"])
+    return dict(total)
+
+
+# ======================================================================================================================
+# Splits
+
+
+def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed).
+
+    Repeats of one annotation row (repeat_time > 1) go to the same side, so validation never sees a training row.
+    """
+    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
+        groups[key].append(i)
+    keys = list(groups)
+    order = np.random.default_rng([seed, 1]).permutation(len(keys))
+    target = int(size) if size >= 1 else math.floor(size * len(index))
+    val: list[int] = []
+    for j in order:
+        if len(val) >= target:
+            break
+        val.extend(groups[keys[j]])
+    if len(val) >= len(index) and target > 0:
+        raise DataError(f"data.train.split_validation_size = {size} leaves no training pairs of {len(index)}")
+    taken = set(val)
+    return [i for i in range(len(index)) if i not in taken], sorted(val)
+
+
+@dataclass
+class Split:
+    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1)."""
+
+    index: PairIndex
+    pair_ids: list[int]
+
+
+def load_splits(processor, data) -> tuple[Split, Split | None]:
+    """The train split and the validation split (None when neither source is configured) of the data section `data`
+    (config.DataConfig, `cfg.data`).
+
+    Validation comes from data.validation.data_path (its own meta, data.validation.max_samples) when set, else from
+    data.train.split_validation_size pairs of the train index (seed data.train.seed).
+    """
+    train = build_index(data.train.data_path, processor, data)
+    if data.validation.data_path:
+        if data.train.split_validation_size:
+            warnings.warn("data.validation.data_path is set: data.train.split_validation_size is ignored",
+                          stacklevel=2)
+        val = build_index(data.validation.data_path, processor, data, max_samples=data.validation.max_samples)
+        return Split(train, list(range(len(train)))), Split(val, list(range(len(val))))
+    if data.train.split_validation_size:
+        tr, va = split_validation(train, data.train.split_validation_size, data.train.seed)
+        return Split(train, tr), Split(train, va)
+    return Split(train, list(range(len(train)))), None
+
+
+# ======================================================================================================================
+# Report
+
+
+def _percentiles(x: torch.Tensor) -> dict[str, float]:
+    if x.numel() == 0:
+        return {}
+    xf = x.double()
+    q = torch.quantile(xf, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"min": int(x.min()), "p50": q[0], "p90": q[1], "p99": q[2], "max": int(x.max()),
+            "mean": round(float(xf.mean()), 2)}
+
+
+def report(index: PairIndex) -> dict:
+    """Per subset and in total: rows read, valid rows, pairs kept, drops by reason (with examples) and length
+    percentiles in tokens (prompt, image tokens, chosen row, rejected row). JSON-serialisable."""
+    def lengths(mask):
+        return {k: _percentiles(getattr(index, col)[mask]) for k, col in
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
+                 ("rejected", "rejected_len"))}
+
+    subsets = {}
+    for sid, name in enumerate(index.subsets):
+        st = index.stats.get(name, {})
+        subsets[name] = {**st, "lengths": lengths(index.subset_id == sid)}
+    total = {"rows_read": sum(s.get("rows_read", 0) for s in index.stats.values()),
+             "valid": sum(s.get("valid", 0) for s in index.stats.values()), "pairs": len(index),
+             "dropped": summary_drops(index), "lengths": lengths(torch.ones(len(index), dtype=torch.bool))}
+    return {"meta_path": index.meta_path, "num_pairs": len(index), "cache": index.cache_status,
+            "cache_dir": index.cache_dir, "build_seconds": round(index.build_seconds, 3), "subsets": subsets,
+            "total": total}
+
+
+def format_report(rep: dict) -> str:
+    """The `report` as text: a table of counts, then length percentiles and drop examples per subset."""
+    lines = [f"MMPR index {rep['meta_path']}: {rep['num_pairs']} pairs (cache {rep['cache']}"
+             + (f", {rep['cache_dir']}" if rep["cache_dir"] else "") + ")",
+             f"{'subset':<56} {'rows':>7} {'valid':>7} {'pairs':>7} {'dropped':>8}"]
+    for name, s in [*rep["subsets"].items(), ("TOTAL", rep["total"])]:
+        lines.append(f"{name[:56]:<56} {s.get('rows_read', 0):>7} {s.get('valid', 0):>7} {s.get('pairs', 0):>7} "
+                     f"{sum(s.get('dropped', {}).values()):>8}" + (f"  ({s['not_read']})" if "not_read" in s else ""))
+        for reason, n in sorted(s.get("dropped", {}).items()):
+            ex = s.get("drop_examples", {}).get(reason, [])
+            lines.append(f"    dropped {reason}: {n}" + (f"  e.g. {ex[0]}" if ex else ""))
+        for k, p in s.get("lengths", {}).items():
+            if p:
+                lines.append(f"    {k:<12} min {p['min']:>6}  p50 {p['p50']:>8.1f}  p90 {p['p90']:>8.1f}  "
+                             f"p99 {p['p99']:>8.1f}  max {p['max']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from config import Config
+
+    ap = argparse.ArgumentParser(description="Validate an MMPR meta-recipe for a model and print the pre-flight "
+                                             "report (rows, pairs, drops by reason, length percentiles).")
+    ap.add_argument("meta", help="MMPR meta-recipe JSON")
+    ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
+    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (0 = all)")
+    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length, help="tokens per row")
+    ap.add_argument("--data-root", default="", help="base of relative root/annotation paths")
+    ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process")
+    ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
+        raise DataError(
+            f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
+            f"chat template and processor; relative paths are relative to {os.getcwd()})"
+        )
+    from transformers import AutoProcessor
+
+    data = Config().data
+    data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
+    data.train.data_root = args.data_root
+    processor = AutoProcessor.from_pretrained(args.model)
+    index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
+    rep = report(index)
+    print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    import config as config_mod
+
+    config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
+    try:
+        sys.exit(main())
+    except DataError as e:  # a bad meta-recipe or path: the message names the file; a traceback would bury it
+        sys.exit(f"error: {e}")
