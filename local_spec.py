@@ -405,7 +405,13 @@ class ThdDotProductAttention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         dropout = self.dropout if self.training else 0.0
         outs = []
-        for q0, n, start, end, off in runs:
+        # Without CP every run is a whole sequence and the runs tile the row: take them as torch.split views (one
+        # concatenation in backward) rather than slices (a zero-filled full-row gradient per slice and tensor).
+        parts = None
+        if cp == 1 and sum(n for _, n, _, _, _ in runs) == s_total:
+            lens = [n for _, n, _, _, _ in runs]
+            parts = list(zip(q.split(lens, dim=2), k.split(lens, dim=2), v.split(lens, dim=2), strict=True))
+        for i, (q0, n, start, end, off) in enumerate(runs):
             k_end = start + off + n if causal else end
             mask, is_causal = None, False
             if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
@@ -420,9 +426,10 @@ class ThdDotProductAttention(nn.Module):
                     mask = torch.ones(n, k_end - start, dtype=torch.bool, device=device).tril()
                 mask = allowed if mask is None else allowed & mask
                 is_causal = False
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end], attn_mask=mask,
-                dropout_p=dropout, is_causal=is_causal, scale=self.scale))
+            qs, ks, vs = parts[i] if parts is not None else \
+                (q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end])
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout,
+                                                       is_causal=is_causal, scale=self.scale))
         out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, self.heads, 0, self.head_dim)  # [b, h, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s_local, b, self.heads * self.head_dim)
         return out.squeeze(1) if thd else out
