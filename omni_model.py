@@ -31,9 +31,10 @@ Forward (vision once per pair): every image of the microbatch is encoded once; t
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
 share one encoding. Then: embed the full packed sequence, replace `<image>` positions, take this rank's context-parallel
 slice (pack.cp_partition_index layout), scatter for sequence parallelism, run the hybrid stack.
-Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; local spec, no CP): the sequences are the pair spans
+Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; no CP): the sequences are the pair spans
 [prompt | chosen | rejected] (one media slot each); the forward sets cpu_compat.SHARED_PROMPT_SEGMENTS to the batch's
-segment_cu_seqlens_padded around the language model, so ThdDotProductAttention (local_spec.shared_prompt_attention)
+segment_cu_seqlens_padded around the language model, so the core attention (local spec: ThdDotProductAttention ->
+local_spec.shared_prompt_attention; TE spec: `shared_prompt_te_attention`, one TE varlen call, not yet run on a GPU)
 and the Mamba layers (mamba_torch.mamba_split_conv1d_scan_shared_prompt, through cpu_compat's Mamba hook) keep each
 rejected response off the chosen one; the routers' padding mask is per span.
 
@@ -403,7 +404,7 @@ class OmniModel(nn.Module):
     in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
     Raises ValueError: `<image>` token count differs from the feature count (both counts in the message), an odd
-    image grid, or pixel rows that do not match the grids; a shared-prompt batch on the TE spec or under CP.
+    image grid, or pixel rows that do not match the grids; a shared-prompt batch under CP.
     """
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
