@@ -153,10 +153,10 @@ class PackingConfig:
     # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
     # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that
     # span. Exact against separate rows on the local spec, TP/DP (tests/test_shared_prompt_model.py). Not supported
-    # (ConfigError at start): context parallelism, and the Transformer Engine spec (its attention has no
-    # shared-prompt mask yet). Off by default until the GPU paths (TE attention; mamba-ssm kernels as the shared
-    # scan's conv_fn / scan_fn, wired but not yet run on a GPU) are checked. The `tokens` metric counts the tokens
-    # computed, so it drops with the switch on for the same pairs.
+    # (ConfigError at start): context parallelism. The Transformer Engine spec runs it as one TE varlen attention call
+    # (omni_model.shared_prompt_te_attention, checked on CPU against a stand-in; not yet run on a GPU). Off by default
+    # until the GPU paths (that TE call; mamba-ssm kernels as the shared scan's conv_fn / scan_fn) are checked on a
+    # GPU. The `tokens` metric counts the tokens computed, so it drops with the switch on for the same pairs.
     shared_prompt: bool = False
 
 

@@ -574,8 +574,9 @@ MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_l
 
 # The shared-prompt layout of the language-model forward running now (pack.pack_shared): the batch's
 # segment_cu_seqlens_padded (int32 [3P+1], on the batch's device), set by omni_model.OmniModel.forward around the
-# language model only (never the ViT); read by install_mamba_dt_limit_hook's wrapper (Mamba layers) and
-# local_spec.ThdDotProductAttention (attention layers). None: the separate-rows layout.
+# language model only (never the ViT); read by install_mamba_dt_limit_hook's wrapper (Mamba layers),
+# local_spec.ThdDotProductAttention and omni_model.shared_prompt_te_attention (attention layers). None: the
+# separate-rows layout.
 SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
 
 

@@ -166,30 +166,156 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
                          f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
     spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
+    rep = h // key.shape[1]
     q = query.permute(1, 0, 2)  # [h, T, d]
-    k = key.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
-    v = value.permute(1, 0, 2).repeat_interleave(h // key.shape[1], dim=0)
+    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    # Views by torch.split, not slices: the backward of a split is one concatenation, where every slice's backward
+    # writes a zero-filled full-row gradient (O(pairs · T) per layer, the largest overhead in issue 16's profile).
+    # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
+    end = spans[-1][3] if spans else 0
+    runs = [n for a, c0, r0, e in spans for n in (r0 - a, e - r0)] + [T - end]
+    segs = [n for a, c0, r0, e in spans for n in (c0 - a, r0 - c0, e - r0)] + [T - end]
+    q_runs = q.split(runs, dim=1)
+    k_runs, v_runs = k.split(runs, dim=1), v.split(runs, dim=1)
+    k_segs, v_segs = k.split(segs, dim=1), v.split(segs, dim=1)
     outs = []
 
     def sdpa(qs, ks, vs, mask=None):
         return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
                                                                 is_causal=mask is None, scale=scale)
 
-    for a, c0, r0, e in spans:
+    for i, (a, c0, r0, e) in enumerate(spans):
         if r0 > a:
-            outs.append(sdpa(q[:, a:r0], k[:, a:r0], v[:, a:r0]))
+            outs.append(sdpa(q_runs[2 * i], k_runs[2 * i], v_runs[2 * i]))
         if e > r0:
             n_p, n_r = c0 - a, e - r0
-            keys = torch.cat([k[:, a:c0], k[:, r0:e]], dim=1)
-            vals = torch.cat([v[:, a:c0], v[:, r0:e]], dim=1)
+            keys = torch.cat([k_segs[3 * i], k_segs[3 * i + 2]], dim=1)
+            vals = torch.cat([v_segs[3 * i], v_segs[3 * i + 2]], dim=1)
             mask = (torch.arange(n_p + n_r, device=q.device)[None, :]
                     <= torch.arange(n_r, device=q.device)[:, None] + n_p)
-            outs.append(sdpa(q[:, r0:e], keys, vals, mask))
-    end = spans[-1][3] if spans else 0
+            outs.append(sdpa(q_runs[2 * i + 1], keys, vals, mask))
     if end < T:
-        outs.append(sdpa(q[:, end:], k[:, end:], v[:, end:]))
+        outs.append(sdpa(q_runs[-1], k_runs[-1], v_runs[-1]))
     out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
     return out.permute(1, 0, 2).reshape(T, h * d)
+
+
+def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> dict:
+    """The shared-prompt THD row as ONE variable-length attention call (the Transformer Engine path of
+    `shared_prompt_attention`): query sequences per pair [prompt | chosen] then [rejected], then the bin's trailing
+    padding as a sequence of its own; key/value sequences [prompt | chosen], [prompt | rejected] (the prompt's keys and
+    values gathered twice), then the padding. Every sequence takes a causal mask aligned bottom-right (TE's
+    attn_mask_type "padding_causal_bottom_right"): query j of a sequence with n_q queries and n_kv keys sees keys
+    0 .. n_kv - n_q + j, which is plain causal where n_q == n_kv ([prompt | chosen], padding) and "all of the prompt,
+    then causal" for the rejected queries. Empty query sequences (an empty response) are left out.
+
+    The query sequences are the row in its own order, so the call's output is already in row order (no scatter).
+
+    Args:
+        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
+        num_tokens: T, the row length (tokens after the last pair form the padding sequence).
+    Returns:
+        dict with kv_index (int64 [T_kv], the row position of every key/value token, on the offsets' device),
+        cu_seqlens_q / cu_seqlens_kv (int32 [S+1], same device), max_seqlen_q / max_seqlen_kv (int).
+    Raises:
+        ValueError: bad offsets (`pack.shared_prompt_spans`).
+    """
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, num_tokens)
+    q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
+    for a, c0, r0, e in spans:
+        if r0 > a:
+            q_lens.append(r0 - a)
+            kv_parts.append([(a, r0)])
+        if e > r0:
+            q_lens.append(e - r0)
+            kv_parts.append([(a, c0), (r0, e)])
+    end = spans[-1][3] if spans else 0
+    if end < num_tokens:
+        q_lens.append(num_tokens - end)
+        kv_parts.append([(end, num_tokens)])
+    kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
+    device = segment_cu_seqlens_padded.device
+    ranges = [torch.arange(lo, hi, device=device) for parts in kv_parts for lo, hi in parts]
+    cu = [torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (q_lens, kv_lens)]
+    return {"kv_index": torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device=device),
+            "cu_seqlens_q": cu[0], "cu_seqlens_kv": cu[1],
+            "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
+
+
+def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, scale: float | None = None,
+                dropout_p: float = 0.0) -> torch.Tensor:
+    """Reference variable-length attention with bottom-right-aligned causal masks (TE's qkv_format "thd" with
+    attn_mask_type "padding_causal_bottom_right"): torch SDPA once per sequence, query j of a sequence of n_q queries
+    and n_kv keys sees keys 0 .. n_kv - n_q + j. The CPU backend of `shared_prompt_varlen_attention`.
+
+    Args:
+        query: [T_q, heads, d]; key, value: [T_kv, groups, d] (heads a multiple of groups).
+        cu_seqlens_q, cu_seqlens_kv: int [S+1] cumulative lengths (equal counts S, n_q <= n_kv per sequence, the last
+            entries equal T_q and T_kv); max_seqlen_q / max_seqlen_kv: unused (TE's signature).
+        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
+    Returns:
+        [T_q, heads * d] in query's dtype.
+    Raises:
+        ValueError: offsets that do not cover the tensors, or a sequence with more queries than keys.
+    """
+    cq, ckv = [int(v) for v in cu_seqlens_q.tolist()], [int(v) for v in cu_seqlens_kv.tolist()]
+    lq = [b - a for a, b in zip(cq[:-1], cq[1:], strict=True)]
+    lkv = [b - a for a, b in zip(ckv[:-1], ckv[1:], strict=True)]
+    if len(lq) != len(lkv) or cq[-1] != query.shape[0] or ckv[-1] != key.shape[0] or \
+            any(n < m for m, n in zip(lq, lkv, strict=True)):
+        raise ValueError(f"cu_seqlens_q {cq} / cu_seqlens_kv {ckv} do not describe query [{query.shape[0]}] and "
+                         f"key [{key.shape[0]}] sequences with n_q <= n_kv")
+    h, d = query.shape[1], query.shape[2]
+    rep = h // key.shape[1]
+    q = query.permute(1, 0, 2)
+    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    outs = []
+    for qs, ks, vs in zip(q.split(lq, dim=1), k.split(lkv, dim=1), v.split(lkv, dim=1), strict=True):
+        n_q, n_kv = qs.shape[1], ks.shape[1]
+        if n_q == 0:
+            continue
+        mask = None
+        if n_kv != n_q:
+            mask = (torch.arange(n_kv, device=q.device)[None, :]
+                    <= torch.arange(n_q, device=q.device)[:, None] + (n_kv - n_q))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
+                                                   is_causal=mask is None, scale=scale))
+    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
+    return out.permute(1, 0, 2).reshape(query.shape[0], h * d)
+
+
+def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn=None) -> torch.Tensor:
+    """`shared_prompt_attention` as one variable-length attention call (`shared_prompt_varlen_layout`): the keys and
+    values are gathered into [prompt | chosen], [prompt | rejected] per pair (+ the padding), the queries stay in row
+    order, and `attention_fn` runs every sequence with a bottom-right-aligned causal mask.
+
+    The backend is the argument: on a GPU with Transformer Engine, omni_model's TE attention module passes a call of
+    transformer_engine.pytorch.DotProductAttention.forward (qkv_format "thd", attn_mask_type
+    "padding_causal_bottom_right"); the default is `varlen_sdpa` (torch, any device), against which the tests check
+    the layout. The TE backend has not run on a GPU yet (tests/test_gpu.py holds its check).
+
+    Args:
+        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs).
+        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
+        attention_fn: callable (query [T, heads, d], key [T_kv, groups, d], value, cu_seqlens_q, cu_seqlens_kv,
+            max_seqlen_q, max_seqlen_kv) -> [T, heads * d]; default `varlen_sdpa` (scale 1/sqrt(d), no dropout).
+    Returns:
+        [T, heads * d] in row order, as `shared_prompt_attention` (equal up to rounding).
+    Raises:
+        ValueError: bad offsets, or query / key / value shapes that do not match.
+    """
+    T, h, _ = query.shape
+    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
+        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
+                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
+    lay = shared_prompt_varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
+    fn = attention_fn or varlen_sdpa
+    return fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
+              lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
 class ThdDotProductAttention(nn.Module):
@@ -279,7 +405,13 @@ class ThdDotProductAttention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         dropout = self.dropout if self.training else 0.0
         outs = []
-        for q0, n, start, end, off in runs:
+        # Without CP every run is a whole sequence and the runs tile the row: take them as torch.split views (one
+        # concatenation in backward) rather than slices (a zero-filled full-row gradient per slice and tensor).
+        parts = None
+        if cp == 1 and sum(n for _, n, _, _, _ in runs) == s_total:
+            lens = [n for _, n, _, _, _ in runs]
+            parts = list(zip(q.split(lens, dim=2), k.split(lens, dim=2), v.split(lens, dim=2), strict=True))
+        for i, (q0, n, start, end, off) in enumerate(runs):
             k_end = start + off + n if causal else end
             mask, is_causal = None, False
             if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
@@ -294,9 +426,10 @@ class ThdDotProductAttention(nn.Module):
                     mask = torch.ones(n, k_end - start, dtype=torch.bool, device=device).tril()
                 mask = allowed if mask is None else allowed & mask
                 is_causal = False
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end], attn_mask=mask,
-                dropout_p=dropout, is_causal=is_causal, scale=self.scale))
+            qs, ks, vs = parts[i] if parts is not None else \
+                (q[:, :, q0:q0 + n], k[:, :, start:k_end], v[:, :, start:k_end])
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout,
+                                                       is_causal=is_causal, scale=self.scale))
         out = torch.cat(outs, dim=2) if outs else q.new_zeros(b, self.heads, 0, self.head_dim)  # [b, h, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s_local, b, self.heads * self.head_dim)
         return out.squeeze(1) if thd else out

@@ -628,9 +628,10 @@ def causal_conv1d_shared_prompt(
     if ts:
         dev = x.device
         t, add, sub, tap = (torch.tensor(v, device=dev) for v in (ts, adds, subs, taps))
-        # only the few columns the taps read are gathered (no full-row copy); index -1 reads 0
-        x_add = x[0][:, add.clamp_min(0)].to(cdt) * (add >= 0)
-        x_sub = x[0][:, sub.clamp_min(0)].to(cdt) * (sub >= 0)
+        # only the few columns the taps read are gathered, in one gather (its backward is one full-row gradient, not
+        # one per gather); index -1 reads 0
+        both = torch.cat([add, sub])
+        x_add, x_sub = (x[0][:, both.clamp_min(0)].to(cdt) * (both >= 0)).split(add.numel(), dim=1)
         terms = (x_add - x_sub) * weight.to(cdt)[:, tap]  # [dim, n]
         out = out.index_add(2, t, terms.to(out.dtype)[None])
     if activation is not None:
@@ -692,20 +693,28 @@ def mamba_chunk_scan_shared_prompt(
     g = B.shape[2]
     r = nheads // g
     Af = A.to(cdt)
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
+    # Per pair, on its own segments (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group]. The
+    # segments are torch.split views, whose backward is one concatenation per tensor, not a zero-filled full-row
+    # gradient per slice (O(pairs · seqlen) per layer, issue 16's profile).
+    end = spans[-1][3] if spans else 0
+    segs = [n for a, c0, r0, e in spans for n in (c0 - a, r0 - c0, e - r0)] + [seqlen - end]
+    xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))
+    zs = z[0].split(segs) if z is not None else None
     rows, corrs = [], []
-    # Per pair, on its own slices (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group].
-    for a, c0, r0, e in shared_prompt_spans(segment_cu_seqlens_padded, seqlen):
+    for i, (a, c0, r0, e) in enumerate(spans):
         if c0 == a or e == r0:
             continue
-        cum_p = torch.cumsum(dtf[0, a:c0] * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
-        w = torch.exp(cum_p[-1:] - cum_p) * dtf[0, a:c0]  # weight of token s in the state after the prompt
-        x_p = x[0, a:c0].to(cdt).view(c0 - a, g, r, headdim)
-        h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, B[0, a:c0].to(cdt))  # state after prompt
-        cum_r = torch.cumsum(dtf[0, r0:e] * Af, dim=0)  # [n_r, h]
-        read = torch.einsum("tgn,grpn->tgrp", C[0, r0:e].to(cdt), h_p).reshape(e - r0, nheads, headdim)
+        dt_p, dt_r = dts[3 * i], dts[3 * i + 2]
+        cum_p = torch.cumsum(dt_p * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
+        w = torch.exp(cum_p[-1:] - cum_p) * dt_p  # weight of token s in the state after the prompt
+        x_p = xs[3 * i].to(cdt).view(c0 - a, g, r, headdim)
+        h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, Bs[3 * i].to(cdt))  # state after prompt
+        cum_r = torch.cumsum(dt_r * Af, dim=0)  # [n_r, h]
+        read = torch.einsum("tgn,grpn->tgrp", Cs[3 * i + 2].to(cdt), h_p).reshape(e - r0, nheads, headdim)
         corr = torch.exp(cum_r)[..., None] * read
-        if z is not None:
-            corr = corr * F.silu(z[0, r0:e].to(cdt))
+        if zs is not None:
+            corr = corr * F.silu(zs[3 * i + 2].to(cdt))
         corrs.append(corr)
         rows.append(torch.arange(r0, e, device=x.device))
     if corrs:

@@ -31,9 +31,10 @@ Forward (vision once per pair): every image of the microbatch is encoded once; t
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
 share one encoding. Then: embed the full packed sequence, replace `<image>` positions, take this rank's context-parallel
 slice (pack.cp_partition_index layout), scatter for sequence parallelism, run the hybrid stack.
-Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; local spec, no CP): the sequences are the pair spans
+Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; no CP): the sequences are the pair spans
 [prompt | chosen | rejected] (one media slot each); the forward sets cpu_compat.SHARED_PROMPT_SEGMENTS to the batch's
-segment_cu_seqlens_padded around the language model, so ThdDotProductAttention (local_spec.shared_prompt_attention)
+segment_cu_seqlens_padded around the language model, so the core attention (local spec: ThdDotProductAttention ->
+local_spec.shared_prompt_attention; TE spec: `shared_prompt_te_attention`, one TE varlen call, not yet run on a GPU)
 and the Mamba layers (mamba_torch.mamba_split_conv1d_scan_shared_prompt, through cpu_compat's Mamba hook) keep each
 rejected response off the chosen one; the routers' padding mask is per span.
 
@@ -65,6 +66,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.tensor_parallel import RowParallelLinear, scatter_to_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
@@ -309,12 +311,62 @@ def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
 
 def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
     """megatron-core's TE `hybrid_stack_spec` with the Mamba mixer swapped for OmniMambaMixer (checkpoint's conv
-    kernel, chunk size and dt clamp)."""
+    kernel, chunk size and dt clamp) and the language model's core attention for `shared_prompt_te_attention` of
+    megatron's TEDotProductAttention (the same module, plus the shared-prompt layout)."""
     spec = copy.deepcopy(hybrid_stack_spec)
     mixer = spec.submodules.mamba_layer.submodules.mixer
     mixer.module = OmniMambaMixer
     mixer.params = {**(mixer.params or {}), **_mamba_params(hf, model_cfg)}
+    attention = spec.submodules.attention_layer.submodules.self_attention.submodules
+    attention.core_attention = shared_prompt_te_attention(attention.core_attention)
     return spec
+
+
+def shared_prompt_te_attention(base: type) -> type:
+    """A subclass of `base` (megatron-core's TEDotProductAttention, itself a transformer_engine.pytorch
+    DotProductAttention) that also runs the shared-prompt layout (pack.pack_shared; issue 16).
+
+    While cpu_compat.SHARED_PROMPT_SEGMENTS is set (OmniModel.forward, language model only) a THD forward becomes ONE
+    variable-length Transformer Engine call of local_spec.shared_prompt_varlen_attention: queries in row order, the
+    keys/values gathered into [prompt | chosen], [prompt | rejected] per pair, `cu_seqlens_q` / `cu_seqlens_kv` (and
+    the same as `*_padded`: no tokens between sequences), `max_seqlen_q` / `max_seqlen_kv`, qkv_format "thd" and
+    attn_mask_type "padding_causal_bottom_right". TE's own forward is called directly (the class after `base` in the
+    MRO): megatron's forward maps AttnMaskType, which has no padding_causal_bottom_right, and the packed_seq_params of
+    the pair spans. Any other forward is `base`'s unchanged.
+
+    Status: the argument set is checked on CPU against a stand-in of TE (tests/test_shared_prompt_te.py) and the
+    layout against local_spec.shared_prompt_attention; the call itself has NOT run on a GPU yet
+    (tests/test_gpu.py::test_te_shared_prompt_attention_equals_local is its check).
+
+    Raises (forward, shared-prompt layout): ValueError for an attention bias, a non-causal mask, or context parallelism
+    (refused at start by pack.validate_packing_config).
+    """
+    from local_spec import shared_prompt_varlen_attention
+
+    class SharedPromptTEDotProductAttention(base):
+        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            """As `base.forward`; with the shared-prompt layout: query [t, heads, d], key/value [t, groups, d]
+            -> [t, heads * d] in row order."""
+            segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+            if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+            if attention_bias is not None or attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) \
+                    or self.config.context_parallel_size > 1:
+                raise ValueError("the shared-prompt layout needs causal attention without an attention bias or "
+                                 "context parallelism")
+            te_forward = super(base, self).forward  # transformer_engine.pytorch.DotProductAttention.forward
+
+            def attend(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+                return te_forward(q, k, v, None, qkv_format="thd", cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q,
+                                  cu_seqlens_kv_padded=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_kv=max_seqlen_kv, attn_mask_type="padding_causal_bottom_right")
+
+            return shared_prompt_varlen_attention(query, key, value, segments, attend)
+
+    return SharedPromptTEDotProductAttention
 
 
 
@@ -352,7 +404,7 @@ class OmniModel(nn.Module):
     in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
     Raises ValueError: `<image>` token count differs from the feature count (both counts in the message), an odd
-    image grid, or pixel rows that do not match the grids; a shared-prompt batch on the TE spec or under CP.
+    image grid, or pixel rows that do not match the grids; a shared-prompt batch under CP.
     """
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
@@ -533,9 +585,9 @@ class OmniModel(nn.Module):
         segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (pack.pack_shared)
         sample_mask = _get(batch, "sample_mask")
         if segments is not None:
-            if cp > 1 or self.use_te:
-                raise ValueError("a shared-prompt batch (packing.shared_prompt) needs the local spec and no context "
-                                 "parallelism (refused at start by preflight)")
+            if cp > 1:
+                raise ValueError("a shared-prompt batch (packing.shared_prompt) needs context parallelism 1 (refused "
+                                 "at start by pack.validate_packing_config)")
             segments = segments.to(device)
             if sample_mask is not None:  # per response [2P] -> per pair span [P] (both rows of a pair share it)
                 sample_mask = sample_mask.view(-1, 2).amax(dim=1)

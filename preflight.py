@@ -98,11 +98,6 @@ def check_model_config(cfg, hf) -> None:
             ) from None
         if what == "language model":
             lm = mcore
-    if cfg.packing.shared_prompt and use_te:
-        raise config_mod.ConfigError(
-            "packing.shared_prompt = true is not supported with the Transformer Engine spec yet (its attention has no "
-            "shared-prompt mask); set packing.shared_prompt = false"
-        )
     tp = p.tensor_model_parallel_size
     if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
         raise config_mod.ConfigError(

@@ -11,6 +11,9 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 5. Every available Mamba-2 kernel against mamba_torch on packed sequences (output and the gradients of x, dt, B, C, z;
    max relative difference <= 1e-2 in bf16, <= 5e-3 in fp32: the issue's measured 7.2e-3 / 2.6e-3 with headroom), and
    mamba_torch on CUDA against mamba_torch on the CPU in fp32 (<= 1e-4).
+6. With Transformer Engine: the shared-prompt attention as one TE varlen call (omni_model.shared_prompt_te_attention,
+   issue 16) against local_spec.shared_prompt_attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
+   relative to the largest value).
 The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
 metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
 """
@@ -177,3 +180,53 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
         got = _scan(kernel, dev, dtype)
         worst = {k: _rel(got[k], want[k]) for k in want}
         assert max(worst.values()) <= KERNEL_TOL[dtype], (name, worst)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 6. Shared-prompt attention through Transformer Engine (issue 16; never run on a GPU before this check)
+
+
+@pytest.mark.skipif(not __import__("cpu_compat").have_transformer_engine(),
+                    reason="transformer_engine does not import here")
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)], ids=["bf16", "fp16"])
+def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
+    """omni_model.shared_prompt_te_attention(megatron's TEDotProductAttention): one TE varlen call with
+    padding_causal_bottom_right masks equals local_spec.shared_prompt_attention (fp32 on the same inputs), outputs and
+    the gradients of q, k, v (max difference relative to the largest value)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from test_shared_prompt_te import SPANS, row_offsets
+
+    import cpu_compat
+    import local_spec
+    import omni_model
+
+    dev = torch.device("cuda", 0)
+    heads, groups, d = 8, 2, 64
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
+                            kv_channels=d, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            fp16=dtype == torch.float16)
+    module = omni_model.shared_prompt_te_attention(TEDotProductAttention)(
+        config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").to(dev)
+    seg, T = row_offsets([(p * 37, c * 29, r * 31, pad) for p, c, r, pad in SPANS], tail=40)  # hundreds of tokens
+    gen = torch.Generator().manual_seed(5)
+    leaves = [torch.randn(T, n, d, generator=gen) for n in (heads, groups, groups)]
+    weight = torch.randn(T, heads * d, generator=gen).to(dev)
+    q, k, v = (t.to(dev, dtype).requires_grad_(True) for t in leaves)
+    cu = torch.tensor([0, int(seg[-1]), T], dtype=torch.int32, device=dev)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                          cu_seqlens_kv_padded=cu, max_seqlen_q=T, max_seqlen_kv=T)
+    token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(seg.to(dev))
+    try:
+        out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
+    finally:
+        cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+    (out.float() * weight).sum().backward()
+    q2, k2, v2 = (t.to(dev).requires_grad_(True) for t in leaves)
+    want = local_spec.shared_prompt_attention(q2, k2, v2, seg.to(dev))
+    (want * weight).sum().backward()
+    worst = {"out": _rel(out, want), **{n: _rel(a.grad, b.grad) for n, a, b in
+                                          (("dq", q, q2), ("dk", k, k2), ("dv", v, v2))}}
+    assert max(worst.values()) <= tol, worst
