@@ -201,7 +201,7 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.permute(1, 0, 2).reshape(T, h * d)
 
 
-def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, num_tokens: int) -> dict:
+def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> dict:
     """The shared-prompt THD row as ONE variable-length attention call (the Transformer Engine path of
     `shared_prompt_attention`): query sequences per pair [prompt | chosen] then [rejected], then the bin's trailing
     padding as a sequence of its own; key/value sequences [prompt | chosen], [prompt | rejected] (the prompt's keys and
@@ -214,14 +214,14 @@ def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, num_tok
 
     Args:
         segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
-        num_tokens: T, the row length (tokens after the last pair form the padding sequence).
+        total_tokens: T, the row length (tokens after the last pair form the padding sequence).
     Returns:
         dict with kv_index (int64 [T_kv], the row position of every key/value token, on the offsets' device),
         cu_seqlens_q / cu_seqlens_kv (int32 [S+1], same device), max_seqlen_q / max_seqlen_kv (int).
     Raises:
         ValueError: bad offsets (`pack.shared_prompt_spans`).
     """
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, num_tokens)
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
     q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
     for a, c0, r0, e in spans:
         if r0 > a:
@@ -231,9 +231,9 @@ def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, num_tok
             q_lens.append(e - r0)
             kv_parts.append([(a, c0), (r0, e)])
     end = spans[-1][3] if spans else 0
-    if end < num_tokens:
-        q_lens.append(num_tokens - end)
-        kv_parts.append([(end, num_tokens)])
+    if end < total_tokens:
+        q_lens.append(total_tokens - end)
+        kv_parts.append([(end, total_tokens)])
     kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
     device = segment_cu_seqlens_padded.device
     ranges = [torch.arange(lo, hi, device=device) for parts in kv_parts for lo, hi in parts]
