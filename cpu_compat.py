@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 import os
 import sys
@@ -115,7 +116,7 @@ LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_
 TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
 # Upstream behaviour the Omni model needs changed on every platform; installed by apply() after the ones above (the
 # dt-limit hook wraps whichever Mamba scan kernel is installed by then).
-MODEL_SHIMS = ("install_mamba_dt_limit_hook", "_fix_router_padding_mask")
+MODEL_SHIMS = ("install_mamba_dt_limit_hook", "_recompute_in_forward_context", "_fix_router_padding_mask")
 
 
 def shims_for(kernels: Kernels) -> tuple[str, ...]:
@@ -627,6 +628,33 @@ def install_mamba_dt_limit_hook() -> None:
     scan_with_dt_limit._omni_dt_limit = True
     scan_with_dt_limit.__wrapped__ = fn
     mamba_mixer.mamba_split_conv1d_scan_combined = scan_with_dt_limit
+
+
+def _recompute_in_forward_context() -> None:
+    """Run a recomputed forward (activation recomputation, `model.recompute` full or selective) with the context
+    variables of its first run.
+
+    SHIM(megatron-core 0.19.2): megatron/core/tensor_parallel/random.py:591
+    CheckpointFunction re-runs the checkpointed layers during backward, after OmniModel.forward has reset
+    `SHARED_PROMPT_SEGMENTS` (and, on a GPU, in autograd's device thread, which has its own context): without this the
+    recomputed attention and Mamba layers of a shared-prompt batch ran the plain span layout (the rejected response
+    seeing the chosen one) and the gradients were wrong. The wrapper copies the caller's contextvars.Context when the
+    checkpoint is taken and runs both the forward and its recomputation in it. Every megatron-core call site goes
+    through CheckpointFunction (tensor_parallel.checkpoint) except te_checkpoint, which megatron uses only with FP8 /
+    FP4 (not supported here).
+    """
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    forward = CheckpointFunction.forward
+    if getattr(forward, "_omni_context", False):
+        return
+
+    def forward_in_context(ctx, run_function, distribute_saved_activations, *args):
+        context = contextvars.copy_context()
+        return forward(ctx, functools.partial(context.run, run_function), distribute_saved_activations, *args)
+
+    forward_in_context._omni_context = True
+    CheckpointFunction.forward = staticmethod(forward_in_context)
 
 
 def _fix_router_padding_mask() -> None:
