@@ -917,3 +917,7 @@ class StepLoader:
         for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
             ids, plan, state = pending.popleft()
             yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
+
+
+if __name__ == "__main__":  # the data report lives in mmpr_index.py since the split (issue 15)
+    raise SystemExit("mmpr_data.py has no command line; the data report is: python mmpr_index.py META_JSON --model MODEL_DIR")

@@ -56,8 +56,8 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
     """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared), then what train.train_step does
     before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
-    sequence_logprobs + MPO loss + backward (policy_forward_backward). Returns logps (the policy's per-response sums,
-    bins concatenated, [2 * pairs] float64), num_tokens, metrics (combined), grads ({name: float64 grad}) and tokens
+    sequence_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
+    bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad}) and tokens
     (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
     import train
@@ -69,25 +69,25 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
     model.zero_grad(set_to_none=True)
     n_pairs = train.count_global_pairs(batches, ctx)
     ref = train.reference_logprobs(model, batches, ctx)
-    logps, counts = [], []
+    logprobs, counts = [], []
     with torch.no_grad():
         for b in batches:
             lp, n = train.sequence_logprobs(model, b, ctx)
-            logps.append(lp.double())
+            logprobs.append(lp.double())
             counts.append(n)
     metrics, _, _ = train.policy_forward_backward(batches, ref, model, ctx, reward_shift, n_pairs, backward=True)
     grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return dict(logps=torch.cat(logps), num_tokens=torch.cat(counts), metrics=metrics, grads=grads,
+    return dict(logprobs=torch.cat(logprobs), num_response_tokens=torch.cat(counts), metrics=metrics, grads=grads,
                 num_global_pairs=n_pairs, tokens=sum(int(b.cu_seqlens[-1]) for b in batches))
 
 
 def max_differences(a: dict, b: dict) -> dict:
-    """Max-abs differences of two mpo_step results: logps, every metric (by name), the largest over all gradients
+    """Max-abs differences of two mpo_step results: logprobs, every metric (by name), the largest over all gradients
     (and the parameter it is on), and the grads' names in either but not both."""
     grad = max(((a["grads"][n] - b["grads"][n]).abs().max().item(), n) for n in a["grads"] if n in b["grads"])
     return dict(
-        logps=(a["logps"] - b["logps"]).abs().max().item(),
-        num_tokens_equal=bool(torch.equal(a["num_tokens"], b["num_tokens"])),
+        logprobs=(a["logprobs"] - b["logprobs"]).abs().max().item(),
+        num_response_tokens_equal=bool(torch.equal(a["num_response_tokens"], b["num_response_tokens"])),
         metrics={k: abs(a["metrics"][k] - b["metrics"][k]) for k in a["metrics"]},
         grad=grad[0], grad_param=grad[1], n_grads=len(a["grads"]),
         grad_names_differ=sorted(set(a["grads"]) ^ set(b["grads"])),

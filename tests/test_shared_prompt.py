@@ -436,13 +436,13 @@ def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
         else:
             seq_ids, S = pack.token_sequence_ids(batch.cu_seqlens_padded, T), batch.num_sequences
         labels, mask = batch.labels[0], batch.loss_mask[0]
-        logps, n = mpo_loss.packed_sequence_logprobs(toy_logits(params, kw, dims, batch), labels, mask, seq_ids, S)
+        logprobs, n = mpo_loss.packed_sequence_logprobs(toy_logits(params, kw, dims, batch), labels, mask, seq_ids, S)
         with torch.no_grad():
             ref, _ = mpo_loss.packed_sequence_logprobs(toy_logits(ref_params, kw, dims, batch), labels, mask, seq_ids, S)
-        loss, metrics, stats = mpo_loss.mpo_loss(logps, ref, n, batch.pair_index, batch.is_chosen, batch.sample_mask,
+        loss, metrics, stats = mpo_loss.mpo_loss(logprobs, ref, n, batch.pair_index, batch.is_chosen, batch.sample_mask,
                                                  cfg, reward_shift=0.05, num_global_pairs=3)
         loss.backward()
-        results.append((logps.detach(), ref, n, loss.detach(), {k: v.grad for k, v in params.items()}, T))
+        results.append((logprobs.detach(), ref, n, loss.detach(), {k: v.grad for k, v in params.items()}, T))
     (lp_a, ref_a, n_a, loss_a, g_a, T_a), (lp_b, ref_b, n_b, loss_b, g_b, T_b) = results
     assert T_b < T_a  # the prompts are stored once
     assert torch.equal(n_a, n_b) and n_a.tolist() == [3, 5, 6, 2, 1, 4]

@@ -28,8 +28,8 @@ TOL = 1e-5
 
 def check_equal(d: dict, n_params: int) -> None:
     """Assert one `max_differences` report: every difference <= TOL, all trainable parameters compared."""
-    assert d["num_tokens_equal"]
-    assert d["logps"] <= TOL, d
+    assert d["num_response_tokens_equal"]
+    assert d["logprobs"] <= TOL, d
     assert max(d["metrics"].values()) <= TOL, d["metrics"]
     assert d["grad"] <= TOL, (d["grad"], d["grad_param"])
     assert d["grad_names_differ"] == [] and d["n_grads"] == n_params
@@ -60,7 +60,7 @@ def test_pairs_cover_the_cases():
 
 
 @pytest.mark.parametrize("bins", ["bins_of_1", "one_bin_of_4"])
-def test_shared_layout_equals_separate_rows_logps_loss_and_every_gradient(tiny, bins):
+def test_shared_layout_equals_separate_rows_logprobs_loss_and_every_gradient(tiny, bins):
     model, ctx = tiny
     pairs = make_pairs()
     b = [[p] for p in pairs] if bins == "bins_of_1" else [pairs]
@@ -83,10 +83,10 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
 
     model, ctx = tiny
     pairs = make_pairs()
-    good = mpo_step(model, ctx, [pairs], shared=True)["logps"]
+    good = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     no_segments = SimpleNamespace(SHARED_PROMPT_SEGMENTS=SimpleNamespace(get=lambda: None))
     monkeypatch.setattr(local_spec, "cpu_compat", no_segments)
-    bad = mpo_step(model, ctx, [pairs], shared=True)["logps"]
+    bad = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     rejected = torch.tensor([False, True] * 4)
     assert (good - bad)[rejected].abs().min() > 100 * TOL
     assert (good - bad)[~rejected].abs().max() <= TOL
@@ -102,8 +102,8 @@ def test_tp2_and_dp2_shared_layout_equals_separate_rows(torchrun):
                 assert n_pairs == [4, 4], (rank, layout, bins)
                 assert d["n_grads"] > 50
                 assert d["grad_names_differ"] == []
-                assert d["num_tokens_equal"]
-                assert d["logps"] <= TOL and d["grad"] <= TOL, (rank, layout, bins, d)
+                assert d["num_response_tokens_equal"]
+                assert d["logprobs"] <= TOL and d["grad"] <= TOL, (rank, layout, bins, d)
                 assert max(d["metrics"].values()) <= TOL, (rank, layout, bins, d["metrics"])
     assert sorted(launch.ranks) == [0, 1]
 

@@ -8,7 +8,7 @@ count_global_pairs / reference_logprobs / sequence_logprobs / policy_forward_bac
 shared-prompt layout. DP = 2: rank r takes bins r, r + 2, ...; gradients are summed over DP (what finalize_model_grads
 does), over TP for the sequence-parallel (replicated) parameters, and the experts' over the expert-DP group (ETP = 1:
 every rank that splits the tokens). Each rank reports the max-abs differences of
-its logps, metrics and gradient shards between the two layouts (tests/dist/report.py).
+its logprobs, metrics and gradient shards between the two layouts (tests/dist/report.py).
 """
 
 from __future__ import annotations
