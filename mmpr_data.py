@@ -440,7 +440,8 @@ class TextRenderer:
                                                       "hide its /think and /no_think from the chat template with")
 
         def hide(text: str, keep_think_end: bool) -> str:
-            for d in TEMPLATE_DIRECTIVES if mark != "/" else ():  # "/no_think" does not contain "/think": the order does not matter
+            # "/no_think" does not contain "/think": the order does not matter
+            for d in TEMPLATE_DIRECTIVES if mark != "/" else ():
                 text = (re.sub(f"(?<!<){re.escape(d)}", mark + d[1:], text) if keep_think_end
                         else text.replace(d, mark + d[1:]))
             return text
@@ -562,7 +563,7 @@ class PairIndex:
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
-        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist()))
+        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
 
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""
@@ -920,4 +921,5 @@ class StepLoader:
 
 
 if __name__ == "__main__":  # the data report lives in mmpr_index.py since the split (issue 15)
-    raise SystemExit("mmpr_data.py has no command line; the data report is: python mmpr_index.py META_JSON --model MODEL_DIR")
+    raise SystemExit("mmpr_data.py has no command line; the data report is: "
+                     "python mmpr_index.py META_JSON --model MODEL_DIR")

@@ -43,7 +43,8 @@ returns the same (replicated) loss and the gradient of its local tokens is exact
 sums has an identity backward), so gradients must also be summed, not averaged, over the CP group; report the loss of
 one CP rank only.
 
-Run the tests: `pytest tests/test_mpo_loss.py` (the multi-rank checks launch tests/dist/check_mpo_loss.py with torchrun).
+Run the tests: `pytest tests/test_mpo_loss.py` (the multi-rank checks launch tests/dist/check_mpo_loss.py with
+torchrun).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
     """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared), then what train.train_step does
     before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
     sequence_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
-    bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad}) and tokens
-    (packed real tokens, cu_seqlens[-1] summed)."""
+    bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad})
+    and tokens (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
     import train
 

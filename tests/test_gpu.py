@@ -14,6 +14,10 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 6. With Transformer Engine: the shared-prompt attention as one TE varlen call (omni_model.shared_prompt_te_attention,
    issue 16) against local_spec.shared_prompt_attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
+7. The shared-prompt layout on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
+   kernels (cpu_compat._shared_prompt_kernels) against the same mixer with mamba_torch's, output and every input
+   gradient (bf16, point 5's tolerance); and the tiny main job with `packing.shared_prompt=true` and
+   `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
 The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
 metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
 """
@@ -93,15 +97,17 @@ def test_cuda_fp32_parity_with_transformers(spec, cuda_world):
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_run, tmp_path_factory):  # noqa: F811  (train_run: test_train's fixture)
     four = ["mpo.max_num_steps=4", "scheduler.lr_warmup_steps=1"]
     straight, seg, bf16 = (tmp_path_factory.mktemp(n) for n in ("straight", "segments", "bf16"))
     out = train_run(1, straight, *four).stdout
     train_run(1, seg, *four, "mpo.stop_after_step=2")
     resumed = train_run(1, seg, *four).stdout
     train_run(1, bf16, *four, "model.params_dtype=bfloat16", "reference.offload=true")
+    shared = tmp_path_factory.mktemp("shared")
+    train_run(1, shared, *four, "packing.shared_prompt=true", "model.recompute=full")
     return SimpleNamespace(out=out, straight=_rows(straight), resumed_out=resumed, segments=_rows(seg),
-                           bf16=_rows(bf16))
+                           bf16=_rows(bf16), shared=_rows(shared))
 
 
 def test_tiny_main_job_trains_four_steps_on_one_gpu(runs):
@@ -230,3 +236,49 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     worst = {"out": _rel(out, want), **{n: _rel(a.grad, b.grad) for n, a, b in
                                           (("dq", q, q2), ("dk", k, k2), ("dv", v, v2))}}
     assert max(worst.values()) <= tol, worst
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 7. The shared-prompt layout on a GPU (issue 16)
+
+
+def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
+    """mamba_torch.mamba_split_conv1d_scan_shared_prompt with causal-conv1d's conv, mamba-ssm's scan and gated norm
+    (what cpu_compat's Mamba hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
+    of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
+    prompt, padding): output and the gradients of every input (max difference relative to the largest value)."""
+    from test_shared_prompt import SPANS, mixer_tensors, row_offsets
+
+    import cpu_compat
+    import mamba_torch
+
+    if not cpu_compat.have_mamba_ssm():
+        pytest.skip("mamba-ssm + causal-conv1d do not import here")
+    from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+
+    dev, dtype = torch.device("cuda", 0), torch.bfloat16
+    seg, T = row_offsets([(p * 23, c * 19, r * 17, pad) for p, c, r, pad in SPANS], tail=8)
+    tensors, kw = mixer_tensors(T, h=8, p=16, g=2, n=16)  # channel counts multiples of 8 (causal-conv1d)
+    weight = torch.randn(1, T, tensors["outproj_weight"].shape[0], generator=torch.Generator().manual_seed(3))
+    results = []
+    for kernels in (cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined), {}):
+        a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
+        out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
+            **a, chunk_size=64, segment_cu_seqlens_padded=seg.to(dev), **kw, **kernels)
+        (out.float() * weight.to(dev)).sum().backward()
+        results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
+    assert set(cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined)) == {"conv_fn", "scan_fn",
+                                                                                         "norm_fn"}
+    worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+    assert max(worst.values()) <= KERNEL_TOL[dtype], worst
+
+
+def test_shared_prompt_main_job_with_recompute_equals_separate_rows_at_step_1(runs):
+    """The tiny main job with packing.shared_prompt=true and model.recompute=full on one GPU: step 1 (weights not yet
+    updated, same pairs) gives the separate-rows run's losses, log-probs and grad norm; later steps may depart (the
+    routers count each prompt token once, README)."""
+    shared, straight = runs.shared, runs.straight
+    assert [r["step"] for r in shared] == [1, 2, 3, 4] and _finite(shared)
+    assert shared[0]["tokens"] < straight[0]["tokens"]
+    for k in ("loss", "preference_loss", "bco_loss", "sft_loss", "logprobs/chosen", "logprobs/rejected", "grad_norm"):
+        assert shared[0][k] == pytest.approx(straight[0][k], rel=5e-3, abs=1e-4), k

@@ -1,6 +1,6 @@
-"""mmpr_data.py and mmpr_index.py: meta-recipe parsing and path rules, row validation and every drop reason, image decoding, template
-rendering and loss masks (checked token by token and against the processor end to end), the index cache, splits,
-the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
+"""mmpr_data.py and mmpr_index.py: meta-recipe parsing and path rules, row validation and every drop reason, image
+decoding, template rendering and loss masks (checked token by token and against the processor end to end), the index
+cache, splits, the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
 
 Every test writes its cache under tmp_path (HF_DATASETS_CACHE is monkeypatched), never to ~/.cache.
 """

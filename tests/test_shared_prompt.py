@@ -438,7 +438,8 @@ def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
         labels, mask = batch.labels[0], batch.loss_mask[0]
         logprobs, n = mpo_loss.packed_sequence_logprobs(toy_logits(params, kw, dims, batch), labels, mask, seq_ids, S)
         with torch.no_grad():
-            ref, _ = mpo_loss.packed_sequence_logprobs(toy_logits(ref_params, kw, dims, batch), labels, mask, seq_ids, S)
+            ref_logits = toy_logits(ref_params, kw, dims, batch)
+            ref, _ = mpo_loss.packed_sequence_logprobs(ref_logits, labels, mask, seq_ids, S)
         loss, metrics, stats = mpo_loss.mpo_loss(logprobs, ref, n, batch.pair_index, batch.is_chosen, batch.sample_mask,
                                                  cfg, reward_shift=0.05, num_global_pairs=3)
         loss.backward()

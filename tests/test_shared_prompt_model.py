@@ -2,12 +2,12 @@
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
 separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared) through train.py's own functions
-(count_global_pairs, reference_logprobs, sequence_logprobs, policy_forward_backward): per-response log-prob sums, every MPO
-metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several pairs with image
-and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1) and in a 2-rank
-launch (TP = 2 with sequence parallelism, DP = 2). Also: the one training step of tests/step_cases.py with the switch on
-(ln 2 / 2 ln 2, the device rule, bins sized by the planner), the main job's step-1 losses, and the refused
-combinations.
+(count_global_pairs, reference_logprobs, sequence_logprobs, policy_forward_backward): per-response log-prob sums,
+every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
+pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
+with activation recomputation (full, selective), and in a 2-rank launch (TP = 2 with sequence parallelism, DP = 2).
+Also: the one training step of tests/step_cases.py with the switch on (ln 2 / 2 ln 2, the device rule, bins sized by
+the planner), the main job's step-1 losses, and the refused combinations.
 
 Run: `pytest tests/test_shared_prompt_model.py` (CPU, about a minute and a half: one 2-rank launch, one train.py run).
 """
