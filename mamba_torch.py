@@ -58,6 +58,20 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _processed_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
+                  cdt: torch.dtype) -> torch.Tensor:
+    """The time step the scan uses, in `cdt`: clamp(softplus(dt + dt_bias), *dt_limit) (each step only when asked;
+    softplus with torch's threshold 20, as the kernels)."""
+    dtf = dt.to(cdt)
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.to(cdt)
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    if tuple(dt_limit) != _NO_LIMIT:
+        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dtf
+
+
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
     """[num_seqs + 1] cumulative lengths (starting at 0) → seq_idx [1, seqlen] int32: pack.token_sequence_ids (the one
     token -> sequence rule; tokens at or beyond cu_seqlens[-1], the padding, get index num_seqs) in the kernel's layout.
@@ -309,13 +323,7 @@ def mamba_chunk_scan_combined(
         raise ValueError("return_varlen_states needs cu_seqlens")
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
     cdt = _compute_dtype(x)
-    dtf = dt.to(cdt)
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.to(cdt)
-    if dt_softplus:
-        dtf = F.softplus(dtf)  # threshold 20, as the kernels
-    if tuple(dt_limit) != _NO_LIMIT:
-        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     positions = None
     if return_varlen_states:
         cu = cu_seqlens.to(torch.int64).flatten().tolist()
@@ -368,11 +376,7 @@ def mamba_chunk_scan_via_simple_gla(
     b, seqlen, h, p = x.shape
     r = h // B.shape[2]
     cdt = _compute_dtype(x)
-    dtf = dt.to(cdt) + (dt_bias.to(cdt) if dt_bias is not None else 0.0)
-    if dt_softplus:
-        dtf = F.softplus(dtf)
-    if tuple(dt_limit) != _NO_LIMIT:
-        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     cu = None
     if seq_idx is not None:
         if b != 1:
@@ -679,13 +683,7 @@ def mamba_chunk_scan_shared_prompt(
                          f"C {tuple(C.shape)}")
     scan_fn = scan_fn or mamba_chunk_scan_combined
     cdt = _compute_dtype(x)
-    dtf = dt.to(cdt)
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.to(cdt)
-    if dt_softplus:
-        dtf = F.softplus(dtf)
-    if tuple(dt_limit) != _NO_LIMIT:
-        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
     # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
