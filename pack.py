@@ -631,6 +631,44 @@ def _check_pair(p: PreferencePair, image_token_id: int) -> None:
             )
 
 
+def _check_bin(pairs: Sequence[PreferencePair], divisible_by: int) -> None:
+    """The checks `pack` and `pack_shared` make before packing: a non-empty bin, divisible_by >= 1 (ValueError)."""
+    if not pairs:
+        raise ValueError("cannot pack an empty bin")
+    if divisible_by < 1:
+        raise ValueError(f"divisible_by = {divisible_by} must be >= 1")
+
+
+def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
+                  cu_pad: list[int], pair_index: list[int], is_chosen: list[bool], dummy: bool,
+                  media_index: torch.Tensor, **segments: torch.Tensor) -> PackedBatch:
+    """The PackedBatch of `pack` / `pack_shared` from their per-piece token tensors (ids, labels, loss masks,
+    positions: lists of 1-D tensors concatenated in order), offsets and per-sequence pair metadata; the images of
+    `pairs` are stored once per pair, in pair order. `segments`: the shared-prompt layout's segment offsets."""
+    ids, labels, lmask, pos = (torch.cat(t) for t in token_parts)
+    cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int64)
+    return PackedBatch(
+        input_ids=ids[None],
+        labels=labels[None],
+        loss_mask=lmask[None],
+        position_ids=pos.to(torch.int64)[None],
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_padded=cu_pad_t,
+        max_seqlen=int((cu_pad_t[1:] - cu_pad_t[:-1]).max()),
+        pair_index=torch.tensor(pair_index, dtype=torch.int64),
+        is_chosen=torch.tensor(is_chosen, dtype=torch.bool),
+        sample_mask=torch.full((len(is_chosen),), 0.0 if dummy else 1.0, dtype=torch.float32),
+        pixel_values=torch.cat([p.pixel_values for p in pairs], dim=0),
+        image_grid_hw=torch.cat([p.image_grid_hw.to(torch.int64) for p in pairs], dim=0),
+        image_token_counts=torch.cat([p.image_token_counts.to(torch.int64) for p in pairs], dim=0),
+        media_index=media_index,
+        media_image_offsets=torch.cat([zero, torch.tensor([p.image_grid_hw.shape[0] for p in pairs]).cumsum(0)]),
+        media_patch_offsets=torch.cat([zero, torch.tensor([p.pixel_values.shape[0] for p in pairs]).cumsum(0)]),
+        **segments,
+    )
+
+
 def pack(
     pairs: Sequence[PreferencePair],
     divisible_by: int,
@@ -649,14 +687,10 @@ def pack(
             the grids; a row whose `<image>` token count differs from the sum of its pair's image_token_counts (both
             counts in the message).
     """
-    if not pairs:
-        raise ValueError("cannot pack an empty bin")
-    if divisible_by < 1:
-        raise ValueError(f"divisible_by = {divisible_by} must be >= 1")
+    _check_bin(pairs, divisible_by)
     ids, labels, lmask, pos = [], [], [], []
     cu, cu_pad = [0], [0]
     pair_index, is_chosen = [], []
-    img_off, patch_off = [0], [0]
     for p in pairs:
         _check_pair(p, image_token_id)
         for chosen in (True, False):
@@ -678,32 +712,9 @@ def pack(
             cu_pad.append(cu_pad[-1] + n_pad)
             pair_index.append(-1 if dummy else p.pair_index)
             is_chosen.append(chosen)
-        img_off.append(img_off[-1] + p.image_grid_hw.shape[0])
-        patch_off.append(patch_off[-1] + p.pixel_values.shape[0])
-    s = len(is_chosen)
     # Gaps between real sequences (padding) make cu_seqlens and cu_seqlens_padded differ; attention uses both.
-    pixel_values = torch.cat([p.pixel_values for p in pairs], dim=0)
-    grids = [p.image_grid_hw.to(torch.int64) for p in pairs]
-    counts = [p.image_token_counts.to(torch.int64) for p in pairs]
-    cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
-    return PackedBatch(
-        input_ids=torch.cat(ids)[None],
-        labels=torch.cat(labels)[None],
-        loss_mask=torch.cat(lmask)[None],
-        position_ids=torch.cat(pos)[None],
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        cu_seqlens_padded=cu_pad_t,
-        max_seqlen=int((cu_pad_t[1:] - cu_pad_t[:-1]).max()),
-        pair_index=torch.tensor(pair_index, dtype=torch.int64),
-        is_chosen=torch.tensor(is_chosen, dtype=torch.bool),
-        sample_mask=torch.full((s,), 0.0 if dummy else 1.0, dtype=torch.float32),
-        pixel_values=pixel_values,
-        image_grid_hw=torch.cat(grids, dim=0),
-        image_token_counts=torch.cat(counts, dim=0),
-        media_index=torch.arange(s, dtype=torch.int64) // 2,
-        media_image_offsets=torch.tensor(img_off, dtype=torch.int64),
-        media_patch_offsets=torch.tensor(patch_off, dtype=torch.int64),
-    )
+    return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
+                         media_index=torch.arange(len(is_chosen), dtype=torch.int64) // 2)
 
 
 def unpack(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
@@ -886,14 +897,10 @@ def pack_shared(
         ValueError: as `pack`, plus a pair whose rows share no prompt token (k = 0) or whose `<image>` tokens are not
             all inside the shared prompt.
     """
-    if not pairs:
-        raise ValueError("cannot pack an empty bin")
-    if divisible_by < 1:
-        raise ValueError(f"divisible_by = {divisible_by} must be >= 1")
+    _check_bin(pairs, divisible_by)
     ids, labels, lmask, pos = [], [], [], []
     cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
     pair_index, is_chosen = [], []
-    img_off, patch_off = [0], [0]
     for p in pairs:
         _check_pair(p, image_token_id)
         k = shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
@@ -933,29 +940,10 @@ def pack_shared(
         cu_pad.append(cu_pad[-1] + real + n_pad)
         pair_index += [-1 if dummy else p.pair_index] * 2
         is_chosen += [True, False]
-        img_off.append(img_off[-1] + p.image_grid_hw.shape[0])
-        patch_off.append(patch_off[-1] + p.pixel_values.shape[0])
-    cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
-    return PackedBatch(
-        input_ids=torch.cat(ids)[None],
-        labels=torch.cat(labels)[None],
-        loss_mask=torch.cat(lmask)[None],
-        position_ids=torch.cat(pos).to(torch.int64)[None],
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        cu_seqlens_padded=cu_pad_t,
-        max_seqlen=int((cu_pad_t[1:] - cu_pad_t[:-1]).max()),
-        pair_index=torch.tensor(pair_index, dtype=torch.int64),
-        is_chosen=torch.tensor(is_chosen, dtype=torch.bool),
-        sample_mask=torch.full((len(is_chosen),), 0.0 if dummy else 1.0, dtype=torch.float32),
-        pixel_values=torch.cat([p.pixel_values for p in pairs], dim=0),
-        image_grid_hw=torch.cat([p.image_grid_hw.to(torch.int64) for p in pairs], dim=0),
-        image_token_counts=torch.cat([p.image_token_counts.to(torch.int64) for p in pairs], dim=0),
-        media_index=torch.arange(len(pairs), dtype=torch.int64),
-        media_image_offsets=torch.tensor(img_off, dtype=torch.int64),
-        media_patch_offsets=torch.tensor(patch_off, dtype=torch.int64),
-        segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
-        segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32),
-    )
+    return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
+                         media_index=torch.arange(len(pairs), dtype=torch.int64),
+                         segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
+                         segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
 
 
 def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
