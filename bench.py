@@ -563,15 +563,21 @@ def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> 
         prompt = torch.randint(32, vocab, (max(2, p // scale),), generator=g)
         resp = [torch.randint(32, vocab, (max(1, n // scale),), generator=g) for n in (c, r)]
         resp[1][0] = 32 + (int(resp[0][0]) - 31) % (vocab - 32)  # the responses differ from their first token
-        rows = [torch.cat([prompt, x]) for x in resp]
-        masks = [torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(x.numel(), dtype=torch.bool)])
-                 for x in resp]
-        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
-                                       chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
-                                       pixel_values=torch.zeros(0, 3 * 16 * 16),
-                                       image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
-                                       image_token_counts=torch.zeros(0, dtype=torch.int64))
+        pairs[i] = text_pair(i, prompt, *resp)
     return pairs
+
+
+def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
+              rejected: torch.Tensor) -> pack.PreferencePair:
+    """A text-only pair: rows [prompt | response] (int64 ids), loss masks on the responses, no image."""
+    rows = [torch.cat([prompt, x]) for x in (chosen, rejected)]
+    masks = [torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(x.numel(), dtype=torch.bool)])
+             for x in (chosen, rejected)]
+    return pack.PreferencePair(pair_index=pair_index, chosen_ids=rows[0], rejected_ids=rows[1],
+                               chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
+                               pixel_values=torch.zeros(0, 3 * 16 * 16),
+                               image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
+                               image_token_counts=torch.zeros(0, dtype=torch.int64))
 
 
 def bench_shared(quick: bool) -> dict:
@@ -734,17 +740,8 @@ def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab
     pairs = {}
     for i in range(n):
         p = torch.randint(32, vocab, (rint(prompt),), generator=g)
-        rows, masks = [], []
-        for _ in range(2):
-            r = torch.randint(32, vocab, (rint(response),), generator=g)
-            rows.append(torch.cat([p, r]))
-            masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool),
-                                    torch.ones(r.numel(), dtype=torch.bool)]))
-        pairs[i] = pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
-                                       chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
-                                       pixel_values=torch.zeros(0, 3 * 16 * 16),
-                                       image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
-                                       image_token_counts=torch.zeros(0, dtype=torch.int64))
+        responses = [torch.randint(32, vocab, (rint(response),), generator=g) for _ in range(2)]
+        pairs[i] = text_pair(i, p, *responses)
     return pairs
 
 
