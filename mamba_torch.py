@@ -258,15 +258,37 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
 
     pos_states = None
     if state_positions is not None:
-        out = []
-        for t in state_positions:
-            c, pos = divmod(int(t), Q)
-            # State after token t: the chunk-start state decayed to t plus the tokens s ≤ t of t's chunk.
-            local = torch.einsum("hs,hsn,hsp->hpn", decay[0, :, c, pos], Bh[0, :, c], xdt[0, :, c])
-            carry = from_start[0, :, c, pos][:, None, None] * start_states[0, :, c]
-            out.append(local + carry)
-        pos_states = torch.stack(out) if out else x.new_zeros(0, h, p, n)
+        # State after token t: the chunk-start state decayed to t plus the tokens s ≤ t of t's chunk. One gather per
+        # tensor for all positions (a gather's backward is one full-size gradient; one per position would be many).
+        t = torch.tensor([int(v) for v in state_positions], dtype=torch.int64, device=x.device)
+        c, pos = t // Q, t % Q
+        cum_c = cum[0, :, c]  # [h, k, Q]
+        w = (cum_c.gather(2, pos[None, :, None].expand(h, -1, 1)) - cum_c)  # [h, k, Q]: log-decay s -> t
+        keep = (torch.arange(Q, device=x.device)[None, :] <= pos[:, None])
+        if seq_idx is not None:
+            keep = keep & (sid[0, c] == sid[0, c].gather(1, pos[:, None]))
+        w = w.masked_fill(~keep[None], float("-inf")).exp()
+        Bc = B[0, :, c][:, None].expand(g, r, -1, Q, n).reshape(h, -1, Q, n)
+        local = torch.einsum("hks,hksn,hksp->khpn", w, Bc, xdt[0, :, c])
+        carry = from_start[0, :, c, pos].T[:, :, None, None] * start_states[0, :, c].transpose(0, 1)
+        pos_states = local + carry  # [len, h, p, n]
     return y, final, pos_states
+
+
+def _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions):
+    """`mamba_chunk_scan_combined` after its checks, dt already processed (dtf in the compute dtype): returns out
+    [b, l, h, p] in x.dtype ((y + D·x)·silu(z)), the final state [b, h, p, n] and the states after the tokens
+    `positions` (list of int, batch 0; None: none) [len, h, p, n], both in the compute dtype."""
+    cdt = dtf.dtype
+    xf = x.to(cdt)
+    y, final, states = _ssd(xf, dtf, A.to(cdt), B.to(cdt), C.to(cdt), chunk_size, seq_idx, initial_states,
+                            positions)
+    if D is not None:
+        Df = D.to(cdt)
+        y = y + xf * (Df[:, None] if Df.dim() == 1 else Df)
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    return y.to(x.dtype), final, states
 
 
 def mamba_chunk_scan_combined(
@@ -330,15 +352,7 @@ def mamba_chunk_scan_combined(
         positions = [end - 1 for end in cu[1:]]
         if any(cu[i + 1] <= cu[i] for i in range(len(cu) - 1)):
             raise ValueError("return_varlen_states needs non-empty sequences in cu_seqlens")
-    xf = x.to(cdt)
-    y, final, varlen = _ssd(xf, dtf, A.to(cdt), B.to(cdt), C.to(cdt), chunk_size, seq_idx, initial_states,
-                            positions)
-    if D is not None:
-        Df = D.to(cdt)
-        y = y + xf * (Df[:, None] if Df.dim() == 1 else Df)
-    if z is not None:
-        y = y * F.silu(z.to(cdt))
-    out = y.to(x.dtype)
+    out, final, varlen = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions)
     sdt = state_dtype or cdt
     result = [out]
     if return_final_states:
@@ -561,8 +575,10 @@ def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, 
 #     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
 # (a) is the ordinary packed scan with seq_idx restarting at every rejected segment ([prompt | chosen] stays one
 # sequence, so prompt and chosen need no correction), i.e. mamba-ssm's fused `mamba_chunk_scan_combined` on a GPU;
-# (b) is two small einsums per pair in torch (O(prompt·heads·headdim·dstate), like one chunk-state pass), whose
-# autograd carries the rejected response's gradient into the prompt. The causal conv works the same way: the packed
+# (b) is computed in torch per pair: h_P (with a kernel that returns no mid-sequence state, e.g. mamba-ssm's, an einsum
+# over the prompt, O(prompt·heads·headdim·dstate); this module's scan returns it from the chunk-start state it holds,
+# O(chunk)), then its read-out over the rejected tokens (O(rejected·heads·headdim·dstate)); autograd carries the
+# rejected response's gradient into the prompt through h_P. The causal conv works the same way: the packed
 # conv with one seq_idx per pair (causal-conv1d's kernel on a GPU) reads the chosen segment's last d_conv-1 inputs at
 # the start of the rejected segment; a correction of at most (d_conv-1)·d_conv/2 taps per pair swaps them for the
 # prompt's last inputs, before the activation.
@@ -665,11 +681,13 @@ def mamba_chunk_scan_shared_prompt(
         B/C [1, seqlen, ngroups, dstate], D, z, dt_bias, dt_softplus, dt_limit), plus
         segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded);
         scan_fn: the packed scan, `mamba_chunk_scan_combined`'s signature, called with the processed dt, D, z and
-            seq_idx (default: this module's; on a GPU mamba_ssm's).
+            seq_idx (on a GPU mamba_ssm's). None: this module's scan, which also returns the state after each
+            prompt, so h_P is not summed over the prompt again.
     Returns:
         out [1, seqlen, nheads, headdim] in x.dtype: (y + D·x)·silu(z). The prompt-state term of the rejected rows is
         computed in float32/float64 and added to the scan's output in its dtype (exact for float32/float64; one more
-        rounding for bf16). Extra work and memory: O(prompt + rejected tokens) per pair, never a full-row copy.
+        rounding for bf16). Extra work and memory per pair: O(rejected tokens) plus O(prompt tokens) with a scan_fn
+        (O(chunk) without), never a full-row copy.
     Raises:
         ValueError: batch > 1, inconsistent shapes or offsets.
     """
@@ -681,17 +699,23 @@ def mamba_chunk_scan_shared_prompt(
     if B.shape[:2] != (1, seqlen) or B.shape != C.shape or nheads % B.shape[2] or dt.shape != (1, seqlen, nheads):
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)}, "
                          f"C {tuple(C.shape)}")
-    scan_fn = scan_fn or mamba_chunk_scan_combined
     cdt = _compute_dtype(x)
     dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
+    spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
+    corrected = [(a, c0, r0, e) for a, c0, r0, e in spans if c0 > a and e > r0]
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
     # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
-    out = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx)
+    if scan_fn is None:
+        # This module's scan also returns the state after each prompt's last token (the [prompt | chosen] sequence's
+        # state there: O(chunk) per pair from the chunk-start state it holds anyway), so h_P below is not recomputed
+        # from the whole prompt.
+        out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [c0 - 1 for _, c0, _, _ in corrected])
+    else:
+        out, h_ps = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), None
     g = B.shape[2]
     r = nheads // g
     Af = A.to(cdt)
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
     # Per pair, on its own segments (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group]. The
     # segments are torch.split views, whose backward is one concatenation per tensor, not a zero-filled full-row
     # gradient per slice (O(pairs · seqlen) per layer, issue 16's profile).
@@ -700,14 +724,20 @@ def mamba_chunk_scan_shared_prompt(
     xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))
     zs = z[0].split(segs) if z is not None else None
     rows, corrs = [], []
+    j = 0
     for i, (a, c0, r0, e) in enumerate(spans):
         if c0 == a or e == r0:
             continue
-        dt_p, dt_r = dts[3 * i], dts[3 * i + 2]
-        cum_p = torch.cumsum(dt_p * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
-        w = torch.exp(cum_p[-1:] - cum_p) * dt_p  # weight of token s in the state after the prompt
-        x_p = xs[3 * i].to(cdt).view(c0 - a, g, r, headdim)
-        h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, Bs[3 * i].to(cdt))  # state after prompt
+        if h_ps is not None:
+            h_p = h_ps[j].view(g, r, headdim, -1)  # state after the prompt, from the scan
+            j += 1
+        else:
+            dt_p = dts[3 * i]
+            cum_p = torch.cumsum(dt_p * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
+            w = torch.exp(cum_p[-1:] - cum_p) * dt_p  # weight of token s in the state after the prompt
+            x_p = xs[3 * i].to(cdt).view(c0 - a, g, r, headdim)
+            h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, Bs[3 * i].to(cdt))
+        dt_r = dts[3 * i + 2]
         cum_r = torch.cumsum(dt_r * Af, dim=0)  # [n_r, h]
         read = torch.einsum("tgn,grpn->tgrp", Cs[3 * i + 2].to(cdt), h_p).reshape(e - r0, nheads, headdim)
         corr = torch.exp(cum_r)[..., None] * read

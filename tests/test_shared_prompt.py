@@ -70,8 +70,11 @@ def recurrence(x, dt, A, B, C):
     return torch.stack(ys)
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["torch-states", "generic-kernel"])
 @pytest.mark.parametrize("chunk_size", [4, 8])
-def test_scan_equals_separate_sequences_values_and_gradients(chunk_size):
+def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic):
+    # generic: a scan_fn is given (mamba-ssm's on a GPU; here this module's), so the prompt state is summed over the
+    # prompt; default: this module's scan returns it.
     seg, T = row_offsets(SPANS, tail=3)
     h, p, g, n = 4, 3, 2, 5
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +92,8 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size):
     shared = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
     out = mt.mamba_chunk_scan_shared_prompt(
         shared["x"], shared["dt"], shared["A"], shared["B"], shared["C"], chunk_size, seg, D=shared["D"],
-        z=shared["z"], dt_bias=shared["dt_bias"], dt_softplus=True)
+        z=shared["z"], dt_bias=shared["dt_bias"], dt_softplus=True,
+        scan_fn=mt.mamba_chunk_scan_combined if generic else None)
     (out * weight).sum().backward()
 
     ref = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
