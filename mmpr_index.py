@@ -369,10 +369,12 @@ def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int
 
 @dataclass
 class Split:
-    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1)."""
+    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1); `dropped_oversized` counts the
+    pairs preflight.check_splits removed from `pair_ids` as larger than a bin (packing.drop_oversized_pairs)."""
 
     index: PairIndex
     pair_ids: list[int]
+    dropped_oversized: int = 0
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
