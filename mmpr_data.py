@@ -91,6 +91,7 @@ DROP_REASONS = (
     "unterminated_reasoning",  # a response opens <think> and never closes it (a generation cut off while reasoning)
     "malformed_reasoning",  # a response with several reasoning blocks, or text before its <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
+    "identical_responses",  # chosen and rejected are the same text after stripping surrounding whitespace: no signal
     "no_image_root",  # relative image paths in a subset whose meta entry has no root (null or missing)
     "image_missing",  # an image file does not exist
     "image_unreadable",  # PIL cannot open or decode it
@@ -352,6 +353,10 @@ class TextRenderer:
               subset: str = "") -> tuple[str, str, str, str, list[str]]:
         """Check a JSON row; return (system, question, chosen, rejected, image paths in placeholder order).
 
+        chosen and rejected come back stripped of surrounding whitespace (what is rendered and trained). Identical
+        responses means equal after that strip, reasoning included (a pair differing only inside the text, in its
+        reasoning or in inner whitespace, is kept): such a pair is the same row twice and has no preference signal.
+
         `<image_N>` placeholders become `<image>` with the N-th image at that place; relative image paths are joined
         to `root` (None: the subset `subset` has no root, so such a row is dropped). Raises _Drop (DROP_REASONS).
         """
@@ -392,6 +397,9 @@ class TextRenderer:
         for name, text in (("chosen", chosen), ("rejected", rejected)):
             if not text.split("</think>")[-1].strip():
                 raise _Drop("empty_response", f"{name} is empty")
+        if chosen == rejected:  # both already stripped: the rows would be the same tokens, the pair has no preference
+            raise _Drop("identical_responses", "chosen and rejected are the same text (after stripping surrounding "
+                                               "whitespace)")
         if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
             raise _Drop("no_image_root", f"subset {subset!r} has no root in the meta-recipe, so the relative image "
                                          f"path {rel[0]!r} cannot be resolved")

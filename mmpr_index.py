@@ -59,7 +59,7 @@ from mmpr_data import (
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 2  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 3  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 
 # ======================================================================================================================

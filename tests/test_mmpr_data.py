@@ -390,6 +390,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
         # template_rewrites_text: no character is left to hide the /think from the template with
         row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
+        row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2]})
@@ -403,14 +404,14 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
-                             "malformed_reasoning": 2, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
+                             "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1, "image_missing": 1, "image_unreadable": 1,
                              "image_truncated": 1, "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
     assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 25 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 26 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -421,6 +422,35 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         mi.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
     with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
         mi.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
+
+
+def test_identical_responses_are_a_counted_drop(tmp_path, processor):
+    """QA15 item 7: chosen == rejected after stripping surrounding whitespace is a drop with file:line examples (and a
+    DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
+    rows = [
+        row(0),  # valid
+        row(1, chosen="Red.", rejected="Red."),  # identical
+        row(2, chosen="  Red.\n", rejected="Red. "),  # identical after stripping
+        row(3, chosen="Red  square.", rejected="Red square."),  # kept: inner whitespace differs
+        row(4, chosen="<think>a</think>Red.", rejected="<think>b</think>Red."),  # kept: the reasoning differs
+        row(5, chosen="<think>a</think>Red.", rejected="<think>a</think>Red.\t"),  # identical, reasoning included
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"identical_responses": 3} and index.line.tolist() == [1, 4, 5]
+    example = (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: chosen and rejected are the same text (after stripping "
+               "surrounding whitespace)")
+    assert st["drop_examples"]["identical_responses"][0] == example
+    assert mi.summary_drops(index) == {"identical_responses": 3}
+    assert "    dropped identical_responses: 3  e.g. " + example in mi.format_report(mi.report(index)).splitlines()
+    cfg = data_cfg()
+    cfg.strict = True
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, cfg, use_cache=False)
+    assert str(e.value) == (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: row dropped (identical_responses: chosen and "
+                            "rejected are the same text (after stripping surrounding whitespace)) and data.strict = "
+                            "true")
 
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
