@@ -146,7 +146,7 @@ class SchedulerConfig:
 @dataclass
 class PackingConfig:
     max_tokens_per_bin: int = 4096  # tokens per packed microbatch (both rows of a pair count), after padding
-    max_sequences_per_bin: int = 1  # pairs per packed microbatch (the seed's name; 1 = one pair per bin)
+    max_sequences_per_bin: int = 1  # pairs per packed microbatch (a pair, chosen + rejected, counts once; 1 = one pair)
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
     # Pairs larger than a bin: false = a ConfigError at start naming the largest; true = dropped at start from the

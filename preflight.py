@@ -23,14 +23,17 @@ def check_inputs(cfg) -> None:
     Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
 
     Raises:
-        config.ConfigError: model.hf_path has no config.json; data.train.data_path (or data.validation.data_path, when
-            set) is not a file; the packing / parallel divisibility rule (pack.validate_packing_config) fails.
+        config.ConfigError: model.hf_path has no config.json; data.train.data_path is empty; data.train.data_path (or
+            data.validation.data_path, when set) is not a file; the packing / parallel divisibility rule
+            (pack.validate_packing_config) fails.
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
             f"paths are relative to the working directory {os.getcwd()})"
         )
+    if not cfg.data.train.data_path.strip():
+        raise config_mod.ConfigError("data.train.data_path is empty: set it to an MMPR meta-recipe JSON")
     for key, path in (
         ("data.train.data_path", cfg.data.train.data_path),
         ("data.validation.data_path", cfg.data.validation.data_path),
@@ -171,7 +174,8 @@ def check_splits(train_split, val_split, cfg):
             )
         dropped = set(big)
         kept[name] = mmpr_index.Split(split.index, [p for p in split.pair_ids if p not in dropped], len(big))
-        where = "(metrics: dropped_oversized)" if name == "training" else f"(validation uses the other {len(sizes) - len(big)})"
+        left = len(sizes) - len(big)
+        where = "(metrics: dropped_oversized)" if name == "training" else f"(validation uses the other {left})"
         notes.append(
             f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = {pk.max_tokens_per_bin} "
             f"and are dropped at start (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens) {where}"

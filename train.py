@@ -171,13 +171,15 @@ class Data:
 
 
 def load_data(cfg, hf, rank: int) -> Data:
-    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0)."""
+    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
+    (mmpr_data.DataWarning) among them as plain lines, once."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-    train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
+    with mmpr_data.data_warnings([]) as warned:
+        train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
-    monitor.print_data(train_split, val_split, notes, rank)
+    monitor.print_data(train_split, val_split, warned + notes, rank)
     return Data(
         train_split=train_split,
         val_split=val_split,

@@ -404,8 +404,9 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
-                             "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1, "image_missing": 1, "image_unreadable": 1,
-                             "image_truncated": 1, "template_rewrites_text": 1, "too_long": 1}
+                             "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
+                             "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
+                             "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
