@@ -272,6 +272,63 @@ def test_meta_warnings_length_and_data_augment(tmp_path, processor):
     assert len(index) == 2
 
 
+def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, capsys):
+    """QA15 item 13: data notices (DataWarning) become plain lines, each once, instead of UserWarnings with a source
+    line; other warnings still print; mmpr_index.py prints them as 'warning: ...' on stderr."""
+    import warnings
+
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True})
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        with md.data_warnings([]) as notes:
+            mi.build_index(meta, processor, data_cfg(), use_cache=False)
+            mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the same notices again: kept once
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert notes == [f"{meta}: subset 'sub': data_augment is not supported; images are not augmented",
+                     f"subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 rows"]
+    assert [str(w.message) for w in outside] == ["something else"]  # not a data notice: passed through
+    assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {notes[0]}\nwarning: {notes[1]}\n" in err and "UserWarning" not in err
+
+
+def test_bad_meta_paths_name_the_real_cause(tmp_path):
+    """QA15 item 10: an empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
+    with pytest.raises(md.DataError) as e:
+        md.read_meta("")
+    assert str(e.value) == "the meta-recipe path is empty: give an MMPR meta-recipe JSON {subset: {root, annotation, ...}}"
+    for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
+        jsonl = tmp_path / f"rows{n}.jsonl"
+        jsonl.write_text("".join(json.dumps(row(i)) + "\n" for i in range(n)))
+        with pytest.raises(md.DataError) as e:
+            md.read_meta(jsonl)
+        assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but "
+                                "what looks like an annotation file (JSON Lines, one preference row per line); pass "
+                                "the meta-recipe that names it")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not rows: still the JSON error
+    with pytest.raises(md.DataError, match=r"broken.json:2:1: invalid JSON: Extra data$"):
+        md.read_meta(broken)
+    for flag, value, message in (("--max-samples", "-3", "--max-samples = -3 must be >= 0 (0 = all)"),
+                                 ("--max-seq-length", "0", "--max-seq-length = 0 must be >= 1")):
+        with pytest.raises(md.DataError) as e:
+            mi.main([str(SAMPLE_META), "--model", str(TINY), flag, value])
+        assert str(e.value) == message
+
+
+def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, processor):
+    rows = [row(0, q="<image> and <image>?"), row(1, image=["a.png", "a.png"], q="<image> only"),
+            row(2, image=["a.png"] * 3, q="Three?"), row(3)]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    st = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False).stats["sub"]
+    sub = f"{tmp_path}/MMPR-t/annotations/sub.jsonl"
+    assert st["drop_examples"] == {
+        "placeholder_mismatch": [f"{sub}:1: 2 <image> placeholders for 1 image",
+                                 f"{sub}:2: 1 <image> placeholder for 2 images"],
+        "too_many_images": [f"{sub}:3: 3 images > data.train.max_images_per_row = 2"]}
+    assert md.plural(0, "image") == "0 images" and md.plural(1, "image") == "1 image"
+
+
 def test_repeat_time(tmp_path, processor):
     assert md.apply_repeat_time(10, 1.0, 0, "s") == list(range(10))
     assert md.apply_repeat_time(10, 0.0, 0, "s") == []

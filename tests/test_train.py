@@ -141,6 +141,10 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
         preflight.check_inputs(cfg)
+    cfg.data.train.data_path = " "
+    with pytest.raises(config_mod.ConfigError) as e:  # QA15 item 10: not "cannot read the meta-recipe ."
+        preflight.check_inputs(cfg)
+    assert str(e.value) == "data.train.data_path is empty: set it to an MMPR meta-recipe JSON"
     cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
     cfg.parallel.context_parallel_size, cfg.packing.make_sequence_length_divisible_by = 2, 2
     with pytest.raises(config_mod.ConfigError, match="make_sequence_length_divisible_by = 2 must be a multiple of 4"):
@@ -255,6 +259,33 @@ def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_ba
     cfg.packing.max_tokens_per_bin, cfg.policy.train_global_batch_size = 4096, 2
     train, val, notes = preflight.check_splits(Split(index, [0, 1, 2, 5]), Split(index, [3, 4]), cfg)
     assert (train.pair_ids, train.dropped_oversized, val.pair_ids, notes) == ([0, 1, 2, 5], 0, [3, 4], [])
+
+
+def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
+    """QA15 item 13: a data notice is one plain line among the data lines of rank 0 (not a UserWarning with its source
+    line on every rank)."""
+    import warnings
+
+    import omni_model
+
+    meta = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train.data_path={meta}", f"data.validation.data_path={meta}", "data.validation.max_samples=4",
+        "data.train.split_validation_size=2", "data.num_workers=0"])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    hf = omni_model.read_hf_config(cfg.model.hf_path)
+    for rank in (0, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = train.load_data(cfg, hf, rank)
+        out = capsys.readouterr()
+        assert not [w for w in caught if "split_validation_size" in str(w.message)] and "UserWarning" not in out.err
+        lines = out.out.splitlines()
+        if rank == 0:
+            assert lines.count("data.validation.data_path is set: data.train.split_validation_size is ignored") == 1
+            assert lines[0].startswith(f"data: {len(data.train_split.pair_ids)} train pairs, 4 validation pairs")
+        else:
+            assert lines == []
 
 
 def test_cli_error_is_one_line_without_a_traceback(tmp_path):
