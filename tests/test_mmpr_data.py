@@ -296,7 +296,8 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
     """QA15 item 10: an empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
     with pytest.raises(md.DataError) as e:
         md.read_meta("")
-    assert str(e.value) == "the meta-recipe path is empty: give an MMPR meta-recipe JSON {subset: {root, annotation, ...}}"
+    assert str(e.value) == ("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
+                            "{subset: {root, annotation, ...}}")
     for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
         jsonl = tmp_path / f"rows{n}.jsonl"
         jsonl.write_text("".join(json.dumps(row(i)) + "\n" for i in range(n)))
