@@ -146,10 +146,13 @@ class SchedulerConfig:
 @dataclass
 class PackingConfig:
     max_tokens_per_bin: int = 4096  # tokens per packed microbatch (both rows of a pair count), after padding
-    max_sequences_per_bin: int = 1  # pairs per packed microbatch (the seed's name; 1 = one pair per bin)
+    max_sequences_per_bin: int = 1  # pairs per packed microbatch (a pair, chosen + rejected, counts once; 1 = one pair)
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
-    drop_oversized_pairs: bool = False  # drop (and count) pairs larger than a bin instead of failing at start
+    # Pairs larger than a bin: false = a ConfigError at start naming the largest; true = dropped at start from the
+    # training and validation pairs (never sampled, so no step is left empty; counted in the start notes and the
+    # `dropped_oversized` metric)
+    drop_oversized_pairs: bool = False
     # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
     # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that
     # span. Exact against separate rows on the local spec, TP/DP (tests/test_shared_prompt_model.py). Not supported

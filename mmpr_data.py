@@ -48,7 +48,10 @@ and what is done here:
   renders as a second `<think>` after a thinking-off prompt) is dropped as `unterminated_reasoning`: trained as a
   chosen response it teaches to stop mid-thought. Several blocks or text before `<think>` (the template silently keeps
   only its first block and the text after the last `</think>`) are `malformed_reasoning`.
-- `<image_N>` (NeMo-RL) is the N-th image's placeholder, N = 1..n each once; `<image>` and no placeholder as before.
+- Image placeholders: `<image>` (InternVL) marks the next image, one per image in list order; `<image_N>` (NeMo-RL) is
+  the N-th image's placeholder, N = 1..n each once; other counts are `placeholder_mismatch`. A question with images
+  but no placeholder is kept with its images, which the chat template puts before the question text (`<image>\\n` for
+  one image, `<image 1><image> <image 2><image> ...\\n` for several).
 - `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
   subset is dropped as `no_image_root`, naming the subset.
 - Video rows (a `video` field or a `<video>` placeholder) are dropped as `video_unsupported`: video preference pairs
@@ -64,6 +67,7 @@ Tests: `pytest tests/test_mmpr_data.py`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -91,6 +95,7 @@ DROP_REASONS = (
     "unterminated_reasoning",  # a response opens <think> and never closes it (a generation cut off while reasoning)
     "malformed_reasoning",  # a response with several reasoning blocks, or text before its <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
+    "identical_responses",  # chosen and rejected are the same text after stripping surrounding whitespace: no signal
     "no_image_root",  # relative image paths in a subset whose meta entry has no root (null or missing)
     "image_missing",  # an image file does not exist
     "image_unreadable",  # PIL cannot open or decode it
@@ -106,6 +111,32 @@ REASONING_TOKENS = ("<think>", "</think>")
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")
 # NeMo-RL's numbered image placeholder; `<image_N>` stands for the N-th image of the row (1-based).
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")
+
+
+def plural(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n == 1: plural(1, "image") = "1 image", plural(2, "image") = "2 images"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+class DataWarning(UserWarning):
+    """A data notice that does not stop the run (an unsupported meta key, a meta length that does not match its file,
+    a subset repeat_time empties, a rebuilt cache, an ignored setting). train.load_data prints each once, on rank 0, as
+    one plain line with the start-up notes; `python mmpr_index.py` prints them as `warning: ...` lines."""
+
+
+@contextlib.contextmanager
+def data_warnings(notes: list[str]) -> Iterator[list[str]]:
+    """Within the block, DataWarning messages are appended to `notes` (each text once, in order) instead of printed as
+    UserWarnings with a source line; other warnings print as usual after the block. Yields `notes`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DataWarning)
+        yield notes
+    for w in caught:
+        if issubclass(w.category, DataWarning):
+            if str(w.message) not in notes:
+                notes.append(str(w.message))
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 class DataError(ValueError):
@@ -161,6 +192,17 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
     raise DataError(f"{meta}: {kind} {path!r} not found; tried:\n  {tried}\n(set data.train.data_root to its base)")
 
 
+def _is_row(value: Any) -> bool:
+    """True for an MMPR annotation row (or its JSON text): an object with chosen and rejected responses."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return False
+    return isinstance(value, dict) and any(k in value for k in ("chosen", "chosen_response")) and any(
+        k in value for k in ("rejected", "rejected_response"))
+
+
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`).
 
@@ -170,18 +212,28 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     are ignored.
 
     Raises:
-        DataError: invalid JSON (with file, line and column), a missing annotation, a root that is neither a string
-            nor null, a bad repeat_time, a path not found.
+        DataError: an empty path; an annotation (JSON Lines) file given instead of a meta-recipe; invalid JSON (with
+            file, line and column), a missing annotation, a root that is neither a string nor null, a bad repeat_time,
+            a path not found.
     """
+    if not str(meta_path).strip():
+        raise DataError("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
+                        "{subset: {root, annotation, ...}}")
     meta_path = Path(meta_path)
     try:
         text = meta_path.read_text()
     except OSError as e:
         raise DataError(f"cannot read the meta-recipe {meta_path}: {e}") from None
+    not_meta = (f"{meta_path}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but what looks like "
+                "an annotation file (JSON Lines, one preference row per line); pass the meta-recipe that names it")
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and _is_row(text.partition("\n")[0]):
+            raise DataError(not_meta) from None
         raise DataError(f"{meta_path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if _is_row(meta):
+        raise DataError(not_meta)
     if not isinstance(meta, dict) or not meta:
         raise DataError(f"{meta_path}: expected a non-empty JSON object {{subset: {{root, annotation, ...}}}}")
     subsets = []
@@ -197,7 +249,7 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
             raise DataError(f"{meta_path}: subset {name!r}: repeat_time = {r!r} must be a number >= 0")
         if spec.get("data_augment"):
             warnings.warn(f"{meta_path}: subset {name!r}: data_augment is not supported; images are not augmented",
-                          stacklevel=2)
+                          DataWarning, stacklevel=2)
         length = spec.get("length")
         subsets.append(Subset(
             name=name,
@@ -352,6 +404,10 @@ class TextRenderer:
               subset: str = "") -> tuple[str, str, str, str, list[str]]:
         """Check a JSON row; return (system, question, chosen, rejected, image paths in placeholder order).
 
+        chosen and rejected come back stripped of surrounding whitespace (what is rendered and trained). Identical
+        responses means equal after that strip, reasoning included (a pair differing only inside the text, in its
+        reasoning or in inner whitespace, is kept): such a pair is the same row twice and has no preference signal.
+
         `<image_N>` placeholders become `<image>` with the N-th image at that place; relative image paths are joined
         to `root` (None: the subset `subset` has no root, so such a row is dropped). Raises _Drop (DROP_REASONS).
         """
@@ -377,11 +433,13 @@ class TextRenderer:
                 raise _Drop("video_unsupported", f"{name} has a {self.video_token} placeholder; video preference "
                                                  "pairs are not supported yet")
         if len(images) > max_images:
-            raise _Drop("too_many_images", f"{len(images)} images > data.train.max_images_per_row = {max_images}")
+            raise _Drop("too_many_images", f"{plural(len(images), 'image')} > data.train.max_images_per_row = "
+                                           f"{max_images}")
         question, images = self._numbered_placeholders(question, images)
         n_ph = question.count(self.image_token)
         if n_ph and n_ph != len(images):
-            raise _Drop("placeholder_mismatch", f"{n_ph} {self.image_token} placeholders for {len(images)} images")
+            raise _Drop("placeholder_mismatch", f"{plural(n_ph, self.image_token + ' placeholder')} for "
+                                                f"{plural(len(images), 'image')}")
         for name, text, allow in (("question", question, True), ("system", system, False),
                                   ("chosen", chosen, False), ("rejected", rejected, False)):
             if (t := self._stray(text, allow)) is not None:
@@ -392,6 +450,9 @@ class TextRenderer:
         for name, text in (("chosen", chosen), ("rejected", rejected)):
             if not text.split("</think>")[-1].strip():
                 raise _Drop("empty_response", f"{name} is empty")
+        if chosen == rejected:  # both already stripped: the rows would be the same tokens, the pair has no preference
+            raise _Drop("identical_responses", "chosen and rejected are the same text (after stripping surrounding "
+                                               "whitespace)")
         if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
             raise _Drop("no_image_root", f"subset {subset!r} has no root in the meta-recipe, so the relative image "
                                          f"path {rel[0]!r} cannot be resolved")
@@ -409,7 +470,7 @@ class TextRenderer:
             raise _Drop("placeholder_mismatch", f"the question mixes {self.image_token} and <image_N> placeholders")
         if sorted(numbers) != list(range(1, len(images) + 1)):
             raise _Drop("placeholder_mismatch", f"placeholders <image_{'>, <image_'.join(map(str, numbers))}> for "
-                                                f"{len(images)} images: expected each of <image_1>..<image_"
+                                                f"{plural(len(images), 'image')}: expected each of <image_1>..<image_"
                                                 f"{len(images)}> once")
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
@@ -477,7 +538,7 @@ class TextRenderer:
             out = [(prompt, p[len(prompt):] + r) for p, r in out]
         if prompt.count(self.image_token) != n_images:
             raise DataError(f"the rendered prompt has {prompt.count(self.image_token)} {self.image_token} "
-                            f"for {n_images} images: {prompt!r}")
+                            f"for {plural(n_images, 'image')}: {prompt!r}")
         for name, text in (("system", system), ("question", question)):
             if text.strip() and text.strip() not in prompt:
                 raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")

@@ -48,18 +48,20 @@ import torch
 
 from mmpr_data import (
     DataError,
+    DataWarning,
     PairIndex,
     Subset,
     apply_repeat_time,
     begin_row_checks,
     checked_rows,
+    data_warnings,
     end_row_checks,
     read_meta,
 )
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 2  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 3  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 
 # ======================================================================================================================
@@ -151,12 +153,12 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     break
             if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
                 warnings.warn(f"subset {sub.name!r}: the meta says length = {sub.length} but {sub.annotation} has "
-                              f"{st['rows_read']} rows", stacklevel=3)
+                              f"{st['rows_read']} rows", DataWarning, stacklevel=3)
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:
                 warnings.warn(f"subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} "
-                              f"valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)", stacklevel=3)
+                              f"valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)", DataWarning, stacklevel=3)
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
             first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
@@ -255,7 +257,7 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
         except Exception as e:  # a partial or corrupt cache must never stop a run: report, remove, rebuild
             status = f"rebuilt: the cache was unreadable ({type(e).__name__}: {e})"
             warnings.warn(f"MMPR index cache {folder} is corrupt or partial ({type(e).__name__}: {e}); rebuilding",
-                          stacklevel=3)
+                          DataWarning, stacklevel=3)
             aside = folder.parent / f".{folder.name}.corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 os.rename(folder, aside)
@@ -369,10 +371,12 @@ def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int
 
 @dataclass
 class Split:
-    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1)."""
+    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1); `dropped_oversized` counts the
+    pairs preflight.check_splits removed from `pair_ids` as larger than a bin (packing.drop_oversized_pairs)."""
 
     index: PairIndex
     pair_ids: list[int]
+    dropped_oversized: int = 0
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
@@ -386,7 +390,7 @@ def load_splits(processor, data) -> tuple[Split, Split | None]:
     if data.validation.data_path:
         if data.train.split_validation_size:
             warnings.warn("data.validation.data_path is set: data.train.split_validation_size is ignored",
-                          stacklevel=2)
+                          DataWarning, stacklevel=2)
         val = build_index(data.validation.data_path, processor, data, max_samples=data.validation.max_samples)
         return Split(train, list(range(len(train)))), Split(val, list(range(len(val))))
     if data.train.split_validation_size:
@@ -461,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1)):
+        if value < least:
+            raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
         raise DataError(
             f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
@@ -472,7 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
     data.train.data_root = args.data_root
     processor = AutoProcessor.from_pretrained(args.model)
-    index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
+    with data_warnings([]) as warned:
+        index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
+    for note in warned:
+        print(f"warning: {note}", file=sys.stderr)
     rep = report(index)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0

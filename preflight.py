@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import config as config_mod
+import mmpr_index
 import omni_model
 import pack
 
@@ -22,14 +23,17 @@ def check_inputs(cfg) -> None:
     Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
 
     Raises:
-        config.ConfigError: model.hf_path has no config.json; data.train.data_path (or data.validation.data_path, when
-            set) is not a file; the packing / parallel divisibility rule (pack.validate_packing_config) fails.
+        config.ConfigError: model.hf_path has no config.json; data.train.data_path is empty; data.train.data_path (or
+            data.validation.data_path, when set) is not a file; the packing / parallel divisibility rule
+            (pack.validate_packing_config) fails.
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
             f"paths are relative to the working directory {os.getcwd()})"
         )
+    if not cfg.data.train.data_path.strip():
+        raise config_mod.ConfigError("data.train.data_path is empty: set it to an MMPR meta-recipe JSON")
     for key, path in (
         ("data.train.data_path", cfg.data.train.data_path),
         ("data.validation.data_path", cfg.data.validation.data_path),
@@ -123,23 +127,22 @@ def _dotted(cfg, key: str):
 
 
 def check_splits(train_split, val_split, cfg):
-    """Check the loaded splits against the batch and bin sizes before the models are built; returns the validation
-    split to use (None when it has no pair) and a list of notes for the console.
+    """Check the loaded splits against the batch and bin sizes before the models are built; returns (the training
+    split to sample from, the validation split to use or None when it has no pair, a list of notes for the console).
+
+    With packing.drop_oversized_pairs, pairs larger than a bin (pack.pair_bin_tokens > packing.max_tokens_per_bin) are
+    dropped here, at start, from both splits' pair ids: the sampler and validation never see them, so no step and no
+    validation batch can hold only oversized pairs. The count is a console note and `Split.dropped_oversized` (the
+    `dropped_oversized` metric of every training row). The choice is the same on every rank (the index is) and on a
+    resume with the same settings (the sampler's state checks its pair count). Without the switch nothing is dropped.
 
     Raises:
-        config.ConfigError: fewer training pairs than policy.train_global_batch_size (every step would repeat pairs);
-            a training or validation pair larger than packing.max_tokens_per_bin without packing.drop_oversized_pairs
-            (found here, at start, instead of at the step that samples it).
+        config.ConfigError: a training or validation pair larger than packing.max_tokens_per_bin without
+            packing.drop_oversized_pairs (found here, at start, instead of at the step that samples it); every pair of
+            a split oversized; fewer training pairs (after the drop) than policy.train_global_batch_size (every step
+            would repeat pairs).
     """
     notes = []
-    gbs, n_train = cfg.policy.train_global_batch_size, len(train_split.pair_ids)
-    if n_train < gbs:
-        raise config_mod.ConfigError(
-            f"policy.train_global_batch_size = {gbs} pairs per step but only {n_train} training pairs (after "
-            f"data.train.max_samples = {cfg.data.train.max_samples}, data.train.split_validation_size = "
-            f"{cfg.data.train.split_validation_size} and dropped rows): a step would repeat pairs; lower the batch or "
-            "use more data"
-        )
     if val_split is not None and not val_split.pair_ids:
         notes.append(
             f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
@@ -148,12 +151,14 @@ def check_splits(train_split, val_split, cfg):
         val_split = None
     pk = cfg.packing
     d = pk.make_sequence_length_divisible_by
+    kept = {}
     for name, split in (("training", train_split), ("validation", val_split)):
         if split is None:
             continue
         shared = split.index.shared_lengths(split.pair_ids) if pk.shared_prompt else None
         sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d, shared)
         big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
+        kept[name] = split
         if not big:
             continue
         if not pk.drop_oversized_pairs:
@@ -167,9 +172,21 @@ def check_splits(train_split, val_split, cfg):
             raise config_mod.ConfigError(
                 f"every {name} pair needs more than packing.max_tokens_per_bin = {pk.max_tokens_per_bin} tokens"
             )
+        dropped = set(big)
+        kept[name] = mmpr_index.Split(split.index, [p for p in split.pair_ids if p not in dropped], len(big))
+        left = len(sizes) - len(big)
+        where = "(metrics: dropped_oversized)" if name == "training" else f"(validation uses the other {left})"
         notes.append(
-            f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = "
-            f"{pk.max_tokens_per_bin} and are dropped from the steps that hold them "
-            "(metrics: dropped_oversized)"
+            f"{name}: {len(big)} of {len(sizes)} pairs exceed packing.max_tokens_per_bin = {pk.max_tokens_per_bin} "
+            f"and are dropped at start (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens) {where}"
         )
-    return val_split, notes
+    train_split, val_split = kept["training"], kept.get("validation")
+    gbs, n_train = cfg.policy.train_global_batch_size, len(train_split.pair_ids)
+    if n_train < gbs:
+        raise config_mod.ConfigError(
+            f"policy.train_global_batch_size = {gbs} pairs per step but only {n_train} training pairs (after "
+            f"data.train.max_samples = {cfg.data.train.max_samples}, data.train.split_validation_size = "
+            f"{cfg.data.train.split_validation_size}, dropped rows and {train_split.dropped_oversized} oversized "
+            "pairs): a step would repeat pairs; lower the batch or use more data"
+        )
+    return train_split, val_split, notes

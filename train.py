@@ -121,7 +121,7 @@ def main(cfg) -> int:
         tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
         metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
         metrics.update(
-            dropped_oversized=len(step_data.plan.dropped),
+            dropped_oversized=data.train_split.dropped_oversized + len(step_data.plan.dropped),
             consumed_pairs=run["consumed_pairs"],
             eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]),
         )
@@ -171,13 +171,15 @@ class Data:
 
 
 def load_data(cfg, hf, rank: int) -> Data:
-    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0)."""
+    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
+    (mmpr_data.DataWarning) among them as plain lines, once."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
-    train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
-    val_split, notes = preflight.check_splits(train_split, val_split, cfg)
-    monitor.print_data(train_split, val_split, notes, rank)
+    with mmpr_data.data_warnings([]) as warned:
+        train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
+    train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
+    monitor.print_data(train_split, val_split, warned + notes, rank)
     return Data(
         train_split=train_split,
         val_split=val_split,

@@ -272,6 +272,64 @@ def test_meta_warnings_length_and_data_augment(tmp_path, processor):
     assert len(index) == 2
 
 
+def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, capsys):
+    """QA15 item 13: data notices (DataWarning) become plain lines, each once, instead of UserWarnings with a source
+    line; other warnings still print; mmpr_index.py prints them as 'warning: ...' on stderr."""
+    import warnings
+
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True})
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        with md.data_warnings([]) as notes:
+            mi.build_index(meta, processor, data_cfg(), use_cache=False)
+            mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the same notices again: kept once
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert notes == [f"{meta}: subset 'sub': data_augment is not supported; images are not augmented",
+                     f"subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 rows"]
+    assert [str(w.message) for w in outside] == ["something else"]  # not a data notice: passed through
+    assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {notes[0]}\nwarning: {notes[1]}\n" in err and "UserWarning" not in err
+
+
+def test_bad_meta_paths_name_the_real_cause(tmp_path):
+    """QA15 item 10: an empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
+    with pytest.raises(md.DataError) as e:
+        md.read_meta("")
+    assert str(e.value) == ("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
+                            "{subset: {root, annotation, ...}}")
+    for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
+        jsonl = tmp_path / f"rows{n}.jsonl"
+        jsonl.write_text("".join(json.dumps(row(i)) + "\n" for i in range(n)))
+        with pytest.raises(md.DataError) as e:
+            md.read_meta(jsonl)
+        assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but "
+                                "what looks like an annotation file (JSON Lines, one preference row per line); pass "
+                                "the meta-recipe that names it")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not rows: still the JSON error
+    with pytest.raises(md.DataError, match=r"broken.json:2:1: invalid JSON: Extra data$"):
+        md.read_meta(broken)
+    for flag, value, message in (("--max-samples", "-3", "--max-samples = -3 must be >= 0 (0 = all)"),
+                                 ("--max-seq-length", "0", "--max-seq-length = 0 must be >= 1")):
+        with pytest.raises(md.DataError) as e:
+            mi.main([str(SAMPLE_META), "--model", str(TINY), flag, value])
+        assert str(e.value) == message
+
+
+def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, processor):
+    rows = [row(0, q="<image> and <image>?"), row(1, image=["a.png", "a.png"], q="<image> only"),
+            row(2, image=["a.png"] * 3, q="Three?"), row(3)]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    st = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False).stats["sub"]
+    sub = f"{tmp_path}/MMPR-t/annotations/sub.jsonl"
+    assert st["drop_examples"] == {
+        "placeholder_mismatch": [f"{sub}:1: 2 <image> placeholders for 1 image",
+                                 f"{sub}:2: 1 <image> placeholder for 2 images"],
+        "too_many_images": [f"{sub}:3: 3 images > data.train.max_images_per_row = 2"]}
+    assert md.plural(0, "image") == "0 images" and md.plural(1, "image") == "1 image"
+
+
 def test_repeat_time(tmp_path, processor):
     assert md.apply_repeat_time(10, 1.0, 0, "s") == list(range(10))
     assert md.apply_repeat_time(10, 0.0, 0, "s") == []
@@ -390,6 +448,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
         # template_rewrites_text: no character is left to hide the /think from the template with
         row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
+        row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2]})
@@ -403,14 +462,15 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
-                             "malformed_reasoning": 2, "empty_response": 2, "image_missing": 1, "image_unreadable": 1,
-                             "image_truncated": 1, "template_rewrites_text": 1, "too_long": 1}
+                             "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
+                             "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
+                             "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
     assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 25 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 26 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -421,6 +481,35 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         mi.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
     with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
         mi.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
+
+
+def test_identical_responses_are_a_counted_drop(tmp_path, processor):
+    """QA15 item 7: chosen == rejected after stripping surrounding whitespace is a drop with file:line examples (and a
+    DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
+    rows = [
+        row(0),  # valid
+        row(1, chosen="Red.", rejected="Red."),  # identical
+        row(2, chosen="  Red.\n", rejected="Red. "),  # identical after stripping
+        row(3, chosen="Red  square.", rejected="Red square."),  # kept: inner whitespace differs
+        row(4, chosen="<think>a</think>Red.", rejected="<think>b</think>Red."),  # kept: the reasoning differs
+        row(5, chosen="<think>a</think>Red.", rejected="<think>a</think>Red.\t"),  # identical, reasoning included
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"identical_responses": 3} and index.line.tolist() == [1, 4, 5]
+    example = (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: chosen and rejected are the same text (after stripping "
+               "surrounding whitespace)")
+    assert st["drop_examples"]["identical_responses"][0] == example
+    assert mi.summary_drops(index) == {"identical_responses": 3}
+    assert "    dropped identical_responses: 3  e.g. " + example in mi.format_report(mi.report(index)).splitlines()
+    cfg = data_cfg()
+    cfg.strict = True
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, cfg, use_cache=False)
+    assert str(e.value) == (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: row dropped (identical_responses: chosen and "
+                            "rejected are the same text (after stripping surrounding whitespace)) and data.strict = "
+                            "true")
 
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):

@@ -32,6 +32,7 @@ import torch
 import config as config_mod
 import distributed
 import monitor
+import pack
 import preflight
 import train
 
@@ -140,6 +141,10 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
         preflight.check_inputs(cfg)
+    cfg.data.train.data_path = " "
+    with pytest.raises(config_mod.ConfigError) as e:  # QA15 item 10: not "cannot read the meta-recipe ."
+        preflight.check_inputs(cfg)
+    assert str(e.value) == "data.train.data_path is empty: set it to an MMPR meta-recipe JSON"
     cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
     cfg.parallel.context_parallel_size, cfg.packing.make_sequence_length_divisible_by = 2, 2
     with pytest.raises(config_mod.ConfigError, match="make_sequence_length_divisible_by = 2 must be a multiple of 4"):
@@ -207,14 +212,80 @@ def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empt
     ):
         preflight.check_splits(train_split, val_split, cfg)
     cfg.packing.drop_oversized_pairs = True
-    val, notes = preflight.check_splits(train_split, val_split, cfg)
-    assert val is val_split and notes == [
-        "training: 1 of 3 pairs exceed packing.max_tokens_per_bin = 256 and are dropped from the steps that hold them "
-        "(metrics: dropped_oversized)"
+    train, val, notes = preflight.check_splits(train_split, val_split, cfg)
+    assert (train.pair_ids, train.dropped_oversized, train.index) == ([0, 1], 1, index) and val is val_split
+    assert notes == [
+        "training: 1 of 3 pairs exceed packing.max_tokens_per_bin = 256 and are dropped at start (largest: a.jsonl:3, "
+        "392 tokens) (metrics: dropped_oversized)"
     ]
-    val, notes = preflight.check_splits(Split(index, [0, 1, 4]), Split(index, []), cfg)  # e.g. 0.01 of 64 pairs
+    assert train_split.pair_ids == [0, 1, 2]  # the input split is not changed
+    train, val, notes = preflight.check_splits(Split(index, [0, 1, 4]), Split(index, []), cfg)  # e.g. 0.01 of 64 pairs
     assert val is None and notes == ["validation: data.train.split_validation_size = 4.0 of 5 pairs is 0 pairs: "
                                      "no validation"]  # fmt: skip
+    assert (train.pair_ids, train.dropped_oversized) == ([0, 1, 4], 0)
+
+
+def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_batch_is_empty():
+    """QA15 item 5: with packing.drop_oversized_pairs, pairs larger than a bin leave both splits at start (counted,
+    reported), so a step or validation batch can no longer hold only oversized pairs; the batch check counts the
+    pairs left."""
+    from mmpr_index import Split
+
+    index = _FakeIndex({0: (100, 90), 1: (30, 30), 2: (200, 190), 3: (300, 41), 4: (10, 10), 5: (250, 250)})
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [
+        "policy.train_global_batch_size=2", "packing.max_tokens_per_bin=256", "packing.drop_oversized_pairs=true"])
+    train, val, notes = preflight.check_splits(Split(index, [0, 1, 2, 5]), Split(index, [3, 4]), cfg)
+    assert (train.pair_ids, train.dropped_oversized, val.pair_ids, val.dropped_oversized) == ([0, 1], 2, [4], 1)
+    assert notes == [
+        "training: 2 of 4 pairs exceed packing.max_tokens_per_bin = 256 and are dropped at start (largest: a.jsonl:6, "
+        "512 tokens) (metrics: dropped_oversized)",
+        "validation: 1 of 2 pairs exceed packing.max_tokens_per_bin = 256 and are dropped at start (largest: "
+        "a.jsonl:4, 352 tokens) (validation uses the other 1)",
+    ]
+    # every step of the sampler now plans (no "no pair of this step fits in a bin")
+    for ids in ([0, 1], [4]):
+        plan = pack.plan_step(index.lengths(ids), cfg.packing, 2)
+        assert plan.dropped == [] and sorted(p for r in plan.ranks for b in r if not b.dummy for p in b.pair_ids) == ids
+    cfg.policy.train_global_batch_size = 3
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_splits(Split(index, [0, 1, 2, 5]), None, cfg)
+    assert str(e.value) == (
+        "policy.train_global_batch_size = 3 pairs per step but only 2 training pairs (after data.train.max_samples = "
+        "0, data.train.split_validation_size = 4.0, dropped rows and 2 oversized pairs): a step would repeat pairs; "
+        "lower the batch or use more data")
+    with pytest.raises(config_mod.ConfigError, match="^every validation pair needs more than packing.max_tokens_per"):
+        preflight.check_splits(Split(index, [0, 1]), Split(index, [3]), cfg)
+    cfg.packing.drop_oversized_pairs = False  # the default: nothing dropped, every split unchanged
+    cfg.packing.max_tokens_per_bin, cfg.policy.train_global_batch_size = 4096, 2
+    train, val, notes = preflight.check_splits(Split(index, [0, 1, 2, 5]), Split(index, [3, 4]), cfg)
+    assert (train.pair_ids, train.dropped_oversized, val.pair_ids, notes) == ([0, 1, 2, 5], 0, [3, 4], [])
+
+
+def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
+    """QA15 item 13: a data notice is one plain line among the data lines of rank 0 (not a UserWarning with its source
+    line on every rank)."""
+    import warnings
+
+    import omni_model
+
+    meta = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [
+        f"data.train.data_path={meta}", f"data.validation.data_path={meta}", "data.validation.max_samples=4",
+        "data.train.split_validation_size=2", "data.num_workers=0"])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    hf = omni_model.read_hf_config(cfg.model.hf_path)
+    for rank in (0, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = train.load_data(cfg, hf, rank)
+        out = capsys.readouterr()
+        assert not [w for w in caught if "split_validation_size" in str(w.message)] and "UserWarning" not in out.err
+        lines = out.out.splitlines()
+        if rank == 0:
+            assert lines.count("data.validation.data_path is set: data.train.split_validation_size is ignored") == 1
+            assert lines[0].startswith(f"data: {len(data.train_split.pair_ids)} train pairs, 4 validation pairs")
+        else:
+            assert lines == []
 
 
 def test_cli_error_is_one_line_without_a_traceback(tmp_path):
