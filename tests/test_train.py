@@ -93,7 +93,8 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
     assert monitor.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
     got = monitor.reduce_metrics(m, "two", torch.device("cpu"))
-    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift_used": 0.25}
+    assert got == {"loss": 0.625, "num_valid_pairs": 4, "reward_shift_used": 0.25}
+    assert type(got["num_valid_pairs"]) is int  # a count, like num_global_pairs (QA 13: it was 4.0)
     assert calls == [(torch.float64, "two")]
     assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}  # the input is not modified
 
@@ -487,7 +488,7 @@ GOLDEN_TRAIN = {  # metrics.jsonl of the README command, recorded 2026-12-01: ke
         0.0, 0.00020542145466606598, -0.0027799606905318797, 0.00031528467661701143, 0.0033864020369946957,
         -0.0038878447376191616,
     ],
-    "num_valid_pairs": [4.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+    "num_valid_pairs": [4, 4, 4, 4, 4, 4],
     "reward_shift": [
         0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
         -2.726362257783856e-05,
@@ -524,7 +525,7 @@ GOLDEN_VALIDATION = {  # the val_at_end row after step 6
     "logprobs/rejected": -222.03285217285156,
     "nll/chosen": 6.940609335899353,
     "bco/reward_mean": -0.007780361745972186,
-    "num_valid_pairs": 4.0,
+    "num_valid_pairs": 4,
     "val_batches": 1,
 }
 
@@ -539,6 +540,7 @@ def test_golden_trace_of_the_readme_command(readme):
     assert set(val) == set(GOLDEN_VALIDATION) | {"split"}
     for key, want in GOLDEN_VALIDATION.items():
         assert val[key] == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
+        assert type(val[key]) is type(want), key
 
 
 # ----------------------------------------------------------------------------------------------------------------------
