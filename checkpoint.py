@@ -447,21 +447,28 @@ def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
     """megatron-core's dist_checkpointing.load of `ckpt_dir` (a model_optim/), with a damaged file named.
 
     Raises:
-        CheckpointError: a shard file shorter than its metadata says (a truncated copy or an interrupted transfer),
-            or the load's EOFError / UnpicklingError otherwise (naming the directory).
+        CheckpointError: a shard file shorter than its metadata says (a truncated copy or an interrupted transfer:
+            torch.distributed.checkpoint raises EOFError, wrapped in its CheckpointException on every rank), or an
+            EOFError / UnpicklingError otherwise (naming the directory). Other errors propagate unchanged.
     """
     import pickle
 
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    unreadable = (EOFError, pickle.UnpicklingError)
     try:
         return dist_checkpointing.load(sharded_state_dict, str(ckpt_dir))
-    except (EOFError, pickle.UnpicklingError) as e:
+    except (*unreadable, CheckpointException) as e:
+        inner = list(e.failures.values()) if isinstance(e, CheckpointException) else [e]
         short = _truncated_files(ckpt_dir)
+        if not short and not any(isinstance(x, unreadable) for x in inner):
+            raise
+        cause = next((x for x in inner if isinstance(x, unreadable)), inner[0])
         what = "; ".join(f"{f} has {have} bytes, its metadata needs {need}" for f, have, need in short)
         raise CheckpointError(
-            f"{ckpt_dir}: damaged checkpoint: {what or f'a shard file cannot be read ({type(e).__name__}: {e})'}; "
-            "copy the step again or resume from another step_<N>"
+            f"{ckpt_dir}: damaged checkpoint: {what or f'a shard file cannot be read ({type(cause).__name__}: {cause})'}"
+            "; copy the step again or resume from another step_<N>"
         ) from None
 
 
@@ -544,20 +551,24 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 
 
 def check_export_dir(out_dir: str | Path, source: str | Path) -> None:
-    """Refuse an export directory that would overwrite a run: the source checkpoint `source` (a step_<N>), its run
-    directory or anything inside them, or any directory holding a run (config.json with metrics.jsonl or a
-    step_<N>/): the export writes config.json (the HF one) over the run's resolved config.
+    """Refuse an export directory that would overwrite a run: the source checkpoint `source` (a step_<N>) or a
+    directory inside it (pruned with it), its run directory, or any directory holding a run (config.json with
+    metrics.jsonl or a step_<N>/): the export writes config.json (the HF one) over the run's resolved config. A new
+    directory inside the run directory (e.g. RUN/hf) is fine.
 
     Raises:
         CheckpointError: one line naming the directory and what it holds.
     """
     out, src = Path(out_dir).resolve(), Path(source).resolve()
-    for inside in (src, src.parent):
-        if out == inside or inside in out.parents:
-            raise CheckpointError(
-                f"export directory {out_dir} is inside the run directory {inside if inside == src.parent else src} "
-                "of the checkpoint it exports (config.json would be overwritten); choose another OUT_DIR"
-            )
+    if out == src or src in out.parents:
+        raise CheckpointError(
+            f"export directory {out_dir} is the checkpoint it exports ({src.name}) or inside it; choose another OUT_DIR"
+        )
+    if out == src.parent:
+        raise CheckpointError(
+            f"export directory {out_dir} is the run directory of the checkpoint it exports (its config.json would be "
+            "overwritten); choose another OUT_DIR, e.g. a new directory inside it"
+        )
     if out.is_dir() and (out / "config.json").is_file():
         held = [p.name for p in out.iterdir() if p.name == "metrics.jsonl" or (STEP_RE.match(p.name) and p.is_dir())]
         if held:
