@@ -26,9 +26,9 @@ large run wants at every save; the price is that the optimizer state reshards ov
 TP/CP/EP (or parameter dtype) is refused by `check_layout`, and the way to continue with another layout is to export
 the policy and start a new run from it (model.hf_path = the export, a fresh optimizer). The alternatives would not
 buy bf16 correctness either (a param group mixing fp32 and bf16 parameters breaks every format alike, because all
-read the same position map: hence omni_model.cast_params_to). That megatron-core 0.19.2's model-space default (`fully_sharded_model_space`) also fails
-without Transformer Engine or Apex ("flattened_range is not supported") is a fact about that alternative, not the
-reason for the choice.
+read the same position map: hence omni_model.cast_params_to). That megatron-core 0.19.2's model-space default
+(`fully_sharded_model_space`) also fails without Transformer Engine or Apex ("flattened_range is not supported") is
+a fact about that alternative, not the reason for the choice.
 
 Known megatron-core trap, handled in `load` (`_restore_adam_steps`).
 SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032 - without Transformer Engine or Apex
@@ -466,9 +466,9 @@ def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
             raise
         cause = next((x for x in inner if isinstance(x, unreadable)), inner[0])
         what = "; ".join(f"{f} has {have} bytes, its metadata needs {need}" for f, have, need in short)
+        what = what or f"a shard file cannot be read ({type(cause).__name__}: {cause})"
         raise CheckpointError(
-            f"{ckpt_dir}: damaged checkpoint: {what or f'a shard file cannot be read ({type(cause).__name__}: {cause})'}"
-            "; copy the step again or resume from another step_<N>"
+            f"{ckpt_dir}: damaged checkpoint: {what}; copy the step again or resume from another step_<N>"
         ) from None
 
 
@@ -507,8 +507,6 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
             decay style, weight decay: `check_schedule`) differs from the saved one, raised before any state is
             loaded (chained segments must share one schedule); a truncated shard file (`_load_shards`).
     """
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     if not (path / RUN_STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
@@ -616,8 +614,6 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
-    from megatron.core import dist_checkpointing
-
     model_sd = model_sharded_state_dict(model)
     loaded = _load_shards({"model": model_sd}, path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])

@@ -208,8 +208,8 @@ def test_check_layout_names_every_changed_setting_and_lets_dp_change(tmp_path):
     # the same layout: saved by 2 ranks (DP = 2 at TP = EP = 1 ... or DP = 1 at TP = 2), resumed on any world size
     checkpoint.check_layout(step, config_mod.load_config(ROOT / "configs" / "tiny.toml", saved))
     frozen = _step_with_config(tmp_path / "frozen", 3, "model.freeze_vision_encoder=true", world_size=1)
-    with pytest.raises(checkpoint.CheckpointError, match=r"\(saved, now\): \{'model.freeze_vision_encoder': \(True, "
-                                                         r"False\)\}"):
+    freeze_diff = r"\(saved, now\): \{'model.freeze_vision_encoder': \(True, False\)\}"
+    with pytest.raises(checkpoint.CheckpointError, match=freeze_diff):
         checkpoint.check_layout(frozen, now)
     (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps({"step": 1}))
     with pytest.raises(checkpoint.CheckpointError, match=f"^{step / 'run_state.json'} holds no resolved config$"):
@@ -234,8 +234,8 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
-    with pytest.raises(checkpoint.CheckpointError, match=f"^export directory {other} holds a training run "
-                                                         r"\(config.json, step_7\); the export would overwrite"):
+    held = f"^export directory {other} holds a training run " r"\(config.json, step_7\); the export would overwrite"
+    with pytest.raises(checkpoint.CheckpointError, match=held):
         checkpoint.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
         checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
