@@ -92,20 +92,24 @@ def check_wandb(mode: str) -> None:
         return
     import wandb
 
-    env_mode = os.environ.get("WANDB_MODE")
     # wandb.login skips the lookup (returns False) under WANDB_MODE=offline/disabled, while wandb.init gets the
-    # config's mode explicitly: look up as for that mode. Nothing has imported wandb yet in train.py, so its settings
-    # are first read here.
-    os.environ["WANDB_MODE"] = "online"
+    # config's mode explicitly: look up as for that mode. Ranks other than 0 (which never start a W&B run) look up
+    # silently, so a large job prints wandb's "Loaded credentials" line once. Nothing has imported wandb yet in
+    # train.py, so its settings are first read here.
+    env = {"WANDB_MODE": "online"} | ({} if os.environ.get("RANK", "0") == "0" else {"WANDB_SILENT": "true"})
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         found = wandb.login(verify=False, prompt=False)
     except wandb.errors.AuthenticationError as e:
         raise config_mod.ConfigError(f"logging.wandb = 'online': {e}") from None
     finally:
-        if env_mode is None:
-            os.environ.pop("WANDB_MODE", None)
-        else:
-            os.environ["WANDB_MODE"] = env_mode
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        wandb.teardown()  # wandb.init reads the restored environment afresh (no "changes ... ignored" warning)
     if not found:
         raise config_mod.ConfigError(
             "logging.wandb = 'online' but W&B finds no API key (WANDB_API_KEY, ~/.netrc from `wandb login`, or a "
