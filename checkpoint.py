@@ -22,12 +22,13 @@ with another data-parallel size or another tensor-parallel size (the model part 
 
 The optimizer format is a choice, the same on every platform: the distributed optimizer's `dp_reshardable`
 (`OPTIMIZER_METADATA`). Each rank writes its own gradient-buffer shards without communication, which is what a
-large run wants at every save; the price is that the optimizer state reshards over DP only, so change TP/CP/EP only
-together with a fresh optimizer. The alternatives would not buy bf16 correctness either (a param group mixing fp32 and
-bf16 parameters breaks every format alike, because all read the same position map: hence
-omni_model.cast_params_to). That megatron-core 0.19.2's model-space default (`fully_sharded_model_space`) also fails
-without Transformer Engine or Apex ("flattened_range is not supported") is a fact about that alternative, not the
-reason for the choice.
+large run wants at every save; the price is that the optimizer state reshards over DP only: a resume with another
+TP/CP/EP (or parameter dtype) is refused by `check_layout`, and the way to continue with another layout is to export
+the policy and start a new run from it (model.hf_path = the export, a fresh optimizer). The alternatives would not
+buy bf16 correctness either (a param group mixing fp32 and bf16 parameters breaks every format alike, because all
+read the same position map: hence omni_model.cast_params_to). That megatron-core 0.19.2's model-space default
+(`fully_sharded_model_space`) also fails without Transformer Engine or Apex ("flattened_range is not supported") is
+a fact about that alternative, not the reason for the choice.
 
 Known megatron-core trap, handled in `load` (`_restore_adam_steps`).
 SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032 - without Transformer Engine or Apex
@@ -387,10 +388,116 @@ def check_schedule(path: str | Path, saved: dict[str, Any] | None, mine: dict[st
         )
 
 
+# Settings that fix the layout of the saved model/optimizer state: the parameter dtype (and with it the optimizer's
+# param groups and fp32 master copies), the TP/CP/EP/ETP sharding of the optimizer's buckets (dp_reshardable reshards
+# over DP only), the optimizer format and the set of trained parameters (the freeze flags: a frozen parameter has no
+# gradient bucket). A resume with another value would fail deep in megatron-core's dist_checkpointing (KeyError
+# "...bucket_idx_0.param from model not in state dict", or a CheckpointException); `check_layout` refuses it first.
+LAYOUT_KEYS = (
+    "model.params_dtype",
+    "parallel.tensor_model_parallel_size",
+    "parallel.context_parallel_size",
+    "parallel.expert_model_parallel_size",
+    "parallel.expert_tensor_parallel_size",
+    "optimizer.use_distributed_optimizer",
+    "model.freeze_vision_encoder",
+    "model.freeze_vision_projector",
+    "model.freeze_language_model",
+)
+
+
+def check_layout(path: str | Path, cfg) -> None:
+    """Refuse to resume checkpoint `path` (a step_<N>) when this run's config changes a setting of LAYOUT_KEYS.
+
+    Compares the resolved config saved in the step's run_state.json with `cfg` (a config.Config). The data-parallel
+    size is no setting (it follows from the world size) and may change: the state reshards over DP. Reads one file,
+    on every rank, before any model is built.
+
+    Raises:
+        CheckpointError: one line with every changed setting as (saved, now) and the way out: set them back, or export
+            the policy (`python checkpoint.py export RUN OUT`) and start a new run dir with model.hf_path=OUT (a fresh
+            optimizer); also when run_state.json is missing or holds no config.
+    """
+    import config as config_mod
+
+    path = Path(path)
+    try:
+        saved = json.loads((path / RUN_STATE_FILE).read_text()).get("config")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no resolved config")
+    now = config_mod.to_dict(cfg)
+    diff = {}
+    for key in LAYOUT_KEYS:
+        section, name = key.split(".")
+        if name in saved.get(section, {}) and saved[section][name] != now[section][name]:
+            diff[key] = (saved[section][name], now[section][name])
+    if diff:
+        run_dir = path.parent
+        raise CheckpointError(
+            f"cannot resume {path}: it was saved with another checkpoint layout (saved, now): {diff}; its optimizer "
+            f"state loads only with the saved {', '.join(diff)}. Set the saved values back, or export the policy "
+            f"(python checkpoint.py export {run_dir} OUT) and start a new run in another checkpoint.dir with "
+            "model.hf_path=OUT (a fresh optimizer)"
+        )
+
+
+def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
+    """megatron-core's dist_checkpointing.load of `ckpt_dir` (a model_optim/), with a damaged file named.
+
+    Raises:
+        CheckpointError: a shard file shorter than its metadata says (a truncated copy or an interrupted transfer:
+            torch.distributed.checkpoint raises EOFError, wrapped in its CheckpointException on every rank), or an
+            EOFError / UnpicklingError otherwise (naming the directory). Other errors propagate unchanged.
+    """
+    import pickle
+
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    unreadable = (EOFError, pickle.UnpicklingError)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(ckpt_dir))
+    except (*unreadable, CheckpointException) as e:
+        inner = list(e.failures.values()) if isinstance(e, CheckpointException) else [e]
+        short = _truncated_files(ckpt_dir)
+        if not short and not any(isinstance(x, unreadable) for x in inner):
+            raise
+        cause = next((x for x in inner if isinstance(x, unreadable)), inner[0])
+        what = "; ".join(f"{f} has {have} bytes, its metadata needs {need}" for f, have, need in short)
+        what = what or f"a shard file cannot be read ({type(cause).__name__}: {cause})"
+        raise CheckpointError(
+            f"{ckpt_dir}: damaged checkpoint: {what}; copy the step again or resume from another step_<N>"
+        ) from None
+
+
+def _truncated_files(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
+    """The shard files of a torch.distributed.checkpoint directory shorter than its .metadata says, as
+    (path, size in bytes, bytes needed); [] when the metadata cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(ckpt_dir)).read_metadata().storage_data or {}
+    except Exception:  # noqa: BLE001 - a diagnosis on top of an error already raised: fall back to the generic line
+        return []
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    out = []
+    for name, n in sorted(need.items()):
+        f = ckpt_dir / name
+        have = f.stat().st_size if f.is_file() else 0
+        if have < n:
+            out.append((f, have, n))
+    return out
+
+
 def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` into a freshly built model / optimizer / scheduler (collective).
 
-    The model part accepts any parallel layout; the optimizer part needs the same TP/CP/EP layout (DP may differ).
+    The model part accepts any parallel layout; the optimizer part needs the same LAYOUT_KEYS settings (DP may differ;
+    train.py checks them first with `check_layout`).
     RNG states are restored when the world size is the one saved (otherwise a note goes to stderr).
 
     Returns: the run state (run_state.json) with `step`, `scheduler`, `reward_shift`, ...
@@ -398,10 +505,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
     Raises:
         CheckpointError: missing files, or a scheduler whose schedule (lr, min_lr, warmup start and steps, horizon,
             decay style, weight decay: `check_schedule`) differs from the saved one, raised before any state is
-            loaded (chained segments must share one schedule).
+            loaded (chained segments must share one schedule); a truncated shard file (`_load_shards`).
     """
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     if not (path / RUN_STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
@@ -413,9 +518,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()
-    loaded = dist_checkpointing.load(
-        _sharded_state_dict(model, optimizer, is_loading=True), str(path / MODEL_OPTIM_DIR)
-    )
+    loaded = _load_shards(_sharded_state_dict(model, optimizer, is_loading=True), path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
         with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)
@@ -427,7 +530,11 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 
     rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
     if state.get("world_size") == _world() and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except (EOFError, RuntimeError) as e:  # a truncated zip file: RuntimeError from torch's zip reader
+            raise CheckpointError(f"{rng_file}: damaged RNG state file ({type(e).__name__}: {e})") from None
+        set_rng_state(rng)
     elif _rank() == 0:
         print(
             f"checkpoint: RNG states not restored: saved with world size {state.get('world_size')}, now {_world()}",
@@ -441,6 +548,34 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 # Export to a Hugging Face checkpoint
 
 
+def check_export_dir(out_dir: str | Path, source: str | Path) -> None:
+    """Refuse an export directory that would overwrite a run: the source checkpoint `source` (a step_<N>) or a
+    directory inside it (pruned with it), its run directory, or any directory holding a run (config.json with
+    metrics.jsonl or a step_<N>/): the export writes config.json (the HF one) over the run's resolved config. A new
+    directory inside the run directory (e.g. RUN/hf) is fine.
+
+    Raises:
+        CheckpointError: one line naming the directory and what it holds.
+    """
+    out, src = Path(out_dir).resolve(), Path(source).resolve()
+    if out == src or src in out.parents:
+        raise CheckpointError(
+            f"export directory {out_dir} is the checkpoint it exports ({src.name}) or inside it; choose another OUT_DIR"
+        )
+    if out == src.parent:
+        raise CheckpointError(
+            f"export directory {out_dir} is the run directory of the checkpoint it exports (its config.json would be "
+            "overwritten); choose another OUT_DIR, e.g. a new directory inside it"
+        )
+    if out.is_dir() and (out / "config.json").is_file():
+        held = [p.name for p in out.iterdir() if p.name == "metrics.jsonl" or (STEP_RE.match(p.name) and p.is_dir())]
+        if held:
+            raise CheckpointError(
+                f"export directory {out_dir} holds a training run (config.json, {', '.join(sorted(held))}); the "
+                "export would overwrite its config.json; choose another OUT_DIR"
+            )
+
+
 def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     """Write the policy of checkpoint `ckpt` (a run directory: its latest step; or a step_<N>) as an HF checkpoint.
 
@@ -449,8 +584,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tokenizer and processor files of `model.hf_path`.
 
     Raises:
-        CheckpointError: no complete checkpoint at `ckpt`; the saved model.hf_path (relative paths: to the working
-            directory) has no config.json.
+        CheckpointError: no complete checkpoint at `ckpt`; `out_dir` is the run or holds one (`check_export_dir`);
+            the saved model.hf_path (relative paths: to the working directory) has no config.json; a truncated
+            shard file.
     """
     import config as config_mod
     import distributed
@@ -461,6 +597,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
+    check_export_dir(out_dir, path)
     cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
     if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(
@@ -477,10 +614,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
-    from megatron.core import dist_checkpointing
-
     model_sd = model_sharded_state_dict(model)
-    loaded = dist_checkpointing.load({"model": model_sd}, str(path / MODEL_OPTIM_DIR))
+    loaded = _load_shards({"model": model_sd}, path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])
     hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
     return Path(out_dir)

@@ -90,7 +90,7 @@ class MPOConfig:
     stop_after_step: int = 0  # end this segment (save, exit 0) after this step; 0 = run to max_num_steps
     val_period: int = 0  # validate every N steps (0 = only at the end when val_at_end)
     val_at_end: bool = True  # validate after the last step
-    val_batches: int = 32  # at most this many validation batches per validation
+    val_batches: int = 32  # at most this many validation batches per validation (>= 1)
     val_global_batch_size: int = 32  # pairs per validation batch
     seed: int = 42  # model-parallel RNG seed (dropout is off; kept for reproducibility of any randomness)
     reference_policy_kl_penalty: float = 0.05  # beta of the DPO / BCO log-ratio rewards
@@ -331,6 +331,7 @@ def validate(cfg: Config) -> None:
         "data.max_seq_length": cfg.data.max_seq_length,
         "data.train.max_images_per_row": cfg.data.train.max_images_per_row,
         "mpo.val_global_batch_size": cfg.mpo.val_global_batch_size,
+        "mpo.val_batches": cfg.mpo.val_batches,
         "logging.log_period": cfg.logging.log_period,
         "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
         "parallel.context_parallel_size": cfg.parallel.context_parallel_size,

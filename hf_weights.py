@@ -302,7 +302,8 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
 
     TP / EP shards are all-gathered over their groups and laid back into the HF tensors (the exact inverse of
     load_hf_weights); keys the model does not hold (audio, input conditioner, ...) are copied from `src_hf_dir`
-    unchanged; config.json, tokenizer and processor files are copied. Returns {"keys": n, "files": n} on rank 0,
+    unchanged; config.json, tokenizer and processor files are copied. The safetensors files get the mode of a file
+    created with open() (0666 minus the umask, usually 0644). Returns {"keys": n, "files": n} on rank 0,
     None elsewhere. Import -> export is bit-identical when the parameters are unchanged.
     """
     src = HFReader(src_hf_dir)
@@ -351,8 +352,11 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
     files: dict[str, dict[str, torch.Tensor]] = {}
     for key, fname in src.weight_map.items():
         files.setdefault(fname, {})[key] = out[key].contiguous()
+    umask = os.umask(0)  # read it (os has no getter) and put it back at once
+    os.umask(umask)
     for fname, sd in files.items():
         save_file(sd, str(out_dir / fname), metadata={"format": "pt"})
+        os.chmod(out_dir / fname, 0o666 & ~umask)  # safetensors creates 0600; a file made with open() gets 0666 - umask
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in out.values())},
              "weight_map": dict(sorted(src.weight_map.items()))}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -96,7 +96,7 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
     """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
 
     "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract), "constant"
-    ones are kept. Keys must be the same on every rank.
+    ones are kept. "count" metrics (num_valid_pairs) come back as ints. Keys must be the same on every rank.
     """
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
     vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
@@ -104,6 +104,9 @@ def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict
         dist.all_reduce(vals, group=group)
     out = dict(local)
     out.update(zip(keys, vals.tolist(), strict=True))
+    for k in keys:
+        if mpo_loss.METRIC_REDUCTION.get(k) == "count":
+            out[k] = round(out[k])  # a sum of whole numbers (float64: exact)
     return out
 
 

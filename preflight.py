@@ -1,4 +1,5 @@
-"""The checks a training run makes before it spends time: the files the config names, the packing layout,
+"""The checks a training run makes before it spends time: the files the config names, the run directory, the W&B key
+(with logging.wandb = "online"), the packing layout,
 megatron-core's constraints on the model and parallel layout (all before any process group exists), and the loaded
 splits against the batch and bin sizes (before the models are built). Each failure is one config.ConfigError line that
 names the keys to change.
@@ -25,7 +26,8 @@ def check_inputs(cfg) -> None:
     Raises:
         config.ConfigError: model.hf_path has no config.json; data.train.data_path is empty; data.train.data_path (or
             data.validation.data_path, when set) is not a file; the packing / parallel divisibility rule
-            (pack.validate_packing_config) fails.
+            (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written (`check_run_dir`);
+            logging.wandb = "online" without an API key (`check_wandb`).
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
@@ -47,6 +49,75 @@ def check_inputs(cfg) -> None:
         pack.validate_packing_config(cfg)
     except ValueError as e:
         raise config_mod.ConfigError(str(e)) from None
+    check_run_dir(cfg.checkpoint.dir)
+    check_wandb(cfg.logging.wandb)
+
+
+def check_run_dir(ckpt_dir: str) -> None:
+    """`checkpoint.dir` names a directory this process can create or write (without creating anything).
+
+    Raises:
+        config.ConfigError: the value is empty (the run's files would land in the working directory); the path is an
+            existing file; a parent on its way is not a directory (e.g. /dev/null/x); the nearest existing directory
+            is not writable.
+    """
+    if not ckpt_dir.strip():
+        raise config_mod.ConfigError(
+            "checkpoint.dir is empty: set the run directory (step_<N>/ checkpoints, metrics.jsonl and config.json go "
+            "there), e.g. checkpoint.dir=results/my_run"
+        )
+    path = Path(ckpt_dir)
+    if path.exists() and not path.is_dir():
+        raise config_mod.ConfigError(f"checkpoint.dir = {ckpt_dir!r} is an existing file, not a directory")
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor (relative paths end at ".")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise config_mod.ConfigError(
+            f"checkpoint.dir = {ckpt_dir!r} cannot be created: {str(existing)!r} is not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "written" if existing == path else "created"
+        raise config_mod.ConfigError(
+            f"checkpoint.dir = {ckpt_dir!r} cannot be {what}: no write permission on {str(existing)!r}"
+        )
+
+
+def check_wandb(mode: str) -> None:
+    """With `logging.wandb = "online"`, W&B must find an API key: wandb's own lookup (`wandb.login(verify=False,
+    prompt=False)`: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the .netrc that `wandb login` writes, a wandb settings
+    file), without a prompt or a network call. Other modes need none.
+
+    Raises:
+        config.ConfigError: no key found, or the key found has an invalid format (wandb's AuthenticationError).
+    """
+    if mode != "online":
+        return
+    import wandb
+
+    # wandb.login skips the lookup (returns False) under WANDB_MODE=offline/disabled, while wandb.init gets the
+    # config's mode explicitly: look up as for that mode. Ranks other than 0 (which never start a W&B run) look up
+    # silently, so a large job prints wandb's "Loaded credentials" line once. Nothing has imported wandb yet in
+    # train.py, so its settings are first read here.
+    env = {"WANDB_MODE": "online"} | ({} if os.environ.get("RANK", "0") == "0" else {"WANDB_SILENT": "true"})
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        found = wandb.login(verify=False, prompt=False)
+    except wandb.errors.AuthenticationError as e:
+        raise config_mod.ConfigError(f"logging.wandb = 'online': {e}") from None
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        wandb.teardown()  # wandb.init reads the restored environment afresh (no "changes ... ignored" warning)
+    if not found:
+        raise config_mod.ConfigError(
+            "logging.wandb = 'online' but W&B finds no API key (WANDB_API_KEY, ~/.netrc from `wandb login`, or a "
+            "wandb settings file); set one, or use logging.wandb=offline or disabled"
+        )
 
 
 # megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json)

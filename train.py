@@ -81,6 +81,8 @@ def main(cfg) -> int:
     if rank == 0:
         monitor.print_layout(ctx, world)
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
+    if resume_from is not None:
+        checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
     stopper = monitor.StopSignal()
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -469,7 +471,7 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
             if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean":
                 total[k] = total.get(k, 0.0) + v * num_global_pairs
             elif mpo_loss.METRIC_REDUCTION.get(k) == "count":
-                total[k] = total.get(k, 0.0) + v
+                total[k] = total.get(k, 0) + v  # an int (monitor.reduce_metrics)
         pairs_seen += num_global_pairs
     policy.train()
     mean = {k for k in total if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean"}

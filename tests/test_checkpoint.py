@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -170,3 +173,170 @@ def test_model_reshards_tp1_to_tp2(dist_result):
     r = dist_result["reshard"]
     assert r["tp2_fresh"] != pytest.approx(r["tp1"], abs=1e-3)  # the load changes something
     assert r["tp2"] == pytest.approx(r["tp1"], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume with another layout, export target, damaged shards (QA 3, 12, 13)
+
+
+def _step_with_config(run_dir: Path, step: int, *overrides: str, world_size: int = 2) -> Path:
+    import config as config_mod
+
+    p = _fake_ckpt(run_dir, f"step_{step}")
+    cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml", list(overrides)))
+    (p / checkpoint.RUN_STATE_FILE).write_text(json.dumps({"step": step, "world_size": world_size, "config": cfg}))
+    return p
+
+
+def test_check_layout_names_every_changed_setting_and_lets_dp_change(tmp_path):
+    import config as config_mod
+
+    saved = ["model.params_dtype=bfloat16", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+             "parallel.expert_model_parallel_size=2"]  # fmt: skip
+    step = _step_with_config(tmp_path / "run", 1, *saved)
+    now = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["optimizer.lr=0.5"])  # not a layout setting
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_layout(step, now)
+    assert str(e.value) == (
+        f"cannot resume {step}: it was saved with another checkpoint layout (saved, now): {{'model.params_dtype': "
+        "('bfloat16', 'float32'), 'parallel.tensor_model_parallel_size': (2, 1), "
+        "'parallel.expert_model_parallel_size': (2, 1)}; its optimizer state loads only with the saved "
+        "model.params_dtype, parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size. Set the saved "
+        f"values back, or export the policy (python checkpoint.py export {tmp_path / 'run'} OUT) and start a new run "
+        "in another checkpoint.dir with model.hf_path=OUT (a fresh optimizer)"
+    )
+    # the same layout: saved by 2 ranks (DP = 2 at TP = EP = 1 ... or DP = 1 at TP = 2), resumed on any world size
+    checkpoint.check_layout(step, config_mod.load_config(ROOT / "configs" / "tiny.toml", saved))
+    frozen = _step_with_config(tmp_path / "frozen", 3, "model.freeze_vision_encoder=true", world_size=1)
+    freeze_diff = r"\(saved, now\): \{'model.freeze_vision_encoder': \(True, False\)\}"
+    with pytest.raises(checkpoint.CheckpointError, match=freeze_diff):
+        checkpoint.check_layout(frozen, now)
+    (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps({"step": 1}))
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{step / 'run_state.json'} holds no resolved config$"):
+        checkpoint.check_layout(step, now)
+
+
+def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
+    run = tmp_path / "run"
+    step = _step_with_config(run, 2)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    for out, message in [
+        (run, f"export directory {run} is the run directory of the checkpoint it exports (its config.json would be "
+              "overwritten); choose another OUT_DIR, e.g. a new directory inside it"),
+        (step, f"export directory {step} is the checkpoint it exports (step_2) or inside it; choose another OUT_DIR"),
+        (step / "hf", f"export directory {step / 'hf'} is the checkpoint it exports (step_2) or inside it; choose "
+                      "another OUT_DIR"),
+    ]:  # fmt: skip
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.check_export_dir(out, step)
+        assert str(e.value) == message
+    other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
+    _fake_ckpt(other, "step_7")
+    (other / "config.json").write_text("{}")
+    held = f"^export directory {other} holds a training run " r"\(config.json, step_7\); the export would overwrite"
+    with pytest.raises(checkpoint.CheckpointError, match=held):
+        checkpoint.check_export_dir(other, step)
+    with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
+        checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
+    logged = tmp_path / "logged"  # a run that logged steps but saved no checkpoint
+    logged.mkdir()
+    (logged / "config.json").write_text("{}")
+    (logged / "metrics.jsonl").write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds a training run \(config.json, metrics.jsonl\); "):
+        checkpoint.check_export_dir(logged, step)
+    (tmp_path / "old_export").mkdir()
+    (tmp_path / "old_export" / "config.json").write_text("{}")  # an earlier export: overwritten, as before
+    for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
+        checkpoint.check_export_dir(fine, step)
+    with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
+        checkpoint.export(run, run)  # before any model is built
+    assert (run / "config.json").read_text() == "{}"
+
+
+@pytest.fixture(scope="module")
+def bf16_segment(torchrun, tmp_path_factory):
+    """One bf16 step of the tiny run on 2 ranks (DP = 2): step_1."""
+    run_dir = tmp_path_factory.mktemp("bf16_segment")
+    torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "model.params_dtype=bfloat16",
+             "mpo.stop_after_step=1")  # fmt: skip
+    return run_dir
+
+
+def _cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))  # fmt: skip
+
+
+def test_resume_with_another_dtype_or_tp_ep_is_one_line_and_another_dp_resumes(bf16_segment, torchrun):
+    """QA 3: a changed params_dtype / TP / EP failed deep in dist_checkpointing (KeyError ... bucket_idx_0.param)."""
+    run = bf16_segment
+    config_before = (run / "config.json").read_text()
+    for overrides, diff in [
+        ([], "{'model.params_dtype': ('bfloat16', 'float32')}"),
+        (["model.params_dtype=bfloat16", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+         "{'parallel.tensor_model_parallel_size': (1, 2)}"),
+        (["model.params_dtype=bfloat16", "parallel.expert_model_parallel_size=2"],
+         "{'parallel.expert_model_parallel_size': (1, 2)}"),
+    ]:  # fmt: skip
+        proc = torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", "mpo.stop_after_step=2", *overrides,
+                        check=False)  # fmt: skip
+        assert proc.returncode == 1
+        lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("error: ")]
+        assert lines == [f"error: CheckpointError: cannot resume {run / 'step_1'}: it was saved with another "
+                         f"checkpoint layout (saved, now): {diff}; its optimizer state loads only with the saved "
+                         f"{diff[2:diff.index(chr(39), 2)]}. Set the saved values back, or export the policy (python "
+                         f"checkpoint.py export {run} OUT) and start a new run in another checkpoint.dir with "
+                         "model.hf_path=OUT (a fresh optimizer)"]  # fmt: skip
+        assert "Connection closed" not in proc.stderr and "KeyError" not in proc.stderr
+    assert (run / "config.json").read_text() == config_before  # a refused resume leaves the run's config
+    assert not (run / "step_2").exists()
+    # DP = 2 -> DP = 1 (one process, no launcher): resumes
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", "model.params_dtype=bfloat16",
+                "mpo.stop_after_step=2")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from {run / 'step_1'} (step 1" in proc.stdout and (run / "step_2").is_dir()
+
+
+def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allows(bf16_segment, tmp_path):
+    """QA 12: `export RUN RUN` replaced the run's config.json with the HF one; model.safetensors was 0600."""
+    run = bf16_segment
+    config_before = (run / "config.json").read_text()
+    proc = _cli("checkpoint.py", "export", str(run), str(run))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: export directory {run} is the run directory of the checkpoint it exports"
+    )
+    assert (run / "config.json").read_text() == config_before
+    out = tmp_path / "hf"
+    proc = _cli("checkpoint.py", "export", str(run), str(out), umask=0o027)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == 0o640  # 0666 & ~umask, as open() creates files
+    assert modes["model.safetensors.index.json"] == 0o640
+
+
+def test_truncated_shard_is_named(bf16_segment, tmp_path):
+    """QA 13: a truncated shard gave "EOFError: Ran out of input" with no file name (resume and export)."""
+    import shutil
+
+    latest = checkpoint.latest_checkpoint(bf16_segment)
+    broken = tmp_path / "run" / latest.name
+    shutil.copytree(latest, broken)
+    shard = sorted((broken / checkpoint.MODEL_OPTIM_DIR).glob("*.distcp"))[0]
+    need = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    proc = _cli("checkpoint.py", "export", str(broken), str(tmp_path / "hf"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {broken / 'model_optim'}: damaged checkpoint: {shard} has 1000 bytes, its metadata needs {need}; "
+        "copy the step again or resume from another step_<N>"
+    )
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={broken.parent}", "model.params_dtype=bfloat16",
+                f"mpo.stop_after_step={int(latest.name[5:]) + 1}")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: CheckpointError: {broken / 'model_optim'}: damaged checkpoint: {shard} has 1000 bytes, its metadata "
+        f"needs {need}; copy the step again or resume from another step_<N>"
+    )

@@ -94,7 +94,8 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
     assert monitor.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
     got = monitor.reduce_metrics(m, "two", torch.device("cpu"))
-    assert got == {"loss": 0.625, "num_valid_pairs": 4.0, "reward_shift_used": 0.25}
+    assert got == {"loss": 0.625, "num_valid_pairs": 4, "reward_shift_used": 0.25}
+    assert type(got["num_valid_pairs"]) is int  # a count, like num_global_pairs (QA 13: it was 4.0)
     assert calls == [(torch.float64, "two")]
     assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}  # the input is not modified
 
@@ -311,6 +312,78 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
         "error: ConfigError: parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel "
         "= true (megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
     )
+
+
+def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path, monkeypatch):
+    """QA 1 and 2: checkpoint.dir empty (the run landed in the working directory), an existing file, or under a file
+    (/dev/null/x) failed only when config.json was written, after the models were built."""
+    (tmp_path / "file").write_text("")
+    for value, message in [
+        ("", "checkpoint.dir is empty: set the run directory (step_<N>/ checkpoints, metrics.jsonl and config.json go "
+             "there), e.g. checkpoint.dir=results/my_run"),
+        (" ", "checkpoint.dir is empty: "),
+        (str(tmp_path / "file"), f"checkpoint.dir = '{tmp_path / 'file'}' is an existing file, not a directory"),
+        ("/dev/null/x", "checkpoint.dir = '/dev/null/x' cannot be created: '/dev/null' is not a directory"),
+        (str(tmp_path / "file" / "a" / "b"),
+         f"checkpoint.dir = '{tmp_path / 'file' / 'a' / 'b'}' cannot be created: '{tmp_path / 'file'}' is not a "
+         "directory"),
+    ]:  # fmt: skip
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_run_dir(value)
+        assert str(e.value).startswith(message), (value, str(e.value))
+    preflight.check_run_dir(str(tmp_path / "new" / "run"))  # creatable: fine, and nothing is created yet
+    preflight.check_run_dir(str(tmp_path))  # an existing directory
+    assert not (tmp_path / "new").exists()
+    denied = {tmp_path / "ro"}  # os.access as a non-root user without write permission (root passes every check)
+    monkeypatch.setattr(preflight.os, "access", lambda p, mode: Path(p) not in denied)
+    (tmp_path / "ro").mkdir()
+    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro' / 'run'}' cannot be "
+                                                     f"created: no write permission on '{tmp_path / 'ro'}'$"):
+        preflight.check_run_dir(str(tmp_path / "ro" / "run"))
+    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro'}' cannot be written: no "
+                                                     f"write permission on '{tmp_path / 'ro'}'$"):
+        preflight.check_run_dir(str(tmp_path / "ro"))
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["checkpoint.dir="])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
+    with pytest.raises(config_mod.ConfigError, match="^checkpoint.dir is empty"):
+        preflight.check_inputs(cfg)  # part of the checks train.main runs first on every rank
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_val_batches_must_be_at_least_one(value):
+    """QA 4: 0 crashed at the first validation (KeyError 'loss'), -1 sliced off the last batch."""
+    with pytest.raises(config_mod.ConfigError, match=f"^mpo.val_batches = {value} must be >= 1$"):
+        config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"mpo.val_batches={value}"])
+
+
+def test_wandb_online_needs_an_api_key(tmp_path, monkeypatch):
+    """QA 6: logging.wandb=online without a key failed in wandb.init (UsageError) after the models were built."""
+    import wandb
+
+    for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no .netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))  # no settings file
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # conftest's; logging.wandb = online is what counts
+    wandb.teardown()  # a fresh wandb singleton reads the settings above
+    try:
+        preflight.check_wandb("offline")  # no key needed
+        preflight.check_wandb("disabled")
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_wandb("online")
+        assert str(e.value) == (
+            "logging.wandb = 'online' but W&B finds no API key (WANDB_API_KEY, ~/.netrc from `wandb login`, or a "
+            "wandb settings file); set one, or use logging.wandb=offline or disabled"
+        )
+        monkeypatch.setenv("WANDB_API_KEY", "short")
+        with pytest.raises(config_mod.ConfigError, match="^logging.wandb = 'online': WANDB_API_KEY invalid: API key "
+                                                         "must have 40"):
+            preflight.check_wandb("online")
+        monkeypatch.setenv("WANDB_API_KEY", "0123456789" * 4)  # the format of a key; not verified (no network)
+        preflight.check_wandb("online")
+    finally:
+        wandb.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +631,7 @@ GOLDEN_TRAIN = {  # metrics.jsonl of the README command, recorded 2026-12-01: ke
         0.0, 0.00020542145466606598, -0.0027799606905318797, 0.00031528467661701143, 0.0033864020369946957,
         -0.0038878447376191616,
     ],
-    "num_valid_pairs": [4.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+    "num_valid_pairs": [4, 4, 4, 4, 4, 4],
     "reward_shift": [
         0.0, 2.0542145466606618e-06, -2.5765934504124767e-05, -2.2355428392913403e-05, 1.1732146260962718e-05,
         -2.726362257783856e-05,
@@ -595,7 +668,7 @@ GOLDEN_VALIDATION = {  # the val_at_end row after step 6
     "logprobs/rejected": -222.03285217285156,
     "nll/chosen": 6.940609335899353,
     "bco/reward_mean": -0.007780361745972186,
-    "num_valid_pairs": 4.0,
+    "num_valid_pairs": 4,
     "val_batches": 1,
 }
 
@@ -610,6 +683,7 @@ def test_golden_trace_of_the_readme_command(readme):
     assert set(val) == set(GOLDEN_VALIDATION) | {"split"}
     for key, want in GOLDEN_VALIDATION.items():
         assert val[key] == pytest.approx(want, rel=0, abs=GOLDEN_ATOL), key
+        assert type(val[key]) is type(want), key
 
 
 # ----------------------------------------------------------------------------------------------------------------------
