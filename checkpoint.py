@@ -406,8 +406,9 @@ LAYOUT_KEYS = (
 )
 
 
-def check_layout(path: str | Path, cfg) -> None:
-    """Refuse to resume checkpoint `path` (a step_<N>) when this run's config changes a setting of LAYOUT_KEYS.
+def check_layout(path: str | Path | None, cfg) -> None:
+    """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) when this run's config
+    changes a setting of LAYOUT_KEYS.
 
     Compares the resolved config saved in the step's run_state.json with `cfg` (a config.Config). The data-parallel
     size is no setting (it follows from the world size) and may change: the state reshards over DP. Reads one file,
@@ -420,6 +421,8 @@ def check_layout(path: str | Path, cfg) -> None:
     """
     import config as config_mod
 
+    if path is None:
+        return
     path = Path(path)
     try:
         saved = json.loads((path / RUN_STATE_FILE).read_text()).get("config")

@@ -81,8 +81,7 @@ def main(cfg) -> int:
     if rank == 0:
         monitor.print_layout(ctx, world)
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
-    if resume_from is not None:
-        checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
+    checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
     stopper = monitor.StopSignal()
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -122,11 +121,9 @@ def main(cfg) -> int:
         steps_done += 1
         tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
         metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
-        metrics.update(
-            dropped_oversized=data.train_split.dropped_oversized + len(step_data.plan.dropped),
-            consumed_pairs=run["consumed_pairs"],
-            eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]),
-        )
+        metrics.update(dropped_oversized=data.train_split.dropped_oversized + len(step_data.plan.dropped),
+                       consumed_pairs=run["consumed_pairs"],
+                       eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]))
         step = run["step"]
         log.log(step, metrics)
         monitor.print_step(bar, step, cfg, metrics, rank)
