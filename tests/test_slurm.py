@@ -51,8 +51,13 @@ def _fake_bin(tmp: Path) -> Path:
     return b
 
 
+TINY = str(ROOT / "assets" / "tiny-omni")  # a local HF checkpoint directory: submit mode checks model.hf_path
+
+
 def _run(script: Path, env: dict[str, str], args=(), tmp: Path | None = None, cwd: Path | None = None):
     base = {"PATH": os.environ["PATH"], "HOME": str(tmp or "/nonexistent")}
+    if "SLURM_JOB_ID" not in env:  # submit mode (and chain.sh): the default CONFIG's hub id would be refused
+        base["MPO_HF_PATH"] = TINY
     if tmp is not None:
         base["PATH"] = f"{_fake_bin(tmp)}:{base['PATH']}"
         base["FAKE_SBATCH_LOG"] = str(tmp / "sbatch.log")
@@ -182,12 +187,12 @@ def test_submit_mode_dry_run_prints_sbatch_and_never_calls_it(tmp_path):
     env = {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled", "NUM_NODES": "2",
            "SBATCH_ACCOUNT": "acct", "SBATCH_PARTITION": "batch", "SBATCH_TIME": "01:00:00",
            "SBATCH_DEPENDENCY": "77", "RESULTS_DIR": "rel/run"}  # fmt: skip
-    r = _run(SBATCH, env, ["a.b=1"], tmp_path)
+    r = _run(SBATCH, env, ["optimizer.lr=1e-6"], tmp_path)
     assert r.returncode == 0, r.stderr
     [sbatch] = _lines(r.stdout, "sbatch")
     assert sbatch == ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=8", "--export=ALL", "--account=acct",
                       "--partition=batch", "--time=01:00:00", "--dependency=afterok:77", "--kill-on-invalid-dep=yes",
-                      str(SBATCH), "a.b=1"]  # fmt: skip
+                      str(SBATCH), "optimizer.lr=1e-6"]  # fmt: skip
     [torchrun] = _lines(r.stdout, "torchrun")
     assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:29500"  # known only in the allocation
     assert f"checkpoint.dir={tmp_path}/rel/run" in torchrun  # relative RESULTS_DIR made absolute at submission
@@ -255,7 +260,50 @@ def test_data_path_may_come_from_an_override(tmp_path):
     assert not (tmp_path / "sbatch.log").exists()
 
 
-CHAIN_ENV = {"MPO_DATA_PATH": "/data/meta.json", "WANDB_MODE": "offline", "CHAIN_SEGMENTS": "3"}
+def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
+    """Submit mode reads CONFIG and the overrides as train.py will (config.py) and needs model.hf_path to hold a
+    config.json: configs/nano.toml's hub id without MPO_HF_PATH, a bad override or a missing directory is one line and
+    exit 2 before sbatch (the job would fail at start with a ConfigError); so is a chain's first segment."""
+    base = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline"}
+    hub = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"  # configs/nano.toml's model.hf_path
+    cases = [
+        ({"MPO_HF_PATH": ""}, [], f"train.sbatch: error: model.hf_path='{hub}' (from configs/nano.toml: set "
+         f"MPO_HF_PATH to the local checkpoint directory) has no config.json at {ROOT}/{hub}: it must be a local HF "
+         f"checkpoint directory (relative paths are relative to REPO_DIR={ROOT})"),
+        ({"MPO_HF_PATH": "", "DRY_RUN": "1"}, [], f"model.hf_path='{hub}' (from configs/nano.toml"),
+        ({"MPO_HF_PATH": str(tmp_path)}, [], f"train.sbatch: error: model.hf_path='{tmp_path}' has no config.json at "
+         f"{tmp_path}: it must be a local HF checkpoint directory (relative paths are relative to REPO_DIR={ROOT})"),
+        ({}, [f"model.hf_path={tmp_path}"], f"model.hf_path='{tmp_path}' has no config.json"),  # the override wins
+        ({}, ["optimizer.lr=abc"], "train.sbatch: error: ConfigError: override 'optimizer.lr=abc': optimizer.lr = "
+         "'abc' has the wrong type; expected float"),
+        ({"CONFIG": "configs/none.toml"}, [], "train.sbatch: error: ConfigError: config file 'configs/none.toml' not "
+         f"found (relative paths are relative to the working directory {ROOT};"),
+        # with a container, an absolute path under a MOUNTS destination is checked at its source
+        ({"CONTAINER": "img", "MOUNTS": f"{tmp_path}:/lustre:ro", "MPO_HF_PATH": "/lustre/ckpt", "DRY_RUN": "1"}, [],
+         f"model.hf_path='/lustre/ckpt' has no config.json at {tmp_path}/ckpt:"),
+    ]  # fmt: skip
+    for env, args, message in cases:
+        r = _run(SBATCH, {**base, **env}, args, tmp_path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, (env, args, r.stderr)
+    assert not (tmp_path / "sbatch.log").exists()
+    # accepted: a relative directory (REPO_DIR's), the same through a mount, one inside the image (left to the job)
+    for env in ({"CONFIG": "configs/tiny.toml", "MPO_HF_PATH": ""},
+                {"CONTAINER": "img", "MOUNTS": f"{ROOT}:/repo", "MPO_HF_PATH": "/repo/assets/tiny-omni"},
+                {"CONTAINER": "img", "MPO_HF_PATH": "/models/nano"}):  # fmt: skip
+        r = _run(SBATCH, {**base, **env, "DRY_RUN": "1"}, [], tmp_path)
+        assert r.returncode == 0 and r.stderr == "", (env, r.stderr)
+    # no python3 >= 3.11 on the submit host: one note, and the job checks at start
+    r = _run(SBATCH, {**base, "MPO_HF_PATH": "", "SUBMIT_PYTHON": str(tmp_path / "none")}, [], tmp_path)
+    assert r.returncode == 0 and r.stderr == (
+        f"train.sbatch: note: no {tmp_path}/none >= 3.11 here; CONFIG and the overrides are checked when the job "
+        "starts\n")
+    r = _run(CHAIN, {**base, "MPO_HF_PATH": "", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"}, [], tmp_path)
+    assert r.returncode == 2 and "(from configs/nano.toml: set MPO_HF_PATH" in r.stderr, r.stderr
+    assert not (tmp_path / "results").exists()
+
+
+CHAIN_ENV = {"MPO_DATA_PATH": "/data/meta.json", "WANDB_MODE": "offline", "CHAIN_SEGMENTS": "3",
+             "CONFIG": "configs/tiny.toml"}  # short chains: nano.toml warms up for 50 steps
 
 
 @pytest.mark.parametrize(
@@ -304,7 +352,8 @@ def test_chain_dry_run_segments(tmp_path):
         assert deps == ([] if i == 0 else [f"--dependency=afterok:$SEGMENT_{i}_JOB_ID"])
         assert f"--job-name=omni-mpo-mpo0a1b2c-{i + 1}-of-3" in sbatch and "--nodes=2" in sbatch
         assert _exports(block)["WANDB_RUN_ID"] == "mpo0a1b2c"
-        assert _overrides(torchrun) == ["data.train.data_path=/data/meta.json", "mpo.max_num_steps=7000",
+        assert _overrides(torchrun) == [f"model.hf_path={TINY}", "data.train.data_path=/data/meta.json",
+                                        "mpo.max_num_steps=7000",
                                         f"mpo.stop_after_step={stop}", f"checkpoint.dir={results}",
                                         "logging.wandb=offline", "optimizer.lr=1e-6"]  # fmt: skip
     assert "run id mpo0a1b2c" in r.stdout and results in r.stdout
