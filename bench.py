@@ -1159,10 +1159,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no results file {args.print} (a full `python bench.py` writes bench_results.json, "
                   "--quick / --only runs results/bench_results.json)", file=sys.stderr)
             return 1
-        res = json.loads(Path(args.print).read_text())
-        print(f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}: "
-              f"`{res.get('command', 'python bench.py')}`")
-        print(table({k: v for k, v in res.items() if k in ITEMS}))
+        try:
+            res = json.loads(Path(args.print).read_text())
+            head = (f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}: "
+                    f"`{res.get('command', 'python bench.py')}`")
+            text = table({k: v for k, v in res.items() if k in ITEMS})
+        except (ValueError, TypeError, KeyError) as e:  # not JSON, or not a results file of this bench.py
+            what = (f"invalid JSON: {e}" if isinstance(e, json.JSONDecodeError) else
+                    f"not a bench.py results file ({type(e).__name__}: {e})")  # fmt: skip
+            print(f"error: {args.print}: {what}", file=sys.stderr)
+            return 1
+        print(head)
+        print(text)
         return 0
     if args.gpu:
         if not torch.cuda.is_available():

@@ -624,13 +624,35 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "export":
-        sys.exit("usage: python checkpoint.py export CKPT_DIR OUT_DIR")
+def main(argv: list[str] | None = None) -> int:
+    """`python checkpoint.py export CKPT OUT_DIR`: `export`, then `exported OUT_DIR` (exit 0), or one `error: ...` line
+    on stderr (exit 1); a wrong command line gets argparse's usage and error (exit 2), `-h` / `--help` the usage."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python checkpoint.py", description="Checkpoint tools of omni-mpo.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="export")
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint's policy as an HF checkpoint",
+        description="Write the policy of a training checkpoint as an HF checkpoint that transformers loads "
+        "(safetensors plus the config, tokenizer and processor files of the run's model.hf_path). Run it from the "
+        "directory the training ran in: a relative model.hf_path is relative to it. Single process, on the CPU.",
+    )
+    ex.add_argument("ckpt", metavar="CKPT", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
+                    "step_<N>")  # fmt: skip
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF checkpoint (not the run, nor one holding "
+                    "a run)")  # fmt: skip
+    args = ap.parse_args(argv)
     import config as config_mod
 
     config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     try:
-        print(f"exported {export(sys.argv[2], sys.argv[3])}")
+        print(f"exported {export(args.ckpt, args.out_dir)}")
     except CheckpointError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -486,10 +486,27 @@ def quiet_known_warnings() -> bool:
     return True
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python config.py CONFIG.toml [section.key=value ...]")
+def main(argv: list[str] | None = None) -> int:
+    """`python config.py CONFIG.toml [section.key=value ...]`: print the resolved config as JSON (exit 0), or one
+    `error: ...` line on stderr (exit 1); `-h` / `--help` prints the usage (exit 0)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python config.py",
+        description="Print the resolved run configuration (defaults < TOML file < overrides) as JSON, checked as "
+        "train.py checks it before any work (the paths it names are checked by train.py's preflight, not here).",
+    )
+    ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/tiny.toml")
+    ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[],
+                    help="overrides, applied in order")
+    args = ap.parse_args(argv)
     try:
-        print(json.dumps(to_dict(load_config(sys.argv[1], sys.argv[2:])), indent=2))
+        print(json.dumps(to_dict(load_config(args.config, args.overrides)), indent=2))
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -164,3 +164,18 @@ def test_quick_and_partial_runs_never_replace_the_full_results(tmp_path, monkeyp
     assert bench.main(["--print"]) == 0  # no argument: the committed full results
     out = capsys.readouterr().out
     assert out.startswith("omni-mpo bench (full), 2026-01-01, m: `python bench.py`")
+
+
+def test_print_of_a_file_that_is_not_a_results_file_is_one_line(tmp_path, capsys):
+    """`python bench.py --print README.md` ended in a JSONDecodeError traceback; a JSON file of another shape in a
+    KeyError one. Both are one `error:` line and exit 1."""
+    import bench
+
+    assert bench.main(["--print", str(ROOT / "README.md")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {ROOT / 'README.md'}: invalid JSON: Expecting value: line 1 column 1 (char 0)\n")
+    other = tmp_path / "other.json"
+    other.write_text('{"quick": false}')
+    assert bench.main(["--print", str(other)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"error: {other}: not a bench.py results file (KeyError: 'date')\n"

@@ -31,6 +31,28 @@ def _fake_ckpt(run_dir: Path, name: str, complete: bool = True) -> Path:
     return p
 
 
+def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
+    """`python checkpoint.py --help` printed the usage with exit 1; now help exits 0 and says what CKPT may be, a wrong
+    command line is argparse's usage + one error line (exit 2), a missing checkpoint one `error:` line (exit 1)."""
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main(["export", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python checkpoint.py export [-h] CKPT OUT_DIR")
+    assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
+    for argv, last in (([], "python checkpoint.py: error: the following arguments are required: export"),
+                       (["export"], "python checkpoint.py export: error: the following arguments are required: CKPT, "
+                        "OUT_DIR"),
+                       (["expot", "a", "b"], "python checkpoint.py: error: argument export: invalid choice: 'expot' "
+                        "(choose from 'export')")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            checkpoint.main(argv)
+        assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == last
+    assert checkpoint.main(["export", str(tmp_path / "none"), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'none'}: no complete checkpoint (step_<N>/ with run_state.json)\n"
+    assert not (tmp_path / "hf").exists()
+
+
 def test_latest_is_highest_complete_step_and_ignores_tmp(tmp_path, capsys):
     for name in ("step_2", "step_10", "step_9"):
         _fake_ckpt(tmp_path, name)

@@ -144,6 +144,25 @@ def test_config_cli_prints_resolved_json():
     assert bad.stderr.startswith("error: override 'mpo.max_num_step=3': unknown key 'mpo.max_num_step'")
 
 
+def test_config_cli_help_and_usage_errors(capsys):
+    """`python config.py --help` printed "error: config file '--help' not found"; help is the usage (exit 0), a
+    missing config file name is argparse's usage + one error line (exit 2), a bad value one `error:` line (exit 1)."""
+    import config
+
+    with pytest.raises(SystemExit) as e:
+        config.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python config.py [-h] CONFIG.toml [section.key=value ...]")
+    with pytest.raises(SystemExit) as e:
+        config.main([])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and err[-1] == "python config.py: error: the following arguments are required: CONFIG.toml"
+    assert config.main([str(ROOT / "configs" / "tiny.toml"), "optimizer.lr=abc"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "error: override 'optimizer.lr=abc': optimizer.lr = 'abc' has the wrong type; expected float\n")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # tiny Omni asset
 
