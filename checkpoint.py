@@ -39,7 +39,7 @@ would restart and the resumed run diverge. `load` gives every parameter its own 
 
 Command line (export the trained policy as a Hugging Face checkpoint that transformers loads):
 
-    python checkpoint.py export CKPT_DIR OUT_DIR     # CKPT_DIR: a run directory (latest step) or one step_<N>
+    python checkpoint.py export RUN_DIR OUT_DIR      # RUN_DIR: a run directory (latest step) or one step_<N>
 
 Tests: `pytest tests/test_checkpoint.py`.
 """
@@ -625,8 +625,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python checkpoint.py export CKPT OUT_DIR`: `export`, then `exported OUT_DIR` (exit 0), or one `error: ...` line
-    on stderr (exit 1); a wrong command line gets argparse's usage and error (exit 2), `-h` / `--help` the usage."""
+    """`python checkpoint.py export RUN_DIR OUT_DIR`: `export`, then `exported OUT_DIR` (exit 0), or one `error: ...`
+    line on stderr (exit 1); a wrong command line gets argparse's usage and error (exit 2), `-h` / `--help` the usage."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python checkpoint.py", description="Checkpoint tools of omni-mpo.")
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "(safetensors plus the config, tokenizer and processor files of the run's model.hf_path). Run it from the "
         "directory the training ran in: a relative model.hf_path is relative to it. Single process, on the CPU.",
     )
-    ex.add_argument("ckpt", metavar="CKPT", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
+    ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
                     "step_<N>")  # fmt: skip
     ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF checkpoint (not the run, nor one holding "
                     "a run)")  # fmt: skip

@@ -32,16 +32,16 @@ def _fake_ckpt(run_dir: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
-    """`python checkpoint.py --help` printed the usage with exit 1; now help exits 0 and says what CKPT may be, a wrong
-    command line is argparse's usage + one error line (exit 2), a missing checkpoint one `error:` line (exit 1)."""
+    """`python checkpoint.py --help` printed the usage with exit 1; now help exits 0 and says what RUN_DIR may be, a
+    wrong command line is argparse's usage + one error line (exit 2), a missing checkpoint one `error:` line (exit 1)."""
     with pytest.raises(SystemExit) as e:
         checkpoint.main(["export", "--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and out.startswith("usage: python checkpoint.py export [-h] CKPT OUT_DIR")
+    assert e.value.code == 0 and out.startswith("usage: python checkpoint.py export [-h] RUN_DIR OUT_DIR")
     assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
     for argv, last in (([], "python checkpoint.py: error: the following arguments are required: export"),
-                       (["export"], "python checkpoint.py export: error: the following arguments are required: CKPT, "
-                        "OUT_DIR"),
+                       (["export"], "python checkpoint.py export: error: the following arguments are required: "
+                        "RUN_DIR, OUT_DIR"),
                        (["expot", "a", "b"], "python checkpoint.py: error: argument export: invalid choice: 'expot' "
                         "(choose from 'export')")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
