@@ -626,7 +626,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`python checkpoint.py export RUN_DIR OUT_DIR`: `export`, then `exported OUT_DIR` (exit 0), or one `error: ...`
-    line on stderr (exit 1); a wrong command line gets argparse's usage and error (exit 2), `-h` / `--help` the usage."""
+    line on stderr (exit 1); a wrong command line gets argparse's usage and error (exit 2), `--help` the usage."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python checkpoint.py", description="Checkpoint tools of omni-mpo.")

@@ -33,7 +33,7 @@ def _fake_ckpt(run_dir: Path, name: str, complete: bool = True) -> Path:
 
 def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
     """`python checkpoint.py --help` printed the usage with exit 1; now help exits 0 and says what RUN_DIR may be, a
-    wrong command line is argparse's usage + one error line (exit 2), a missing checkpoint one `error:` line (exit 1)."""
+    wrong command line is argparse's usage + one error line (exit 2), a missing checkpoint one error line (exit 1)."""
     with pytest.raises(SystemExit) as e:
         checkpoint.main(["export", "--help"])
     out = capsys.readouterr().out
