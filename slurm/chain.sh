@@ -21,7 +21,9 @@
 #   CHAIN_CONTINUE (0)        1 = add segments to the run already in RESULTS_DIR (its chain.env fixes the run id and
 #                             MPO_MAX_NUM_STEPS; targets continue from where it stands)
 #   WANDB_RUN_ID              default mpo<6 hex digits>; letters, digits, '_' and '-' only
-#   everything else           passed to slurm/train.sbatch unchanged (see its header), e.g. CONTAINER, NUM_NODES
+#   everything else           passed to slurm/train.sbatch unchanged (see its header), e.g. CONTAINER, NUM_NODES;
+#                             so are the arguments (section.key=value), except mpo.stop_after_step, mpo.max_num_steps
+#                             and checkpoint.dir (the chain's own: CHAIN_STEP_TARGETS, MPO_MAX_NUM_STEPS, RESULTS_DIR)
 #
 # Exit status: 2 for any invalid input (nothing is submitted), 1 when sbatch fails part-way (the ids of the jobs
 # already submitted are printed), 0 otherwise. Prints the job ids, the W&B run id and the results path.
@@ -45,6 +47,17 @@ is_positive_int "$CHAIN_SEGMENTS" || die "CHAIN_SEGMENTS='$CHAIN_SEGMENTS' must 
 segments=$((10#$CHAIN_SEGMENTS))
 [[ -z "${MPO_STOP_AFTER_STEP:-}" ]] ||
     die "MPO_STOP_AFTER_STEP is set per segment by the chain; unset it and use CHAIN_STEP_TARGETS"
+# The keys the chain sets for every segment: an override argument would win over them (train.sbatch appends the
+# arguments last) and silently break the chain (every segment stopping at one step, another horizon or directory).
+for arg in "$@"; do
+    key=${arg%%=*}
+    key=${key//[[:space:]]/}
+    case "$key" in
+    mpo.stop_after_step) die "the argument '$arg': the chain sets it per segment from CHAIN_STEP_TARGETS" ;;
+    mpo.max_num_steps) die "the argument '$arg': set MPO_MAX_NUM_STEPS instead (the chain's LR horizon)" ;;
+    checkpoint.dir) die "the argument '$arg': set RESULTS_DIR instead (the chain's results directory)" ;;
+    esac
+done
 if [[ -n "${MPO_MAX_NUM_STEPS:-}" ]]; then
     is_positive_int "$MPO_MAX_NUM_STEPS" || die "MPO_MAX_NUM_STEPS='$MPO_MAX_NUM_STEPS' must be a positive integer"
 fi

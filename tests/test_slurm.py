@@ -333,6 +333,29 @@ def test_chain_rejects_bad_input_with_exit_2(tmp_path, env, message):
     assert not (tmp_path / "sbatch.log").exists() and not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("mpo.stop_after_step=1", "the argument 'mpo.stop_after_step=1': the chain sets it per segment from "
+         "CHAIN_STEP_TARGETS"),
+        (" mpo.stop_after_step = 1", "the argument ' mpo.stop_after_step = 1': the chain sets it per segment"),
+        ("mpo.max_num_steps=9", "the argument 'mpo.max_num_steps=9': set MPO_MAX_NUM_STEPS instead (the chain's LR "
+         "horizon)"),
+        ("checkpoint.dir=/tmp/x", "the argument 'checkpoint.dir=/tmp/x': set RESULTS_DIR instead (the chain's results "
+         "directory)"),
+    ],
+)  # fmt: skip
+def test_chain_refuses_overrides_of_the_keys_it_sets(tmp_path, arg, message):
+    """train.sbatch appends the arguments last, so `chain.sh mpo.stop_after_step=1` made every segment stop at step 1
+    (the later ones: "nothing to do"), and checkpoint.dir=... or mpo.max_num_steps=... escaped chain.env's checks."""
+    env = {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "1,2,3"}
+    r = _run(CHAIN, env, ["optimizer.lr=1e-6", arg], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(f"chain.sh: error: {message}") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "sbatch.log").exists() and not (tmp_path / "results").exists()
+    r = _run(CHAIN, {**env, "DRY_RUN": "1"}, ["optimizer.lr=1e-6", "mpo.stop_after_steps_x=1"], tmp_path)
+    assert r.returncode == 2 and "unknown key" in r.stderr  # another key is train.sbatch's (config.py's) to check
+
+
 def _segment_blocks(out: str) -> list[str]:
     return out.split("# segment ")[1:]
 
