@@ -244,6 +244,24 @@ def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
     assert not (tmp_path / "sbatch.log").exists()
 
 
+@pytest.mark.parametrize("mode", ["submit", "job"])
+def test_sbatch_refuses_arguments_for_the_keys_of_its_own_variables(tmp_path, mode):
+    """checkpoint.dir=... as an argument won in train.py only: the job still created, mounted and named in its last
+    line the RESULTS_DIR directory; logging.wandb=online escaped the credentials check made for WANDB_MODE."""
+    env = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled"}
+    if mode == "job":
+        env.update(JOB_ENV, SLURM_NNODES="1")
+    for arg, message in (
+        ("checkpoint.dir=/lustre/x", "the argument 'checkpoint.dir=/lustre/x': set RESULTS_DIR instead (the job "
+         "creates, mounts and reports the results directory from it)"),
+        ("logging.wandb = online", "the argument 'logging.wandb = online': set WANDB_MODE instead (the W&B "
+         "credentials check and the job environment follow it)"),
+    ):  # fmt: skip
+        r = _run(SBATCH, env, ["optimizer.lr=1e-6", arg], tmp_path)
+        assert r.returncode == 2 and r.stderr == f"train.sbatch: error: {message}\n", r.stderr
+    assert not (tmp_path / "sbatch.log").exists()
+
+
 def test_data_path_may_come_from_an_override(tmp_path):
     """Without MPO_DATA_PATH, a data.train.data_path=... argument is the data path: passed on to sbatch and to
     train.py's overrides once; with neither, the one-line error before any submission."""
