@@ -486,22 +486,30 @@ def quiet_known_warnings() -> bool:
     return True
 
 
+def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str, list[str]]:
+    """The command line `CONFIG.toml [section.key=value ...]` of config.py and train.py (argparse): returns the config
+    path and the overrides. `-h` / `--help` prints the usage and exits 0; a missing config path or an option other
+    than -h prints the usage and one error line and exits 2 (argparse)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/tiny.toml")
+    ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[],
+                    help="overrides, applied in order after the file (every key is documented in config.py)")
+    args = ap.parse_args(argv)
+    return args.config, args.overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python config.py CONFIG.toml [section.key=value ...]`: print the resolved config as JSON (exit 0), or one
     `error: ...` line on stderr (exit 1); `-h` / `--help` prints the usage (exit 0)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        prog="python config.py",
-        description="Print the resolved run configuration (defaults < TOML file < overrides) as JSON, checked as "
-        "train.py checks it before any work (the paths it names are checked by train.py's preflight, not here).",
-    )
-    ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/tiny.toml")
-    ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[],
-                    help="overrides, applied in order")
-    args = ap.parse_args(argv)
+    path, overrides = parse_cli(
+        argv, "python config.py", "Print the resolved run configuration (defaults < TOML file < overrides) as JSON, "
+        "checked as train.py checks it before any work (the paths it names are checked by train.py's preflight, not "
+        "here).",
+    )  # fmt: skip
     try:
-        print(json.dumps(to_dict(load_config(args.config, args.overrides)), indent=2))
+        print(json.dumps(to_dict(load_config(path, overrides)), indent=2))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -480,10 +480,9 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
 # ======================================================================================================================
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: torchrun --nproc-per-node N train.py CONFIG.toml [section.key=value ...]")
+    path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
     try:
-        code = main(config_mod.load_config(sys.argv[1], sys.argv[2:]))
+        code = main(config_mod.load_config(path, overrides))
     except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError) as e:
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
