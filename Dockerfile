@@ -10,7 +10,7 @@
 # [core_cu13]); that container ships torch, CUDA 13 and Transformer Engine built together, so none of them is
 # installed here. Override with --build-arg BASE_IMAGE=... only together with a rebuild of mamba-ssm/causal-conv1d.
 #
-# torch stays the container's: requirements.txt pins the CPU wheel torch==2.14.1 (and torchvision) for laptops and
+# torch stays the container's: requirements.txt pins torch==2.14.1 (and torchvision) for CPU machines and
 # CI; here those two lines are dropped and every other requirement is installed under a constraints file that freezes
 # the container's torch, torchvision, triton and transformer-engine at their installed versions, so no transitive
 # dependency can replace them (pip fails instead). NGC's own PIP_CONSTRAINT is cleared for these installs: it pins

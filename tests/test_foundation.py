@@ -298,3 +298,28 @@ def test_input_conditioner_keys_transformers_ignores_repeat_the_processor_statis
     assert mean.shape == std.shape == (3, 1, 1) and mean.dtype == torch.float32
     assert torch.equal(mean.flatten(), torch.tensor(ip.image_mean, dtype=torch.float32))
     assert torch.equal(std.flatten(), torch.tensor(ip.image_std, dtype=torch.float32))
+
+
+def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
+    """The image cannot be built here (no Docker engine): what can drift is checked as text. The Dockerfile's own
+    grep drops exactly the torch and torchvision pins of requirements.txt (the container's stay); its megatron-core is
+    the release cpu_compat was checked on and requirements.txt pins; its wandb is train.sbatch's WANDB_PIN_VERSION."""
+    import re
+
+    import cpu_compat
+
+    docker = (ROOT / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", docker, flags=re.M))
+    pattern = re.search(r"grep -vE '([^']+)' /tmp/requirements.txt", docker).group(1)
+    kept = subprocess.run(["grep", "-vE", pattern, str(ROOT / "requirements.txt")], capture_output=True, text=True,
+                          check=True).stdout.splitlines()  # fmt: skip
+    reqs = (ROOT / "requirements.txt").read_text().splitlines()
+    assert sorted(set(reqs) - set(kept)) == ["torch==2.14.1", "torchvision==0.29.1"]
+    assert args["MEGATRON_CORE_VERSION"] == cpu_compat.MEGATRON_CORE_VERSION_CHECKED
+    assert f"megatron-core=={args['MEGATRON_CORE_VERSION']}" in reqs
+    sbatch = (ROOT / "slurm" / "train.sbatch").read_text()
+    assert f"WANDB_PIN_VERSION=${{WANDB_PIN_VERSION-{args['WANDB_VERSION']}}}" in sbatch
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"megatron-core {args['MEGATRON_CORE_VERSION']}, mamba-ssm {args['MAMBA_SSM_VERSION']}, causal-conv1d "
+            f"{args['CAUSAL_CONV1D_VERSION']}, wandb {args['WANDB_VERSION']} and `requirements.txt`") in readme
+    assert f"The image is `{args['BASE_IMAGE']}`" in readme
