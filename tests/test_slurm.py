@@ -315,6 +315,15 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
     assert r.returncode == 0 and r.stderr == (
         f"train.sbatch: note: no {tmp_path}/none >= 3.11 here; CONFIG and the overrides are checked when the job "
         "starts\n")
+    # REPO_DIR that is not a checkout: refused on bare metal (the job would stop at start), a note with a container
+    r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path)}, [], tmp_path)
+    assert r.returncode == 2 and r.stderr == (
+        f"train.sbatch: error: no train.py in REPO_DIR={tmp_path} (the checkout the job runs; unset it or set it to "
+        "the repository on the shared file system)\n")
+    r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path), "CONTAINER": "img", "DRY_RUN": "1"}, [], tmp_path)
+    assert r.returncode == 0 and r.stderr == (
+        f"train.sbatch: note: no config.py in REPO_DIR={tmp_path}; CONFIG and the overrides are checked when the job "
+        "starts\n")
     r = _run(CHAIN, {**base, "MPO_HF_PATH": "", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"}, [], tmp_path)
     assert r.returncode == 2 and "(from configs/nano.toml: set MPO_HF_PATH" in r.stderr, r.stderr
     assert not (tmp_path / "results").exists()
