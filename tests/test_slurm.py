@@ -313,8 +313,8 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
     # no python3 >= 3.11 on the submit host: one note, and the job checks at start
     r = _run(SBATCH, {**base, "MPO_HF_PATH": "", "SUBMIT_PYTHON": str(tmp_path / "none")}, [], tmp_path)
     assert r.returncode == 0 and r.stderr == (
-        f"train.sbatch: note: no {tmp_path}/none >= 3.11 here; CONFIG and the overrides are checked when the job "
-        "starts\n")
+        f"train.sbatch: note: {tmp_path}/none is not python >= 3.11 here; CONFIG and the overrides are checked when "
+        "the job starts\n")
     # REPO_DIR that is not a checkout: refused on bare metal (the job would stop at start), a note with a container
     r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path)}, [], tmp_path)
     assert r.returncode == 2 and r.stderr == (
