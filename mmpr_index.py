@@ -77,6 +77,28 @@ def _cache_root() -> Path:
     return Path("~/.cache/huggingface/datasets").expanduser()
 
 
+def load_processor(model_dir: str | Path, key: str):
+    """The model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`: chat template, tokenizer, image
+    processor). `key` names the setting in the error (`model.hf_path`, `--model`).
+
+    Raises:
+        DataError: the directory has no config.json (transformers would take the name for a hub id and retry), or
+            transformers cannot build a processor from it (a missing tokenizer or processor file), in one line.
+    """
+    if not (Path(model_dir) / "config.json").is_file():
+        raise DataError(
+            f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
+            f"chat template and processor; relative paths are relative to {os.getcwd()})"
+        )
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split())
+        raise DataError(f"{key} {str(model_dir)!r}: transformers cannot load its processor: {reason}") from None
+
+
 def processor_identity(processor) -> str:
     """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template
     and image-processor config; by content, so a copied model folder hits the same cache and an edited one misses."""
@@ -468,17 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
-    if not (Path(args.model) / "config.json").is_file():  # else transformers takes it for a hub id and retries
-        raise DataError(
-            f"--model {args.model!r}: no config.json there (a local model directory with the tokenizer, "
-            f"chat template and processor; relative paths are relative to {os.getcwd()})"
-        )
-    from transformers import AutoProcessor
-
+    processor = load_processor(args.model, "--model")
     data = Config().data
     data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
     data.train.data_root = args.data_root
-    processor = AutoProcessor.from_pretrained(args.model)
     with data_warnings([]) as warned:
         index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:

@@ -172,9 +172,7 @@ class Data:
 def load_data(cfg, hf, rank: int) -> Data:
     """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
     (mmpr_data.DataWarning) among them as plain lines, once."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(cfg.model.hf_path)
+    processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
     with mmpr_data.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)

@@ -997,6 +997,21 @@ def test_cli_model_that_is_not_a_local_directory_is_one_immediate_line(tmp_path)
                            f"tokenizer, chat template and processor; relative paths are relative to {ROOT})\n")
 
 
+def test_model_without_processor_files_is_one_line_naming_the_setting(tmp_path, processor):
+    """A model directory with config.json but no tokenizer / processor files ended `mmpr_index.py --model` and
+    train.py's data loading in transformers' ValueError traceback (one per rank under torchrun)."""
+    shutil.copy(TINY / "config.json", tmp_path / "config.json")
+    for key in ("--model", "model.hf_path"):
+        with pytest.raises(mi.DataError) as e:
+            mi.load_processor(tmp_path, key)
+        assert str(e.value).startswith(f"{key} {str(tmp_path)!r}: transformers cannot load its processor: "
+                                       f"Unrecognized processing class in {tmp_path}.")  # fmt: skip
+        assert "\n" not in str(e.value)
+    with pytest.raises(mi.DataError, match=r"^model.hf_path 'assets/nope': no config.json there"):
+        mi.load_processor("assets/nope", "model.hf_path")
+    assert mi.processor_identity(mi.load_processor(TINY, "--model")) == mi.processor_identity(processor)
+
+
 def test_report_text_and_values(tmp_path, processor):
     meta = write_set(tmp_path, [row(0), row(1, image="nope.png"), row(2)], {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg())
