@@ -24,15 +24,21 @@ def check_inputs(cfg) -> None:
     Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
 
     Raises:
-        config.ConfigError: model.hf_path has no config.json; data.train.data_path is empty; data.train.data_path (or
-            data.validation.data_path, when set) is not a file; the packing / parallel divisibility rule
-            (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written (`check_run_dir`);
-            logging.wandb = "online" without an API key (`check_wandb`).
+        config.ConfigError: model.hf_path has no config.json or no safetensors weights; data.train.data_path is
+            empty; data.train.data_path (or data.validation.data_path, when set) is not a file; the packing / parallel
+            divisibility rule (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written
+            (`check_run_dir`); logging.wandb = "online" without an API key (`check_wandb`).
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
             f"paths are relative to the working directory {os.getcwd()})"
+        )
+    hf = Path(cfg.model.hf_path)
+    if not (hf / "model.safetensors.index.json").is_file() and not any(hf.glob("*.safetensors")):
+        raise config_mod.ConfigError(  # hf_weights.HFReader's rule, checked before any rank loads a weight
+            f"model.hf_path = {cfg.model.hf_path!r}: no model.safetensors.index.json and no *.safetensors there (the "
+            "weights of the HF checkpoint)"
         )
     if not cfg.data.train.data_path.strip():
         raise config_mod.ConfigError("data.train.data_path is empty: set it to an MMPR meta-recipe JSON")

@@ -138,6 +138,11 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={tmp_path}"])
     with pytest.raises(config_mod.ConfigError, match=f"model.hf_path = '{tmp_path}': no config.json"):
         preflight.check_inputs(cfg)
+    (tmp_path / "config.json").write_text("{}")  # QA: no weights ended in hf_weights' FileNotFoundError traceback
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value) == (f"model.hf_path = '{tmp_path}': no model.safetensors.index.json and no *.safetensors "
+                            "there (the weights of the HF checkpoint)")  # fmt: skip
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"data.train.data_path={tmp_path}/meta.json"])
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
