@@ -1139,9 +1139,9 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python bench.py", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced sizes (< 3 min on 2 CPU cores)")
-    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ITEMS)}")
+    ap.add_argument("--only", help=f"comma-separated subset of {','.join(ITEMS)}")
     ap.add_argument("--gpu", action="store_true", help="only the GPU item (needs CUDA), written to "
                     "bench_gpu_results.json (results/bench_gpu_results.json with --quick) unless --json is given")
     ap.add_argument("--json", help="where to write the results (default: bench_results.json for a full run of every "
@@ -1179,7 +1179,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.only = "gpu"
         args.json = args.json or str(ROOT / ("results" if args.quick else ".") / "bench_gpu_results.json")
-    names = [n for n in args.only.split(",") if n] or list(ITEMS)
+    names = list(ITEMS) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    if not names:  # --only "" would otherwise run every item and write over the committed bench_results.json
+        ap.error(f"--only {args.only!r} names no item; choose from {list(ITEMS)}")
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
@@ -1197,7 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "tmp" in _STATE:
             shutil.rmtree(_STATE["tmp"], ignore_errors=True)
-    out = Path(args.json or (ROOT / "bench_results.json" if not args.quick and not args.only else
+    out = Path(args.json or (ROOT / "bench_results.json" if not args.quick and args.only is None else
                              ROOT / "results" / "bench_results.json"))  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")

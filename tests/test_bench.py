@@ -179,3 +179,16 @@ def test_print_of_a_file_that_is_not_a_results_file_is_one_line(tmp_path, capsys
     assert bench.main(["--print", str(other)]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == f"error: {other}: not a bench.py results file (KeyError: 'date')\n"
+
+
+def test_only_without_an_item_is_a_usage_error(capsys):
+    """`python bench.py --only ""` ran every item and wrote over the committed bench_results.json; an --only that names
+    no item is argparse's usage error (exit 2), before any work."""
+    import bench
+
+    for value in ("", " , "):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--only", value])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"python bench.py: error: --only {value!r} names no item; choose from {list(bench.ITEMS)}")
