@@ -200,6 +200,13 @@ UNTOUCHED_PREFIXES = (
 )
 
 
+def has_safetensors(hf_dir: str | os.PathLike) -> bool:
+    """True when `hf_dir` holds the weights HFReader reads: model.safetensors.index.json or at least one
+    *.safetensors file."""
+    d = Path(hf_dir)
+    return (d / "model.safetensors.index.json").is_file() or any(d.glob("*.safetensors"))
+
+
 class HFReader:
     """Lazy access to a safetensors checkpoint (single file or sharded with model.safetensors.index.json); reads
     only the requested slices (safetensors get_slice)."""
@@ -209,10 +216,10 @@ class HFReader:
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif not has_safetensors(self.dir):
+            raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
         else:
             files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
             self.weight_map = {}
             for f in files:
                 with safe_open(f, "pt") as h:

@@ -138,6 +138,12 @@ def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[
     return runs
 
 
+def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
+    """bool [n_q, n_kv], True where query j may attend key i: i <= n_kv - n_q + j, the causal mask aligned bottom-right
+    (TE's "causal_bottom_right"; the last query sees every key). For n_q == n_kv it is the plain causal mask."""
+    return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
+
+
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
@@ -192,8 +198,7 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             n_p, n_r = c0 - a, e - r0
             keys = torch.cat([k_segs[3 * i], k_segs[3 * i + 2]], dim=1)
             vals = torch.cat([v_segs[3 * i], v_segs[3 * i + 2]], dim=1)
-            mask = (torch.arange(n_p + n_r, device=q.device)[None, :]
-                    <= torch.arange(n_r, device=q.device)[:, None] + n_p)
+            mask = bottom_right_causal_mask(n_r, n_p + n_r, q.device)
             outs.append(sdpa(q_runs[2 * i + 1], keys, vals, mask))
     if end < T:
         outs.append(sdpa(q_runs[-1], k_runs[-1], v_runs[-1]))
@@ -279,8 +284,7 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_
             continue
         mask = None
         if n_kv != n_q:
-            mask = (torch.arange(n_kv, device=q.device)[None, :]
-                    <= torch.arange(n_q, device=q.device)[:, None] + (n_kv - n_q))
+            mask = bottom_right_causal_mask(n_q, n_kv, q.device)
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
                                                    is_causal=mask is None, scale=scale))
     out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
@@ -415,8 +419,7 @@ class ThdDotProductAttention(nn.Module):
             k_end = start + off + n if causal else end
             mask, is_causal = None, False
             if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
-                kk = torch.arange(off + n, device=device)
-                mask = kk[None, :] <= torch.arange(n, device=device)[:, None] + off
+                mask = bottom_right_causal_mask(n, off + n, device)
             elif causal:
                 is_causal = True
             if attention_mask is not None and not thd:

@@ -703,14 +703,15 @@ def mamba_chunk_scan_shared_prompt(
     dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     seq_idx = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
     spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
-    corrected = [(a, c0, r0, e) for a, c0, r0, e in spans if c0 > a and e > r0]
+    # pairs whose rejected response continues a prompt (an empty prompt or rejected response needs no correction)
+    corrected = [i for i, (a, c0, r0, e) in enumerate(spans) if c0 > a and e > r0]
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
     # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
     if scan_fn is None:
         # This module's scan also returns the state after each prompt's last token (the [prompt | chosen] sequence's
         # state there: O(chunk) per pair from the chunk-start state it holds anyway), so h_P below is not recomputed
         # from the whole prompt.
-        out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [c0 - 1 for _, c0, _, _ in corrected])
+        out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [spans[i][1] - 1 for i in corrected])
     else:
         out, h_ps = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), None
     g = B.shape[2]
@@ -724,13 +725,10 @@ def mamba_chunk_scan_shared_prompt(
     xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))
     zs = z[0].split(segs) if z is not None else None
     rows, corrs = [], []
-    j = 0
-    for i, (a, c0, r0, e) in enumerate(spans):
-        if c0 == a or e == r0:
-            continue
+    for j, i in enumerate(corrected):
+        a, c0, r0, e = spans[i]
         if h_ps is not None:
             h_p = h_ps[j].view(g, r, headdim, -1)  # state after the prompt, from the scan
-            j += 1
         else:
             dt_p = dts[3 * i]
             cum_p = torch.cumsum(dt_p * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive

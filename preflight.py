@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import config as config_mod
+import hf_weights
 import mmpr_index
 import omni_model
 import pack
@@ -34,9 +35,8 @@ def check_inputs(cfg) -> None:
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
             f"paths are relative to the working directory {os.getcwd()})"
         )
-    hf = Path(cfg.model.hf_path)
-    if not (hf / "model.safetensors.index.json").is_file() and not any(hf.glob("*.safetensors")):
-        raise config_mod.ConfigError(  # hf_weights.HFReader's rule, checked before any rank loads a weight
+    if not hf_weights.has_safetensors(cfg.model.hf_path):  # HFReader's rule, before any rank loads a weight
+        raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no model.safetensors.index.json and no *.safetensors there (the "
             "weights of the HF checkpoint)"
         )
