@@ -1,0 +1,89 @@
+"""Run one of mamba-ssm's Triton Mamba-2 kernels on the CPU through Triton's interpreter and compare it with
+mamba_torch (float32); prints one JSON line {"kernel_module": ..., "worst": {tensor: max relative difference}}.
+
+Run by tests/test_mamba_ssm_interpret.py in a fresh process with TRITON_INTERPRET=1 (read when the kernels are
+defined) and mamba-ssm's sources on PYTHONPATH. Usage: python tests/dist/mamba_ssm_interpret.py {scan,shared_prompt}
+
+What this process changes, so that mamba-ssm's GPU code runs on CPU tensors (nothing here is used outside it):
+* `selective_scan_cuda` (mamba-ssm's compiled Mamba-1 extension, imported by its package __init__ and never called
+  by the Mamba-2 kernels) is an empty module;
+* `torch.cuda.device(...)` is a no-op context and `torch.cuda.get_device_properties(...).multi_processor_count` is
+  132 (an H100's; it only sizes a grid): there is no CUDA device;
+* Triton's autotuner takes the first config of each kernel instead of timing them all (timing needs a GPU driver).
+"""
+
+import contextlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+def _cpu_harness() -> None:
+    from triton.runtime import autotuner
+
+    sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(multi_processor_count=132)
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs, *a, **k: prune(self, kwargs, *a, **k)[:1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def scan() -> tuple[str, dict]:
+    """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on issue 12's packed case (300 tokens in 3 sequences
+    via seq_idx, 8 heads x 16, 2 groups, d_state 16, chunk 64, dt softplus + dt_limit (0.001, inf), D, z): output
+    and the gradients of x, dt, B, C, z."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    import bench
+    import mamba_torch
+
+    results = []
+    for kernel in (mamba_chunk_scan_combined, mamba_torch.mamba_chunk_scan_combined):
+        inp = bench.scan_inputs(torch.device("cpu"), 300, 3, heads=8, head_dim=16, groups=2, d_state=16,
+                                dtype=torch.float32)
+        grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1))
+        y, grads = bench.run_scan(kernel, inp, 64, grad_out)
+        results.append({"y": y.detach(), **grads})
+    return mamba_chunk_scan_combined.__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+
+
+def shared_prompt() -> tuple[str, dict]:
+    """mamba_torch.mamba_split_conv1d_scan_shared_prompt with mamba_ssm's scan (scan_fn: the prompt state h_P is
+    then summed over the prompt) and gated RMSNorm (norm_fn), as cpu_compat's Mamba hook passes them on a GPU, vs the
+    same function with mamba_torch's kernels (whose equality with separate rows tests/test_shared_prompt.py checks):
+    a row of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
+    prompt, padding); output and the gradients of every input. The conv stays mamba_torch's (causal-conv1d is CUDA
+    C++, no Triton)."""
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    from test_shared_prompt import SPANS, mixer_tensors, row_offsets
+
+    import mamba_torch
+
+    seg, T = row_offsets([(p * 11, c * 9, r * 7, pad) for p, c, r, pad in SPANS], tail=5)
+    tensors, kw = mixer_tensors(T, h=4, p=8, g=2, n=8)
+    weight = torch.randn(1, T, tensors["outproj_weight"].shape[0], generator=torch.Generator().manual_seed(3))
+    results = []
+    for kernels in ({"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}, {}):
+        a = {k: v.float().requires_grad_(True) for k, v in tensors.items()}
+        out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
+            **a, chunk_size=32, segment_cu_seqlens_padded=seg, **kw, **kernels)
+        (out * weight).sum().backward()
+        results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
+    return mamba_chunk_scan_combined.__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+
+
+if __name__ == "__main__":
+    _cpu_harness()
+    module, worst = {"scan": scan, "shared_prompt": shared_prompt}[sys.argv[1]]()
+    print(json.dumps({"kernel_module": module, "worst": worst}))

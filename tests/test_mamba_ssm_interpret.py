@@ -1,0 +1,86 @@
+"""mamba-ssm's Triton Mamba-2 kernels, the GPU production path (Dockerfile: mamba-ssm 2.3.2.post1), run on the CPU
+through Triton's interpreter (TRITON_INTERPRET=1) and compared with mamba_torch in float32.
+
+This checks, without a GPU, the kernels' algorithm and the way this repository calls them (argument conventions of
+`mamba_chunk_scan_combined`, seq_idx packing, dt softplus and dt_limit, D, z, gated RMSNorm), including the
+shared-prompt scan's kernel path (issue 16). It does not check GPU numerics: the interpreter computes float32 dot
+products exactly (a GPU uses TF32) and gives wrong bf16 results, so the bf16 tolerances stay with tests/test_gpu.py.
+
+mamba-ssm cannot be pip-installed without CUDA, and only its Python/Triton sources are needed: the session fixture
+fetches the pinned sdist from PyPI once (216 kB, sha256-checked) into ~/.cache/omni-mpo, or takes the directory
+named by $OMNI_MAMBA_SSM_SRC (one that holds `mamba_ssm/`, e.g. an unpacked sdist) on a machine without network.
+"""
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VERSION = "2.3.2.post1"
+SDIST_URL = ("https://files.pythonhosted.org/packages/af/48/aa7bec0efc7453fa0512276c0069c854bf684219050294266534bfef34bb"
+             f"/mamba_ssm-{VERSION}.tar.gz")
+SDIST_SHA256 = "104cc47e9101e5401a675fa2b784f2952b9b037f3b1dd83b5ac544394e95d028"
+TOL = 1e-5  # float32 against float32, relative to the largest value; measured ≤ 2.4e-6
+
+
+@pytest.fixture(scope="session")
+def mamba_ssm_src() -> Path:
+    """A directory holding mamba-ssm's `mamba_ssm/` package sources: $OMNI_MAMBA_SSM_SRC, or the pinned sdist
+    unpacked under ~/.cache/omni-mpo (downloaded on first use). Fails (never skips) when neither is available."""
+    if os.environ.get("OMNI_MAMBA_SSM_SRC"):
+        src = Path(os.environ["OMNI_MAMBA_SSM_SRC"])
+        assert (src / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file(), \
+            f"OMNI_MAMBA_SSM_SRC={src} does not hold mamba-ssm's sources (mamba_ssm/ops/triton/ssd_combined.py)"
+        return src
+    src = Path.home() / ".cache" / "omni-mpo" / f"mamba_ssm-{VERSION}"
+    if not (src / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
+        try:
+            with urllib.request.urlopen(SDIST_URL, timeout=120) as response:
+                data = response.read()
+        except OSError as e:
+            pytest.fail(f"cannot download mamba-ssm {VERSION}'s sdist ({e}); without network, unpack it and set "
+                        f"OMNI_MAMBA_SSM_SRC to the directory holding mamba_ssm/ ({SDIST_URL})")
+        assert hashlib.sha256(data).hexdigest() == SDIST_SHA256, f"{SDIST_URL}: sha256 differs from the pinned one"
+        prefix = f"mamba_ssm-{VERSION}/"
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix + "mamba_ssm/") and m.isfile()]
+            tmp = src.with_name(f"{src.name}.tmp{os.getpid()}")
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(tmp, members=members, filter="data")
+        if not src.exists():  # another session may have unpacked it meanwhile
+            os.replace(tmp, src)
+    return src
+
+
+def _interpret(src: Path, check: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(src)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "mamba_ssm_interpret.py"), check],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["kernel_module"] == "mamba_ssm.ops.triton.ssd_combined", result  # mamba-ssm's, not a stand-in
+    return result["worst"]
+
+
+@pytest.mark.slow
+def test_mamba_ssm_scan_equals_mamba_torch(mamba_ssm_src):
+    """Issue 12, point 4 in float32: output and the gradients of x, dt, B, C, z."""
+    worst = _interpret(mamba_ssm_src, "scan")
+    assert set(worst) == {"y", "x", "dt", "B", "C", "z"} and max(worst.values()) <= TOL, worst
+
+
+@pytest.mark.slow
+def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels(mamba_ssm_src):
+    """Issue 16's Mamba layer with mamba-ssm's scan and gated RMSNorm (tests/test_gpu.py item 7 without
+    causal-conv1d, in float32): output and the gradient of every mixer input."""
+    worst = _interpret(mamba_ssm_src, "shared_prompt")
+    assert len(worst) == 9 and max(worst.values()) <= TOL, worst
