@@ -911,11 +911,40 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     return out
 
 
+def mamba_ssm_triton_from_source() -> dict | None:
+    """mamba-ssm's Triton Mamba-2 scan and gated RMSNorm imported from its sources, for a machine where the compiled
+    package does not install (no CUDA toolchain; evaluation only, never used for training): {"scan_fn":
+    mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn} (the keyword names of
+    mamba_torch.mamba_split_conv1d_scan_shared_prompt), or None when $OMNI_MAMBA_SSM_SRC is unset.
+
+    $OMNI_MAMBA_SSM_SRC names a directory holding `mamba_ssm/` (e.g. the unpacked sdist; tests/gpu_check.sh unpacks a
+    `mamba_ssm-*.tar.gz` found in its wheel folder). These kernels are pure Triton; mamba-ssm's package __init__ also
+    imports its compiled Mamba-1 extension `selective_scan_cuda`, which they never call: when that does not import,
+    an empty module stands in for it. Raises ImportError when the directory does not hold the sources.
+    """
+    src = os.environ.get("OMNI_MAMBA_SSM_SRC")
+    if not src:
+        return None
+    if not (Path(src) / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
+        raise ImportError(f"OMNI_MAMBA_SSM_SRC={src} does not hold mamba-ssm's sources (mamba_ssm/ops/triton/)")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    if importlib.util.find_spec("selective_scan_cuda") is None:
+        import types
+
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return {"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
+
+
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
-    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm), and fla-core's Triton
-    simple-GLA kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate
-    of issue 12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
+    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm) or, without the compiled
+    package, from its sources ("mamba-ssm-src", `mamba_ssm_triton_from_source`), and fla-core's Triton simple-GLA
+    kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
+    12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
     import cpu_compat
@@ -926,6 +955,8 @@ def mamba_scan_kernels(device: torch.device) -> dict:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
+    elif device.type == "cuda" and (source := mamba_ssm_triton_from_source()) is not None:
+        kernels["mamba-ssm-src"] = source["scan_fn"]
     if device.type == "cuda":
         try:
             from fla.ops.simple_gla import chunk_simple_gla
@@ -1117,7 +1148,7 @@ def table(res: dict) -> str:
              f"want {st['loss_expected']:.6f}"),
         ]
         sc = g["scan"]
-        for name in ("torch", "mamba-ssm", "fla"):
+        for name in ("torch", "mamba-ssm", "mamba-ssm-src", "fla"):
             if name in sc:
                 rows.append((f"Mamba-2 scan {name}, T={sc['tokens']} {sc['dtype']}", "fwd+bwd (first call)",
                              f"{sc[name]['fwd_bwd_s'] * 1e3:.1f} ms", f"{sc[name]['first_call_s']:.2f} s", ""))

@@ -2,7 +2,8 @@
 # GPU check of issue 12, for a fresh CUDA machine without network. From the repo root:
 #   bash tests/gpu_check.sh WHEEL_DIR          # WHEEL_DIR: the wheels this machine lacks (README "GPU check")
 # 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
-#    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions;
+#    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a
+#    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
 # 2. prints the kernel selection (cpu_compat.select_kernels);
 # 3. runs tests/test_gpu.py (<= 270 s) and `bench.py --gpu --quick` (<= 180 s, results to $OMNI_OUT, default
 #    /tmp/omni_gpu_check, never over the committed bench files);
@@ -38,6 +39,20 @@ else
   row "install wheels" ok 0 "none in $WHEELS"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# mamba-ssm's sdist (no compiled kernels needed): its pure-Triton Mamba-2 scan and gated RMSNorm, compared and timed
+# when the compiled mamba-ssm is missing (bench.mamba_ssm_triton_from_source; tests/test_gpu.py items 5 and 7)
+sdists=("$WHEELS"/mamba_ssm-*.tar.gz)
+if [ ${#sdists[@]} -gt 0 ] && [ -z "${OMNI_MAMBA_SSM_SRC:-}" ]; then
+  t0=$SECONDS
+  src="$SITE.mamba_ssm_src"
+  rm -rf "$src" && mkdir -p "$src"
+  if tar -xzf "${sdists[0]}" -C "$src" --strip-components=1 --wildcards '*/mamba_ssm/*' 2>"$OUT/sdist.log"; then
+    export OMNI_MAMBA_SSM_SRC="$src"
+    row "mamba-ssm sources" ok $((SECONDS - t0)) "$(basename "${sdists[0]}") -> $src"
+  else
+    row "mamba-ssm sources" FAIL $((SECONDS - t0)) "see $OUT/sdist.log"
+  fi
+fi
 t0=$SECONDS
 deps=$("$PY" - <<'PY' 2>&1
 # the project's requirements that this check needs (torch, torchvision and numpy stay the machine's own CUDA builds)

@@ -192,3 +192,16 @@ def test_only_without_an_item_is_a_usage_error(capsys):
         assert e.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == (
             f"python bench.py: error: --only {value!r} names no item; choose from {list(bench.ITEMS)}")
+
+
+def test_mamba_ssm_triton_from_source_is_off_without_the_variable_and_one_error_for_a_wrong_directory(
+        tmp_path, monkeypatch):
+    """Unset: None (nothing imported). A directory without mamba-ssm's sources: one ImportError naming it. (With the
+    real sources, tests/test_mamba_ssm_interpret.py imports and runs the kernels through this function.)"""
+    import bench
+
+    monkeypatch.delenv("OMNI_MAMBA_SSM_SRC", raising=False)
+    assert bench.mamba_ssm_triton_from_source() is None
+    monkeypatch.setenv("OMNI_MAMBA_SSM_SRC", str(tmp_path))
+    with pytest.raises(ImportError, match=f"OMNI_MAMBA_SSM_SRC={tmp_path} does not hold mamba-ssm's sources"):
+        bench.mamba_ssm_triton_from_source()

@@ -15,8 +15,9 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    issue 16) against local_spec.shared_prompt_attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
 7. The shared-prompt layout on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
-   kernels (cpu_compat._shared_prompt_kernels) against the same mixer with mamba_torch's, output and every input
-   gradient (bf16, point 5's tolerance); and the tiny main job with `packing.shared_prompt=true` and
+   kernels (cpu_compat._shared_prompt_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
+   $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
+   tolerance); and the tiny main job with `packing.shared_prompt=true` and
    `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
 The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
 metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
@@ -246,29 +247,34 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     """mamba_torch.mamba_split_conv1d_scan_shared_prompt with causal-conv1d's conv, mamba-ssm's scan and gated norm
     (what cpu_compat's Mamba hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
     of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
-    prompt, padding): output and the gradients of every input (max difference relative to the largest value)."""
+    prompt, padding): output and the gradients of every input (max difference relative to the largest value).
+    Without the compiled packages but with mamba-ssm's sources ($OMNI_MAMBA_SSM_SRC, bench.mamba_ssm_triton_from_source)
+    the scan and norm are mamba-ssm's Triton kernels and the conv stays mamba_torch's."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
+    import bench
     import cpu_compat
     import mamba_torch
 
-    if not cpu_compat.have_mamba_ssm():
-        pytest.skip("mamba-ssm + causal-conv1d do not import here")
-    from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+    if cpu_compat.have_mamba_ssm():
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+
+        kernels = cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined)
+        assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
+    elif (kernels := bench.mamba_ssm_triton_from_source()) is None:
+        pytest.skip("mamba-ssm + causal-conv1d do not import here and OMNI_MAMBA_SSM_SRC is unset")
 
     dev, dtype = torch.device("cuda", 0), torch.bfloat16
     seg, T = row_offsets([(p * 23, c * 19, r * 17, pad) for p, c, r, pad in SPANS], tail=8)
     tensors, kw = mixer_tensors(T, h=8, p=16, g=2, n=16)  # channel counts multiples of 8 (causal-conv1d)
     weight = torch.randn(1, T, tensors["outproj_weight"].shape[0], generator=torch.Generator().manual_seed(3))
     results = []
-    for kernels in (cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined), {}):
+    for chosen in (kernels, {}):
         a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
         out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
-            **a, chunk_size=64, segment_cu_seqlens_padded=seg.to(dev), **kw, **kernels)
+            **a, chunk_size=64, segment_cu_seqlens_padded=seg.to(dev), **kw, **chosen)
         (out.float() * weight.to(dev)).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
-    assert set(cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined)) == {"conv_fn", "scan_fn",
-                                                                                         "norm_fn"}
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
     assert max(worst.values()) <= KERNEL_TOL[dtype], worst
 

@@ -62,7 +62,7 @@ def mamba_ssm_src() -> Path:
 
 
 def _interpret(src: Path, check: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(src)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "OMNI_MAMBA_SSM_SRC": str(src)}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "mamba_ssm_interpret.py"), check],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -713,7 +713,7 @@ def _shellcheck() -> str:
     return found
 
 
-@pytest.mark.parametrize("script", [SBATCH, CHAIN], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [SBATCH, CHAIN, ROOT / "tests" / "gpu_check.sh"], ids=lambda p: p.name)
 def test_scripts_parse_and_are_shellcheck_clean(script):
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -2,11 +2,11 @@
 mamba_torch (float32); prints one JSON line {"kernel_module": ..., "worst": {tensor: max relative difference}}.
 
 Run by tests/test_mamba_ssm_interpret.py in a fresh process with TRITON_INTERPRET=1 (read when the kernels are
-defined) and mamba-ssm's sources on PYTHONPATH. Usage: python tests/dist/mamba_ssm_interpret.py {scan,shared_prompt}
+defined) and $OMNI_MAMBA_SSM_SRC naming mamba-ssm's sources, imported by bench.mamba_ssm_triton_from_source (the
+GPU check's import of the same kernels without the compiled package).
+Usage: python tests/dist/mamba_ssm_interpret.py {scan,shared_prompt}
 
 What this process changes, so that mamba-ssm's GPU code runs on CPU tensors (nothing here is used outside it):
-* `selective_scan_cuda` (mamba-ssm's compiled Mamba-1 extension, imported by its package __init__ and never called
-  by the Mamba-2 kernels) is an empty module;
 * `torch.cuda.device(...)` is a no-op context and `torch.cuda.get_device_properties(...).multi_processor_count` is
   132 (an H100's; it only sizes a grid): there is no CUDA device;
 * Triton's autotuner takes the first config of each kernel instead of timing them all (timing needs a GPU driver).
@@ -27,7 +27,6 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 def _cpu_harness() -> None:
     from triton.runtime import autotuner
 
-    sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
     torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(multi_processor_count=132)
     prune = autotuner.Autotuner.prune_configs
@@ -42,11 +41,10 @@ def scan() -> tuple[str, dict]:
     """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on issue 12's packed case (300 tokens in 3 sequences
     via seq_idx, 8 heads x 16, 2 groups, d_state 16, chunk 64, dt softplus + dt_limit (0.001, inf), D, z): output
     and the gradients of x, dt, B, C, z."""
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
     import bench
     import mamba_torch
 
+    mamba_chunk_scan_combined = bench.mamba_ssm_triton_from_source()["scan_fn"]
     results = []
     for kernel in (mamba_chunk_scan_combined, mamba_torch.mamba_chunk_scan_combined):
         inp = bench.scan_inputs(torch.device("cpu"), 300, 3, heads=8, head_dim=16, groups=2, d_state=16,
@@ -64,23 +62,24 @@ def shared_prompt() -> tuple[str, dict]:
     a row of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
     prompt, padding); output and the gradients of every input. The conv stays mamba_torch's (causal-conv1d is CUDA
     C++, no Triton)."""
-    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
+    import bench
     import mamba_torch
+
+    kernels = bench.mamba_ssm_triton_from_source()
 
     seg, T = row_offsets([(p * 11, c * 9, r * 7, pad) for p, c, r, pad in SPANS], tail=5)
     tensors, kw = mixer_tensors(T, h=4, p=8, g=2, n=8)
     weight = torch.randn(1, T, tensors["outproj_weight"].shape[0], generator=torch.Generator().manual_seed(3))
     results = []
-    for kernels in ({"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}, {}):
+    for chosen in (kernels, {}):
         a = {k: v.float().requires_grad_(True) for k, v in tensors.items()}
         out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
-            **a, chunk_size=32, segment_cu_seqlens_padded=seg, **kw, **kernels)
+            **a, chunk_size=32, segment_cu_seqlens_padded=seg, **kw, **chosen)
         (out * weight).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
-    return mamba_chunk_scan_combined.__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+    return kernels["scan_fn"].__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
 
 
 if __name__ == "__main__":
