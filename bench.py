@@ -781,7 +781,10 @@ def _release(device: torch.device) -> None:
 
 
 def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps) -> dict:
-    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank)."""
+    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate rows
+    (the default) and with the shared-prompt layout."""
+    import dataclasses
+
     import distributed
     import monitor
     import omni_model as om
@@ -805,12 +808,39 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
                                                    state["shift"])
         return metrics
 
+    # The shared-prompt layout (packing.shared_prompt, issue 16) on the same pairs and bin budget, checked before
+    # any update (policy = reference: the closed-form loss) and timed after the separate-rows steps.
+    cfg_shared = copy.deepcopy(cfg)
+    cfg_shared.packing.shared_prompt = True
+    ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
+    shared_lengths = {i: pack.shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
+                                                   p.rejected_loss_mask) for i, p in pairs.items()}
+    plan_shared = pack.plan_step(lengths, cfg_shared.packing, 1, shared_lengths)
+    batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
+    n = train.count_global_pairs(batches, ctx_shared)
+    loss_shared = train.policy_forward_backward(batches, train.reference_logprobs(reference, batches, ctx_shared),
+                                                ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
+    assert abs(loss_shared - want) <= tol, f"gpu step: shared-prompt step-1 loss {loss_shared} != {want}"
+    tokens_shared = sum(int(b.cu_seqlens[-1]) for b in batches)
+    del batches
+
+    def shared_step() -> dict:
+        batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
+        metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx_shared,
+                                                   state["shift"])
+        return metrics
+
     _reset_peak(device)
     m1 = ours_step()
     assert abs(m1["loss"] - want) <= tol, f"gpu step: ours step-1 loss {m1['loss']} != {want} (policy = reference)"
     t_ours = timed_steps(ours_step, timed)
+    peak = _peak_memory(device)
+    _reset_peak(device)
+    t_shared = timed_steps(shared_step, timed)
     return dict(loss_ours=m1["loss"], microbatches_ours=len(plan.ranks[0]), n_active=n_active,
-                step_s_ours=min(t_ours), peak_bytes_ours=_peak_memory(device))
+                step_s_ours=min(t_ours), peak_bytes_ours=peak, loss_shared=loss_shared,
+                microbatches_shared=len(plan_shared.ranks[0]), tokens_shared=tokens_shared,
+                step_s_shared=min(t_shared), peak_bytes_shared=_peak_memory(device))
 
 
 def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps) -> dict:
@@ -859,7 +889,9 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
     (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: every non-expert
     parameter, the embedding table and output layer included, plus top-k/E of the routed experts), and the speed
-    ratio.
+    ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
+    before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
+    over our separate-rows step (issue 16's GPU ratio).
     Raises AssertionError when a step-1 loss is off.
     """
     import math
@@ -907,7 +939,8 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
                pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
                mfu_ours=monitor.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
-               mfu_baseline=monitor.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
+               mfu_baseline=monitor.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None,
+               pairs_per_s_shared=len(pairs) / out["step_s_shared"], shared_speed_ratio=s_o / out["step_s_shared"])
     return out
 
 
@@ -1144,6 +1177,9 @@ def table(res: dict) -> str:
             (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", f"{st['pairs_per_s_baseline']:.2f}",
              f"{st['speed_ratio']:.2f}x the speed"),
             (what, "peak memory", *peak, ""),
+            ("shared prompt vs separate rows (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
+             f"{st['pairs_per_s_shared']:.2f}", f"{st['pairs_per_s_ours']:.2f}",
+             f"{st['shared_speed_ratio']:.2f}x the speed"),
             (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", f"{st['loss_baseline']:.6f}",
              f"want {st['loss_expected']:.6f}"),
         ]

@@ -131,6 +131,11 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert st["tokens"] == sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in bench.text_pairs(
         8, (20, 60), (5, 20), 1024).values())
     assert st["mfu_ours"] is None and st["peak_bytes_ours"] is None  # CUDA-only numbers
+    # the shared-prompt layout on the same pairs: same closed-form loss, each prompt computed once
+    assert st["loss_shared"] == pytest.approx(want, abs=1e-5)
+    assert 0 < st["tokens_shared"] < st["tokens"] and st["microbatches_shared"] >= 1
+    assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])
+    assert "shared prompt vs separate rows (ours)" in bench.table({"gpu": r})
     assert r["kernels"] == "kernels: spec local; mamba torch; device cpu"
     assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}
     assert r["scan"]["torch"]["fwd_bwd_s"] > 0
