@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -56,7 +57,9 @@ def mamba_ssm_src() -> Path:
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(tmp, members=members, filter="data")
-        if not src.exists():  # another session may have unpacked it meanwhile
+        if src.exists():  # another session unpacked it meanwhile
+            shutil.rmtree(tmp)
+        else:
             os.replace(tmp, src)
     return src
 
