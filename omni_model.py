@@ -334,9 +334,16 @@ def shared_prompt_te_attention(base: type) -> type:
     MRO): megatron's forward maps AttnMaskType, which has no padding_causal_bottom_right, and the packed_seq_params of
     the pair spans. Any other forward is `base`'s unchanged.
 
+    The call runs with TE's attention_type "cross" (on the module and its flash / fused / unfused backends, restored
+    afterwards), as TE itself does for its KV-cache path, where queries are also fewer than keys under a bottom-right
+    causal mask: with "self", TE's unfused backend (the one it picks for float32, or when the other two are disabled)
+    builds the key padding mask from the query lengths (transformer_engine/pytorch/attention/dot_product_attention:
+    utils.get_padding_mask / get_full_mask; read in TE 2.20's sources), which is wrong when the key sequences are
+    longer. The flash and fused backends and the backend choice read attention_type only for BSHD/SBHD inputs there.
+
     Status: the argument set is checked on CPU against a stand-in of TE (tests/test_shared_prompt_te.py) and the
     layout against local_spec.shared_prompt_attention; the call itself has NOT run on a GPU yet
-    (tests/test_gpu.py::test_te_shared_prompt_attention_equals_local is its check).
+    (tests/test_gpu.py::test_te_shared_prompt_attention_equals_local is its check, float32 included).
 
     Raises (forward, shared-prompt layout): ValueError for an attention bias, a non-causal mask, or context parallelism
     (refused at start by pack.validate_packing_config).
@@ -364,7 +371,18 @@ def shared_prompt_te_attention(base: type) -> type:
                                   cu_seqlens_kv_padded=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_kv=max_seqlen_kv, attn_mask_type="padding_causal_bottom_right")
 
-            return shared_prompt_varlen_attention(query, key, value, segments, attend)
+            # queries and keys of different lengths: TE's cross-attention masks (see the docstring)
+            modules = [self] + [m for m in (getattr(self, n, None) for n in
+                                            ("flash_attention", "fused_attention", "unfused_attention"))
+                                if m is not None]
+            saved = [m.attention_type for m in modules]
+            for m in modules:
+                m.attention_type = "cross"
+            try:
+                return shared_prompt_varlen_attention(query, key, value, segments, attend)
+            finally:
+                for m, kind in zip(modules, saved, strict=True):
+                    m.attention_type = kind
 
     return SharedPromptTEDotProductAttention
 

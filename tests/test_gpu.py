@@ -195,11 +195,13 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
 
 @pytest.mark.skipif(not __import__("cpu_compat").have_transformer_engine(),
                     reason="transformer_engine does not import here")
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)],
+                         ids=["bf16", "fp16", "fp32"])
 def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     """omni_model.shared_prompt_te_attention(megatron's TEDotProductAttention): one TE varlen call with
     padding_causal_bottom_right masks equals local_spec.shared_prompt_attention (fp32 on the same inputs), outputs and
-    the gradients of q, k, v (max difference relative to the largest value)."""
+    the gradients of q, k, v (max difference relative to the largest value). fp32 runs TE's unfused backend (flash
+    and fused attention take 16-bit inputs only), whose masks depend on the cross-attention type set for the call."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig

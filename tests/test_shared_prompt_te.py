@@ -102,10 +102,16 @@ class FakeTEDotProductAttention(torch.nn.Module):
         super().__init__()
         self.config = config
         self.te_calls = []
+        self.attention_type = "self"  # TE's attribute, and its three backends' (megatron builds self-attention)
+        self.flash_attention, self.fused_attention, self.unfused_attention = (
+            SimpleNamespace(attention_type="self") for _ in range(3))
+
+    def attention_types(self) -> list[str]:
+        return [m.attention_type for m in (self, self.flash_attention, self.fused_attention, self.unfused_attention)]
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, **kwargs):
         self.te_calls.append(dict(kwargs, attention_mask=attention_mask, q_tokens=query_layer.shape[0],
-                                  kv_tokens=key_layer.shape[0]))
+                                  kv_tokens=key_layer.shape[0], attention_types=self.attention_types()))
         assert kwargs["qkv_format"] == "thd" and kwargs["attn_mask_type"] == "padding_causal_bottom_right"
         return local_spec.varlen_sdpa(query_layer, key_layer, value_layer, kwargs["cu_seqlens_q"],
                                       kwargs["cu_seqlens_kv"], kwargs["max_seqlen_q"], kwargs["max_seqlen_kv"])
@@ -148,7 +154,11 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
     call = module.te_calls[0]
     lay = local_spec.shared_prompt_varlen_layout(seg, T)
     assert set(call) == {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                         "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "attention_mask", "q_tokens", "kv_tokens"}
+                         "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "attention_mask", "q_tokens", "kv_tokens",
+                         "attention_types"}
+    # TE's cross-attention masks during the call (keys outnumber queries), its self-attention again afterwards, also
+    # after the calls that raised
+    assert call["attention_types"] == ["cross"] * 4 and module.attention_types() == ["self"] * 4
     assert call["attention_mask"] is None and call["attn_mask_type"] == "padding_causal_bottom_right"
     for name in ("cu_seqlens_q", "cu_seqlens_kv"):
         assert torch.equal(call[name], lay[name]) and torch.equal(call[f"{name}_padded"], lay[name])
