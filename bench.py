@@ -1,7 +1,7 @@
 """Measured performance of omni-mpo against the baselines a user would otherwise pick, side by side, as ratios.
 
     python bench.py            # everything below; prints one table, writes bench_results.json (README's table)
-    python bench.py --quick    # reduced sizes, < 3 min on 2 CPU cores (tests/test_bench.py runs it)
+    python bench.py --quick    # reduced sizes, about 1 min (57 s on 2 shared CPU cores; tests/test_bench.py runs it)
     python bench.py --only packing,logprobs --json out.json
     python bench.py --print    # the table of bench_results.json (or --print FILE)
 
@@ -1207,7 +1207,7 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced sizes (< 3 min on 2 CPU cores)")
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (about 1 min: 57 s on 2 shared CPU cores)")
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(ITEMS)}")
     ap.add_argument("--gpu", action="store_true", help="only the GPU item (needs CUDA), written to "
                     "bench_gpu_results.json (results/bench_gpu_results.json with --quick) unless --json is given")

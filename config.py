@@ -120,8 +120,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (must divide the world size)
     context_parallel_size: int = 1  # CP degree
     expert_model_parallel_size: int = 1  # EP degree; must divide the number of experts
-    expert_tensor_parallel_size: int = 1  # ETP: TP degree inside each expert (the recipe uses 1 with TP8/EP8)
-    sequence_parallel: bool = False  # megatron-core sequence parallelism (requires TP > 1 to matter)
+    expert_tensor_parallel_size: int = 1  # ETP: TP inside each expert; only 1 is supported (ConfigError otherwise)
+    sequence_parallel: bool = False  # megatron-core SP: needs TP > 1 (ConfigError otherwise); TP > 1 with MoE needs SP
 
 
 @dataclass
@@ -129,9 +129,9 @@ class OptimizerConfig:
     lr: float = 1e-4  # peak learning rate
     min_lr: float = 1e-6  # learning rate at the end of the cosine decay (step max_num_steps)
     weight_decay: float = 0.0  # decoupled weight decay (AdamW style)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
+    adam_beta1: float = 0.9  # Adam's first-moment (gradient EMA) decay, in [0, 1) (the recipe's and AdamW's default)
+    adam_beta2: float = 0.98  # second-moment decay, in [0, 1): NeMo-RL's Nano Omni MPO recipe (AdamW's default: 0.999)
+    adam_eps: float = 1e-8  # added to sqrt(second moment) in Adam's update denominator (the recipe's and AdamW's)
     clip_grad: float = 1.0  # global gradient-norm clip (0 = off)
     use_distributed_optimizer: bool = True  # megatron-core distributed optimizer (shards optimizer state over DP)
 
@@ -313,6 +313,19 @@ def validate(cfg: Config) -> None:
     for k in ("preference_loss_weight", "sft_loss_weight", "bco_loss_weight", "reference_policy_kl_penalty"):
         if getattr(m, k) < 0:
             raise ConfigError(f"mpo.{k} = {getattr(m, k)} must be >= 0")
+    weights = ("preference_loss_weight", "bco_loss_weight", "sft_loss_weight")
+    if all(getattr(m, k) == 0 for k in weights):
+        raise ConfigError(
+            "mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: the loss is 0, "
+            "nothing to train; set at least one > 0"
+        )
+    if m.reference_policy_kl_penalty == 0:
+        on = [f"mpo.{k} = {getattr(m, k)}" for k in weights[:2] if getattr(m, k) > 0]
+        if on:
+            raise ConfigError(
+                f"mpo.reference_policy_kl_penalty (beta) = 0 with {' and '.join(on)}: with beta = 0 the DPO and BCO "
+                "terms are constants (no gradient); set mpo.reference_policy_kl_penalty > 0 or their weights to 0"
+            )
     if not 0.0 <= m.reward_shift_momentum < 1.0:
         raise ConfigError(f"mpo.reward_shift_momentum = {m.reward_shift_momentum} must be in [0, 1)")
     if m.max_num_steps < 1:
@@ -456,8 +469,9 @@ KNOWN_WARNINGS = (
     # megatron's load_common_state_dict reads the unsharded common state on every rank without a process group
     "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
     # megatron's expert linears under sequence parallelism: experts are not TP-sharded here (ETP = 1), so SP has
-    # nothing to split in them; the attention / Mamba / shared-expert layers keep SP
-    "sequence_parallel is set to True, but tensor model parallel size is 1",
+    # nothing to split in them; the attention / Mamba / shared-expert layers keep SP. megatron-core 0.19.2's text,
+    # backticks included (tensor_parallel/layers.py); a filter matches the message's start exactly.
+    "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
 )
 KNOWN_LOG_RECORDS = {
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",

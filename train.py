@@ -41,15 +41,24 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+# One CUDA hardware work queue per device, set before CUDA starts (the driver reads it when it creates the context;
+# a value the user set wins). megatron-core's TP/SP linears (tensor_parallel/layers.py) and its DDP bucketing assume
+# it: kernels then run in launch order, so the TP all-gather / reduce-scatter it launches ahead of a GEMM overlaps with
+# that GEMM; otherwise megatron warns at the first step ("... recommended to set the environment variable
+# CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"). Megatron-LM's launch scripts set it the same way. Set here,
+# it covers every launch (torchrun by hand, slurm/train.sbatch, gpu_check.sh); on CPU nothing reads it.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
-import checkpoint
-import config as config_mod
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import checkpoint  # noqa: E402
+import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
 import distributed  # noqa: E402

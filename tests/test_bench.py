@@ -1,9 +1,10 @@
 """bench.py --quick end to end: the equalities every benchmark relies on and the log-prob memory ratio.
 
-Run: `pytest tests/test_bench.py` (one `python bench.py --quick` subprocess, ~2 minutes on 2 busy CPU cores, marked
-slow). Only what holds regardless of machine load is asserted: value equalities (log-probs and their gradients, vision
-once per pair, the step-1 loss against transformers, the cached data index), the exact packing arithmetic and the
-log-prob memory ratio (memory is deterministic). Timing ratios are printed by bench.py, never asserted.
+Run: `pytest tests/test_bench.py` (one `python bench.py --quick` subprocess: 57 s measured on 2 shared CPU cores,
+longer when they are busy; marked slow). Only what holds regardless of machine load is asserted: value equalities
+(log-probs and their gradients, vision once per pair, the step-1 loss against transformers, the cached data index),
+the exact packing arithmetic and the log-prob memory ratio (memory is deterministic). Timing ratios are printed by
+bench.py, never asserted.
 """
 
 from __future__ import annotations

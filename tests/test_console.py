@@ -105,3 +105,19 @@ def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(
     saved = config_mod.from_dict(json.loads((run_dir / "config.json").read_text()))
     assert saved.mpo.max_num_steps == 20 and saved.data.num_workers == 1
     assert len(out.splitlines()) <= 6 + last  # world, config, data, one line per step, saved, stopped
+
+
+def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
+    """QA3 item 3: a TP = 2 sequence-parallel run printed megatron-core's "`sequence_parallel` is set to `True`, but
+    tensor model parallel size is 1" (its expert linears, ETP = 1; the filter lacked the backticks) and "... set the
+    environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1 ..." (train.py now sets it when unset) on both ranks.
+    OMP_NUM_THREADS is set, so torchrun's own notice is absent too: stderr is empty."""
+    run_dir = tmp_path / "run"
+    env = {**TORCHRUN_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": None, "OMP_NUM_THREADS": "1"}
+    proc = torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "mpo.max_num_steps=2",
+                    "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false", "parallel.tensor_model_parallel_size=2",
+                    "parallel.sequence_parallel=true", env=env, timeout=240)  # fmt: skip
+    assert proc.stderr == "", proc.stderr[-3000:]
+    assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == [
+        "kernels:", "world", "data:", "config:", "step", "step", "saved", "stopped"], proc.stdout  # fmt: skip
+    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu\n" in proc.stdout

@@ -101,6 +101,37 @@ def test_invalid_overrides_name_the_key(override, message):
     assert message in str(e.value)
 
 
+NO_WEIGHTS = ["mpo.preference_loss_weight=0", "mpo.bco_loss_weight=0", "mpo.sft_loss_weight=0"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (NO_WEIGHTS, "mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: the loss is 0, "
+                 "nothing to train; set at least one > 0"),
+    (NO_WEIGHTS + ["mpo.reference_policy_kl_penalty=0"], "mpo.preference_loss_weight, mpo.bco_loss_weight and "
+                 "mpo.sft_loss_weight are all 0: the loss is 0, nothing to train; set at least one > 0"),
+    (["mpo.reference_policy_kl_penalty=0"],  # tiny.toml: w_p 0.8, w_q 0.2
+     "mpo.reference_policy_kl_penalty (beta) = 0 with mpo.preference_loss_weight = 0.8 and mpo.bco_loss_weight = 0.2: "
+     "with beta = 0 the DPO and BCO terms are constants (no gradient); set mpo.reference_policy_kl_penalty > 0 or "
+     "their weights to 0"),
+    (["mpo.reference_policy_kl_penalty=0", "mpo.preference_loss_weight=0", "mpo.sft_loss_weight=1"],
+     "mpo.reference_policy_kl_penalty (beta) = 0 with mpo.bco_loss_weight = 0.2: with beta = 0 the DPO and BCO terms "
+     "are constants (no gradient); set mpo.reference_policy_kl_penalty > 0 or their weights to 0"),
+])  # fmt: skip
+def test_settings_that_train_nothing_are_refused(overrides, message):
+    """QA3 item 2: all loss weights 0, or beta = 0 under a DPO / BCO weight (those terms are then constant: ln 2 and
+    2 ln 2 at delta = 0), trained nothing (loss or grad norm 0 on every step) and were accepted."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "tiny.toml", overrides)
+    assert str(e.value) == message
+
+
+def test_beta_zero_is_accepted_when_only_the_sft_term_trains():
+    """The SFT term does not use beta: beta = 0 with w_p = w_q = 0 and w_g > 0 trains the SFT NLL."""
+    sft_only = ["mpo.reference_policy_kl_penalty=0", "mpo.preference_loss_weight=0", "mpo.bco_loss_weight=0",
+                "mpo.sft_loss_weight=1"]  # fmt: skip
+    cfg = load_config(ROOT / "configs" / "tiny.toml", sft_only)
+    assert (cfg.mpo.reference_policy_kl_penalty, cfg.mpo.sft_loss_weight) == (0.0, 1.0)
+
 def test_toml_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[mpo]\nmax_num_steps = 'ten'\n")
