@@ -298,10 +298,11 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
         if rank == 0:
             print(f"resumed from {resume_from} (step {run['step']}, reward_shift {run['reward_shift']!r})")
             if changed:
-                changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)"}
+                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in changed.items())
                 print(
-                    f"resume: changed loss settings from step {run['step'] + 1} on: {changes} (steps up to "
-                    f"{run['step']}: config.step_{run['step']}.json)"
+                    f"resume: changed loss settings from step {run['step'] + 1} on: {changes}; the settings of steps "
+                    f"up to {run['step']}: config.step_{run['step']}.json"
                 )
     run["sampler"] = sampler.state_dict()
     if rank == 0:
