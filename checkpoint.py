@@ -5,6 +5,8 @@ Layout of a run directory (`checkpoint.dir`):
     <dir>/metrics.jsonl               one JSON object per step (written by train.py; metrics.<n>.jsonl: the rows of an
                                       earlier run there that saved no checkpoint)
     <dir>/config.json                 the resolved config of the latest segment (written by train.py)
+    <dir>/config.step_<N>.json        the config steps up to N ran with, kept when a resume from step_<N> changed
+                                      loss settings (NOTICE_KEYS; written by train.py)
     <dir>/step_<N>/                   a complete checkpoint after optimizer step N
         model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
