@@ -1,7 +1,9 @@
 """Tests of checkpoint.py: layout, latest resolution, refusal to overwrite, RNG round trip, and (one torchrun launch
 of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-core model + DDP + (distributed) Adam,
 including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
-part.
+part; without a launcher: the one-line refusals of a resume with another layout or β / *_average_log_probs, the
+notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
+and model.hf_path.
 """
 
 from __future__ import annotations
