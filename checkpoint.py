@@ -5,6 +5,8 @@ Layout of a run directory (`checkpoint.dir`):
     <dir>/metrics.jsonl               one JSON object per step (written by train.py; metrics.<n>.jsonl: the rows of an
                                       earlier run there that saved no checkpoint)
     <dir>/config.json                 the resolved config of the latest segment (written by train.py)
+    <dir>/config.step_<N>.json        the config steps up to N ran with, kept when a resume from step_<N> changed
+                                      loss settings (NOTICE_KEYS; written by train.py)
     <dir>/step_<N>/                   a complete checkpoint after optimizer step N
         model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
@@ -406,6 +408,36 @@ LAYOUT_KEYS = (
 )
 
 
+def _saved_config(path: Path) -> dict:
+    """The resolved config saved in `<path>/run_state.json` (a config.to_dict dict).
+
+    Raises:
+        CheckpointError: run_state.json cannot be read or holds no config.
+    """
+    try:
+        saved = json.loads((path / RUN_STATE_FILE).read_text()).get("config")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no resolved config")
+    return saved
+
+
+def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
+    """The settings of `keys` ("section.name") whose value in the saved resolved config `saved` (config.to_dict form,
+    as run_state.json stores it) differs from `cfg` (a config.Config), as {key: (saved, now)} in the order of `keys`.
+    A key the saved config lacks (a checkpoint older than the setting) counts as unchanged."""
+    import config as config_mod
+
+    now = config_mod.to_dict(cfg)
+    diff = {}
+    for key in keys:
+        section, name = key.split(".")
+        if name in saved.get(section, {}) and saved[section][name] != now[section][name]:
+            diff[key] = (saved[section][name], now[section][name])
+    return diff
+
+
 def check_layout(path: str | Path | None, cfg) -> None:
     """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) when this run's config
     changes a setting of LAYOUT_KEYS.
@@ -419,23 +451,10 @@ def check_layout(path: str | Path | None, cfg) -> None:
             the policy (`python checkpoint.py export RUN OUT`) and start a new run dir with model.hf_path=OUT (a fresh
             optimizer); also when run_state.json is missing or holds no config.
     """
-    import config as config_mod
-
     if path is None:
         return
     path = Path(path)
-    try:
-        saved = json.loads((path / RUN_STATE_FILE).read_text()).get("config")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no resolved config")
-    now = config_mod.to_dict(cfg)
-    diff = {}
-    for key in LAYOUT_KEYS:
-        section, name = key.split(".")
-        if name in saved.get(section, {}) and saved[section][name] != now[section][name]:
-            diff[key] = (saved[section][name], now[section][name])
+    diff = changed_settings(_saved_config(path), cfg, LAYOUT_KEYS)
     if diff:
         run_dir = path.parent
         raise CheckpointError(
@@ -443,6 +462,53 @@ def check_layout(path: str | Path | None, cfg) -> None:
             f"state loads only with the saved {', '.join(diff)}. Set the saved values back, or export the policy "
             f"(python checkpoint.py export {run_dir} OUT) and start a new run in another checkpoint.dir with "
             "model.hf_path=OUT (a fresh optimizer)"
+        )
+
+
+# Loss settings that define the units of the log-ratio rewards β·L (L a sum, or a per-token mean with the flag) and of
+# the SFT term: the reward shift δ carried in run_state.json is an EMA of BCO rewards β·L in the saved units
+# (mpo_loss.update_reward_shift), so a resume with another value is refused by `check_loss_settings`.
+REWARD_UNIT_KEYS = (
+    "mpo.reference_policy_kl_penalty",
+    "mpo.preference_average_log_probs",
+    "mpo.quality_average_log_probs",
+    "mpo.sft_average_log_probs",
+)
+# Loss settings a resume may change: the new values apply from the next step; train.resume prints one `resume:` line
+# listing them (saved -> now) and keeps the earlier segment's config as config.step_<N>.json (monitor). mpo.reward_shift
+# is only the δ of a fresh start: a resume carries the saved δ.
+NOTICE_KEYS = (
+    "mpo.preference_loss_weight",
+    "mpo.bco_loss_weight",
+    "mpo.sft_loss_weight",
+    "mpo.reward_shift_momentum",
+    "mpo.reward_shift",
+    "packing.shared_prompt",
+)
+
+
+def check_loss_settings(path: str | Path | None, cfg) -> None:
+    """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start) when this run changes a setting of
+    REWARD_UNIT_KEYS (β or an *_average_log_probs flag). Reads the config saved in run_state.json, on every rank,
+    before any model is built.
+
+    Raises:
+        CheckpointError: one line with every changed setting as saved -> now, the reason (the carried δ is an EMA of
+            rewards in the saved units) and the way out (set them back, or a new run from an export); also when
+            run_state.json is missing or holds no config.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    diff = changed_settings(_saved_config(path), cfg, REWARD_UNIT_KEYS)
+    if diff:
+        changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(
+            f"cannot resume {path} with changed reward settings: {changes}; β and the *_average_log_probs flags set "
+            "the units of the rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards "
+            "in the saved units. "
+            f"Set the saved values back, or export the policy (python checkpoint.py export {path.parent} OUT) and "
+            "start a new run in another checkpoint.dir with model.hf_path=OUT"
         )
 
 
@@ -551,16 +617,23 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 # Export to a Hugging Face checkpoint
 
 
-def check_export_dir(out_dir: str | Path, source: str | Path) -> None:
+def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Path | None = None) -> None:
     """Refuse an export directory that would overwrite a run: the source checkpoint `source` (a step_<N>) or a
     directory inside it (pruned with it), its run directory, or any directory holding a run (config.json with
     metrics.jsonl or a step_<N>/): the export writes config.json (the HF one) over the run's resolved config. A new
-    directory inside the run directory (e.g. RUN/hf) is fine.
+    directory inside the run directory (e.g. RUN/hf) is fine. Also refused: the run's `model.hf_path` (`hf_path`,
+    relative to the working directory), the source of the reference weights, of every resume and of the files the
+    export copies. Paths are compared after resolving symlinks.
 
     Raises:
         CheckpointError: one line naming the directory and what it holds.
     """
     out, src = Path(out_dir).resolve(), Path(source).resolve()
+    if hf_path is not None and out == Path(hf_path).resolve():
+        raise CheckpointError(
+            f"export directory {out_dir} is the run's model.hf_path ({hf_path}: the source of its reference weights "
+            "and of every resume); choose another OUT_DIR"
+        )
     if out == src or src in out.parents:
         raise CheckpointError(
             f"export directory {out_dir} is the checkpoint it exports ({src.name}) or inside it; choose another OUT_DIR"
@@ -587,7 +660,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tokenizer and processor files of `model.hf_path`.
 
     Raises:
-        CheckpointError: no complete checkpoint at `ckpt`; `out_dir` is the run or holds one (`check_export_dir`);
+        CheckpointError: no complete checkpoint at `ckpt`; `out_dir` is the run, holds one or is its model.hf_path
+            (`check_export_dir`);
             the saved model.hf_path (relative paths: to the working directory) has no config.json; a truncated
             shard file.
     """
@@ -600,8 +674,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
-    check_export_dir(out_dir, path)
     cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
+    check_export_dir(out_dir, path, cfg.model.hf_path)
     if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(
             f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json seen from "
@@ -641,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
                     "step_<N>")  # fmt: skip
     ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF checkpoint (not the run, nor one holding "
-                    "a run)")  # fmt: skip
+                    "a run, nor the run's model.hf_path)")  # fmt: skip
     args = ap.parse_args(argv)
     import config as config_mod
 

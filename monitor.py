@@ -78,12 +78,20 @@ def global_rank() -> int:
 RESOLVED_CONFIG_FILE = "config.json"
 
 
-def write_resolved_config(cfg) -> Path:
+def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path:
     """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
     (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
-    returns its path."""
+    returns its path.
+
+    `previous` = (N, the config saved with the resumed step_<N>), given when a resume changes loss settings
+    (train.resume): that config is first written to `config.step_<N>.json`, so the run directory keeps the settings
+    steps up to N ran with after step_<N> is pruned.
+    """
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    if previous is not None:
+        step, saved = previous
+        path.with_name(f"config.step_{step}.json").write_text(json.dumps(saved, indent=1) + "\n")
     path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
     return path
 

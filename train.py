@@ -91,6 +91,7 @@ def main(cfg) -> int:
         monitor.print_layout(ctx, world)
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
+    checkpoint.check_loss_settings(resume_from, cfg)  # the same β and *_average_log_probs (the units of δ)
     stopper = monitor.StopSignal()
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -278,7 +279,9 @@ def build_optimizer(policy, cfg):
 def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
     """The run state: fresh (step 0, δ = mpo.reward_shift) or loaded with the model, optimizer, scheduler and sampler
     from the checkpoint `resume_from`; then writes the resolved config (rank 0; after a successful resume, so a
-    refused config never replaces the run's).
+    refused config never replaces the run's). A resume that changes loss settings (checkpoint.NOTICE_KEYS; β and the
+    *_average_log_probs flags were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
+    (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`.
 
     Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
     next step), reward_shift_num_updates, wandb_run_id; `save_checkpoint` writes them to run_state.json.
@@ -291,17 +294,28 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
         "reward_shift_num_updates": 0,
         "wandb_run_id": None,
     }
+    previous = None  # (step, saved config) of a resume that changes loss settings
     if resume_from is not None:
         with distributed.cuda_to_cpu():
             state = checkpoint.load(resume_from, ddp, optimizer, scheduler)
         run.update({k: state[k] for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates")})
         run["wandb_run_id"] = state.get("wandb_run_id")
         sampler.load_state_dict(state["sampler"])
+        changed = checkpoint.changed_settings(state.get("config") or {}, cfg, checkpoint.NOTICE_KEYS)
+        if changed:
+            previous = (run["step"], state["config"])
         if rank == 0:
             print(f"resumed from {resume_from} (step {run['step']}, reward_shift {run['reward_shift']!r})")
+            if changed:
+                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)"}
+                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in changed.items())
+                print(
+                    f"resume: changed loss settings from step {run['step'] + 1} on: {changes}; the settings of steps "
+                    f"up to {run['step']}: config.step_{run['step']}.json"
+                )
     run["sampler"] = sampler.state_dict()
     if rank == 0:
-        print(f"config: {monitor.write_resolved_config(cfg)}")
+        print(f"config: {monitor.write_resolved_config(cfg, previous)}")
     return run
 
 

@@ -1,7 +1,9 @@
 """Tests of checkpoint.py: layout, latest resolution, refusal to overwrite, RNG round trip, and (one torchrun launch
 of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-core model + DDP + (distributed) Adam,
 including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
-part.
+part; without a launcher: the one-line refusals of a resume with another layout or β / *_average_log_probs, the
+notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
+and model.hf_path.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -274,6 +278,120 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
         checkpoint.export(run, run)  # before any model is built
     assert (run / "config.json").read_text() == "{}"
+
+
+def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypatch):
+    """QA3 1: `export RUN OUT` with OUT = the run's model.hf_path ended in shutil.SameFileError (a traceback from
+    hf_weights.export_hf, after the export had started writing)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"marker": 1}')
+    (tmp_path / "link").symlink_to(src)
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)  # a relative model.hf_path resolves from the working directory, as in the export
+    for hf_path in (str(src), "src", "link"):
+        step = _step_with_config(run, 2, f"model.hf_path={hf_path}")
+        for out in (src, tmp_path / "link", tmp_path / "x" / ".." / "src", "src"):
+            with pytest.raises(checkpoint.CheckpointError) as e:
+                checkpoint.export(run, out)
+            assert str(e.value) == (
+                f"export directory {out} is the run's model.hf_path ({hf_path}: the source of its reference weights "
+                "and of every resume); choose another OUT_DIR"
+            )
+        checkpoint.check_export_dir(tmp_path / "other", step, hf_path)
+        checkpoint.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
+        shutil.rmtree(run)
+    assert sorted(p.name for p in src.iterdir()) == ["config.json"] and (src / "config.json").read_text() == (
+        '{"marker": 1}'
+    )
+    assert not (tmp_path / "x").exists()
+    assert checkpoint.main(["export", str(_step_with_config(run, 2, f"model.hf_path={src}")), str(src)]) == 1
+
+
+def test_check_loss_settings_refuses_beta_and_flags_and_names_each_change(tmp_path):
+    """QA3 4: a resume took a changed β or *_average_log_probs flag silently, although the carried δ is an EMA of
+    rewards β·L in the saved units."""
+    import config as config_mod
+
+    step = _step_with_config(tmp_path / "run", 3)  # tiny.toml: β 0.05, flags False / True (sft) / False
+    tiny = ROOT / "configs" / "tiny.toml"
+    now = config_mod.load_config(tiny, ["mpo.reference_policy_kl_penalty=0.1", "mpo.quality_average_log_probs=true",
+                                        "mpo.bco_loss_weight=0.5"])  # fmt: skip
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_loss_settings(step, now)
+    assert str(e.value) == (
+        f"cannot resume {step} with changed reward settings: mpo.reference_policy_kl_penalty 0.05 -> 0.1, "
+        "mpo.quality_average_log_probs False -> True; β and the *_average_log_probs flags set the units of the "
+        "rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards in the saved units. "
+        f"Set the saved values back, or export the policy (python checkpoint.py export {tmp_path / 'run'} OUT) and "
+        "start a new run in another checkpoint.dir with model.hf_path=OUT"
+    )
+    for flag in ("preference", "sft"):
+        flipped = config_mod.load_config(tiny, [f"mpo.{flag}_average_log_probs={'false' if flag == 'sft' else 'true'}"])
+        with pytest.raises(checkpoint.CheckpointError, match=f"mpo.{flag}_average_log_probs (True|False) -> "):
+            checkpoint.check_loss_settings(step, flipped)
+    changed = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
+               "mpo.reward_shift_momentum=0.9", "optimizer.lr=0.5"]  # fmt: skip
+    allowed = config_mod.load_config(tiny, changed)
+    checkpoint.check_loss_settings(step, allowed)  # weights, δ's momentum, the layout switch: allowed
+    checkpoint.check_loss_settings(None, now)  # a fresh start
+    saved = json.loads((step / checkpoint.RUN_STATE_FILE).read_text())["config"]
+    assert checkpoint.changed_settings(saved, allowed, checkpoint.NOTICE_KEYS) == {
+        "mpo.bco_loss_weight": (0.2, 0.5), "mpo.sft_loss_weight": (0.0, 0.1),
+        "mpo.reward_shift_momentum": (0.99, 0.9), "packing.shared_prompt": (False, True),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loss_change(tmp_path_factory):
+    """QA3 4: one step of the tiny run (one process), then resumes with a changed β (refused) and with a changed
+    bco_loss_weight and shared-prompt layout (one more step)."""
+    run = tmp_path_factory.mktemp("loss_change")
+    short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
+             "mpo.val_at_end=false"]  # fmt: skip
+    first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    config_1 = (run / "config.json").read_text()
+    beta = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.reference_policy_kl_penalty=0.1")
+    config_after_beta = (run / "config.json").read_text()
+    second = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.bco_loss_weight=0.5",
+                  "packing.shared_prompt=true")  # fmt: skip
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return SimpleNamespace(dir=run, config_1=config_1, beta=beta, config_after_beta=config_after_beta, second=second)
+
+
+def test_resume_with_another_beta_is_refused_in_one_line(loss_change):
+    run, proc = loss_change.dir, loss_change.beta
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: CheckpointError: cannot resume {run / 'step_1'} with changed reward settings: "
+        "mpo.reference_policy_kl_penalty 0.05 -> 0.1; β and the *_average_log_probs flags set the units of the "
+        "rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards in the saved units. "
+        f"Set the saved values back, or export the policy (python checkpoint.py export {run} OUT) and start a new "
+        "run in another checkpoint.dir with model.hf_path=OUT"
+    )
+    assert loss_change.config_after_beta == loss_change.config_1  # a refused resume leaves the run's config
+
+
+def test_resume_with_another_loss_weight_prints_the_change_and_keeps_the_old_config(loss_change):
+    run, out = loss_change.dir, loss_change.second.stdout.splitlines()
+    notice = [x for x in out if x.startswith("resume:")]
+    assert notice == ["resume: changed loss settings from step 2 on: mpo.bco_loss_weight 0.2 -> 0.5, packing."
+                      "shared_prompt False -> True; the settings of steps up to 1: config.step_1.json"]  # fmt: skip
+    assert out.index(notice[0]) == out.index(next(x for x in out if x.startswith("resumed from"))) + 1
+    old = json.loads((run / "config.step_1.json").read_text())
+    assert (run / "config.step_1.json").read_text() == loss_change.config_1  # the first segment's config.json
+    assert old == json.loads((run / "step_1" / checkpoint.RUN_STATE_FILE).read_text())["config"]
+    assert (old["mpo"]["bco_loss_weight"], old["packing"]["shared_prompt"]) == (0.2, False)
+    new = json.loads((run / "config.json").read_text())
+    assert (new["mpo"]["bco_loss_weight"], new["packing"]["shared_prompt"]) == (0.5, True)
+    assert json.loads((run / "step_2" / checkpoint.RUN_STATE_FILE).read_text())["config"] == new
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "config.step_1.json", "metrics.jsonl", "step_1",
+                                                      "step_2"]  # fmt: skip
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # step 2's loss uses the new weight: w_p·pref + w_q·bco + w_g·sft with w_q = 0.5 (tiny.toml: w_p 0.8, w_g 0)
+    assert rows[1]["loss"] == pytest.approx(0.8 * rows[1]["preference_loss"] + 0.5 * rows[1]["bco_loss"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")
