@@ -465,14 +465,12 @@ def check_layout(path: str | Path | None, cfg) -> None:
         )
 
 
-# Loss settings that define the units of the log-ratio rewards β·L (L a sum, or a per-token mean with the flag) and of
-# the SFT term: the reward shift δ carried in run_state.json is an EMA of BCO rewards β·L in the saved units
-# (mpo_loss.update_reward_shift), so a resume with another value is refused by `check_loss_settings`.
+# Loss settings that define the units of the BCO rewards β·L (L a sum, or a per-token mean with the flag): the reward
+# shift δ carried in run_state.json is an EMA of those rewards in the saved units (mpo_loss.update_reward_shift), so a
+# resume with another value is refused by `check_loss_settings`.
 REWARD_UNIT_KEYS = (
     "mpo.reference_policy_kl_penalty",
-    "mpo.preference_average_log_probs",
     "mpo.quality_average_log_probs",
-    "mpo.sft_average_log_probs",
 )
 # Loss settings a resume may change: the new values apply from the next step; train.resume prints one `resume:` line
 # listing them (saved -> now) and keeps the earlier segment's config as config.step_<N>.json (monitor). mpo.reward_shift
@@ -483,13 +481,15 @@ NOTICE_KEYS = (
     "mpo.sft_loss_weight",
     "mpo.reward_shift_momentum",
     "mpo.reward_shift",
+    "mpo.preference_average_log_probs",
+    "mpo.sft_average_log_probs",
     "packing.shared_prompt",
 )
 
 
 def check_loss_settings(path: str | Path | None, cfg) -> None:
     """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start) when this run changes a setting of
-    REWARD_UNIT_KEYS (β or an *_average_log_probs flag). Reads the config saved in run_state.json, on every rank,
+    REWARD_UNIT_KEYS (β or mpo.quality_average_log_probs). Reads the config saved in run_state.json, on every rank,
     before any model is built.
 
     Raises:
@@ -504,9 +504,8 @@ def check_loss_settings(path: str | Path | None, cfg) -> None:
     if diff:
         changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
         raise CheckpointError(
-            f"cannot resume {path} with changed reward settings: {changes}; β and the *_average_log_probs flags set "
-            "the units of the rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards "
-            "in the saved units. "
+            f"cannot resume {path} with changed reward settings: {changes}; β and mpo.quality_average_log_probs set "
+            "the units of the BCO rewards β·L, and the carried reward shift δ is an EMA of them in the saved units. "
             f"Set the saved values back, or export the policy (python checkpoint.py export {path.parent} OUT) and "
             "start a new run in another checkpoint.dir with model.hf_path=OUT"
         )

@@ -91,7 +91,7 @@ def main(cfg) -> int:
         monitor.print_layout(ctx, world)
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
-    checkpoint.check_loss_settings(resume_from, cfg)  # the same β and *_average_log_probs (the units of δ)
+    checkpoint.check_loss_settings(resume_from, cfg)  # the same β and quality flag (the units of δ)
     stopper = monitor.StopSignal()
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -279,8 +279,8 @@ def build_optimizer(policy, cfg):
 def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
     """The run state: fresh (step 0, δ = mpo.reward_shift) or loaded with the model, optimizer, scheduler and sampler
     from the checkpoint `resume_from`; then writes the resolved config (rank 0; after a successful resume, so a
-    refused config never replaces the run's). A resume that changes loss settings (checkpoint.NOTICE_KEYS; β and the
-    *_average_log_probs flags were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
+    refused config never replaces the run's). A resume that changes loss settings (checkpoint.NOTICE_KEYS; β and
+    mpo.quality_average_log_probs were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
     (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`.
 
     Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the

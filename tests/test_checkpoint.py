@@ -309,8 +309,8 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
 
 
 def test_check_loss_settings_refuses_beta_and_flags_and_names_each_change(tmp_path):
-    """QA3 4: a resume took a changed β or *_average_log_probs flag silently, although the carried δ is an EMA of
-    rewards β·L in the saved units."""
+    """QA3 4: a resume took a changed β or quality_average_log_probs silently, although the carried δ is an EMA of
+    the BCO rewards β·L in the saved units; the other two flags (no part of δ) are allowed, with the notice."""
     import config as config_mod
 
     step = _step_with_config(tmp_path / "run", 3)  # tiny.toml: β 0.05, flags False / True (sft) / False
@@ -321,24 +321,22 @@ def test_check_loss_settings_refuses_beta_and_flags_and_names_each_change(tmp_pa
         checkpoint.check_loss_settings(step, now)
     assert str(e.value) == (
         f"cannot resume {step} with changed reward settings: mpo.reference_policy_kl_penalty 0.05 -> 0.1, "
-        "mpo.quality_average_log_probs False -> True; β and the *_average_log_probs flags set the units of the "
-        "rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards in the saved units. "
+        "mpo.quality_average_log_probs False -> True; β and mpo.quality_average_log_probs set the units of the "
+        "BCO rewards β·L, and the carried reward shift δ is an EMA of them in the saved units. "
         f"Set the saved values back, or export the policy (python checkpoint.py export {tmp_path / 'run'} OUT) and "
         "start a new run in another checkpoint.dir with model.hf_path=OUT"
     )
-    for flag in ("preference", "sft"):
-        flipped = config_mod.load_config(tiny, [f"mpo.{flag}_average_log_probs={'false' if flag == 'sft' else 'true'}"])
-        with pytest.raises(checkpoint.CheckpointError, match=f"mpo.{flag}_average_log_probs (True|False) -> "):
-            checkpoint.check_loss_settings(step, flipped)
     changed = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
-               "mpo.reward_shift_momentum=0.9", "optimizer.lr=0.5"]  # fmt: skip
+               "mpo.reward_shift_momentum=0.9", "optimizer.lr=0.5", "mpo.preference_average_log_probs=true",
+               "mpo.sft_average_log_probs=false"]  # fmt: skip
     allowed = config_mod.load_config(tiny, changed)
-    checkpoint.check_loss_settings(step, allowed)  # weights, δ's momentum, the layout switch: allowed
+    checkpoint.check_loss_settings(step, allowed)  # weights, δ's momentum, the DPO / SFT flags, the layout: allowed
     checkpoint.check_loss_settings(None, now)  # a fresh start
     saved = json.loads((step / checkpoint.RUN_STATE_FILE).read_text())["config"]
     assert checkpoint.changed_settings(saved, allowed, checkpoint.NOTICE_KEYS) == {
         "mpo.bco_loss_weight": (0.2, 0.5), "mpo.sft_loss_weight": (0.0, 0.1),
-        "mpo.reward_shift_momentum": (0.99, 0.9), "packing.shared_prompt": (False, True),
+        "mpo.reward_shift_momentum": (0.99, 0.9), "mpo.preference_average_log_probs": (False, True),
+        "mpo.sft_average_log_probs": (True, False), "packing.shared_prompt": (False, True),
     }  # fmt: skip
 
 
@@ -365,8 +363,8 @@ def test_resume_with_another_beta_is_refused_in_one_line(loss_change):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: CheckpointError: cannot resume {run / 'step_1'} with changed reward settings: "
-        "mpo.reference_policy_kl_penalty 0.05 -> 0.1; β and the *_average_log_probs flags set the units of the "
-        "rewards β·L and of the SFT term, and the carried reward shift δ is an EMA of rewards in the saved units. "
+        "mpo.reference_policy_kl_penalty 0.05 -> 0.1; β and mpo.quality_average_log_probs set the units of the "
+        "BCO rewards β·L, and the carried reward shift δ is an EMA of them in the saved units. "
         f"Set the saved values back, or export the policy (python checkpoint.py export {run} OUT) and start a new "
         "run in another checkpoint.dir with model.hf_path=OUT"
     )
