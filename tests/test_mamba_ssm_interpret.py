@@ -87,3 +87,8 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels(mamba_s
     causal-conv1d, in float32): output and the gradient of every mixer input."""
     worst = _interpret(mamba_ssm_src, "shared_prompt")
     assert len(worst) == 9 and max(worst.values()) <= TOL, worst
+
+
+def test_the_pinned_sdist_is_the_dockerfiles_mamba_ssm():
+    """The kernels checked here are the version the GPU image builds (Dockerfile ARG MAMBA_SSM_VERSION)."""
+    assert f"ARG MAMBA_SSM_VERSION={VERSION}\n" in (REPO / "Dockerfile").read_text()
