@@ -580,6 +580,13 @@ def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
                                image_token_counts=torch.zeros(0, dtype=torch.int64))
 
 
+def shared_lengths(pairs: dict) -> dict[int, int]:
+    """{pair id: tokens stored once in the shared-prompt layout} of `pairs` (pack.PreferencePair), by the packer's
+    own rule (pack.shared_prefix_length): what pack.plan_step takes as `shared_lengths`."""
+    return {i: pack.shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
+            for i, p in pairs.items()}
+
+
 def bench_shared(quick: bool) -> dict:
     """Shared-prompt layout (packing.shared_prompt, pack.pack_shared) vs separate rows (pack.pack), same pairs, same
     bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (pack.shared_prompt_token_counts,
@@ -602,7 +609,6 @@ def bench_shared(quick: bool) -> dict:
     parts = pack.synthetic_mmpr_parts(n_pairs, seed=1)
     pairs = mmpr_like_text_pairs(parts, scale, vocab)
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
-    prompt = {i: int(p.chosen_ids.numel() - p.chosen_loss_mask.sum()) for i, p in pairs.items()}
     cfg = _bench_cfg(pol_dir, n_pairs)
     cfg.packing.max_tokens_per_bin = SHARED_BIN_TOKENS // scale
     cfg.packing.max_sequences_per_bin = 8
@@ -614,9 +620,9 @@ def bench_shared(quick: bool) -> dict:
     ctx = distributed.Ctx.current(cfg, _device())
     ctxs = {"separate": ctx, "shared": dataclasses.replace(ctx, cfg=cfg_shared)}
     ddp.train()
-    batches = {}
+    batches, shared = {}, shared_lengths(pairs)
     for name, c in ctxs.items():
-        plan = pack.plan_step(lengths, c.cfg.packing, 1, {i: n - 1 for i, n in prompt.items()})  # used when shared
+        plan = pack.plan_step(lengths, c.cfg.packing, 1, shared)  # used when shared
         batches[name] = train.load_bins(plan, pairs, c, 18, 0)
     tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
     padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
@@ -802,20 +808,23 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
     plan = pack.plan_step(lengths, cfg.packing, 1)
     state = {"shift": cfg.mpo.reward_shift}
 
-    def ours_step() -> dict:
-        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
-                                                   state["shift"])
-        return metrics
+    def step_of(plan, ctx):
+        """One timed MPO step of `plan`'s bins under `ctx` (its packing layout), δ carried across steps."""
+        def step() -> dict:
+            batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+            metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
+                                                       state["shift"])
+            return metrics
+        return step
+
+    ours_step = step_of(plan, ctx)
 
     # The shared-prompt layout (packing.shared_prompt, issue 16) on the same pairs and bin budget, checked before
     # any update (policy = reference: the closed-form loss) and timed after the separate-rows steps.
     cfg_shared = copy.deepcopy(cfg)
     cfg_shared.packing.shared_prompt = True
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
-    shared_lengths = {i: pack.shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
-                                                   p.rejected_loss_mask) for i, p in pairs.items()}
-    plan_shared = pack.plan_step(lengths, cfg_shared.packing, 1, shared_lengths)
+    plan_shared = pack.plan_step(lengths, cfg_shared.packing, 1, shared_lengths(pairs))
     batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
     n = train.count_global_pairs(batches, ctx_shared)
     loss_shared = train.policy_forward_backward(batches, train.reference_logprobs(reference, batches, ctx_shared),
@@ -823,12 +832,7 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
     assert abs(loss_shared - want) <= tol, f"gpu step: shared-prompt step-1 loss {loss_shared} != {want}"
     tokens_shared = sum(int(b.cu_seqlens[-1]) for b in batches)
     del batches
-
-    def shared_step() -> dict:
-        batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
-        metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx_shared,
-                                                   state["shift"])
-        return metrics
+    shared_step = step_of(plan_shared, ctx_shared)
 
     _reset_peak(device)
     m1 = ours_step()
