@@ -891,8 +891,9 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
     both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
     Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
-    (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: every non-expert
-    parameter, the embedding table and output layer included, plus top-k/E of the routed experts), and the speed
+    (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: the language model's
+    parameters without the input embedding table (a lookup) - output layer, every dense parameter and the shared
+    expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
     ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
     before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
     over our separate-rows step (issue 16's GPU ratio).

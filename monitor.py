@@ -142,22 +142,33 @@ def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world:
 
 
 def active_params(model, hf) -> int:
-    """Parameters used per token (global over TP/EP): dense parameters plus top-k of the routed experts' share.
+    """Language-model parameters with matmul FLOPs per token (global over TP/EP): the N of `mfu`.
 
-    Counts this rank's parameters, scales tensor-parallel ones by TP and expert ones by EP (megatron marks expert
-    parameters with `allreduce = False`), then keeps `num_experts_per_tok / n_routed_experts` of the expert part.
+    Counts `model.language_model` only (the RADIO ViT and the projector run on image patches, not on every LM token,
+    so they are left out) and leaves out the input embedding table (a lookup, no matmul FLOPs) unless it is tied to the
+    output layer. It keeps the output layer (the LM head matmul), every other dense parameter (Mamba, attention,
+    norms, routers, the dense MLPs and the shared expert whole) and `num_experts_per_tok / n_routed_experts` of the
+    routed experts' parameters (those under each MoE layer's `experts`). This rank's share is scaled to the global
+    count: tensor-parallel parameters by TP, routed-expert parameters by EP (and by expert-TP when split). Buffers
+    (the router's expert bias) are not parameters and not counted. Returns the count as an int; tests/test_omni_model.py
+    checks it against transformers' model of the same checkpoint.
     """
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    lm = model.language_model
+    lookup = set() if lm.share_embeddings_and_output_weights else {id(p) for p in lm.embedding.parameters()}
+    routed = {id(p) for m in lm.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
     dense = expert = 0
-    for p in model.parameters():
-        n = p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-        if getattr(p, "allreduce", True):
-            dense += n
-        else:
-            expert += n * ep
+    for p in lm.parameters():
+        split = getattr(p, "tensor_model_parallel", False)
+        if id(p) in routed:
+            expert += p.numel() * ep * (etp if split else 1)
+        elif id(p) not in lookup:
+            dense += p.numel() * (tp if split else 1)
     n_exp = getattr(hf.text, "n_routed_experts", 0) or 0
     top_k = getattr(hf.text, "num_experts_per_tok", 0) or 0
     return int(dense + (expert * top_k / n_exp if n_exp else expert))
@@ -168,8 +179,13 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 
 def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
     """Model FLOPs utilisation: (6·N·tokens for the policy fwd+bwd + 2·N·tokens for the reference fwd) /
-    (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU. Ignores attention's quadratic term
-    and the vision tower (the hybrid LM is mostly Mamba and MoE layers, linear in tokens; pack.py's cost model)."""
+    (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU.
+
+    N = `n_active` (`active_params`): the language model's parameters with matmul FLOPs per token - output layer and
+    every dense parameter, shared expert whole, top_k / n_routed of the routed experts - without the input embedding
+    table (a lookup) and without the vision tower and projector. Ignores attention's quadratic term and the vision
+    tower's and projector's FLOPs on image patches (the hybrid LM is mostly Mamba and MoE layers, linear in tokens;
+    pack.py's cost model)."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()

@@ -45,7 +45,8 @@ import torch
 IGNORE_INDEX = -100  # label of positions that predict nothing (sequence ends, padding); torch cross_entropy's default
 
 # Cost model of one sequence of L tokens, in "LM token" units: L + L^2 / ATTENTION_QUADRATIC_TOKENS.
-# Derivation for Nemotron-3-Nano (its config.json; ~3.58e9 active parameters with embedding and output layer): the
+# Derivation for Nemotron-3-Nano (its config.json; ~3.58e9 active parameters with embedding and output layer, ~3.23e9
+# without the 131072 x 2688 input embedding table as monitor.active_params counts them; the constant is rounded): the
 # linear part is ~2 * 3.58e9 active params
 # = 7.2e9 forward FLOPs per token; the quadratic part is the 6 attention layers with 32 heads x 128 = 4096 q dims:
 # causal QK^T + AV = 2 * L^2 * 4096 FLOPs per layer, 4.9e4 * L^2 in all. 7.2e9 / 4.9e4 ~= 1.46e5 tokens: the

@@ -84,6 +84,25 @@ def test_image_text_logits_match_transformers(model, reference, image_text_batch
     assert (text_only - ref).abs().max().item() > 1e-2  # the image features matter
 
 
+def test_active_params_counts_the_language_models_matmul_parameters(model, reference):
+    """monitor.active_params (the N of MFU) = transformers' NemotronHForCausalLM parameters (the same checkpoint) less
+    the input embedding table, with num_experts_per_tok / n_routed_experts of the routed experts (the shared expert
+    whole, the LM head kept); the RADIO ViT and the projector are not counted."""
+    import monitor
+
+    text = json.loads((TINY / "config.json").read_text())["llm_config"]
+    lm = reference.language_model
+    assert not text["tie_word_embeddings"]
+    total = sum(p.numel() for p in lm.parameters())
+    embedding = lm.get_input_embeddings().weight.numel()
+    routed = sum(p.numel() for n, p in lm.named_parameters() if ".mixer.experts." in n)
+    assert (total, embedding, routed) == (262256, 1024 * 64, 2 * 4 * 2 * 32 * 64)
+    want = total - embedding - routed + routed * text["num_experts_per_tok"] // text["n_routed_experts"]
+    assert monitor.active_params(model, model.hf) == want == 180336
+    vision = sum(p.numel() for m in (model.vision_model, model.vision_projection) for p in m.parameters())
+    assert vision > 0 and sum(p.numel() for p in model.parameters()) == total + vision  # the ViT is left out
+
+
 def test_mamba_dt_clamp_follows_the_switch(model, reference):
     """The clamp min(softplus(dt + dt_bias)) >= limit reaches megatron's scan: with a limit large enough to bind
     (2.0; the checkpoint's time_step_min 0.001 rarely binds on random weights) ours = transformers with the same
@@ -454,6 +473,8 @@ def test_two_rank_layouts_match_one_rank(torchrun):
         # expert-bias token counts: the real tokens (21 + 30) x top-2 per router, padding excluded, in every layout
         assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
         assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(21 + 30) * 2] * 2, (layout, r)
+        # monitor.active_params is global: the one-rank count (test_active_params_...) in every layout
+        assert r["active_params"] == r["ref_active_params"] == 180336, (layout, r)
 
 
 def test_recompute_full_gives_the_same_gradients(model, world):

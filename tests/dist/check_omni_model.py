@@ -4,8 +4,8 @@
 In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
 parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
 (image + text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
-gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs differences to the reference (rank
-0, tests/dist/report.py).
+gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs differences to the reference and
+each layout's monitor.active_params (rank 0, tests/dist/report.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     from omni_model_cases import TINY
 
     import hf_weights
+    import monitor
     import omni_model as om
     from config import ModelConfig, ParallelConfig
     from pack import cp_partition_index
@@ -88,6 +89,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     if cp > 1:
         dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
     grads["tokens_per_expert"] = counts
+    grads["active_params"] = monitor.active_params(model, model.hf)  # global count: the same in every layout
     destroy_moe_metrics_tracker()
     parallel_state.destroy_model_parallel()
     return full, grads
@@ -106,17 +108,20 @@ def main() -> None:
     batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
     ref, ref_grads = run_layout(1, 1, 1, False, batch)
     ref_counts = ref_grads.pop("tokens_per_expert")
+    ref_active = ref_grads.pop("active_params")
     result = {}
     for name, (tp, ep, cp, sp) in {"tp2_sp": (2, 1, 1, True), "ep2": (1, 2, 1, False),
                                    "cp2": (1, 1, 2, False)}.items():
         try:
             full, grads = run_layout(tp, ep, cp, sp, batch)
             counts = grads.pop("tokens_per_expert")
+            active = grads.pop("active_params")
             result[name] = {"logits": (full - ref).abs().max().item(),
                             "grads_rel": {k: ((grads[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max()).item()
                                           for k in grads},
                             "tokens_per_expert": counts.tolist(), "ref_tokens_per_expert": ref_counts.tolist(),
-                            "logit_scale": ref.abs().max().item()}
+                            "logit_scale": ref.abs().max().item(),
+                            "active_params": active, "ref_active_params": ref_active}
         except Exception as e:  # reported, and the test fails on it
             import traceback
 
