@@ -659,8 +659,10 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     tokenizer and processor files of `model.hf_path`.
 
     Raises:
-        CheckpointError: no complete checkpoint at `ckpt`; `out_dir` is the run, holds one or is its model.hf_path
-            (`check_export_dir`);
+        CheckpointError: no complete checkpoint at `ckpt`; its run_state.json cannot be read or holds no "config";
+            the saved config does not load in this version (an unknown key or a value `config.validate` refuses,
+            e.g. a checkpoint of a version before a key was renamed: the config.ConfigError's text, naming the key);
+            `out_dir` is the run, holds one or is its model.hf_path (`check_export_dir`);
             the saved model.hf_path (relative paths: to the working directory) has no config.json; a truncated
             shard file.
     """
@@ -673,7 +675,10 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
-    cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
+    try:
+        cfg = config_mod.from_dict(_saved_config(path))
+    except config_mod.ConfigError as e:
+        raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
     check_export_dir(out_dir, path, cfg.model.hf_path)
     if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(

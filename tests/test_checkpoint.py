@@ -8,6 +8,7 @@ and model.hf_path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -89,6 +90,28 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
     monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
     with pytest.raises(checkpoint.CheckpointError, match="model.hf_path = 'assets/tiny-omni' has no config.json seen"):
         checkpoint.export(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsys):
+    """QA4a 2: a saved config with a key this version lacks (a checkpoint of another version) ended in a ConfigError
+    traceback, a run_state.json without "config" in KeyError: 'config'; both are a CheckpointError naming the file."""
+    import config as config_mod
+
+    run = tmp_path / "run"
+    step = _fake_ckpt(run, "step_4")
+    state = step / checkpoint.RUN_STATE_FILE
+    cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml"))
+    cfg["mpo"]["old_key"] = 1
+    state.write_text(json.dumps({"step": 4, "config": cfg}))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.export(run, tmp_path / "hf")
+    names = [f.name for f in dataclasses.fields(config_mod.MPOConfig)]
+    assert str(e.value) == (f"{state}: its config does not load in this version: saved config: unknown key "
+                            f"'mpo.old_key'; valid keys here: {names}")
+    state.write_text(json.dumps({"step": 4}))
+    assert checkpoint.main(["export", str(run), str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err == f"error: {state} holds no resolved config\n"
     assert not (tmp_path / "hf").exists()
 
 
