@@ -19,8 +19,9 @@ Layout of a run directory (`checkpoint.dir`):
                                       crash mid-save never leaves a directory that looks complete (it is ignored)
 
 `latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
-after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`, so a checkpoint reloads
-with another data-parallel size or another tensor-parallel size (the model part reshards freely).
+after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`: a resume needs the same
+layout except for the data-parallel size (`check_layout` refuses another TP/CP/EP or parameter dtype, see below),
+while the model part alone reshards freely, so `export` loads it at TP = CP = EP = 1 whatever layout saved it.
 
 The optimizer format is a choice, the same on every platform: the distributed optimizer's `dp_reshardable`
 (`OPTIMIZER_METADATA`). Each rank writes its own gradient-buffer shards without communication, which is what a

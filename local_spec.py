@@ -153,9 +153,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
     Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
     the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens
-    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is the same two
-    calls (cu_seqlens_q of the rejected runs, cu_seqlens_kv of the gathered [prompt | rejected] keys, mask type
-    padding_causal_bottom_right).
+    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is ONE
+    variable-length call of the same masks (`shared_prompt_varlen_layout`, `shared_prompt_varlen_attention`: keys and
+    values gathered into [prompt | chosen], [prompt | rejected] per pair, mask type padding_causal_bottom_right).
 
     Args:
         query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs; GQA: heads is a

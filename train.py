@@ -1,7 +1,9 @@
 """MPO training of Nemotron-3-Nano-Omni with torchrun: the whole job, read top to bottom.
 
     torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
-    torchrun --nproc-per-node 8 train.py configs/nano.toml data.train.data_path=/abs/meta.json   # one 8-GPU node
+    torchrun --nproc-per-node 8 train.py configs/nano.toml \
+        model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
+    # one 8-GPU node; model.hf_path: a local directory holding the HF checkpoint (train.py reads no hub id)
 
 Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
 chosen/rejected rows (two forward passes, no generation); mpo_loss.py turns the per-sequence log-ratios into the MPO
