@@ -33,8 +33,8 @@ read the same position map: hence omni_model.cast_params_to). That megatron-core
 (`fully_sharded_model_space`) also fails without Transformer Engine or Apex ("flattened_range is not supported") is
 a fact about that alternative, not the reason for the choice.
 
-Known megatron-core trap, handled in `load` (`_restore_adam_steps`).
-SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032 - without Transformer Engine or Apex
+Known megatron-core trap, handled in `load` (`_restore_adam_steps`, which carries its SHIM marker: the line
+megatron/core/optimizer/distrib_optimizer.py:1032 of megatron-core 0.19.2): without Transformer Engine or Apex
 the distributed optimizer restores torch Adam's per-parameter `step` from the param group's `step`, which is the dummy
 value 1, as one tensor shared by every parameter (torch's Adam then increments it once per parameter); bias correction
 would restart and the resumed run diverge. `load` gives every parameter its own `step` tensor holding the saved count.
@@ -248,10 +248,13 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
 def _use_in_process_write_queue() -> None:
     """Make dist_checkpointing's synchronous save report its writes through an in-process queue.
 
+    SHIM(megatron-core 0.19.2): megatron/core/dist_checkpointing/strategies/filesystem_async.py:65
     megatron-core otherwise creates a `multiprocessing.Manager` queue in a spawned process, which re-imports the
     training script (torch, megatron-core: ~9 s on the 2-core CI machine, per process and run). With synchronous saves
     (async_sharded_save=False, ours) the writer runs in this process and a plain thread-safe queue carries the same
-    results. Private megatron-core name (0.19.2); re-check on upgrades.
+    results: this sets the module's private `_results_queue`, which `get_write_results_queue` returns when set. It
+    stays here rather than in cpu_compat.py because it is a checkpoint-speed choice on every platform, not a
+    capability workaround.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -329,11 +332,15 @@ def save(
     return final
 
 
-def _restore_adam_steps(optimizer) -> int:
-    """Give every parameter its own Adam `step` tensor equal to the loaded param-group step; return that step.
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor equal to the loaded param-group step (in place).
 
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032
     megatron-core's distributed optimizer without TE/Apex restores `step` as the dummy 1 and makes all parameters share
     one tensor (see the module docstring); its param groups do carry the saved step.
+
+    Raises:
+        CheckpointError: the param groups carry different steps.
     """
     steps = set()
     for opt in _inner_optimizers(optimizer):
@@ -351,7 +358,6 @@ def _restore_adam_steps(optimizer) -> int:
                     steps.add(float(group["step"]))
     if len(steps) > 1:
         raise CheckpointError(f"optimizer param groups carry different Adam steps {sorted(steps)}")
-    return int(steps.pop()) if steps else -1
 
 
 # The schedule entries of a scheduler state (all but the step count) and the settings behind them.

@@ -7,10 +7,12 @@ GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and ma
 spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch. `apply()` patches exactly the
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
 sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not; then the model
-shims every platform needs (`MODEL_SHIMS`: Mamba's time-step clamp, the routers' padding mask).
+shims every platform needs (`MODEL_SHIMS`: the Mamba scan hook - time-step clamp and the shared-prompt scan -,
+activation recomputation in the forward's context, the routers' padding mask).
 
 This module is the project's one boundary for platform code: every workaround of megatron-core behaviour is here (the
-non-TE modules themselves are in local_spec.py) and carries a `SHIM(megatron-core 0.19.2): <upstream file:line>`
+non-TE modules themselves are in local_spec.py; checkpoint.py keeps two checkpoint-only ones, `_restore_adam_steps`
+and `_use_in_process_write_queue`) and carries a `SHIM(megatron-core 0.19.2): <upstream file:line>`
 marker naming the line it works around (paths relative to the installed package's site-packages). The patches touch
 private names, so `apply()` refuses to run on any megatron-core but MEGATRON_CORE_VERSION_CHECKED: on a bump, re-check
 every marker (its comment states the upstream failure and its exact error), then raise the constant.
@@ -115,8 +117,8 @@ CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_strea
 LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
 TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
 # Upstream behaviour the Omni model needs changed on every platform; installed by apply() after the ones above (the
-# dt-limit hook wraps whichever Mamba scan kernel is installed by then).
-MODEL_SHIMS = ("install_mamba_dt_limit_hook", "_recompute_in_forward_context", "_fix_router_padding_mask")
+# Mamba scan hook wraps whichever Mamba scan kernel is installed by then).
+MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask")
 
 
 def shims_for(kernels: Kernels) -> tuple[str, ...]:
@@ -569,13 +571,13 @@ def install_torch_mamba() -> None:
 # Model shims (every platform): upstream behaviour the Omni model needs changed
 
 # The time-step clamp of the Mamba mixer running now: set by omni_model.OmniMambaMixer around its training scan, read
-# by install_mamba_dt_limit_hook's wrapper. None: megatron-core's default (0, inf).
+# by install_mamba_scan_hook's wrapper. None: megatron-core's default (0, inf).
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
 
 
 # The shared-prompt layout of the language-model forward running now (pack.pack_shared): the batch's
 # segment_cu_seqlens_padded (int32 [3P+1], on the batch's device), set by omni_model.OmniModel.forward around the
-# language model only (never the ViT); read by install_mamba_dt_limit_hook's wrapper (Mamba layers),
+# language model only (never the ViT); read by install_mamba_scan_hook's wrapper (Mamba layers),
 # local_spec.ThdDotProductAttention and omni_model.shared_prompt_te_attention (attention layers). None: the
 # separate-rows layout.
 SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
@@ -595,9 +597,10 @@ def _shared_prompt_kernels(fn) -> dict:
     return {"conv_fn": causal_conv1d_fn, "scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
 
 
-def install_mamba_dt_limit_hook() -> None:
-    """Let a Mamba mixer pass `dt_limit` to the fused scan: megatron-core always calls it with the default (0, inf);
-    and run the shared-prompt scan when `SHARED_PROMPT_SEGMENTS` is set.
+def install_mamba_scan_hook() -> None:
+    """The Mamba scan hook: route every fused Mamba scan megatron-core calls through one wrapper that (1) passes the
+    time-step clamp `dt_limit` (megatron-core always calls the scan with the default (0, inf)) and (2) runs the
+    shared-prompt scan (mamba_torch.mamba_split_conv1d_scan_shared_prompt) when `SHARED_PROMPT_SEGMENTS` is set.
 
     SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:755
     transformers clamps softplus(dt + dt_bias) to >= time_step_min (NemotronHMamba2Mixer.time_step_limit);
@@ -610,10 +613,10 @@ def install_mamba_dt_limit_hook() -> None:
     from megatron.core.ssm import mamba_mixer
 
     fn = mamba_mixer.mamba_split_conv1d_scan_combined
-    if fn is None or getattr(fn, "_omni_dt_limit", False):
+    if fn is None or getattr(fn, "_omni_scan_hook", False):
         return
 
-    def scan_with_dt_limit(*args, **kwargs):
+    def omni_mamba_scan(*args, **kwargs):
         limit = MAMBA_DT_LIMIT.get()
         if limit is not None and "dt_limit" not in kwargs:
             kwargs["dt_limit"] = limit
@@ -625,9 +628,9 @@ def install_mamba_dt_limit_hook() -> None:
                 *args, segment_cu_seqlens_padded=segments, **kwargs, **_shared_prompt_kernels(fn))
         return fn(*args, **kwargs)
 
-    scan_with_dt_limit._omni_dt_limit = True
-    scan_with_dt_limit.__wrapped__ = fn
-    mamba_mixer.mamba_split_conv1d_scan_combined = scan_with_dt_limit
+    omni_mamba_scan._omni_scan_hook = True
+    omni_mamba_scan.__wrapped__ = fn
+    mamba_mixer.mamba_split_conv1d_scan_combined = omni_mamba_scan
 
 
 def _recompute_in_forward_context() -> None:

@@ -6,7 +6,8 @@
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
 
 HF import / export is hf_weights.py; the non-TE modules and specs are local_spec.py; every megatron-core workaround
-(including the two this model needs on every platform: Mamba's time-step clamp and the MoE routers' padding mask) is
+(including the three this model needs on every platform, cpu_compat.MODEL_SHIMS: the Mamba scan hook - time-step
+clamp and shared-prompt scan -, activation recomputation in the forward's context, the MoE routers' padding mask) is
 cpu_compat.py, installed by cpu_compat.apply() (build_model calls it). megatron-core is imported at the top: it imports
 on CPU before any shim is applied (the shims patch names megatron looks up at call time).
 

@@ -73,6 +73,7 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
     import megatron.core
 
+    import checkpoint
     import local_spec
 
     site = Path(megatron.core.__file__).parents[2]
@@ -81,7 +82,9 @@ def test_every_shim_names_an_upstream_line_that_exists():
     objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
                                                          cpu_compat.routers_without_statistics, local_spec.LocalNorm,
                                                          local_spec.LocalNormColumnParallelLinear,
-                                                         local_spec.ThdDotProductAttention]
+                                                         local_spec.ThdDotProductAttention,
+                                                         checkpoint._restore_adam_steps,  # outside cpu_compat.py
+                                                         checkpoint._use_in_process_write_queue]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
         found = marker.findall(inspect.getsource(obj))
@@ -268,7 +271,7 @@ def _mixers(time_step_min=0.01, **config_overrides):
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
                        mamba_num_heads=heads, **config_overrides)
     # megatron's MambaMixer with the project's time-step clamp switch (off until `dt_limit` is set)
-    cpu_compat.install_mamba_dt_limit_hook()
+    cpu_compat.install_mamba_scan_hook()
     submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
     ours = omni_model.OmniMambaMixer(cfg, submodules, d_model=hidden, chunk_size=chunk,
                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())

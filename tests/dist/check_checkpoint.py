@@ -144,7 +144,7 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
     ddp, opt, sched = build(1, distributed_optimizer)
     restore = checkpoint._restore_adam_steps
-    checkpoint._restore_adam_steps = lambda o: -1
+    checkpoint._restore_adam_steps = lambda o: None
     with cpu_compat.cuda_to_cpu():
         checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, opt, sched)
     checkpoint._restore_adam_steps = restore
