@@ -339,7 +339,7 @@ def count_valid_pairs(
 ) -> int:
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
     get `num_global_pairs` before the first forward. `num_response_tokens` [S] is the per-sequence count of
-    loss_mask over the whole (un-CP-sliced) row: `sequence_sums(loss_mask, batch.response_ids(), S)`
+    loss_mask over the whole (un-CP-sliced) row: `sequence_sums(loss_mask, batch.loss_seq_ids(), S)`
     (`pack.token_sequence_ids`, or `pack.response_sequence_ids` for the shared-prompt layout, S = 2P)."""
     return int(valid_pairs(num_response_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 

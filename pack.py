@@ -565,9 +565,10 @@ class PackedBatch:
         """Sequences the loss sees (chosen and rejected rows, 2 per pair) in either layout: len(pair_index)."""
         return self.pair_index.numel()
 
-    def response_ids(self) -> torch.Tensor:
-        """The loss sequence (response) of every token, int64 [T] on the batch's device: token_sequence_ids for
-        separate rows, response_sequence_ids for the shared-prompt layout (prompt tokens map to the dropped id S)."""
+    def loss_seq_ids(self) -> torch.Tensor:
+        """Each token's loss-sequence index (its response's index in pair_index, 0 .. S-1; mpo_loss's `seq_ids`), int64
+        [T] on the batch's device: token_sequence_ids for separate rows, response_sequence_ids for the shared-prompt
+        layout (prompt tokens map to the dropped id S)."""
         T = self.input_ids.shape[1]
         if self.shared_prompt:
             return response_sequence_ids(self.segment_cu_seqlens_padded, T)

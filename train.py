@@ -118,7 +118,7 @@ def main(cfg) -> int:
         return 0
 
     # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
-    plan = functools.partial(plan_bins, data.train_split.index, ctx)
+    plan = functools.partial(plan_and_select, data.train_split.index, ctx)
     gbs, workers = cfg.policy.train_global_batch_size, cfg.data.num_workers
     loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, gbs, plan, workers))
     bar = monitor.progress_bar(cfg, run["step"], rank)
@@ -344,9 +344,9 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 # One microbatch, one step, one validation
 
 
-def plan_bins(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
-    """A step's bins over all DP ranks (pack.plan_step) and the pairs this DP rank loads (mmpr_data.StepLoader's
-    plan_fn, with `index` and `ctx` bound)."""
+def plan_and_select(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
+    """Plan a step's bins over all DP ranks (pack.plan_step) and select the pairs this DP rank loads: (plan, pair ids)
+    (mmpr_data.StepLoader's plan_fn, with `index` and `ctx` bound)."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
@@ -362,13 +362,13 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
     ]
 
 
-def sequence_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one packed microbatch: per-response log-prob sums [S] (fp32) and response-token counts [S], S =
-    batch.num_responses (chosen, rejected per pair) in either layout."""
+def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward `model` on one packed microbatch, then mpo_loss.packed_sequence_logprobs: per-response log-prob sums
+    [S] (fp32) and response-token counts [S], S = batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
     S = batch.num_responses
     labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = batch.response_ids()
+    seq_ids = batch.loss_seq_ids()
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
@@ -383,7 +383,7 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     Computed on the batches' device (the device rule of the module docstring)."""
     local = 0
     for b in batches:
-        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.response_ids(), b.num_responses)
+        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
         local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
@@ -397,7 +397,7 @@ def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> 
     if offload:
         reference.to(ctx.device)
     with torch.no_grad():
-        out = [sequence_logprobs(reference, b, ctx)[0] for b in batches]
+        out = [forward_logprobs(reference, b, ctx)[0] for b in batches]
     if offload:
         reference.to("cpu")
     return out
@@ -412,7 +412,7 @@ def policy_forward_backward(
     per_mb, r_sum, r_count = [], 0.0, 0.0
     for b, ref in zip(batches, ref_logprobs, strict=True):
         with torch.set_grad_enabled(backward):
-            logprobs, num_response_tokens = sequence_logprobs(policy, b, ctx)
+            logprobs, num_response_tokens = forward_logprobs(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(
                 logprobs,
                 ref,

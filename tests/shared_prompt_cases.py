@@ -56,7 +56,7 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
     """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared), then what train.train_step does
     before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
-    sequence_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
+    forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
     bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad})
     and tokens (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
@@ -72,7 +72,7 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
     logprobs, counts = [], []
     with torch.no_grad():
         for b in batches:
-            lp, n = train.sequence_logprobs(model, b, ctx)
+            lp, n = train.forward_logprobs(model, b, ctx)
             logprobs.append(lp.double())
             counts.append(n)
     metrics, _, _ = train.policy_forward_backward(batches, ref, model, ctx, reward_shift, n_pairs, backward=True)

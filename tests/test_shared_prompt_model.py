@@ -2,7 +2,7 @@
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
 separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared) through train.py's own functions
-(count_global_pairs, reference_logprobs, sequence_logprobs, policy_forward_backward): per-response log-prob sums,
+(count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob sums,
 every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
 pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
 with activation recomputation (full, selective), and in a 2-rank launch (TP = 2 with sequence parallelism, DP = 2).
