@@ -12,8 +12,9 @@ Layout of a run directory (`checkpoint.dir`):
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
         run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr; checked
                                       against the config by `check_schedule` before a resume loads any state),
-                                      reward_shift and its update count, W&B run id, world size and parallel layout,
-                                      the resolved config
+                                      reward_shift and reward_shift_num_updates (the optimizer steps that moved it: a
+                                      diagnostic, not read back by training), W&B run id, world size and parallel
+                                      layout, the resolved config
         rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
                                       crash mid-save never leaves a directory that looks complete (it is ignored)

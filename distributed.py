@@ -137,17 +137,6 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def cuda_to_cpu():
-    """cpu_compat's catch-all around megatron's optimizer code on CPU; a null context on GPU."""
-    import contextlib
-
-    if torch.cuda.is_available():
-        return contextlib.nullcontext()
-    import cpu_compat
-
-    return cpu_compat.cuda_to_cpu()
-
-
 def destroy_distributed() -> None:
     """Wait for every rank, then tear down megatron-core's parallel state and the process group (no-op without one)."""
     if dist.is_initialized():

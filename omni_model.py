@@ -75,9 +75,6 @@ import cpu_compat
 from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import cp_partition_index, routing_padding_mask, thd_packed_seq_params, token_sequence_ids
 
-IMAGE_PREFIX_DEFAULT = 10
-
-
 # ======================================================================================================================
 # Config: the checkpoint's config.json -> typed facts -> megatron-core TransformerConfigs
 
@@ -150,7 +147,7 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _common_config_kwargs(model_cfg, parallel_cfg, use_te: bool) -> dict:
+def _common_config_kwargs(model_cfg, parallel_cfg) -> dict:
     """TransformerConfig settings shared by the language model, the ViT and the projector."""
     dtype = _dtype(model_cfg.params_dtype)
     kw = dict(
@@ -181,9 +178,10 @@ def _common_config_kwargs(model_cfg, parallel_cfg, use_te: bool) -> dict:
 
 
 def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
-    """megatron-core TransformerConfig of the hybrid language model (every dimension from the checkpoint)."""
+    """megatron-core TransformerConfig of the hybrid language model (every dimension from the checkpoint); `use_te`
+    (the TE spec) turns on megatron's grouped-GEMM experts."""
     t = hf.text
-    kw = _common_config_kwargs(model_cfg, parallel_cfg, use_te)
+    kw = _common_config_kwargs(model_cfg, parallel_cfg)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     kw.update(
         num_layers=len(hf.pattern),
@@ -233,13 +231,13 @@ def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     return TransformerConfig(**kw)
 
 
-def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
+def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
     """TransformerConfig of the RADIO ViT: replicated over CP, never sequence-parallel (images are short, packed)."""
     v = hf.vision
     act = {"gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}.get(v.hidden_act)
     if act is None:
         raise ValueError(f"RADIO hidden_act {v.hidden_act!r} is not supported (gelu, gelu_pytorch_tanh)")
-    kw = _common_config_kwargs(model_cfg, parallel_cfg, use_te)
+    kw = _common_config_kwargs(model_cfg, parallel_cfg)
     kw.update(
         num_layers=v.num_hidden_layers,
         hidden_size=v.hidden_size,
@@ -258,10 +256,10 @@ def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     return TransformerConfig(**kw)
 
 
-def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
+def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
     """TransformerConfig of the mlp1 projector (hidden_size = the language model's; RMSNorm eps 1e-5 as
     transformers' NemotronH_Omni_Reasoning_V3MultiModalProjector)."""
-    kw = _common_config_kwargs(model_cfg, parallel_cfg, use_te)
+    kw = _common_config_kwargs(model_cfg, parallel_cfg)
     kw.update(
         num_layers=1,
         hidden_size=hf.text.hidden_size,
@@ -430,7 +428,6 @@ class OmniModel(nn.Module):
         super().__init__()
         self.hf = hf
         self.use_te = use_te
-        self.model_cfg, self.parallel_cfg = model_cfg, parallel_cfg
         self.image_token_id = hf.image_token_id
         self.patch_size = hf.vision.patch_size
         self.num_prefix_tokens = hf.num_prefix_tokens
@@ -457,7 +454,7 @@ class OmniModel(nn.Module):
             parallel_output=True,
             pg_collection=pg,
         )
-        self.vit_config = vision_config(hf, model_cfg, parallel_cfg, use_te)
+        self.vit_config = vision_config(hf, model_cfg, parallel_cfg)
         if use_te:
             vit_spec = get_vit_layer_with_transformer_engine_spec()
             fc1, fc2 = TELayerNormColumnParallelLinear, TERowParallelLinear
@@ -480,7 +477,7 @@ class OmniModel(nn.Module):
             force_cpe_eval_mode=True,  # CPE augmentation off: the same position embeddings in train and eval
             pg_collection=pg,
         )
-        self.proj_config = projector_config(hf, model_cfg, parallel_cfg, use_te)
+        self.proj_config = projector_config(hf, model_cfg, parallel_cfg)
         self.vision_projection = MultimodalProjector(
             config=self.proj_config,
             submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),

@@ -16,7 +16,7 @@ Three layers, cheapest first:
    `cu_seqlens`, pre-rolled labels, the loss mask aligned with the labels, position ids restarting per sequence, and the
    media of each pair stored once. `packed_seq_params(batch)` builds megatron-core's `PackedSeqParams`.
 3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
-   keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (tests, metrics).
+   keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (the tests' oracle).
 
 4. Shared-prompt layout (issue 16, `packing.shared_prompt`): `pack_shared` stores each pair as one THD span
    [prompt | chosen | rejected] (the prompt and its images once; `PackedBatch.segment_cu_seqlens_padded` marks the
@@ -720,7 +720,8 @@ def pack(
 
 
 def unpack(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
-    """Split a PackedBatch back into its sequences (real tokens only, padding removed).
+    """Split a PackedBatch back into its sequences (real tokens only, padding removed): the inverse of `pack`, used by
+    the tests as the oracle of packing (training never unpacks).
 
     Returns, per sequence s: input_ids, labels, loss_mask, position_ids ([L_s] each), plus `row_loss_mask` [L_s] bool,
     the un-shifted response mask (row_loss_mask[t + 1] = loss_mask[t], row_loss_mask[0] = False), so that
@@ -739,7 +740,8 @@ def unpack(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
 
 
 def packed_seq_params(batch: PackedBatch):
-    """megatron-core `PackedSeqParams` for a PackedBatch; see `thd_packed_seq_params`."""
+    """megatron-core `PackedSeqParams` for a PackedBatch; see `thd_packed_seq_params`. A convenience the tests use
+    (OmniModel builds its PackedSeqParams with `thd_packed_seq_params` directly)."""
     return thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.max_seqlen)
 
 
@@ -851,7 +853,8 @@ def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: i
 
 def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Inverse of the CP slicing: put the per-rank slices (slices[r] = x.index_select(dim, cp_partition_index(.., r)))
-    back in the full packed order along `dim`. For tests and metrics (in training, use an all-gather then this)."""
+    back in the full packed order along `dim`. The tests' oracle of the CP layout (training never gathers a CP-sliced
+    row; a caller that needs one would all-gather the slices, then call this)."""
     cp_size = len(slices)
     index = torch.cat([cp_partition_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)]).to(slices[0].device)
     cat = torch.cat(list(slices), dim=dim)
@@ -981,7 +984,8 @@ def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens:
 
 def unpack_shared(batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
     """The separate rows of a shared-prompt batch: per response (chosen 0, rejected 0, chosen 1, ...) the dict of
-    `unpack` (input_ids, labels, loss_mask, position_ids, row_loss_mask over prompt + response, padding removed)."""
+    `unpack` (input_ids, labels, loss_mask, position_ids, row_loss_mask over prompt + response, padding removed): the
+    inverse of `pack_shared`, used by the tests as the oracle of the shared-prompt layout (training never unpacks)."""
     out = []
     seg = batch.segment_cu_seqlens.long()
     for i, (a, c0, r0, _) in enumerate(shared_prompt_spans(batch.segment_cu_seqlens_padded, batch.input_ids.shape[1])):

@@ -9,6 +9,7 @@ Tests: `pytest tests/test_train.py -k "check_"`.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -163,13 +164,13 @@ def check_model_config(cfg, hf) -> None:
         )
     use_te = omni_model.have_transformer_engine()
     parts = (
-        ("language model", omni_model.language_config),
+        ("language model", functools.partial(omni_model.language_config, use_te=use_te)),
         ("vision encoder", omni_model.vision_config),
         ("vision projector", omni_model.projector_config),
     )
     for what, build in parts:
         try:
-            mcore = build(hf, m, p, use_te)
+            mcore = build(hf, m, p)
         except (ValueError, AssertionError, TypeError) as e:
             named = {k: v for k, v in MCORE_FIELD_KEYS.items() if k in str(e)}
             keys = ", ".join(dict.fromkeys(f"{v} = {_dotted(cfg, v)!r}" for v in named.values()))

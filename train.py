@@ -63,6 +63,7 @@ import checkpoint  # noqa: E402
 import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
+import cpu_compat  # noqa: E402
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
 import mmpr_data  # noqa: E402
@@ -133,7 +134,9 @@ def main(cfg) -> int:
         steps_done += 1
         tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
         metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
-        metrics.update(dropped_oversized=data.train_split.dropped_oversized + len(step_data.plan.dropped),
+        # oversized pairs are dropped at start (preflight.check_splits, the same size rule as the plans): a step's
+        # plan never drops one, so the count is the split's
+        metrics.update(dropped_oversized=data.train_split.dropped_oversized,
                        consumed_pairs=run["consumed_pairs"],
                        eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]))
         step = run["step"]
@@ -273,7 +276,7 @@ def build_optimizer(policy, cfg):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
-    with distributed.cuda_to_cpu():
+    with cpu_compat.cuda_to_cpu():
         optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
@@ -286,7 +289,8 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
     (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`.
 
     Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
-    next step), reward_shift_num_updates, wandb_run_id; `save_checkpoint` writes them to run_state.json.
+    next step), reward_shift_num_updates (how many optimizer steps moved δ, i.e. had bco/reward_count > 0: a recorded
+    diagnostic that training itself does not read), wandb_run_id; `save_checkpoint` writes them to run_state.json.
     """
     run = {
         "step": 0,
@@ -298,7 +302,7 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
     }
     previous = None  # (step, saved config) of a resume that changes loss settings
     if resume_from is not None:
-        with distributed.cuda_to_cpu():
+        with cpu_compat.cuda_to_cpu():
             state = checkpoint.load(resume_from, ddp, optimizer, scheduler)
         run.update({k: state[k] for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates")})
         run["wandb_run_id"] = state.get("wandb_run_id")
@@ -450,7 +454,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     )
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
-    with distributed.cuda_to_cpu():
+    with cpu_compat.cuda_to_cpu():
         _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=1)
     stats = torch.tensor([r_sum, r_count], dtype=torch.float64, device=ctx.device)

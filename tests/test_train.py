@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import config as config_mod
+import cpu_compat
 import distributed
 import monitor
 import pack
@@ -426,7 +427,7 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with distributed.cuda_to_cpu():
+    with cpu_compat.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
