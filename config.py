@@ -354,6 +354,11 @@ def validate(cfg: Config) -> None:
     for k, v in positive.items():
         if v < 1:
             raise ConfigError(f"{k} = {v} must be >= 1")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (sequence parallelism "
+            "splits the sequence over the TP ranks); set parallel.sequence_parallel = false or raise TP"
+        )
     non_negative = {
         "data.train.max_samples": cfg.data.train.max_samples,
         "data.validation.max_samples": cfg.data.validation.max_samples,

@@ -127,13 +127,16 @@ def check_wandb(mode: str) -> None:
         )
 
 
-# megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json)
+# megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json),
+# matched as substrings of megatron-core's messages; its prose names ("sequence parallelism") are listed too
 MCORE_FIELD_KEYS = {
     "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
     "context_parallel_size": "parallel.context_parallel_size",
     "expert_model_parallel_size": "parallel.expert_model_parallel_size",
     "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
     "sequence_parallel": "parallel.sequence_parallel",
+    "sequence parallelism": "parallel.sequence_parallel",
+    "tensor parallelism": "parallel.tensor_model_parallel_size",
     "params_dtype": "model.params_dtype",
     "bf16": "model.params_dtype",
     "recompute_granularity": "model.recompute",

@@ -165,6 +165,30 @@ def test_parallel_validation_messages():
     assert validate_parallel(cfg, world_size=2, num_experts=4) == 2
 
 
+def test_sequence_parallel_without_tensor_parallelism_names_both_keys():
+    """QA4a 10: SP with TP = 1 was megatron-core's "Cannot use sequence parallelism without tensor parallelism" with
+    no key named (preflight matched field names, not megatron's words); config.validate refuses it first."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "tiny.toml", ["parallel.sequence_parallel=true"])
+    assert str(e.value) == (
+        "parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (sequence parallelism splits "
+        "the sequence over the TP ranks); set parallel.sequence_parallel = false or raise TP")
+    load_config(ROOT / "configs" / "tiny.toml", ["parallel.sequence_parallel=true",
+                                                 "parallel.tensor_model_parallel_size=2"])  # fmt: skip
+    # past validate (a config object changed by hand), preflight maps megatron-core's words to both keys
+    import omni_model
+    import preflight
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ConfigError) as e:
+        preflight.check_model_config(cfg, omni_model.read_hf_config(ROOT / cfg.model.hf_path))
+    assert str(e.value) == (
+        "megatron-core refuses the language model config: Cannot use sequence parallelism without tensor parallelism "
+        "(this run's parallel.sequence_parallel = True, parallel.tensor_model_parallel_size = 1; the other sizes come "
+        "from assets/tiny-omni/config.json)")
+
+
 def test_config_cli_prints_resolved_json():
     out = subprocess.run([sys.executable, "config.py", "configs/tiny.toml", "mpo.max_num_steps=3"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
