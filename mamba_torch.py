@@ -8,10 +8,12 @@ argument order and keywords), so the mixer runs unchanged on a CPU (cpu_compat.i
 * `mamba_split_conv1d_scan_combined`  ~ mamba_ssm.ops.triton.ssd_combined.mamba_split_conv1d_scan_combined
 * `rmsnorm_fn`, `RMSNormGated`        ~ mamba_ssm.ops.triton.layernorm_gated.{rmsnorm_fn, RMSNorm}
 
-All take `seq_idx` [batch, seqlen] int (a packed row holds several sequences; tokens with different seq_idx never
-interact: the conv does not see the previous sequence's tokens and the SSM state is zero at each sequence start), or
-`cu_seqlens` [num_seqs + 1] for a batch of one row. seq_idx must be non-decreasing along a row (as megatron's
-PackedSeqParams builds it).
+Packed sequences: the conv (`causal_conv1d_fn`) takes `seq_idx` [batch, seqlen] int; the scans
+(`mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`) take `seq_idx` or `cu_seqlens` [num_seqs + 1] for a
+batch of one row. A packed row holds several sequences; tokens with different seq_idx never interact: the conv does
+not see the previous sequence's tokens and the SSM state is zero at each sequence start. seq_idx must be
+non-decreasing along a row (as megatron's PackedSeqParams builds it). The norms (`rmsnorm_fn`, `RMSNormGated`) are
+per token and take neither.
 
 The scan is the SSD block decomposition of Mamba-2 (Dao & Gu 2024, "Transformers are SSMs", §6): within a chunk of
 Q tokens the output is a masked quadratic form, between chunks a recurrence over chunk-end states, so memory is

@@ -204,7 +204,14 @@ def sequence_sums(
 
     Returns:
         [S] sums, identical on every CP rank.
+    Raises:
+        ValueError: an id outside [0, S] (checked here: index_add would fail deep inside, or assert on a GPU).
     """
+    if seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids > num_sequences)).any()):
+        raise ValueError(
+            f"seq_ids must be in [0, S = {num_sequences}] (S: the dropped padding id); got ids "
+            f"{int(seq_ids.min())} .. {int(seq_ids.max())}"
+        )
     out = torch.zeros(num_sequences + 1, dtype=values.dtype, device=values.device)
     out = out.index_add(0, seq_ids, values)[:num_sequences].contiguous()
     if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
@@ -503,13 +510,16 @@ def update_reward_shift(
         the new δ (float); unchanged when reward_count == 0 (an empty step).
 
     Raises:
-        ValueError: momentum outside [0, 1), a negative count, or a non-finite statistic.
+        ValueError: momentum outside [0, 1) (NaN included), a non-finite shift, a negative count, or a non-finite
+            statistic.
 
     Source: NeMo-RL MPOLossFn.update_reward_shift: the δ of step t only uses rewards of steps
     < t; the MPO paper (arXiv 2411.10442) describes δ as a moving average of previous rewards.
     """
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"reward_shift_momentum = {momentum} must be in [0, 1)")
+    if not math.isfinite(float(shift)):
+        raise ValueError(f"reward_shift = {float(shift)} must be a finite number")
     total, count = float(reward_sum), float(reward_count)
     if count < 0 or not math.isfinite(total) or not math.isfinite(count):
         raise ValueError(f"invalid reward-shift statistics: reward_sum = {total}, reward_count = {count}")

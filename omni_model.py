@@ -417,8 +417,9 @@ class OmniModel(nn.Module):
             part in the MoE routers' statistics (pack.routing_padding_mask).
         segment_cu_seqlens_padded: int32 [3P+1] (optional): the shared-prompt layout (pack.PackedBatch); then the
             S = P sequences above are the pair spans and sample_mask is per response [2P].
-    T must be divisible by 2*CP (and by TP under sequence parallelism). Returns fp32/bf16 logits [T/CP(/...), V/TP]
-    in this CP rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
+    T must be divisible by 2*CP (and by TP under sequence parallelism). Returns logits [T/CP, V/TP] in the parameters'
+    dtype (fp32 or bf16; sequence parallelism gathers the sequence back before the output layer), the rows in this CP
+    rank's load-balanced order (see cp_partition_index): the logit at row i predicts the token after the
     position cp_partition_index(...)[i].
     Raises ValueError: `<image>` token count differs from the feature count (both counts in the message), an odd
     image grid, or pixel rows that do not match the grids; a shared-prompt batch under CP.

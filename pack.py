@@ -5,7 +5,7 @@ in the same bin, i.e. the same microbatch on the same data-parallel (DP) rank, s
 pair (reference behaviour: NeMo-RL's `pair_grouping_key="pair_index"` packing,
 nemo_rl/distributed/batched_data_dict.py::shard_by_batch_size).
 
-Three layers, cheapest first:
+Three layers, cheapest first, and the shared-prompt variant of packing (4):
 
 1. Planning (pure Python, no tensors): `plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, ...)`
    bins the pairs of one optimizer step first-fit-decreasing, makes the bin count a multiple of DP (splitting multi-pair
@@ -749,9 +749,10 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Ten
     """megatron-core `PackedSeqParams` of one packed THD row (self-attention: q and kv share cu_seqlens).
 
     Args: cu_seqlens / cu_seqlens_padded: [S+1] real / padded sequence boundaries (cast to int32). max_seqlen: the
-    longest padded sequence, in tokens. total_tokens is the full (un-CP-sliced) packed length T = cu_seqlens_padded[-1]:
-    megatron-core derives the Mamba `seq_idx` [1, T] from it (without it, sequences mix inside Mamba layers);
-    pad_between_seqs tells TE that padded and real boundaries differ.
+    longest padded sequence, in tokens.
+    Returns: PackedSeqParams (qkv_format "thd"). Its `total_tokens` field, derived here, is the full (un-CP-sliced)
+    packed length T = cu_seqlens_padded[-1]: megatron-core derives the Mamba `seq_idx` [1, T] from it (without it,
+    sequences mix inside Mamba layers); `pad_between_seqs` tells TE that padded and real boundaries differ.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -829,15 +830,17 @@ def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: i
     masks, position ids or embeddings (the sequence dim).
 
     Args:
-        cu_seqlens_padded: int [S+1] cumulative padded lengths (every length divisible by 2*CP).
+        cu_seqlens_padded: int [S+1] cumulative padded lengths, starting at 0 (every length divisible by 2*CP).
     Returns:
         LongTensor [T / CP] on cu_seqlens_padded's device.
     Raises:
-        ValueError: cp_rank out of range, or a padded length not divisible by 2*CP.
+        ValueError: cp_rank out of range, offsets that do not start at 0, or a padded length not divisible by 2*CP.
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank} not in [0, cp_size = {cp_size})")
     cu = cu_seqlens_padded.to(torch.int64)
+    if cu.numel() == 0 or int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens_padded must start at 0 (the row's first token); got {cu[:1].tolist()} first")
     lens = cu[1:] - cu[:-1]
     if bool((lens % (2 * cp_size)).any()):
         raise ValueError(f"padded sequence lengths {lens.tolist()} must all be divisible by 2*CP = {2 * cp_size}")

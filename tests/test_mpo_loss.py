@@ -25,6 +25,7 @@ from mpo_loss import (
     pair_layout,
     sequence_logprobs,
     sequence_logratios,
+    sequence_sums,
     token_logprobs,
     update_reward_shift,
 )
@@ -161,6 +162,14 @@ def test_update_reward_shift():
         update_reward_shift(1.0, -10.0, 4, 1.0)
     with pytest.raises(ValueError, match="reward-shift"):
         update_reward_shift(1.0, float("nan"), 4, 0.5)
+    for shift in (float("nan"), float("inf")):  # QA4a 12: NaN in gave NaN out
+        with pytest.raises(ValueError) as e:
+            update_reward_shift(shift, 1.0, 2, 0.5)
+        assert str(e.value) == f"reward_shift = {shift} must be a finite number"
+    for m in (float("nan"), float("inf")):
+        with pytest.raises(ValueError) as e:
+            update_reward_shift(1.0, 1.0, 2, m)
+        assert str(e.value) == f"reward_shift_momentum = {m} must be in [0, 1)"
 
 
 def test_loss_statistics_over_reordered_rows_match_seed_example():
@@ -473,6 +482,11 @@ def test_token_sequence_ids_and_sequence_logprobs():
     sums.sum().backward()
     assert sums.tolist() == [-3.0, -5.0] and n.tolist() == [2, 1]
     assert logprobs.grad.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    for bad in ([0, 3], [-1, 0]):  # QA4a 12: an id above S failed deep inside index_add (IndexError)
+        with pytest.raises(ValueError) as e:
+            sequence_sums(torch.ones(2), torch.tensor(bad), 2)
+        assert str(e.value) == (f"seq_ids must be in [0, S = 2] (S: the dropped padding id); got ids {min(bad)} .. "
+                                f"{max(bad)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

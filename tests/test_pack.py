@@ -411,6 +411,10 @@ def test_cp_errors():
         pack.cp_partition_index(torch.tensor([0, 8, 14], dtype=torch.int32), 2, 0)
     with pytest.raises(ValueError, match="cp_rank = 2"):
         pack.cp_partition_index(torch.tensor([0, 8], dtype=torch.int32), 2, 2)
+    for bad, first in ((torch.tensor([2, 6]), [2]), (torch.tensor([], dtype=torch.int32), [])):  # QA4a 12
+        with pytest.raises(ValueError) as e:
+            pack.cp_partition_index(bad, 1, 0)
+        assert str(e.value) == f"cu_seqlens_padded must start at 0 (the row's first token); got {first} first"
 
 
 def test_cp_on_a_packed_batch():
