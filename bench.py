@@ -72,9 +72,9 @@ ROOT = Path(__file__).resolve().parent
 TINY = ROOT / "assets" / "tiny-omni"
 SAMPLE_META = ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "meta.json"
 
-VALUE_TOL = 1e-5  # issue 9: log-probs, vision-once-per-pair logits and gradients
-LOSS_TOL = 1e-4  # issue 9: step-1 loss of ours vs the transformers baseline
-MEMORY_GOAL = 4.0  # issue 9: >= 4x less peak memory for the fused log-probs ...
+VALUE_TOL = 1e-5  # the benchmark's acceptance: log-probs, vision-once-per-pair logits and gradients
+LOSS_TOL = 1e-4  # step-1 loss of ours vs the transformers baseline
+MEMORY_GOAL = 4.0  # goal: >= 4x less peak memory for the fused log-probs ...
 TIME_GOAL = 1.3  # ... at <= 1.3x the time
 
 # The small Omni config of items 2 and 4: every layer kind (M Mamba-2, * attention, E MoE, - dense MLP).
@@ -547,10 +547,10 @@ def bench_train(quick: bool) -> dict:
 
 
 # ======================================================================================================================
-# 4b. Shared-prompt pair layout vs separate rows (issue 16)
+# 4b. Shared-prompt pair layout vs separate rows
 
 SHARED_BIN_TOKENS = 16384  # configs/nano.toml's packing.max_tokens_per_bin: the budget of the token count
-SHARED_GOAL = 1.4  # issue 16: >= 1.4x pairs/s on the MMPR-like mix (CPU)
+SHARED_GOAL = 1.4  # goal of the shared-prompt layout: >= 1.4x pairs/s on the MMPR-like mix (CPU)
 
 
 def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> dict:
@@ -722,7 +722,7 @@ def bench_data(quick: bool) -> dict:
 # 6. GPU
 
 
-# The GPU step of issue 12: Nano width at reduced depth (pattern MEM*EM), random weights.
+# The GPU step: Nano width at reduced depth (pattern MEM*EM), random weights.
 NANO_WIDTH_LLM = dict(hidden_size=2688, hybrid_override_pattern="MEM*EM", num_attention_heads=32,
                       num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128,
                       n_groups=8, chunk_size=128, intermediate_size=1856, moe_intermediate_size=1856,
@@ -819,7 +819,7 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
 
     ours_step = step_of(plan, ctx)
 
-    # The shared-prompt layout (packing.shared_prompt, issue 16) on the same pairs and bin budget, checked before
+    # The shared-prompt layout (packing.shared_prompt) on the same pairs and bin budget, checked before
     # any update (policy = reference: the closed-form loss) and timed after the separate-rows steps.
     cfg_shared = copy.deepcopy(cfg)
     cfg_shared.packing.shared_prompt = True
@@ -896,7 +896,7 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
     ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
     before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
-    over our separate-rows step (issue 16's GPU ratio).
+    over our separate-rows step (the shared-prompt layout's GPU ratio).
     Raises AssertionError when a step-1 loss is off.
     """
     import math

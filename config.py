@@ -36,7 +36,8 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The tree. Units are in the comments; names follow the seed (NeMo-RL MPO recipe) where it has one.
+# The tree. Units are in the comments; names follow NeMo-RL's MPO recipe config (its dpo / MPOLossConfig keys, e.g.
+# reference_policy_kl_penalty, bco_loss_weight) where it has one.
 
 
 @dataclass

@@ -177,7 +177,8 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
     v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
     # Views by torch.split, not slices: the backward of a split is one concatenation, where every slice's backward
-    # writes a zero-filled full-row gradient (O(pairs · T) per layer, the largest overhead in issue 16's profile).
+    # writes a zero-filled full-row gradient (O(pairs · T) per layer, the largest overhead in the shared-prompt
+    # layout's CPU profile).
     # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
     end = spans[-1][3] if spans else 0
     runs = [n for a, c0, r0, e in spans for n in (r0 - a, e - r0)] + [T - end]

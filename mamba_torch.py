@@ -26,7 +26,7 @@ O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurr
 Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
 The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
 
-Shared-prompt rows (issue 16; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
+Shared-prompt rows (`packing.shared_prompt`; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
 `mamba_split_conv1d_scan_shared_prompt` (built from `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt`)
 runs the rejected response from the prompt's SSM state and conv window, equal to running [prompt | chosen] and
 [prompt | rejected] as separate sequences. It wraps a packed conv and a packed scan (these torch ones, or the GPU
@@ -569,8 +569,8 @@ def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shared-prompt pairs (issue 16): one packed row holds [prompt | chosen | rejected] per pair; the chosen sequence is
-# prompt + chosen, the rejected sequence prompt + rejected (the rejected tokens never see the chosen ones).
+# Shared-prompt pairs (`packing.shared_prompt`): one packed row holds [prompt | chosen | rejected] per pair; the chosen
+# sequence is prompt + chosen, the rejected sequence prompt + rejected (the rejected tokens never see the chosen ones).
 #
 # Mamba-2 is linear in its state, so the rejected segment's outputs split exactly into (a) a scan that starts the
 # rejected segment from a zero state and (b) the prompt's final state h_P carried into it:
@@ -721,7 +721,7 @@ def mamba_chunk_scan_shared_prompt(
     Af = A.to(cdt)
     # Per pair, on its own segments (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group]. The
     # segments are torch.split views, whose backward is one concatenation per tensor, not a zero-filled full-row
-    # gradient per slice (O(pairs · seqlen) per layer, issue 16's profile).
+    # gradient per slice (O(pairs · seqlen) per layer, in the shared-prompt layout's CPU profile).
     end = spans[-1][3] if spans else 0
     segs = [n for a, c0, r0, e in spans for n in (c0 - a, r0 - c0, e - r0)] + [seqlen - end]
     xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))

@@ -981,6 +981,6 @@ class StepLoader:
             yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
 
 
-if __name__ == "__main__":  # the data report lives in mmpr_index.py since the split (issue 15)
+if __name__ == "__main__":  # the data report lives in mmpr_index.py (python mmpr_index.py)
     raise SystemExit("mmpr_data.py has no command line; the data report is: "
                      "python mmpr_index.py META_JSON --model MODEL_DIR")

@@ -30,9 +30,10 @@ The pipeline for one packed microbatch (THD: one row of T tokens holding S seque
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
-Shared-prompt layout (`pack.pack_shared`, issue 16: each pair one THD span [prompt | chosen | rejected]): only the
-token -> sequence map changes. Use `pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T)` (chosen segment of
-pair i -> 2i, rejected -> 2i+1, prompt tokens -> dropped) in place of `token_sequence_ids`, and S = batch.num_responses
+Shared-prompt layout (`pack.pack_shared`, `packing.shared_prompt`: each pair one THD span [prompt | chosen |
+rejected]): only the token -> sequence map changes. Use `pack.response_sequence_ids(batch.segment_cu_seqlens_padded,
+T)` (chosen segment of pair i -> 2i, rejected -> 2i+1, prompt tokens -> dropped) in place of `token_sequence_ids`
+(both: `PackedBatch.loss_seq_ids()`), and S = batch.num_responses
 (2P) in place of batch.num_sequences (P spans there). pair_index, is_chosen and sample_mask are per response as in the
 separate layout, so `count_valid_pairs`, `mpo_loss`, δ and the metrics take them unchanged; the per-response sums
 equal the separate rows' (tests/test_shared_prompt.py).
@@ -274,8 +275,8 @@ def packed_sequence_logprobs(
 def sequence_logratios(
     policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, num_response_tokens: torch.Tensor, average: bool
 ) -> torch.Tensor:
-    """L_y = Σ_t (log πθ − log π_ref) per sequence, ÷ max(1, response tokens) when `average` (the seed's rule, so a
-    row with no response token gives 0, never NaN). Shapes [S] → [S]."""
+    """L_y = Σ_t (log πθ − log π_ref) per sequence, ÷ max(1, response tokens) when `average` (NeMo-RL's MPOLossFn
+    rule, so a row with no response token gives 0, never NaN). Shapes [S] → [S]."""
     ratio = policy_logprobs - ref_logprobs
     if average:
         ratio = ratio / num_response_tokens.clamp_min(1).to(ratio.dtype)

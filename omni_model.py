@@ -323,7 +323,7 @@ def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
 
 def shared_prompt_te_attention(base: type) -> type:
     """A subclass of `base` (megatron-core's TEDotProductAttention, itself a transformer_engine.pytorch
-    DotProductAttention) that also runs the shared-prompt layout (pack.pack_shared; issue 16).
+    DotProductAttention) that also runs the shared-prompt layout (pack.pack_shared; `packing.shared_prompt`).
 
     While cpu_compat.SHARED_PROMPT_SEGMENTS is set (OmniModel.forward, language model only) a THD forward becomes ONE
     variable-length Transformer Engine call of local_spec.shared_prompt_varlen_attention: queries in row order, the

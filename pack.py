@@ -18,7 +18,7 @@ Three layers, cheapest first, and the shared-prompt variant of packing (4):
 3. Context parallelism: `cp_partition_index(cu_seqlens_padded, cp_size, cp_rank)` gives the token positions a CP rank
    keeps (TE's `thd_get_partitioned_indices` layout); `cp_gather` inverts it (the tests' oracle).
 
-4. Shared-prompt layout (issue 16, `packing.shared_prompt`): `pack_shared` stores each pair as one THD span
+4. Shared-prompt layout (`packing.shared_prompt`): `pack_shared` stores each pair as one THD span
    [prompt | chosen | rejected] (the prompt and its images once; `PackedBatch.segment_cu_seqlens_padded` marks the
    segments); `plan_bins(..., shared_lengths=...)` sizes such spans; `response_sequence_ids` maps tokens to the loss's
    chosen/rejected sequences; the attention of that layout is local_spec.shared_prompt_attention (SDPA, two calls
@@ -867,7 +867,7 @@ def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, d
 
 
 # ======================================================================================================================
-# Shared-prompt layout: [prompt | chosen | rejected] per pair, the prompt stored and computed once (issue 16)
+# Shared-prompt layout: [prompt | chosen | rejected] per pair, the prompt stored and computed once
 
 
 def shared_prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
