@@ -804,7 +804,8 @@ class PairDataset(torch.utils.data.Dataset):
             try:
                 pil = [load_image(p) for p in row.images]
             except _Drop as d:
-                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built") from None
+                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built: delete "
+                                f"{ix.cache_dir or 'the cache'} and restart") from None
             media = self.processor.image_processor(images=pil, return_tensors="pt")
             pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
             reps = [self.processor.replace_image_token(media, j) for j in range(len(pil))]
@@ -848,14 +849,15 @@ class PairSampler:
     the next, and the step is planned and trained by pair id (one pair, one pair_index). Such a repeat is deferred: it
     opens the next step instead (still once per epoch pass, one step late), so every step trains n distinct pairs.
     `state_dict()` = {epoch, offset (pairs of the epoch already taken), deferred (pair ids waiting for the next step),
-    num_pairs, seed, shuffle}; `load_state_dict` continues from there.
+    num_pairs, seed, shuffle, fingerprint}; `load_state_dict` continues from there. `fingerprint` identifies the data
+    the pair ids point into (the PairIndex's fingerprint, mmpr_index.index_fingerprint; "" = not known).
     """
 
-    def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True):
+    def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True, fingerprint: str = ""):
         if not len(pair_ids):
             raise DataError("PairSampler: no pairs to sample from")
         self.pair_ids = list(pair_ids)
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.fingerprint = seed, shuffle, fingerprint
         self.epoch, self.offset = 0, 0
         self.deferred: list[int] = []
         self._order_epoch, self._order = -1, []
@@ -898,20 +900,53 @@ class PairSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "deferred": list(self.deferred),
-                "num_pairs": len(self.pair_ids), "seed": self.seed, "shuffle": self.shuffle}
+                "num_pairs": len(self.pair_ids), "seed": self.seed, "shuffle": self.shuffle,
+                "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position. Raises DataError if the data or seed differ from the saved run's."""
+    def load_state_dict(self, state: dict) -> str | None:
+        """Continue from a saved position.
+
+        Returns a note (for a `resume:` line) when the data changed but kept its pair count: both fingerprints known
+        and different. The position still applies to the same number of pairs, so the run continues; a state saved
+        without a fingerprint (older checkpoints) gives no note. Otherwise None.
+
+        Raises:
+            DataError: the pair count, seed or shuffle differ from the saved run's (the position does not apply).
+        """
         for k, mine in (("num_pairs", len(self.pair_ids)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if state[k] != mine:
                 raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the data or "
                                 "data.train.seed changed, so the saved position does not apply")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.deferred = [int(p) for p in state.get("deferred", [])]
+        saved = state.get("fingerprint") or ""
+        if saved and self.fingerprint and saved != self.fingerprint:
+            return (f"index fingerprint {saved[:12]} -> {self.fingerprint[:12]}: the meta-recipe, an annotation "
+                    f"file (size or mtime), an image folder, the processor or a data setting differs; the same "
+                    f"{len(self.pair_ids)} pairs, so the run continues from the saved position")
+        return None
 
 
-def _collate_pairs(pairs: list[PreferencePair]) -> list[PreferencePair]:
+def _collate_pairs(pairs: list[PreferencePair | DataError]) -> list[PreferencePair | DataError]:
     return pairs
+
+
+class _ReturnDataErrors(torch.utils.data.Dataset):
+    """`dataset[i]`, or the DataError it raised, returned as the item: StepLoader raises it in the training process
+    with its own one-line message (file:line: reason). Raised inside a DataLoader worker, torch would re-raise it as
+    "Caught DataError in DataLoader worker process 0." with the worker's traceback in the message."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> PreferencePair | DataError:
+        try:
+            return self.dataset[i]
+        except DataError as e:
+            return e
 
 
 class _BatchIds:
@@ -973,10 +1008,16 @@ class StepLoader:
                 yield load
 
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs, num_workers=self.num_workers,
-            worker_init_fn=_ignore_sigint,
+            _ReturnDataErrors(self.dataset), batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs,
+            num_workers=self.num_workers, worker_init_fn=_ignore_sigint,
         )
-        for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
+        batches = iter(loader)
+        while True:  # endless; batches come back in order, so they match `pending` first-in first-out
+            pairs = next(batches)
+            error = next((p for p in pairs if isinstance(p, DataError)), None)
+            if error is not None:
+                del batches  # stop the workers now (the iterator's last reference), not while the process exits
+                raise DataError(str(error)) from None
             ids, plan, state = pending.popleft()
             yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
 

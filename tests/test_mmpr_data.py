@@ -953,6 +953,50 @@ def test_step_loader_with_workers_and_packer(sample, processor):
     assert resumed.take(6) == steps[2].pair_ids
 
 
+def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, processor):
+    """QA 4b.4: a DataError raised in a DataLoader worker (data.num_workers >= 1) reached train.py as torch's
+    "Caught DataError in DataLoader worker process 0." plus the worker's traceback; the training process now raises
+    the worker's own one-line message (file:line: reason)."""
+    buf = io.BytesIO()
+    rgb(64, 64).save(buf, format="PNG")
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": buf.getvalue()})
+    index = mi.build_index(meta, processor, data_cfg(strict=True))  # every row good at build time
+    image = tmp_path / "MMPR-t" / "images" / "b.png"
+    image.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])  # the image changes after the index was built
+    ds = md.PairDataset(index, processor)
+    sampler = md.PairSampler([0, 1], seed=0, shuffle=False)
+    loader = md.StepLoader(ds, sampler, global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
+    with pytest.raises(md.DataError) as e:
+        next(iter(loader))
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert str(e.value) == (
+        f"{annotation}:2: image_truncated: {image}: image file is truncated; the image changed "
+        f"since the index was built: delete {index.cache_dir} and restart"
+    )
+
+
+def test_sampler_state_notes_changed_data_with_the_same_pair_count():
+    """QA 4b.6: the sampler state carries the index fingerprint; a resume over data with the same pair count but
+    another fingerprint returns the note train.resume prints; no note for the same data or an older state without a
+    fingerprint; another pair count is still refused."""
+    a = md.PairSampler(list(range(10)), seed=1, fingerprint="a" * 64)
+    a.take(4)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["fingerprint"] == "a" * 64
+    assert md.PairSampler(list(range(10)), seed=1, fingerprint="a" * 64).load_state_dict(state) is None
+    changed = md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64)
+    assert changed.load_state_dict(state) == (
+        "index fingerprint aaaaaaaaaaaa -> bbbbbbbbbbbb: the meta-recipe, an annotation file (size or mtime), an "
+        "image folder, the processor or a data setting differs; the same 10 pairs, so the run continues from the "
+        "saved position"
+    )
+    assert changed.take(3) == a.take(3)  # the position still applies
+    old = {k: v for k, v in state.items() if k != "fingerprint"}  # a checkpoint written before the field existed
+    assert md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64).load_state_dict(old) is None
+    with pytest.raises(md.DataError, match="^sampler state has num_pairs = 10 but this run has 9: "):
+        md.PairSampler(list(range(9)), seed=1, fingerprint="b" * 64).load_state_dict(state)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # report and CLI
 
