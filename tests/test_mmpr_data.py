@@ -877,7 +877,8 @@ def test_sampler_order_and_resume():
     first = a.take(7)
     assert first == b.take(7)
     state = a.state_dict()
-    assert state == {"epoch": 0, "offset": 7, "deferred": [], "num_pairs": 10, "seed": 3, "shuffle": True}
+    assert state == {"epoch": 0, "offset": 7, "deferred": [], "num_pairs": 10, "seed": 3, "shuffle": True,
+                     "fingerprint": ""}
     cont = a.take(8)  # crosses into epoch 1, whose order starts [104, 101, 102, 108, 105, ...]
     assert sorted(first + cont[:3]) == ids  # epoch 0 is a permutation
     # 108 and 105 ended epoch 0 in this step: their epoch-1 draws are deferred to the next step, never repeated here
