@@ -998,6 +998,28 @@ def test_sampler_state_notes_changed_data_with_the_same_pair_count():
         md.PairSampler(list(range(9)), seed=1, fingerprint="b" * 64).load_state_dict(state)
 
 
+def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(tmp_path, processor, monkeypatch):
+    """QA 4b.8: the other ranks waited for rank 0's index build on the default group, whose NCCL timeout (10 min) is
+    far shorter than a build over a full MMPR release; the wait is now on a gloo group with INDEX_BUILD_TIMEOUT (as
+    rank 1 sees it here, torch.distributed replaced by recorders)."""
+    import datetime
+
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    dist, calls, group = torch.distributed, [], object()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or group)
+    monkeypatch.setattr(dist, "broadcast_object_list",
+                        lambda msg, src, group=None: calls.append(("broadcast", msg, src, group)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda g=None: calls.append(("destroy", g)))
+    index = mi.build_index(meta, processor, data_cfg())
+    assert mi.INDEX_BUILD_TIMEOUT == datetime.timedelta(hours=24)
+    assert calls == [("new_group", {"backend": "gloo", "timeout": datetime.timedelta(hours=24)}),
+                     ("broadcast", [None], 0, group), ("destroy", group)]  # fmt: skip
+    assert len(index) == 2
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # report and CLI
 
