@@ -317,6 +317,78 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
         assert str(e.value) == message
 
 
+def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    """QA 4b.9: a meta-recipe (or an annotation file given as one) with bytes that are not UTF-8 raised
+    UnicodeDecodeError as a traceback on every rank."""
+    nonutf = tmp_path / "nonutf.json"
+    nonutf.write_bytes(b"\xff\xfe{}")  # a UTF-16 byte-order mark (Windows) before the text
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(nonutf)
+    assert str(e.value) == (f"{nonutf}: not UTF-8 text (byte 0xff at offset 0); a meta-recipe is a UTF-8 JSON file "
+                            "(one saved as UTF-16, e.g. by a Windows editor, must be converted)")
+    jsonl = tmp_path / "rows.jsonl"  # an annotation file with one row that is not UTF-8, given as the meta
+    jsonl.write_bytes(json.dumps(row(0)).encode() + b"\n" + json.dumps(row(1)).encode()[:-2] + b"\xe9\"}\n")
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(jsonl)
+    assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but what "
+                            "looks like an annotation file (JSON Lines, one preference row per line); pass the "
+                            "meta-recipe that names it")
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()})
+    meta.write_bytes(b"\xef\xbb\xbf" + meta.read_bytes())  # a UTF-8 byte-order mark is tolerated
+    assert [s.name for s in md.read_meta(meta)] == ["sub"]
+
+
+def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
+    """QA 4b.11: keys with typos were ignored silently and a repeated subset name kept only the last subset."""
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()},
+                     spec={"repeat_times": 2, "lenght": 3, "max_dynamic_patch": 6, "color": "red"})
+    with md.data_warnings([]) as notes:
+        md.read_meta(meta)
+        md.read_meta(SAMPLE_META)  # the shipped sample: InternVL's keys only, nothing said
+    assert notes == [f"{meta}: subset 'sub': unknown keys ignored: 'repeat_times' (did you mean 'repeat_time'?), "
+                     "'lenght' (did you mean 'length'?), 'color'"]
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"a": {"annotation": "x.jsonl"}, "b": {"annotation": "y.jsonl"}, "a": {"annotation": "z.jsonl"}}')
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(dup)
+    assert str(e.value) == (f"{dup}: subset 'a' appears more than once (JSON keeps only the last); give each subset "
+                            "its own name")
+    dup.write_text('{"a": {"annotation": "x.jsonl", "root": null, "annotation": "y.jsonl"}}')
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(dup)
+    assert str(e.value) == f"{dup}: key 'annotation' appears more than once in one object (JSON keeps only the last)"
+
+
+def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
+    """QA 4b.11: an image path or an annotation path naming a directory was reported as not existing."""
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(meta)
+    assert str(e.value) == f"{meta}: file 'MMPR-t/images': {tmp_path / 'MMPR-t' / 'images'} is a directory, not a file"
+    with pytest.raises(md._Drop) as e:
+        md.load_image(tmp_path)
+    assert (e.value.reason, e.value.detail) == ("image_missing", f"{tmp_path} is a directory")
+    with pytest.raises(md._Drop) as e:
+        md.load_image(tmp_path / "nope.png")
+    assert e.value.detail == f"{tmp_path / 'nope.png'} does not exist"
+
+
+def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(processor, monkeypatch):
+    """QA 4b.11: transformers' "Token indices sequence length is longer than the specified maximum sequence length"
+    reached the console for any row over the tokenizer's model_max_length; the row is checked against
+    data.max_seq_length by the index, so the tokenizer is called without its warning."""
+    import transformers.tokenization_utils_base as tub
+
+    said = []
+    monkeypatch.setattr(tub.logger, "warning", lambda msg, *args, **kwargs: said.append(msg))
+    monkeypatch.setattr(processor.tokenizer, "model_max_length", 8)
+    monkeypatch.setattr(processor.tokenizer, "deprecation_warnings", {})
+    assert len(md.TextRenderer(processor).encode("word " * 50)) > 8
+    assert said == []
+    processor.tokenizer("word " * 50, add_special_tokens=False)  # the control: the plain call warns
+    assert len(said) == 1 and said[0].startswith("Token indices sequence length is longer than the specified maximum")
+
+
 def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, processor):
     rows = [row(0, q="<image> and <image>?"), row(1, image=["a.png", "a.png"], q="<image> only"),
             row(2, image=["a.png"] * 3, q="Three?"), row(3)]
