@@ -11,7 +11,9 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
     padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
     frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
 The readme run is also the golden trace: every metric of every step against main's recorded numbers (1e-6).
-Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
+Unit tests (schedule, metric reduction, metrics.jsonl truncation, W&B mode and failure, the data-changed resume line)
+run in-process; a failed wandb.init on 2 ranks (tests/dist/check_wandb_failure.py) and a finished run's "nothing to
+do" (`python train.py`, no model built) are short launches of their own.
 """
 
 from __future__ import annotations
