@@ -174,7 +174,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    wandb: Literal["online", "offline", "disabled"] = "disabled"  # Weights & Biases mode
+    wandb: Literal["online", "offline", "disabled"] = "disabled"  # Weights & Biases mode unless WANDB_MODE is set
     wandb_project: str = "vlm-mpo"  # W&B project unless WANDB_PROJECT is set
     log_period: int = 1  # print a line every N steps
 
@@ -304,8 +304,26 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         _apply(cfg, data, "", str(path))
     for o in overrides:
         apply_override(cfg, o)
+    apply_wandb_mode_env(cfg)
     validate(cfg)
     return cfg
+
+
+def apply_wandb_mode_env(cfg: Config) -> None:
+    """WANDB_MODE in the environment (online / offline / disabled), when set, overrides logging.wandb, as
+    WANDB_PROJECT overrides logging.wandb_project: a job script or a shell profile decides for the machine (e.g.
+    WANDB_MODE=offline on compute nodes without internet). The resolved config holds the mode used.
+
+    Raises:
+        ConfigError: WANDB_MODE holds another value.
+    """
+    mode = os.environ.get("WANDB_MODE", "").strip()
+    if not mode:
+        return
+    if mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"WANDB_MODE = {mode!r} (it overrides logging.wandb): choose one of online, offline, "
+                          "disabled, or unset it")
+    cfg.logging.wandb = mode
 
 
 def validate(cfg: Config) -> None:

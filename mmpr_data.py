@@ -10,7 +10,8 @@ which imports this module):
 
 - `read_meta` and `apply_repeat_time`: the meta-recipe's subsets and InternVL's repeat rule.
 - `checked_rows`: every row of an annotation file checked (text, images, rendered template, lengths; a failed check is
-  a drop named by one of `DROP_REASONS`), in worker processes or in-process; mmpr_index.build_index keeps the valid
+  a drop named by one of `DROP_REASONS`; blank lines are not rows: skipped, not counted, line numbers stay the
+  file's), in worker processes or in-process; mmpr_index.build_index keeps the valid
   ones in a `PairIndex` (per pair: source file / line / offset, image paths and grids, token lengths).
 - `PairDataset(index, processor)[pair_id] -> pack.PreferencePair`: re-reads that row, decodes its images once (EXIF
   orientation, RGB), runs the image processor and tokenises both rows; the lengths are checked against the index.
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -174,7 +176,8 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
     `MMPR-v1.2/images/...`), then the meta file's own folder; the first that exists wins.
 
     Raises:
-        DataError: no candidate exists; the message lists every path tried.
+        DataError: no candidate exists (the message lists every path tried), or the first that exists is a directory
+            where a file is wanted (or the reverse).
     """
     p = Path(path).expanduser()
     meta = Path(meta_path).resolve()
@@ -188,6 +191,10 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
         if (c.is_dir() if want_dir else c.is_file()):
             return c
     kind = "folder" if want_dir else "file"
+    wrong = next((c for c in candidates if c.exists()), None)
+    if wrong is not None:
+        what = "a file, not a folder" if want_dir else "a directory, not a file"
+        raise DataError(f"{meta}: {kind} {path!r}: {wrong} is {what}")
     tried = "\n  ".join(str(c) for c in candidates)
     raise DataError(f"{meta}: {kind} {path!r} not found; tried:\n  {tried}\n(set data.train.data_root to its base)")
 
@@ -203,31 +210,54 @@ def _is_row(value: Any) -> bool:
         k in value for k in ("rejected", "rejected_response"))
 
 
+# Keys a meta-recipe subset may hold: the ones read here (annotation, root, repeat_time, length, data_augment) and
+# the other keys InternVL's dataset builders read (internvl_chat_finetune.py and its MPO / KTO variants), which have
+# no effect here (the Omni processor decides the image tiling). Any other key warns (a typo such as repeat_times).
+META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
+             "dynamic_image_size", "max_num_image", "min_num_image", "is_chinese", "sampling_method")
+
+
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`).
 
     Required key per subset: `annotation`. `root` may be null or missing, as InternVL allows for text-only subsets:
     rows with relative image paths are then dropped (no_image_root). `repeat_time` (float >= 0, default 1) is
-    honoured; `length` is compared with the rows read later; `data_augment: true` warns (not supported); other keys
-    are ignored.
+    honoured; `length` is compared with the rows read later; `data_augment: true` warns (not supported); InternVL's
+    other keys (META_KEYS) are ignored; any other key warns once per subset (DataWarning), naming the closest known
+    key.
 
     Raises:
-        DataError: an empty path; an annotation (JSON Lines) file given instead of a meta-recipe; invalid JSON (with
-            file, line and column), a missing annotation, a root that is neither a string nor null, a bad repeat_time,
-            a path not found.
+        DataError: an empty path; an annotation (JSON Lines) file given instead of a meta-recipe; a file that is not
+            UTF-8 text; invalid JSON (with file, line and column); a subset name (or a key of one subset) given twice;
+            a missing annotation, a root that is neither a string nor null, a bad repeat_time, a path not found.
     """
     if not str(meta_path).strip():
         raise DataError("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
                         "{subset: {root, annotation, ...}}")
     meta_path = Path(meta_path)
     try:
-        text = meta_path.read_text()
+        raw = meta_path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read the meta-recipe {meta_path}: {e}") from None
     not_meta = (f"{meta_path}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but what looks like "
                 "an annotation file (JSON Lines, one preference row per line); pass the meta-recipe that names it")
     try:
-        meta = json.loads(text)
+        text = raw.decode("utf-8-sig")  # JSON is UTF-8 (RFC 8259); a byte-order mark is tolerated
+    except UnicodeDecodeError as e:
+        if _is_row(raw.partition(b"\n")[0].decode("utf-8", errors="replace")):  # a JSONL with a non-UTF-8 row
+            raise DataError(not_meta) from None
+        raise DataError(f"{meta_path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); a meta-recipe "
+                        "is a UTF-8 JSON file (one saved as UTF-16, e.g. by a Windows editor, must be converted)"
+                        ) from None
+    duplicates: list[list[str]] = []  # per JSON object, innermost first: the top-level object's comes last
+
+    def keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        seen: set[str] = set()
+        duplicates.append([k for k, _ in pairs if k in seen or seen.add(k)])
+        return dict(pairs)
+
+    try:
+        meta = json.loads(text, object_pairs_hook=keep_duplicates)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data" and _is_row(text.partition("\n")[0]):
             raise DataError(not_meta) from None
@@ -236,10 +266,22 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         raise DataError(not_meta)
     if not isinstance(meta, dict) or not meta:
         raise DataError(f"{meta_path}: expected a non-empty JSON object {{subset: {{root, annotation, ...}}}}")
+    if duplicates[-1]:  # json keeps the last of equal keys: a subset would vanish without a word
+        raise DataError(f"{meta_path}: subset {duplicates[-1][0]!r} appears more than once (JSON keeps only the "
+                        "last); give each subset its own name")
+    nested = [k for d in duplicates[:-1] for k in d]
+    if nested:
+        raise DataError(f"{meta_path}: key {nested[0]!r} appears more than once in one object (JSON keeps only the "
+                        "last)")
     subsets = []
     for name, spec in meta.items():
         if not isinstance(spec, dict):
             raise DataError(f"{meta_path}: subset {name!r} must be an object, got {type(spec).__name__}")
+        unknown = [k for k in spec if k not in META_KEYS]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, META_KEYS, n=1) for k in unknown}
+            listed = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+            warnings.warn(f"{meta_path}: subset {name!r}: unknown keys ignored: {listed}", DataWarning, stacklevel=2)
         if not isinstance(spec.get("annotation"), str):
             raise DataError(f"{meta_path}: subset {name!r} has no 'annotation' string (required: annotation)")
         if not isinstance(spec.get("root"), (str, type(None))):
@@ -291,7 +333,7 @@ def load_image(path: str | Path):
 
     path = Path(path)
     if not path.is_file():
-        raise _Drop("image_missing", f"{path} does not exist")
+        raise _Drop("image_missing", f"{path} is a directory" if path.is_dir() else f"{path} does not exist")
     try:
         with Image.open(path) as im:
             im.load()
@@ -551,7 +593,9 @@ class TextRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS: the Omni processor tokenises with add_special_tokens=False)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # verbose=False: no "Token indices sequence length is longer than the specified maximum sequence length"
+        # warning from transformers (model_max_length); a row's length is checked against data.max_seq_length here
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def response_ids(self, response: str) -> tuple[list[int], list[bool]]:
         """Token ids of a rendered response and its loss mask: True up to and including the last <|im_end|>."""
@@ -804,7 +848,8 @@ class PairDataset(torch.utils.data.Dataset):
             try:
                 pil = [load_image(p) for p in row.images]
             except _Drop as d:
-                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built") from None
+                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built: delete "
+                                f"{ix.cache_dir or 'the cache'} and restart") from None
             media = self.processor.image_processor(images=pil, return_tensors="pt")
             pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
             reps = [self.processor.replace_image_token(media, j) for j in range(len(pil))]
@@ -848,14 +893,15 @@ class PairSampler:
     the next, and the step is planned and trained by pair id (one pair, one pair_index). Such a repeat is deferred: it
     opens the next step instead (still once per epoch pass, one step late), so every step trains n distinct pairs.
     `state_dict()` = {epoch, offset (pairs of the epoch already taken), deferred (pair ids waiting for the next step),
-    num_pairs, seed, shuffle}; `load_state_dict` continues from there.
+    num_pairs, seed, shuffle, fingerprint}; `load_state_dict` continues from there. `fingerprint` identifies the data
+    the pair ids point into (the PairIndex's fingerprint, mmpr_index.index_fingerprint; "" = not known).
     """
 
-    def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True):
+    def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True, fingerprint: str = ""):
         if not len(pair_ids):
             raise DataError("PairSampler: no pairs to sample from")
         self.pair_ids = list(pair_ids)
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.fingerprint = seed, shuffle, fingerprint
         self.epoch, self.offset = 0, 0
         self.deferred: list[int] = []
         self._order_epoch, self._order = -1, []
@@ -898,20 +944,53 @@ class PairSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "deferred": list(self.deferred),
-                "num_pairs": len(self.pair_ids), "seed": self.seed, "shuffle": self.shuffle}
+                "num_pairs": len(self.pair_ids), "seed": self.seed, "shuffle": self.shuffle,
+                "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position. Raises DataError if the data or seed differ from the saved run's."""
+    def load_state_dict(self, state: dict) -> str | None:
+        """Continue from a saved position.
+
+        Returns a note (for a `resume:` line) when the data changed but kept its pair count: both fingerprints known
+        and different. The position still applies to the same number of pairs, so the run continues; a state saved
+        without a fingerprint (older checkpoints) gives no note. Otherwise None.
+
+        Raises:
+            DataError: the pair count, seed or shuffle differ from the saved run's (the position does not apply).
+        """
         for k, mine in (("num_pairs", len(self.pair_ids)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if state[k] != mine:
                 raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the data or "
                                 "data.train.seed changed, so the saved position does not apply")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.deferred = [int(p) for p in state.get("deferred", [])]
+        saved = state.get("fingerprint") or ""
+        if saved and self.fingerprint and saved != self.fingerprint:
+            return (f"index fingerprint {saved[:12]} -> {self.fingerprint[:12]}: the meta-recipe, an annotation "
+                    f"file (size or mtime), an image folder, the processor or a data setting differs; the same "
+                    f"{len(self.pair_ids)} pairs, so the run continues from the saved position")
+        return None
 
 
-def _collate_pairs(pairs: list[PreferencePair]) -> list[PreferencePair]:
+def _collate_pairs(pairs: list[PreferencePair | DataError]) -> list[PreferencePair | DataError]:
     return pairs
+
+
+class _ReturnDataErrors(torch.utils.data.Dataset):
+    """`dataset[i]`, or the DataError it raised, returned as the item: StepLoader raises it in the training process
+    with its own one-line message (file:line: reason). Raised inside a DataLoader worker, torch would re-raise it as
+    "Caught DataError in DataLoader worker process 0." with the worker's traceback in the message."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> PreferencePair | DataError:
+        try:
+            return self.dataset[i]
+        except DataError as e:
+            return e
 
 
 class _BatchIds:
@@ -973,10 +1052,16 @@ class StepLoader:
                 yield load
 
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs, num_workers=self.num_workers,
-            worker_init_fn=_ignore_sigint,
+            _ReturnDataErrors(self.dataset), batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs,
+            num_workers=self.num_workers, worker_init_fn=_ignore_sigint,
         )
-        for pairs in loader:  # batches come back in order, so they match `pending` first-in first-out
+        batches = iter(loader)
+        while True:  # endless; batches come back in order, so they match `pending` first-in first-out
+            pairs = next(batches)
+            error = next((p for p in pairs if isinstance(p, DataError)), None)
+            if error is not None:
+                del batches  # stop the workers now (the iterator's last reference), not while the process exits
+                raise DataError(str(error)) from None
             ids, plan, state = pending.popleft()
             yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
 

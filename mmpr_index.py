@@ -40,6 +40,7 @@ import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,10 @@ logger = logging.getLogger("omni_mpo.mmpr_index")
 
 CACHE_VERSION = 3  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
+# How long the other ranks wait for rank 0's index build (build_index). The default process group's timeout (NCCL's
+# 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);
+# a failed build does not make them wait this long: rank 0 broadcasts its error.
+INDEX_BUILD_TIMEOUT = timedelta(hours=24)
 
 # ======================================================================================================================
 # Fingerprint and cache folder
@@ -307,8 +312,9 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
             random sample. Default data.train.max_samples; 0 = all.
         use_cache: read / write the cache (see `_cache_root`).
 
-    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait, then read
-    it (or build it themselves when the cache folder is not shared with rank 0).
+    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait (on a gloo
+    group with INDEX_BUILD_TIMEOUT, 24 h), then read it (or build it themselves when the cache folder is not shared
+    with rank 0). On a full MMPR release build the index first with `python mmpr_index.py` (README, Data).
 
     Raises:
         DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
@@ -324,21 +330,24 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
     dist = torch.distributed
     if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build
+        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build. The
+        # wait is on a gloo group of its own with INDEX_BUILD_TIMEOUT: the default group's timeout is far shorter.
+        wait = dist.new_group(backend="gloo", timeout=INDEX_BUILD_TIMEOUT)
         msg: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
                 index = _load_or_build(*args, write=True)
             except Exception as e:
                 msg[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(msg, src=0)
+                dist.broadcast_object_list(msg, src=0, group=wait)
                 raise
-            dist.broadcast_object_list(msg, src=0)
+            dist.broadcast_object_list(msg, src=0, group=wait)
         else:
-            dist.broadcast_object_list(msg, src=0)
+            dist.broadcast_object_list(msg, src=0, group=wait)
             if msg[0] is not None:
                 raise DataError(f"rank 0 failed to build the MMPR index: {msg[0]}")
             index = _load_or_build(*args, write=False)
+        dist.destroy_process_group(wait)
     else:
         index = _load_or_build(*args, write=True)
     if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import config as config_mod
 import mmpr_index
 import mpo_loss
@@ -73,6 +74,24 @@ def report_error(e: Exception) -> str:
 def global_rank() -> int:
     """torchrun's RANK (0 outside torchrun): usable before and after the process group exists."""
     return int(os.environ.get("RANK", "0"))
+
+
+def saved_progress(resume_from) -> tuple[int, str | None]:
+    """(step, W&B run id) of the checkpoint `resume_from` (a step_<N> directory, or None: (0, None)), read from its
+    run_state.json before anything heavy is built (the metrics log and W&B start from them); checkpoint.load reads the
+    whole run state later.
+
+    Raises:
+        checkpoint.CheckpointError: run_state.json cannot be read.
+    """
+    if resume_from is None:
+        return 0, None
+    path = Path(resume_from) / checkpoint.RUN_STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        return int(state["step"]), state.get("wandb_run_id")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise checkpoint.CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
 
 
 RESOLVED_CONFIG_FILE = "config.json"
@@ -193,6 +212,16 @@ def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
     return None if peak is None else 8.0 * n_active * tokens / (seconds * world * peak)
 
 
+def wandb_failed(cfg, e: Exception) -> str:
+    """The one-line message for a wandb.init that failed (`e`, a wandb.errors.Error): what failed and the remedy."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return (
+        f"logging.wandb = {cfg.logging.wandb!r}: wandb.init failed ({type(e).__name__}: {first}); on a machine "
+        f"without access to W&B use logging.wandb=offline (or WANDB_MODE=offline), then upload the run later with "
+        f"`wandb sync {Path(cfg.checkpoint.dir) / 'wandb'}/offline-run-*`"
+    )
+
+
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
 
@@ -200,16 +229,41 @@ class MetricsLog:
     `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
     before saving); both print a `metrics:` line.
 
-    W&B: mode `logging.wandb` (online / offline / disabled), project WANDB_PROJECT else `logging.wandb_project`,
-    WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in the checkpoint and reused with resume="allow" so the
-    segments of a chained run continue one curve. WANDB_API_KEY is read by wandb itself, never printed or written.
+    W&B: mode `logging.wandb` (online / offline / disabled; WANDB_MODE overrides it, config.apply_wandb_mode_env),
+    project WANDB_PROJECT else `logging.wandb_project`, WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in
+    the checkpoint and reused with resume="allow" so the segments of a chained run continue one curve. WANDB_API_KEY
+    is read by wandb itself, never printed or written.
+
+    Collective under torch.distributed (every rank constructs it): rank 0's outcome is broadcast, so a failure there
+    stops every rank at once instead of leaving the others in the next collective.
+
+    Raises:
+        config.ConfigError: wandb.init failed (no network, a timeout, a rejected key: any wandb.errors.Error), with the
+            remedy (`wandb_failed`); on every rank.
     """
 
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
         self.path = Path(cfg.checkpoint.dir) / "metrics.jsonl"
-        if rank != 0:
-            return
+        failed, error = None, None
+        if rank == 0:
+            try:
+                failed = self._start(cfg, resumed_step)
+            except Exception as e:  # told to the other ranks first, then raised as it is
+                failed, error = f"rank 0 could not start the metrics log: {type(e).__name__}: {e}", e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # only rank 0 writes and talks to W&B: every rank learns the outcome here, so none waits forever in a
+            # later collective for a rank 0 that has stopped
+            outcome = [failed]
+            dist.broadcast_object_list(outcome, src=0)
+            failed = outcome[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise config_mod.ConfigError(failed)
+
+    def _start(self, cfg, resumed_step: int) -> str | None:
+        """Rank 0: tidy metrics.jsonl and start the W&B run; returns the W&B failure's message (or None)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
         if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
@@ -232,17 +286,21 @@ class MetricsLog:
         if cfg.logging.wandb != "disabled":
             import wandb
 
-            self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
-                entity=os.environ.get("WANDB_ENTITY") or None,
-                name=os.environ.get("WANDB_NAME") or None,
-                id=run_id or os.environ.get("WANDB_RUN_ID") or None,
-                resume="allow",
-                mode=cfg.logging.wandb,
-                dir=str(self.path.parent),
-                config=config_mod.to_dict(cfg),
-            )
+            try:
+                self.run = wandb.init(
+                    project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
+                    entity=os.environ.get("WANDB_ENTITY") or None,
+                    name=os.environ.get("WANDB_NAME") or None,
+                    id=self.run_id or os.environ.get("WANDB_RUN_ID") or None,
+                    resume="allow",
+                    mode=cfg.logging.wandb,
+                    dir=str(self.path.parent),
+                    config=config_mod.to_dict(cfg),
+                )
+            except wandb.errors.Error as e:  # CommError (no network, a timeout, a rejected key), UsageError, ...
+                return wandb_failed(cfg, e)
             self.run_id = self.run.id
+        return None
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
         if self.rank != 0:

@@ -93,7 +93,8 @@ def check_run_dir(ckpt_dir: str) -> None:
 def check_wandb(mode: str) -> None:
     """With `logging.wandb = "online"`, W&B must find an API key: wandb's own lookup (`wandb.login(verify=False,
     prompt=False)`: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the .netrc that `wandb login` writes, a wandb settings
-    file), without a prompt or a network call. Other modes need none.
+    file), without a prompt or a network call. Other modes need none. `mode` is the mode the run uses: cfg.logging.wandb
+    after config.load_config applied WANDB_MODE (config.apply_wandb_mode_env).
 
     Raises:
         config.ConfigError: no key found, or the key found has an invalid format (wandb's AuthenticationError).

@@ -95,6 +95,14 @@ def main(cfg) -> int:
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
     checkpoint.check_loss_settings(resume_from, cfg)  # the same β and quality flag (the units of δ)
+    saved_step, saved_wandb_id = monitor.saved_progress(resume_from)
+    last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
+    if saved_step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
+        if rank == 0:
+            print(f"nothing to do: step {saved_step} already reached the stop step {last}")
+        return 0
+    # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
+    log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
     stopper = monitor.StopSignal()
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -109,14 +117,7 @@ def main(cfg) -> int:
 
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
     run = resume(resume_from, ddp, optimizer, scheduler, data.sampler, cfg, rank)
-    log = monitor.MetricsLog(cfg, run["wandb_run_id"], run["step"], rank)
     run["wandb_run_id"] = log.run_id
-    last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
-    if run["step"] >= last:
-        if rank == 0:
-            print(f"nothing to do: step {run['step']} already reached the stop step {last}")
-        log.finish()
-        return 0
 
     # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
     plan = functools.partial(plan_and_select, data.train_split.index, ctx)
@@ -197,7 +198,8 @@ def load_data(cfg, hf, rank: int) -> Data:
         val_split=val_split,
         train_set=mmpr_data.PairDataset(train_split.index, processor),
         val_set=mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None,
-        sampler=mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle),
+        sampler=mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle,
+                                      train_split.index.fingerprint),
         ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0},
     )
 
@@ -286,7 +288,8 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
     from the checkpoint `resume_from`; then writes the resolved config (rank 0; after a successful resume, so a
     refused config never replaces the run's). A resume that changes loss settings (checkpoint.NOTICE_KEYS; β and
     mpo.quality_average_log_probs were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
-    (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`.
+    (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`; training data changed
+    since step N with the same pair count (the sampler's index fingerprint) prints one `resume:` line too.
 
     Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
     next step), reward_shift_num_updates (how many optimizer steps moved δ, i.e. had bco/reward_count > 0: a recorded
@@ -306,12 +309,14 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
             state = checkpoint.load(resume_from, ddp, optimizer, scheduler)
         run.update({k: state[k] for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates")})
         run["wandb_run_id"] = state.get("wandb_run_id")
-        sampler.load_state_dict(state["sampler"])
+        data_changed = sampler.load_state_dict(state["sampler"])  # a note when the data changed, same pair count
         changed = checkpoint.changed_settings(state.get("config") or {}, cfg, checkpoint.NOTICE_KEYS)
         if changed:
             previous = (run["step"], state["config"])
         if rank == 0:
             print(f"resumed from {resume_from} (step {run['step']}, reward_shift {run['reward_shift']!r})")
+            if data_changed:
+                print(f"resume: the training data changed since step {run['step']} ({data_changed})")
             if changed:
                 note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)"}
                 changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in changed.items())

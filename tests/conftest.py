@@ -20,7 +20,7 @@ import pytest
 
 # megatron-core compiles router helpers with torch.compile: seconds per first call on CPU
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_MODE", "disabled")  # it overrides logging.wandb: a W&B-mode test sets or unsets it
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).resolve().parent / "dist"

@@ -43,7 +43,8 @@ def test_tiny_config_points_at_shipped_files():
     assert cfg.logging.wandb == "disabled"
 
 
-def test_overrides_are_parsed_to_the_field_type():
+def test_overrides_are_parsed_to_the_field_type(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest's "disabled" would override logging.wandb
     cfg = load_config(
         ROOT / "configs" / "tiny.toml",
         ["mpo.max_num_steps=9", "mpo.reward_shift=-0.5", "mpo.quality_average_log_probs=true",

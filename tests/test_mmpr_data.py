@@ -317,6 +317,78 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
         assert str(e.value) == message
 
 
+def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    """QA 4b.9: a meta-recipe (or an annotation file given as one) with bytes that are not UTF-8 raised
+    UnicodeDecodeError as a traceback on every rank."""
+    nonutf = tmp_path / "nonutf.json"
+    nonutf.write_bytes(b"\xff\xfe{}")  # a UTF-16 byte-order mark (Windows) before the text
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(nonutf)
+    assert str(e.value) == (f"{nonutf}: not UTF-8 text (byte 0xff at offset 0); a meta-recipe is a UTF-8 JSON file "
+                            "(one saved as UTF-16, e.g. by a Windows editor, must be converted)")
+    jsonl = tmp_path / "rows.jsonl"  # an annotation file with one row that is not UTF-8, given as the meta
+    jsonl.write_bytes(json.dumps(row(0)).encode() + b"\n" + json.dumps(row(1)).encode()[:-2] + b"\xe9\"}\n")
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(jsonl)
+    assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but what "
+                            "looks like an annotation file (JSON Lines, one preference row per line); pass the "
+                            "meta-recipe that names it")
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()})
+    meta.write_bytes(b"\xef\xbb\xbf" + meta.read_bytes())  # a UTF-8 byte-order mark is tolerated
+    assert [s.name for s in md.read_meta(meta)] == ["sub"]
+
+
+def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
+    """QA 4b.11: keys with typos were ignored silently and a repeated subset name kept only the last subset."""
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()},
+                     spec={"repeat_times": 2, "lenght": 3, "max_dynamic_patch": 6, "color": "red"})
+    with md.data_warnings([]) as notes:
+        md.read_meta(meta)
+        md.read_meta(SAMPLE_META)  # the shipped sample: InternVL's keys only, nothing said
+    assert notes == [f"{meta}: subset 'sub': unknown keys ignored: 'repeat_times' (did you mean 'repeat_time'?), "
+                     "'lenght' (did you mean 'length'?), 'color'"]
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"a": {"annotation": "x.jsonl"}, "b": {"annotation": "y.jsonl"}, "a": {"annotation": "z.jsonl"}}')
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(dup)
+    assert str(e.value) == (f"{dup}: subset 'a' appears more than once (JSON keeps only the last); give each subset "
+                            "its own name")
+    dup.write_text('{"a": {"annotation": "x.jsonl", "root": null, "annotation": "y.jsonl"}}')
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(dup)
+    assert str(e.value) == f"{dup}: key 'annotation' appears more than once in one object (JSON keeps only the last)"
+
+
+def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
+    """QA 4b.11: an image path or an annotation path naming a directory was reported as not existing."""
+    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
+    with pytest.raises(md.DataError) as e:
+        md.read_meta(meta)
+    assert str(e.value) == f"{meta}: file 'MMPR-t/images': {tmp_path / 'MMPR-t' / 'images'} is a directory, not a file"
+    with pytest.raises(md._Drop) as e:
+        md.load_image(tmp_path)
+    assert (e.value.reason, e.value.detail) == ("image_missing", f"{tmp_path} is a directory")
+    with pytest.raises(md._Drop) as e:
+        md.load_image(tmp_path / "nope.png")
+    assert e.value.detail == f"{tmp_path / 'nope.png'} does not exist"
+
+
+def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(processor, monkeypatch):
+    """QA 4b.11: transformers' "Token indices sequence length is longer than the specified maximum sequence length"
+    reached the console for any row over the tokenizer's model_max_length; the row is checked against
+    data.max_seq_length by the index, so the tokenizer is called without its warning."""
+    import transformers.tokenization_utils_base as tub
+
+    said = []
+    monkeypatch.setattr(tub.logger, "warning", lambda msg, *args, **kwargs: said.append(msg))
+    monkeypatch.setattr(processor.tokenizer, "model_max_length", 8)
+    monkeypatch.setattr(processor.tokenizer, "deprecation_warnings", {})
+    assert len(md.TextRenderer(processor).encode("word " * 50)) > 8
+    assert said == []
+    processor.tokenizer("word " * 50, add_special_tokens=False)  # the control: the plain call warns
+    assert len(said) == 1 and said[0].startswith("Token indices sequence length is longer than the specified maximum")
+
+
 def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, processor):
     rows = [row(0, q="<image> and <image>?"), row(1, image=["a.png", "a.png"], q="<image> only"),
             row(2, image=["a.png"] * 3, q="Three?"), row(3)]
@@ -877,7 +949,8 @@ def test_sampler_order_and_resume():
     first = a.take(7)
     assert first == b.take(7)
     state = a.state_dict()
-    assert state == {"epoch": 0, "offset": 7, "deferred": [], "num_pairs": 10, "seed": 3, "shuffle": True}
+    assert state == {"epoch": 0, "offset": 7, "deferred": [], "num_pairs": 10, "seed": 3, "shuffle": True,
+                     "fingerprint": ""}
     cont = a.take(8)  # crosses into epoch 1, whose order starts [104, 101, 102, 108, 105, ...]
     assert sorted(first + cont[:3]) == ids  # epoch 0 is a permutation
     # 108 and 105 ended epoch 0 in this step: their epoch-1 draws are deferred to the next step, never repeated here
@@ -951,6 +1024,72 @@ def test_step_loader_with_workers_and_packer(sample, processor):
     resumed = md.PairSampler(list(range(len(index))), seed=0)
     resumed.load_state_dict(steps[1].sampler_state)
     assert resumed.take(6) == steps[2].pair_ids
+
+
+def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, processor):
+    """QA 4b.4: a DataError raised in a DataLoader worker (data.num_workers >= 1) reached train.py as torch's
+    "Caught DataError in DataLoader worker process 0." plus the worker's traceback; the training process now raises
+    the worker's own one-line message (file:line: reason)."""
+    buf = io.BytesIO()
+    rgb(64, 64).save(buf, format="PNG")
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": buf.getvalue()})
+    index = mi.build_index(meta, processor, data_cfg(strict=True))  # every row good at build time
+    image = tmp_path / "MMPR-t" / "images" / "b.png"
+    image.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])  # the image changes after the index was built
+    ds = md.PairDataset(index, processor)
+    sampler = md.PairSampler([0, 1], seed=0, shuffle=False)
+    loader = md.StepLoader(ds, sampler, global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
+    with pytest.raises(md.DataError) as e:
+        next(iter(loader))
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert str(e.value) == (
+        f"{annotation}:2: image_truncated: {image}: image file is truncated; the image changed "
+        f"since the index was built: delete {index.cache_dir} and restart"
+    )
+
+
+def test_sampler_state_notes_changed_data_with_the_same_pair_count():
+    """QA 4b.6: the sampler state carries the index fingerprint; a resume over data with the same pair count but
+    another fingerprint returns the note train.resume prints; no note for the same data or an older state without a
+    fingerprint; another pair count is still refused."""
+    a = md.PairSampler(list(range(10)), seed=1, fingerprint="a" * 64)
+    a.take(4)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["fingerprint"] == "a" * 64
+    assert md.PairSampler(list(range(10)), seed=1, fingerprint="a" * 64).load_state_dict(state) is None
+    changed = md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64)
+    assert changed.load_state_dict(state) == (
+        "index fingerprint aaaaaaaaaaaa -> bbbbbbbbbbbb: the meta-recipe, an annotation file (size or mtime), an "
+        "image folder, the processor or a data setting differs; the same 10 pairs, so the run continues from the "
+        "saved position"
+    )
+    assert changed.take(3) == a.take(3)  # the position still applies
+    old = {k: v for k, v in state.items() if k != "fingerprint"}  # a checkpoint written before the field existed
+    assert md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64).load_state_dict(old) is None
+    with pytest.raises(md.DataError, match="^sampler state has num_pairs = 10 but this run has 9: "):
+        md.PairSampler(list(range(9)), seed=1, fingerprint="b" * 64).load_state_dict(state)
+
+
+def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(tmp_path, processor, monkeypatch):
+    """QA 4b.8: the other ranks waited for rank 0's index build on the default group, whose NCCL timeout (10 min) is
+    far shorter than a build over a full MMPR release; the wait is now on a gloo group with INDEX_BUILD_TIMEOUT (as
+    rank 1 sees it here, torch.distributed replaced by recorders)."""
+    import datetime
+
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    dist, calls, group = torch.distributed, [], object()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or group)
+    monkeypatch.setattr(dist, "broadcast_object_list",
+                        lambda msg, src, group=None: calls.append(("broadcast", msg, src, group)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda g=None: calls.append(("destroy", g)))
+    index = mi.build_index(meta, processor, data_cfg())
+    assert mi.INDEX_BUILD_TIMEOUT == datetime.timedelta(hours=24)
+    assert calls == [("new_group", {"backend": "gloo", "timeout": datetime.timedelta(hours=24)}),
+                     ("broadcast", [None], 0, group), ("destroy", group)]  # fmt: skip
+    assert len(index) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
     padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
     frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
 The readme run is also the golden trace: every metric of every step against main's recorded numbers (1e-6).
-Unit tests (schedule, metric reduction, metrics.jsonl truncation) run in-process.
+Unit tests (schedule, metric reduction, metrics.jsonl truncation, W&B mode and failure, the data-changed resume line)
+run in-process; a failed wandb.init on 2 ranks (tests/dist/check_wandb_failure.py) and a finished run's "nothing to
+do" (`python train.py`, no model built) are short launches of their own.
 """
 
 from __future__ import annotations
@@ -390,6 +392,99 @@ def test_wandb_online_needs_an_api_key(tmp_path, monkeypatch):
         preflight.check_wandb("online")
     finally:
         wandb.teardown()
+
+
+def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
+    """QA 4b.11: WANDB_MODE=offline with logging.wandb=online was refused for want of an API key; the variable now
+    decides the mode (the resolved config holds it) and the key check follows it."""
+    import wandb
+
+    for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = config_mod.load_config(None, ["logging.wandb=online"])
+    assert cfg.logging.wandb == "offline" and config_mod.to_dict(cfg)["logging"]["wandb"] == "offline"
+    preflight.check_wandb(cfg.logging.wandb)  # offline: no key needed
+    monkeypatch.setenv("WANDB_MODE", "")  # empty = not set
+    assert config_mod.load_config(None, ["logging.wandb=online"]).logging.wandb == "online"
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    with pytest.raises(config_mod.ConfigError) as e:
+        config_mod.load_config(None, [])
+    assert str(e.value) == ("WANDB_MODE = 'dryrun' (it overrides logging.wandb): choose one of online, offline, "
+                            "disabled, or unset it")
+    wandb.teardown()
+
+
+def test_wandb_init_failure_is_one_config_error_line(tmp_path, monkeypatch):
+    """QA 4b.2: logging.wandb=online without network died ~2 minutes later inside wandb.init (a CommError traceback,
+    after the models were built); now one ConfigError line says what failed and the remedy."""
+    import wandb
+
+    def fail(**kwargs):
+        raise wandb.errors.CommError("Failed to get resume status for run x2lafkpm: context deadline exceeded\nmore")
+
+    monkeypatch.setattr(wandb, "init", fail)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=online"])
+    with pytest.raises(config_mod.ConfigError) as e:
+        monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)
+    assert str(e.value) == (
+        "logging.wandb = 'online': wandb.init failed (CommError: Failed to get resume status for run x2lafkpm: "
+        "context deadline exceeded); on a machine without access to W&B use logging.wandb=offline (or "
+        f"WANDB_MODE=offline), then upload the run later with `wandb sync {tmp_path / 'wandb'}/offline-run-*`"
+    )
+
+
+def test_wandb_init_failure_stops_every_rank(torchrun, tmp_path):
+    """Only rank 0 calls wandb.init; rank 1 gets the same ConfigError (broadcast) instead of waiting forever."""
+    worker = Path(__file__).resolve().parent / "dist" / "check_wandb_failure.py"
+    res = torchrun(worker, env={"RUN_DIR": str(tmp_path), "WANDB_MODE": None}, timeout=180).ranks  # not conftest's
+    assert res[0]["calls"] == ["online"] and res[1]["calls"] == []
+    assert res[0]["err"] == res[1]["err"] and res[0]["err"].startswith(
+        "logging.wandb = 'online': wandb.init failed (CommError: Failed to get resume status for run x2lafkpm: ")
+
+
+def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
+    """QA 4b.11: re-running a finished run opened another (offline) W&B run before saying "nothing to do"; it now
+    stops right after the checkpoint checks, before W&B, data and models."""
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "step_6" / "model_optim").mkdir(parents=True)  # a complete checkpoint's layout (checkpoint.py)
+    (tmp_path / "step_6" / "run_state.json").write_text(json.dumps({"step": 6, "config": config_mod.to_dict(cfg)}))
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={tmp_path}"], cwd=ROOT,
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "nothing to do: step 6 already reached the stop step 6"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6"]  # no wandb/, metrics.jsonl or config.json
+
+
+def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, monkeypatch, capsys):
+    """QA 4b.6: a resume over changed data with the same pair count trained on without a word; train.resume now
+    prints one `resume:` line (the sampler state's index fingerprint differs) and continues."""
+    import checkpoint
+    import mmpr_data
+
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    saved = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint="0123456789ab" + "0" * 52)
+    saved.take(4)
+    state = {"step": 2, "consumed_pairs": 8, "reward_shift": 0.25, "reward_shift_num_updates": 2,
+             "sampler": saved.state_dict(), "config": config_mod.to_dict(cfg)}  # fmt: skip
+    monkeypatch.setattr(checkpoint, "load", lambda *args: state)
+    sampler = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint="fedcba987654" + "0" * 52)
+    run = train.resume(tmp_path / "step_2", None, None, None, sampler, cfg, rank=0)
+    assert run["step"] == 2 and run["sampler"]["offset"] == 4
+    assert capsys.readouterr().out.splitlines() == [
+        f"resumed from {tmp_path / 'step_2'} (step 2, reward_shift 0.25)",
+        "resume: the training data changed since step 2 (index fingerprint 0123456789ab -> fedcba987654: the "
+        "meta-recipe, an annotation file (size or mtime), an image folder, the processor or a data setting differs; "
+        "the same 10 pairs, so the run continues from the saved position)",
+        f"config: {tmp_path / 'config.json'}",
+    ]
+    sampler = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint=saved.fingerprint)
+    train.resume(tmp_path / "step_2", None, None, None, sampler, cfg, rank=0)
+    assert "resume:" not in capsys.readouterr().out  # the same data: nothing said
 
 
 @pytest.fixture(scope="module")
