@@ -444,6 +444,7 @@ def save(
             collective finalisation, so no rank is left waiting.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
     state = dict(run_state, step=step, world_size=_world())
@@ -475,7 +476,7 @@ def save(
                 f.write(state_text)
                 f.flush()
                 os.fsync(f.fileno())
-    except Exception as e:  # noqa: BLE001 - any failed write: reported on every rank by _raise_if_failed
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
         error = _WRITE_ERRORS[0] if _WRITE_ERRORS else e  # the shard writer's own error (megatron logs it only)
     _raise_if_failed(error, step, ckpt_dir, tmp)  # every rank's shards and RNG file are on disk
 

@@ -8,7 +8,7 @@ plain megatron optimizer, on DP = 2:
     every optimizer state tensor (Adam moments and per-parameter `step`) compared bit for bit;
   * the megatron-core Adam-step trap: what the upstream loader alone restores (step 1 / a shared tensor) vs `load`;
   * a leftover `step_3.tmp` is ignored, keep_last prunes, the run state (reward_shift) round-trips exactly;
-  * a save whose shard write fails on rank 1 (OSError ENOSPC) raises the same CheckpointError on both ranks and
+  * a save whose shard write fails on one rank (OSError ENOSPC) raises the same CheckpointError on both ranks and
     removes its `.tmp`;
   * the model part reloads into TP = 2 (resharded) and gives the TP = 1 loss.
 The checkpoints go under WORK_DIR; rank 0 reports the result (tests/dist/report.py), the pytest side asserts on it.
@@ -145,14 +145,16 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     dist.barrier()
     res["dirs"] = sorted(p.name for p in run_dir.iterdir())
 
-    # A failed write (rank 1's shard writer finds the disk full) is one CheckpointError on every rank, no rank waits
-    # in a collective, and the step's .tmp is removed.
+    # A failed write (one rank's shard writer finds the disk full: rank 1, whose distributed-optimizer shards are its
+    # own; rank 0 with the plain optimizer, whose replicated state only rank 0 writes) is one CheckpointError on every
+    # rank, no rank waits in a collective, and the step's .tmp is removed.
     write_item = filesystem_async._write_item
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    if rank == 1:
+    res["failed_rank"] = int(distributed_optimizer)
+    if rank == res["failed_rank"]:
         filesystem_async._write_item = disk_full
     try:
         checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
