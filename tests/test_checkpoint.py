@@ -386,8 +386,8 @@ def test_resume_with_another_loss_weight_prints_the_change_and_keeps_the_old_con
     new = json.loads((run / "config.json").read_text())
     assert (new["mpo"]["bco_loss_weight"], new["packing"]["shared_prompt"]) == (0.5, True)
     assert json.loads((run / "step_2" / checkpoint.RUN_STATE_FILE).read_text())["config"] == new
-    assert sorted(p.name for p in run.iterdir()) == ["config.json", "config.step_1.json", "metrics.jsonl", "step_1",
-                                                      "step_2"]  # fmt: skip
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "config.step_1.json", "metrics.jsonl",
+                                                      "step_1", "step_2"]  # fmt: skip
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     # step 2's loss uses the new weight: w_p·pref + w_q·bco + w_g·sft with w_q = 0.5 (tiny.toml: w_p 0.8, w_g 0)
