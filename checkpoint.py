@@ -204,8 +204,11 @@ def _take_lock(root: Path) -> str | None:
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError:  # e.g. a full disk: the lock holds without its description (a second run reads "holder unknown")
+        pass
     if _held_lock is not None:  # another run dir before (a tool driving several runs): let that one go
         os.close(_held_lock[1])
     _held_lock = (root.resolve(), fd)
@@ -225,16 +228,21 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
     Raises:
         CheckpointError: another process holds the lock (an sbatch resubmitted while the job still runs, a second
             chain): one line naming its host, pid, Slurm job and start time from the lock file; or the lock file
-            cannot be created.
+            cannot be created, or an unfinished save cannot be removed.
     """
     root = Path(ckpt_dir)
-    out = [_take_lock(root) if _rank() == 0 else None]
+    out: list[str | None] = [None]
+    if _rank() == 0:
+        out[0] = _take_lock(root)
+        if out[0] is None:
+            try:
+                remove_unfinished_saves(root)
+            except OSError as e:
+                out[0] = f"checkpoint.dir = {root}: cannot remove an unfinished save: {e}"
     if _world() > 1:
         dist.broadcast_object_list(out, src=0)
     if out[0] is not None:
         raise CheckpointError(out[0])
-    if _rank() == 0:
-        remove_unfinished_saves(root)
 
 
 def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
@@ -368,10 +376,12 @@ def _use_in_process_write_queue() -> None:
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
     # megatron-core logs a shard writer's exception (e.g. OSError ENOSPC) and raises only "Worker failure: ... <class
-    # 'OSError'>"; remember the exception itself so that a failed save can name it (private name, 0.19.2).
+    # 'OSError'>"; remember the exception itself so that a failed save can name it. And the coordinator's write of
+    # .metadata (`finish`) raising would leave the other ranks in the broadcast that follows it: record that error
+    # instead, and `save` raises it on every rank (private names, 0.19.2).
     writer = filesystem_async.FileSystemWriterAsync
     if not getattr(writer.write_preloaded_data, "_omni_mpo_records", False):
-        write = writer.write_preloaded_data
+        write, finish = writer.write_preloaded_data, writer.finish
 
         def recording(*args, **kwargs):
             out = write(*args, **kwargs)
@@ -379,8 +389,15 @@ def _use_in_process_write_queue() -> None:
                 _WRITE_ERRORS.append(out[1])
             return out
 
+        def recording_finish(self, *args, **kwargs):
+            try:
+                return finish(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - raised by `save` on every rank, after megatron's broadcast
+                _WRITE_ERRORS.append(e)
+
         recording._omni_mpo_records = True
         writer.write_preloaded_data = staticmethod(recording)
+        writer.finish = recording_finish
 
 
 def _describe(e: BaseException) -> str:
@@ -478,6 +495,8 @@ def save(
                 os.fsync(f.fileno())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
         error = _WRITE_ERRORS[0] if _WRITE_ERRORS else e  # the shard writer's own error (megatron logs it only)
+    if error is None and _WRITE_ERRORS:  # the .metadata write failed (rank 0; megatron's save returned)
+        error = _WRITE_ERRORS[0]
     _raise_if_failed(error, step, ckpt_dir, tmp)  # every rank's shards and RNG file are on disk
 
     if _rank() == 0:
@@ -900,8 +919,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     Raises:
         CheckpointError: no complete checkpoint at `ckpt`; `out_dir` is the run, holds one or is its model.hf_path
             (`check_export_dir`);
-            the saved model.hf_path (relative paths: to the working directory) has no config.json; a truncated
-            shard file.
+            the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing or
+            truncated file (`check_complete`: .metadata, a shard file).
     """
     import config as config_mod
     import distributed
@@ -914,12 +933,12 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
     cfg = config_mod.from_dict(json.loads((path / RUN_STATE_FILE).read_text())["config"])
     check_export_dir(out_dir, path, cfg.model.hf_path)
-    check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
     if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(
             f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json seen from "
             f"{os.getcwd()}; run the export from the directory the training ran in"
         )
+    check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False

@@ -599,6 +599,13 @@ def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
         assert re.fullmatch(
             re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), r["failed_save_errors"][0]
         ), r["failed_save_errors"][0]  # fmt: skip
+        # rank 0's write of model_optim/.metadata fails: the same line (rank 0), megatron's save had returned there
+        assert r["failed_metadata_dirs"] == ["step_2"]
+        assert r["failed_metadata_errors"][0] == r["failed_metadata_errors"][1]
+        head = f"saving step 3 to {run / 'step_3.tmp'} failed: rank 0: OSError: [Errno 28] No "
+        assert re.fullmatch(
+            re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), r["failed_metadata_errors"][0]
+        ), r["failed_metadata_errors"][0]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

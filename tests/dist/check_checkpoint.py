@@ -166,6 +166,21 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     dist.all_gather_object(errors, error)
     res["failed_save_errors"], res["run_dir"] = errors, str(run_dir)
     res["failed_save_dirs"] = sorted(p.name for p in run_dir.iterdir())
+    # The coordinator's write of .metadata fails (after every shard was written): the same, no rank left waiting in
+    # megatron-core's broadcast after it.
+    base = filesystem_async.FileSystemWriterAsync.__mro__[1]  # torch's FileSystemWriter: `super().finish`
+    finish = base.finish
+    if rank == 0:
+        base.finish = disk_full
+    try:
+        checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    base.finish = finish
+    dist.all_gather_object(errors, error)
+    res["failed_metadata_errors"] = errors
+    res["failed_metadata_dirs"] = sorted(p.name for p in run_dir.iterdir())
 
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
     ddp, opt, sched = build(1, distributed_optimizer)
