@@ -178,6 +178,7 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     except checkpoint.CheckpointError as e:
         error = str(e)
     base.finish = finish
+    errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     res["failed_metadata_errors"] = errors
     res["failed_metadata_dirs"] = sorted(p.name for p in run_dir.iterdir())
