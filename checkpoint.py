@@ -409,7 +409,8 @@ def _describe(e: BaseException) -> str:
 
 def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path) -> None:
     """Collective: the save goes on when no rank failed; otherwise rank 0 removes `tmp` and every rank raises the
-    same CheckpointError (the first failing rank's error, the free space of the file system)."""
+    same CheckpointError (the first failing rank's error, the free space of the file system before `tmp` was
+    removed: ~0 on a full disk, whose OSError torch's zip writer can turn into "unexpected pos ...")."""
     errors = [None if error is None else _describe(error)]
     if _world() > 1:
         errors = [None] * _world()
@@ -417,17 +418,19 @@ def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir: str | Pat
     failed = [(r, m) for r, m in enumerate(errors) if m is not None]
     if not failed:
         return
+    try:  # before the .tmp goes: the space the failed save saw
+        n = shutil.disk_usage(ckpt_dir).free
+        free = f"{n} bytes free on {ckpt_dir}" + (": the file system is full" if n < 2**20 else "")
+    except OSError as e:
+        free = f"free space on {ckpt_dir} unknown: {e.strerror}"
+    _barrier()
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    try:
-        free = f"{shutil.disk_usage(ckpt_dir).free} bytes free"
-    except OSError as e:
-        free = f"free space unknown: {e.strerror}"
     rank, message = next(((r, m) for r, m in failed if not m.startswith("CheckpointException")), failed[0])
     who = f"rank {rank}: " if _world() > 1 else ""
     raise CheckpointError(
-        f"saving step {step} to {tmp} failed: {who}{message} ({free} on {ckpt_dir}); {tmp.name} was removed, the "
+        f"saving step {step} to {tmp} failed: {who}{message} ({free}); {tmp.name} was removed, the "
         "complete checkpoints are untouched"
     )
 
