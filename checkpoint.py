@@ -771,7 +771,7 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
             storage = FileSystemReader(str(shards)).read_metadata().storage_data or {}
         except Exception as e:  # noqa: BLE001 - an unreadable metadata file is a damaged checkpoint like a missing one
             raise CheckpointError(
-                f"checkpoint step_{path.name[5:]} ({path}) is damaged: {MODEL_OPTIM_DIR}/.metadata cannot be read "
+                f"checkpoint {path.name} ({path}) is damaged: {MODEL_OPTIM_DIR}/.metadata cannot be read "
                 f"({type(e).__name__}: {e}); move {path} away (e.g. to {path}.damaged) to resume from the previous "
                 "checkpoint"
             ) from None
@@ -802,7 +802,7 @@ def check_complete(path: str | Path, world_size: int | None) -> None:
             short = [] if missing else _truncated_files(path / MODEL_OPTIM_DIR)
             if missing:
                 out[0] = (
-                    f"checkpoint step_{path.name[5:]} ({path}) is damaged: missing {', '.join(missing)}; move {path} "
+                    f"checkpoint {path.name} ({path}) is damaged: missing {', '.join(missing)}; move {path} "
                     f"away (e.g. to {path}.damaged) to resume from the previous checkpoint"
                 )
             elif short:  # the line `_load_shards` gives, but before the load and on every rank

@@ -634,6 +634,12 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check_complete(step, 1)
     assert str(e.value) == message.format(step, "model_optim/.metadata", step, step)
+    step = damaged("garbled")
+    (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/.metadata cannot be read (")
+    assert str(e.value).endswith(f"move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint")
     shards = sorted(p.name for p in (one_step / "model_optim").glob("*.distcp"))
     step = damaged("shard", f"model_optim/{shards[0]}")
     with pytest.raises(checkpoint.CheckpointError) as e:
