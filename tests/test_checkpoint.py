@@ -3,7 +3,9 @@ of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-co
 including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
 part; without a launcher: the one-line refusals of a resume with another layout or β / *_average_log_probs, the
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
-and model.hf_path.
+and model.hf_path. QA4b: the run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
+of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
+missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (monitor.watch_parent).
 """
 
 from __future__ import annotations
