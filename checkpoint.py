@@ -17,7 +17,10 @@ Layout of a run directory (`checkpoint.dir`):
                                       layout, the resolved config
         rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
-                                      crash mid-save never leaves a directory that looks complete (it is ignored)
+                                      crash mid-save never leaves a directory that looks complete (it is ignored, and
+                                      removed by the next run's `lock_run_dir`; a failed save removes its own)
+    <dir>/.lock                       held (fcntl.flock) by the run using the directory; holds its host, pid, Slurm job
+                                      and start time (`lock_run_dir`: one run per directory)
 
 `latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
 after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`: a resume needs the same
@@ -50,12 +53,16 @@ Tests: `pytest tests/test_checkpoint.py`.
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
 import os
 import queue
 import random
 import re
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -144,6 +151,115 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
     for p in old:
         shutil.rmtree(p)
     return old
+
+
+LOCK_FILE = ".lock"
+TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
+_held_lock: tuple[Path, int] | None = None  # (run dir, open fd) of this process's lock: kept open until it exits
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}  # file systems without flock support
+
+
+def _lock_holder(lock: Path) -> str:
+    """The holder of `lock` in words, from the JSON its holder wrote (host, pid, Slurm job, start time)."""
+    try:
+        info = json.loads(lock.read_text())
+        who = f"pid {info['pid']} on host {info['host']}"
+        if info.get("slurm_job_id"):
+            who += f", Slurm job {info['slurm_job_id']}"
+        return f"{who}, started {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):  # written at this moment, or not by this code
+        return "holder unknown"
+
+
+def _take_lock(root: Path) -> str | None:
+    """Rank 0's part of `lock_run_dir`: create `root`, take the lock, write who holds it. Returns the error line, or
+    None when the lock is held (or the file system has no flock: one notice on stderr)."""
+    global _held_lock
+    if _held_lock is not None and _held_lock[0] == root.resolve():
+        return None  # this process holds it already
+    lock = root / LOCK_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's content stays readable
+    except OSError as e:
+        return f"checkpoint.dir = {root}: cannot create its lock file {lock}: {e.strerror}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return (
+            f"checkpoint.dir = {root} is in use by another run ({_lock_holder(lock)}; lock file {lock}): wait until "
+            "it ends, or use another checkpoint.dir"
+        )
+    except OSError as e:
+        if e.errno not in _NO_FLOCK:
+            os.close(fd)
+            return f"checkpoint.dir = {root}: cannot lock {lock}: {e.strerror}"
+        print(
+            f"checkpoint: the file system of {root} does not support file locks ({e.strerror}): nothing stops a "
+            "second run from using this checkpoint.dir at the same time",
+            file=sys.stderr,
+        )
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError:  # e.g. a full disk: the lock holds without its description (a second run reads "holder unknown")
+        pass
+    if _held_lock is not None:  # another run dir before (a tool driving several runs): let that one go
+        os.close(_held_lock[1])
+    _held_lock = (root.resolve(), fd)
+    return None
+
+
+def lock_run_dir(ckpt_dir: str | Path) -> None:
+    """Claim `ckpt_dir` for this run (collective: call on every rank, before anything is written there).
+
+    Global rank 0 creates the directory and takes an exclusive `fcntl.flock` on `<ckpt_dir>/.lock` (non-blocking),
+    writes its host, pid, SLURM_JOB_ID and start time into it (JSON) and keeps it open until the process exits: the
+    kernel releases the lock on any exit, SIGKILL included, so a dead run never blocks the next one. It then removes
+    the `step_<N>.tmp` directories there (`remove_unfinished_saves`). The outcome is broadcast, so every rank raises
+    the same error and none waits in a collective. A file system without flock support (ENOLCK, EOPNOTSUPP, ENOSYS)
+    gets one notice line on stderr, and the run goes on unprotected.
+
+    Raises:
+        CheckpointError: another process holds the lock (an sbatch resubmitted while the job still runs, a second
+            chain): one line naming its host, pid, Slurm job and start time from the lock file; or the lock file
+            cannot be created, or an unfinished save cannot be removed.
+    """
+    root = Path(ckpt_dir)
+    out: list[str | None] = [None]
+    if _rank() == 0:
+        out[0] = _take_lock(root)
+        if out[0] is None:
+            try:
+                remove_unfinished_saves(root)
+            except OSError as e:
+                out[0] = f"checkpoint.dir = {root}: cannot remove an unfinished save: {e}"
+    if _world() > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[0] is not None:
+        raise CheckpointError(out[0])
+
+
+def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
+    """Remove the `step_<N>.tmp` directories in `ckpt_dir` (saves killed before their rename: never complete, and up
+    to a full checkpoint's size each) with one notice line on stderr naming them; returns them. Call only while
+    holding the run directory's lock (`lock_run_dir`): a running save is a `.tmp` too."""
+    root = Path(ckpt_dir)
+    stale = sorted(p for p in root.iterdir() if TMP_RE.match(p.name) and p.is_dir()) if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p)
+    if stale:
+        names = ", ".join(p.name for p in stale)
+        print(f"checkpoint: removed {len(stale)} unfinished save(s) of an earlier run in {root}: {names}",
+              file=sys.stderr)  # fmt: skip
+    return stale
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -246,6 +362,9 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
     return out
 
 
+_WRITE_ERRORS: list[BaseException] = []  # the shard writers' exceptions of the save in progress
+
+
 def _use_in_process_write_queue() -> None:
     """Make dist_checkpointing's synchronous save report its writes through an in-process queue.
 
@@ -261,6 +380,64 @@ def _use_in_process_write_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
+    # megatron-core logs a shard writer's exception (e.g. OSError ENOSPC) and raises only "Worker failure: ... <class
+    # 'OSError'>"; remember the exception itself so that a failed save can name it. And the coordinator's write of
+    # .metadata (`finish`) raising would leave the other ranks in the broadcast that follows it: record that error
+    # instead, and `save` raises it on every rank (private names, 0.19.2).
+    writer = filesystem_async.FileSystemWriterAsync
+    if not getattr(writer.write_preloaded_data, "_omni_mpo_records", False):
+        write, finish = writer.write_preloaded_data, writer.finish
+
+        def recording(*args, **kwargs):
+            out = write(*args, **kwargs)
+            if out is not None and isinstance(out[1], BaseException):
+                _WRITE_ERRORS.append(out[1])
+            return out
+
+        def recording_finish(self, *args, **kwargs):
+            try:
+                return finish(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - raised by `save` on every rank, after megatron's broadcast
+                _WRITE_ERRORS.append(e)
+
+        recording._omni_mpo_records = True
+        writer.write_preloaded_data = staticmethod(recording)
+        writer.finish = recording_finish
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message` of the innermost cause of `e` (megatron-core and torch wrap the OSError of a failed write)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"
+
+
+def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path) -> None:
+    """Collective: the save goes on when no rank failed; otherwise rank 0 removes `tmp` and every rank raises the
+    same CheckpointError (the first failing rank's error, the free space of the file system before `tmp` was
+    removed: ~0 on a full disk, whose OSError torch's zip writer can turn into "unexpected pos ...")."""
+    errors = [None if error is None else _describe(error)]
+    if _world() > 1:
+        errors = [None] * _world()
+        dist.all_gather_object(errors, None if error is None else _describe(error))
+    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+    if not failed:
+        return
+    try:  # before the .tmp goes: the space the failed save saw
+        n = shutil.disk_usage(ckpt_dir).free
+        free = f"{n} bytes free on {ckpt_dir}" + (": the file system is full" if n < 2**20 else "")
+    except OSError as e:
+        free = f"free space on {ckpt_dir} unknown: {e.strerror}"
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    rank, message = next(((r, m) for r, m in failed if not m.startswith("CheckpointException")), failed[0])
+    who = f"rank {rank}: " if _world() > 1 else ""
+    raise CheckpointError(
+        f"saving step {step} to {tmp} failed: {who}{message} ({free}); {tmp.name} was removed, the "
+        "complete checkpoints are untouched"
+    )
 
 
 def save(
@@ -285,9 +462,14 @@ def save(
     Returns: the path of the complete checkpoint.
 
     Raises:
-        CheckpointError: run_state is not JSON-serialisable (checked before anything is written).
+        CheckpointError: run_state is not JSON-serialisable (checked before anything is written); a write failed on
+            any rank (disk full, quota, I/O error): one line on every rank naming the step, the path, the first
+            failing rank's error and the free space there; the `step_<N>.tmp` is removed first, the complete
+            checkpoints are untouched. A failure of megatron-core's own shard write reaches every rank through its
+            collective finalisation, so no rank is left waiting.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
     state = dict(run_state, step=step, world_size=_world())
@@ -298,22 +480,32 @@ def save(
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"run state of step {step} is not JSON-serialisable: {e}") from None
 
+    error = None
     if _rank() == 0:
-        if tmp.exists():  # a save of this step that died before; its content is unknown
-            shutil.rmtree(tmp)
-        (tmp / MODEL_OPTIM_DIR).mkdir(parents=True)
-        (tmp / RNG_DIR).mkdir()
-    _barrier()
+        try:
+            if tmp.exists():  # a save of this step that died before; its content is unknown
+                shutil.rmtree(tmp)
+            (tmp / MODEL_OPTIM_DIR).mkdir(parents=True)
+            (tmp / RNG_DIR).mkdir()
+        except OSError as e:
+            error = e
+    _raise_if_failed(error, step, ckpt_dir, tmp)  # collective: the outcome of every rank
 
     _use_in_process_write_queue()
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
-    torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
-    if _rank() == 0:
-        with open(tmp / RUN_STATE_FILE, "w") as f:
-            f.write(state_text)
-            f.flush()
-            os.fsync(f.fileno())
-    _barrier()  # every rank's shards and RNG file are on disk
+    _WRITE_ERRORS.clear()
+    try:
+        dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
+        torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
+        if _rank() == 0:
+            with open(tmp / RUN_STATE_FILE, "w") as f:
+                f.write(state_text)
+                f.flush()
+                os.fsync(f.fileno())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
+        error = _WRITE_ERRORS[0] if _WRITE_ERRORS else e  # the shard writer's own error (megatron logs it only)
+    if error is None and _WRITE_ERRORS:  # the .metadata write failed (rank 0; megatron's save returned)
+        error = _WRITE_ERRORS[0]
+    _raise_if_failed(error, step, ckpt_dir, tmp)  # every rank's shards and RNG file are on disk
 
     if _rank() == 0:
         if final.exists():  # the same step saved again (e.g. a signal right after a periodic save): replace it
@@ -541,11 +733,14 @@ def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
         if not short and not any(isinstance(x, unreadable) for x in inner):
             raise
         cause = next((x for x in inner if isinstance(x, unreadable)), inner[0])
-        what = "; ".join(f"{f} has {have} bytes, its metadata needs {need}" for f, have, need in short)
-        what = what or f"a shard file cannot be read ({type(cause).__name__}: {cause})"
+        what = _short_files(short) or f"a shard file cannot be read ({type(cause).__name__}: {cause})"
         raise CheckpointError(
             f"{ckpt_dir}: damaged checkpoint: {what}; copy the step again or resume from another step_<N>"
         ) from None
+
+
+def _short_files(short: list[tuple[Path, int, int]]) -> str:
+    return "; ".join(f"{f} has {have} bytes, its metadata needs {need}" for f, have, need in short)
 
 
 def _truncated_files(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
@@ -569,24 +764,90 @@ def _truncated_files(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
     return out
 
 
+def missing_files(path: str | Path, world_size: int | None) -> list[str]:
+    """The files a complete checkpoint `path` (a step_<N>) lacks, relative to it: model_optim/.metadata, every shard
+    file its metadata references, and with `world_size` (a resume at the saved world size) rng/rank_<r>.pt of every
+    rank r < world_size. [] when nothing is missing (shorter shard files are `_load_shards`' diagnosis)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    shards = path / MODEL_OPTIM_DIR
+    if not (shards / ".metadata").is_file():
+        missing = [f"{MODEL_OPTIM_DIR}/.metadata"]
+    else:
+        try:
+            storage = FileSystemReader(str(shards)).read_metadata().storage_data or {}
+        except Exception as e:  # noqa: BLE001 - an unreadable metadata file is a damaged checkpoint like a missing one
+            raise CheckpointError(
+                f"checkpoint {path.name} ({path}) is damaged: {MODEL_OPTIM_DIR}/.metadata cannot be read "
+                f"({type(e).__name__}: {e}); move {path} away (e.g. to {path}.damaged) to resume from the previous "
+                "checkpoint"
+            ) from None
+        names = sorted({info.relative_path for info in storage.values()})
+        missing = [f"{MODEL_OPTIM_DIR}/{n}" for n in names if not (shards / n).is_file()]
+    for r in range(world_size or 0):
+        if not (path / RNG_DIR / f"rank_{r:05d}.pt").is_file():
+            missing.append(f"{RNG_DIR}/rank_{r:05d}.pt")
+    return missing
+
+
+def check_complete(path: str | Path, world_size: int | None) -> None:
+    """Refuse a damaged checkpoint before any collective load, identically on every rank (rank 0 checks, the outcome
+    is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata says.
+
+    Raises:
+        CheckpointError: one line naming the step, the missing files, and the way out: move the step directory away
+            to resume from the previous checkpoint; or the truncated shard files (`_load_shards`' line).
+    """
+    path = Path(path)
+    out: list[str | None] = [None]
+    if _rank() == 0:
+        try:
+            missing = missing_files(path, world_size)
+        except CheckpointError as e:
+            out[0] = str(e)
+        else:
+            short = [] if missing else _truncated_files(path / MODEL_OPTIM_DIR)
+            if missing:
+                out[0] = (
+                    f"checkpoint {path.name} ({path}) is damaged: missing {', '.join(missing)}; move {path} "
+                    f"away (e.g. to {path}.damaged) to resume from the previous checkpoint"
+                )
+            elif short:  # the line `_load_shards` gives, but before the load and on every rank
+                out[0] = (
+                    f"{path / MODEL_OPTIM_DIR}: damaged checkpoint: {_short_files(short)}; copy the step again or "
+                    "resume from another step_<N>"
+                )
+    if _world() > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[0] is not None:
+        raise CheckpointError(out[0])
+
+
 def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
     """Restore a checkpoint written by `save` into a freshly built model / optimizer / scheduler (collective).
 
     The model part accepts any parallel layout; the optimizer part needs the same LAYOUT_KEYS settings (DP may differ;
     train.py checks them first with `check_layout`).
-    RNG states are restored when the world size is the one saved (otherwise a note goes to stderr).
+    RNG states are restored when the world size is the one saved; at another world size (another DP size) they are
+    not, and rank 0 prints one note on stderr (the per-rank RNG files are then neither read nor required).
+    Before anything is loaded, `check_complete` refuses a damaged checkpoint on every rank alike.
 
     Returns: the run state (run_state.json) with `step`, `scheduler`, `reward_shift`, ...
 
     Raises:
-        CheckpointError: missing files, or a scheduler whose schedule (lr, min_lr, warmup start and steps, horizon,
-            decay style, weight decay: `check_schedule`) differs from the saved one, raised before any state is
-            loaded (chained segments must share one schedule); a truncated shard file (`_load_shards`).
+        CheckpointError: missing files (run_state.json; model_optim/.metadata, a shard file it references, or at
+            the saved world size a rank's RNG file: `check_complete`), or a scheduler whose schedule (lr, min_lr,
+            warmup start and steps, horizon, decay style, weight decay: `check_schedule`) differs from the saved one,
+            raised before any state is loaded (chained segments must share one schedule); a truncated shard file
+            (`_load_shards`).
     """
     path = Path(path)
     if not (path / RUN_STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
     state = json.loads((path / RUN_STATE_FILE).read_text())
+    same_world = state.get("world_size") == _world()
+    check_complete(path, state.get("world_size") if same_world else None)  # before any collective load
     if scheduler is not None:  # before any state is loaded: megatron's optimizer load fails on another lr (KeyError)
         check_schedule(path, state.get("scheduler"), schedule_state(scheduler))
 
@@ -605,7 +866,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
         scheduler.load_state_dict(state["scheduler"])
 
     rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
-    if state.get("world_size") == _world() and rng_file.is_file():
+    if same_world:  # every rank's file is there (check_complete)
         try:
             rng = torch.load(rng_file, weights_only=True)
         except (EOFError, RuntimeError) as e:  # a truncated zip file: RuntimeError from torch's zip reader
@@ -671,8 +932,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             the saved config does not load in this version (an unknown key or a value `config.validate` refuses,
             e.g. a checkpoint of a version before a key was renamed: the config.ConfigError's text, naming the key);
             `out_dir` is the run, holds one or is its model.hf_path (`check_export_dir`);
-            the saved model.hf_path (relative paths: to the working directory) has no config.json; a truncated
-            shard file.
+            the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing or
+            truncated file (`check_complete`: .metadata, a shard file).
     """
     import config as config_mod
     import distributed
@@ -693,6 +954,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json seen from "
             f"{os.getcwd()}; run the export from the directory the training ran in"
         )
+    check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False

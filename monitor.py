@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,36 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def watch_parent(interval_s: float = 5.0) -> threading.Thread | None:
+    """Under torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set), start a daemon thread that checks every `interval_s`
+    seconds whether this process's parent changed (os.getppid() differs from the one at start: the launcher died,
+    e.g. `kill -9` of torchrun or the OOM killer, and the rank was re-parented) and then sends this process SIGTERM
+    once: the run's stop path (StopSignal: finish the step, save, exit 0) instead of training on as an orphan that
+    a restarted run would collide with. One notice line on stderr when it fires (LOCAL_RANK 0's: one per node; the
+    other ranks of the node see the same launcher gone and stop silently). Returns the thread (None outside
+    torchrun). torchrun starts the ranks in sessions of their own, so a signal to its process group misses them.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: every rank there lost the same launcher
+            print(
+                f"rank {global_rank()}: the launcher (pid {parent}) is gone: the ranks of this node send "
+                "themselves SIGTERM, save after the current step and stop",
+                file=sys.stderr,
+                flush=True,
+            )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="watch_parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def report_error(e: Exception) -> str:

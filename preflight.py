@@ -61,12 +61,12 @@ def check_inputs(cfg) -> None:
 
 
 def check_run_dir(ckpt_dir: str) -> None:
-    """`checkpoint.dir` names a directory this process can create or write (without creating anything).
+    """`checkpoint.dir` names a directory this process can write; creates it (with its parents) when missing.
 
     Raises:
         config.ConfigError: the value is empty (the run's files would land in the working directory); the path is an
             existing file; a parent on its way is not a directory (e.g. /dev/null/x); the nearest existing directory
-            is not writable.
+            is not writable; or mkdir fails anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
     """
     if not ckpt_dir.strip():
         raise config_mod.ConfigError(
@@ -88,6 +88,10 @@ def check_run_dir(ckpt_dir: str) -> None:
         raise config_mod.ConfigError(
             f"checkpoint.dir = {ckpt_dir!r} cannot be {what}: no write permission on {str(existing)!r}"
         )
+    try:  # os.access says yes to root on /proc and /sys, where mkdir still fails
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise config_mod.ConfigError(f"checkpoint.dir = {ckpt_dir!r} cannot be created: {e.strerror}") from None
 
 
 def check_wandb(mode: str) -> None:

@@ -92,6 +92,7 @@ def main(cfg) -> int:
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
         monitor.print_layout(ctx, world)
+    checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
     checkpoint.check_loss_settings(resume_from, cfg)  # the same β and quality flag (the units of δ)
@@ -104,6 +105,7 @@ def main(cfg) -> int:
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
     stopper = monitor.StopSignal()
+    monitor.watch_parent()  # under torchrun: a rank whose launcher died stops (SIGTERM path) instead of running on
 
     # -- data -------------------------------------------------------------------------------------------------------
     data = load_data(cfg, hf, rank)

@@ -3,7 +3,9 @@ of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-co
 including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
 part; without a launcher: the one-line refusals of a resume with another layout or β / *_average_log_probs, the
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
-and model.hf_path.
+and model.hf_path. QA4b: the run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
+of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
+missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (monitor.watch_parent).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -407,8 +411,8 @@ def test_resume_with_another_loss_weight_prints_the_change_and_keeps_the_old_con
     new = json.loads((run / "config.json").read_text())
     assert (new["mpo"]["bco_loss_weight"], new["packing"]["shared_prompt"]) == (0.5, True)
     assert json.loads((run / "step_2" / checkpoint.RUN_STATE_FILE).read_text())["config"] == new
-    assert sorted(p.name for p in run.iterdir()) == ["config.json", "config.step_1.json", "metrics.jsonl", "step_1",
-                                                      "step_2"]  # fmt: skip
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "config.step_1.json", "metrics.jsonl",
+                                                      "step_1", "step_2"]  # fmt: skip
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     # step 2's loss uses the new weight: w_p·pref + w_q·bco + w_g·sft with w_q = 0.5 (tiny.toml: w_p 0.8, w_g 0)
@@ -501,3 +505,234 @@ def test_truncated_shard_is_named(bf16_segment, tmp_path):
         f"error: CheckpointError: {broken / 'model_optim'}: damaged checkpoint: {shard} has 1000 bytes, its metadata "
         f"needs {need}; copy the step again or resume from another step_<N>"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# QA4b: one run per checkpoint.dir, unfinished saves, failed saves, damaged checkpoints, orphan ranks
+
+HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import checkpoint
+checkpoint.lock_run_dir(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def own_lock(monkeypatch):
+    """This process's run-dir lock starts free and is released after the test."""
+    monkeypatch.setattr(checkpoint, "_held_lock", None)
+    yield
+    if checkpoint._held_lock is not None:
+        os.close(checkpoint._held_lock[1])
+
+
+def _hold_lock(run_dir: Path) -> subprocess.Popen:
+    env = dict(os.environ, SLURM_JOB_ID="4242")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir), str(ROOT)], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_lock_run_dir_refuses_a_held_dir_and_is_free_once_the_holder_dies(tmp_path, own_lock, capsys):
+    """QA4b 1: two runs in one checkpoint.dir corrupted each other's checkpoints and metrics."""
+    run = tmp_path / "run"
+    holder = _hold_lock(run)
+    try:
+        info = json.loads((run / ".lock").read_text())
+        assert (info["pid"], info["slurm_job_id"]) == (holder.pid, "4242")
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.lock_run_dir(run)
+        assert str(e.value) == (
+            f"checkpoint.dir = {run} is in use by another run (pid {holder.pid} on host {info['host']}, Slurm job "
+            f"4242, started {info['started']}; lock file {run / '.lock'}): wait until it ends, or use another "
+            "checkpoint.dir"
+        )
+    finally:
+        holder.kill()  # SIGKILL: the kernel releases the lock
+        holder.wait()
+    checkpoint.lock_run_dir(run)
+    assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+    checkpoint.lock_run_dir(run)  # held by this process already: fine
+    assert capsys.readouterr().err == ""
+
+
+def test_lock_run_dir_without_flock_support_is_one_notice(tmp_path, own_lock, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    checkpoint.lock_run_dir(tmp_path / "run")
+    assert capsys.readouterr().err == (
+        f"checkpoint: the file system of {tmp_path / 'run'} does not support file locks (No locks available): nothing "
+        "stops a second run from using this checkpoint.dir at the same time\n"
+    )
+    assert json.loads((tmp_path / "run" / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_lock_run_dir_removes_unfinished_saves(tmp_path, own_lock, capsys):
+    """QA4b 3: a killed save's step_N.tmp (a full checkpoint's size) stayed for good."""
+    for name in ("step_2", "step_3.tmp", "step_10.tmp"):
+        _fake_ckpt(tmp_path, name)
+    (tmp_path / "step_4.tmp").write_text("")  # a file, not a save: left alone
+    checkpoint.lock_run_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_2", "step_4.tmp"]
+    assert capsys.readouterr().err == (
+        f"checkpoint: removed 2 unfinished save(s) of an earlier run in {tmp_path}: step_10.tmp, step_3.tmp\n"
+    )
+    checkpoint.lock_run_dir(tmp_path)  # nothing left: no line
+    assert capsys.readouterr().err == ""
+
+
+def test_train_refuses_a_checkpoint_dir_in_use_on_every_rank(torchrun, tmp_path):
+    run = tmp_path / "run"
+    holder = _hold_lock(run)
+    try:
+        info = json.loads((run / ".lock").read_text())
+        proc = torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", check=False, timeout=180)
+    finally:
+        holder.kill()
+        holder.wait()
+    msg = (f"error: CheckpointError: checkpoint.dir = {run} is in use by another run (pid {holder.pid} on host "
+           f"{info['host']}, Slurm job 4242, started {info['started']}; lock file {run / '.lock'}): wait until it "
+           "ends, or use another checkpoint.dir")  # fmt: skip
+    assert proc.returncode == 1 and 'train.py", line' not in proc.stderr  # no traceback from the ranks
+    assert [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("error: ")] == [msg]  # rank 0 once
+    assert f"  traceback : {msg}" in proc.stderr.splitlines()  # torchrun's root cause: both ranks raised it
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing written by the refused run
+
+
+def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
+    """QA4b 3: a full disk gave "RuntimeError ... unexpected pos 704 vs 598" and left step_N.tmp behind. The harness
+    makes one rank's shard writer raise OSError(ENOSPC) while saving step 3 (rank 1; rank 0 with the plain
+    optimizer, where rank 1 writes no shard)."""
+    import re
+
+    for variant in ("dopt1", "dopt0"):
+        r = dist_result[variant]
+        run = Path(r["run_dir"])
+        assert r["failed_save_dirs"] == ["step_2"]  # step_3.tmp removed, the complete checkpoint kept
+        assert r["failed_save_errors"][0] == r["failed_save_errors"][1]  # the same line on both ranks
+        head = f"saving step 3 to {run / 'step_3.tmp'} failed: rank {r['failed_rank']}: OSError: [Errno 28] No "
+        tail = f" bytes free on {run}); step_3.tmp was removed, the complete checkpoints are untouched"
+        assert re.fullmatch(
+            re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), r["failed_save_errors"][0]
+        ), r["failed_save_errors"][0]  # fmt: skip
+        # rank 0's write of model_optim/.metadata fails: the same line (rank 0), megatron's save had returned there
+        assert r["failed_metadata_dirs"] == ["step_2"]
+        assert r["failed_metadata_errors"][0] == r["failed_metadata_errors"][1]
+        head = f"saving step 3 to {run / 'step_3.tmp'} failed: rank 0: OSError: [Errno 28] No "
+        assert re.fullmatch(
+            re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), r["failed_metadata_errors"][0]
+        ), r["failed_metadata_errors"][0]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """One step of the tiny run (one process, world size 1): step_1 with model_optim/ and rng/rank_00000.pt."""
+    run = tmp_path_factory.mktemp("one_step")
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", "mpo.max_num_steps=2",
+                "scheduler.lr_warmup_steps=1", "mpo.stop_after_step=1", "mpo.val_at_end=false")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run / "step_1"
+
+
+def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_path):
+    """QA4b 5 and 7: a missing .metadata or shard file ended in tracebacks (or a rank waiting in a collective), a
+    missing RNG file of another rank was skipped without a word."""
+    def damaged(name: str, *remove: str) -> Path:
+        step = tmp_path / name / "step_1"
+        shutil.copytree(one_step, step)
+        for f in remove:
+            (step / f).unlink()
+        return step
+
+    message = ("checkpoint step_1 ({}) is damaged: missing {}; move {} away (e.g. to {}.damaged) to resume from the "
+               "previous checkpoint")  # fmt: skip
+    step = damaged("meta", "model_optim/.metadata")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value) == message.format(step, "model_optim/.metadata", step, step)
+    step = damaged("garbled")
+    (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/.metadata cannot be read (")
+    assert str(e.value).endswith(f"move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint")
+    shards = sorted(p.name for p in (one_step / "model_optim").glob("*.distcp"))
+    step = damaged("shard", f"model_optim/{shards[0]}")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value) == message.format(step, f"model_optim/{shards[0]}", step, step)
+    # a saved world size of 2 (the same as now): rank 1's RNG file is required; at another world size it is not
+    step = damaged("rng", "rng/rank_00000.pt")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 2)
+    assert str(e.value) == message.format(step, "rng/rank_00000.pt, rng/rank_00001.pt", step, step)
+    checkpoint.check_complete(step, None)
+    checkpoint.check_complete(one_step, 1)  # the intact one passes
+    assert checkpoint.missing_files(one_step, 1) == []
+    # end to end: the resume is refused in one line before the models load any state
+    step = damaged("e2e", f"model_optim/{shards[-1]}")
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={step.parent}", "mpo.max_num_steps=2",
+                "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: CheckpointError: " + message.format(
+        step, f"model_optim/{shards[-1]}", step, step)  # fmt: skip
+
+
+ORPHAN = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import monitor
+stopper = monitor.StopSignal()
+monitor.watch_parent(interval_s=0.1)
+print("ready", os.getpid(), flush=True)
+deadline = time.time() + 60
+while stopper.received is None and time.time() < deadline:
+    time.sleep(0.05)
+print("stopped by signal", stopper.received, flush=True)
+"""
+
+LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=sys.stdout, stderr=sys.stderr)
+time.sleep(600)
+"""
+
+
+def test_rank_whose_launcher_died_takes_the_sigterm_path(tmp_path):
+    """QA4b 10: after `kill -9` of torchrun the ranks (in sessions of their own) trained on. A stand-in launcher
+    starts a stand-in rank (LOCAL_RANK set, StopSignal installed) and is SIGKILLed; the rank gets SIGTERM."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = dict(os.environ, LOCAL_RANK="0", RANK="3")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    with open(out, "w") as fo, open(err, "w") as fe:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, ORPHAN, str(ROOT)], env=env, stdout=fo,
+                                    stderr=fe)  # fmt: skip
+    deadline = time.time() + 60
+    while time.time() < deadline and not out.read_text().startswith("ready"):
+        time.sleep(0.1)
+    rank_pid = int(out.read_text().split()[1])
+    launcher.kill()
+    launcher.wait()
+    while time.time() < deadline and "stopped" not in out.read_text():
+        time.sleep(0.1)
+    assert out.read_text().splitlines() == [f"ready {rank_pid}", f"stopped by signal {int(signal.SIGTERM)}"]
+    notices = [x for x in err.read_text().splitlines() if "launcher" in x]  # (import-time warnings aside)
+    assert notices == [f"rank 3: the launcher (pid {launcher.pid}) is gone: the ranks of this node send themselves "
+                       "SIGTERM, save after the current step and stop"]  # fmt: skip
+
+
+def test_watch_parent_only_under_torchrun(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    import monitor
+
+    assert monitor.watch_parent() is None

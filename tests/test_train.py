@@ -339,9 +339,16 @@ def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path,
         with pytest.raises(config_mod.ConfigError) as e:
             preflight.check_run_dir(value)
         assert str(e.value).startswith(message), (value, str(e.value))
-    preflight.check_run_dir(str(tmp_path / "new" / "run"))  # creatable: fine, and nothing is created yet
+    preflight.check_run_dir(str(tmp_path / "new" / "run"))  # creatable: created
     preflight.check_run_dir(str(tmp_path))  # an existing directory
-    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "new" / "run").is_dir()
+    # QA4b 11: root's os.access says /proc and /sys are writable, mkdir fails there (a traceback after the models)
+    for value, root_error, top in (("/proc/omni_mpo_test/run", "No such file or directory", "/proc"),
+                                   ("/sys/omni_mpo_test", "Operation not permitted", "/sys")):  # fmt: skip
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_run_dir(value)
+        why = root_error if os.geteuid() == 0 else f"no write permission on '{top}'"  # a user: os.access says no
+        assert str(e.value) == f"checkpoint.dir = '{value}' cannot be created: {why}"
     denied = {tmp_path / "ro"}  # os.access as a non-root user without write permission (root passes every check)
     monkeypatch.setattr(preflight.os, "access", lambda p, mode: Path(p) not in denied)
     (tmp_path / "ro").mkdir()
@@ -552,8 +559,8 @@ def segments(train_run, tmp_path_factory):
     with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
         f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
     second = train_run(2, run_dir, "mpo.stop_after_step=4")
-    return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, after_first=after_first,
-                           rows=_rows(run_dir))  # fmt: skip
+    return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, err=second.stderr,
+                           after_first=after_first, rows=_rows(run_dir))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -792,10 +799,11 @@ def test_golden_trace_of_the_readme_command(readme):
 
 
 def test_segment_stop_saves_and_exits(segments):
-    assert segments.after_first == ["config.json", "metrics.jsonl", "step_2"]
+    assert segments.after_first == [".lock", "config.json", "metrics.jsonl", "step_2"]
     assert "stopped after step 2 (stop_after_step)" in segments.first
     assert "resumed from" in segments.second and "step_2" in segments.second  # not the killed step_5.tmp
-    assert sorted(p.name for p in segments.dir.glob("step_*")) == ["step_2", "step_4", "step_5.tmp"]
+    assert sorted(p.name for p in segments.dir.glob("step_*")) == ["step_2", "step_4"]  # step_5.tmp removed at start
+    assert f"checkpoint: removed 1 unfinished save(s) of an earlier run in {segments.dir}: step_5.tmp" in segments.err
 
 
 def test_exact_resume_matches_uninterrupted_run(readme, segments):

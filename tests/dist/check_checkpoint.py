@@ -8,12 +8,15 @@ plain megatron optimizer, on DP = 2:
     every optimizer state tensor (Adam moments and per-parameter `step`) compared bit for bit;
   * the megatron-core Adam-step trap: what the upstream loader alone restores (step 1 / a shared tensor) vs `load`;
   * a leftover `step_3.tmp` is ignored, keep_last prunes, the run state (reward_shift) round-trips exactly;
+  * a save whose shard write fails on one rank (OSError ENOSPC) raises the same CheckpointError on both ranks and
+    removes its `.tmp`;
   * the model part reloads into TP = 2 (resharded) and gives the TP = 1 loss.
 The checkpoints go under WORK_DIR; rank 0 reports the result (tests/dist/report.py), the pytest side asserts on it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import report  # noqa: E402  (tests/dist/report.py, beside this file)
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -140,6 +144,44 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
         (run_dir / "step_3.tmp" / checkpoint.RUN_STATE_FILE).write_text("{")
     dist.barrier()
     res["dirs"] = sorted(p.name for p in run_dir.iterdir())
+
+    # A failed write (one rank's shard writer finds the disk full: rank 1, whose distributed-optimizer shards are its
+    # own; rank 0 with the plain optimizer, whose replicated state only rank 0 writes) is one CheckpointError on every
+    # rank, no rank waits in a collective, and the step's .tmp is removed.
+    write_item = filesystem_async._write_item
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    res["failed_rank"] = int(distributed_optimizer)
+    if rank == res["failed_rank"]:
+        filesystem_async._write_item = disk_full
+    try:
+        checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    filesystem_async._write_item = write_item
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    res["failed_save_errors"], res["run_dir"] = errors, str(run_dir)
+    res["failed_save_dirs"] = sorted(p.name for p in run_dir.iterdir())
+    # The coordinator's write of .metadata fails (after every shard was written): the same, no rank left waiting in
+    # megatron-core's broadcast after it.
+    base = filesystem_async.FileSystemWriterAsync.__mro__[1]  # torch's FileSystemWriter: `super().finish`
+    finish = base.finish
+    if rank == 0:
+        base.finish = disk_full
+    try:
+        checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    base.finish = finish
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    res["failed_metadata_errors"] = errors
+    res["failed_metadata_dirs"] = sorted(p.name for p in run_dir.iterdir())
 
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
     ddp, opt, sched = build(1, distributed_optimizer)
