@@ -464,7 +464,8 @@ def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "nothing to do: step 6 already reached the stop step 6"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6"]  # no wandb/, metrics.jsonl or config.json
+    # only the run-dir lock (checkpoint.lock_run_dir) besides the checkpoint: no wandb/, metrics.jsonl or config.json
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_6"]
 
 
 def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, monkeypatch, capsys):

@@ -148,39 +148,33 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     # A failed write (one rank's shard writer finds the disk full: rank 1, whose distributed-optimizer shards are its
     # own; rank 0 with the plain optimizer, whose replicated state only rank 0 writes) is one CheckpointError on every
     # rank, no rank waits in a collective, and the step's .tmp is removed.
-    write_item = filesystem_async._write_item
-
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    def failed_save(owner, name: str, failing: bool) -> list:
+        """Every rank's CheckpointError text (None: saved) of a step-3 save with `owner.name` failing on this rank."""
+        original = getattr(owner, name)
+        if failing:
+            setattr(owner, name, disk_full)
+        try:
+            checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
+            error = None
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+        finally:
+            setattr(owner, name, original)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return errors
+
     res["failed_rank"] = int(distributed_optimizer)
-    if rank == res["failed_rank"]:
-        filesystem_async._write_item = disk_full
-    try:
-        checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
-        error = None
-    except checkpoint.CheckpointError as e:
-        error = str(e)
-    filesystem_async._write_item = write_item
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    res["failed_save_errors"], res["run_dir"] = errors, str(run_dir)
+    res["failed_save_errors"] = failed_save(filesystem_async, "_write_item", rank == res["failed_rank"])
+    res["run_dir"] = str(run_dir)
     res["failed_save_dirs"] = sorted(p.name for p in run_dir.iterdir())
     # The coordinator's write of .metadata fails (after every shard was written): the same, no rank left waiting in
     # megatron-core's broadcast after it.
     base = filesystem_async.FileSystemWriterAsync.__mro__[1]  # torch's FileSystemWriter: `super().finish`
-    finish = base.finish
-    if rank == 0:
-        base.finish = disk_full
-    try:
-        checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
-        error = None
-    except checkpoint.CheckpointError as e:
-        error = str(e)
-    base.finish = finish
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    res["failed_metadata_errors"] = errors
+    res["failed_metadata_errors"] = failed_save(base, "finish", rank == 0)
     res["failed_metadata_dirs"] = sorted(p.name for p in run_dir.iterdir())
 
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
