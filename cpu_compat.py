@@ -8,7 +8,8 @@ spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mam
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
 sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not; then the model
 shims every platform needs (`MODEL_SHIMS`: the Mamba scan hook - time-step clamp and the shared-prompt scan -,
-activation recomputation in the forward's context, the routers' padding mask).
+activation recomputation in the forward's context, the routers' padding mask, the routers' evaluation mode on a row
+without real tokens).
 
 This module is the project's one boundary for platform code: every workaround of megatron-core behaviour is here (the
 non-TE modules themselves are in local_spec.py; checkpoint.py keeps two checkpoint-only ones, `_restore_adam_steps`
@@ -118,7 +119,8 @@ LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_
 TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
 # Upstream behaviour the Omni model needs changed on every platform; installed by apply() after the ones above (the
 # Mamba scan hook wraps whichever Mamba scan kernel is installed by then).
-MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask")
+MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask",
+               "_routers_without_statistics_in_context")
 
 
 def shims_for(kernels: Kernels) -> tuple[str, ...]:
@@ -707,20 +709,48 @@ def install_mamba_cp_thd_indices(partition_index: Callable[[torch.Tensor, int, i
     mcp.is_te_min_version = lambda version, *a, **k: True
 
 
-@contextlib.contextmanager
-def routers_without_statistics(module: torch.nn.Module, active: bool):
-    """Run the MoE routers of `module` in eval mode while `active` (a row with no real token, e.g. a dummy bin; used
-    by omni_model.OmniModel.forward). The rest of the model stays in training mode.
+# Set by omni_model.OmniModel.forward around the language model when its row holds no real token (a dummy bin): the
+# MoE routers then run as in evaluation (_routers_without_statistics_in_context). A context variable, not the modules'
+# `training` flag, so that activation recomputation (_recompute_in_forward_context) sees it too.
+ROUTERS_WITHOUT_STATISTICS: contextvars.ContextVar = contextvars.ContextVar("omni_routers_without_statistics",
+                                                                            default=False)
 
-    SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/moe_utils.py:141
-    With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN); its routers compute the aux losses
-    only in training mode, and the expert-bias counts are 0 anyway.
-    """
-    routers = [m for m in module.modules() if active and m.training and hasattr(m, "expert_bias")]
-    for m in routers:
-        m.training = False
+
+@contextlib.contextmanager
+def routers_without_statistics(active: bool):
+    """While `active` (the row holds no real token, e.g. a dummy bin), run every MoE router in evaluation mode: no aux
+    loss, z-loss or expert-bias counts; the rest of the model stays in training mode. Used by
+    omni_model.OmniModel.forward around the language model; it holds for the recomputed forward of activation
+    recomputation too, which runs in the forward's context. Needs the model shim
+    `_routers_without_statistics_in_context` (installed by apply())."""
+    token = ROUTERS_WITHOUT_STATISTICS.set(bool(active))
     try:
         yield
     finally:
-        for m in routers:
-            m.training = True
+        ROUTERS_WITHOUT_STATISTICS.reset(token)
+
+
+def _routers_without_statistics_in_context() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/moe/moe_utils.py:141
+    # With every token masked, megatron-core's aux loss divides 0 by 0 tokens (NaN in the router gradients); its routers
+    # compute the aux losses only in training mode, and the expert-bias counts are 0 anyway. TopKRouter.forward runs in
+    # evaluation mode while ROUTERS_WITHOUT_STATISTICS is set (routers_without_statistics). Toggling the modules'
+    # `training` flag around OmniModel's forward instead missed the recomputed forward of `model.recompute` (a dummy
+    # bin with an aux loss gave NaN router gradients).
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    forward = TopKRouter.forward
+    if getattr(forward, "_omni_context", False):
+        return
+
+    def forward_in_context(self, *args, **kwargs):
+        if not (self.training and ROUTERS_WITHOUT_STATISTICS.get()):
+            return forward(self, *args, **kwargs)
+        self.training = False
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self.training = True
+
+    forward_in_context._omni_context = True
+    TopKRouter.forward = forward_in_context

@@ -6,8 +6,9 @@
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
 
 HF import / export is hf_weights.py; the non-TE modules and specs are local_spec.py; every megatron-core workaround
-(including the three this model needs on every platform, cpu_compat.MODEL_SHIMS: the Mamba scan hook - time-step
-clamp and shared-prompt scan -, activation recomputation in the forward's context, the MoE routers' padding mask) is
+(including the four this model needs on every platform, cpu_compat.MODEL_SHIMS: the Mamba scan hook - time-step
+clamp and shared-prompt scan -, activation recomputation in the forward's context, the MoE routers' padding mask and
+their evaluation mode on a row without real tokens) is
 cpu_compat.py, installed by cpu_compat.apply() (build_model calls it). megatron-core is imported at the top: it imports
 on CPU before any shim is applied (the shims patch names megatron looks up at call time).
 
@@ -617,7 +618,7 @@ class OmniModel(nn.Module):
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
         try:
-            with cpu_compat.routers_without_statistics(self.language_model, no_real_token and self.training):
+            with cpu_compat.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:

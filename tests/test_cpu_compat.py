@@ -80,7 +80,7 @@ def test_every_shim_names_an_upstream_line_that_exists():
     names = ("_stub_paged_stash_without_triton", *cpu_compat.CPU_ONLY_SHIMS, *cpu_compat.LOCAL_SPEC_SHIMS,
              *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS, "install_mamba_cp_thd_indices")
     objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
-                                                         cpu_compat.routers_without_statistics, local_spec.LocalNorm,
+                                                         local_spec.LocalNorm,
                                                          local_spec.LocalNormColumnParallelLinear,
                                                          local_spec.ThdDotProductAttention,
                                                          checkpoint._restore_adam_steps,  # outside cpu_compat.py

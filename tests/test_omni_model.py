@@ -214,16 +214,19 @@ def _routing_step(m, batch, weight: float = 1.0):
     return counts, grads
 
 
-def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world, recompute):
     """Issue 13.1: the expert-bias token counts and the aux loss see only real tokens. The same pair padded to a
     multiple of 8 or of 64 gives the same counts (sum = real tokens x top-k) and the same router gradients; a dummy
-    bin (sample_mask 0, loss weight 0) counts nothing and adds no gradient (before: its aux loss did)."""
+    bin (sample_mask 0, loss weight 0) counts nothing and adds no gradient (before: its aux loss did). With
+    activation recomputation too (before: the recomputed forward ran the routers in training mode, and the dummy
+    bin's aux loss of 0 tokens gave NaN router gradients)."""
     import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
-    m = om.build_model(TINY, ModelConfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
-                       ParallelConfig())
+    m = om.build_model(TINY, ModelConfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+                                         recompute=recompute), ParallelConfig())
     hf_weights.load_hf_weights(m, TINY)
     m.train()
     topk, n_real = m.lm_config.moe_router_topk, 21 + 30
@@ -235,6 +238,7 @@ def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world):
     dummy = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8) | {"sample_mask": torch.zeros(2)}
     cd, gd = _routing_step(m, dummy, weight=0.0)
     assert not cd.any() and not gd.any() and torch.isfinite(gd).all()
+    assert all(r.training for r in _routers(m))  # back in training mode for the next row
 
 
 def test_image_token_count_mismatch_names_both_counts(model):
