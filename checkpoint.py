@@ -961,7 +961,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     from megatron.core import tensor_parallel
 
-    distributed.init_distributed()  # a gloo world of one on the CPU
+    distributed.init_distributed()  # a gloo world of one (build_model puts the model on the GPU when there is one)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
@@ -984,7 +984,8 @@ def main(argv: list[str] | None = None) -> int:
         help="write a checkpoint's policy as an HF checkpoint",
         description="Write the policy of a training checkpoint as an HF checkpoint that transformers loads "
         "(safetensors plus the config, tokenizer and processor files of the run's model.hf_path). Run it from the "
-        "directory the training ran in: a relative model.hf_path is relative to it. Single process, on the CPU.",
+        "directory the training ran in: a relative model.hf_path is relative to it. Single process; the HF tensors are "
+        "assembled in CPU memory.",
     )
     ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
                     "step_<N>")  # fmt: skip

@@ -380,13 +380,13 @@ if __name__ == "__main__":
     import sys
 
     from config import ModelConfig, ParallelConfig
-    from distributed import init_distributed
+    from distributed import init_distributed, local_device
     from omni_model import build_model
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    init_distributed()
+    init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
     hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
     model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
     print(load_hf_weights(model, hf_dir))
-    ids = torch.randint(32, 200, (1, 16))
+    ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
     print("logits", tuple(model({"input_ids": ids}).shape))

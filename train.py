@@ -208,17 +208,18 @@ def load_data(cfg, hf, rank: int) -> Data:
 
 def build_policy_and_reference(cfg, ctx: Ctx):
     """The policy and the frozen reference, both from model.hf_path's weights; with `reference.offload` (GPU) the
-    reference waits on the CPU between its passes. Returns (policy, reference)."""
-    models = []
-    for _ in range(2):
+    reference waits on the CPU between its passes. The reference is built first, so that with offload it has left the
+    GPU before the policy is built (one model on the GPU at a time). Returns (policy, reference)."""
+
+    def build():
         model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
         hf_weights.load_hf_weights(model, cfg.model.hf_path)
-        models.append(model)
-    policy, reference = models
-    reference.eval().requires_grad_(False)
+        return model
+
+    reference = build().eval().requires_grad_(False)
     if cfg.reference.offload and ctx.device.type == "cuda":
         reference.to("cpu")
-    return policy, reference
+    return build(), reference
 
 
 def build_scheduler(optimizer, cfg):

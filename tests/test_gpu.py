@@ -2,7 +2,7 @@
 root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU benchmark; about 4 minutes).
 
 1. CUDA fp32 parity with transformers (text; image+text; logits max-abs <= 1e-4) for each spec that imports (local
-   always; Transformer Engine's when it imports).
+   always; Transformer Engine's when it imports, <= 5e-3 relative to the largest logit: TE's fp32 GEMMs run in TF32).
 2. The tiny main job on one GPU (`torchrun --nproc-per-node 1 train.py configs/tiny.toml`), 4 steps: step-1 preference
    loss ln 2 and BCO loss 2 ln 2 within 1e-4, every logged number finite, and no tensor off the step's device
    (tests/step_cases.DeviceAudit around one in-process step, the CPU test's audit).
@@ -86,11 +86,18 @@ def test_cuda_fp32_parity_with_transformers(spec, cuda_world):
     ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0)).to(dev)
     b = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in image_text_inputs().items()}
     with torch.no_grad():
-        text = (model({"input_ids": ids}) - ref.language_model(input_ids=ids).logits[0]).abs().max().item()
-        ours = model({"input_ids": b["input_ids"], "pixel_values": b["pixel_values"],
-                      "image_grid_hw": b["image_grid_hw"]})
-        image = (ours - ref(**b).logits[0]).abs().max().item()
-    assert text <= PARITY and image <= PARITY, (text, image)
+        ref_text, ref_image = ref.language_model(input_ids=ids).logits[0], ref(**b).logits[0]
+        text = (model({"input_ids": ids}) - ref_text).abs().max().item()
+        image = (model({"input_ids": b["input_ids"], "pixel_values": b["pixel_values"],
+                        "image_grid_hw": b["image_grid_hw"]}) - ref_image).abs().max().item()
+    # Transformer Engine runs every pure-fp32 GEMM in TF32 (10-bit mantissa, no switch), so its bound is relative to
+    # the largest logit, at the tolerance of TF32 kernels elsewhere (KERNEL_TOL fp32); the local spec's torch
+    # matmuls keep TF32 off (torch's default) and meet PARITY in absolute terms
+    bound = PARITY
+    if spec == "te":
+        text, image = text / ref_text.abs().max().item(), image / ref_image.abs().max().item()
+        bound = KERNEL_TOL[torch.float32]
+    assert text <= bound and image <= bound, (text, image)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
