@@ -60,9 +60,18 @@ class Ctx:
 
 
 def local_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK 0 outside torchrun), else the CPU."""
+    """cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK 0 outside torchrun), else the CPU.
+
+    Raises config.ConfigError when LOCAL_RANK names no CUDA device of this node (more processes per node than GPUs,
+    e.g. the README's 2-rank CPU command on a one-GPU machine), before any process group or CUDA context exists.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= count:
+            raise config_mod.ConfigError(
+                f"LOCAL_RANK {local_rank}, but this node has {count} CUDA device(s): start at most {count} processes "
+                "per node (torchrun --nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

@@ -136,6 +136,23 @@ def test_kernel_selection_by_capability():
     assert hybrid_block.TENorm is WrappedTorchNorm and mamba_mixer._omni_torch_mamba
 
 
+def test_local_device_refuses_a_local_rank_without_its_gpu(monkeypatch):
+    """LOCAL_RANK n needs CUDA device n: the README's 2-rank command on a one-GPU machine is one ConfigError line naming
+    both numbers (before: `CUDA error: invalid device ordinal` from torch.cuda.set_device); without CUDA, the CPU."""
+    import config
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.local_device() == torch.device("cpu")  # this machine: no CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(config.ConfigError) as e:
+        distributed.local_device()
+    assert str(e.value) == ("LOCAL_RANK 1, but this node has 1 CUDA device(s): start at most 1 processes per node "
+                            "(torchrun --nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.local_device() == torch.device("cuda", 0)
+
+
 def test_rng_tracker_forks_the_cpu_generator():
     model_parallel_cuda_manual_seed(77)
     before = torch.get_rng_state()
