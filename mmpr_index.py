@@ -178,14 +178,17 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     stopped_early = True
                     rows.close()
                     break
+            notes = []  # kept in the index's stats, so that a cache hit repeats them (build_index warns them)
             if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
-                warnings.warn(f"subset {sub.name!r}: the meta says length = {sub.length} but {sub.annotation} has "
-                              f"{st['rows_read']} rows", DataWarning, stacklevel=3)
+                notes.append(f"{meta_path}: subset {sub.name!r}: the meta says length = {sub.length} but "
+                             f"{sub.annotation} has {st['rows_read']} rows")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:
-                warnings.warn(f"subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} "
-                              f"valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)", DataWarning, stacklevel=3)
+                notes.append(f"{meta_path}: subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its "
+                             f"{len(valid)} valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)")
+            if notes:
+                st["notes"] = notes
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
             first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
@@ -350,6 +353,9 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
         dist.destroy_process_group(wait)
     else:
         index = _load_or_build(*args, write=True)
+    for st in index.stats.values():  # the subsets' notices, on a build and on a cache hit alike
+        for note in st.get("notes", ()):
+            warnings.warn(note, DataWarning, stacklevel=2)
     if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build
         first = next((st["first_drop"] for st in index.stats.values() if "first_drop" in st), None)
         if first is not None:

@@ -285,7 +285,8 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
             mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the same notices again: kept once
             warnings.warn("something else", UserWarning, stacklevel=1)
     assert notes == [f"{meta}: subset 'sub': data_augment is not supported; images are not augmented",
-                     f"subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 rows"]
+                     f"{meta}: subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl "
+                     "has 2 rows"]
     assert [str(w.message) for w in outside] == ["something else"]  # not a data notice: passed through
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--no-cache"]) == 0
     err = capsys.readouterr().err
@@ -760,6 +761,21 @@ def test_numbered_image_placeholders(tmp_path, processor):
             assert torch.equal(getattr(ds[i], k), getattr(ds[1], k))
     assert "<image_1>" not in processor.tokenizer.decode(ds[3].chosen_ids.tolist())
     assert ds[3].chosen_ids.tolist().count(IMG_START) == 1
+
+
+def test_subset_notices_repeat_on_a_cache_hit(tmp_path, processor, monkeypatch):
+    """QA5: the meta-length notice was raised while building the index only, so a run on the cached index said
+    nothing; the notices are kept in the index's stats and repeat on every build_index."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5})
+    seen = []
+    for _ in range(2):  # a build, then a cache hit
+        with md.data_warnings([]) as notes:
+            index = mi.build_index(meta, processor, data_cfg())
+        seen.append((index.cache_status, notes))
+    length = (f"{meta}: subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 "
+              "rows")
+    assert seen == [("built", [length]), ("hit", [length])]
 
 
 def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
