@@ -66,7 +66,7 @@ class TrainDataConfig:
     max_samples: int = 0  # keep the first N valid pairs in meta/file order (first light; not random); 0 = all
     seed: int = 42  # seed of repeat_time subsampling, the validation split and the per-epoch shuffle
     shuffle: bool = True  # reshuffle the pair order every epoch
-    split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a pair count (>= 1); 0 = none
+    split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a whole pair count (>= 1); 0 = none
     max_images_per_row: int = 8  # rows with more images are dropped (reason too_many_images)
 
 
@@ -396,6 +396,10 @@ def validate(cfg: Config) -> None:
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} = {v} must be >= 0")
+    size = cfg.data.train.split_validation_size
+    if size >= 1 and size != int(size):
+        raise ConfigError(f"data.train.split_validation_size = {size}: a fraction of the pairs (< 1, e.g. 0.015) or a "
+                          "whole pair count (>= 1), not both")
     if cfg.model.moe_router_bias_update_rate < 0:
         raise ConfigError(f"model.moe_router_bias_update_rate = {cfg.model.moe_router_bias_update_rate} must be >= 0")
     if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
@@ -497,12 +501,15 @@ KNOWN_WARNINGS = (
     # backticks included (tensor_parallel/layers.py); a filter matches the message's start exactly.
     "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
 )
-KNOWN_LOG_RECORDS = {
+KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the console (a str or a tuple of str)
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",
     "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
     "transformers.configuration_utils": "You are using a model of type",  # the Omni processor's sub-configs
     "torch.utils.cpp_extension": "No CUDA runtime is found",
+    # a failed save's writer error, which checkpoint.save reports as its one CheckpointError line on every rank
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("Local worker ",
+                                                                     "An error is caught while starting worker "),
 }
 SHOW_WARNINGS_ENV = "OMNI_MPO_SHOW_WARNINGS"
 

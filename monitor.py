@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import checkpoint
 import config as config_mod
+import mmpr_data
 import mmpr_index
 import mpo_loss
 
@@ -303,16 +304,16 @@ class MetricsLog:
                 n += 1
             self.path.rename(old)
             print(
-                f"metrics: {self.path} held {len(rows)} rows of an earlier run without a checkpoint; moved to "
-                f"{old.name}, this run starts a new {self.path.name}"
+                f"metrics: {self.path} held {mmpr_data.plural(len(rows), 'row')} of an earlier run without a "
+                f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
             )
         elif rows:  # rows after the resumed step belong to a segment that died before saving
             keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
             if len(keep) < len(rows):
                 self.path.write_text("".join(r + "\n" for r in keep))
                 print(
-                    f"metrics: dropped {len(rows) - len(keep)} rows after step {resumed_step} from {self.path} "
-                    "(logged by a segment that stopped before saving)"
+                    f"metrics: dropped {mmpr_data.plural(len(rows) - len(keep), 'row')} after step {resumed_step} from "
+                    f"{self.path} (logged by a segment that stopped before saving)"
                 )
         if cfg.logging.wandb != "disabled":
             import wandb

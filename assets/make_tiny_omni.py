@@ -2,7 +2,9 @@
 
     python assets/make_tiny_omni.py [--out assets/tiny-omni]
 
-What it writes (deterministic for a given seed, torch and transformers version; the output is committed):
+What it writes (deterministic for a given seed, torch and transformers version, up to the CPU's vectorised math: on
+another CPU the Mamba `A_log` = log(1..n) of transformers' initialisation can differ in its last bit; the committed
+output is the reference that the tests' golden numbers were recorded on):
 - `config.json` in the *hub* layout of `nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16`: `llm_config` with
   `hybrid_override_pattern`, `vision_config` with RADIO `args`, `vit_hidden_size`, `projector_hidden_size`,
   `downsample_ratio`, `ps_version`, and the legacy token-id names (`img_context_token_id`, ...). Dimensions are tiny,

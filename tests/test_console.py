@@ -69,7 +69,7 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
                                        "checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
     (tmp_path / "metrics.jsonl").write_text(old)
     monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
-    assert capsys.readouterr().out == (f"metrics: dropped 1 rows after step 2 from {tmp_path / 'metrics.jsonl'} "
+    assert capsys.readouterr().out == (f"metrics: dropped 1 row after step 2 from {tmp_path / 'metrics.jsonl'} "
                                        "(logged by a segment that stopped before saving)\n")
     monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)  # nothing to drop: nothing said, nothing rewritten
     assert capsys.readouterr().out == ""
@@ -78,6 +78,23 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
 def test_quiet_known_warnings_respects_the_switch(monkeypatch):
     monkeypatch.setenv(config_mod.SHOW_WARNINGS_ENV, "1")
     assert config_mod.quiet_known_warnings() is False
+
+
+def test_a_failed_save_leaves_megatron_writer_errors_off_the_console(monkeypatch):
+    """QA5: a full disk printed megatron's writer errors (4 lines) before checkpoint.save's one CheckpointError line;
+    those records are filtered, any other record of that logger still prints."""
+    import io
+    import logging
+
+    monkeypatch.delenv(config_mod.SHOW_WARNINGS_ENV, raising=False)
+    logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(logger, "handlers", [logging.StreamHandler(out := io.StringIO())])
+    assert config_mod.quiet_known_warnings() is True
+    logger.error("Local worker 0 encountered an error: [Errno 28] No space left on device")
+    logger.error("An error is caught while starting worker 0, error: <class 'RuntimeError'>")
+    logger.error("FileSystemWriterAsync: something else")
+    assert out.getvalue() == "FileSystemWriterAsync: something else\n"
 
 
 def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(torchrun, tmp_path):

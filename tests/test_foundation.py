@@ -94,6 +94,8 @@ def test_round_trip_through_dict():
         ("mpo.reference_policy_kl_penalty=inf", "mpo.reference_policy_kl_penalty = 'inf' must be a finite number"),
         ("scheduler.lr_warmup_steps=6", "scheduler.lr_warmup_steps = 6 must be < mpo.max_num_steps = 6"),
         ("scheduler.lr_warmup_init=1.0", "scheduler.lr_warmup_init = 1.0 must be <= optimizer.lr = 0.0001"),
+        ("data.train.split_validation_size=1.5", "data.train.split_validation_size = 1.5: a fraction of the pairs "
+         "(< 1, e.g. 0.015) or a whole pair count (>= 1), not both"),  # before: int(1.5) = 1 pair, silently
     ],
 )
 def test_invalid_overrides_name_the_key(override, message):
