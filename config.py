@@ -113,7 +113,7 @@ class PolicyConfig:
 
 @dataclass
 class ReferenceConfig:
-    offload: bool = False  # keep the frozen reference model on CPU between its forward passes (GPU only)
+    offload: bool = False  # keep the frozen reference model on CPU between its forward passes (GPU only; a note on CPU)
 
 
 @dataclass

@@ -353,7 +353,7 @@ class MetricsLog:
 
 
 def print_layout(ctx, world: int) -> None:
-    """The kernels line and the parallel layout line (rank 0)."""
+    """The kernels line and the parallel layout line (rank 0), and a note when a GPU-only setting is ignored."""
     import cpu_compat
 
     p = ctx.cfg.parallel
@@ -362,6 +362,8 @@ def print_layout(ctx, world: int) -> None:
         f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
         f"EP {p.expert_model_parallel_size} on {ctx.device.type}"
     )
+    if ctx.cfg.reference.offload and ctx.device.type != "cuda":
+        print("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:

@@ -13,6 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
+
 import config as config_mod
 import monitor
 
@@ -78,6 +81,22 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
 def test_quiet_known_warnings_respects_the_switch(monkeypatch):
     monkeypatch.setenv(config_mod.SHOW_WARNINGS_ENV, "1")
     assert config_mod.quiet_known_warnings() is False
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
+    """QA5: reference.offload = true on the CPU was silently ignored; the layout lines now say so."""
+    from types import SimpleNamespace
+
+    import cpu_compat
+
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.offload={str(offload).lower()}"])
+    ctx = SimpleNamespace(cfg=cfg, dp=2, device=torch.device("cpu"))
+    monitor.print_layout(ctx, 2)
+    lines = [cpu_compat.select_kernels().line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu"]
+    if offload:
+        lines.append("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
+    assert capsys.readouterr().out.splitlines() == lines
 
 
 def test_a_failed_save_leaves_megatron_writer_errors_off_the_console(monkeypatch):
