@@ -368,7 +368,9 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                              for name, st in emptied.items())
             raise DataError(f"{meta_path}: no preference pair: repeat_time kept none of the valid rows ({what}); "
                             f"drops: {summary_drops(index)}")
-        raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}")
+        empty = [name for name, st in index.stats.items() if st["rows_read"] == 0 and "not_read" not in st]
+        hint = f"; no rows in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
+        raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}{hint}")
     return index
 
 

@@ -599,8 +599,17 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
-    with pytest.raises(md.DataError, match=r"no valid preference pair; drops: \{'image_missing': 1\}"):
+    with pytest.raises(md.DataError) as e:
         mi.build_index(meta, processor, data_cfg())
+    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'image_missing': 1}}"
+
+
+def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
+    """QA5: an empty annotation file said only 'drops: {}'; the subsets without a row are named."""
+    meta = write_set(tmp_path, [], {})
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{}}; no rows in subset(s) 'sub'"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
