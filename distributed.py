@@ -69,8 +69,8 @@ def local_device() -> torch.device:
         local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         if local_rank >= count:
             raise config_mod.ConfigError(
-                f"LOCAL_RANK {local_rank}, but this node has {count} CUDA device(s): start at most {count} processes "
-                "per node (torchrun --nproc-per-node), or hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run")
+                f"LOCAL_RANK {local_rank}, but this node has {count} CUDA device(s): start one process per GPU at most "
+                f"(torchrun --nproc-per-node {count}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
