@@ -19,6 +19,9 @@ Layout of a run directory (`checkpoint.dir`):
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
                                       crash mid-save never leaves a directory that looks complete (it is ignored, and
                                       removed by the next run's `lock_run_dir`; a failed save removes its own)
+    <dir>/step_<N>.old/               only while a second save of step N (a signal right after a periodic save)
+                                      replaces step_<N>; a run killed between the renames leaves it, and the next
+                                      run's `lock_run_dir` renames it back to step_<N> (or removes it beside one)
     <dir>/.lock                       held (fcntl.flock) by the run using the directory; holds its host, pid, Slurm job
                                       and start time (`lock_run_dir`: one run per directory)
 
@@ -64,6 +67,7 @@ import re
 import shutil
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +159,7 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
 
 LOCK_FILE = ".lock"
 TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
+OLD_RE = re.compile(r"^step_(\d+)\.old$")  # a checkpoint being replaced by a save of the same step
 _held_lock: tuple[Path, int] | None = None  # (run dir, open fd) of this process's lock: kept open until it exits
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}  # file systems without flock support
 
@@ -222,10 +227,10 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
 
     Global rank 0 creates the directory and takes an exclusive `fcntl.flock` on `<ckpt_dir>/.lock` (non-blocking),
     writes its host, pid, SLURM_JOB_ID and start time into it (JSON) and keeps it open until the process exits: the
-    kernel releases the lock on any exit, SIGKILL included, so a dead run never blocks the next one. It then removes
-    the `step_<N>.tmp` directories there (`remove_unfinished_saves`). The outcome is broadcast, so every rank raises
-    the same error and none waits in a collective. A file system without flock support (ENOLCK, EOPNOTSUPP, ENOSYS)
-    gets one notice line on stderr, and the run goes on unprotected.
+    kernel releases the lock on any exit, SIGKILL included, so a dead run never blocks the next one. It then cleans
+    up after a save that an earlier run died in (`remove_unfinished_saves`: `.tmp` removed, `.old` restored). The
+    outcome is broadcast, so every rank raises the same error and none waits in a collective. A file system without
+    flock support (ENOLCK, EOPNOTSUPP, ENOSYS) gets one notice line on stderr, and the run goes on unprotected.
 
     Raises:
         CheckpointError: another process holds the lock (an sbatch resubmitted while the job still runs, a second
@@ -248,11 +253,27 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
 
 
 def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
-    """Remove the `step_<N>.tmp` directories in `ckpt_dir` (saves killed before their rename: never complete, and up
-    to a full checkpoint's size each) with one notice line on stderr naming them; returns them. Call only while
-    holding the run directory's lock (`lock_run_dir`): a running save is a `.tmp` too."""
+    """Clean up after a run killed inside `save`; returns the directories removed. Call only while holding the run
+    directory's lock (`lock_run_dir`): a running save is a `.tmp` too.
+
+    - `step_<N>.tmp` (a save killed before its rename: never complete, and up to a full checkpoint's size) is removed.
+    - `step_<N>.old` (the earlier checkpoint of step N while `save` replaced it with a second save of the same step):
+      without `step_<N>` the run died between the two renames, and `.old` is renamed back to `step_<N>` (complete, the
+      step's first save); beside `step_<N>` it is removed (the run died while deleting it).
+    Each action gets one notice line on stderr naming the directories."""
     root = Path(ckpt_dir)
-    stale = sorted(p for p in root.iterdir() if TMP_RE.match(p.name) and p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    restored = []
+    for p in sorted(root.iterdir()):
+        m = OLD_RE.match(p.name)
+        if m and p.is_dir() and not step_dir(root, int(m.group(1))).exists():
+            p.rename(step_dir(root, int(m.group(1))))
+            restored.append(p.name)
+    if restored:
+        print(f"checkpoint: restored {len(restored)} checkpoint(s) that a replacing save of an earlier run left "
+              f"renamed in {root}: {', '.join(restored)}", file=sys.stderr)  # fmt: skip
+    stale = sorted(p for p in root.iterdir() if (TMP_RE.match(p.name) or OLD_RE.match(p.name)) and p.is_dir())
     for p in stale:
         shutil.rmtree(p)
     if stale:
@@ -412,6 +433,18 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _report_unexpected(e: BaseException, step: int) -> None:
+    """Print the traceback of a save error on this rank's stderr unless its innermost cause is an OSError (a failed
+    write: full disk, quota, permissions, which the one-line CheckpointError says in full). Anything else is a bug in
+    the state being saved, and the CheckpointError keeps only its last line."""
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    if not isinstance(inner, OSError):
+        print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
+
+
 def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path) -> None:
     """Collective: the save goes on when no rank failed; otherwise rank 0 removes `tmp` and every rank raises the
     same CheckpointError (the first failing rank's error, the free space of the file system before `tmp` was
@@ -505,6 +538,8 @@ def save(
         error = _WRITE_ERRORS[0] if _WRITE_ERRORS else e  # the shard writer's own error (megatron logs it only)
     if error is None and _WRITE_ERRORS:  # the .metadata write failed (rank 0; megatron's save returned)
         error = _WRITE_ERRORS[0]
+    if error is not None:
+        _report_unexpected(error, step)
     _raise_if_failed(error, step, ckpt_dir, tmp)  # every rank's shards and RNG file are on disk
 
     if _rank() == 0:

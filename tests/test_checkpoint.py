@@ -11,6 +11,7 @@ missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -561,7 +562,6 @@ def test_lock_run_dir_refuses_a_held_dir_and_is_free_once_the_holder_dies(tmp_pa
 
 
 def test_lock_run_dir_without_flock_support_is_one_notice(tmp_path, own_lock, monkeypatch, capsys):
-    import errno
     import fcntl
 
     def no_flock(fd, op):
@@ -578,13 +578,20 @@ def test_lock_run_dir_without_flock_support_is_one_notice(tmp_path, own_lock, mo
 
 def test_lock_run_dir_removes_unfinished_saves(tmp_path, own_lock, capsys):
     """QA4b 3: a killed save's step_N.tmp (a full checkpoint's size) stayed for good."""
-    for name in ("step_2", "step_3.tmp", "step_10.tmp"):
+    for name in ("step_2", "step_3.tmp", "step_10.tmp", "step_2.old", "step_5.old"):
         _fake_ckpt(tmp_path, name)
+    (tmp_path / "step_5.old" / "marker").write_text("5")
     (tmp_path / "step_4.tmp").write_text("")  # a file, not a save: left alone
     checkpoint.lock_run_dir(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_2", "step_4.tmp"]
+    # step_5.old: a replacing save killed between its renames, restored; step_2.old beside step_2: removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_2", "step_4.tmp", "step_5"]
+    assert (tmp_path / "step_5" / "marker").read_text() == "5"
+    assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step_5"
     assert capsys.readouterr().err == (
-        f"checkpoint: removed 2 unfinished save(s) of an earlier run in {tmp_path}: step_10.tmp, step_3.tmp\n"
+        f"checkpoint: restored 1 checkpoint(s) that a replacing save of an earlier run left renamed in {tmp_path}: "
+        "step_5.old\n"
+        f"checkpoint: removed 3 unfinished save(s) of an earlier run in {tmp_path}: step_10.tmp, step_2.old, "
+        "step_3.tmp\n"
     )
     checkpoint.lock_run_dir(tmp_path)  # nothing left: no line
     assert capsys.readouterr().err == ""
@@ -631,6 +638,50 @@ def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
         assert re.fullmatch(
             re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), r["failed_metadata_errors"][0]
         ), r["failed_metadata_errors"][0]  # fmt: skip
+
+
+def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypatch, capsys):
+    """A save failing on a bug (not an OSError) was one CheckpointError line, its traceback lost; a failed write
+    (OSError, also as the cause of another exception) stays one line."""
+    def broken_state(model, optimizer, is_loading):
+        raise TypeError("cannot shard a tensor on cuda:0 with one on cpu")
+
+    monkeypatch.setattr(checkpoint, "_sharded_state_dict", broken_state)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+    assert str(e.value).startswith(f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: TypeError: cannot shard a "
+                                   "tensor on cuda:0 with one on cpu (")  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    header = "checkpoint: rank 0: saving step 7 failed with an unexpected error:"
+    assert header in err  # after the warnings of a first megatron-core import, if any
+    err = err[err.index(header):]
+    assert err[1] == "Traceback (most recent call last):" and 'in broken_state' in "\n".join(err)
+    assert err[-1] == "TypeError: cannot shard a tensor on cuda:0 with one on cpu"
+    assert not (tmp_path / "step_7.tmp").exists()
+
+    def full_disk(model, optimizer, is_loading):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as inner:
+            raise RuntimeError("unexpected pos 704 vs 598") from inner
+
+    monkeypatch.setattr(checkpoint, "_sharded_state_dict", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+    assert "failed: OSError: [Errno 28] No space left on device (" in str(e.value)
+    assert capsys.readouterr().err == ""
+
+
+def test_save_killed_while_replacing_a_step_keeps_that_step(dist_result):
+    """A run killed inside a second save of step 2, between `step_2 -> step_2.old` and `step_2.tmp -> step_2`, left no
+    `step_2`: the resume fell back to an older checkpoint or none, and step_2.old stayed for good. The next run's
+    clean-up renames it back; the exact-resume checks above load that restored step_2."""
+    for variant in ("dopt1", "dopt0"):
+        r = dist_result[variant]
+        assert r["killed_renames"] == ["step_2", "step_2.tmp"]  # rank 0's (the report's)
+        assert r["killed_dirs"] == ["step_2.old", "step_2.tmp"]
+        assert r["restored_dirs"] == ["step_2"]
+        assert r["latest"] == "step_2"
 
 
 @pytest.fixture(scope="module")

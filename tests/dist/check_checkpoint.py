@@ -177,6 +177,36 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     res["failed_metadata_errors"] = failed_save(base, "finish", rank == 0)
     res["failed_metadata_dirs"] = sorted(p.name for p in run_dir.iterdir())
 
+    # A second save of step 2 (a signal right after a periodic save) killed between its two renames on rank 0
+    # (step_2 -> step_2.old done, step_2.tmp -> step_2 not): the next run's clean-up renames step_2.old back, and the
+    # resume below loads that restored checkpoint.
+    class Killed(BaseException):
+        pass
+
+    renames = []
+    real_rename = Path.rename
+
+    def killed_on_second_rename(self, target):  # torch's writer renames its .metadata.tmp too: not counted
+        if self.parent == run_dir:
+            renames.append(self.name)
+            if len(renames) == 2:
+                raise Killed
+        return real_rename(self, target)
+
+    Path.rename = killed_on_second_rename
+    try:
+        checkpoint.save(run_dir, 2, ddp, opt, sched, dict(run_state), keep_last=1)
+    except Killed:
+        dist.barrier()  # the barrier that ends `save` on the other ranks
+    finally:
+        Path.rename = real_rename
+    res["killed_renames"] = renames
+    res["killed_dirs"] = sorted(p.name for p in run_dir.iterdir())
+    if rank == 0:
+        checkpoint.remove_unfinished_saves(run_dir)  # what the next run's lock_run_dir does
+    dist.barrier()
+    res["restored_dirs"] = sorted(p.name for p in run_dir.iterdir())
+
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
     ddp, opt, sched = build(1, distributed_optimizer)
     restore = checkpoint._restore_adam_steps
