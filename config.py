@@ -545,6 +545,19 @@ def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str,
     return args.config, args.overrides
 
 
+def exit_cli(main) -> None:
+    """`sys.exit(main())` for a command that prints a report, with a reader that leaves early (`python config.py ... |
+    head`) ending it quietly: the BrokenPipeError's traceback becomes exit status 1 and no output, the handling the
+    Python docs give for SIGPIPE (library/signal.html, "Note on SIGPIPE")."""
+    try:
+        code = main()
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's shutdown
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the shutdown's flush must not raise again
+        code = 1
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python config.py CONFIG.toml [section.key=value ...]`: print the resolved config as JSON (exit 0), or one
     `error: ...` line on stderr (exit 1); `-h` / `--help` prints the usage (exit 0)."""
@@ -562,4 +575,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_cli(main)

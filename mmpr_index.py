@@ -526,6 +526,6 @@ if __name__ == "__main__":
 
     config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     try:
-        sys.exit(main())
+        config_mod.exit_cli(main)
     except DataError as e:  # a bad meta-recipe or path: the message names the file; a traceback would bury it
         sys.exit(f"error: {e}")

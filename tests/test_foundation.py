@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +201,19 @@ def test_config_cli_prints_resolved_json():
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("error: override 'mpo.max_num_step=3': unknown key 'mpo.max_num_step'")
+
+
+def test_config_cli_reader_leaving_early_is_quiet():
+    """`python config.py configs/tiny.toml | head` ended in a BrokenPipeError traceback. With the pipe's read end
+    closed before the config is printed: exit status 1 (the Python docs' handling of SIGPIPE), nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "config.py", "configs/tiny.toml"], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, "")
 
 
 def test_config_cli_help_and_usage_errors(capsys):
