@@ -686,15 +686,23 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 # ======================================================================================================================
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    from config import ModelConfig, ParallelConfig
+    ap = argparse.ArgumentParser(
+        prog="python omni_model.py",
+        description="Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there "
+        "is one) and print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).",
+    )
+    ap.add_argument("hf_dir", nargs="?", default="assets/tiny-omni",
+                    help="the HF checkpoint directory (default: %(default)s)")  # fmt: skip
+    hf_dir = ap.parse_args().hf_dir
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import config as config_mod
     from distributed import init_distributed, local_device
 
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
-    hf_dir = sys.argv[1] if len(sys.argv) > 1 else "assets/tiny-omni"
-    model = build_model(hf_dir, ModelConfig(hf_path=hf_dir), ParallelConfig())
+    model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
     ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
     print("logits", tuple(model({"input_ids": ids}).shape))
-

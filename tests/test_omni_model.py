@@ -495,3 +495,20 @@ def test_recompute_full_gives_the_same_gradients(model, world):
     l2, g2 = _loss_and_grads(r, batch)
     assert torch.equal(l1, l2)
     assert set(g1) == set(g2) and all(torch.allclose(g1[n], g2[n], rtol=0, atol=1e-6) for n in g1)
+
+
+@pytest.mark.parametrize("script", ["omni_model.py", "hf_weights.py"])
+def test_smoke_script_help_and_missing_checkpoint(script, tmp_path):
+    """`python omni_model.py --help` took "--help" for the checkpoint directory and ended in a FileNotFoundError
+    traceback after initialising a process group; now argparse answers both before any model work."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, script, *a], cwd=root, capture_output=True, text=True,  # noqa: E731
+                                    timeout=60)  # fmt: skip
+    help_ = run("--help")
+    assert help_.returncode == 0 and help_.stdout.startswith(f"usage: python {script} [-h] [hf_dir]")
+    bad = run(str(tmp_path))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.splitlines()[-1] == (
+        f"python {script}: error: {tmp_path}: no config.json (not an HF checkpoint directory)")
