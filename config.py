@@ -57,6 +57,13 @@ class ModelConfig:
     # the bias, as model.freeze_language_model does
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
+    # Deterministic kernels (distributed.set_deterministic): the same run twice, or a run and its resume, give the
+    # same numbers bit for bit where every kernel has a deterministic variant; slower. On a GPU: torch's
+    # use_deterministic_algorithms (warn_only: an op without a deterministic CUDA kernel, e.g. the ViT's bilinear
+    # position-embedding backward, warns once and stays nondeterministic), CUBLAS_WORKSPACE_CONFIG=:4096:8,
+    # megatron-core's deterministic_mode (TE attention with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) and mamba-ssm's
+    # deterministic Triton configs. The CPU kernels are deterministic either way.
+    deterministic_mode: bool = False
 
 
 @dataclass

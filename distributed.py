@@ -146,6 +146,53 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+# The values of the environment variables that deterministic mode needs (set by `set_deterministic` when unset).
+DETERMINISTIC_ENV = {
+    "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),  # cuBLAS's reproducible workspaces (CUDA docs, "Results
+    # reproducibility"); torch's deterministic mode needs one of them
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),  # Transformer Engine's attention; megatron-core's deterministic_mode
+    # refuses to build TE attention without it
+}
+
+
+def check_deterministic_env(enabled: bool) -> None:
+    """Refuse an environment that contradicts `model.deterministic_mode = true` (before any work).
+
+    Raises:
+        config.ConfigError: a variable of DETERMINISTIC_ENV is set to a value deterministic mode cannot run with.
+    """
+    if not enabled:
+        return
+    for name, good in DETERMINISTIC_ENV.items():
+        value = os.environ.get(name)
+        if value is not None and value not in good:
+            raise config_mod.ConfigError(
+                f"model.deterministic_mode = true but {name}={value!r} in the environment: unset it or set it to "
+                + " or ".join(repr(g) for g in good)
+            )
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels for this process when `enabled` (model.deterministic_mode); nothing otherwise.
+
+    Sets the variables of DETERMINISTIC_ENV that are unset (before the first CUDA matmul and the model build: call it
+    before `init_distributed`) and `torch.use_deterministic_algorithms(True, warn_only=True)`, which also makes
+    mamba-ssm's and megatron-core's Triton Mamba kernels choose one fixed config each (their `use_deterministic_mode`
+    reads it). megatron-core's own switch is TransformerConfig.deterministic_mode (omni_model). PyTorch's
+    reproducibility notes (docs/source/notes/randomness.rst) list the ops it changes; on the CPU every kernel this job
+    uses is deterministic already, and the switch only fills new uninitialised tensors (torch.empty) with NaN.
+
+    Raises:
+        config.ConfigError: `check_deterministic_env`.
+    """
+    if not enabled:
+        return
+    check_deterministic_env(enabled)
+    for name, good in DETERMINISTIC_ENV.items():
+        os.environ.setdefault(name, good[0])
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def destroy_distributed() -> None:
     """Wait for every rank, then tear down megatron-core's parallel state and the process group (no-op without one)."""
     if dist.is_initialized():

@@ -170,6 +170,7 @@ def _common_config_kwargs(model_cfg, parallel_cfg) -> dict:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        deterministic_mode=model_cfg.deterministic_mode,  # e.g. embedding lookups by indexing (deterministic backward)
     )
     if model_cfg.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

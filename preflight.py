@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import config as config_mod
+import distributed
 import hf_weights
 import mmpr_index
 import omni_model
@@ -29,7 +30,8 @@ def check_inputs(cfg) -> None:
         config.ConfigError: model.hf_path has no config.json or no safetensors weights; data.train.data_path is
             empty; data.train.data_path (or data.validation.data_path, when set) is not a file; the packing / parallel
             divisibility rule (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written
-            (`check_run_dir`); logging.wandb = "online" without an API key (`check_wandb`).
+            (`check_run_dir`); logging.wandb = "online" without an API key (`check_wandb`); an environment that
+            contradicts model.deterministic_mode (`distributed.check_deterministic_env`).
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
@@ -58,6 +60,7 @@ def check_inputs(cfg) -> None:
         raise config_mod.ConfigError(str(e)) from None
     check_run_dir(cfg.checkpoint.dir)
     check_wandb(cfg.logging.wandb)
+    distributed.check_deterministic_env(cfg.model.deterministic_mode)
 
 
 def check_run_dir(ckpt_dir: str) -> None:

@@ -87,6 +87,7 @@ def main(cfg) -> int:
     preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
 
     # -- distributed initialisation, seeds --------------------------------------------------------------------------
+    distributed.set_deterministic(cfg.model.deterministic_mode)  # before the first CUDA work
     ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None))
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)

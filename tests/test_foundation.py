@@ -395,3 +395,37 @@ def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
     assert (f"megatron-core {args['MEGATRON_CORE_VERSION']}, mamba-ssm {args['MAMBA_SSM_VERSION']}, causal-conv1d "
             f"{args['CAUSAL_CONV1D_VERSION']}, wandb {args['WANDB_VERSION']} and `requirements.txt`") in readme
     assert f"The image is `{args['BASE_IMAGE']}`" in readme
+
+
+def test_deterministic_mode_checks_and_sets_its_environment(monkeypatch):
+    """model.deterministic_mode: an environment that contradicts it is one ConfigError before any work; otherwise the
+    unset variables get their deterministic values and torch's deterministic algorithms go on (warn_only)."""
+    import distributed
+
+    names = list(distributed.DETERMINISTIC_ENV)
+    assert names == ["CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"]
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    distributed.check_deterministic_env(False)  # off: the environment is the user's
+    with pytest.raises(ConfigError) as e:
+        distributed.check_deterministic_env(True)
+    assert str(e.value) == ("model.deterministic_mode = true but NVTE_ALLOW_NONDETERMINISTIC_ALGO='1' in the "
+                            "environment: unset it or set it to '0'")  # fmt: skip
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ConfigError) as e:
+        distributed.set_deterministic(True)
+    assert str(e.value).endswith("CUBLAS_WORKSPACE_CONFIG=':0:0' in the environment: unset it or set it to ':4096:8' "
+                                 "or ':16:8'")  # fmt: skip
+    assert not torch.are_deterministic_algorithms_enabled()  # refused before anything was set
+    for name in names:
+        monkeypatch.delenv(name)
+    try:
+        distributed.set_deterministic(True)
+        assert [os.environ.get(n) for n in names] == [":4096:8", "0"]
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        for name in names:
+            os.environ.pop(name, None)
+    distributed.set_deterministic(False)  # off: nothing set
+    assert [os.environ.get(n) for n in names] == [None, None] and not torch.are_deterministic_algorithms_enabled()
