@@ -188,9 +188,10 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     k_segs, v_segs = k.split(segs, dim=1), v.split(segs, dim=1)
     outs = []
 
-    def sdpa(qs, ks, vs, mask=None):
-        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
-                                                                is_causal=mask is None, scale=scale)
+    def sdpa(qs, ks, vs, mask=None):  # as [1, h, n, d]: torch's fused kernels (flash, memory-efficient) take 4-D only
+        return torch.nn.functional.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                                                dropout_p=dropout_p, is_causal=mask is None,
+                                                                scale=scale)[0]
 
     for i, (a, c0, r0, e) in enumerate(spans):
         if r0 > a:
@@ -286,8 +287,8 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_
         mask = None
         if n_kv != n_q:
             mask = bottom_right_causal_mask(n_q, n_kv, q.device)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p,
-                                                   is_causal=mask is None, scale=scale))
+        outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, dropout_p=dropout_p,
+                                                   is_causal=mask is None, scale=scale)[0])  # 4-D: fused kernels
     out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
     return out.permute(1, 0, 2).reshape(query.shape[0], h * d)
 
