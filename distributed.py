@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +153,8 @@ DETERMINISTIC_ENV = {
     # reproducibility"); torch's deterministic mode needs one of them
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),  # Transformer Engine's attention; megatron-core's deterministic_mode
     # refuses to build TE attention without it
+    "MAMBA_DETERMINISTIC": ("1",),  # mamba-ssm's Triton kernels: one fixed config each (no autotuning, whose choice
+    # can vary between runs) and deterministic backward accumulation; read when mamba_ssm is imported
 }
 
 
@@ -176,9 +179,10 @@ def set_deterministic(enabled: bool) -> None:
     """Deterministic kernels for this process when `enabled` (model.deterministic_mode); nothing otherwise.
 
     Sets the variables of DETERMINISTIC_ENV that are unset (before the first CUDA matmul and the model build: call it
-    before `init_distributed`) and `torch.use_deterministic_algorithms(True, warn_only=True)`, which also makes
-    mamba-ssm's and megatron-core's Triton Mamba kernels choose one fixed config each (their `use_deterministic_mode`
-    reads it). megatron-core's own switch is TransformerConfig.deterministic_mode (omni_model). PyTorch's
+    before `init_distributed`) and `torch.use_deterministic_algorithms(True, warn_only=True)`, which mamba-ssm's
+    Triton kernels also read at run time. mamba-ssm fixes its autotuning configs when imported, which train.py does
+    before reading the config: when it is imported already and MAMBA_DETERMINISTIC was not exported, one note line on
+    stderr says to export it. megatron-core's own switch is TransformerConfig.deterministic_mode (omni_model). PyTorch's
     reproducibility notes (docs/source/notes/randomness.rst) list the ops it changes; on the CPU every kernel this job
     uses is deterministic already, and the switch only fills new uninitialised tensors (torch.empty) with NaN.
 
@@ -188,9 +192,14 @@ def set_deterministic(enabled: bool) -> None:
     if not enabled:
         return
     check_deterministic_env(enabled)
+    late = "mamba_ssm" in sys.modules and "MAMBA_DETERMINISTIC" not in os.environ
     for name, good in DETERMINISTIC_ENV.items():
         os.environ.setdefault(name, good[0])
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if late and os.environ.get("RANK", "0") == "0":  # before init_distributed: torchrun's rank
+        print("note: model.deterministic_mode: mamba-ssm was imported (with megatron-core's Mamba mixer) before the "
+              "config was read, so its Triton kernels still autotune among several configs; export "
+              "MAMBA_DETERMINISTIC=1 before the job starts for one fixed config each", file=sys.stderr)
 
 
 def destroy_distributed() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -397,13 +398,13 @@ def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
     assert f"The image is `{args['BASE_IMAGE']}`" in readme
 
 
-def test_deterministic_mode_checks_and_sets_its_environment(monkeypatch):
+def test_deterministic_mode_checks_and_sets_its_environment(monkeypatch, capsys):
     """model.deterministic_mode: an environment that contradicts it is one ConfigError before any work; otherwise the
     unset variables get their deterministic values and torch's deterministic algorithms go on (warn_only)."""
     import distributed
 
     names = list(distributed.DETERMINISTIC_ENV)
-    assert names == ["CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"]
+    assert names == ["CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "MAMBA_DETERMINISTIC"]
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
     distributed.check_deterministic_env(False)  # off: the environment is the user's
     with pytest.raises(ConfigError) as e:
@@ -418,14 +419,22 @@ def test_deterministic_mode_checks_and_sets_its_environment(monkeypatch):
                                  "or ':16:8'")  # fmt: skip
     assert not torch.are_deterministic_algorithms_enabled()  # refused before anything was set
     for name in names:
-        monkeypatch.delenv(name)
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "mamba_ssm", types.ModuleType("mamba_ssm"))  # imported before the config
+    monkeypatch.delenv("RANK", raising=False)
     try:
         distributed.set_deterministic(True)
-        assert [os.environ.get(n) for n in names] == [":4096:8", "0"]
+        assert [os.environ.get(n) for n in names] == [":4096:8", "0", "1"]
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert capsys.readouterr().err == (
+            "note: model.deterministic_mode: mamba-ssm was imported (with megatron-core's Mamba mixer) before the "
+            "config was read, so its Triton kernels still autotune among several configs; export "
+            "MAMBA_DETERMINISTIC=1 before the job starts for one fixed config each\n")
+        distributed.set_deterministic(True)  # exported (here: by the first call): no note
+        assert capsys.readouterr().err == ""
     finally:
         torch.use_deterministic_algorithms(False)
         for name in names:
             os.environ.pop(name, None)
     distributed.set_deterministic(False)  # off: nothing set
-    assert [os.environ.get(n) for n in names] == [None, None] and not torch.are_deterministic_algorithms_enabled()
+    assert [os.environ.get(n) for n in names] == [None] * 3 and not torch.are_deterministic_algorithms_enabled()
