@@ -142,6 +142,31 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert r["scan"]["torch"]["fwd_bwd_s"] > 0
 
 
+def test_scan_bench_records_a_failing_kernel_and_times_the_others(monkeypatch, capsys):
+    """A kernel that raised (a Triton build error, an out-of-memory) ended bench.py --gpu and lost every number; it is
+    now recorded as an error row while the other kernels are timed, each result printed on stderr as it ends."""
+    import bench
+    import mamba_torch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nsecond line")
+
+    monkeypatch.setattr(bench, "mamba_scan_kernels", lambda device: {"torch": mamba_torch.mamba_chunk_scan_combined,
+                                                                     "mamba-ssm-src": broken})  # fmt: skip
+    monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
+    sc = bench.scan_bench("cpu", bench.TINY_GPU_SHAPE, reps=1)
+    assert sc["mamba-ssm-src"] == {"error": "RuntimeError: PassManager::run failed"}
+    assert sc["torch"]["fwd_bwd_s"] > 0 and sc["mamba_deterministic"] == "1"
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bench] gpu scan ")]
+    assert [ln.split()[3] for ln in err] == ["torch", "mamba-ssm-src"]
+    assert json.loads(err[1].split(" ", 4)[4]) == sc["mamba-ssm-src"]
+    rows = bench.scan_rows(sc)
+    assert [r[0] for r in rows] == ["Mamba-2 scan torch, T=512 float32", "Mamba-2 scan mamba-ssm-src, T=512 float32"]
+    assert rows[1][1:4] == ("fwd+bwd", "failed", "RuntimeError: PassManager::run failed")
+    sc["mamba-ssm-src"] = dict(sc["torch"])  # as if it ran: labelled with mamba-ssm's fixed configs
+    assert bench.scan_rows(sc)[1][0] == "Mamba-2 scan mamba-ssm-src (fixed configs), T=512 float32"
+
+
 def test_gpu_flag_without_cuda_is_one_line_and_nonzero(tmp_path):
     import torch
 
