@@ -507,6 +507,10 @@ KNOWN_WARNINGS = (
     # nothing to split in them; the attention / Mamba / shared-expert layers keep SP. megatron-core 0.19.2's text,
     # backticks included (tensor_parallel/layers.py); a filter matches the message's start exactly.
     "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
+    # MAMBA_DETERMINISTIC=1 exported before the start (model.deterministic_mode, tests/gpu_check.sh): megatron-core's
+    # and mamba-ssm's Triton Mamba kernels take one fixed config each and advise Triton's cached autotuning instead
+    "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",
+    "Deterministic mode: upgrade to Triton >= 3.4.0",
 )
 KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the console (a str or a tuple of str)
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",

@@ -60,7 +60,7 @@ if [ ${#sdists[@]} -gt 0 ] && [ -z "${OMNI_MAMBA_SSM_SRC:-}" ]; then
   fi
 fi
 t0=$SECONDS
-deps=$("$PY" - <<'PY' 2>&1
+deps=$("$PY" -W ignore - <<'PY' 2>"$OUT/deps.log" | tail -1
 # the project's requirements that this check needs (torch, torchvision and numpy stay the machine's own CUDA builds)
 import importlib.metadata as md
 need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "einops": None, "psutil": None, "safetensors": None,
@@ -100,18 +100,22 @@ row "kernel selection" "$([ -n "$kernels" ] && echo ok || echo FAIL)" 0 "${kerne
 # slow launch part still leaves the parity, audit and kernel results) --------------------------------------------------
 LAUNCHES="main_job or resume or bf16_trains"  # the tests of the `runs` fixture: five train.py launches
 gpu_tests() {  # name, time limit, -k expression
-  local t0=$SECONDS rc summary last log="$OUT/test_gpu_$1.log"
+  local t0=$SECONDS rc summary last reason log="$OUT/test_gpu_$1.log"
   # -v: one line per test as it ends, so a part killed at its time limit still reports the tests it finished
-  timeout "$2" "$PY" -m pytest -v -rfEs -p no:cacheprovider tests/test_gpu.py -k "$3" >"$log" 2>&1
+  COLUMNS=240 timeout "$2" "$PY" -m pytest -v -rfEs -p no:cacheprovider tests/test_gpu.py -k "$3" >"$log" 2>&1
   rc=$?
-  summary=$(tail -1 "$log")
+  summary=$(tail -1 "$log" | sed -E 's/^=+ //; s/ =+$//')
   [ $rc -eq 124 ] && summary="killed at the ${2}s limit"
   row "tests/test_gpu.py ($1)" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "rc $rc: $summary"
   while read -r name status rest; do
+    rest=$(sed -E 's/ *\[ *[0-9]+%\]$//' <<<"$rest")  # the progress column
     case "$status" in
       PASSED) row "  ${name#tests/test_gpu.py::}" ok "" "" ;;
       SKIPPED) row "  ${name#tests/test_gpu.py::}" skip "" "${rest:0:90}" ;;
-      FAILED|ERROR) row "  ${name#tests/test_gpu.py::}" FAIL "" "$status (reason at the end of $log)" ;;
+      FAILED|ERROR)  # the reason from pytest's short summary (-rfE): "FAILED tests/test_gpu.py::name - reason"
+        reason=$(grep -F "$status $name - " "$log" | head -1)
+        row "  ${name#tests/test_gpu.py::}" FAIL "" "${reason:+${reason#*" - "}}"
+        ROWS[-1]="${ROWS[-1]:0:200}" ;;
     esac
   done < <(grep -E '^tests/test_gpu\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)' "$log")
   last=$(grep -E '^tests/test_gpu\.py::' "$log" | tail -1)
