@@ -996,7 +996,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     from megatron.core import tensor_parallel
 
-    distributed.init_distributed()  # a gloo world of one (build_model puts the model on the GPU when there is one)
+    # a world of one on the device the model is built on (build_model: the GPU when there is one; nccl there, as in
+    # training, gloo on the CPU); CUDA_VISIBLE_DEVICES= exports on the CPU (e.g. beside a job holding the GPUs)
+    distributed.init_distributed(device=distributed.local_device())
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     _use_in_process_write_queue()
