@@ -895,7 +895,10 @@ def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
             # a difference of two ~1e3 log-prob sums (x beta): fp32 summation noise is ~1e-6 here
             assert a["rewards/margin"] == pytest.approx(b["rewards/margin"], abs=1e-5), (name, a["step"])
         assert [r["num_global_pairs"] for r in run.rows] == [4, 4]
-        _assert_same_state(ref_state, _loaded_state(run.dir / "step_2", *SHORT), name)
+        # one Adam step at lr 1e-4: a near-zero gradient (|g| ~ Adam's eps) turns fp32 noise into up to ~1% of lr, as
+        # PARAM_ATOL_AFTER_3_STEPS says for lr 1e-3 (pad64: 2.6e-7 in three embedding rows on an AMD EPYC, < 1e-9 on
+        # every other tensor; the recording Xeon stayed under 1e-7)
+        _assert_same_state(ref_state, _loaded_state(run.dir / "step_2", *SHORT), name, atol=1e-6)
 
 
 def test_lr_zero_and_bias_rate_zero_keep_the_policy_equal_to_the_reference(frozen):
