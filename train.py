@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import sys
 import time
@@ -129,11 +130,29 @@ def main(cfg) -> int:
     bar = monitor.progress_bar(cfg, run["step"], rank)
     t_start, steps_done = time.perf_counter(), 0
     ddp.train()
+    saved_step = run["step"]  # the step of the latest checkpoint (0: none yet)
     while True:
         t0 = time.perf_counter()
-        step_data = next(loader)
+        step_data, error = None, None
+        try:
+            step_data = next(loader)
+        except mmpr_data.DataError as e:  # e.g. an image changed since the index was built, on any one rank
+            error = e
+        error = agreed_error(error, ctx)  # every rank stops with the same error, none waits in a collective
+        if error is not None:
+            if run["step"] > saved_step:  # keep the finished steps: fix the data, then resume from here
+                save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
+                saved_step = run["step"]
+            raise mmpr_data.DataError(f"{error} (before step {run['step'] + 1}; {last_saved(saved_step, cfg)})")
         batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-        metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+        try:
+            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+        except DivergedError as e:
+            raise DivergedError(
+                f"step {run['step'] + 1}: {e}: the run diverged ({last_saved(saved_step, cfg)}); start again with a "
+                "lower optimizer.lr (or a smaller optimizer.clip_grad), from model.hf_path or from an export of an "
+                "earlier step (a resume keeps the saved LR schedule)"
+            ) from None
         advance_run_state(run, step_data, metrics, new_shift)
         steps_done += 1
         tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
@@ -159,6 +178,7 @@ def main(cfg) -> int:
         periodic = cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0
         if at_end or segment_end or stop or periodic:
             save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
+            saved_step = step
         if at_end or segment_end or stop:
             break
 
@@ -353,6 +373,60 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
         print(f"saved {path}")
 
 
+def last_saved(saved_step: int, cfg) -> str:
+    """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
+    if saved_step <= 0:
+        return "no checkpoint was saved"
+    return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
+
+
+def agreed_error(error: Exception | None, ctx: Ctx) -> Exception | None:
+    """Collective over the world: None when no rank has an error, else the error of the lowest failing rank, the same
+    exception on every rank. A bad pair is loaded by one DP rank only; raised there alone, the other ranks would wait
+    in the step's first collective until the failing rank's exit broke it ("Connection closed by peer" tracebacks),
+    and global rank 0, which prints the error line, might not be the failing rank.
+
+    One int all-reduce per call on the step's device; the error objects travel (pickled) only when some rank failed.
+    """
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return None
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next(e for e in errors if e is not None)
+
+
+class DivergedError(RuntimeError):
+    """The loss or the gradients of a step are not finite: the optimizer step is not taken (train.py reports it in one
+    line, naming the step and the latest checkpoint)."""
+
+
+def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
+    """Collective over the world, before the optimizer step: the step's losses and metrics (`local`, this rank's sums)
+    and δ's reward sum are finite, and so is every gradient in megatron DDP's buffers (one isfinite pass over them).
+    A NaN or inf anywhere would otherwise go into the weights, the Adam moments and δ, and from there into every
+    later step and checkpoint (megatron-core checks gradients only under a loss scaler, i.e. fp16, or with its DDP's
+    check_for_nan_in_grad, which raises from inside the gradient reduction).
+
+    Raises:
+        DivergedError: on every rank when any rank found a non-finite value (what: loss, gradients or both).
+    """
+    loss_bad = not all(math.isfinite(v) for v in local.values()) or not math.isfinite(reward_sum)
+    grad_bad = False
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        if buffer.grad_data is not None and not bool(torch.isfinite(buffer.grad_data).all()):
+            grad_bad = True
+            break
+    flags = torch.tensor([int(loss_bad), int(grad_bad)], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    loss_bad, grad_bad = (bool(f) for f in flags.tolist())
+    if loss_bad or grad_bad:
+        what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", grad_bad)) if bad)
+        raise DivergedError(f"{what} {'is' if what == 'the loss' else 'are'} not finite (NaN or inf); the weights "
+                            "were not updated")
+
+
 # ======================================================================================================================
 # One microbatch, one step, one validation
 
@@ -462,9 +536,12 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
         batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True
     )
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
+    check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
     with cpu_compat.cuda_to_cpu():
         _, grad_norm, _ = optimizer.step()
+    if not math.isfinite(grad_norm):  # finite gradients whose squares overflowed the norm (fp32: |g| > ~1e19)
+        raise DivergedError(f"the gradient norm is {grad_norm} (finite gradients, whose norm overflowed)")
     scheduler.step(increment=1)
     stats = torch.tensor([r_sum, r_count], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(stats, group=ctx.dp_group)
@@ -519,7 +596,7 @@ if __name__ == "__main__":
     path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
     try:
         code = main(config_mod.load_config(path, overrides))
-    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError) as e:
+    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError) as e:
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
         monitor.report_error(e)

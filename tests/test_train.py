@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -504,11 +505,11 @@ def env(torchrun, tmp_path_factory):
 @pytest.fixture(scope="module")
 def train_run(torchrun, env):
     """`train_run(nproc, run_dir, *overrides)`: `train.py configs/tiny.toml checkpoint.dir=run_dir *overrides` on
-    `nproc` ranks through the torchrun fixture; fails the test on a non-zero exit."""
+    `nproc` ranks through the torchrun fixture; fails the test on a non-zero exit unless check=False."""
 
-    def run(nproc: int, run_dir: Path, *overrides: str, timeout: int = 300):
+    def run(nproc: int, run_dir: Path, *overrides: str, timeout: int = 300, check: bool = True):
         return torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *overrides, nproc=nproc,
-                        env={"HF_DATASETS_CACHE": env["HF_DATASETS_CACHE"]}, timeout=timeout)  # fmt: skip
+                        env={"HF_DATASETS_CACHE": env["HF_DATASETS_CACHE"]}, timeout=timeout, check=check)  # fmt: skip
 
     return run
 
@@ -1022,3 +1023,63 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     assert n_old == train.count_global_pairs(s["batches"], s["ctx"]) == 4
     assert any("_count_pairs_before_issue_12: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
         old.violations
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runs that stop on an error mid-way
+
+
+def test_a_pair_that_fails_mid_run_stops_every_rank_in_one_line_and_keeps_the_finished_steps(
+        train_run, env, tmp_path, monkeypatch):
+    """An image emptied after the index was built, loaded at step 3 by one DP rank: that rank raised its DataError
+    alone, rank 1 died in a gloo "Connection closed by peer" traceback (and when the bad pair was rank 1's, global
+    rank 0 printed no error line at all), and steps 1-2 were lost. Now every rank raises the same DataError before
+    step 3, after saving step 2."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "mmpr_sample", data)
+    meta = data / "MMPR-sample" / "meta.json"
+    over = [f"model.hf_path={ROOT / 'assets' / 'tiny-omni'}", f"data.train.data_path={meta}", "mpo.max_num_steps=6",
+            "mpo.val_at_end=false"]  # fmt: skip
+    # the pairs of step 3 as train.py samples them (the index built here is the one the run then loads from cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", over)
+    d = train.load_data(cfg, train.omni_model.read_hf_config(cfg.model.hf_path), rank=1)
+    gbs = cfg.policy.train_global_batch_size
+    seen = {p for _ in range(2) for p in d.sampler.take(gbs)}  # steps 1 and 2
+    ix = d.train_split.index
+    path_ids = lambda p: {int(ix.image_path_id[j]) for j in range(int(ix.image_start[p]),  # noqa: E731
+                                                                   int(ix.image_start[p] + ix.num_images[p]))}
+    used_before = set().union(*(path_ids(p) for p in seen))
+    bad = next(i for p in d.sampler.take(gbs) for i in sorted(path_ids(p)) if i not in used_before)
+    Path(ix.image_paths[bad]).write_bytes(b"")  # emptied after the index was built
+    run = tmp_path / "run"
+    proc = train_run(2, run, *over, check=False)
+    assert proc.returncode == 1 and "Connection closed" not in proc.stderr
+    assert 'train.py", line' not in proc.stderr  # no rank's traceback (torchrun's own report has one)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: DataError: ") and "image_unreadable" in errors[0], errors
+    assert errors[0].endswith(f"(before step 3; the latest checkpoint is {run / 'step_2'})")
+    assert [r["step"] for r in _rows(run)] == [1, 2] and sorted(p.name for p in run.glob("step_*")) == ["step_2"]
+
+
+def test_a_diverging_run_stops_before_the_update_in_one_line(train_run, tmp_path):
+    """optimizer.lr = 100: step 4's gradients were NaN, megatron's Adam put them into the weights, metrics.jsonl got
+    `"grad_norm": NaN` (not JSON), and step 5 died in a ValueError traceback of the reward-shift update on every rank.
+    Now the step whose loss or gradients are not finite stops the run before its update, in one line."""
+    run = tmp_path / "run"
+    proc = train_run(2, run, "mpo.max_num_steps=10", "optimizer.lr=100", "checkpoint.save_period=2", check=False)
+    assert proc.returncode == 1 and 'train.py", line' not in proc.stderr  # no rank's traceback
+    rows = _rows(run)  # the finite steps (3 on the machines seen; where it diverges is the machine's rounding)
+    assert len(rows) >= 2 and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert "NaN" not in (run / "metrics.jsonl").read_text() and "Infinity" not in (run / "metrics.jsonl").read_text()
+    saved = run / f"step_{2 * (len(rows) // 2)}"
+    assert sorted(p.name for p in run.glob("step_*")) == [saved.name]  # step_N of save_period 2, no later write
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    want = (re.escape(f"error: DivergedError: step {len(rows) + 1}: ")
+            + r"(the loss|the gradients|the loss and the gradients) (is|are) not finite \(NaN or inf\); the "
+            + re.escape(f"weights were not updated: the run diverged (the latest checkpoint is {saved}); start "
+                        "again with a lower optimizer.lr (or a smaller optimizer.clip_grad), from model.hf_path or from "
+                        "an export of an earlier step (a resume keeps the saved LR schedule)"))
+    assert len(errors) == 1 and re.fullmatch(want, errors[0]), errors
