@@ -170,7 +170,11 @@ def main(cfg) -> int:
         if data.val_split is not None and (
             (cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end)
         ):
-            vm = validate(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+            try:
+                vm = validate(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+            except mmpr_data.DataError as e:  # on every rank (validate agrees on it): keep the finished steps
+                save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
+                raise mmpr_data.DataError(f"{e}; {last_saved(step, cfg)}") from None
             log.log(step, vm, split="validation")
             monitor.print_validation(step, vm, rank)
         stop = stopper.should_stop(ctx.device)
@@ -571,7 +575,14 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
     pairs_seen = 0
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
-        pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
+        pairs, error = {}, None
+        try:
+            pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
+        except mmpr_data.DataError as e:
+            error = e
+        error = agreed_error(error, ctx)  # as in training: every rank stops with it
+        if error is not None:
+            raise mmpr_data.DataError(f"{error} (validation)")
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs(reference, batches, ctx)
