@@ -1128,6 +1128,8 @@ def scan_rows(sc: dict) -> list[tuple[str, ...]]:
 
 def table(res: dict) -> str:
     """The results as one Markdown table: item | metric | ours | baseline | ratio."""
+    from mmpr_data import plural
+
     rows = []
     if "packing" in res:
         p = res["packing"]
@@ -1168,7 +1170,8 @@ def table(res: dict) -> str:
              f"{t['pairs_per_s_baseline']:.2f}", f"{t['speed_ratio']:.2f}x the speed"),
             ("MPO step vs transformers", "tokens/s", f"{t['tokens_per_s_ours']:.0f}",
              f"{t['tokens_per_s_baseline']:.0f}", f"{t['speed_ratio']:.2f}x the speed"),
-            ("MPO step vs transformers", f"step, 8 pairs per bin ({t['microbatches_ours_8_per_bin']} microbatches)",
+            ("MPO step vs transformers",
+             f"step, 8 pairs per bin ({plural(t['microbatches_ours_8_per_bin'], 'microbatch')})",
              f"{t['step_s_ours_8_per_bin']:.3f} s", f"{t['step_s_baseline']:.3f} s",
              f"{t['speed_ratio_8_per_bin']:.2f}x the speed"),
             ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",

@@ -116,8 +116,11 @@ NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")
 
 
 def plural(n: int, noun: str) -> str:
-    """`n` and `noun`, plural unless n == 1: plural(1, "image") = "1 image", plural(2, "image") = "2 images"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    """`n` and `noun`, plural unless n == 1: plural(1, "image") = "1 image", plural(2, "image") = "2 images",
+    plural(2, "microbatch") = "2 microbatches" (-es after s, x, ch, sh)."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "x", "ch", "sh")) else f"{n} {noun}s"
 
 
 class DataWarning(UserWarning):

@@ -224,6 +224,7 @@ def check_splits(train_split, val_split, cfg):
     validation batch can hold only oversized pairs. The count is a console note and `Split.dropped_oversized` (the
     `dropped_oversized` metric of every training row). The choice is the same on every rank (the index is) and on a
     resume with the same settings (the sampler's state checks its pair count). Without the switch nothing is dropped.
+    A separate validation meta-recipe that reads some of the training annotation files gets a note.
 
     Raises:
         config.ConfigError: a training or validation pair larger than packing.max_tokens_per_bin without
@@ -232,6 +233,13 @@ def check_splits(train_split, val_split, cfg):
             would repeat pairs).
     """
     notes = []
+    if val_split is not None and val_split.index is not train_split.index and \
+            set(val_split.index.annotation_files) & set(train_split.index.annotation_files):
+        same = sorted(set(val_split.index.annotation_files) & set(train_split.index.annotation_files))
+        notes.append(
+            f"validation: data.validation.data_path shares {len(same)} annotation file(s) with the training data "
+            f"(e.g. {same[0]}): those validation pairs are training pairs"
+        )
     if val_split is not None and not val_split.pair_ids:
         notes.append(
             f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "

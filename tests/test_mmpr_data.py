@@ -401,6 +401,7 @@ def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, process
                                  f"{sub}:2: 1 <image> placeholder for 2 images"],
         "too_many_images": [f"{sub}:3: 3 images > data.train.max_images_per_row = 2"]}
     assert md.plural(0, "image") == "0 images" and md.plural(1, "image") == "1 image"
+    assert md.plural(2, "microbatch") == "2 microbatches" and md.plural(1, "microbatch") == "1 microbatch"
 
 
 def test_repeat_time(tmp_path, processor):

@@ -122,8 +122,8 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 class _FakeIndex:
     """The part of mmpr_data.PairIndex that preflight.check_splits reads."""
 
-    def __init__(self, lengths):
-        self._lengths = lengths
+    def __init__(self, lengths, annotation_files=("a.jsonl",)):
+        self._lengths, self.annotation_files = lengths, list(annotation_files)
 
     def __len__(self):
         return len(self._lengths)
@@ -233,6 +233,21 @@ def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empt
     assert val is None and notes == ["validation: data.train.split_validation_size = 4.0 of 5 pairs is 0 pairs: "
                                      "no validation"]  # fmt: skip
     assert (train.pair_ids, train.dropped_oversized) == ([0, 1, 4], 0)
+
+
+def test_check_splits_notes_a_validation_meta_that_reads_training_files():
+    """data.validation.data_path = the training meta-recipe gave 'data: 34 train pairs, 34 validation pairs' without
+    a word that they are the same pairs."""
+    from mmpr_index import Split
+
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=2"])
+    train = Split(_FakeIndex({0: (10, 10), 1: (10, 10)}, ["/d/a.jsonl", "/d/b.jsonl"]), [0, 1])
+    for files, want in ((["/d/b.jsonl", "/d/c.jsonl"], ["validation: data.validation.data_path shares 1 annotation "
+                                                        "file(s) with the training data (e.g. /d/b.jsonl): those "
+                                                        "validation pairs are training pairs"]),
+                        (["/e/a.jsonl"], [])):  # fmt: skip
+        _, _, notes = preflight.check_splits(train, Split(_FakeIndex({0: (10, 10)}, files), [0]), cfg)
+        assert notes == want, files
 
 
 def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_batch_is_empty():
