@@ -51,6 +51,9 @@ Command line (export the trained policy as a Hugging Face checkpoint that transf
 
     python checkpoint.py export RUN_DIR OUT_DIR      # RUN_DIR: a run directory (latest step) or one step_<N>
 
+OUT_DIR must be new, empty, or an earlier export (it holds EXPORT_INFO_FILE, which every export writes: the source
+checkpoint, its step, the base model.hf_path and the date); anything else is refused before any file is written.
+
 Tests: `pytest tests/test_checkpoint.py`.
 """
 
@@ -82,6 +85,9 @@ RNG_DIR = "rng"
 # The distributed optimizer's checkpoint format, a choice on its merits (module docstring); megatron-core 0.19.2's
 # default (`fully_sharded_model_space`) also raises "flattened_range is not supported" without TE/Apex.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Written into every export's OUT_DIR (provenance: source checkpoint, step, base model.hf_path, date, complete): marks
+# the directory as an export that a later export may overwrite (`check_export_dir`); transformers ignores it.
+EXPORT_INFO_FILE = "omni_mpo_export.json"
 
 
 class CheckpointError(RuntimeError):
@@ -926,10 +932,13 @@ def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Pat
     metrics.jsonl or a step_<N>/): the export writes config.json (the HF one) over the run's resolved config. A new
     directory inside the run directory (e.g. RUN/hf) is fine. Also refused: the run's `model.hf_path` (`hf_path`,
     relative to the working directory), the source of the reference weights, of every resume and of the files the
-    export copies. Paths are compared after resolving symlinks.
+    export copies. Paths are compared after resolving symlinks. Otherwise `out_dir` must not exist, be an empty
+    directory, or be an earlier export (it holds EXPORT_INFO_FILE): the export writes config.json, tokenizer and
+    processor files and safetensors over any of the same name, so an unrelated directory (e.g. /tmp) is refused.
 
     Raises:
-        CheckpointError: one line naming the directory and what it holds.
+        CheckpointError: one line naming the directory and what it holds: the checkpoint, its run directory, another
+            run, the run's model.hf_path, an existing file, or a non-empty directory that is not an earlier export.
     """
     out, src = Path(out_dir).resolve(), Path(source).resolve()
     if hf_path is not None and out == Path(hf_path).resolve():
@@ -953,6 +962,18 @@ def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Pat
                 f"export directory {out_dir} holds a training run (config.json, {', '.join(sorted(held))}); the "
                 "export would overwrite its config.json; choose another OUT_DIR"
             )
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(
+            f"export directory {out_dir} is an existing file, not a directory; choose another OUT_DIR"
+        )
+    if out.is_dir() and not (out / EXPORT_INFO_FILE).is_file():
+        names = sorted(p.name for p in out.iterdir())
+        if names:
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} entries)" if len(names) > 3 else "")
+            raise CheckpointError(
+                f"export directory {out_dir} is not empty ({shown}) and not an earlier export (no {EXPORT_INFO_FILE}); "
+                "the export would overwrite files there: choose a new or empty OUT_DIR"
+            )
 
 
 def export(ckpt: str | Path, out_dir: str | Path) -> Path:
@@ -960,13 +981,15 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     Single process: builds the model with TP = CP = EP = 1 from the saved config's `model.hf_path`, loads the
     (resharded) weights, and calls hf_weights.export_hf, which writes safetensors plus the original config,
-    tokenizer and processor files of `model.hf_path`.
+    tokenizer and processor files of `model.hf_path`, then EXPORT_INFO_FILE (provenance; written first with
+    "complete": false, so an interrupted export is still recognised as one and may be exported over).
 
     Raises:
         CheckpointError: no complete checkpoint at `ckpt`; its run_state.json cannot be read or holds no "config";
             the saved config does not load in this version (an unknown key or a value `config.validate` refuses,
             e.g. a checkpoint of a version before a key was renamed: the config.ConfigError's text, naming the key);
-            `out_dir` is the run, holds one or is its model.hf_path (`check_export_dir`);
+            `out_dir` is the run, holds one or is its model.hf_path, is a file, or is a non-empty directory that is
+            not an earlier export (`check_export_dir`); `out_dir` cannot be created or written;
             the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing or
             truncated file (`check_complete`: .metadata, a shard file).
     """
@@ -990,6 +1013,10 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             f"{os.getcwd()}; run the export from the directory the training ran in"
         )
     check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
+    info = {"source": os.path.abspath(path), "step": _saved_step(path),
+            "model.hf_path": os.path.abspath(cfg.model.hf_path),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "complete": False}
+    _write_export_info(out_dir, info)  # before the model is built: a directory that cannot be written fails here
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False
@@ -1006,7 +1033,28 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     loaded = _load_shards({"model": model_sd}, path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])
     hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
+    _write_export_info(out_dir, info | {"complete": True})  # after export_hf, which copies the source's files
     return Path(out_dir)
+
+
+def _saved_step(path: Path) -> int | None:
+    """The step in `<path>/run_state.json` (None when it holds none); the file was read once already."""
+    step = json.loads((path / RUN_STATE_FILE).read_text()).get("step")
+    return step if isinstance(step, int) else None
+
+
+def _write_export_info(out_dir: str | Path, info: dict[str, Any]) -> None:
+    """Create `out_dir` (with its parents) and write EXPORT_INFO_FILE there.
+
+    Raises:
+        CheckpointError: the directory cannot be created or the file written (the OSError's reason).
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    except OSError as e:
+        raise CheckpointError(f"export directory {out_dir} cannot be written: {e.strerror or e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1026,8 +1074,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
                     "step_<N>")  # fmt: skip
-    ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF checkpoint (not the run, nor one holding "
-                    "a run, nor the run's model.hf_path)")  # fmt: skip
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF checkpoint: a new or empty directory, "
+                    f"or an earlier export (it holds {EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the "
+                    "run's model.hf_path")  # fmt: skip
     args = ap.parse_args(argv)
     import config as config_mod
 

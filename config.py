@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -37,7 +38,9 @@ class ConfigError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The tree. Units are in the comments; names follow NeMo-RL's MPO recipe config (its dpo / MPOLossConfig keys, e.g.
-# reference_policy_kl_penalty, bco_loss_weight) where it has one.
+# reference_policy_kl_penalty, bco_loss_weight) where it has one. The path-valued fields are PATH_KEYS (below the tree):
+# a leading `~` or `~user` in them is expanded when the config is loaded (`expand_user_paths`), in a TOML file as in an
+# override, so every reader (preflight, data loader, checkpoints, the printed config) sees the expanded path.
 
 
 @dataclass
@@ -201,6 +204,17 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+# The path-valued fields of the tree: `~` expanded at load (`expand_user_paths`). Every other str field is not a path
+# (tests/test_foundation.py checks that a new str field is listed here or there).
+PATH_KEYS = (
+    "model.hf_path",
+    "data.train.data_path",
+    "data.train.data_root",
+    "data.validation.data_path",
+    "checkpoint.dir",
+)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Loading and overriding
 
@@ -215,10 +229,29 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _unquote(value: str, key: str, where: str) -> str:
+    """An override value written as a TOML string ("..." or '...', the quotes kept by the shell) -> the string itself,
+    TOML escapes applied; any other value unchanged. Raises ConfigError when the quoted value is not one TOML string."""
+    if len(value) < 2 or value[0] not in "\"'" or value[-1] != value[0]:
+        return value
+    try:
+        parsed = tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError as e:  # the position tomllib gives is in "v = <value>": left out
+        reason = re.sub(r" \(at line \d+, column \d+\)$", "", str(e))
+        raise ConfigError(f"{where}: {key} = {value!r} is not a valid TOML string ({reason})") from None
+    if list(parsed) != ["v"] or not isinstance(parsed["v"], str):
+        raise ConfigError(f"{where}: {key} = {value!r} is not one TOML string")
+    return parsed["v"]
+
+
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Convert a TOML value or an override string to the field type `tp`; raise ConfigError naming `key`."""
+    """Convert a TOML value or an override string to the field type `tp`; raise ConfigError naming `key`.
+
+    An override of a string field (str, or a Literal of strings) may quote its value as a TOML string (`_unquote`)."""
     from_cli = isinstance(value, str) and where.startswith("override")
     origin = typing.get_origin(tp)
+    if from_cli and (tp is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))):
+        value = _unquote(value, key, where)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -292,18 +325,28 @@ def apply_override(cfg: Config, override: str) -> None:
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a `Config` from defaults, a TOML file (optional) and `key.path=value` overrides, then validate it.
 
+    Path-valued fields (PATH_KEYS) get a leading `~` expanded (`expand_user_paths`).
+
     Raises:
-        ConfigError: the TOML file is not a file, invalid TOML (with line and column), an unknown key, a wrong type,
-            or an invalid value.
+        ConfigError: the TOML file is missing, a directory or unreadable, invalid TOML (with line and column), an
+            unknown key, a wrong type, an invalid value, or a `~user` path whose user is unknown.
     """
     cfg = Config()
     if path is not None:
+        if Path(path).is_dir():
+            tomls = sorted(p.name for p in Path(path).glob("*.toml"))
+            held = f"it holds {', '.join(tomls)}" if tomls else "it holds no .toml file"
+            raise ConfigError(f"config file {str(path)!r} is a directory, not a TOML file ({held}); name the file")
         if not Path(path).is_file():
             raise ConfigError(
                 f"config file {str(path)!r} not found (relative paths are relative to the working "
                 f"directory {os.getcwd()}; the shipped configs are in configs/)"
             )
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason} at byte {e.start})"
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {reason}") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -311,9 +354,38 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         _apply(cfg, data, "", str(path))
     for o in overrides:
         apply_override(cfg, o)
+    expand_user_paths(cfg)
     apply_wandb_mode_env(cfg)
     validate(cfg)
     return cfg
+
+
+def expand_user_paths(cfg: Config) -> None:
+    """Expand a leading `~` / `~user` (os.path.expanduser) in every path-valued field (PATH_KEYS), in place: TOML
+    files and quoted shell words get no shell expansion, and a literal `~` directory in the working directory is a
+    trap (`rm -rf ~` removes the home directory). Other fields are untouched.
+
+    Raises:
+        ConfigError: a path still starts with `~` after the expansion (an unknown user, or no home directory known).
+    """
+    for key in PATH_KEYS:
+        section, name = key.rsplit(".", 1)
+        obj = _dotted_get(cfg, section)
+        value = getattr(obj, name)
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):
+            user = expanded.split("/", 1)[0]
+            raise ConfigError(
+                f"{key} = {value!r}: {user!r} cannot be expanded (no such user or no home directory known); write the "
+                f"path out, or ./{value} for a directory named {user!r}"
+            )
+        setattr(obj, name, expanded)
+
+
+def _dotted_get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def apply_wandb_mode_env(cfg: Config) -> None:
@@ -480,6 +552,7 @@ def from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from `to_dict` output (checkpoint metadata), validating every key as a TOML file would."""
     cfg = Config()
     _apply(cfg, data, "", "saved config")
+    expand_user_paths(cfg)
     validate(cfg)
     return cfg
 

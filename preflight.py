@@ -24,7 +24,8 @@ import pack
 def check_inputs(cfg) -> None:
     """The checks that need neither a process group nor a model: the files the config names and the packing layout.
 
-    Run before `init_distributed`, so a typo fails in seconds on every rank with the key named.
+    Run before `init_distributed`, so a typo fails in seconds on every rank with the key named. The paths are
+    checked as config.load_config left them (a leading `~` already expanded), i.e. as the loaders will read them.
 
     Raises:
         config.ConfigError: model.hf_path has no config.json or no safetensors weights; data.train.data_path is
@@ -35,8 +36,8 @@ def check_inputs(cfg) -> None:
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
-            f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory; relative "
-            f"paths are relative to the working directory {os.getcwd()})"
+            f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory"
+            f"{_relative_hint(cfg.model.hf_path)})"
         )
     if not hf_weights.has_safetensors(cfg.model.hf_path):  # HFReader's rule, before any rank loads a weight
         raise config_mod.ConfigError(
@@ -49,10 +50,9 @@ def check_inputs(cfg) -> None:
         ("data.train.data_path", cfg.data.train.data_path),
         ("data.validation.data_path", cfg.data.validation.data_path),
     ):
-        if path and not Path(path).expanduser().is_file():
+        if path and not Path(path).is_file():
             raise config_mod.ConfigError(
-                f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON; relative paths are relative to the "
-                f"working directory {os.getcwd()})"
+                f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON{_relative_hint(path)})"
             )
     try:
         pack.validate_packing_config(cfg)
@@ -61,6 +61,11 @@ def check_inputs(cfg) -> None:
     check_run_dir(cfg.checkpoint.dir)
     check_wandb(cfg.logging.wandb)
     distributed.check_deterministic_env(cfg.model.deterministic_mode)
+
+
+def _relative_hint(path: str) -> str:
+    """The working-directory hint of an error message about `path`: empty for an absolute path."""
+    return "" if Path(path).is_absolute() else f"; relative paths are relative to the working directory {os.getcwd()}"
 
 
 def check_run_dir(ckpt_dir: str) -> None:

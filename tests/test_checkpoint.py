@@ -300,12 +300,55 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=r"holds a training run \(config.json, metrics.jsonl\); "):
         checkpoint.check_export_dir(logged, step)
     (tmp_path / "old_export").mkdir()
-    (tmp_path / "old_export" / "config.json").write_text("{}")  # an earlier export: overwritten, as before
+    (tmp_path / "old_export" / "config.json").write_text("{}")
+    (tmp_path / "old_export" / checkpoint.EXPORT_INFO_FILE).write_text("{}")  # an earlier export: overwritten
     for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
         checkpoint.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
         checkpoint.export(run, run)  # before any model is built
     assert (run / "config.json").read_text() == "{}"
+
+
+def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_path, capsys):
+    """`export RUN OUT` wrote over the files of any existing OUT (an unrelated config.json; OUT=/tmp put the model
+    files straight into /tmp), and OUT an existing file ended in a FileExistsError traceback. OUT must be new, empty or
+    an earlier export (it holds checkpoint.EXPORT_INFO_FILE); the refusals come before anything is written."""
+    step = _step_with_config(tmp_path / "run", 2)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    (unrelated / "config.json").write_text('{"mine": 1}')
+    busy = tmp_path / "busy"  # like /tmp: many entries
+    busy.mkdir()
+    for name in ("e", "d", "c", "b", "a"):
+        (busy / name).write_text("")
+    (busy / "sub").mkdir()
+    for out, message in [
+        (a_file, f"export directory {a_file} is an existing file, not a directory; choose another OUT_DIR"),
+        (unrelated, f"export directory {unrelated} is not empty (config.json) and not an earlier export (no "
+                    "omni_mpo_export.json); the export would overwrite files there: choose a new or empty OUT_DIR"),
+        (busy, f"export directory {busy} is not empty (a, b, c, ... (6 entries)) and not an earlier export (no "
+               "omni_mpo_export.json); the export would overwrite files there: choose a new or empty OUT_DIR"),
+    ]:  # fmt: skip
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.check_export_dir(out, step)
+        assert str(e.value) == message
+        assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert a_file.read_text() == "mine" and (unrelated / "config.json").read_text() == '{"mine": 1}'
+    assert sorted(p.name for p in unrelated.iterdir()) == ["config.json"] and len(list(busy.iterdir())) == 6
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    earlier = tmp_path / "earlier"  # an earlier export (even an interrupted one) may be exported over
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    (earlier / checkpoint.EXPORT_INFO_FILE).write_text('{"complete": false}')
+    for fine in (empty, earlier, tmp_path / "new" / "hf"):
+        checkpoint.check_export_dir(fine, step)
+    with pytest.raises(checkpoint.CheckpointError) as e:  # a parent that is a file: one line, no traceback
+        checkpoint._write_export_info(a_file / "hf", {})
+    assert str(e.value) == f"export directory {a_file / 'hf'} cannot be written: Not a directory"
 
 
 def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypatch):
@@ -480,6 +523,14 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes["model.safetensors"] == 0o640  # 0666 & ~umask, as open() creates files
     assert modes["model.safetensors.index.json"] == 0o640
+    info = json.loads((out / checkpoint.EXPORT_INFO_FILE).read_text())  # the provenance that marks an export
+    assert info.pop("date")[:2] == "20" and info == {
+        "source": str(run / "step_1"), "step": 1, "model.hf_path": str(ROOT / "assets" / "tiny-omni"),
+        "complete": True}  # fmt: skip
+    before = (out / "model.safetensors").read_bytes()
+    proc = _cli("checkpoint.py", "export", str(run), str(out))  # into an earlier export: allowed
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == f"exported {out}" and (out / "model.safetensors").read_bytes() == before
 
 
 def test_truncated_shard_is_named(bf16_segment, tmp_path):

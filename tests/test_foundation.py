@@ -236,6 +236,127 @@ def test_config_cli_help_and_usage_errors(capsys):
         "error: override 'optimizer.lr=abc': optimizer.lr = 'abc' has the wrong type; expected float\n")
 
 
+def test_tilde_in_every_path_field_is_expanded_once_at_load(tmp_path, monkeypatch, capsys):
+    """A `~` in checkpoint.dir made a literal `~` directory in the working directory (`rm -rf ~` then removes the
+    home), data.train.data_path passed the preflight (which expanded it) and failed in the loader, model.hf_path was
+    never expanded. Now load_config (and from_dict) expand every PATH_KEYS field, from a TOML file or an override."""
+    import config
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nhf_path = "~/models/omni"\n[data.train]\ndata_path = "~/mmpr/meta.json"\n'
+                    'data_root = "~"\n[data.validation]\ndata_path = "~/val/meta.json"\n'
+                    '[logging]\nwandb_project = "~proj"\n')  # fmt: skip
+    cfg = load_config(toml, ["checkpoint.dir=~/runs/a"])
+    got = (cfg.model.hf_path, cfg.data.train.data_path, cfg.data.train.data_root, cfg.data.validation.data_path,
+           cfg.checkpoint.dir, cfg.logging.wandb_project)  # fmt: skip
+    assert got == (f"{home}/models/omni", f"{home}/mmpr/meta.json", str(home), f"{home}/val/meta.json",
+                   f"{home}/runs/a", "~proj")  # fmt: skip
+    assert not (tmp_path / "~").exists() and not Path("~").exists()
+    saved = to_dict(load_config(None))
+    saved["checkpoint"]["dir"] = "~/old_run"  # a config saved before the expansion existed
+    assert from_dict(saved).checkpoint.dir == f"{home}/old_run"
+    assert config.main([str(toml), "checkpoint.dir=~/runs/b"]) == 0  # `python config.py` prints it expanded
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["checkpoint"]["dir"], printed["model"]["hf_path"]) == (f"{home}/runs/b", f"{home}/models/omni")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["checkpoint.dir=~no_such_user_omni_mpo/run"])
+    assert str(e.value) == (
+        "checkpoint.dir = '~no_such_user_omni_mpo/run': '~no_such_user_omni_mpo' cannot be expanded (no such user or "
+        "no home directory known); write the path out, or ./~no_such_user_omni_mpo/run for a directory named "
+        "'~no_such_user_omni_mpo'")
+
+
+def test_path_keys_list_every_path_field():
+    """A new str field is either a path (config.PATH_KEYS: `~` expanded) or listed here as not one."""
+    import dataclasses
+
+    import config
+
+    def str_fields(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = config._hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from str_fields(tp, f"{prefix}{f.name}.")
+            elif tp is str:
+                yield f"{prefix}{f.name}"
+
+    assert sorted(str_fields(Config)) == sorted([*config.PATH_KEYS, "logging.wandb_project"])
+
+
+def test_preflight_checks_the_expanded_path_the_loader_reads(tmp_path, monkeypatch):
+    import preflight
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={TINY}", "data.train.data_path=~/meta.json",
+                                                       f"checkpoint.dir={tmp_path / 'run'}"])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value) == f"data.train.data_path = '{tmp_path}/meta.json' is not a file (an MMPR meta-recipe JSON)"
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["model.hf_path=~/nope"])
+    with pytest.raises(ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value) == f"model.hf_path = '{tmp_path}/nope': no config.json there (a local HF checkpoint directory)"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('"assets/tiny-omni"', "assets/tiny-omni"),
+    ("'assets/tiny-omni'", "assets/tiny-omni"),  # a TOML literal string: no escapes
+    (r'"a\tb\u00e9"', "a\tb\u00e9"),  # TOML escapes: tab, é
+    (r"'C:\models'", "C:\\models"),
+    ('""', ""),
+    ('"', '"'),  # one character: not a quoted string, kept as today
+    ('"a', '"a'),
+    ("a'b'", "a'b'"),
+    ("plain", "plain"),
+])  # fmt: skip
+def test_a_toml_quoted_override_is_the_string_itself(value, expected):
+    """`model.hf_path="assets/tiny-omni"` (quotes kept by the shell's single quotes) was stored with its quotes."""
+    assert load_config(None, [f"model.hf_path={value}"]).model.hf_path == expected
+
+
+def test_quoted_overrides_of_other_fields(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert load_config(None, ["logging.wandb='offline'"]).logging.wandb == "offline"  # a Literal of strings
+    for override, message in [
+        ('model.hf_path="a"b"', "override 'model.hf_path=\"a\"b\"': model.hf_path = '\"a\"b\"' is not a valid TOML "
+         "string (Expected newline or end of document after a statement)"),
+        ('model.hf_path="a\\q"', "override 'model.hf_path=\"a\\\\q\"': model.hf_path = '\"a\\\\q\"' is not a valid "
+         "TOML string (Unescaped '\\' in a string)"),
+        ('model.hf_path="a" = "b"', "override 'model.hf_path=\"a\" = \"b\"': model.hf_path = '\"a\" = \"b\"' is not a "
+         "valid TOML string (Expected newline or end of document after a statement)"),
+        ('mpo.max_num_steps="3"', "override 'mpo.max_num_steps=\"3\"': mpo.max_num_steps = '\"3\"' has the wrong "
+         "type; expected int"),  # only string fields take a quoted value
+        ("logging.wandb='sometimes'", "override \"logging.wandb='sometimes'\": logging.wandb = 'sometimes' is not "
+         "allowed; choose one of ['online', 'offline', 'disabled']"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert str(e.value) == message, override
+
+
+def test_config_path_that_is_a_directory_or_not_text_is_one_line(tmp_path, monkeypatch, capsys):
+    """`python config.py configs/` said "config file 'configs/' not found" although it exists (a directory)."""
+    import config
+
+    monkeypatch.chdir(ROOT)
+    assert config.main(["configs/"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "error: config file 'configs/' is a directory, not a TOML file (it holds nano.toml, tiny.toml); name the "
+        "file\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == (
+        f"config file '{tmp_path}' is a directory, not a TOML file (it holds no .toml file); name the file")
+    binary = tmp_path / "b.toml"
+    binary.write_bytes(b"\xff\xfe[mpo]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(binary)
+    assert str(e.value) == f"config file '{binary}' cannot be read: not UTF-8 text (invalid start byte at byte 0)"
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # tiny Omni asset
 
