@@ -522,9 +522,10 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         # template_rewrites_text: no character is left to hide the /think from the template with
         row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
         row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
+        row(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
-                                      good[: len(good) // 2]})
+                                      good[: len(good) // 2], "thin.png": rgb(5000, 1)})
     # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
     spec = json.loads(meta.read_text())
     (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
@@ -537,13 +538,13 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
                              "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
                              "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
-                             "template_rewrites_text": 1, "too_long": 1}
+                             "image_unprocessable": 1, "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
     assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 26 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 27 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -875,6 +876,76 @@ def test_index_image_grids_equal_the_processor(processor, sizes, budget):
         assert md.image_patch_budget(ip, len(sizes)) == 256
     ref = ip(images=[Image.new("RGB", (w, h)) for h, w in sizes], return_tensors="pt")["image_grid_hw"].tolist()
     assert [list(g) for g in md.image_grids(ip, sizes)] == ref
+
+
+def _unprocessable(path, w: int, h: int, own: str) -> str:
+    """The image_unprocessable detail for a w x h image of the asset (budget 256) whose own patch grid is `own`."""
+    return (f"{path}: the image processor cannot resize a {w}x{h} px image (width x height): in 16-px patches it is "
+            f"{own}, a long side more than 256 times the short one (256 = the patch budget per image), so the short "
+            "side shrinks to 0 patches; the processor raises ZeroDivisionError (division by zero) in transformers' "
+            "get_patch_grid_size")
+
+
+def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
+    """An image whose patch grid is more than the patch budget (256 for the asset) times longer on one side than on
+    the other (5000x1 px: 313x1 patches) crashed the index build in transformers' get_patch_grid_size with a
+    ZeroDivisionError naming no file; such a row is now the drop image_unprocessable with file:line, the other rows
+    still index, and data.strict makes it an error naming file:line."""
+    ip = processor.image_processor
+    sizes = {"wide.png": (5000, 8), "tall.png": (2, 5000), "edge.png": (4097, 1),  # refused (width, height)
+             "ok_edge.png": (4096, 1), "ok_long.png": (3000, 5), "ok_thin.png": (500, 1)}  # kept
+    for name, (w, h) in sizes.items():  # the threshold is the processor's own
+        if name.startswith("ok_"):
+            ip(images=[rgb(w, h)], return_tensors="pt")
+        else:
+            with pytest.raises(ZeroDivisionError):
+                ip(images=[rgb(w, h)], return_tensors="pt")
+    rows = [row(0), row(1, image="wide.png"), row(2, image="ok_edge.png"), row(3, image="tall.png"),
+            row(4, image="ok_long.png"), row(5, image=["a.png", "edge.png"], q="<image> vs <image>"),
+            row(6, image="ok_thin.png")]
+    meta = write_set(tmp_path, rows, {"a.png": rgb(), **{n: rgb(w, h) for n, (w, h) in sizes.items()}})
+    index = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False)
+    st, images = index.stats["sub"], tmp_path / "MMPR-t" / "images"
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert st["dropped"] == {"image_unprocessable": 3} and index.line.tolist() == [1, 3, 5, 7]
+    assert st["drop_examples"]["image_unprocessable"] == [
+        f"{annotation}:2: " + _unprocessable(images / "wide.png", 5000, 8, "313x1"),
+        f"{annotation}:4: " + _unprocessable(images / "tall.png", 2, 5000, "1x313"),
+        f"{annotation}:6: " + _unprocessable(images / "edge.png", 4097, 1, "257x1"),  # the second image of the row
+    ]
+    assert (f"    dropped image_unprocessable: 3  e.g. {annotation}:2: "
+            + _unprocessable(images / "wide.png", 5000, 8, "313x1")) in mi.format_report(mi.report(index)).splitlines()
+    # the kept thin images: the index's grids are the processor's (4096 x 1 px: 2 x 256 patches)
+    ds = md.PairDataset(index, processor)
+    assert [ds[i].image_grid_hw.tolist() for i in (1, 2, 3)] == [[[2, 256]], [[2, 188]], [[2, 46]]]
+    assert index.image_grid_hw.tolist()[1:] == [[2, 256], [2, 188], [2, 46]]
+    cfg = data_cfg(train__max_images_per_row=2, strict=True)
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, cfg, use_cache=False)
+    assert str(e.value) == (f"{annotation}:2: row dropped (image_unprocessable: "
+                            + _unprocessable(images / "wide.png", 5000, 8, "313x1") + ") and data.strict = true")
+    # image_grids names an image by its position when no paths are given
+    with pytest.raises(md._Drop) as d:
+        md.image_grids(ip, [(40, 48), (1, 5000)])
+    assert d.value.reason == "image_unprocessable" and d.value.detail == _unprocessable("image 2", 5000, 1, "313x1")
+
+
+def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path, processor):
+    """A training step re-processes a pair's images; an image replaced in place (same path: the same index
+    fingerprint) by one too thin for the processor is the DataError naming file:line and the cache to delete, not the
+    processor's ZeroDivisionError in a DataLoader worker."""
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    index = mi.build_index(meta, processor, data_cfg(strict=True))
+    image = tmp_path / "MMPR-t" / "images" / "b.png"
+    rgb(1, 5000).save(image)
+    ds = md.PairDataset(index, processor)
+    loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
+                           plan_fn=lambda ids: (None, ids), num_workers=1)
+    with pytest.raises(md.DataError) as e:
+        next(iter(loader))
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert str(e.value) == (f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000, "1x313")
+                            + f"; the image changed since the index was built: delete {index.cache_dir} and restart")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
