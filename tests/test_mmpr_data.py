@@ -613,6 +613,46 @@ def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
     assert str(e.value) == f"{meta}: no valid preference pair; drops: {{}}; no rows in subset(s) 'sub'"
 
 
+def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
+    """A pretty-printed JSON array as the annotation said only "no valid preference pair; drops: {'invalid_json': N}";
+    the error now says the file must be JSON Lines and names an example line. A file whose every line is invalid JSON
+    gets the same hint; one other subset with pairs turns it into a warning naming the file."""
+    meta = write_set(tmp_path, [], {"a.png": rgb()})
+    annotation = meta.parent / "annotations" / "sub.jsonl"
+    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")  # 2 rows -> 14 lines, each invalid JSON
+    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
+    assert str(e.value) == (
+        f"{meta}: no valid preference pair; drops: {{'invalid_json': 14}}; {annotation} is not JSON Lines (its first "
+        f"line opens a JSON array): an annotation file must be JSONL, one JSON object per line (e.g. {annotation}:1: "
+        "Expecting value: line 2 column 1 (char 2))")
+    # a compact array on one line, then lines of a JSON array's objects: none is a JSON object on its own line
+    annotation.write_text(json.dumps([row(0)]) + "\n" + "\n".join(json.dumps(row(i)) + "," for i in (1, 2)) + "\n")
+    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
+    assert str(e.value) == (
+        f"{meta}: no valid preference pair; drops: {{'invalid_json': 3}}; {annotation} is not JSON Lines (none of its "
+        f"3 non-blank lines is a JSON object): an annotation file must be JSONL, one JSON object per line (e.g. "
+        f"{annotation}:1: expected a JSON object, got list)")
+    # a JSONL with one bad row is not called an array, whatever that row is: the message is the usual one
+    annotation.write_text("[1, 2]\n" + json.dumps(row(0, image="nope.png")) + "\n")
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'invalid_json': 1, 'image_missing': 1}}"
+    # the array as one subset beside a good one: the index builds, and a warning names the array file
+    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "good.jsonl").write_text(json.dumps(row(5)) + "\n")
+    spec["good"] = {"root": "MMPR-t/images", "annotation": "MMPR-t/annotations/good.jsonl"}
+    meta.write_text(json.dumps(spec))
+    with pytest.warns(md.DataWarning) as warned:
+        index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert len(index) == 1 and index.stats["sub"]["dropped"] == {"invalid_json": 14}
+    assert [str(w.message) for w in warned] == [
+        f"{annotation} is not JSON Lines (its first line opens a JSON array): an annotation file must be JSONL, one "
+        f"JSON object per line (e.g. {annotation}:1: Expecting value: line 2 column 1 (char 2))"]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # rows as real MMPR / NeMo-RL data writes them: the R1 prompt, directives, null roots, video, reasoning, <image_N>
 
