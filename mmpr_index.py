@@ -533,11 +533,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "report (rows, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
     ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
-    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (0 = all)")
-    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length, help="tokens per row")
-    ap.add_argument("--data-root", default="", help="base of relative root/annotation paths")
+    ap.add_argument("--max-samples", type=int, default=0,
+                    help="keep the first N valid pairs (0 = all; default: %(default)s)")
+    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length,
+                    help="most tokens per row, expanded image tokens included; longer rows are dropped as too_long "
+                         "(default: %(default)s, as the config's data.max_seq_length)")
+    ap.add_argument("--data-root", default="",
+                    help="base of relative root/annotation paths (default: the meta file's grandparent, then its "
+                         "folder)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process")
+                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process (default: "
+                         "%(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)

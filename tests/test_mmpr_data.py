@@ -1253,6 +1253,19 @@ def test_report_json_cli(tmp_path, processor, capsys):
         ref["total"]))
 
 
+def test_cli_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        mi.main(["--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal width
+    for option in ("--max-samples MAX_SAMPLES keep the first N valid pairs (0 = all; default: 0)",
+                   "--max-seq-length MAX_SEQ_LENGTH most tokens per row, expanded image tokens included; longer rows "
+                   "are dropped as too_long (default: 8192, as the config's data.max_seq_length)",
+                   f"--num-workers NUM_WORKERS processes checking rows (render, tokenise, decode images); < 2 = "
+                   f"in-process (default: {min(8, os.cpu_count() or 1)} = min(8, CPUs))"):
+        assert option in help_text
+
+
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
     meta = tmp_path / "meta.json"
     meta.write_text('{"a": {"root": "img", "annotation": "a.jsonl",},}')  # trailing commas
