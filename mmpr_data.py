@@ -55,6 +55,9 @@ and what is done here:
   one image, `<image 1><image> <image 2><image> ...\\n` for several).
 - `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
   subset is dropped as `no_image_root`, naming the subset.
+- An image the model's image processor cannot size (transformers divides by zero for one whose patch grid is more
+  than the per-image patch budget times longer on one side than the other, e.g. 5000 x 1 px with the tiny asset's
+  256 patches) is dropped as `image_unprocessable` (`image_grids`), at index time; a training step re-checks it.
 - Video rows (a `video` field or a `<video>` placeholder) are dropped as `video_unsupported`: video preference pairs
   are not supported yet (NeMo-RL drops every row without exactly one image).
 - `repeat_time` as InternVL (NeMo-RL ignores it); a subset it empties is a warning, an index it empties an error that
@@ -102,6 +105,7 @@ DROP_REASONS = (
     "image_missing",  # an image file does not exist
     "image_unreadable",  # PIL cannot open or decode it
     "image_truncated",  # the file ends before the image data does
+    "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
     "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
 )
@@ -368,14 +372,46 @@ def image_patch_budget(image_processor, n_images: int) -> int:
     return max(budget, ip.min_num_patches)
 
 
-def image_grids(image_processor, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width)] processed together."""
+def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
+                paths: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together.
+
+    Each image's grid is transformers' `get_patch_grid_size` (5.23.0, image_processing_nemotron_h_omni.py) with the
+    call's per-image budget B = `image_patch_budget(image_processor, len(sizes))` patches. It starts from the image's
+    own grid (round(h/16 + 1/2), round(w/16 + 1/2)) 16-px patches, scales it down by sqrt(B / area) with floor(), then
+    up to min_num_patches by dividing by the new area. An image whose own grid has its long side more than B times its
+    short side is refused: the downscale floors the short side to 0 patches and the upscale divides by zero. With
+    assets/tiny-omni (B = 256) that is an image under 16 px high (or wide) and over 4096 px wide (or high); with the
+    class defaults (B = 13312) over 212,992 px. The processor would raise ZeroDivisionError on such an image in a
+    training step too, so the row is dropped here; a grid with a side of 0 (possible when max_num_patches <=
+    min_num_patches skips the upscale) is refused likewise.
+
+    Raises:
+        _Drop: image_unprocessable, naming the image (`paths[j]`, else its position), its size and the budget.
+    """
     from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
 
     ip = image_processor
     budget = image_patch_budget(ip, len(sizes))
     merge = round(1 / ip.downsample_ratio)
-    return [get_patch_grid_size(h, w, ip.patch_size, merge, ip.min_num_patches, budget) for h, w in sizes]
+    grids = []
+    for j, (h, w) in enumerate(sizes):
+        # only this image's arithmetic is inside the try: any other error is a bug and stays visible
+        try:
+            grid = get_patch_grid_size(h, w, ip.patch_size, merge, ip.min_num_patches, budget)
+            cause = f"gives it a {grid[0]}x{grid[1]} patch grid"
+        except ZeroDivisionError as e:
+            grid, cause = (0, 0), f"raises ZeroDivisionError ({e}) in transformers' get_patch_grid_size"
+        if min(grid) < 1:
+            own_h, own_w = round(h / ip.patch_size + 0.5), round(w / ip.patch_size + 0.5)  # get_patch_grid_size's
+            name = paths[j] if j < len(paths) else f"image {j + 1}"
+            raise _Drop("image_unprocessable",
+                        f"{name}: the image processor cannot resize a {w}x{h} px image (width x height): in "
+                        f"{ip.patch_size}-px patches it is {own_w}x{own_h}, a long side more than {budget} times the "
+                        f"short one ({budget} = the patch budget per image), so the short side shrinks to 0 "
+                        f"patches; the processor {cause}")
+        grids.append(grid)
+    return grids
 
 
 # ======================================================================================================================
@@ -741,8 +777,8 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             bad = next((s for s in sizes if isinstance(s[0], str)), None)
             if bad is not None:
                 raise _Drop(*bad)
+            grids = image_grids(ip, sizes, imgs)  # before rendering: the order of DROP_REASONS
             prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
-            grids = image_grids(ip, sizes)
             counts = [gh * gw // merge**2 for gh, gw in grids]
             # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
             p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
@@ -811,8 +847,9 @@ class PairDataset(torch.utils.data.Dataset):
     True on the response and its `<|im_end|>`.
 
     Raises:
-        DataError: the row no longer matches the index (annotation or image changed since the index was built; the
-            message names the file and line and the cache folder to delete).
+        DataError: the row no longer matches the index (annotation or image changed since the index was built, e.g.
+            an image now unreadable or too thin for the processor; the message names the file and line and the
+            cache folder to delete).
     """
 
     def __init__(self, index: PairIndex, processor):
@@ -850,6 +887,10 @@ class PairDataset(torch.utils.data.Dataset):
         if row.images:
             try:
                 pil = [load_image(p) for p in row.images]
+                # the grids the processor is about to compute: an image replaced since the index was built (same
+                # path, so the same fingerprint) by one too thin for it is this one-line error, not the processor's
+                # ZeroDivisionError inside a DataLoader worker
+                image_grids(self.processor.image_processor, [(im.height, im.width) for im in pil], row.images)
             except _Drop as d:
                 raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built: delete "
                                 f"{ix.cache_dir or 'the cache'} and restart") from None

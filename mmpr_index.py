@@ -135,6 +135,35 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
 # Build, cache, load
 
 
+def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
+    """Why the annotation file of a subset with stats `st` looks like JSON but not JSON Lines, or None.
+
+    Each row of an annotation is one JSON object on one line; a JSON array (an export, or pretty-printed with
+    `json.dump(rows, f, indent=...)`) has none, and its lines are all counted as invalid_json drops. The hint is given
+    when some rows are invalid_json and either the first non-blank line opens an array (starts with `[` and is not
+    JSON on its own) or every row read is invalid_json. It names the file and its first invalid_json example
+    (file:line: detail)."""
+    bad, rows = st.get("dropped", {}).get("invalid_json", 0), st.get("rows_read", 0)
+    if not bad:
+        return None
+    with open(annotation, "rb") as f:
+        first = next((raw for raw in f if raw.strip()), b"").removeprefix(b"\xef\xbb\xbf").strip()
+    try:
+        json.loads(first)
+        opens_array = False
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        opens_array = first.startswith(b"[")
+    if opens_array:
+        why = "its first line opens a JSON array"
+    elif bad == rows:
+        why = f"none of its {rows} non-blank lines is a JSON object"
+    else:
+        return None
+    example = st.get("drop_examples", {}).get("invalid_json", ["?"])[0]
+    return (f"{annotation} is not JSON Lines ({why}): an annotation file must be JSONL, one JSON object per line "
+            f"(e.g. {example})")
+
+
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
     """Scan every subset, validate rows and compute lengths (see build_index)."""
     t0 = time.perf_counter()
@@ -179,6 +208,10 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     rows.close()
                     break
             notes = []  # kept in the index's stats, so that a cache hit repeats them (build_index warns them)
+            # a subset that is not JSON Lines: without pairs build_index's error says it, with pairs from other
+            # subsets this note does (its drops alone say invalid_json, not why)
+            if (hint := not_jsonl_hint(sub.annotation, st)) is not None:
+                notes.append(hint)
             if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
                 notes.append(f"{meta_path}: subset {sub.name!r}: the meta says length = {sub.length} but "
                              f"{sub.annotation} has {st['rows_read']} rows")
@@ -370,6 +403,10 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                             f"drops: {summary_drops(index)}")
         empty = [name for name, st in index.stats.items() if st["rows_read"] == 0 and "not_read" not in st]
         hint = f"; no rows in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
+        # recomputed from the stats (not read from them): a cached index from before this hint gets it too
+        for name, ann in zip(index.subsets, index.annotation_files, strict=True):
+            if (not_jsonl := not_jsonl_hint(ann, index.stats.get(name, {}))) is not None:
+                hint += f"; {not_jsonl}"
         raise DataError(f"{meta_path}: no valid preference pair; drops: {summary_drops(index)}{hint}")
     return index
 
@@ -496,11 +533,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "report (rows, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
     ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
-    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (0 = all)")
-    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length, help="tokens per row")
-    ap.add_argument("--data-root", default="", help="base of relative root/annotation paths")
+    ap.add_argument("--max-samples", type=int, default=0,
+                    help="keep the first N valid pairs (0 = all; default: %(default)s)")
+    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length,
+                    help="most tokens per row, expanded image tokens included; longer rows are dropped as too_long "
+                         "(default: %(default)s, as the config's data.max_seq_length)")
+    ap.add_argument("--data-root", default="",
+                    help="base of relative root/annotation paths (default: the meta file's grandparent, then its "
+                         "folder)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process")
+                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process (default: "
+                         "%(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)

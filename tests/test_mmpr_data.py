@@ -523,9 +523,10 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         # template_rewrites_text: no character is left to hide the /think from the template with
         row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
         row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
+        row(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
-                                      good[: len(good) // 2]})
+                                      good[: len(good) // 2], "thin.png": rgb(5000, 1)})
     # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
     spec = json.loads(meta.read_text())
     (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
@@ -538,13 +539,13 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
                              "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
                              "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
-                             "template_rewrites_text": 1, "too_long": 1}
+                             "image_unprocessable": 1, "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
     assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 26 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 27 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -611,6 +612,46 @@ def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
     with pytest.raises(md.DataError) as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert str(e.value) == f"{meta}: no valid preference pair; drops: {{}}; no rows in subset(s) 'sub'"
+
+
+def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
+    """A pretty-printed JSON array as the annotation said only "no valid preference pair; drops: {'invalid_json': N}";
+    the error now says the file must be JSON Lines and names an example line. A file whose every line is invalid JSON
+    gets the same hint; one other subset with pairs turns it into a warning naming the file."""
+    meta = write_set(tmp_path, [], {"a.png": rgb()})
+    annotation = meta.parent / "annotations" / "sub.jsonl"
+    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")  # 2 rows -> 14 lines, each invalid JSON
+    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
+    assert str(e.value) == (
+        f"{meta}: no valid preference pair; drops: {{'invalid_json': 14}}; {annotation} is not JSON Lines (its first "
+        f"line opens a JSON array): an annotation file must be JSONL, one JSON object per line (e.g. {annotation}:1: "
+        "Expecting value: line 2 column 1 (char 2))")
+    # a compact array on one line, then lines of a JSON array's objects: none is a JSON object on its own line
+    annotation.write_text(json.dumps([row(0)]) + "\n" + "\n".join(json.dumps(row(i)) + "," for i in (1, 2)) + "\n")
+    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
+    assert str(e.value) == (
+        f"{meta}: no valid preference pair; drops: {{'invalid_json': 3}}; {annotation} is not JSON Lines (none of its "
+        f"3 non-blank lines is a JSON object): an annotation file must be JSONL, one JSON object per line (e.g. "
+        f"{annotation}:1: expected a JSON object, got list)")
+    # a JSONL with one bad row is not called an array, whatever that row is: the message is the usual one
+    annotation.write_text("[1, 2]\n" + json.dumps(row(0, image="nope.png")) + "\n")
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'invalid_json': 1, 'image_missing': 1}}"
+    # the array as one subset beside a good one: the index builds, and a warning names the array file
+    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")
+    spec = json.loads(meta.read_text())
+    (meta.parent / "annotations" / "good.jsonl").write_text(json.dumps(row(5)) + "\n")
+    spec["good"] = {"root": "MMPR-t/images", "annotation": "MMPR-t/annotations/good.jsonl"}
+    meta.write_text(json.dumps(spec))
+    with pytest.warns(md.DataWarning) as warned:
+        index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert len(index) == 1 and index.stats["sub"]["dropped"] == {"invalid_json": 14}
+    assert [str(w.message) for w in warned] == [
+        f"{annotation} is not JSON Lines (its first line opens a JSON array): an annotation file must be JSONL, one "
+        f"JSON object per line (e.g. {annotation}:1: Expecting value: line 2 column 1 (char 2))"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -878,6 +919,76 @@ def test_index_image_grids_equal_the_processor(processor, sizes, budget):
     assert [list(g) for g in md.image_grids(ip, sizes)] == ref
 
 
+def _unprocessable(path, w: int, h: int, own: str) -> str:
+    """The image_unprocessable detail for a w x h image of the asset (budget 256) whose own patch grid is `own`."""
+    return (f"{path}: the image processor cannot resize a {w}x{h} px image (width x height): in 16-px patches it is "
+            f"{own}, a long side more than 256 times the short one (256 = the patch budget per image), so the short "
+            "side shrinks to 0 patches; the processor raises ZeroDivisionError (division by zero) in transformers' "
+            "get_patch_grid_size")
+
+
+def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
+    """An image whose patch grid is more than the patch budget (256 for the asset) times longer on one side than on
+    the other (5000x1 px: 313x1 patches) crashed the index build in transformers' get_patch_grid_size with a
+    ZeroDivisionError naming no file; such a row is now the drop image_unprocessable with file:line, the other rows
+    still index, and data.strict makes it an error naming file:line."""
+    ip = processor.image_processor
+    sizes = {"wide.png": (5000, 8), "tall.png": (2, 5000), "edge.png": (4097, 1),  # refused (width, height)
+             "ok_edge.png": (4096, 1), "ok_long.png": (3000, 5), "ok_thin.png": (500, 1)}  # kept
+    for name, (w, h) in sizes.items():  # the threshold is the processor's own
+        if name.startswith("ok_"):
+            ip(images=[rgb(w, h)], return_tensors="pt")
+        else:
+            with pytest.raises(ZeroDivisionError):
+                ip(images=[rgb(w, h)], return_tensors="pt")
+    rows = [row(0), row(1, image="wide.png"), row(2, image="ok_edge.png"), row(3, image="tall.png"),
+            row(4, image="ok_long.png"), row(5, image=["a.png", "edge.png"], q="<image> vs <image>"),
+            row(6, image="ok_thin.png")]
+    meta = write_set(tmp_path, rows, {"a.png": rgb(), **{n: rgb(w, h) for n, (w, h) in sizes.items()}})
+    index = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False)
+    st, images = index.stats["sub"], tmp_path / "MMPR-t" / "images"
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert st["dropped"] == {"image_unprocessable": 3} and index.line.tolist() == [1, 3, 5, 7]
+    assert st["drop_examples"]["image_unprocessable"] == [
+        f"{annotation}:2: " + _unprocessable(images / "wide.png", 5000, 8, "313x1"),
+        f"{annotation}:4: " + _unprocessable(images / "tall.png", 2, 5000, "1x313"),
+        f"{annotation}:6: " + _unprocessable(images / "edge.png", 4097, 1, "257x1"),  # the second image of the row
+    ]
+    assert (f"    dropped image_unprocessable: 3  e.g. {annotation}:2: "
+            + _unprocessable(images / "wide.png", 5000, 8, "313x1")) in mi.format_report(mi.report(index)).splitlines()
+    # the kept thin images: the index's grids are the processor's (4096 x 1 px: 2 x 256 patches)
+    ds = md.PairDataset(index, processor)
+    assert [ds[i].image_grid_hw.tolist() for i in (1, 2, 3)] == [[[2, 256]], [[2, 188]], [[2, 46]]]
+    assert index.image_grid_hw.tolist()[1:] == [[2, 256], [2, 188], [2, 46]]
+    cfg = data_cfg(train__max_images_per_row=2, strict=True)
+    with pytest.raises(md.DataError) as e:
+        mi.build_index(meta, processor, cfg, use_cache=False)
+    assert str(e.value) == (f"{annotation}:2: row dropped (image_unprocessable: "
+                            + _unprocessable(images / "wide.png", 5000, 8, "313x1") + ") and data.strict = true")
+    # image_grids names an image by its position when no paths are given
+    with pytest.raises(md._Drop) as d:
+        md.image_grids(ip, [(40, 48), (1, 5000)])
+    assert d.value.reason == "image_unprocessable" and d.value.detail == _unprocessable("image 2", 5000, 1, "313x1")
+
+
+def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path, processor):
+    """A training step re-processes a pair's images; an image replaced in place (same path: the same index
+    fingerprint) by one too thin for the processor is the DataError naming file:line and the cache to delete, not the
+    processor's ZeroDivisionError in a DataLoader worker."""
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    index = mi.build_index(meta, processor, data_cfg(strict=True))
+    image = tmp_path / "MMPR-t" / "images" / "b.png"
+    rgb(1, 5000).save(image)
+    ds = md.PairDataset(index, processor)
+    loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
+                           plan_fn=lambda ids: (None, ids), num_workers=1)
+    with pytest.raises(md.DataError) as e:
+        next(iter(loader))
+    annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
+    assert str(e.value) == (f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000, "1x313")
+                            + f"; the image changed since the index was built: delete {index.cache_dir} and restart")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # cache
 
@@ -1141,6 +1252,19 @@ def test_report_json_cli(tmp_path, processor, capsys):
     ref = mi.report(mi.build_index(SAMPLE_META, processor, data_cfg(), max_samples=20))
     assert rep["subsets"] == json.loads(json.dumps(ref["subsets"])) and rep["total"] == json.loads(json.dumps(
         ref["total"]))
+
+
+def test_cli_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        mi.main(["--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal width
+    for option in ("--max-samples MAX_SAMPLES keep the first N valid pairs (0 = all; default: 0)",
+                   "--max-seq-length MAX_SEQ_LENGTH most tokens per row, expanded image tokens included; longer rows "
+                   "are dropped as too_long (default: 8192, as the config's data.max_seq_length)",
+                   f"--num-workers NUM_WORKERS processes checking rows (render, tokenise, decode images); < 2 = "
+                   f"in-process (default: {min(8, os.cpu_count() or 1)} = min(8, CPUs))"):
+        assert option in help_text
 
 
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
