@@ -710,12 +710,12 @@ def test_lr_follows_the_schedule(readme):
 # are not part of the trace. Issue 15 step 5 renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every
 # number is as recorded.
 #
-# Tolerances: one float32 ulp per CPU. The recording machine (an Intel Xeon) and an AMD EPYC differ in the last bit of
-# some fp32 sums (their MKL / oneDNN code paths; ATEN_CPU_CAPABILITY=avx2 on the EPYC does not reproduce the Xeon):
-# the log-prob sums (~230, ulp 1.5e-5) by 3.8e-6 to 7.6e-6 (means of two sums), grad_norm by up to 2e-6 (rel. 7e-7),
-# bco/reward_sum (a sum of 8 rewards beta * (policy - reference), each log-prob carrying that ulp) by up to 3e-6; and
-# one pair of step 2 has a reward margin within that noise of zero, so its accuracy is 0.5 on one machine and 0.75 on
-# the other. Hence: rel. 1e-6 besides the absolute 1e-6, 2e-5 for bco/reward_sum, and the accuracy of steps >= 2
+# Tolerances: one float32 ulp per CPU. The recording machine and an AMD EPYC (2026-12-02) differ in the last bit of
+# some fp32 sums (the CPUs' kernels sum in other orders; ATEN_CPU_CAPABILITY=avx2 on the EPYC does not reproduce the
+# recording): the log-prob sums (~230, ulp 1.5e-5) by 3.8e-6 to 7.6e-6 (means of two sums), grad_norm by up to 2e-6
+# (rel. 7e-7), bco/reward_sum (a sum of 8 rewards beta * (policy - reference), each log-prob carrying that ulp) by up
+# to 3e-6; and one pair of step 2 has a reward margin within that noise of zero, so its accuracy can flip (the EPYC
+# with ATEN_CPU_CAPABILITY=avx2 gives 0.75 where the trace has 0.5). Hence: rel. 1e-6 besides the absolute 1e-6, 2e-5 for bco/reward_sum, and the accuracy of steps >= 2
 # within one pair (1/4); step 1's accuracy (policy = reference: every margin exactly 0) stays exact. A real change of
 # behaviour moves these numbers by orders of magnitude more (one token's log-prob is ~1-10).
 TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
@@ -913,7 +913,7 @@ def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
         assert [r["num_global_pairs"] for r in run.rows] == [4, 4]
         # one Adam step at lr 1e-4: a near-zero gradient (|g| ~ Adam's eps) turns fp32 noise into up to ~1% of lr, as
         # PARAM_ATOL_AFTER_3_STEPS says for lr 1e-3 (pad64: 2.6e-7 in three embedding rows on an AMD EPYC, < 1e-9 on
-        # every other tensor; the recording Xeon stayed under 1e-7)
+        # every other tensor; the machines before stayed under 1e-7)
         _assert_same_state(ref_state, _loaded_state(run.dir / "step_2", *SHORT), name, atol=1e-6)
 
 
