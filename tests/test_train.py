@@ -715,9 +715,10 @@ def test_lr_follows_the_schedule(readme):
 # recording): the log-prob sums (~230, ulp 1.5e-5) by 3.8e-6 to 7.6e-6 (means of two sums), grad_norm by up to 2e-6
 # (rel. 7e-7), bco/reward_sum (a sum of 8 rewards beta * (policy - reference), each log-prob carrying that ulp) by up
 # to 3e-6; and one pair of step 2 has a reward margin within that noise of zero, so its accuracy can flip (the EPYC
-# with ATEN_CPU_CAPABILITY=avx2 gives 0.75 where the trace has 0.5). Hence: rel. 1e-6 besides the absolute 1e-6, 2e-5 for bco/reward_sum, and the accuracy of steps >= 2
-# within one pair (1/4); step 1's accuracy (policy = reference: every margin exactly 0) stays exact. A real change of
-# behaviour moves these numbers by orders of magnitude more (one token's log-prob is ~1-10).
+# with ATEN_CPU_CAPABILITY=avx2 gives 0.75 where the trace has 0.5). Hence: rel. 1e-6 besides the absolute 1e-6, 2e-5
+# for bco/reward_sum, and the accuracy of steps >= 2 within one pair (1/4); step 1's accuracy (policy = reference:
+# every margin exactly 0) stays exact. A real change of behaviour moves these numbers by orders of magnitude more (one
+# token's log-prob is ~1-10).
 TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
 GOLDEN_ATOL, GOLDEN_RTOL = 1e-6, 1e-6
 GOLDEN_KEY_ATOL = {"bco/reward_sum": 2e-5}
