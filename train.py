@@ -57,6 +57,21 @@ from dataclasses import dataclass
 # it covers every launch (torchrun by hand, slurm/train.sbatch, gpu_check.sh); on CPU nothing reads it.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
+
+def _interrupted_while_importing(signum, frame) -> None:
+    """Ctrl-C during the imports below (several seconds): one line from rank 0 instead of a KeyboardInterrupt
+    traceback through torch's or megatron-core's import machinery on every rank. `__main__` restores Python's handler
+    once they are done (then train.main's StopSignal takes over)."""
+    if os.environ.get("RANK", "0") == "0":
+        print("interrupted while starting: nothing saved", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -604,6 +619,7 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
 # ======================================================================================================================
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt as below
     path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
     try:
         code = main(config_mod.load_config(path, overrides))

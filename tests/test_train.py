@@ -313,6 +313,19 @@ def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
             assert lines == []
 
 
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+    """Ctrl-C in the first seconds (train.py's imports) printed ~40 lines of KeyboardInterrupt traceback per rank."""
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={tmp_path / 'run'}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled"})  # fmt: skip
+    time.sleep(1.0)  # inside the imports (several seconds); a faster machine is in main(), the other one-liner
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] in ("interrupted while starting: nothing saved",
+                                            "interrupted before the first step: nothing saved")
+
+
 def test_cli_error_is_one_line_without_a_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "train.py", "configs/tiny.toml", f"model.hf_path={tmp_path}"],
