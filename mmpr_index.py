@@ -526,6 +526,19 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+# The config keys that the data checks name, as this command line spells them (`cli_text`).
+CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
+             "data.train.max_samples": "--max-samples"}
+
+
+def cli_text(text: str) -> str:
+    """`text` (a data message, drop example or report) with the config keys of CLI_FLAGS named by this command's
+    flags: the messages are shared with train.py, where the config keys are the names to set."""
+    for key, flag in CLI_FLAGS.items():
+        text = text.replace(key, flag)
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from config import Config
 
@@ -557,9 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with data_warnings([]) as warned:
         index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:
-        print(f"warning: {note}", file=sys.stderr)
+        print(f"warning: {cli_text(str(note))}", file=sys.stderr)
     rep = report(index)
-    print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+    print(json.dumps(rep, indent=1) if args.json else cli_text(format_report(rep)))
     return 0
 
 
@@ -571,4 +584,4 @@ if __name__ == "__main__":
     try:
         config_mod.exit_cli(main)
     except DataError as e:  # a bad meta-recipe or path: the message names the file; a traceback would bury it
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {cli_text(str(e))}")

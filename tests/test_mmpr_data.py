@@ -1267,6 +1267,19 @@ def test_cli_help_shows_the_defaults(capsys):
         assert option in help_text
 
 
+def test_cli_names_its_own_flags_where_the_messages_name_config_keys(tmp_path, capsys):
+    """The report said `> data.max_seq_length = 1000` and a missing root `(set data.train.data_root to its base)`:
+    config keys that this command line spells --max-seq-length and --data-root."""
+    meta = write_set(tmp_path, [row(0), row(1, chosen="word " * 3000)], {"a.png": rgb()})
+    assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--max-seq-length", "1000",
+                    "--no-cache"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "    dropped too_long: 1  e.g. " in out and "tokens > --max-seq-length = 1000" in out
+    assert "data.max_seq_length" not in out
+    assert mi.cli_text("x (set data.train.data_root to its base); data.train.max_samples = 3") == \
+        "x (set --data-root to its base); --max-samples = 3"
+
+
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
     meta = tmp_path / "meta.json"
     meta.write_text('{"a": {"root": "img", "annotation": "a.jsonl",},}')  # trailing commas
