@@ -432,12 +432,13 @@ def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
         DivergedError: on every rank when any rank found a non-finite value (what: loss, gradients or both).
     """
     loss_bad = not all(math.isfinite(v) for v in local.values()) or not math.isfinite(reward_sum)
-    grad_bad = False
+    flags = torch.tensor([int(loss_bad), 0], dtype=torch.long, device=ctx.device)
+    chunk = 1 << 26  # isfinite's bool temporary: 64 MiB at most, not one byte per gradient element of the buffer
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
-        if buffer.grad_data is not None and not bool(torch.isfinite(buffer.grad_data).all()):
-            grad_bad = True
-            break
-    flags = torch.tensor([int(loss_bad), int(grad_bad)], dtype=torch.long, device=ctx.device)
+        if buffer.grad_data is not None:
+            flat = buffer.grad_data.view(-1)
+            for i in range(0, flat.numel(), chunk):
+                flags[1] |= (~torch.isfinite(flat[i : i + chunk])).any()  # on the device: one sync, below
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     loss_bad, grad_bad = (bool(f) for f in flags.tolist())
     if loss_bad or grad_bad:
