@@ -1033,8 +1033,21 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     loaded = _load_shards({"model": model_sd}, path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])
     hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
+    _remove_unlisted_shards(out_dir)
     _write_export_info(out_dir, info | {"complete": True})  # after export_hf, which copies the source's files
     return Path(out_dir)
+
+
+def _remove_unlisted_shards(out_dir: str | Path) -> list[str]:
+    """Remove the *.safetensors files of `out_dir` that its model.safetensors.index.json does not list (an earlier
+    export there, of a base model sharded into other files, left them); returns their names. Only for an export's
+    OUT_DIR, which `check_export_dir` allowed: new, empty or an earlier export."""
+    index = json.loads((Path(out_dir) / "model.safetensors.index.json").read_text())
+    listed = set(index["weight_map"].values())
+    stale = sorted(f.name for f in Path(out_dir).glob("*.safetensors") if f.name not in listed)
+    for name in stale:
+        (Path(out_dir) / name).unlink()
+    return stale
 
 
 def _saved_step(path: Path) -> int | None:

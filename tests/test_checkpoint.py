@@ -529,9 +529,11 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
         "source": str(latest[1]), "step": latest[0], "model.hf_path": str(ROOT / "assets" / "tiny-omni"),
         "complete": True}  # fmt: skip
     before = (out / "model.safetensors").read_bytes()
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"x")  # a shard of an earlier export of another base
     proc = _cli("checkpoint.py", "export", str(run), str(out))  # into an earlier export: allowed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == f"exported {out}" and (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]  # the unlisted shard is gone
 
 
 def test_truncated_shard_is_named(bf16_segment, tmp_path):
