@@ -1094,8 +1094,9 @@ def main(argv: list[str] | None = None) -> int:
     import config as config_mod
 
     config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
+    ckpt, out_dir = (os.path.expanduser(p) for p in (args.ckpt, args.out_dir))  # a quoted `~`, as config paths
     try:
-        print(f"exported {export(args.ckpt, args.out_dir)}")
+        print(f"exported {export(ckpt, out_dir)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

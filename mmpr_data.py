@@ -837,6 +837,14 @@ def checked_rows(pool, workers: int, root: str, path: Path,
 # Dataset
 
 
+def changed_remedy(ix: PairIndex) -> str:
+    """What to do when a row no longer matches the index `ix` (a file changed after the index was built): put the
+    file back and resume, or re-index and start a new run: a re-indexed data set has other pairs, and a resume refuses
+    another pair count (PairSampler.load_state_dict)."""
+    return (f"restore it and resume, or delete {ix.cache_dir or 'the index cache'} to re-index and start a new run "
+            "in another checkpoint.dir (a resume needs the same pairs)")
+
+
 class PairDataset(torch.utils.data.Dataset):
     """`dataset[pair_id] -> PreferencePair` for the pairs of a `PairIndex` (pair_id in 0..len(index)-1).
 
@@ -878,7 +886,7 @@ class PairDataset(torch.utils.data.Dataset):
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
         except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{ix.source(i)}: the row no longer validates ({e}); the annotation changed since the "
-                            f"index was built: delete {ix.cache_dir or 'the cache'} and restart") from None
+                            f"index was built: {changed_remedy(ix)}") from None
         return RowText(prompt, r_c, r_r, images)
 
     def __getitem__(self, i: int) -> PreferencePair:
@@ -892,8 +900,8 @@ class PairDataset(torch.utils.data.Dataset):
                 # ZeroDivisionError inside a DataLoader worker
                 image_grids(self.processor.image_processor, [(im.height, im.width) for im in pil], row.images)
             except _Drop as d:
-                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built: delete "
-                                f"{ix.cache_dir or 'the cache'} and restart") from None
+                raise DataError(f"{ix.source(i)}: {d}; the image changed since the index was built: "
+                                f"{changed_remedy(ix)}") from None
             media = self.processor.image_processor(images=pil, return_tensors="pt")
             pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
             reps = [self.processor.replace_image_token(media, j) for j in range(len(pil))]
@@ -915,8 +923,7 @@ class PairDataset(torch.utils.data.Dataset):
         got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist())
         if got != expect:
             raise DataError(f"{ix.source(i)}: (prompt, chosen, rejected, image tokens) = {got} but the index says "
-                            f"{expect}; the data or processor changed since it was built: delete "
-                            f"{ix.cache_dir or 'the cache'} and restart")
+                            f"{expect}; the data or processor changed since it was built: {changed_remedy(ix)}")
         return PreferencePair(
             pair_index=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
             chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],

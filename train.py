@@ -163,10 +163,12 @@ def main(cfg) -> int:
         try:
             metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
         except DivergedError as e:
+            saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
+                                                   if saved_step else "")
             raise DivergedError(
-                f"step {run['step'] + 1}: {e}: the run diverged ({last_saved(saved_step, cfg)}); start again with a "
-                "lower optimizer.lr (or a smaller optimizer.clip_grad), from model.hf_path or from an export of an "
-                "earlier step (a resume keeps the saved LR schedule)"
+                f"step {run['step'] + 1}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
+                "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
+                "saved LR schedule)"
             ) from None
         advance_run_state(run, step_data, metrics, new_shift)
         steps_done += 1

@@ -986,7 +986,10 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
         next(iter(loader))
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
     assert str(e.value) == (f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000, "1x313")
-                            + f"; the image changed since the index was built: delete {index.cache_dir} and restart")
+                            + "; the image changed since the index was built: " + md.changed_remedy(index))
+    # the remedy: a re-index changes the pairs, which a resume refuses (the sampler's pair count), so it says both ways
+    assert md.changed_remedy(index) == (f"restore it and resume, or delete {index.cache_dir} to re-index and start a "
+                                        "new run in another checkpoint.dir (a resume needs the same pairs)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1181,7 +1184,7 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
     assert str(e.value) == (
         f"{annotation}:2: image_truncated: {image}: image file is truncated; the image changed "
-        f"since the index was built: delete {index.cache_dir} and restart"
+        f"since the index was built: {md.changed_remedy(index)}"
     )
 
 

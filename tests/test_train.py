@@ -1108,7 +1108,8 @@ def test_a_diverging_run_stops_before_the_update_in_one_line(train_run, tmp_path
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     want = (re.escape(f"error: DivergedError: step {len(rows) + 1}: ")
             + r"(the loss|the gradients|the loss and the gradients) (is|are) not finite \(NaN or inf\); the "
-            + re.escape(f"weights were not updated: the run diverged (the latest checkpoint is {saved}); start "
-                        "again with a lower optimizer.lr (or a smaller optimizer.clip_grad), from model.hf_path or "
-                        "from an export of an earlier step (a resume keeps the saved LR schedule)"))
+            + re.escape(f"weights were not updated: the run diverged (the latest checkpoint is {saved}, whose "
+                        "weights may already be far off: check its logged loss); start a new run with a lower "
+                        "optimizer.lr in another checkpoint.dir, from model.hf_path or from an export of a good step "
+                        "(a resume keeps the saved LR schedule)"))
     assert len(errors) == 1 and re.fullmatch(want, errors[0]), errors
