@@ -370,7 +370,7 @@ def expand_user_paths(cfg: Config) -> None:
     """
     for key in PATH_KEYS:
         section, name = key.rsplit(".", 1)
-        obj = _dotted_get(cfg, section)
+        obj = get_dotted(cfg, section)
         value = getattr(obj, name)
         expanded = os.path.expanduser(value)
         if expanded.startswith("~"):
@@ -382,7 +382,8 @@ def expand_user_paths(cfg: Config) -> None:
         setattr(obj, name, expanded)
 
 
-def _dotted_get(obj: Any, dotted: str) -> Any:
+def get_dotted(obj: Any, dotted: str) -> Any:
+    """The value at a dotted key of a Config (or any nested attributes): get_dotted(cfg, "data.train.seed")."""
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj

@@ -189,7 +189,7 @@ def check_model_config(cfg, hf) -> None:
             mcore = build(hf, m, p)
         except (ValueError, AssertionError, TypeError) as e:
             named = {k: v for k, v in MCORE_FIELD_KEYS.items() if k in str(e)}
-            keys = ", ".join(dict.fromkeys(f"{v} = {_dotted(cfg, v)!r}" for v in named.values()))
+            keys = ", ".join(dict.fromkeys(f"{v} = {config_mod.get_dotted(cfg, v)!r}" for v in named.values()))
             raise config_mod.ConfigError(
                 f"megatron-core refuses the {what} config: {str(e).strip()} (this run's "
                 f"{keys or 'settings'}; the other sizes come from {m.hf_path}/config.json)"
@@ -212,12 +212,6 @@ def check_model_config(cfg, hf) -> None:
             f"parallel.tensor_model_parallel_size = {tp} must divide the vocabulary size {hf.text.vocab_size} "
             f"({m.hf_path}/config.json): the output layer stays vocab-parallel"
         )
-
-
-def _dotted(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def check_splits(train_split, val_split, cfg):
