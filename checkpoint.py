@@ -432,10 +432,16 @@ def _use_in_process_write_queue() -> None:
         writer.finish = recording_finish
 
 
-def _describe(e: BaseException) -> str:
-    """`Type: message` of the innermost cause of `e` (megatron-core and torch wrap the OSError of a failed write)."""
+def _innermost(e: BaseException) -> BaseException:
+    """The innermost cause of `e` (megatron-core and torch wrap the OSError of a failed write)."""
     while e.__cause__ is not None:
         e = e.__cause__
+    return e
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message` of the innermost cause of `e`."""
+    e = _innermost(e)
     return f"{type(e).__name__}: {e}"
 
 
@@ -443,10 +449,7 @@ def _report_unexpected(e: BaseException, step: int) -> None:
     """Print the traceback of a save error on this rank's stderr unless its innermost cause is an OSError (a failed
     write: full disk, quota, permissions, which the one-line CheckpointError says in full). Anything else is a bug in
     the state being saved, and the CheckpointError keeps only its last line."""
-    inner = e
-    while inner.__cause__ is not None:
-        inner = inner.__cause__
-    if not isinstance(inner, OSError):
+    if not isinstance(_innermost(e), OSError):
         print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
         traceback.print_exception(e, file=sys.stderr)
 
