@@ -377,22 +377,16 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 if __name__ == "__main__":
-    import argparse
+    from omni_model import build_model, smoke_cli
 
-    ap = argparse.ArgumentParser(
-        prog="python hf_weights.py",
-        description="Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there "
-        "is one), load its weights, print the load report and the logits' shape for 16 random tokens.",
+    hf_dir = smoke_cli(
+        "python hf_weights.py",
+        "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is one), "
+        "load its weights, print the load report and the logits' shape for 16 random tokens.",
     )
-    ap.add_argument("hf_dir", nargs="?", default="assets/tiny-omni",
-                    help="the HF checkpoint directory (default: %(default)s)")  # fmt: skip
-    hf_dir = ap.parse_args().hf_dir
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import config as config_mod
     from distributed import init_distributed, local_device
-    from omni_model import build_model
 
     init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
     model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())

@@ -685,20 +685,32 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 
 
 # ======================================================================================================================
+# Smoke run
 
-if __name__ == "__main__":
+
+def smoke_cli(prog: str, description: str) -> str:
+    """The command line of a one-rank smoke run (`python omni_model.py`, `python hf_weights.py`): [HF_DIR] (default
+    assets/tiny-omni). Returns it; argparse's usage error (exit 2) for a directory without config.json, before any
+    process group or model exists."""
     import argparse
 
-    ap = argparse.ArgumentParser(
-        prog="python omni_model.py",
-        description="Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there "
-        "is one) and print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).",
-    )
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("hf_dir", nargs="?", default="assets/tiny-omni",
                     help="the HF checkpoint directory (default: %(default)s)")  # fmt: skip
     hf_dir = ap.parse_args().hf_dir
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
+    return hf_dir
+
+
+# ======================================================================================================================
+
+if __name__ == "__main__":
+    hf_dir = smoke_cli(
+        "python omni_model.py",
+        "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is one) and "
+        "print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).",
+    )
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import config as config_mod
     from distributed import init_distributed, local_device
