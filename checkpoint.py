@@ -634,6 +634,19 @@ def check_schedule(path: str | Path, saved: dict[str, Any] | None, mine: dict[st
         )
 
 
+def check_resume_schedule(path: str | Path | None, mine: dict[str, Any]) -> None:
+    """`check_schedule` of checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) against `mine` (the
+    `schedule_state` this run's config gives, train.planned_schedule), from its run_state.json alone: train.py runs it
+    with check_layout, before metrics.jsonl, the data or the models are touched, so a changed schedule is refused in
+    seconds. `load` checks again against the built scheduler.
+
+    Raises:
+        CheckpointError: those of `check_schedule`; run_state.json unreadable (`_run_state`).
+    """
+    if path is not None:
+        check_schedule(path, _run_state(Path(path)).get("scheduler"), mine)
+
+
 # Settings that fix the layout of the saved model/optimizer state: the parameter dtype (and with it the optimizer's
 # param groups and fp32 master copies), the TP/CP/EP/ETP sharding of the optimizer's buckets (dp_reshardable reshards
 # over DP only), the optimizer format and the set of trained parameters (the freeze flags: a frozen parameter has no
@@ -652,16 +665,28 @@ LAYOUT_KEYS = (
 )
 
 
+def _run_state(path: Path) -> dict:
+    """`<path>/run_state.json` as a dict.
+
+    Raises:
+        CheckpointError: the file cannot be read, is not JSON or not a JSON object.
+    """
+    try:
+        state = json.loads((path / RUN_STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no run state (a JSON object)")
+    return state
+
+
 def _saved_config(path: Path) -> dict:
     """The resolved config saved in `<path>/run_state.json` (a config.to_dict dict).
 
     Raises:
         CheckpointError: run_state.json cannot be read or holds no config.
     """
-    try:
-        saved = json.loads((path / RUN_STATE_FILE).read_text()).get("config")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
+    saved = _run_state(path).get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path / RUN_STATE_FILE} holds no resolved config")
     return saved

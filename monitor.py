@@ -10,6 +10,7 @@ Tests: `pytest tests/test_train.py tests/test_console.py`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -254,12 +255,23 @@ def wandb_failed(cfg, e: Exception) -> str:
     )
 
 
+def _row_step(row: str) -> float:
+    """The "step" of one metrics.jsonl row; -inf (kept by any resume) for a row that is not a JSON object with an
+    integer step (a hand-edited file): a resume never drops what it cannot read."""
+    try:
+        step = json.loads(row)["step"]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return -math.inf
+    return step if isinstance(step, int) and not isinstance(step, bool) else -math.inf
+
+
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
 
     An existing metrics.jsonl is never restarted silently: a fresh start (resumed_step 0) moves it to
     `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
-    before saving); both print a `metrics:` line.
+    before saving); both print a `metrics:` line. Both happen at the first `log` call, not at construction: a start
+    refused later (a changed setting, a damaged checkpoint, bad data, a failed first step) leaves the file as it was.
 
     W&B: mode `logging.wandb` (online / offline / disabled; WANDB_MODE overrides it, config.apply_wandb_mode_env),
     project WANDB_PROJECT else `logging.wandb_project`, WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in
@@ -277,10 +289,11 @@ class MetricsLog:
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
         self.path = Path(cfg.checkpoint.dir) / "metrics.jsonl"
+        self._tidy_after: int | None = resumed_step  # the resumed step until the first `log` has tidied the file
         failed, error = None, None
         if rank == 0:
             try:
-                failed = self._start(cfg, resumed_step)
+                failed = self._start(cfg)
             except Exception as e:  # told to the other ranks first, then raised as it is
                 failed, error = f"rank 0 could not start the metrics log: {type(e).__name__}: {e}", e
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -294,27 +307,9 @@ class MetricsLog:
         if failed:
             raise config_mod.ConfigError(failed)
 
-    def _start(self, cfg, resumed_step: int) -> str | None:
-        """Rank 0: tidy metrics.jsonl and start the W&B run; returns the W&B failure's message (or None)."""
+    def _start(self, cfg) -> str | None:
+        """Rank 0: start the W&B run; returns the W&B failure's message (or None)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
-        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
-            n = 1
-            while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
-                n += 1
-            self.path.rename(old)
-            print(
-                f"metrics: {self.path} held {mmpr_data.plural(len(rows), 'row')} of an earlier run without a "
-                f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
-            )
-        elif rows:  # rows after the resumed step belong to a segment that died before saving
-            keep = [r for r in rows if json.loads(r)["step"] <= resumed_step]
-            if len(keep) < len(rows):
-                self.path.write_text("".join(r + "\n" for r in keep))
-                print(
-                    f"metrics: dropped {mmpr_data.plural(len(rows) - len(keep), 'row')} after step {resumed_step} from "
-                    f"{self.path} (logged by a segment that stopped before saving)"
-                )
         if cfg.logging.wandb != "disabled":
             import wandb
 
@@ -334,9 +329,36 @@ class MetricsLog:
             self.run_id = self.run.id
         return None
 
+    def _tidy(self, resumed_step: int) -> None:
+        """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside (fresh start) or drop its rows after
+        `resumed_step` (a resume), printing one `metrics:` line when it does either."""
+        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
+        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
+            n = 1
+            while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
+                n += 1
+            self.path.rename(old)
+            print(
+                f"metrics: {self.path} held {mmpr_data.plural(len(rows), 'row')} of an earlier run without a "
+                f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
+            )
+        elif rows:  # rows after the resumed step belong to a segment that died before saving
+            keep = [r for r in rows if _row_step(r) <= resumed_step]
+            if len(keep) < len(rows):
+                self.path.write_text("".join(r + "\n" for r in keep))
+                print(
+                    f"metrics: dropped {mmpr_data.plural(len(rows) - len(keep), 'row')} after step {resumed_step} from "
+                    f"{self.path} (logged by a segment that stopped before saving)"
+                )
+
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
+        """Rank 0: append {"step", "split", **metrics} to metrics.jsonl (tidied first at the first call) and log the
+        numeric metrics to W&B as `<split>/<name>` at `step`. Other ranks: nothing."""
         if self.rank != 0:
             return
+        if self._tidy_after is not None:
+            self._tidy(self._tidy_after)
+            self._tidy_after = None
         row = {"step": step, "split": split, **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")

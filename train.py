@@ -47,6 +47,7 @@ import math
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 # One CUDA hardware work queue per device, set before CUDA starts (the driver reads it when it creates the context;
@@ -119,6 +120,7 @@ def main(cfg) -> int:
         if rank == 0:
             print(f"nothing to do: step {saved_step} already reached the stop step {last}")
         return 0
+    checkpoint.check_resume_schedule(resume_from, planned_schedule(cfg))  # the same LR schedule (chained segments)
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
     stopper = monitor.StopSignal()
@@ -290,6 +292,14 @@ def build_scheduler(optimizer, cfg):
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments is an error (checkpoint.load)
     )
+
+
+def planned_schedule(cfg) -> dict:
+    """The scheduler state (checkpoint.schedule_state: lr, min_lr, warmup, horizon, decay style, weight decay; step 0)
+    of `build_scheduler(optimizer, cfg)`, without an optimizer: what a resume is checked against before any model is
+    built (checkpoint.check_resume_schedule). Raises config.ConfigError as `build_scheduler` does."""
+    no_params = types.SimpleNamespace(param_groups=[])  # the scheduler only writes lr / weight_decay into the groups
+    return checkpoint.schedule_state(build_scheduler(no_params, cfg))
 
 
 def build_optimizer(policy, cfg):

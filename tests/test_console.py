@@ -71,11 +71,30 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     assert capsys.readouterr().out == (f"metrics: {tmp_path / 'metrics.jsonl'} held 3 rows of an earlier run without a "
                                        "checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
     (tmp_path / "metrics.jsonl").write_text(old)
-    monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    log = monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
+    assert (tmp_path / "metrics.jsonl").read_text() == old  # a start refused before its first row changes nothing
+    assert capsys.readouterr().out == ""
+    log.log(3, {"loss": 0.25})
     assert capsys.readouterr().out == (f"metrics: dropped 1 row after step 2 from {tmp_path / 'metrics.jsonl'} "
                                        "(logged by a segment that stopped before saving)\n")
-    monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)  # nothing to drop: nothing said, nothing rewritten
+    assert [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "split": "train", "loss": 1.0}, {"step": 2, "split": "train", "loss": 1.0},
+        {"step": 3, "split": "train", "loss": 0.25}]
+    monitor.MetricsLog(cfg, None, resumed_step=3, rank=0).log(4, {"loss": 0.125})  # nothing to drop: nothing said
     assert capsys.readouterr().out == ""
+    assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_metrics_log_keeps_rows_it_cannot_read(tmp_path, capsys):
+    """A hand-edited metrics.jsonl (a row that is not JSON, or has no integer step) is kept by a resume, never a
+    traceback; the readable rows after the resumed step are dropped as usual."""
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    rows = ['{"step": 1}', "# my note", '{"step": "2"}', '[3]', '{"step": true}', '{"step": 2}', '{"step": 5}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    monitor.MetricsLog(cfg, None, resumed_step=1, rank=0).log(2, {"loss": 0.5})
+    got = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert got == rows[:5] + [json.dumps({"step": 2, "split": "train", "loss": 0.5})]
+    assert "dropped 2 rows after step 1" in capsys.readouterr().out
 
 
 def test_quiet_known_warnings_respects_the_switch(monkeypatch):

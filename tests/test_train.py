@@ -497,6 +497,40 @@ def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_6"]
 
 
+def test_planned_schedule_is_the_built_schedulers_state():
+    import checkpoint
+
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["scheduler.lr_warmup_init=1e-5", "optimizer.lr=3e-4"])
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+    built = checkpoint.schedule_state(train.build_scheduler(sgd, cfg))
+    assert train.planned_schedule(cfg) == built
+    assert (built["init_lr"], built["max_lr"], built["num_steps"]) == (1e-5, 3e-4, 0)
+
+
+def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
+    """A resume refused for a changed LR schedule (checkpoint.check_schedule) used to be found in checkpoint.load,
+    after metrics.jsonl had been trimmed to the resumed step and the models built; it is now refused right after the
+    checkpoint checks, and metrics.jsonl keeps every row."""
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "step_2" / "model_optim").mkdir(parents=True)
+    (tmp_path / "step_2" / "run_state.json").write_text(json.dumps(
+        {"step": 2, "config": config_mod.to_dict(cfg), "scheduler": dict(train.planned_schedule(cfg), num_steps=2)}))
+    rows = "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows)  # step 3: a segment that died before saving
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"error: CheckpointError: the LR schedule of {tmp_path / 'step_2'} differs from this run's (saved, now): "
+        f"{{'max_lr': ({cfg.optimizer.lr}, 0.5)}}; set optimizer.lr back to the saved values"
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "step_2"]  # no wandb/, config
+
+
 def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, monkeypatch, capsys):
     """QA 4b.6: a resume over changed data with the same pair count trained on without a word; train.resume now
     prints one `resume:` line (the sampler state's index fingerprint differs) and continues."""
