@@ -91,7 +91,7 @@ from pack import PreferencePair
 
 # Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
-    "invalid_json",  # the line is not a JSON object
+    "invalid_json",  # the line is not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
     "missing_field",  # question / chosen / rejected missing or not a string; image not a string or list of strings
     "video_unsupported",  # a `video` field or a <video> placeholder: video preference pairs are not supported yet
     "too_many_images",  # more images than data.train.max_images_per_row
@@ -100,7 +100,9 @@ DROP_REASONS = (
     "unterminated_reasoning",  # a response opens <think> and never closes it (a generation cut off while reasoning)
     "malformed_reasoning",  # a response with several reasoning blocks, or text before its <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
-    "identical_responses",  # chosen and rejected are the same text after stripping surrounding whitespace: no signal
+    # chosen and rejected are the same text after stripping surrounding whitespace, or (checked when rendering, after
+    # the image checks) render to the same text, e.g. an empty <think></think> on one side only: no preference signal
+    "identical_responses",
     "no_image_root",  # relative image paths in a subset whose meta entry has no root (null or missing)
     "image_missing",  # an image file does not exist
     "image_unreadable",  # PIL cannot open or decode it
@@ -115,6 +117,8 @@ REASONING_TOKENS = ("<think>", "</think>")
 # Reasoning switches the Omni chat template removes from system / user text wherever they occur (inside a word, a URL
 # or `</think>` too) and obeys. In a row they are text: the renderer hides them from the template (TextRenderer.render).
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")
+# A UTF-16 surrogate code point on its own: JSON's "\ud83d" escape decodes to one, which is not Unicode text.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # NeMo-RL's numbered image placeholder; `<image_N>` stands for the N-th image of the row (1-based).
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")
 
@@ -339,7 +343,11 @@ def load_image(path: str | Path):
     from transformers.image_transforms import convert_to_rgb
 
     path = Path(path)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as e:  # a name longer than the file system allows, a folder on the way this user cannot search
+        raise _Drop("image_unreadable", f"{path}: {e.strerror or e}") from None
+    if not is_file:
         raise _Drop("image_missing", f"{path} is a directory" if path.is_dir() else f"{path} does not exist")
     try:
         with Image.open(path) as im:
@@ -502,6 +510,9 @@ class TextRenderer:
         for name, v in (("question", question), ("chosen", chosen), ("rejected", rejected), ("system", system)):
             if v is None:
                 raise _Drop("missing_field", f"{name!r} is missing or not a string")
+            if (m := _SURROGATE.search(v)) is not None:  # valid JSON, not text: no tokenizer takes it
+                raise _Drop("invalid_json", f"{name!r} holds the lone surrogate escape {ascii(m.group())} at "
+                                            f"character {m.start()}: not Unicode text (decoded with surrogateescape?)")
         image = row.get("image")
         images = [] if image is None else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
@@ -570,7 +581,8 @@ class TextRenderer:
 
         Raises:
             _Drop: template_rewrites_text when the rendering lacks the system / question text or a response's
-                reasoning or answer, as written.
+                reasoning or answer, as written; identical_responses when both responses render to the same text
+                (an empty reasoning block on one side only, which the template drops).
             DataError: the template does not render a conversation as a generation prompt + response.
         """
         texts = (system, question, chosen, rejected)
@@ -628,6 +640,8 @@ class TextRenderer:
             for part in (parts[0].split("<think>")[-1].strip(), parts[-1].strip()) if len(parts) > 1 else parts:
                 if part not in rendered:
                     raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {rendered!r}")
+        if out[0][1] == out[1][1]:  # e.g. "<think></think>A cat." and "A cat.": the template drops empty reasoning
+            raise _Drop("identical_responses", f"chosen and rejected render to the same text {out[0][1]!r}")
         return prompt, out[0][1], out[1][1]
 
     def encode(self, text: str) -> list[int]:

@@ -62,7 +62,7 @@ from mmpr_data import (
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 3  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 4  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's index build (build_index). The default process group's timeout (NCCL's
 # 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);
@@ -291,11 +291,13 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
 
 
 def _write_cache(folder: Path, index: PairIndex) -> None:
-    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX). A cache that
+    cannot be written (the cache folder cannot be created, is read-only, the disk is full) is a logged warning: the
+    index just built is used uncached."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         torch.save(index.state(), tmp / "index.pt")
         manifest = {"fingerprint": index.fingerprint, "cache_version": CACHE_VERSION, "num_pairs": len(index),
                     "sha256": _sha256_file(tmp / "index.pt"), "meta_path": index.meta_path}
@@ -359,8 +361,11 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
-    settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length, "seed": data.train.seed,
-                "max_images_per_row": data.train.max_images_per_row, "data_root": data.train.data_root}
+    # the seed changes the index only through a fractional repeat_time (apply_repeat_time's random rows)
+    sampled = any(s.repeat_time != math.floor(s.repeat_time) for s in subsets)
+    settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length,
+                "seed": data.train.seed if sampled else None, "max_images_per_row": data.train.max_images_per_row,
+                "data_root": data.train.data_root}
     fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
     folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
     args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
@@ -528,7 +533,8 @@ def format_report(rep: dict) -> str:
 
 # The config keys that the data checks name, as this command line spells them (`cli_text`).
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
-             "data.train.max_samples": "--max-samples"}
+             "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
+             "data.train.seed": "--seed"}
 
 
 def cli_text(text: str) -> str:
@@ -551,6 +557,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length,
                     help="most tokens per row, expanded image tokens included; longer rows are dropped as too_long "
                          "(default: %(default)s, as the config's data.max_seq_length)")
+    ap.add_argument("--max-images-per-row", type=int, default=Config().data.train.max_images_per_row,
+                    help="rows with more images are dropped as too_many_images (default: %(default)s, as the "
+                         "config's data.train.max_images_per_row)")
+    ap.add_argument("--seed", type=int, default=Config().data.train.seed,
+                    help="seed of a fractional repeat_time's row sample (default: %(default)s, as the config's "
+                         "data.train.seed; it changes the index, and so its cache, only for such a subset)")
     ap.add_argument("--data-root", default="",
                     help="base of relative root/annotation paths (default: the meta file's grandparent, then its "
                          "folder)")
@@ -560,13 +572,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1)):
+    for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1),
+                               ("--max-images-per-row", args.max_images_per_row, 1)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     processor = load_processor(args.model, "--model")
     data = Config().data
     data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
-    data.train.data_root = args.data_root
+    data.train.data_root, data.train.seed = args.data_root, args.seed
+    data.train.max_images_per_row = args.max_images_per_row
     with data_warnings([]) as warned:
         index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:

@@ -389,12 +389,16 @@ def print_layout(ctx, world: int) -> None:
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, rows dropped by reason (mmpr_index.summary_drops), the split notes."""
+    """The data lines (rank 0): pairs per split, whether the training index came from its cache (`index cached`) or
+    was built now (`index built` / `rebuilt`, after an unreadable cache / `not cached`, with the cache off), rows
+    dropped by reason (mmpr_index.summary_drops), the split notes."""
     if rank != 0:
         return
+    status = train_split.index.cache_status.split(":")[0]
+    status = {"hit": "cached", "disabled": "not cached"}.get(status, status)
     print(
         f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-        f"validation pairs, dropped rows {mmpr_index.summary_drops(train_split.index)}"
+        f"validation pairs (index {status}), dropped rows {mmpr_index.summary_drops(train_split.index)}"
     )
     if val_split is not None and val_split.index is not train_split.index:
         print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")

@@ -568,16 +568,24 @@ def test_identical_responses_are_a_counted_drop(tmp_path, processor):
         row(3, chosen="Red  square.", rejected="Red square."),  # kept: inner whitespace differs
         row(4, chosen="<think>a</think>Red.", rejected="<think>b</think>Red."),  # kept: the reasoning differs
         row(5, chosen="<think>a</think>Red.", rejected="<think>a</think>Red.\t"),  # identical, reasoning included
+        # the same rendered tokens: the template drops an empty reasoning block (QA: kept with no signal before)
+        row(6, chosen="<think></think>Red.", rejected="Red."),
+        row(7, chosen="Red.", rejected="<think>\n</think>\nRed."),
+        row(8, chosen="<think>a</think>Red.", rejected="Red."),  # kept: one side reasons
     ]
     meta = write_set(tmp_path, rows, {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     st = index.stats["sub"]
-    assert st["dropped"] == {"identical_responses": 3} and index.line.tolist() == [1, 4, 5]
+    assert st["dropped"] == {"identical_responses": 5} and index.line.tolist() == [1, 4, 5, 9]
+    only_rendered = mi.build_index(write_set(tmp_path / "r", [rows[0], rows[6], rows[7]], {"a.png": rgb()}),
+                                   processor, data_cfg(), use_cache=False).stats["sub"]["drop_examples"]
+    assert [e.split(": ", 1)[1] for e in only_rendered["identical_responses"]] == [
+        "chosen and rejected render to the same text 'Red.<|im_end|>\\n'"] * 2
     example = (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: chosen and rejected are the same text (after stripping "
                "surrounding whitespace)")
     assert st["drop_examples"]["identical_responses"][0] == example
-    assert mi.summary_drops(index) == {"identical_responses": 3}
-    assert "    dropped identical_responses: 3  e.g. " + example in mi.format_report(mi.report(index)).splitlines()
+    assert mi.summary_drops(index) == {"identical_responses": 5}
+    assert "    dropped identical_responses: 5  e.g. " + example in mi.format_report(mi.report(index)).splitlines()
     cfg = data_cfg()
     cfg.strict = True
     with pytest.raises(md.DataError) as e:
@@ -585,6 +593,42 @@ def test_identical_responses_are_a_counted_drop(tmp_path, processor):
     assert str(e.value) == (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: row dropped (identical_responses: chosen and "
                             "rejected are the same text (after stripping surrounding whitespace)) and data.strict = "
                             "true")
+
+
+def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(tmp_path, processor):
+    """QA: a lone surrogate escape ("\\ud83d", valid JSON) crashed the index build in the tokenizer (TypeError), and
+    an image name longer than the file system allows in Path.is_file (OSError); both are counted drops now."""
+    rows = [
+        row(0),  # valid
+        row(1, chosen="A cat \ud83d"),  # a truncated emoji: half of a surrogate pair
+        row(2, q="<image>\ncaf\udce9?"),  # Latin-1 bytes read with errors="surrogateescape"
+        row(3, system_prompt="Be \udcff brief."),
+        row(4, image="a" * 300 + ".png"),  # NAME_MAX is 255 bytes
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    assert "\\ud83d" in (meta.parent / "annotations" / "sub.jsonl").read_text()  # JSON's escape, as scraped data has
+    index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"invalid_json": 3, "image_unreadable": 1} and index.line.tolist() == [1]
+    ex = [e.split(": ", 1)[1] for e in st["drop_examples"]["invalid_json"]]
+    assert ex[0] == "'chosen' holds the lone surrogate escape '\\ud83d' at character 6: not Unicode text (decoded " \
+                    "with surrogateescape?)"
+    assert ex[1].startswith("'question' holds the lone surrogate escape '\\udce9' at character 11")
+    assert ex[2].startswith("'system' holds the lone surrogate escape '\\udcff' at character 3")
+    assert st["drop_examples"]["image_unreadable"][0].endswith(".png: File name too long")
+
+
+def test_an_index_cache_that_cannot_be_written_is_a_warning(tmp_path, processor, monkeypatch, caplog):
+    """QA: a cache folder that cannot be created (HF_DATASETS_CACHE under a file, a read-only disk) ended the build
+    in a NotADirectoryError after all the work; now a warning, and the index is used uncached."""
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "afile" / "cache"))
+    with caplog.at_level("WARNING", logger="omni_mpo.mmpr_index"):
+        index = mi.build_index(meta, processor, data_cfg())
+    assert len(index) == 2 and index.cache_status == "built"
+    assert len(caplog.records) == 1 and "Not a directory" in caplog.records[0].getMessage()
+    assert caplog.records[0].getMessage().startswith(f"could not write the MMPR index cache {tmp_path / 'afile'}")
 
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
@@ -1281,6 +1325,32 @@ def test_cli_names_its_own_flags_where_the_messages_name_config_keys(tmp_path, c
     assert "data.max_seq_length" not in out
     assert mi.cli_text("x (set data.train.data_root to its base); data.train.max_samples = 3") == \
         "x (set --data-root to its base); --max-samples = 3"
+
+
+def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, monkeypatch, capsys):
+    """QA: a run with data.train.max_images_per_row or data.train.seed off their defaults could not find the cache
+    `python mmpr_index.py` had built (no such flags; the seed was in the fingerprint even with no sampled subset) and
+    silently rebuilt it, for hours on MMPR. The flags exist now, and the seed counts only for a fractional
+    repeat_time."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    processor = mi.load_processor(TINY, "--model")
+    meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()})
+    assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--max-images-per-row", "3",
+                    "--seed", "7"]) == 0  # fmt: skip
+    assert "(cache hit" not in capsys.readouterr().out
+    run = data_cfg(num_workers=0, train__max_images_per_row=3)
+    assert mi.build_index(meta, processor, run).cache_status == "hit"  # the run's seed (42) does not matter here
+    run.train.max_images_per_row = 2
+    assert mi.build_index(meta, processor, run).cache_status == "built"
+    half = write_set(tmp_path / "h", [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 0.5})
+    picked = {}
+    for seed, status in ((42, "built"), (42, "hit"), (7, "built")):
+        index = mi.build_index(half, processor, data_cfg(num_workers=0, train__seed=seed))
+        assert index.cache_status == status and len(index) == 3
+        picked[seed] = index.line.tolist()
+    assert picked[42] != picked[7]  # the seed picks other rows: it must be in the fingerprint
+    with pytest.raises(md.DataError, match="^--max-images-per-row = 0 must be >= 1$"):
+        mi.main([str(meta), "--model", str(TINY), "--max-images-per-row", "0"])
 
 
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):

@@ -308,7 +308,9 @@ def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
         lines = out.out.splitlines()
         if rank == 0:
             assert lines.count("data.validation.data_path is set: data.train.split_validation_size is ignored") == 1
-            assert lines[0].startswith(f"data: {len(data.train_split.pair_ids)} train pairs, 4 validation pairs")
+            status = "cached" if data.train_split.index.cache_status == "hit" else "built"
+            assert lines[0].startswith(f"data: {len(data.train_split.pair_ids)} train pairs, 4 validation pairs "
+                                       f"(index {status}), dropped rows {{")
         else:
             assert lines == []
 
