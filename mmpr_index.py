@@ -215,6 +215,12 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
             if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
                 notes.append(f"{meta_path}: subset {sub.name!r}: the meta says length = {sub.length} but "
                              f"{sub.annotation} has {st['rows_read']} rows")
+            elif st["rows_read"] == 0:  # an empty file (or blank lines only): the subset adds nothing
+                notes.append(f"{meta_path}: subset {sub.name!r}: {sub.annotation} holds no rows, so the subset adds "
+                             "no pair")
+            if st["rows_read"] and not valid and hint is None:  # every row dropped (the drops say why)
+                notes.append(f"{meta_path}: subset {sub.name!r}: all {st['rows_read']} rows of {sub.annotation} "
+                             f"were dropped ({st['dropped']}), so the subset adds no pair")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:

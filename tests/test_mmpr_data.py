@@ -873,6 +873,26 @@ def test_subset_notices_repeat_on_a_cache_hit(tmp_path, processor, monkeypatch):
     assert seen == [("built", [length]), ("hit", [length])]
 
 
+def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
+    """QA: a subset whose annotation file is empty (no `length` in the meta), or whose rows are all dropped, vanished
+    into the totals of train.py's data line; each is a notice now (the run goes on with the other subsets)."""
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    spec = json.loads(meta.read_text())
+    ann = meta.parent / "annotations"
+    (ann / "empty.jsonl").write_text("\n\n")  # blank lines are not rows
+    (ann / "gone.jsonl").write_text(json.dumps(row(2, image="nope.png")) + "\n" + json.dumps(row(3, chosen="  ")) + "\n")
+    for name in ("empty", "gone"):
+        spec[name] = dict(spec["sub"], annotation=f"MMPR-t/annotations/{name}.jsonl")
+    meta.write_text(json.dumps(spec))
+    with md.data_warnings([]) as notes:
+        index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert len(index) == 2 and [str(n) for n in notes] == [
+        f"{meta}: subset 'empty': {ann / 'empty.jsonl'} holds no rows, so the subset adds no pair",
+        f"{meta}: subset 'gone': all 2 rows of {ann / 'gone.jsonl'} were dropped ({{'image_missing': 1, "
+        "'empty_response': 1}), so the subset adds no pair",
+    ]
+
+
 def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
     meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
     with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
