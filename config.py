@@ -493,6 +493,9 @@ def validate(cfg: Config) -> None:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
             raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
+    if not cfg.optimizer.adam_eps > 0:  # 0: a parameter with no gradient yet gets 0/0 = NaN in its first update
+        raise ConfigError(f"optimizer.adam_eps = {cfg.optimizer.adam_eps} must be > 0 (e.g. 1e-8): Adam divides by "
+                          "sqrt(second moment) + adam_eps, and the second moment of a parameter can be 0")
     validate_schedule(cfg)
 
 

@@ -10,6 +10,7 @@ Tests: `pytest tests/test_train.py -k "check_"`.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def check_inputs(cfg) -> None:
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory"
             f"{_relative_hint(cfg.model.hf_path)})"
         )
+    check_hf_config(cfg.model.hf_path)
     if not hf_weights.has_safetensors(cfg.model.hf_path):  # HFReader's rule, before any rank loads a weight
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no model.safetensors.index.json and no *.safetensors there (the "
@@ -58,7 +60,7 @@ def check_inputs(cfg) -> None:
         pack.validate_packing_config(cfg)
     except ValueError as e:
         raise config_mod.ConfigError(str(e)) from None
-    check_run_dir(cfg.checkpoint.dir)
+    check_run_dir(cfg.checkpoint.dir, cfg.model.hf_path)
     check_wandb(cfg.logging.wandb)
     distributed.check_deterministic_env(cfg.model.deterministic_mode)
 
@@ -68,14 +70,66 @@ def _relative_hint(path: str) -> str:
     return "" if Path(path).is_absolute() else f"; relative paths are relative to the working directory {os.getcwd()}"
 
 
-def check_run_dir(ckpt_dir: str) -> None:
-    """`checkpoint.dir` names a directory this process can write; creates it (with its parents) when missing.
+def _json_object(path: Path) -> dict | None:
+    """The JSON object in file `path`, or None when it is not one (unreadable, not JSON, another JSON value)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def check_hf_config(hf_path: str) -> None:
+    """`model.hf_path`'s config.json is a Hugging Face model config (a JSON object with `model_type` or
+    `architectures`), not an omni-mpo run's resolved config (the run directory's config.json, which has the same
+    name) nor anything else.
+
+    Raises:
+        config.ConfigError: the file is not JSON, not an object, or has neither key (a run's config named as such,
+            with the way out: export the run first).
+    """
+    path = Path(hf_path) / "config.json"
+    obj = _json_object(path)
+    if obj is not None and ("model_type" in obj or "architectures" in obj):
+        return
+    if obj is not None and {"model", "mpo", "checkpoint"} <= obj.keys():
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: its config.json is an omni-mpo run's resolved config, not an HF model: to "
+            f"start from a trained policy, export it first (python checkpoint.py export {hf_path} OUT) and set "
+            "model.hf_path=OUT"
+        )
+    raise config_mod.ConfigError(
+        f"model.hf_path = {hf_path!r}: {path} is not a Hugging Face model config (a JSON object with model_type)"
+    )
+
+
+def _checkpoint_around(path: Path) -> Path | None:
+    """`path` or its nearest ancestor that is a checkpoint (a step_<N> folder holding run_state.json or model_optim/),
+    or None."""
+    import checkpoint
+
+    for p in (path, *path.parents):
+        if checkpoint.STEP_RE.match(p.name) and (
+            (p / checkpoint.RUN_STATE_FILE).is_file() or (p / checkpoint.MODEL_OPTIM_DIR).is_dir()
+        ):
+            return p
+    return None
+
+
+def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
+    """`checkpoint.dir` names a directory this process can write, and not one whose files a run would overwrite or
+    lose; creates it (with its parents) when missing.
 
     Raises:
         config.ConfigError: the value is empty (the run's files would land in the working directory); the path is an
-            existing file; a parent on its way is not a directory (e.g. /dev/null/x); the nearest existing directory
-            is not writable; or mkdir fails anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
+            existing file; it is model.hf_path (`hf_path`) or holds an HF model (a config.json with model_type or
+            architectures, or an export's checkpoint.EXPORT_INFO_FILE): the run's resolved config.json would replace
+            the model's; it is a checkpoint (step_<N>) or inside one (pruned with it; to resume, the run directory is
+            the value to set); a parent on its way is not a directory (e.g. /dev/null/x); the nearest existing
+            directory is not writable; or mkdir fails anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
     """
+    import checkpoint
+
     if not ckpt_dir.strip():
         raise config_mod.ConfigError(
             "checkpoint.dir is empty: set the run directory (step_<N>/ checkpoints, metrics.jsonl and config.json go "
@@ -84,6 +138,24 @@ def check_run_dir(ckpt_dir: str) -> None:
     path = Path(ckpt_dir)
     if path.exists() and not path.is_dir():
         raise config_mod.ConfigError(f"checkpoint.dir = {ckpt_dir!r} is an existing file, not a directory")
+    if hf_path and path.resolve() == Path(hf_path).resolve():
+        raise config_mod.ConfigError(
+            f"checkpoint.dir = {ckpt_dir!r} is model.hf_path: the run would write its resolved config.json over the "
+            "model's; choose another run directory"
+        )
+    held = _json_object(path / "config.json") if path.is_dir() else None
+    if (held is not None and ("model_type" in held or "architectures" in held)) or (
+        path / checkpoint.EXPORT_INFO_FILE
+    ).is_file():
+        raise config_mod.ConfigError(
+            f"checkpoint.dir = {ckpt_dir!r} holds an HF model checkpoint (its config.json would be replaced by the "
+            "run's resolved config); choose another run directory"
+        )
+    if (step := _checkpoint_around(path.resolve())) is not None:
+        raise config_mod.ConfigError(
+            f"checkpoint.dir = {ckpt_dir!r} is the checkpoint {step} or inside it (a new run there is removed with "
+            f"it); to resume that run, set checkpoint.dir={step.parent}"
+        )
     existing = path
     while not existing.exists():  # the nearest existing ancestor (relative paths end at ".")
         existing = existing.parent

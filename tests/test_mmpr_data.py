@@ -880,7 +880,8 @@ def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
     spec = json.loads(meta.read_text())
     ann = meta.parent / "annotations"
     (ann / "empty.jsonl").write_text("\n\n")  # blank lines are not rows
-    (ann / "gone.jsonl").write_text(json.dumps(row(2, image="nope.png")) + "\n" + json.dumps(row(3, chosen="  ")) + "\n")
+    gone = (row(2, image="nope.png"), row(3, chosen=" "))  # image_missing, empty_response
+    (ann / "gone.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gone))
     for name in ("empty", "gone"):
         spec[name] = dict(spec["sub"], annotation=f"MMPR-t/annotations/{name}.jsonl")
     meta.write_text(json.dumps(spec))

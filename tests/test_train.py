@@ -142,7 +142,19 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={tmp_path}"])
     with pytest.raises(config_mod.ConfigError, match=f"model.hf_path = '{tmp_path}': no config.json"):
         preflight.check_inputs(cfg)
-    (tmp_path / "config.json").write_text("{}")  # QA: no weights ended in hf_weights' FileNotFoundError traceback
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value) == (f"model.hf_path = '{tmp_path}': {tmp_path / 'config.json'} is not a Hugging Face model "
+                            "config (a JSON object with model_type)")
+    # QA: a run directory (its config.json is the resolved config) ended in a TypeError deep in read_hf_config
+    (tmp_path / "config.json").write_text(json.dumps(config_mod.to_dict(cfg)))
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value) == (f"model.hf_path = '{tmp_path}': its config.json is an omni-mpo run's resolved config, not "
+                            f"an HF model: to start from a trained policy, export it first (python checkpoint.py "
+                            f"export {tmp_path} OUT) and set model.hf_path=OUT")
+    (tmp_path / "config.json").write_text('{"model_type": "x"}')  # QA: no weights: hf_weights' FileNotFoundError
     with pytest.raises(config_mod.ConfigError) as e:
         preflight.check_inputs(cfg)
     assert str(e.value) == (f"model.hf_path = '{tmp_path}': no model.safetensors.index.json and no *.safetensors "
@@ -394,6 +406,41 @@ def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path,
     cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
     with pytest.raises(config_mod.ConfigError, match="^checkpoint.dir is empty"):
         preflight.check_inputs(cfg)  # part of the checks train.main runs first on every rank
+
+
+def test_check_run_dir_refuses_a_model_an_export_and_a_checkpoint(tmp_path):
+    """QA: checkpoint.dir = model.hf_path trained and wrote the run's config.json over the model's (the next start
+    failed in read_hf_config); checkpoint.dir = RUN/step_6 started a new run inside that checkpoint."""
+    import checkpoint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "NemotronH_Nano_Omni_Reasoning_V3"}')
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_run_dir(str(model), str(tmp_path / "." / "model"))
+    assert str(e.value) == (f"checkpoint.dir = '{model}' is model.hf_path: the run would write its resolved "
+                            "config.json over the model's; choose another run directory")
+    for held in (model, tmp_path / "export"):  # any HF model; an export (its info file) even without config.json
+        if held.name == "export":
+            held.mkdir()
+            (held / checkpoint.EXPORT_INFO_FILE).write_text("{}")
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_run_dir(str(held), "assets/tiny-omni")
+        assert str(e.value) == (f"checkpoint.dir = '{held}' holds an HF model checkpoint (its config.json would be "
+                                "replaced by the run's resolved config); choose another run directory")
+    step = tmp_path / "run" / "step_6"
+    (step / checkpoint.MODEL_OPTIM_DIR).mkdir(parents=True)
+    (step / checkpoint.RUN_STATE_FILE).write_text("{}")
+    for value in (step, step / "sub" / "run"):
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_run_dir(str(value), "assets/tiny-omni")
+        assert str(e.value) == (f"checkpoint.dir = '{value}' is the checkpoint {step} or inside it (a new run there "
+                                f"is removed with it); to resume that run, set checkpoint.dir={tmp_path / 'run'}")
+    assert not (step / "sub").exists()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config_mod.to_dict(config_mod.Config())))
+    preflight.check_run_dir(str(tmp_path / "run"), "assets/tiny-omni")  # a run directory itself: a resume
+    (tmp_path / "step_3").mkdir()  # a folder merely named like a checkpoint
+    preflight.check_run_dir(str(tmp_path / "step_3"), "assets/tiny-omni")
 
 
 @pytest.mark.parametrize("value", [0, -1])
