@@ -53,7 +53,18 @@ class StopSignal:
         signal.signal(signum, signal.SIG_IGN)
 
     def should_stop(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        """Whether any rank received one of the signals (collective: every rank calls it after the same step)."""
+        return self._any_rank(self.received is not None, device)
+
+    def interrupted(self, device: torch.device) -> bool:
+        """Whether any rank received a Ctrl-C (SIGINT) so far (collective). train.py asks before the first step: a
+        Ctrl-C while the data and models load ends the run there (exit 130, nothing trained, nothing saved), where
+        SIGTERM / SIGUSR1 (a scheduler's grace period) still get their step and save."""
+        return self._any_rank(self.received == signal.SIGINT, device)
+
+    @staticmethod
+    def _any_rank(mine: bool, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if mine else 0.0], device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -144,6 +144,11 @@ def main(cfg) -> int:
     plan = functools.partial(plan_and_select, data.train_split.index, ctx)
     gbs, workers = cfg.policy.train_global_batch_size, cfg.data.num_workers
     loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, gbs, plan, workers))
+    if stopper.interrupted(ctx.device):  # a Ctrl-C while the data and models loaded: stop before any step
+        if rank == 0:
+            print("interrupted before the first step: nothing saved", file=sys.stderr)
+        log.finish()
+        return 130
     bar = monitor.progress_bar(cfg, run["step"], rank)
     t_start, steps_done = time.perf_counter(), 0
     ddp.train()

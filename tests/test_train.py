@@ -340,6 +340,27 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
                                             "interrupted before the first step: nothing saved")
 
 
+def test_ctrl_c_while_the_models_load_stops_before_the_first_step(tmp_path):
+    """QA: a Ctrl-C while the data and models loaded was remembered by the stop handler, so the run still trained a
+    full step and saved it before stopping (exit 0); the README promises exit 130 and nothing saved."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled",
+                                 "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    seen = []
+    for line in proc.stdout:  # the data line: next come the policy and reference builds (seconds)
+        seen.append(line)
+        if line.startswith("data: "):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (seen, out, err[-3000:])
+    assert err.strip().splitlines()[-1] == "interrupted before the first step: nothing saved"
+    assert "Traceback" not in err and out == f"config: {run_dir / 'config.json'}\n"  # no step line
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json"]  # no step_1, no metrics.jsonl
+
+
 def test_cli_error_is_one_line_without_a_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "train.py", "configs/tiny.toml", f"model.hf_path={tmp_path}"],
