@@ -63,6 +63,7 @@ import datetime
 import errno
 import fcntl
 import json
+import math
 import os
 import queue
 import random
@@ -81,6 +82,7 @@ import torch.distributed as dist
 STEP_RE = re.compile(r"^step_(\d+)$")
 RUN_STATE_FILE = "run_state.json"
 MODEL_OPTIM_DIR = "model_optim"
+MEGATRON_METADATA_FILE = "metadata.json"  # megatron-core dist_checkpointing's config file in model_optim/
 RNG_DIR = "rng"
 # The distributed optimizer's checkpoint format, a choice on its merits (module docstring); megatron-core 0.19.2's
 # default (`fully_sharded_model_space`) also raises "flattened_range is not supported" without TE/Apex.
@@ -634,6 +636,40 @@ def check_schedule(path: str | Path, saved: dict[str, Any] | None, mine: dict[st
         )
 
 
+# What train.resume reads from a run_state.json (besides the optional wandb_run_id and config) and their JSON types.
+RUN_STATE_KEYS = {"step": int, "world_size": int, "consumed_pairs": int, "reward_shift": float,
+                  "reward_shift_num_updates": int, "sampler": dict, "scheduler": dict}
+
+
+def check_run_state(path: Path, state: Any) -> None:
+    """Refuse a run_state.json (of checkpoint `path`, a step_<N>; `state` its parsed JSON) that a resume cannot use:
+    not an object, a key of RUN_STATE_KEYS missing or of another type (an int counts as a float), a negative step,
+    a reward shift δ that is not finite (JSON's NaN / Infinity).
+
+    Raises:
+        CheckpointError: one line naming the file and every problem, with the way out (move the step away and resume
+            from the previous checkpoint).
+    """
+    if not isinstance(state, dict):
+        problems = [f"a JSON {type(state).__name__}, not an object"]
+    else:
+        problems = [f"no {k!r}" for k in RUN_STATE_KEYS if k not in state]
+        for k, kind in RUN_STATE_KEYS.items():
+            v = state.get(k)
+            ok = isinstance(v, (int, float) if kind is float else kind) and not isinstance(v, bool)
+            if k in state and not ok:
+                problems.append(f"{k!r} = {v!r} is not a JSON {'number' if kind is float else kind.__name__}")
+        if isinstance(state.get("step"), int) and state["step"] < 0:
+            problems.append(f"'step' = {state['step']} is negative")
+        if isinstance(state.get("reward_shift"), float) and not math.isfinite(state["reward_shift"]):
+            problems.append(f"'reward_shift' = {state['reward_shift']} is not finite")
+    if problems:
+        raise CheckpointError(
+            f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; move {path} away (e.g. to "
+            f"{path}.damaged) to resume from the previous checkpoint"
+        )
+
+
 def check_resume_schedule(path: str | Path | None, mine: dict[str, Any]) -> None:
     """`check_schedule` of checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) against `mine` (the
     `schedule_state` this run's config gives, train.planned_schedule), from its run_state.json alone: train.py runs it
@@ -834,26 +870,43 @@ def _truncated_files(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
 
 
 def missing_files(path: str | Path, world_size: int | None) -> list[str]:
-    """The files a complete checkpoint `path` (a step_<N>) lacks, relative to it: model_optim/.metadata, every shard
-    file its metadata references, and with `world_size` (a resume at the saved world size) rng/rank_<r>.pt of every
-    rank r < world_size. [] when nothing is missing (shorter shard files are `_load_shards`' diagnosis)."""
+    """The files a complete checkpoint `path` (a step_<N>) lacks, relative to it: model_optim/metadata.json
+    (megatron-core dist_checkpointing's config), model_optim/.metadata, every shard file its metadata references, and
+    with `world_size` (a resume at the saved world size) rng/rank_<r>.pt of every rank r < world_size. [] when nothing
+    is missing (shorter shard files are `_load_shards`' diagnosis).
+
+    Raises:
+        CheckpointError: metadata.json or .metadata exists but cannot be read (not JSON, truncated).
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
     shards = path / MODEL_OPTIM_DIR
+
+    def unreadable(name: str, e: Exception) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path.name} ({path}) is damaged: {MODEL_OPTIM_DIR}/{name} cannot be read "
+            f"({type(e).__name__}: {e}); move {path} away (e.g. to {path}.damaged) to resume from the previous "
+            "checkpoint"
+        )
+
+    missing = []
+    if not (shards / MEGATRON_METADATA_FILE).is_file():
+        missing.append(f"{MODEL_OPTIM_DIR}/{MEGATRON_METADATA_FILE}")
+    else:
+        try:
+            json.loads((shards / MEGATRON_METADATA_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise unreadable(MEGATRON_METADATA_FILE, e) from None
     if not (shards / ".metadata").is_file():
-        missing = [f"{MODEL_OPTIM_DIR}/.metadata"]
+        missing.append(f"{MODEL_OPTIM_DIR}/.metadata")
     else:
         try:
             storage = FileSystemReader(str(shards)).read_metadata().storage_data or {}
         except Exception as e:  # noqa: BLE001 - an unreadable metadata file is a damaged checkpoint like a missing one
-            raise CheckpointError(
-                f"checkpoint {path.name} ({path}) is damaged: {MODEL_OPTIM_DIR}/.metadata cannot be read "
-                f"({type(e).__name__}: {e}); move {path} away (e.g. to {path}.damaged) to resume from the previous "
-                "checkpoint"
-            ) from None
+            raise unreadable(".metadata", e) from None
         names = sorted({info.relative_path for info in storage.values()})
-        missing = [f"{MODEL_OPTIM_DIR}/{n}" for n in names if not (shards / n).is_file()]
+        missing += [f"{MODEL_OPTIM_DIR}/{n}" for n in names if not (shards / n).is_file()]
     for r in range(world_size or 0):
         if not (path / RNG_DIR / f"rank_{r:05d}.pt").is_file():
             missing.append(f"{RNG_DIR}/rank_{r:05d}.pt")
@@ -936,10 +989,20 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 
     rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
     if same_world:  # every rank's file is there (check_complete)
+        rng, error = None, None
         try:
             rng = torch.load(rng_file, weights_only=True)
-        except (EOFError, RuntimeError) as e:  # a truncated zip file: RuntimeError from torch's zip reader
-            raise CheckpointError(f"{rng_file}: damaged RNG state file ({type(e).__name__}: {e})") from None
+        except Exception as e:  # noqa: BLE001 - truncated (RuntimeError from the zip reader), garbage (UnpicklingError)
+            # torch's own advice for an unpickling failure (load with weights_only=False) does not apply to a damaged
+            # file: then only the error's name
+            why = "" if "weights_only" in str(e) else f": {str(e).splitlines()[0][:200]}" if str(e) else ""
+            error = f"{rng_file}: damaged RNG state file ({type(e).__name__}{why})"
+        if _world() > 1:  # every rank learns a damaged file of any rank: none waits in the barrier below
+            errors: list[str | None] = [None] * _world()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise CheckpointError(f"{error}; copy the step again or move {path} away to resume from the previous one")
         set_rng_state(rng)
     elif _rank() == 0:
         print(

@@ -126,16 +126,18 @@ def saved_progress(resume_from) -> tuple[int, str | None]:
     whole run state later.
 
     Raises:
-        checkpoint.CheckpointError: run_state.json cannot be read.
+        checkpoint.CheckpointError: run_state.json cannot be read, or lacks a key a resume reads
+            (`checkpoint.check_run_state`: damaged or edited by hand).
     """
     if resume_from is None:
         return 0, None
     path = Path(resume_from) / checkpoint.RUN_STATE_FILE
     try:
         state = json.loads(path.read_text())
-        return int(state["step"]), state.get("wandb_run_id")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise checkpoint.CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
+    checkpoint.check_run_state(Path(resume_from), state)
+    return state["step"], state.get("wandb_run_id")
 
 
 RESOLVED_CONFIG_FILE = "config.json"

@@ -765,6 +765,16 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check_complete(step, 1)
     assert str(e.value) == message.format(step, "model_optim/.metadata", step, step)
+    step = damaged("config", "model_optim/metadata.json")  # QA: megatron's CheckpointingException traceback
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value) == message.format(step, "model_optim/metadata.json", step, step)
+    step = damaged("config_cut")  # QA: a JSONDecodeError traceback
+    (step / "model_optim" / "metadata.json").write_text((one_step / "model_optim" / "metadata.json").read_text()[:10])
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/metadata.json cannot be read "
+                                   "(JSONDecodeError: ")
     step = damaged("garbled")
     (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(checkpoint.CheckpointError) as e:
@@ -791,6 +801,37 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "error: CheckpointError: " + message.format(
         step, f"model_optim/{shards[-1]}", step, step)  # fmt: skip
+    # QA: random bytes as an RNG file ended in torch's UnpicklingError traceback, whose advice (weights_only=False)
+    # does not apply to a damaged file
+    step = damaged("rng_garbage")
+    rng = step / "rng" / "rank_00000.pt"
+    rng.write_bytes(bytes(range(256)) * 100)
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={step.parent}", "mpo.max_num_steps=2",
+                "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: CheckpointError: {rng}: damaged RNG state file (") and "weights_only" not in last
+    assert last.endswith(f"; copy the step again or move {step} away to resume from the previous one")
+
+
+def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
+    """QA: a run_state.json without "sampler" (KeyError traceback after the models loaded), holding a list
+    (AttributeError) or a NaN reward shift (accepted, the loss then NaN and blamed on the LR)."""
+    good = {"step": 4, "world_size": 1, "consumed_pairs": 16, "reward_shift": 0.0, "reward_shift_num_updates": 4,
+            "sampler": {"epoch": 0}, "scheduler": {"num_steps": 4}}  # fmt: skip
+    checkpoint.check_run_state(tmp_path, good)
+    checkpoint.check_run_state(tmp_path, dict(good, reward_shift=1))  # JSON writes 1.0 as 1 only if asked: fine
+    tail = f"; move {tmp_path} away (e.g. to {tmp_path}.damaged) to resume from the previous checkpoint"
+    for state, problems in (
+        ([], "a JSON list, not an object"),
+        ({k: v for k, v in good.items() if k != "sampler"}, "no 'sampler'"),
+        (dict(good, reward_shift=float("nan"), step=-1), "'step' = -1 is negative; 'reward_shift' = nan is not finite"),
+        (dict(good, step="4", sampler=[]), "'step' = '4' is not a JSON int; 'sampler' = [] is not a JSON dict"),
+        (dict(good, consumed_pairs=True), "'consumed_pairs' = True is not a JSON int"),
+    ):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.check_run_state(tmp_path, state)
+        assert str(e.value) == f"{tmp_path / 'run_state.json'} is damaged or was edited: {problems}{tail}"
 
 
 ORPHAN = """

@@ -550,12 +550,20 @@ def test_wandb_init_failure_stops_every_rank(torchrun, tmp_path):
         "logging.wandb = 'online': wandb.init failed (CommError: Failed to get resume status for run x2lafkpm: ")
 
 
+def _run_state(cfg, step: int) -> dict:
+    """A complete run_state.json of step `step` of a run with config `cfg` (world size 1, what checkpoint.save writes
+    for the keys a resume reads)."""
+    return {"step": step, "world_size": 1, "consumed_pairs": 4 * step, "reward_shift": 0.0,
+            "reward_shift_num_updates": step, "sampler": {"epoch": 0, "offset": 4 * step}, "wandb_run_id": None,
+            "scheduler": dict(train.planned_schedule(cfg), num_steps=step), "config": config_mod.to_dict(cfg)}
+
+
 def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
     """QA 4b.11: re-running a finished run opened another (offline) W&B run before saying "nothing to do"; it now
     stops right after the checkpoint checks, before W&B, data and models."""
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step_6" / "model_optim").mkdir(parents=True)  # a complete checkpoint's layout (checkpoint.py)
-    (tmp_path / "step_6" / "run_state.json").write_text(json.dumps({"step": 6, "config": config_mod.to_dict(cfg)}))
+    (tmp_path / "step_6" / "run_state.json").write_text(json.dumps(_run_state(cfg, 6)))
     proc = subprocess.run(
         [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={tmp_path}"], cwd=ROOT,
         capture_output=True, text=True, timeout=120,
@@ -583,8 +591,7 @@ def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
     checkpoint checks, and metrics.jsonl keeps every row."""
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step_2" / "model_optim").mkdir(parents=True)
-    (tmp_path / "step_2" / "run_state.json").write_text(json.dumps(
-        {"step": 2, "config": config_mod.to_dict(cfg), "scheduler": dict(train.planned_schedule(cfg), num_steps=2)}))
+    (tmp_path / "step_2" / "run_state.json").write_text(json.dumps(_run_state(cfg, 2)))
     rows = "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(rows)  # step 3: a segment that died before saving
     proc = subprocess.run(
