@@ -777,10 +777,13 @@ REWARD_UNIT_KEYS = (
     "mpo.reference_policy_kl_penalty",
     "mpo.quality_average_log_probs",
 )
-# Loss settings a resume may change: the new values apply from the next step; train.resume prints one `resume:` line
+# Settings a resume may change: the new values apply from the next step; train.resume prints one `resume:` line
 # listing them (saved -> now) and keeps the earlier segment's config as config.step_<N>.json (monitor). mpo.reward_shift
-# is only the δ of a fresh start: a resume carries the saved δ.
+# is only the δ of a fresh start: a resume carries the saved δ. model.hf_path is where the frozen reference model is
+# read from at every start (the policy continues from the checkpoint); the global batch changes the pairs per step.
 NOTICE_KEYS = (
+    "model.hf_path",
+    "policy.train_global_batch_size",
     "mpo.preference_loss_weight",
     "mpo.bco_loss_weight",
     "mpo.sft_loss_weight",

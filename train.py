@@ -346,7 +346,7 @@ def build_optimizer(policy, cfg):
 def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
     """The run state: fresh (step 0, δ = mpo.reward_shift) or loaded with the model, optimizer, scheduler and sampler
     from the checkpoint `resume_from`; then writes the resolved config (rank 0; after a successful resume, so a
-    refused config never replaces the run's). A resume that changes loss settings (checkpoint.NOTICE_KEYS; β and
+    refused config never replaces the run's). A resume that changes settings of checkpoint.NOTICE_KEYS (β and
     mpo.quality_average_log_probs were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
     (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`; training data changed
     since step N with the same pair count (the sampler's index fingerprint) prints one `resume:` line too.
@@ -378,10 +378,11 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
             if data_changed:
                 print(f"resume: the training data changed since step {run['step']} ({data_changed})")
             if changed:
-                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)"}
+                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
+                        "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
                 changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in changed.items())
                 print(
-                    f"resume: changed loss settings from step {run['step'] + 1} on: {changes}; the settings of steps "
+                    f"resume: changed settings from step {run['step'] + 1} on: {changes}; the settings of steps "
                     f"up to {run['step']}: config.step_{run['step']}.json"
                 )
     run["sampler"] = sampler.state_dict()

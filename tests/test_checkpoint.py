@@ -446,7 +446,7 @@ def test_resume_with_another_beta_is_refused_in_one_line(loss_change):
 def test_resume_with_another_loss_weight_prints_the_change_and_keeps_the_old_config(loss_change):
     run, out = loss_change.dir, loss_change.second.stdout.splitlines()
     notice = [x for x in out if x.startswith("resume:")]
-    assert notice == ["resume: changed loss settings from step 2 on: mpo.bco_loss_weight 0.2 -> 0.5, packing."
+    assert notice == ["resume: changed settings from step 2 on: mpo.bco_loss_weight 0.2 -> 0.5, packing."
                       "shared_prompt False -> True; the settings of steps up to 1: config.step_1.json"]  # fmt: skip
     assert out.index(notice[0]) == out.index(next(x for x in out if x.startswith("resumed from"))) + 1
     old = json.loads((run / "config.step_1.json").read_text())

@@ -635,6 +635,29 @@ def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, m
     assert "resume:" not in capsys.readouterr().out  # the same data: nothing said
 
 
+def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, monkeypatch, capsys):
+    """QA: a resume with another model.hf_path silently swapped the frozen reference model (step 5's loss and
+    accuracy changed), and another global batch size went unsaid; both are `resume:` notices now, with the earlier
+    config kept as config.step_<N>.json."""
+    import checkpoint
+    import mmpr_data
+
+    saved_cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "model.hf_path=/exports/step_4",
+                                        "policy.train_global_batch_size=8"])
+    sampler = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint="0" * 64)
+    state = {"step": 4, "consumed_pairs": 16, "reward_shift": 0.0, "reward_shift_num_updates": 4,
+             "sampler": sampler.state_dict(), "config": config_mod.to_dict(saved_cfg)}  # fmt: skip
+    monkeypatch.setattr(checkpoint, "load", lambda *args: state)
+    train.resume(tmp_path / "step_4", None, None, None, sampler, cfg, rank=0)
+    notice = [x for x in capsys.readouterr().out.splitlines() if x.startswith("resume:")]
+    assert notice == [
+        f"resume: changed settings from step 5 on: model.hf_path {saved_cfg.model.hf_path!r} -> '/exports/step_4' (the "
+        "frozen reference model; the policy continues from the checkpoint), policy.train_global_batch_size "
+        f"{saved_cfg.policy.train_global_batch_size} -> 8; the settings of steps up to 4: config.step_4.json"]
+    assert json.loads((tmp_path / "config.step_4.json").read_text()) == config_mod.to_dict(saved_cfg)
+
+
 @pytest.fixture(scope="module")
 def env(torchrun, tmp_path_factory):
     """The launch environment of this module's runs (the harness's, with one data-index cache for all of them)."""
