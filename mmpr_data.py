@@ -1022,10 +1022,12 @@ class PairSampler:
         Raises:
             DataError: the pair count, seed or shuffle differ from the saved run's (the position does not apply).
         """
+        why = {"num_pairs": "the training pairs changed (the data, or a data setting that selects them)",
+               "seed": "data.train.seed changed: set it back", "shuffle": "data.train.shuffle changed: set it back"}
         for k, mine in (("num_pairs", len(self.pair_ids)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if state[k] != mine:
-                raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the data or "
-                                "data.train.seed changed, so the saved position does not apply")
+                raise DataError(f"sampler state has {k} = {state[k]} but this run has {mine}: the saved position "
+                                f"does not apply ({why[k]})")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.deferred = [int(p) for p in state.get("deferred", [])]
         saved = state.get("fingerprint") or ""

@@ -361,7 +361,8 @@ class MetricsLog:
                 self.path.write_text("".join(r + "\n" for r in keep))
                 print(
                     f"metrics: dropped {mmpr_data.plural(len(rows) - len(keep), 'row')} after step {resumed_step} from "
-                    f"{self.path} (logged by a segment that stopped before saving)"
+                    f"{self.path} (logged after the checkpoint this run resumes from: a segment that stopped before "
+                    "saving them, or a later checkpoint moved away)"
                 )
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:

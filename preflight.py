@@ -165,9 +165,8 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "written" if existing == path else "created"
-        raise config_mod.ConfigError(
-            f"checkpoint.dir = {ckpt_dir!r} cannot be {what}: no write permission on {str(existing)!r}"
-        )
+        why = "a read-only file system at" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission on"
+        raise config_mod.ConfigError(f"checkpoint.dir = {ckpt_dir!r} cannot be {what}: {why} {str(existing)!r}")
     try:  # os.access says yes to root on /proc and /sys, where mkdir still fails
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -175,7 +175,8 @@ def main(cfg) -> int:
             raise DivergedError(
                 f"step {run['step'] + 1}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
                 "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
-                "saved LR schedule)"
+                "saved LR schedule); if the LR is already small, look at extreme loss settings (a very large "
+                "mpo.reference_policy_kl_penalty or mpo.reward_shift)"
             ) from None
         advance_run_state(run, step_data, metrics, new_shift)
         steps_done += 1

@@ -76,7 +76,8 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     log.log(3, {"loss": 0.25})
     assert capsys.readouterr().out == (f"metrics: dropped 1 row after step 2 from {tmp_path / 'metrics.jsonl'} "
-                                       "(logged by a segment that stopped before saving)\n")
+                                       "(logged after the checkpoint this run resumes from: a segment that stopped "
+                                       "before saving them, or a later checkpoint moved away)\n")
     assert [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 1, "split": "train", "loss": 1.0}, {"step": 2, "split": "train", "loss": 1.0},
         {"step": 3, "split": "train", "loss": 0.25}]

@@ -1273,6 +1273,10 @@ def test_sampler_state_notes_changed_data_with_the_same_pair_count():
     assert md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64).load_state_dict(old) is None
     with pytest.raises(md.DataError, match="^sampler state has num_pairs = 10 but this run has 9: "):
         md.PairSampler(list(range(9)), seed=1, fingerprint="b" * 64).load_state_dict(state)
+    with pytest.raises(md.DataError) as e:  # QA: said "the data or data.train.seed changed" for the shuffle flag
+        md.PairSampler(list(range(10)), seed=1, shuffle=False, fingerprint="a" * 64).load_state_dict(state)
+    assert str(e.value) == ("sampler state has shuffle = True but this run has False: the saved position does not "
+                            "apply (data.train.shuffle changed: set it back)")
 
 
 def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(tmp_path, processor, monkeypatch):

@@ -422,6 +422,11 @@ def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path,
     with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro'}' cannot be written: no "
                                                      f"write permission on '{tmp_path / 'ro'}'$"):
         preflight.check_run_dir(str(tmp_path / "ro"))
+    # a read-only mount (os.access says no for root too): named as such, not as a permission (QA)
+    monkeypatch.setattr(preflight.os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro'}' cannot be written: a "
+                                                     f"read-only file system at '{tmp_path / 'ro'}'$"):
+        preflight.check_run_dir(str(tmp_path / "ro"))
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["checkpoint.dir="])
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
@@ -1245,5 +1250,6 @@ def test_a_diverging_run_stops_before_the_update_in_one_line(train_run, tmp_path
             + re.escape(f"weights were not updated: the run diverged (the latest checkpoint is {saved}, whose "
                         "weights may already be far off: check its logged loss); start a new run with a lower "
                         "optimizer.lr in another checkpoint.dir, from model.hf_path or from an export of a good step "
-                        "(a resume keeps the saved LR schedule)"))
+                        "(a resume keeps the saved LR schedule); if the LR is already small, look at extreme loss "
+                        "settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)"))
     assert len(errors) == 1 and re.fullmatch(want, errors[0]), errors
