@@ -480,6 +480,10 @@ def load_splits(processor, data) -> tuple[Split, Split | None]:
                           DataWarning, stacklevel=2)
         val = build_index(data.validation.data_path, processor, data, max_samples=data.validation.max_samples)
         return Split(train, list(range(len(train)))), Split(val, list(range(len(val))))
+    if data.validation.max_samples:
+        warnings.warn(f"data.validation.max_samples = {data.validation.max_samples} is ignored without "
+                      "data.validation.data_path (a validation split of the training data has "
+                      "data.train.split_validation_size pairs)", DataWarning, stacklevel=2)
     if data.train.split_validation_size:
         tr, va = split_validation(train, data.train.split_validation_size, data.train.seed)
         return Split(train, tr), Split(train, va)

@@ -294,7 +294,8 @@ def check_splits(train_split, val_split, cfg):
     validation batch can hold only oversized pairs. The count is a console note and `Split.dropped_oversized` (the
     `dropped_oversized` metric of every training row). The choice is the same on every rank (the index is) and on a
     resume with the same settings (the sampler's state checks its pair count). Without the switch nothing is dropped.
-    A separate validation meta-recipe that reads some of the training annotation files gets a note.
+    A separate validation meta-recipe that reads some of the training annotation files gets a note, as does an
+    mpo.val_period without validation data.
 
     Raises:
         config.ConfigError: a training or validation pair larger than packing.max_tokens_per_bin without
@@ -348,6 +349,11 @@ def check_splits(train_split, val_split, cfg):
             f"and are dropped at start (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens) {where}"
         )
     train_split, val_split = kept["training"], kept.get("validation")
+    if val_split is None and cfg.mpo.val_period:
+        notes.append(
+            f"validation: mpo.val_period = {cfg.mpo.val_period} is ignored: there is no validation data (set "
+            "data.validation.data_path or data.train.split_validation_size)"
+        )
     gbs, n_train = cfg.policy.train_global_batch_size, len(train_split.pair_ids)
     if n_train < gbs:
         raise config_mod.ConfigError(

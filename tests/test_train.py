@@ -260,6 +260,28 @@ def test_check_splits_notes_a_validation_meta_that_reads_training_files():
                         (["/e/a.jsonl"], [])):  # fmt: skip
         _, _, notes = preflight.check_splits(train, Split(_FakeIndex({0: (10, 10)}, files), [0]), cfg)
         assert notes == want, files
+    cfg.mpo.val_period = 2  # QA: ignored without a word when there is no validation data
+    assert preflight.check_splits(train, None, cfg)[2] == [
+        "validation: mpo.val_period = 2 is ignored: there is no validation data (set data.validation.data_path or "
+        "data.train.split_validation_size)"]
+    assert preflight.check_splits(train, Split(_FakeIndex({0: (10, 10)}, ["/e/a.jsonl"]), [0]), cfg)[2] == []
+
+
+def test_validation_max_samples_without_a_validation_meta_is_a_notice():
+    """QA: data.validation.max_samples = 2 without data.validation.data_path left the 4 pairs of
+    data.train.split_validation_size, without a word."""
+    import mmpr_data
+    import mmpr_index
+
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["data.validation.max_samples=2"])
+    cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
+    processor = mmpr_index.load_processor(ROOT / cfg.model.hf_path, "model.hf_path")
+    with mmpr_data.data_warnings([]) as notes:
+        train, val = mmpr_index.load_splits(processor, cfg.data)
+    assert [str(n) for n in notes] == [
+        "data.validation.max_samples = 2 is ignored without data.validation.data_path (a validation split of the "
+        "training data has data.train.split_validation_size pairs)"]
+    assert len(val.pair_ids) == 4 and len(train.pair_ids) == len(train.index) - 4
 
 
 def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_batch_is_empty():
