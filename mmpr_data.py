@@ -73,6 +73,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -799,8 +800,11 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
                 raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
+            # the row's content as trained (not its JSON formatting): mmpr_index notes rows that repeat another
+            digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs]).encode(),
+                                     digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
-                                             grids=grids, counts=counts)))
+                                             grids=grids, counts=counts, digest=digest)))
         except _Drop as d:  # returned as a plain tuple: it crosses the process boundary
             out.append((lineno, offset, (d.reason, d.detail)))
     return out

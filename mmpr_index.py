@@ -57,6 +57,7 @@ from mmpr_data import (
     checked_rows,
     data_warnings,
     end_row_checks,
+    plural,
     read_meta,
 )
 
@@ -173,6 +174,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
     img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
     stats: dict[str, dict] = {}
+    first_seen: dict[str, tuple[str, str]] = {}  # a valid row's content digest -> (subset, "file:line") of its first
     pool = None
     if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
         import multiprocessing
@@ -203,6 +205,11 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     drop(st, f"{sub.annotation}:{lineno}", *res)
                     continue
                 valid.append({**res, "line": lineno, "offset": offset})
+                where = f"{sub.annotation}:{lineno}"
+                if (first := first_seen.setdefault(res["digest"], (sub.name, where))) != (sub.name, where):
+                    st["repeats"] = st.get("repeats", 0) + 1
+                    other = "" if first[0] == sub.name else f" of subset {first[0]!r}"
+                    st.setdefault("first_repeat", f"{where} repeats {first[1]}{other}")
                 if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
                     stopped_early = True
                     rows.close()
@@ -221,6 +228,11 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
             if st["rows_read"] and not valid and hint is None:  # every row dropped (the drops say why)
                 notes.append(f"{meta_path}: subset {sub.name!r}: all {st['rows_read']} rows of {sub.annotation} "
                              f"were dropped ({st['dropped']}), so the subset adds no pair")
+            if st.get("repeats"):  # e.g. a file listed under two subsets, or rows copied within a file
+                verb = "repeats" if st["repeats"] == 1 else "repeat"
+                notes.append(f"{meta_path}: subset {sub.name!r}: {plural(st['repeats'], 'row')} {verb} an earlier "
+                             f"row word for word (e.g. {st['first_repeat']}): each copy is its own pair, and a "
+                             "validation split of these pairs can hold copies of training pairs")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:

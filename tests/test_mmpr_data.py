@@ -894,6 +894,27 @@ def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
     ]
 
 
+def test_rows_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor):
+    """QA: duplicated rows (a file copied onto itself, the same file under two subsets) were trained as separate pairs
+    and leaked into the validation split without a word; they are counted per subset and noted (the pairs stay:
+    repetition may be intended, as repeat_time does)."""
+    rows = [row(0), row(1), row(0), {**row(1), "extra": "ignored"}, row(2, chosen="  A red square 0.")]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    spec = json.loads(meta.read_text())
+    spec["again"] = dict(spec["sub"])  # the same annotation file under a second subset
+    meta.write_text(json.dumps(spec))
+    ann = meta.parent / "annotations" / "sub.jsonl"
+    with md.data_warnings([]) as notes:
+        index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert len(index) == 10 and index.stats["sub"]["repeats"] == 2 and index.stats["again"]["repeats"] == 5
+    assert [str(n) for n in notes] == [
+        f"{meta}: subset 'sub': 2 rows repeat an earlier row word for word (e.g. {ann}:3 repeats {ann}:1): each copy "
+        "is its own pair, and a validation split of these pairs can hold copies of training pairs",
+        f"{meta}: subset 'again': 5 rows repeat an earlier row word for word (e.g. {ann}:1 repeats {ann}:1 of subset "
+        "'sub'): each copy is its own pair, and a validation split of these pairs can hold copies of training pairs",
+    ]
+
+
 def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
     meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
     with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
