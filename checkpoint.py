@@ -898,9 +898,13 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
         missing.append(f"{MODEL_OPTIM_DIR}/{MEGATRON_METADATA_FILE}")
     else:
         try:
-            json.loads((shards / MEGATRON_METADATA_FILE).read_text())
+            config = json.loads((shards / MEGATRON_METADATA_FILE).read_text())
         except (OSError, ValueError) as e:
             raise unreadable(MEGATRON_METADATA_FILE, e) from None
+        if not isinstance(config, dict) or "sharded_backend" not in config:
+            raise unreadable(MEGATRON_METADATA_FILE, ValueError(
+                f"not megatron-core's dist_checkpointing config (a JSON object with sharded_backend): "
+                f"{json.dumps(config)[:80]}"))
     if not (shards / ".metadata").is_file():
         missing.append(f"{MODEL_OPTIM_DIR}/.metadata")
     else:

@@ -493,10 +493,15 @@ def validate(cfg: Config) -> None:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
             raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
-    if not cfg.optimizer.adam_eps > 0:  # 0: a parameter with no gradient yet gets 0/0 = NaN in its first update
-        raise ConfigError(f"optimizer.adam_eps = {cfg.optimizer.adam_eps} must be > 0 (e.g. 1e-8): Adam divides by "
-                          "sqrt(second moment) + adam_eps, and the second moment of a parameter can be 0")
+    # 0 (or a value that is 0 in fp32, as 1e-300 is): a parameter with no gradient yet gets 0/0 = NaN in its update
+    if not cfg.optimizer.adam_eps >= FLOAT32_TINY:
+        raise ConfigError(f"optimizer.adam_eps = {cfg.optimizer.adam_eps} must be > 0 (e.g. 1e-8) and at least "
+                          "1.2e-38, the smallest normal float32: Adam divides by sqrt(second moment) + adam_eps in "
+                          "fp32, and the second moment of a parameter can be 0")
     validate_schedule(cfg)
+
+
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
 
 
 def validate_schedule(cfg: Config) -> None:

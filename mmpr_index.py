@@ -594,6 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # a drop example can quote a row's lone surrogate (e.g. in an image path)
+        sys.stdout.reconfigure(errors="backslashreplace")
     for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1),
                                ("--max-images-per-row", args.max_images_per_row, 1)):
         if value < least:

@@ -345,7 +345,12 @@ class MetricsLog:
     def _tidy(self, resumed_step: int) -> None:
         """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside (fresh start) or drop its rows after
         `resumed_step` (a resume), printing one `metrics:` line when it does either."""
-        rows = [r for r in self.path.read_text().splitlines() if r.strip()] if self.path.exists() else []
+        # surrogateescape: bytes that are not UTF-8 (a damaged or hand-edited file) are kept as they are
+        text = self.path.read_text(errors="surrogateescape") if self.path.exists() else ""
+        rows = [r for r in text.splitlines() if r.strip()]
+        # a last row without its newline that is not JSON: a write cut off (kill -9, a full disk); appending to it
+        # would merge the next row into it
+        torn = bool(rows) and not text.endswith("\n") and _row_step(rows[-1]) == -math.inf
         if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
             n = 1
             while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
@@ -356,14 +361,19 @@ class MetricsLog:
                 f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
             )
         elif rows:  # rows after the resumed step belong to a segment that died before saving
-            keep = [r for r in rows if _row_step(r) <= resumed_step]
-            if len(keep) < len(rows):
-                self.path.write_text("".join(r + "\n" for r in keep))
+            keep = [r for r in rows[: len(rows) - torn] if _row_step(r) <= resumed_step]
+            after = len(rows) - torn - len(keep)
+            if after or torn or not text.endswith("\n"):
+                self.path.write_text("".join(r + "\n" for r in keep), errors="surrogateescape")
+            if after:
                 print(
-                    f"metrics: dropped {mmpr_data.plural(len(rows) - len(keep), 'row')} after step {resumed_step} from "
-                    f"{self.path} (logged after the checkpoint this run resumes from: a segment that stopped before "
-                    "saving them, or a later checkpoint moved away)"
+                    f"metrics: dropped {mmpr_data.plural(after, 'row')} after step {resumed_step} from {self.path} "
+                    "(logged after the checkpoint this run resumes from: a segment that stopped before saving them, or "
+                    "a later checkpoint moved away)"
                 )
+            if torn:
+                print(f"metrics: dropped the cut-off last row of {self.path} (a write that did not finish): "
+                      f"{rows[-1][:80]!r}")
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
         """Rank 0: append {"step", "split", **metrics} to metrics.jsonl (tidied first at the first call) and log the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 import config as config_mod
@@ -104,11 +105,14 @@ def check_hf_config(hf_path: str) -> None:
 
 
 def _checkpoint_around(path: Path) -> Path | None:
-    """`path` or its nearest ancestor that is a checkpoint (a step_<N> folder holding run_state.json or model_optim/),
-    or None."""
+    """`path` or its nearest ancestor that is a checkpoint (a step_<N> folder holding run_state.json or model_optim/)
+    or is named as a save in progress (step_<N>.tmp, step_<N>.old: the next start of the run directory holding it
+    removes or renames it, checkpoint.remove_unfinished_saves), or None."""
     import checkpoint
 
     for p in (path, *path.parents):
+        if re.fullmatch(r"step_\d+\.(tmp|old)", p.name):
+            return p
         if checkpoint.STEP_RE.match(p.name) and (
             (p / checkpoint.RUN_STATE_FILE).is_file() or (p / checkpoint.MODEL_OPTIM_DIR).is_dir()
         ):
@@ -125,8 +129,9 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
             existing file; it is model.hf_path (`hf_path`) or holds an HF model (a config.json with model_type or
             architectures, or an export's checkpoint.EXPORT_INFO_FILE): the run's resolved config.json would replace
             the model's; it is a checkpoint (step_<N>) or inside one (pruned with it; to resume, the run directory is
-            the value to set); a parent on its way is not a directory (e.g. /dev/null/x); the nearest existing
-            directory is not writable; or mkdir fails anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
+            the value to set), or named as a save in progress (step_<N>.tmp / .old) or inside one; a parent on its way
+            is not a directory (e.g. /dev/null/x); the nearest existing directory is not writable; or mkdir fails
+            anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
     """
     import checkpoint
 

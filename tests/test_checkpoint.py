@@ -775,6 +775,12 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
         checkpoint.check_complete(step, 1)
     assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/metadata.json cannot be read "
                                    "(JSONDecodeError: ")
+    (step / "model_optim" / "metadata.json").write_text("[]")  # QA: JSON of another shape, a traceback after the build
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_complete(step, 1)
+    assert str(e.value) == message.replace("missing {}", "model_optim/metadata.json cannot be read (ValueError: not "
+                                           "megatron-core's dist_checkpointing config (a JSON object with "
+                                           "sharded_backend): [])").format(step, step, step)
     step = damaged("garbled")
     (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(checkpoint.CheckpointError) as e:

@@ -96,6 +96,18 @@ def test_metrics_log_keeps_rows_it_cannot_read(tmp_path, capsys):
     got = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert got == rows[:5] + [json.dumps({"step": 2, "split": "train", "loss": 0.5})]
     assert "dropped 2 rows after step 1" in capsys.readouterr().out
+    # QA: bytes that are not UTF-8 were a UnicodeDecodeError traceback after the step; a last row cut off mid-write
+    # (no newline) had the next row appended to it, so that row was lost too
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n\x00\xff\xfe\n{"step": 2}\n{"step": 3, "split": "tr')
+    monitor.MetricsLog(cfg, None, resumed_step=2, rank=0).log(3, {"loss": 0.5})
+    assert path.read_bytes() == b'{"step": 1}\n\x00\xff\xfe\n{"step": 2}\n' + json.dumps(
+        {"step": 3, "split": "train", "loss": 0.5}).encode() + b"\n"
+    assert capsys.readouterr().out == (f"metrics: dropped the cut-off last row of {path} (a write that did not "
+                                       "finish): '{\"step\": 3, \"split\": \"tr'\n")
+    path.write_text('{"step": 1}')  # a whole last row without its newline (an editor's save) is kept
+    monitor.MetricsLog(cfg, None, resumed_step=1, rank=0).log(2, {"loss": 0.5})
+    assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2] and not capsys.readouterr().out
 
 
 def test_quiet_known_warnings_respects_the_switch(monkeypatch):

@@ -99,9 +99,11 @@ def test_round_trip_through_dict():
         ("data.train.split_validation_size=1.5", "data.train.split_validation_size = 1.5: a fraction of the pairs "
          "(< 1, e.g. 0.015) or a whole pair count (>= 1), not both"),  # before: int(1.5) = 1 pair, silently
         # QA: 0 was accepted and put NaN into the weights (0/0 in the first update), -1e-8 was torch's traceback
-        ("optimizer.adam_eps=0", "optimizer.adam_eps = 0.0 must be > 0 (e.g. 1e-8): Adam divides by sqrt(second "
-         "moment) + adam_eps, and the second moment of a parameter can be 0"),
+        ("optimizer.adam_eps=0", "optimizer.adam_eps = 0.0 must be > 0 (e.g. 1e-8) and at least 1.2e-38, the "
+         "smallest normal float32: Adam divides by sqrt(second moment) + adam_eps in fp32, and the second moment of a "
+         "parameter can be 0"),
         ("optimizer.adam_eps=-1e-8", "optimizer.adam_eps = -1e-08 must be > 0"),
+        ("optimizer.adam_eps=1e-300", "optimizer.adam_eps = 1e-300 must be > 0"),  # 0 in fp32
     ],
 )
 def test_invalid_overrides_name_the_key(override, message):

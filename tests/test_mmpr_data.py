@@ -1399,6 +1399,16 @@ def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, 
         mi.main([str(meta), "--model", str(TINY), "--max-images-per-row", "0"])
 
 
+def test_cli_report_quotes_a_lone_surrogate_without_a_crash(tmp_path):
+    """QA: an image path with a lone surrogate escape ("chart_\\ud83d.png", an image_missing drop) ended the report in
+    UnicodeEncodeError while printing its drop example."""
+    meta = write_set(tmp_path, [row(0), row(1, image="chart_\ud83d.png")], {"a.png": rgb()})
+    proc = subprocess.run([sys.executable, "mmpr_index.py", str(meta), "--model", str(TINY), "--num-workers", "0",
+                           "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "    dropped image_missing: 1  e.g. " in proc.stdout and "chart_\\ud83d.png does not exist" in proc.stdout
+
+
 def test_cli_bad_meta_is_one_line_naming_the_file(tmp_path):
     meta = tmp_path / "meta.json"
     meta.write_text('{"a": {"root": "img", "annotation": "a.jsonl",},}')  # trailing commas

@@ -485,6 +485,12 @@ def test_check_run_dir_refuses_a_model_an_export_and_a_checkpoint(tmp_path):
         assert str(e.value) == (f"checkpoint.dir = '{value}' is the checkpoint {step} or inside it (a new run there "
                                 f"is removed with it); to resume that run, set checkpoint.dir={tmp_path / 'run'}")
     assert not (step / "sub").exists()
+    for unfinished in ("step_9.tmp", "step_2.old"):  # the next start of RUN removes / renames these (QA)
+        value = tmp_path / "run" / unfinished
+        value.mkdir()
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_run_dir(str(value), "assets/tiny-omni")
+        assert str(e.value).startswith(f"checkpoint.dir = '{value}' is the checkpoint {value} or inside it")
     (tmp_path / "run" / "config.json").write_text(json.dumps(config_mod.to_dict(config_mod.Config())))
     preflight.check_run_dir(str(tmp_path / "run"), "assets/tiny-omni")  # a run directory itself: a resume
     (tmp_path / "step_3").mkdir()  # a folder merely named like a checkpoint
@@ -683,6 +689,10 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
         "frozen reference model; the policy continues from the checkpoint), policy.train_global_batch_size "
         f"{saved_cfg.policy.train_global_batch_size} -> 8; the settings of steps up to 4: config.step_4.json"]
     assert json.loads((tmp_path / "config.step_4.json").read_text()) == config_mod.to_dict(saved_cfg)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", f"model.hf_path={ROOT / 'assets/tiny-omni'}"])
+    monkeypatch.chdir(ROOT)  # the saved relative path names the same folder from here: nothing changed (QA)
+    train.resume(tmp_path / "step_4", None, None, None, sampler, cfg, rank=0)
+    assert "resume:" not in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
