@@ -731,15 +731,21 @@ def _saved_config(path: Path) -> dict:
 def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
     """The settings of `keys` ("section.name") whose value in the saved resolved config `saved` (config.to_dict form,
     as run_state.json stores it) differs from `cfg` (a config.Config), as {key: (saved, now)} in the order of `keys`.
-    A key the saved config lacks (a checkpoint older than the setting) counts as unchanged."""
+    A key the saved config lacks (a checkpoint older than the setting) counts as unchanged; a path (config.PATH_KEYS)
+    spelled another way for the same file or folder (relative / absolute, a symlink; resolved from the working
+    directory) too."""
     import config as config_mod
 
     now = config_mod.to_dict(cfg)
     diff = {}
     for key in keys:
         section, name = key.split(".")
-        if name in saved.get(section, {}) and saved[section][name] != now[section][name]:
-            diff[key] = (saved[section][name], now[section][name])
+        if name not in saved.get(section, {}) or saved[section][name] == now[section][name]:
+            continue
+        a, b = saved[section][name], now[section][name]
+        if key in config_mod.PATH_KEYS and a and b and os.path.realpath(a) == os.path.realpath(b):
+            continue
+        diff[key] = (a, b)
     return diff
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from pathlib import Path
 
 import config as config_mod
@@ -80,6 +79,12 @@ def _json_object(path: Path) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def _is_hf_config(obj: dict | None) -> bool:
+    """Whether `obj` (a parsed config.json, or None) is a Hugging Face model config: it has model_type or
+    architectures (an omni-mpo run's resolved config.json has neither)."""
+    return obj is not None and ("model_type" in obj or "architectures" in obj)
+
+
 def check_hf_config(hf_path: str) -> None:
     """`model.hf_path`'s config.json is a Hugging Face model config (a JSON object with `model_type` or
     `architectures`), not an omni-mpo run's resolved config (the run directory's config.json, which has the same
@@ -91,7 +96,7 @@ def check_hf_config(hf_path: str) -> None:
     """
     path = Path(hf_path) / "config.json"
     obj = _json_object(path)
-    if obj is not None and ("model_type" in obj or "architectures" in obj):
+    if _is_hf_config(obj):
         return
     if obj is not None and {"model", "mpo", "checkpoint"} <= obj.keys():
         raise config_mod.ConfigError(
@@ -111,7 +116,7 @@ def _checkpoint_around(path: Path) -> Path | None:
     import checkpoint
 
     for p in (path, *path.parents):
-        if re.fullmatch(r"step_\d+\.(tmp|old)", p.name):
+        if checkpoint.TMP_RE.match(p.name) or checkpoint.OLD_RE.match(p.name):
             return p
         if checkpoint.STEP_RE.match(p.name) and (
             (p / checkpoint.RUN_STATE_FILE).is_file() or (p / checkpoint.MODEL_OPTIM_DIR).is_dir()
@@ -148,8 +153,7 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
             f"checkpoint.dir = {ckpt_dir!r} is model.hf_path: the run would write its resolved config.json over the "
             "model's; choose another run directory"
         )
-    held = _json_object(path / "config.json") if path.is_dir() else None
-    if (held is not None and ("model_type" in held or "architectures" in held)) or (
+    if (path.is_dir() and _is_hf_config(_json_object(path / "config.json"))) or (
         path / checkpoint.EXPORT_INFO_FILE
     ).is_file():
         raise config_mod.ConfigError(

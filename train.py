@@ -372,8 +372,6 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
         run["wandb_run_id"] = state.get("wandb_run_id")
         data_changed = sampler.load_state_dict(state["sampler"])  # a note when the data changed, same pair count
         changed = checkpoint.changed_settings(state.get("config") or {}, cfg, checkpoint.NOTICE_KEYS)
-        if "model.hf_path" in changed and len({os.path.realpath(p) for p in changed["model.hf_path"]}) == 1:
-            del changed["model.hf_path"]  # the same folder spelled another way (relative, absolute, a symlink)
         if changed:
             previous = (run["step"], state["config"])
         if rank == 0:
