@@ -419,6 +419,7 @@ def _bench_cfg(model_dir: Path, n_pairs: int):
     # the config's packing defaults: one pair (~300 tokens here) per packed microbatch (bench_train also times 8)
     cfg.packing.max_tokens_per_bin = 8192
     cfg.packing.max_sequences_per_bin = 1
+    cfg.packing.shared_prompt = False  # separate rows; the shared-prompt layout is timed apart (bench_shared)
     cfg.scheduler.lr_warmup_steps = 0  # a real update from step 1 on (megatron: step 1 uses lr_warmup_init otherwise)
     cfg.mpo.max_num_steps = 100
     return cfg
@@ -915,7 +916,7 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
         f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}",
         f"policy.train_global_batch_size={shape['pairs']}", f"packing.max_sequences_per_bin={shape['pairs_per_bin']}",
         "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
-        "policy.logprob_chunk_size=1024"])
+        "policy.logprob_chunk_size=1024", "packing.shared_prompt=false"])  # separate rows; shared timed apart
     m = cfg.mpo
     want = m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2)
     tol = 1e-3 if dtype == torch.bfloat16 else 1e-5

@@ -166,12 +166,16 @@ class PackingConfig:
     drop_oversized_pairs: bool = False
     # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
     # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that
-    # span. Exact against separate rows on the local spec, TP/DP (tests/test_shared_prompt_model.py). Not supported
-    # (ConfigError at start): context parallelism. The Transformer Engine spec runs it as one TE varlen attention call
-    # (omni_model.shared_prompt_te_attention, checked on CPU against a stand-in; not yet run on a GPU). Off by default
-    # until the GPU paths (that TE call; mamba-ssm kernels as the shared scan's conv_fn / scan_fn) are checked on a
-    # GPU. The `tokens` metric counts the tokens computed, so it drops with the switch on for the same pairs.
-    shared_prompt: bool = False
+    # span. "auto" (the default) = on where it is checked exact against separate rows, off elsewhere, decided at start
+    # by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line: on
+    # with the local spec and mamba_torch (the CPU path, and a GPU without Transformer Engine or mamba-ssm;
+    # tests/test_shared_prompt_model.py); off with the Transformer Engine spec or mamba-ssm's kernels (their
+    # shared-prompt calls, omni_model.shared_prompt_te_attention and causal-conv1d's conv / mamba-ssm's scan inside
+    # mamba_torch's shared scan, have not run on a GPU yet) and with context parallelism (not supported). true = on
+    # wherever it is supported (a ConfigError with context parallelism); false = separate rows. The resolved true /
+    # false is what config.json and the checkpoints record. The `tokens` metric counts the tokens computed, so it
+    # drops with the layout on.
+    shared_prompt: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -257,11 +261,22 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{where}: {key} = {value!r} is not allowed; choose one of {list(allowed)}")
         return value
-    if origin in (typing.Union, types.UnionType):  # Optional[...]
+    if origin in (typing.Union, types.UnionType):  # Optional[...], or a choice of types (bool | Literal["auto"])
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (from_cli and value.lower() in ("none", "null")):
+        if len(args) < len(typing.get_args(tp)) and (value is None or (from_cli and value.lower() in ("none", "null"))):
             return None
-        return _coerce(value, args[0], key, where)
+        for arg in args[:-1]:  # the first type that takes the value; the last one's error names the whole choice
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, args[-1], key, where)
+        except ConfigError:
+            if len(args) == 1:
+                raise
+            names = " | ".join(_type_name(a) for a in args)
+            raise ConfigError(f"{where}: {key} = {value!r} is not allowed; expected {names}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

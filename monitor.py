@@ -398,15 +398,16 @@ class MetricsLog:
 # Console lines (rank 0)
 
 
-def print_layout(ctx, world: int) -> None:
-    """The kernels line and the parallel layout line (rank 0), and a note when a GPU-only setting is ignored."""
+def print_layout(ctx, world: int, pair_layout: str) -> None:
+    """The kernels line and the parallel layout line (rank 0) ending in the pair layout (pack.resolve_shared_prompt's
+    description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting is ignored."""
     import cpu_compat
 
     p = ctx.cfg.parallel
     print(cpu_compat.select_kernels().line())
     print(
         f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
-        f"EP {p.expert_model_parallel_size} on {ctx.device.type}"
+        f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {pair_layout}"
     )
     if ctx.cfg.reference.offload and ctx.device.type != "cuda":
         print("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")

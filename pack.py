@@ -92,8 +92,9 @@ def validate_packing_config(cfg) -> None:
 
     Raises:
         ValueError: pair_grouping_key is not "pair_index", the divisibility rule of `validate_divisibility` fails, or
-            packing.shared_prompt (when the config has it) is on with context parallelism (not supported yet: the CP
-            slices of a [prompt | chosen | rejected] span would need the shared-prompt masks across ranks).
+            packing.shared_prompt (when the config has it) is true with context parallelism (not supported yet: the
+            CP slices of a [prompt | chosen | rejected] span would need the shared-prompt masks across ranks; "auto"
+            resolves to false there, `resolve_shared_prompt`).
     """
     if cfg.packing.pair_grouping_key != "pair_index":
         raise ValueError(
@@ -101,7 +102,7 @@ def validate_packing_config(cfg) -> None:
             "(the chosen and rejected rows of a pair must share a microbatch)"
         )
     p = cfg.parallel
-    if getattr(cfg.packing, "shared_prompt", False) and p.context_parallel_size > 1:
+    if getattr(cfg.packing, "shared_prompt", False) is True and p.context_parallel_size > 1:
         raise ValueError(
             f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = "
             f"{p.context_parallel_size} yet; set packing.shared_prompt = false or context_parallel_size = 1"
@@ -415,15 +416,65 @@ def plan_bins(
     return plan
 
 
+def resolve_shared_prompt(cfg, kernels) -> str:
+    """Resolve `packing.shared_prompt = "auto"` in place to true or false, and describe the pair layout of the run.
+
+    "auto" is on exactly where the shared-prompt layout is checked exact against separate rows: the local spec with
+    mamba_torch (tests/test_shared_prompt_model.py: log-prob sums, the MPO loss and every gradient to 1e-5, TP/DP
+    included) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt attention,
+    omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's kernels
+    (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked only
+    through Triton's CPU interpreter, the conv not at all) and with context
+    parallelism (not supported). An explicit true or false is kept as it is (true with CP is refused later by
+    `validate_packing_config`). Called once at start by train.main, before preflight, so config.json and the
+    checkpoints record the resolved value; bench.py and the tests call it for configs they build themselves.
+
+    Args:
+        cfg: the Config (its `packing.shared_prompt` is rewritten when "auto"; `parallel` is read).
+        kernels: cpu_compat.Kernels of this process (cpu_compat.select_kernels()); its `spec` and `mamba` are read.
+
+    Returns: the layout for the start-up `world` line: "shared prompt" / "separate rows", with "(auto)" or
+        "(auto: <why not>)" when "auto" chose it.
+    """
+    pk = cfg.packing
+    if pk.shared_prompt != "auto":
+        return "shared prompt" if pk.shared_prompt else "separate rows"
+    cp = cfg.parallel.context_parallel_size
+    why = []
+    if cp > 1:
+        why.append(f"not supported with parallel.context_parallel_size = {cp}")
+    if kernels.spec == "te":
+        why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
+    if kernels.mamba == "mamba-ssm":
+        why.append("mamba-ssm's kernels in the shared-prompt scan have not run on a GPU yet")
+    pk.shared_prompt = not why
+    if not why:
+        return "shared prompt (auto)"
+    opt_in = "" if cp > 1 else "; packing.shared_prompt=true turns it on"
+    return f"separate rows (auto: {'; '.join(why)}{opt_in})"
+
+
+def shared_prompt_on(packing) -> bool:
+    """`packing.shared_prompt` as resolved at start (`resolve_shared_prompt`).
+
+    Raises: ValueError: it is still "auto" (a config that did not go through `resolve_shared_prompt`)."""
+    if not isinstance(packing.shared_prompt, bool):
+        raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
+                         "pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels()); call it before planning")
+    return packing.shared_prompt
+
+
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
     """`plan_bins` with the capacities, padding, drop switch and layout of the `packing` section (config.PackingConfig,
     checked once at start by `validate_packing_config`, preflight.check_inputs). `shared_lengths` (as in `plan_bins`:
     prompt tokens stored once per pair) is used when `packing.shared_prompt` is on and ignored for separate rows.
 
-    Raises: ValueError: `packing.shared_prompt` without `shared_lengths`; those of `plan_bins`."""
+    Raises: ValueError: `packing.shared_prompt` without `shared_lengths`, or still "auto" (`shared_prompt_on`); those
+        of `plan_bins`."""
     pk = packing
-    if pk.shared_prompt and shared_lengths is None:
+    shared = shared_prompt_on(pk)
+    if shared and shared_lengths is None:
         raise ValueError("packing.shared_prompt plans need shared_lengths (PairIndex.shared_lengths)")
     return plan_bins(
         lengths,
@@ -432,7 +483,7 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
         dp_size,
         divisible_by=pk.make_sequence_length_divisible_by,
         drop_oversized=pk.drop_oversized_pairs,
-        shared_lengths=shared_lengths if pk.shared_prompt else None,
+        shared_lengths=shared_lengths if shared else None,
     )
 
 

@@ -99,6 +99,7 @@ from distributed import Ctx  # noqa: E402
 def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
+    pair_layout = pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels())  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
@@ -109,7 +110,7 @@ def main(cfg) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
-        monitor.print_layout(ctx, world)
+        monitor.print_layout(ctx, world, pair_layout)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
@@ -481,7 +482,7 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
     """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count): pack.pack, or
     pack.pack_shared with `packing.shared_prompt`."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
-    pack_fn = pack.pack_shared if ctx.cfg.packing.shared_prompt else pack.pack
+    pack_fn = pack.pack_shared if pack.shared_prompt_on(ctx.cfg.packing) else pack.pack
     return [
         pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
         for b in plan.ranks[ctx.dp_rank]

@@ -101,9 +101,14 @@ class DeviceAudit(TorchFunctionMode):
 
 
 def tiny_config(*overrides: str):
+    """configs/tiny.toml with `overrides`, `packing.shared_prompt = "auto"` resolved as train.main does."""
     import config as config_mod
+    import cpu_compat
+    import pack
 
-    return config_mod.load_config(str(TINY_TOML), list(overrides))
+    cfg = config_mod.load_config(str(TINY_TOML), list(overrides))
+    pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels())
+    return cfg
 
 
 def tiny_step(device, *overrides: str) -> dict:

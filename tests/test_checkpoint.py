@@ -385,7 +385,9 @@ def test_check_loss_settings_refuses_beta_and_flags_and_names_each_change(tmp_pa
     the BCO rewards β·L in the saved units; the other two flags (no part of δ) are allowed, with the notice."""
     import config as config_mod
 
-    step = _step_with_config(tmp_path / "run", 3)  # tiny.toml: β 0.05, flags False / True (sft) / False
+    # tiny.toml: β 0.05, flags False / True (sft) / False; saved in separate rows (packing.shared_prompt is "auto" in
+    # an unresolved config)
+    step = _step_with_config(tmp_path / "run", 3, "packing.shared_prompt=false")
     tiny = ROOT / "configs" / "tiny.toml"
     now = config_mod.load_config(tiny, ["mpo.reference_policy_kl_penalty=0.1", "mpo.quality_average_log_probs=true",
                                         "mpo.bco_loss_weight=0.5"])  # fmt: skip
@@ -419,13 +421,15 @@ def loss_change(tmp_path_factory):
     run = tmp_path_factory.mktemp("loss_change")
     short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
              "mpo.val_at_end=false"]  # fmt: skip
-    first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1")
+    # the first segment in separate rows (what "auto" chose before it was the default), resumed in the shared layout
+    first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1",
+                 "packing.shared_prompt=false")  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     config_1 = (run / "config.json").read_text()
-    beta = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.reference_policy_kl_penalty=0.1")
+    beta = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.reference_policy_kl_penalty=0.1",
+                "packing.shared_prompt=false")  # fmt: skip
     config_after_beta = (run / "config.json").read_text()
-    second = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.bco_loss_weight=0.5",
-                  "packing.shared_prompt=true")  # fmt: skip
+    second = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.bco_loss_weight=0.5")  # auto
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return SimpleNamespace(dir=run, config_1=config_1, beta=beta, config_after_beta=config_after_beta, second=second)
 

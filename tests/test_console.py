@@ -124,8 +124,8 @@ def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.offload={str(offload).lower()}"])
     ctx = SimpleNamespace(cfg=cfg, dp=2, device=torch.device("cpu"))
-    monitor.print_layout(ctx, 2)
-    lines = [cpu_compat.select_kernels().line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu"]
+    monitor.print_layout(ctx, 2, "shared prompt (auto)")
+    lines = [cpu_compat.select_kernels().line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu; pairs: shared prompt (auto)"]
     if offload:
         lines.append("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
     assert capsys.readouterr().out.splitlines() == lines
@@ -188,4 +188,4 @@ def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
     assert proc.stderr == "", proc.stderr[-3000:]
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == [
         "kernels:", "world", "data:", "config:", "step", "step", "saved", "stopped"], proc.stdout  # fmt: skip
-    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu\n" in proc.stdout
+    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: shared prompt (auto)\n" in proc.stdout

@@ -1223,6 +1223,7 @@ def test_step_loader_with_workers_and_packer(sample, processor):
     index, ds = sample
     cfg = Config()
     cfg.packing.max_tokens_per_bin, cfg.packing.max_sequences_per_bin = 1024, 2
+    cfg.packing.shared_prompt = False  # separate rows (the plan reads no prompt lengths)
     dp, rank = 2, 1
 
     def plan_fn(ids):

@@ -189,10 +189,12 @@ def test_divisibility_rule():
 
 
 def test_config_entry_points():
-    cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.make_sequence_length_divisible_by=8"])
+    cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.make_sequence_length_divisible_by=8",
+                             "packing.shared_prompt=false"])
     with pytest.raises(ValueError, match="pair 1 needs 72 tokens"):
         pack.plan_step({0: (20, 20), 1: (60, 2)}, cfg.packing, dp_size=1)
-    cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.drop_oversized_pairs=true"])
+    cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.drop_oversized_pairs=true",
+                             "packing.shared_prompt=false"])
     plan = pack.plan_step({0: (20, 20), 1: (60, 2)}, cfg.packing, dp_size=1)
     assert plan.dropped == [1] and real_pairs(plan) == [0]
     cfg = load_config(None, ["parallel.context_parallel_size=8"])  # default divisible_by 8 < 2*CP = 16

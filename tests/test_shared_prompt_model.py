@@ -164,6 +164,56 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
     assert preflight.check_model_config(cfg, hf) is None
 
 
+@pytest.mark.parametrize("spec, mamba, cp, want, layout", [
+    ("local", "torch", 1, True, "shared prompt (auto)"),
+    ("te", "torch", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not run "
+                              "on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("local", "mamba-ssm", 1, False, "separate rows (auto: mamba-ssm's kernels in the shared-prompt scan have not run "
+                                     "on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("te", "mamba-ssm", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not "
+                                  "run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not run on a "
+                                  "GPU yet; packing.shared_prompt=true turns it on)"),
+    ("local", "torch", 2, False, "separate rows (auto: not supported with parallel.context_parallel_size = 2)"),
+])
+def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, want, layout):
+    """packing.shared_prompt = "auto" (the default) resolves by the kernels of the process: on with the local spec and
+    mamba_torch (this file's equalities), off elsewhere with the reason on the world line; the resolved value passes
+    the start-up checks (auto with CP is separate rows, not the ConfigError of an explicit true)."""
+    import cpu_compat
+    import pack
+    import preflight
+
+    cfg = config_mod.load_config(TINY.parent.parent / "configs" / "tiny.toml", [f"parallel.context_parallel_size={cp}"])
+    assert cfg.packing.shared_prompt == "auto"
+    with pytest.raises(ValueError, match="resolved at start by pack.resolve_shared_prompt"):
+        pack.shared_prompt_on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
+    kernels = cpu_compat.Kernels(spec=spec, mamba=mamba, device="cuda")
+    assert pack.resolve_shared_prompt(cfg, kernels) == layout
+    assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
+    assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
+    assert pack.resolve_shared_prompt(cfg, kernels) == ("shared prompt" if want else "separate rows")  # now explicit
+    if cp > 1:
+        cfg.parallel.tensor_model_parallel_size = 1
+        pack.validate_packing_config(cfg)  # no error: auto chose separate rows
+
+
+@pytest.mark.parametrize("value, want", [("auto", "auto"), ("true", True), ("false", False), ("'auto'", "auto")])
+def test_shared_prompt_setting_takes_auto_or_a_bool(value, want, tmp_path):
+    assert config_mod.load_config(None, [f"packing.shared_prompt={value}"]).packing.shared_prompt == want
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[packing]\nshared_prompt = {value if value in ('true', 'false') else repr(want)}\n")
+    assert config_mod.load_config(toml).packing.shared_prompt == want
+    saved = config_mod.to_dict(config_mod.load_config(None, [f"packing.shared_prompt={value}"]))
+    assert config_mod.from_dict(saved).packing.shared_prompt == want
+
+
+@pytest.mark.parametrize("value", ["on", "yes", "2", "'true'"])
+def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value):
+    with pytest.raises(config_mod.ConfigError,
+                       match=r"packing.shared_prompt = .* is not allowed; expected bool \| 'auto'"):
+        config_mod.load_config(None, [f"packing.shared_prompt={value}"])
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_shared_layout_with_activation_recompute_equals_separate_rows(tiny, recompute):
     """Recomputation re-runs layers during backward, after OmniModel.forward has reset the shared-prompt segments:
