@@ -165,16 +165,16 @@ class PackingConfig:
     # `dropped_oversized` metric)
     drop_oversized_pairs: bool = False
     # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
-    # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that
-    # span. "auto" (the default) = on where it is checked exact against separate rows, off elsewhere, decided at start
-    # by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line: on
-    # with the local spec and mamba_torch (the CPU path, and a GPU without Transformer Engine or mamba-ssm;
-    # tests/test_shared_prompt_model.py); off with the Transformer Engine spec or mamba-ssm's kernels (their
-    # shared-prompt calls, omni_model.shared_prompt_te_attention and causal-conv1d's conv / mamba-ssm's scan inside
-    # mamba_torch's shared scan, have not run on a GPU yet) and with context parallelism (not supported). true = on
-    # wherever it is supported (a ConfigError with context parallelism); false = separate rows. The resolved true /
-    # false is what config.json and the checkpoints record. The `tokens` metric counts the tokens computed, so it
-    # drops with the layout on.
+    # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that span.
+    # "auto" (the default) = on where it runs the code checked exact against separate rows, off elsewhere, decided at
+    # start by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line:
+    # on with the local spec and mamba_torch (the CPU path, checked by tests/test_shared_prompt_model.py, and a GPU
+    # without Transformer Engine or mamba-ssm: the same torch code, tests/test_gpu.py item 7); off with the Transformer
+    # Engine spec or mamba-ssm's kernels (their shared-prompt calls, omni_model.shared_prompt_te_attention and
+    # causal-conv1d's conv / mamba-ssm's scan inside mamba_torch's shared scan, have not run on a GPU yet) and with
+    # context parallelism (not supported). true = on wherever it is supported (a ConfigError with context parallelism);
+    # false = separate rows. The resolved true / false is what config.json and the checkpoints record. The `tokens`
+    # metric counts the tokens computed, so it drops with the layout on.
     shared_prompt: bool | Literal["auto"] = "auto"
 
 
@@ -276,7 +276,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             if len(args) == 1:
                 raise
             names = " | ".join(_type_name(a) for a in args)
-            raise ConfigError(f"{where}: {key} = {value!r} is not allowed; expected {names}") from None
+            hint = ""
+            if bool in args:
+                hint = (" (true or false, without quotes)" if isinstance(value, str) and not from_cli
+                        else " (true, false, 1 or 0)" if from_cli else "")
+            raise ConfigError(f"{where}: {key} = {value!r} is not allowed; expected {names}{hint}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -105,7 +105,8 @@ def validate_packing_config(cfg) -> None:
     if getattr(cfg.packing, "shared_prompt", False) is True and p.context_parallel_size > 1:
         raise ValueError(
             f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = "
-            f"{p.context_parallel_size} yet; set packing.shared_prompt = false or context_parallel_size = 1"
+            f"{p.context_parallel_size} yet; set packing.shared_prompt = \"auto\" (separate rows with CP) or false, "
+            "or context_parallel_size = 1"
         )
     validate_divisibility(
         cfg.packing.make_sequence_length_divisible_by,
@@ -419,15 +420,16 @@ def plan_bins(
 def resolve_shared_prompt(cfg, kernels) -> str:
     """Resolve `packing.shared_prompt = "auto"` in place to true or false, and describe the pair layout of the run.
 
-    "auto" is on exactly where the shared-prompt layout is checked exact against separate rows: the local spec with
-    mamba_torch (tests/test_shared_prompt_model.py: log-prob sums, the MPO loss and every gradient to 1e-5, TP/DP
-    included) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt attention,
-    omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's kernels
-    (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked only
-    through Triton's CPU interpreter, the conv not at all) and with context
-    parallelism (not supported). An explicit true or false is kept as it is (true with CP is refused later by
-    `validate_packing_config`). Called once at start by train.main, before preflight, so config.json and the
-    checkpoints record the resolved value; bench.py and the tests call it for configs they build themselves.
+    "auto" is on exactly where the shared-prompt layout runs the code that is checked exact against separate rows: the
+    local spec with mamba_torch (tests/test_shared_prompt_model.py, on the CPU: log-prob sums, the MPO loss and every
+    gradient to 1e-5, TP/DP included; on CUDA the same torch code, SDPA with the same masks, whose check is
+    tests/test_gpu.py item 7) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt
+    attention, omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's
+    kernels (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked
+    only through Triton's CPU interpreter, the conv not at all) and with context parallelism (not supported). An
+    explicit true or false is kept as it is (true with CP is refused later by `validate_packing_config`). Called once at
+    start by train.main, before preflight, so config.json and the checkpoints record the resolved value; the tests'
+    configs go through it too (tests/step_cases.tiny_config), bench.py sets true / false itself.
 
     Args:
         cfg: the Config (its `packing.shared_prompt` is rewritten when "auto"; `parallel` is read).
@@ -442,7 +444,7 @@ def resolve_shared_prompt(cfg, kernels) -> str:
     cp = cfg.parallel.context_parallel_size
     why = []
     if cp > 1:
-        why.append(f"not supported with parallel.context_parallel_size = {cp}")
+        why.append(f"the shared-prompt layout is not supported with parallel.context_parallel_size = {cp}")
     if kernels.spec == "te":
         why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
     if kernels.mamba == "mamba-ssm":

@@ -173,7 +173,8 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
     ("te", "mamba-ssm", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not "
                                   "run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not run on a "
                                   "GPU yet; packing.shared_prompt=true turns it on)"),
-    ("local", "torch", 2, False, "separate rows (auto: not supported with parallel.context_parallel_size = 2)"),
+    ("local", "torch", 2, False, "separate rows (auto: the shared-prompt layout is not supported with "
+                                 "parallel.context_parallel_size = 2)"),
 ])
 def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, want, layout):
     """packing.shared_prompt = "auto" (the default) resolves by the kernels of the process: on with the local spec and
@@ -207,11 +208,18 @@ def test_shared_prompt_setting_takes_auto_or_a_bool(value, want, tmp_path):
     assert config_mod.from_dict(saved).packing.shared_prompt == want
 
 
-@pytest.mark.parametrize("value", ["on", "yes", "2", "'true'"])
-def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value):
-    with pytest.raises(config_mod.ConfigError,
-                       match=r"packing.shared_prompt = .* is not allowed; expected bool \| 'auto'"):
+@pytest.mark.parametrize("value", ["on", "yes", "2", "'true'", "Auto"])
+def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value, tmp_path):
+    with pytest.raises(config_mod.ConfigError) as e:
         config_mod.load_config(None, [f"packing.shared_prompt={value}"])
+    override = f"packing.shared_prompt={value}"
+    assert str(e.value) == (f"override {override!r}: packing.shared_prompt = {value!r} is not allowed; expected "
+                            "bool | 'auto' (true, false, 1 or 0)")
+    toml = tmp_path / "c.toml"
+    toml.write_text('[packing]\nshared_prompt = "true"\n')  # a TOML string, not the boolean
+    with pytest.raises(config_mod.ConfigError, match=r"packing.shared_prompt = 'true' is not allowed; expected bool "
+                                                     r"\| 'auto' \(true or false, without quotes\)$"):
+        config_mod.load_config(toml)
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
