@@ -265,22 +265,20 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) < len(typing.get_args(tp)) and (value is None or (from_cli and value.lower() in ("none", "null"))):
             return None
-        for arg in args[:-1]:  # the first type that takes the value; the last one's error names the whole choice
+        for arg in args:  # the first type that takes the value
             try:
                 return _coerce(value, arg, key, where)
-            except ConfigError:
-                pass
-        try:
-            return _coerce(value, args[-1], key, where)
-        except ConfigError:
-            if len(args) == 1:
-                raise
-            names = " | ".join(_type_name(a) for a in args)
-            hint = ""
-            if bool in args:
-                hint = (" (true or false, without quotes)" if isinstance(value, str) and not from_cli
-                        else " (true, false, 1 or 0)" if from_cli else "")
-            raise ConfigError(f"{where}: {key} = {value!r} is not allowed; expected {names}{hint}") from None
+            except ConfigError as e:
+                error = e
+        if len(args) == 1:
+            raise error
+        hint = ""
+        if bool in args and from_cli:
+            hint = " (true, false, 1 or 0)"
+        elif bool in args and isinstance(value, str):  # a TOML string such as "true"
+            hint = " (true or false, without quotes)"
+        names = " | ".join(_type_name(a) for a in args)
+        raise ConfigError(f"{where}: {key} = {value!r} is not allowed; expected {names}{hint}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

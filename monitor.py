@@ -398,13 +398,12 @@ class MetricsLog:
 # Console lines (rank 0)
 
 
-def print_layout(ctx, world: int, pair_layout: str) -> None:
-    """The kernels line and the parallel layout line (rank 0) ending in the pair layout (pack.resolve_shared_prompt's
-    description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting is ignored."""
-    import cpu_compat
-
+def print_layout(ctx, world: int, kernels, pair_layout: str) -> None:
+    """The kernels line (`kernels`: cpu_compat.Kernels) and the parallel layout line (rank 0) ending in the pair layout
+    (pack.resolve_shared_prompt's description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting
+    is ignored."""
     p = ctx.cfg.parallel
-    print(cpu_compat.select_kernels().line())
+    print(kernels.line())
     print(
         f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
         f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {pair_layout}"

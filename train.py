@@ -99,7 +99,8 @@ from distributed import Ctx  # noqa: E402
 def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
-    pair_layout = pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels())  # packing.shared_prompt = "auto"
+    kernels = cpu_compat.select_kernels()
+    pair_layout = pack.resolve_shared_prompt(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
@@ -110,7 +111,7 @@ def main(cfg) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
-        monitor.print_layout(ctx, world, pair_layout)
+        monitor.print_layout(ctx, world, kernels, pair_layout)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
     checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)

@@ -124,7 +124,7 @@ def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.offload={str(offload).lower()}"])
     ctx = SimpleNamespace(cfg=cfg, dp=2, device=torch.device("cpu"))
-    monitor.print_layout(ctx, 2, "shared prompt (auto)")
+    monitor.print_layout(ctx, 2, cpu_compat.select_kernels(), "shared prompt (auto)")
     lines = [cpu_compat.select_kernels().line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu; pairs: shared prompt (auto)"]
     if offload:
         lines.append("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")

@@ -126,14 +126,6 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 SEPARATE = "packing.shared_prompt=false"
 
 
-def _resolved_tiny_config(*overrides: str):
-    """configs/tiny.toml + overrides with packing.shared_prompt = "auto" resolved as train.main does (the layout and
-    hence the plans of the run the test launches)."""
-    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", list(overrides))
-    pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels())
-    return cfg
-
-
 class _FakeIndex:
     """The part of mmpr_data.PairIndex that preflight.check_splits reads."""
 
@@ -341,10 +333,12 @@ def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
     line on every rank)."""
     import warnings
 
+    from step_cases import tiny_config  # packing.shared_prompt resolved as train.main does
+
     import omni_model
 
     meta = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
-    cfg = _resolved_tiny_config(
+    cfg = tiny_config(
         f"data.train.data_path={meta}", f"data.validation.data_path={meta}", "data.validation.max_samples=4",
         "data.train.split_validation_size=2", "data.num_workers=0")
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
@@ -924,7 +918,7 @@ def test_lr_follows_the_schedule(readme):
 # The golden traces: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
 # validation row, in both pair layouts. GOLDEN_TRAIN / GOLDEN_VALIDATION: the separate-rows layout
 # (packing.shared_prompt=false), recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2
-# train.py configs/tiny.toml, then the default layout). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the README command
+# train.py configs/tiny.toml, when separate rows were the default). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the README command
 # itself, whose packing.shared_prompt = "auto" is the shared-prompt layout on the CPU (issue 16), recorded 2026-12-03.
 # Step 1 of both is the same (policy = reference; only `tokens` differs, each prompt computed once); from step 2 on
 # they part by design: each prompt token is routed, and counted for the expert-bias update, once instead of twice
@@ -933,6 +927,15 @@ def test_lr_follows_the_schedule(readme):
 # moves some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15
 # step 5 renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every number is as recorded.
 #
+# Tolerances: one float32 ulp per CPU. The recording machine and an AMD EPYC (2026-12-02) differ in the last bit of
+# some fp32 sums (the CPUs' kernels sum in other orders; ATEN_CPU_CAPABILITY=avx2 on the EPYC does not reproduce the
+# recording): the log-prob sums (~230, ulp 1.5e-5) by 3.8e-6 to 7.6e-6 (means of two sums), grad_norm by up to 2e-6
+# (rel. 7e-7), bco/reward_sum (a sum of 8 rewards beta * (policy - reference), each log-prob carrying that ulp) by up
+# to 3e-6; and one pair of step 2 has a reward margin within that noise of zero, so its accuracy can flip (the EPYC
+# with ATEN_CPU_CAPABILITY=avx2 gives 0.75 where the trace has 0.5). Hence: rel. 1e-6 besides the absolute 1e-6, 2e-5
+# for bco/reward_sum, and the accuracy of steps >= 2 within one pair (1/4); step 1's accuracy (policy = reference:
+# every margin exactly 0) stays exact. A real change of behaviour moves these numbers by orders of magnitude more (one
+# token's log-prob is ~1-10).
 TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
 GOLDEN_ATOL, GOLDEN_RTOL = 1e-6, 1e-6
 GOLDEN_KEY_ATOL = {"bco/reward_sum": 2e-5}
@@ -1401,7 +1404,9 @@ def test_a_pair_that_fails_mid_run_stops_every_rank_in_one_line_and_keeps_the_fi
             "mpo.val_at_end=false"]  # fmt: skip
     # the pairs of step 3 as train.py samples them (the index built here is the one the run then loads from cache)
     monkeypatch.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
-    cfg = _resolved_tiny_config(*over)
+    from step_cases import tiny_config  # the layout, hence the plans, of the run launched below
+
+    cfg = tiny_config(*over)
     d = train.load_data(cfg, train.omni_model.read_hf_config(cfg.model.hf_path), rank=1)
     gbs = cfg.policy.train_global_batch_size
     seen = {p for _ in range(2) for p in d.sampler.take(gbs)}  # steps 1 and 2
