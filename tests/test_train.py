@@ -918,14 +918,14 @@ def test_lr_follows_the_schedule(readme):
 # The golden traces: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
 # validation row, in both pair layouts. GOLDEN_TRAIN / GOLDEN_VALIDATION: the separate-rows layout
 # (packing.shared_prompt=false), recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2
-# train.py configs/tiny.toml, when separate rows were the default). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the README command
-# itself, whose packing.shared_prompt = "auto" is the shared-prompt layout on the CPU (issue 16), recorded 2026-12-03.
-# Step 1 of both is the same (policy = reference; only `tokens` differs, each prompt computed once); from step 2 on
-# they part by design: each prompt token is routed, and counted for the expert-bias update, once instead of twice
-# (test_both_layouts_train_alike_without_the_expert_bias_update checks the rest is equal). A change of behaviour
-# anywhere on the step's path (data order, packing, model, loss, optimizer, schedule, δ update, metric reduction)
-# moves some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15
-# step 5 renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every number is as recorded.
+# train.py configs/tiny.toml, when separate rows were the default). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the README
+# command itself, whose packing.shared_prompt = "auto" is the shared-prompt layout on the CPU (issue 16), recorded
+# 2026-12-03. Step 1 of both is the same (policy = reference; only `tokens` differs, each prompt computed once); from
+# step 2 on they part by design: each prompt token is routed, and counted for the expert-bias update, once instead of
+# twice (test_both_layouts_train_alike_without_the_expert_bias_update checks the rest is equal). A change of behaviour
+# anywhere on the step's path (data order, packing, model, loss, optimizer, schedule, δ update, metric reduction) moves
+# some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15 step 5
+# renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every number is as recorded.
 #
 # Tolerances: one float32 ulp per CPU. The recording machine and an AMD EPYC (2026-12-02) differ in the last bit of
 # some fp32 sums (the CPUs' kernels sum in other orders; ATEN_CPU_CAPABILITY=avx2 on the EPYC does not reproduce the
