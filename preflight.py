@@ -1,5 +1,5 @@
-"""The checks a training run makes before it spends time: the files the config names, the run directory, the W&B key
-(with logging.wandb = "online"), the packing layout,
+"""The checks a training run makes before it spends time: the files the config names, the run directory, wandb and
+its key (with logging.wandb = "online"; wandb alone with "offline"), the packing layout,
 megatron-core's constraints on the model and parallel layout (all before any process group exists), and the loaded
 splits against the batch and bin sizes (before the models are built). Each failure is one config.ConfigError line that
 names the keys to change.
@@ -32,8 +32,9 @@ def check_inputs(cfg) -> None:
         config.ConfigError: model.hf_path has no config.json or no safetensors weights; data.train.data_path is
             empty; data.train.data_path (or data.validation.data_path, when set) is not a file; the packing / parallel
             divisibility rule (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written
-            (`check_run_dir`); logging.wandb = "online" without an API key (`check_wandb`); an environment that
-            contradicts model.deterministic_mode (`distributed.check_deterministic_env`).
+            (`check_run_dir`); logging.wandb = "online" / "offline" without an importable wandb, or "online"
+            without an API key (`check_wandb`); an environment that contradicts model.deterministic_mode
+            (`distributed.check_deterministic_env`).
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
@@ -183,17 +184,30 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
 
 
 def check_wandb(mode: str) -> None:
-    """With `logging.wandb = "online"`, W&B must find an API key: wandb's own lookup (`wandb.login(verify=False,
-    prompt=False)`: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, the .netrc that `wandb login` writes, a wandb settings
-    file), without a prompt or a network call. Other modes need none. `mode` is the mode the run uses: cfg.logging.wandb
-    after config.load_config applied WANDB_MODE (config.apply_wandb_mode_env).
+    """With `logging.wandb = "online"` or `"offline"`, the wandb package must import (it is in requirements.txt, but
+    an image built without it, e.g. a GPU image with its own Python set, would otherwise stop with a
+    ModuleNotFoundError traceback, "offline" only once the models are built). With "online", W&B must also find an
+    API key: wandb's own lookup (`wandb.login(verify=False, prompt=False)`: WANDB_API_KEY or
+    WANDB_IDENTITY_TOKEN_FILE, the .netrc that `wandb login` writes, a wandb settings file), without a prompt or a
+    network call. "disabled" needs neither. `mode` is the mode the run uses: cfg.logging.wandb after
+    config.load_config applied WANDB_MODE (config.apply_wandb_mode_env).
 
     Raises:
-        config.ConfigError: no key found, or the key found has an invalid format (wandb's AuthenticationError).
+        config.ConfigError: wandb does not import; no key found, or the key found has an invalid format (wandb's
+            AuthenticationError).
     """
+    if mode == "disabled":
+        return
+    try:
+        import wandb
+    except ImportError as e:  # not installed, or a broken install (e.g. a protobuf it cannot load)
+        raise config_mod.ConfigError(
+            f"logging.wandb = {mode!r} needs the wandb package, which does not import here ({type(e).__name__}: "
+            f"{e}); install it (`pip install wandb`, as requirements.txt does) or set logging.wandb=disabled (or "
+            "WANDB_MODE=disabled)"
+        ) from None
     if mode != "online":
         return
-    import wandb
 
     # wandb.login skips the lookup (returns False) under WANDB_MODE=offline/disabled, while wandb.init gets the
     # config's mode explicitly: look up as for that mode. Ranks other than 0 (which never start a W&B run) look up

@@ -543,6 +543,22 @@ def test_wandb_online_needs_an_api_key(tmp_path, monkeypatch):
         wandb.teardown()
 
 
+def test_wandb_that_does_not_import_is_one_config_error(monkeypatch):
+    """Found on the GPU machine's Python set (no wandb): logging.wandb=online stopped in preflight with a
+    ModuleNotFoundError traceback, and offline only after the models were built (monitor.MetricsLog). Now both are one
+    ConfigError before any work; disabled never imports wandb."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when it is not installed
+    preflight.check_wandb("disabled")
+    for mode in ("online", "offline"):
+        with pytest.raises(config_mod.ConfigError) as e:
+            preflight.check_wandb(mode)
+        assert str(e.value) == (
+            f"logging.wandb = {mode!r} needs the wandb package, which does not import here (ModuleNotFoundError: "
+            "import of wandb halted; None in sys.modules); install it (`pip install wandb`, as requirements.txt "
+            "does) or set logging.wandb=disabled (or WANDB_MODE=disabled)"
+        )
+
+
 def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
     """QA 4b.11: WANDB_MODE=offline with logging.wandb=online was refused for want of an API key; the variable now
     decides the mode (the resolved config holds it) and the key check follows it."""

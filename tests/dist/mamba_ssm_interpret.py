@@ -9,7 +9,8 @@ Usage: python tests/dist/mamba_ssm_interpret.py {scan,shared_prompt}
 What this process changes, so that mamba-ssm's GPU code runs on CPU tensors (nothing here is used outside it):
 * `torch.cuda.device(...)` is a no-op context and `torch.cuda.get_device_properties(...).multi_processor_count` is
   132 (an H100's; it only sizes a grid): there is no CUDA device;
-* Triton's autotuner takes the first config of each kernel instead of timing them all (timing needs a GPU driver).
+* Triton's autotuner takes the first config of each kernel instead of timing them all (timing needs a GPU driver;
+  Triton < 3.8, e.g. the GPU machine's 3.6, times even a single config, so its timing returns 0 here).
 """
 
 import contextlib
@@ -31,6 +32,7 @@ def _cpu_harness() -> None:
     torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(multi_processor_count=132)
     prune = autotuner.Autotuner.prune_configs
     autotuner.Autotuner.prune_configs = lambda self, kwargs, *a, **k: prune(self, kwargs, *a, **k)[:1]
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]  # (median, p20, p80) in ms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
