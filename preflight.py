@@ -210,10 +210,11 @@ def check_wandb(mode: str) -> None:
         return
 
     # wandb.login skips the lookup (returns False) under WANDB_MODE=offline/disabled, while wandb.init gets the
-    # config's mode explicitly: look up as for that mode. Ranks other than 0 (which never start a W&B run) look up
-    # silently, so a large job prints wandb's "Loaded credentials" line once. Nothing has imported wandb yet in
-    # train.py, so its settings are first read here.
-    env = {"WANDB_MODE": "online"} | ({} if os.environ.get("RANK", "0") == "0" else {"WANDB_SILENT": "true"})
+    # config's mode explicitly: look up as for that mode. Silently on every rank: the non-silent login prints the
+    # user name, which wandb (0.31) asks the server for; without network that request retries until it is cancelled,
+    # and the wandb.teardown() below can then wait forever for wandb-core. wandb.init prints the login line later.
+    # Nothing has imported wandb yet in train.py, so its settings are first read here.
+    env = {"WANDB_MODE": "online", "WANDB_SILENT": "true"}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -571,8 +571,9 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     num_global_pairs = count_global_pairs(batches, ctx)
     ref = reference_logprobs(reference, batches, ctx)
     # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
-    # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here).
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=ctx.device) / (len(batches) * ctx.dp * ctx.cp))
+    # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here). A 0-d scale: set_loss_scale copies it
+    # into the class-level tensor, which megatron's backward creates 0-d when it runs first.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
     local, r_sum, r_count = policy_forward_backward(
         batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True
     )

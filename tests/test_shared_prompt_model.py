@@ -109,11 +109,15 @@ def test_tp2_and_dp2_shared_layout_equals_separate_rows(torchrun):
 
 
 def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_planned_bins(monkeypatch, tmp_path):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from step_cases import DeviceAudit, tiny_step
 
     import train
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    # the class-level aux-loss scale as megatron's MoE backward leaves it when it runs before any step (0-d): the step
+    # sets it whatever shape it has
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.tensor(0.5))
     s = tiny_step("cpu", "packing.shared_prompt=true")
     assert all(b.shared_prompt for b in s["batches"])
     # the planner's sizes (prompt - 1 stored once, PairIndex.shared_lengths) are the packed spans' sizes
@@ -126,6 +130,8 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
     assert train.count_global_pairs(s["batches"], s["ctx"]) == 4
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    assert scale.shape == () and scale.item() == torch.tensor(1 / len(s["batches"])).item()  # DP = CP = 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
