@@ -4,6 +4,7 @@
     python bench.py --quick    # reduced sizes, about 1 min (57 s on 2 shared CPU cores; tests/test_bench.py runs it)
     python bench.py --only packing,logprobs --json out.json
     python bench.py --print    # the table of bench_results.json (or --print FILE)
+    python bench.py --gpu --profile   # the GPU item alone (CUDA), with the step's device time by region
 
 Only a full run of every item writes bench_results.json by default; a --quick or --only run writes
 results/bench_results.json (git-ignored) unless --json says otherwise, so it never replaces the committed full results.
@@ -38,18 +39,25 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              step of a Nano-width model at reduced depth (hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups,
              d_state 128, attention 32/2 heads of 128, 128 experts top-6 of 1856 + shared 3712, vocabulary 131072,
              bf16, random weights) on 16 MMPR-like text pairs packed 4 per bin vs transformers' padded per-pair step:
-             tokens/s, pairs/s, MFU, peak memory, step-1 losses (ln 2 forms, asserted); and the Mamba-2 scan fwd+bwd of
-             every available kernel at T = 16384 (first call, with Triton autotuning, reported apart).
+             tokens/s, pairs/s, MFU, peak memory, step-1 losses and their deviation from the ln 2 closed form next to
+             the noise floor measured in the same run (asserted on the CPU only: GPU kernels are not deterministic);
+             the Mamba-2 scan fwd+bwd of every available kernel at T = 16384 (first call, with Triton autotuning,
+             reported apart); with --profile, torch.profiler's device time of one step by region (profile_step).
 
 Timings on a shared CPU are noisy: read ratios from one run, not absolute times. Memory and value equalities are exact.
-Errors: an equality that does not hold raises AssertionError naming the item and both values.
+Errors: an equality that does not hold raises AssertionError naming the item and both values. Each item (and each
+section of the GPU item) is written to the JSON as it ends, a failed one as {"error": "Type: message"}; the later
+ones still run, and the exit status is 1 when any failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
+import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -60,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -100,6 +109,31 @@ def interleaved_times(fns: dict, reps: int) -> dict[str, dict[str, float]]:
             sync()
             times[k].append(time.perf_counter() - t)
     return {k: {"min": min(v), "median": statistics.median(v)} for k, v in times.items()}
+
+
+def error_record(e: BaseException) -> dict:
+    """How a failed section or kernel is recorded: {"error": "Type: first line of the message"} (<= 300 characters)."""
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+
+
+def run_section(out: dict, key: str, fn, *args, **kwargs) -> bool:
+    """out[key] = fn(*args, **kwargs) with its "bench_seconds", or, when fn raises, error_record (joined to what fn
+    left in out[key]; the traceback on stderr). Then the results file is written (`_STATE["write"]`, set by main):
+    a later time limit or failure keeps this section. Returns whether fn returned."""
+    t = time.perf_counter()
+    try:
+        out[key] = fn(*args, **kwargs)
+        ok = True
+    except Exception as e:  # noqa: BLE001 - recorded; the later sections still run and the exit status says it
+        traceback.print_exc()
+        out[key] = {**out.get(key, {}), **error_record(e)}
+        ok = False
+    out[key]["bench_seconds"] = round(time.perf_counter() - t, 2)
+    print(f"[bench] {key}: {out[key]['bench_seconds']} s{'' if ok else ', ' + out[key]['error']}", file=sys.stderr,
+          flush=True)
+    if "write" in _STATE:
+        _STATE["write"]()
+    return ok
 
 
 # ======================================================================================================================
@@ -787,13 +821,10 @@ def _release(device: torch.device) -> None:
     _reset_peak(device)
 
 
-def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps) -> dict:
-    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate rows
-    (the default) and with the shared-prompt layout."""
-    import dataclasses
-
+def _ours_system(device, cfg, ckpt):
+    """Our system as train.main sets it up (one rank): policy in megatron DDP with its optimizer and scheduler, and the
+    frozen reference with the policy's weights. Returns (ddp, reference, optimizer, scheduler, ctx, policy)."""
     import distributed
-    import monitor
     import omni_model as om
     import train
 
@@ -802,11 +833,59 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
     reference = om.build_model(ckpt, cfg.model, cfg.parallel)
     reference.load_state_dict(policy.state_dict())
     reference.eval().requires_grad_(False)
-    n_active = monitor.active_params(policy, hf)
     ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
-    ctx = distributed.Ctx.current(cfg, device)
     ddp.train()
-    plan = pack.plan_step(lengths, cfg.packing, 1)
+    return ddp, reference, optimizer, scheduler, distributed.Ctx.current(cfg, device), policy
+
+
+def _drop_system(ddp) -> None:
+    """Let a finished system be freed. megatron-core's MoE token dispatchers keep their last forward's routing
+    probabilities, whose autograd graph reaches each router weight's AccumulateGrad node; megatron's DDP keeps every
+    such node (`grad_accs`) and hooks each one with a closure over the DDP. The cycle runs through autograd's C++
+    nodes, out of sight of Python's garbage collector: the policy, its gradient buffers and the optimizer outlived
+    their section (the next GPU section ran out of memory)."""
+    ddp.grad_accs.clear()
+    for module in ddp.modules():
+        if (dispatcher := getattr(module, "token_dispatcher", None)) is not None:
+            for name, value in list(vars(dispatcher).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(dispatcher, name, None)
+
+
+def _max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """max |a - b| over lists of per-sequence log-prob sums (one [S] tensor per microbatch)."""
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _check_closed_form(what: str, loss: float, want: float, tol: float | None) -> float:
+    """|loss - want|; raises AssertionError naming `what` when `tol` is given (the CPU) and the deviation exceeds it."""
+    dev = abs(loss - want)
+    assert tol is None or dev <= tol, f"gpu step: {what} step-1 loss {loss} != {want} (tolerance {tol})"
+    return dev
+
+
+def _ours_step_bench(device, setup: dict, tol: float | None, timed, timed_steps) -> dict:
+    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate rows
+    (the default) and with the shared-prompt layout; and the noise floor of its step-1 loss: the reference forward
+    twice on the same bins and the policy (before any update, no grad) against the reference, as the max |difference|
+    of the per-sequence log-prob sums."""
+    ddp, reference, optimizer, scheduler, ctx, policy = _ours_system(device, setup["cfg"], setup["ckpt"])
+    try:
+        return _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimizer, scheduler, ctx, policy)
+    finally:
+        _drop_system(ddp)
+
+
+def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimizer, scheduler, ctx, policy) -> dict:
+    """_ours_step_bench's measurements on the built system."""
+    import dataclasses
+
+    import monitor
+    import train
+
+    cfg, pairs, ids, want = setup["cfg"], setup["pairs"], setup["ids"], setup["want"]
+    n_active = monitor.active_params(policy, setup["hf"])
+    plan = pack.plan_step(setup["lengths"], cfg.packing, 1)
     state = {"shift": cfg.mpo.reward_shift}
 
     def step_of(plan, ctx):
@@ -820,42 +899,56 @@ def _ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, time
 
     ours_step = step_of(plan, ctx)
 
-    # The shared-prompt layout (packing.shared_prompt) on the same pairs and bin budget, checked before
-    # any update (policy = reference: the closed-form loss) and timed after the separate-rows steps.
+    # The noise floor, before any update (policy = reference): a no-grad policy forward leaves the routers' expert-bias
+    # counts alone, as the reference's does.
+    batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+    ref_a = train.reference_logprobs(reference, batches, ctx)
+    ref_b = train.reference_logprobs(reference, batches, ctx)
+    with torch.no_grad():
+        pol = [train.forward_logprobs(ddp, b, ctx)[0] for b in batches]
+    noise = dict(noise_ref_repeat_max_abs_diff=_max_abs_diff(ref_a, ref_b),
+                 noise_policy_vs_ref_max_abs_diff=_max_abs_diff(pol, ref_a),
+                 logprob_sum_max_abs=max(float(r.abs().max()) for r in ref_a))
+    del batches, ref_a, ref_b, pol
+
+    # The shared-prompt layout (packing.shared_prompt) on the same pairs and bin budget, its step-1 loss computed before
+    # any update (policy = reference: the closed-form loss), timed after the separate-rows steps.
     cfg_shared = copy.deepcopy(cfg)
     cfg_shared.packing.shared_prompt = True
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
-    plan_shared = pack.plan_step(lengths, cfg_shared.packing, 1, shared_lengths(pairs))
+    plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
     batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
     n = train.count_global_pairs(batches, ctx_shared)
     loss_shared = train.policy_forward_backward(batches, train.reference_logprobs(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
-    assert abs(loss_shared - want) <= tol, f"gpu step: shared-prompt step-1 loss {loss_shared} != {want}"
+    dev_shared = _check_closed_form("shared-prompt", loss_shared, want, tol)
     tokens_shared = sum(int(b.cu_seqlens[-1]) for b in batches)
     del batches
     shared_step = step_of(plan_shared, ctx_shared)
 
     _reset_peak(device)
     m1 = ours_step()
-    assert abs(m1["loss"] - want) <= tol, f"gpu step: ours step-1 loss {m1['loss']} != {want} (policy = reference)"
+    dev_ours = _check_closed_form("ours", m1["loss"], want, tol)
     t_ours = timed_steps(ours_step, timed)
     peak = _peak_memory(device)
     _reset_peak(device)
     t_shared = timed_steps(shared_step, timed)
-    return dict(loss_ours=m1["loss"], microbatches_ours=len(plan.ranks[0]), n_active=n_active,
-                step_s_ours=min(t_ours), peak_bytes_ours=peak, loss_shared=loss_shared,
-                microbatches_shared=len(plan_shared.ranks[0]), tokens_shared=tokens_shared,
-                step_s_shared=min(t_shared), peak_bytes_shared=_peak_memory(device))
+    return dict(loss_ours=m1["loss"], loss_ours_abs_dev=dev_ours, microbatches_ours=len(plan.ranks[0]),
+                n_active=n_active, **noise, step_s_ours=min(t_ours), peak_bytes_ours=peak, loss_shared=loss_shared,
+                loss_shared_abs_dev=dev_shared, microbatches_shared=len(plan_shared.ranks[0]),
+                tokens_shared=tokens_shared, step_s_shared=min(t_shared), peak_bytes_shared=_peak_memory(device))
 
 
-def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps) -> dict:
-    """mpo_step_bench's baseline: transformers' model, one padded [2, L] batch per pair, torch Adam."""
+def _baseline_step_bench(device, setup: dict, tol: float | None, timed, timed_steps) -> dict:
+    """mpo_step_bench's baseline: transformers' model, one padded [2, L] batch per pair, torch Adam. Its noise floor:
+    max |policy - reference| of the per-row log-prob sums at step 1."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
-    hcfg = NemotronH_Omni_Reasoning_V3_Config(**json.loads((ckpt / "config.json").read_text()))
+    cfg, pairs, ids, want = setup["cfg"], setup["pairs"], setup["ids"], setup["want"]
+    hcfg = NemotronH_Omni_Reasoning_V3_Config(**json.loads((setup["ckpt"] / "config.json").read_text()))
     torch.manual_seed(0)
     with torch.device(device):
-        hf_pol = NemotronH_Omni_Reasoning_V3(hcfg).to(dtype).train()
+        hf_pol = NemotronH_Omni_Reasoning_V3(hcfg).to(setup["dtype"]).train()
     hf_ref = copy.deepcopy(hf_pol).eval().requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
     o = cfg.optimizer
@@ -863,7 +956,7 @@ def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed,
 
     def base_step() -> dict:
         hf_opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total, diff = 0.0, 0.0
         for p in pairs.values():
             input_ids, attn, resp = _padded_pair(p, ids["pad"], device)
             with torch.no_grad():
@@ -872,44 +965,31 @@ def _baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed,
             loss = _conventional_mpo_loss(pol, ref, n_tok, cfg.mpo) / len(pairs)
             loss.backward()
             total += loss.item()
+            diff = max(diff, float((pol.detach() - ref).abs().max()))
         torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
         hf_opt.step()
-        return {"loss": total}
+        return {"loss": total, "policy_vs_ref": diff}
 
     _reset_peak(device)
     b1 = base_step()
-    assert abs(b1["loss"] - want) <= tol, f"gpu step: baseline step-1 loss {b1['loss']} != {want}"
+    dev = _check_closed_form("baseline", b1["loss"], want, tol)
     t_base = timed_steps(base_step, timed)
-    return dict(loss_baseline=b1["loss"], loss_expected=want, step_s_baseline=min(t_base),
-                peak_bytes_baseline=_peak_memory(device), timed_steps=timed)
+    return dict(loss_baseline=b1["loss"], loss_baseline_abs_dev=dev,
+                noise_baseline_policy_vs_ref_max_abs_diff=b1["policy_vs_ref"], loss_expected=want,
+                step_s_baseline=min(t_base), peak_bytes_baseline=_peak_memory(device), timed_steps=timed)
 
 
-def mpo_step_bench(device, shape: dict, timed: int) -> dict:
-    """One MPO optimizer step (policy fwd+bwd, frozen reference fwd, fused loss, distributed Adam: train.train_step) on
-    `shape`'s text pairs packed `pairs_per_bin` pairs per THD microbatch, vs transformers' model doing the conventional
-    step (each pair one padded [2, L] batch, log_softmax + gather, torch Adam), both on `device`.
-
-    Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
-    both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term): asserted to 1e-3 (bf16) / 1e-5.
-    Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
-    (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: the language model's
-    parameters without the input embedding table (a lookup) - output layer, every dense parameter and the shared
-    expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
-    ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
-    before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
-    over our separate-rows step (the shared-prompt layout's GPU ratio).
-    Raises AssertionError when a step-1 loss is off.
-    """
+def _step_setup(device: torch.device, shape: dict) -> dict:
+    """What both systems of mpo_step_bench (and profile_step) share: the config (configs/tiny.toml at `shape`, separate
+    rows), the checkpoint folder of `shape`, its HF config, dtype, the text pairs, their row lengths, token ids and the
+    closed-form step-1 loss `want` = w_p·ln 2 + w_q·2 ln 2 (policy = reference, δ = 0, no SFT term)."""
     import math
 
     import config as config_mod
     import distributed
-    import monitor
     import omni_model as om
 
-    device = torch.device(device)
     distributed.init_distributed(device=device)
-    dtype = getattr(torch, shape["dtype"])
     ckpt = _shape_checkpoint(shape)
     hf = om.read_hf_config(ckpt)
     cfg = config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
@@ -918,14 +998,57 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
         "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
         "policy.logprob_chunk_size=1024", "packing.shared_prompt=false"])  # separate rows; shared timed apart
     m = cfg.mpo
-    want = m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2)
-    tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
     pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], hf.text.vocab_size)
+    return dict(cfg=cfg, ckpt=ckpt, hf=hf, dtype=getattr(torch, shape["dtype"]), pairs=pairs,
+                lengths={i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()},
+                ids={"image": hf.image_token_id, "pad": 0},
+                want=m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2))
+
+
+def closed_form_tolerance(device: torch.device, shape: dict, want: float) -> float | None:
+    """The tolerance of the step-1 loss against its closed form, or None where it is not exact by construction.
+
+    On the CPU the policy and the reference compute bit-identical log-prob sums (same weights, deterministic kernels),
+    so every log-ratio is exactly 0 and only float32 rounding of the loss arithmetic remains: per pair a few roundings
+    (ln 2 from logsigmoid(0), the weights, the sum of the terms: 3 ulps) plus one per pair summed in a microbatch
+    (pairs_per_bin): (3 + pairs_per_bin) float32 ulps of the loss, eps·|want| bounding one ulp. On CUDA the kernels
+    are not deterministic (atomic adds, e.g. combining MoE outputs): the deviation is recorded next to the measured
+    noise floor, never asserted (None)."""
+    if device.type != "cpu":
+        return None
+    return (3 + shape["pairs_per_bin"]) * torch.finfo(torch.float32).eps * abs(want)
+
+
+def mpo_step_bench(device, shape: dict, timed: int) -> dict:
+    """One MPO optimizer step (policy fwd+bwd, frozen reference fwd, fused loss, distributed Adam: train.train_step) on
+    `shape`'s text pairs packed `pairs_per_bin` pairs per THD microbatch, vs transformers' model doing the conventional
+    step (each pair one padded [2, L] batch, log_softmax + gather, torch Adam), both on `device`.
+
+    Both systems start with policy = reference (random weights, the same within a system), so the step-1 loss of
+    both is w_p·ln 2 + w_q·2 ln 2 (configs/tiny.toml's loss weights, no SFT term). Recorded: each step-1 loss and its
+    deviation from that closed form (`loss_*_abs_dev`), next to the noise floor measured in the same run
+    (`noise_*`: max |difference| of per-sequence log-prob sums, reference forward twice on the same bins, and policy
+    vs reference before any update; `logprob_sum_max_abs` for their scale). Asserted only on the CPU, where it is exact
+    by construction (closed_form_tolerance, recorded as `loss_tolerance`; None on CUDA).
+    Returns tokens/s, pairs/s, step seconds (min of `timed` steps after step 1), peak memory (CUDA), MFU
+    (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: the language model's
+    parameters without the input embedding table (a lookup) - output layer, every dense parameter and the shared
+    expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
+    ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
+    before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
+    over our separate-rows step (the shared-prompt layout's GPU ratio).
+    Raises AssertionError when a step-1 loss is off on the CPU.
+    """
+    import monitor
+
+    device = torch.device(device)
+    setup = _step_setup(device, shape)
+    hf, pairs = setup["hf"], setup["pairs"]
+    tol = closed_form_tolerance(device, shape, setup["want"])
     tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
-    lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
-    ids = {"image": hf.image_token_id, "pad": 0}
     out = {"device": str(device), "dtype": shape["dtype"], "pairs": shape["pairs"], "tokens": tokens,
-           "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size}
+           "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size,
+           "loss_tolerance": tol}
 
     def timed_steps(step, n: int) -> list[float]:
         times = []
@@ -937,9 +1060,10 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
             times.append(time.perf_counter() - t)
         return times
 
-    out.update(_ours_step_bench(device, cfg, hf, ckpt, pairs, lengths, ids, want, tol, timed, timed_steps))
+    out.update(_ours_step_bench(device, setup, tol, timed, timed_steps))
+    print(f"[bench] gpu step ours {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the baseline times out
     _release(device)
-    out.update(_baseline_step_bench(device, cfg, ckpt, dtype, pairs, ids, want, tol, timed, timed_steps))
+    out.update(_baseline_step_bench(device, setup, tol, timed, timed_steps))
     _release(device)
     s_o, s_b = out["step_s_ours"], out["step_s_baseline"]
     out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
@@ -958,8 +1082,10 @@ def mamba_ssm_triton_from_source() -> dict | None:
 
     $OMNI_MAMBA_SSM_SRC names a directory holding `mamba_ssm/` (e.g. the unpacked sdist; tests/gpu_check.sh unpacks a
     `mamba_ssm-*.tar.gz` found in its wheel folder). These kernels are pure Triton; mamba-ssm's package __init__ also
-    imports its compiled Mamba-1 extension `selective_scan_cuda`, which they never call: when that does not import,
-    an empty module stands in for it. Raises ImportError when the directory does not hold the sources.
+    imports its compiled Mamba-1 extension `selective_scan_cuda`, which they never call: when that is neither imported
+    nor importable, an empty module with its own ModuleSpec stands in for it (a module without `__spec__` in
+    sys.modules makes a later importlib.util.find_spec of that name raise ValueError). Calling this again is a no-op
+    import. Raises ImportError when the directory does not hold the sources.
     """
     src = os.environ.get("OMNI_MAMBA_SSM_SRC")
     if not src:
@@ -968,14 +1094,24 @@ def mamba_ssm_triton_from_source() -> dict | None:
         raise ImportError(f"OMNI_MAMBA_SSM_SRC={src} does not hold mamba-ssm's sources (mamba_ssm/ops/triton/)")
     if src not in sys.path:
         sys.path.insert(0, src)
-    if importlib.util.find_spec("selective_scan_cuda") is None:
-        import types
-
-        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
+        spec = importlib.machinery.ModuleSpec("selective_scan_cuda", loader=None)
+        sys.modules["selective_scan_cuda"] = importlib.util.module_from_spec(spec)
     from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     return {"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
+
+
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla-core's chunk_simple_gla does not run on `device`, or None: fla refuses Triton >= 3.4.0 and < 3.7.1 on
+    Hopper (sm90) GPUs itself (a Triton code-generation bug in its gated chunk backward, fla-core issue #640)."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and (3, 4) <= version < (3, 7, 1):
+        return f"fla-core refuses Triton {triton.__version__} on Hopper (needs >= 3.7.1)"
+    return None
 
 
 def mamba_scan_kernels(device: torch.device) -> dict:
@@ -1001,7 +1137,7 @@ def mamba_scan_kernels(device: torch.device) -> dict:
             from fla.ops.simple_gla import chunk_simple_gla
         except Exception:  # not installed, or a build for another torch / Triton
             chunk_simple_gla = None
-        if chunk_simple_gla is not None:
+        if chunk_simple_gla is not None and fla_refusal(device) is None:
             def gla(q, k, v, g, cu):
                 return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
 
@@ -1058,6 +1194,8 @@ def scan_bench(device, shape: dict, reps: int) -> dict:
     grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     out = {"tokens": T, "sequences": n_seq, "chunk_size": chunk, "dtype": str(dtype).removeprefix("torch."), **dims,
            "mamba_deterministic": os.environ.get("MAMBA_DETERMINISTIC")}
+    if importlib.util.find_spec("fla") is not None and (reason := fla_refusal(device)) is not None:
+        out["fla"] = {"skipped": reason}
     for name, kernel in mamba_scan_kernels(device).items():
         try:
             _reset_peak(device)
@@ -1075,28 +1213,261 @@ def scan_bench(device, shape: dict, reps: int) -> dict:
                 times.append(time.perf_counter() - t)
             out[name] = {"first_call_s": first, "fwd_bwd_s": min(times), "peak_bytes": _peak_memory(device)}
         except Exception as e:  # noqa: BLE001 - an optional kernel (a Triton build, an out-of-memory): recorded
-            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            out[name] = error_record(e)
         print(f"[bench] gpu scan {name} {json.dumps(out[name])}", file=sys.stderr, flush=True)
     return out
 
 
-def bench_gpu(quick: bool, device=None, shape: dict | None = None) -> dict:
-    """Item 6: the MPO step at Nano width (mpo_step_bench) and the Mamba scans (scan_bench) on a CUDA device.
-    Without one (and no explicit `device`), a skip record. `device`/`shape` let a CPU test run it at a tiny shape."""
+# The regions of `profile_step`'s table, in its order. "Mamba other" is the mixer outside its projections, conv, scan
+# and norm (gating, reshapes; a fused conv+scan kernel such as mamba-ssm's when it runs); "MoE other" the MoE layer
+# outside its router, dispatcher, experts and shared expert; "other" what no region holds (loss, gradient reduction,
+# bin loading, the step's host code on the CPU).
+PROFILE_REGIONS = ("Mamba in/out projections", "Mamba conv", "Mamba scan", "Mamba norm", "Mamba other",
+                   "attention (core)", "attention projections", "MoE router", "MoE dispatch (permute)",
+                   "MoE expert GEMMs", "MoE combine (unpermute)", "MoE shared expert", "MoE other", "dense MLP",
+                   "layer norms", "embedding", "LM head + fused log-probs", "reference forward", "optimizer step",
+                   "gradient accumulation (DDP)", "other")
+REGION_PREFIX = "omni_region::"  # the record_function ranges of profile_regions
+STEP_RANGE = "omni_step"  # the record_function range around the profiled step
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "  # the autograd engine's range around one backward node
+
+
+@contextlib.contextmanager
+def profile_regions(policy, optimizer):
+    """record_function ranges named REGION_PREFIX + a PROFILE_REGIONS name around the parts of one MPO step, by module
+    (forward pre/post hooks on megatron-core's module types inside `policy`) or by call (functions the modules call,
+    dispatcher and optimizer methods); removed on exit. Regions nest (an expert MLP inside the MoE layer); the
+    profile attributes each event to the innermost. Backward work is attributed through the autograd sequence numbers
+    (attribute_profile), so only forward calls need ranges.
+
+    Modules: MambaMixer (in_proj/out_proj, norm, the rest), Attention (core_attention, the rest: QKV and output
+    projections), MoELayer (router, experts, shared_experts, the rest), MLPLayer's mlp, the layers' input_layernorm /
+    pre_mlp_layernorm and the decoder's final_norm, HybridModel's embedding and output_layer. Calls: mamba_torch's
+    causal conv and chunked scan (plain and shared-prompt), the MoE token dispatcher's dispatch_* / token_dispatch and
+    combine_* / token_combine, mpo_loss.packed_sequence_logprobs, train.reference_logprobs (the whole no-grad reference
+    pass: it absorbs every region inside it) and `optimizer.step`."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    import mamba_torch
+    import mpo_loss
+    import train
+
+    handles, undo, missing = [], [], object()
+
+    def on_module(module, region: str) -> None:
+        if not isinstance(module, torch.nn.Module) or isinstance(module, IdentityOp):
+            return
+        stack = []
+
+        def pre(m, args):
+            stack.append(torch.profiler.record_function(REGION_PREFIX + region))
+            stack[-1].__enter__()
+
+        def post(m, args, output):
+            stack.pop().__exit__(None, None, None)
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    def on_call(owner, name: str, region: str) -> None:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+
+        @functools.wraps(fn)
+        def ranged(*args, **kwargs):
+            with torch.profiler.record_function(REGION_PREFIX + region):
+                return fn(*args, **kwargs)
+
+        undo.append((owner, name, vars(owner).get(name, missing)))
+        setattr(owner, name, ranged)
+
+    for m in policy.modules():
+        if isinstance(m, MambaMixer):
+            on_module(m, "Mamba other")
+            on_module(m.in_proj, "Mamba in/out projections")
+            on_module(m.out_proj, "Mamba in/out projections")
+            on_module(getattr(m, "norm", None), "Mamba norm")
+        elif isinstance(m, Attention):
+            on_module(m, "attention projections")
+            on_module(m.core_attention, "attention (core)")
+        elif isinstance(m, MoELayer):
+            on_module(m, "MoE other")
+            on_module(m.router, "MoE router")
+            on_module(m.experts, "MoE expert GEMMs")
+            on_module(getattr(m, "shared_experts", None), "MoE shared expert")
+            for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess"):
+                on_call(m.token_dispatcher, name, "MoE dispatch (permute)")
+            for name in ("combine_preprocess", "token_combine", "combine_postprocess"):
+                on_call(m.token_dispatcher, name, "MoE combine (unpermute)")
+        elif isinstance(m, HybridModel):
+            on_module(m.embedding, "embedding")
+            on_module(m.output_layer, "LM head + fused log-probs")
+            on_module(getattr(m.decoder, "final_norm", None), "layer norms")
+        if isinstance(m, MLPLayer):
+            on_module(m.mlp, "dense MLP")
+        if isinstance(m, (TransformerLayer, MambaLayer)):
+            for name in ("input_layernorm", "pre_mlp_layernorm", "norm"):
+                on_module(getattr(m, name, None), "layer norms")
+    for name in ("causal_conv1d_fn", "causal_conv1d_shared_prompt"):
+        on_call(mamba_torch, name, "Mamba conv")
+    for name in ("mamba_chunk_scan_combined", "mamba_chunk_scan_shared_prompt"):
+        on_call(mamba_torch, name, "Mamba scan")
+    on_call(mpo_loss, "packed_sequence_logprobs", "LM head + fused log-probs")
+    on_call(train, "reference_logprobs", "reference forward")
+    on_call(optimizer, "step", "optimizer step")
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for owner, name, before in reversed(undo):
+            if before is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+
+def attribute_profile(events, cuda: bool) -> dict:
+    """Time by PROFILE_REGIONS region of the profiled step (torch.profiler's `prof.events()` holding one STEP_RANGE):
+    device time (each CPU op's own kernels, `self_device_time_total`) with `cuda`, else CPU time (`self_cpu_time_total`:
+    on the CPU the step's ops run one after another on its thread, so the regions sum to the step's wall time; ops of
+    other threads, e.g. gloo's copies, overlap them and are left out).
+
+    An event inside region ranges belongs to the innermost one (everything inside "reference forward" to it); a
+    backward event (inside the autograd engine's range of one node) to the region of the forward op that created the
+    node: the op on the same thread with the node's sequence number that started last (ops that create no node carry
+    the next node's number too, and run before it). AccumulateGrad nodes (gradients into megatron DDP's buffers) are
+    "gradient accumulation (DDP)"; the rest "other". With `cuda`, kernels no CPU op launched are added to "other".
+
+    Returns {"unit": "cuda" | "cpu", "step_wall_s": the step range's duration, "regions_s": {region: seconds} in
+    PROFILE_REGIONS order, "total_s": their sum, "device_busy_s" (union of kernel intervals) and "host_gaps_s" (wall
+    minus device busy; the profiler's own host overhead included) with `cuda`, else None}. Raises ValueError when the
+    events hold no STEP_RANGE."""
+    from torch.autograd import DeviceType
+
+    step = next((e for e in events if e.name == STEP_RANGE), None)
+    if step is None:
+        raise ValueError(f"the profile holds no {STEP_RANGE!r} range")
+    lo, hi = step.time_range.start, step.time_range.end
+    ops = sorted((e for e in events if e.device_type == DeviceType.CPU and not e.is_async
+                  and lo <= e.time_range.start <= hi and (cuda or e.thread == step.thread)),
+                 key=lambda e: e.time_range.start)
+    where: dict[int, tuple[str | None, object]] = {}  # id -> (innermost region range, innermost backward node range)
+
+    def locate(e) -> tuple[str | None, object]:
+        if id(e) not in where:
+            region, node = locate(e.cpu_parent) if e.cpu_parent is not None else (None, None)
+            if e.name.startswith(REGION_PREFIX) and region != "reference forward":
+                region = e.name.removeprefix(REGION_PREFIX)
+            elif e.name.startswith(_BACKWARD_NODE) and node is None:
+                node = e
+            where[id(e)] = (region, node)
+        return where[id(e)]
+
+    created: dict[tuple[int, int], str] = {}  # (thread, sequence number) -> region of the forward op
+    for e in ops:
+        region, node = locate(e)
+        if node is None and e.sequence_nr >= 0:
+            created[(e.thread, e.sequence_nr)] = region or "other"
+    regions = dict.fromkeys(PROFILE_REGIONS, 0.0)
+    for e in ops:
+        region, node = locate(e)
+        if region is None and node is not None:
+            region = ("gradient accumulation (DDP)" if node.name.endswith("AccumulateGrad") else
+                      created.get((node.fwd_thread, node.sequence_nr), "other"))  # fmt: skip
+        regions[region or "other"] += (e.self_device_time_total if cuda else e.self_cpu_time_total) * 1e-6
+    out = {"unit": "cuda" if cuda else "cpu", "step_wall_s": (hi - lo) * 1e-6, "device_busy_s": None,
+           "host_gaps_s": None}
+    if cuda:
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                         if e.device_type != DeviceType.CPU and lo <= e.time_range.start <= hi)
+        regions["other"] += max(0.0, sum(b - a for a, b in kernels) * 1e-6 - sum(regions.values()))
+        busy, end = 0.0, lo
+        for a, b in kernels:  # the union of the kernel intervals
+            busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+        out.update(device_busy_s=busy * 1e-6, host_gaps_s=(hi - lo - busy) * 1e-6)
+    return {**out, "regions_s": regions, "total_s": sum(regions.values())}
+
+
+def profile_step(device, shape: dict) -> dict:
+    """torch.profiler over one MPO step of our system (train.train_step, separate rows, `shape` as mpo_step_bench,
+    after one unprofiled warm-up step: allocations, cuBLAS handles, Triton autotuning) with profile_regions' ranges:
+    attribute_profile's time by region."""
+    import train
+
+    device = torch.device(device)
+    setup = _step_setup(device, shape)
+    cfg, pairs, ids = setup["cfg"], setup["pairs"], setup["ids"]
+    ddp, reference, optimizer, scheduler, ctx, policy = _ours_system(device, cfg, setup["ckpt"])
+    plan = pack.plan_step(setup["lengths"], cfg.packing, 1)
+
+    def step(shift: float) -> float:
+        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        return train.train_step(ddp, reference, optimizer, scheduler, batches, ctx, shift)[1]
+
+    shift = step(cfg.mpo.reward_shift)
+    _sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with profile_regions(policy, optimizer), torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.record_function(STEP_RANGE):
+                step(shift)
+                _sync(device)
+    finally:
+        _drop_system(ddp)
+    return attribute_profile(prof.events(), device.type == "cuda")
+
+
+def profile_table(p: dict) -> str:
+    """profile_step's result as a Markdown table: region | time (ms) | share of the regions' total."""
+    unit = "device time (CUDA)" if p["unit"] == "cuda" else "CPU time"
+    lines = [f"| region | {unit}, ms | share |", "|---|---|---|"]
+    lines += [f"| {r} | {s * 1e3:.2f} | {100 * s / p['total_s']:.1f}% |" for r, s in p["regions_s"].items()]
+    lines.append(f"| total | {p['total_s'] * 1e3:.2f} | 100% |")
+    if p.get("host_gaps_s") is not None:
+        lines.append(f"| host gaps (step wall {p['step_wall_s'] * 1e3:.2f} ms - device busy "
+                     f"{p['device_busy_s'] * 1e3:.2f} ms) | {p['host_gaps_s'] * 1e3:.2f} | |")
+    return "\n".join(lines)
+
+
+def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool = False, timed: int | None = None,
+              out: dict | None = None) -> dict:
+    """Item 6 on a CUDA device, in sections recorded in `out` (main passes its results entry) as each ends, a failing
+    one as {"error": ...} without stopping the next (run_section): "step" (mpo_step_bench, `timed` steps after step 1:
+    default 1 with `quick`, else 5), with `profile` "profile" (profile_step; before the scans, whose Triton compilation
+    from a cold cache is the slowest part), and "scan" (scan_bench). Without CUDA (and no explicit `device`), a skip
+    record. `device`/`shape` let a CPU test run it at a tiny shape."""
     import cpu_compat
 
+    out = {} if out is None else out
     if device is None:
         if not torch.cuda.is_available():
-            return {"skipped": "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"}
+            out["skipped"] = "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"
+            return out
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan, for tests/gpu_check.sh
+    if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan
         shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
     kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
-    out = {"kernels": kernels.line(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    out["step"] = mpo_step_bench(device, shape, timed=1 if quick else 5)
-    print(f"[bench] gpu step {json.dumps(out['step'])}", file=sys.stderr, flush=True)  # kept if the scans time out
-    out["scan"] = scan_bench(device, shape, reps=1 if quick else 5)
+    out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    timed = timed or (1 if quick else 5)
+    sections = [("step", mpo_step_bench, (device, shape, timed))]
+    if profile:
+        sections.append(("profile", profile_step, (device, shape)))
+    sections.append(("scan", scan_bench, (device, shape, timed)))
+    for key, fn, args in sections:
+        run_section(out, key, fn, *args)
+        print(f"[bench] gpu {key} {json.dumps(out[key])}", file=sys.stderr, flush=True)
+        _release(device)
     return out
 
 
@@ -1117,7 +1488,9 @@ def scan_rows(sc: dict) -> list[tuple[str, ...]]:
     rows = []
     fixed = " (fixed configs)" if sc.get("mamba_deterministic") == "1" else ""
     for name in ("torch", "mamba-ssm", "mamba-ssm-src", "fla"):
-        if name in sc and "error" in sc[name]:
+        if name in sc and "skipped" in sc[name]:
+            rows.append((f"Mamba-2 scan {name}", "fwd+bwd", "skipped", sc[name]["skipped"][:100], ""))
+        elif name in sc and "error" in sc[name]:
             rows.append((f"Mamba-2 scan {name}, T={sc['tokens']} {sc['dtype']}", "fwd+bwd", "failed",
                          sc[name]["error"][:100], ""))
         elif name in sc:
@@ -1131,7 +1504,8 @@ def table(res: dict) -> str:
     """The results as one Markdown table: item | metric | ours | baseline | ratio."""
     from mmpr_data import plural
 
-    rows = []
+    rows = [(name, "failed", r["error"][:100], "", "") for name, r in res.items() if "error" in r]
+    res = {name: r for name, r in res.items() if "error" not in r}
     if "packing" in res:
         p = res["packing"]
         a, b, c = p["ours"], p["round_robin"], p["padded"]
@@ -1200,27 +1574,42 @@ def table(res: dict) -> str:
     if "gpu" in res and "skipped" in res["gpu"]:
         rows.append(("GPU", "step time, tokens/s, MFU", res["gpu"]["skipped"], "", ""))
     elif "gpu" in res:
-        g, st = res["gpu"], res["gpu"]["step"]
-        what = f"MPO step {st['pattern']} h{st['hidden_size']} {st['dtype']} vs transformers"
-        mfu = f" (MFU {100 * st['mfu_ours']:.1f}%)" if st.get("mfu_ours") is not None else ""
-        peak = (_mib(st["peak_bytes_ours"]), _mib(st["peak_bytes_baseline"])) if st["peak_bytes_ours"] else ("", "")
-        rows += [
-            (what, f"tokens/s ({st['pairs']} pairs, {st['tokens']} tokens)", f"{st['tokens_per_s_ours']:.0f}{mfu}",
-             f"{st['tokens_per_s_baseline']:.0f}", f"{st['speed_ratio']:.2f}x the speed"),
-            (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", f"{st['pairs_per_s_baseline']:.2f}",
-             f"{st['speed_ratio']:.2f}x the speed"),
-            (what, "peak memory", *peak, ""),
-            ("shared prompt vs separate rows (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
-             f"{st['pairs_per_s_shared']:.2f}", f"{st['pairs_per_s_ours']:.2f}",
-             f"{st['shared_speed_ratio']:.2f}x the speed"),
-            (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", f"{st['loss_baseline']:.6f}",
-             f"want {st['loss_expected']:.6f}"),
-        ]
-        rows += scan_rows(g["scan"])
+        g, st = res["gpu"], res["gpu"].get("step", {"error": "not recorded"})
+        if "error" in st:
+            rows.append(("MPO step (GPU item)", "failed", st["error"][:100], "", ""))
+        else:
+            rows += gpu_step_rows(st)
+        sc = g.get("scan", {"error": "not recorded"})
+        rows += [("Mamba-2 scans", "failed", sc["error"][:100], "", "")] if "error" in sc else scan_rows(sc)
     head = ("item", "metric", "ours", "baseline", "ratio")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def gpu_step_rows(st: dict) -> list[tuple[str, ...]]:
+    """The table rows of mpo_step_bench's result: speed, memory, the shared-prompt ratio, the step-1 losses against
+    their closed form and the noise floor measured beside them."""
+    what = f"MPO step {st['pattern']} h{st['hidden_size']} {st['dtype']} vs transformers"
+    mfu = f" (MFU {100 * st['mfu_ours']:.1f}%)" if st.get("mfu_ours") is not None else ""
+    peak = (_mib(st["peak_bytes_ours"]), _mib(st["peak_bytes_baseline"])) if st["peak_bytes_ours"] else ("", "")
+    return [
+        (what, f"tokens/s ({st['pairs']} pairs, {st['tokens']} tokens)", f"{st['tokens_per_s_ours']:.0f}{mfu}",
+         f"{st['tokens_per_s_baseline']:.0f}", f"{st['speed_ratio']:.2f}x the speed"),
+        (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", f"{st['pairs_per_s_baseline']:.2f}",
+         f"{st['speed_ratio']:.2f}x the speed"),
+        (what, "peak memory", *peak, ""),
+        ("shared prompt vs separate rows (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
+         f"{st['pairs_per_s_shared']:.2f}", f"{st['pairs_per_s_ours']:.2f}",
+         f"{st['shared_speed_ratio']:.2f}x the speed"),
+        (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", f"{st['loss_baseline']:.6f}",
+         f"want {st['loss_expected']:.6f}"),
+        (what, "step-1 loss: abs deviation from want (asserted on the CPU only)", f"{st['loss_ours_abs_dev']:.1e}",
+         f"{st['loss_baseline_abs_dev']:.1e}", f"shared prompt {st['loss_shared_abs_dev']:.1e}"),
+        (what, "noise floor: max abs diff of log-prob sums, policy vs reference at step 1",
+         f"{st['noise_policy_vs_ref_max_abs_diff']:.1e}", f"{st['noise_baseline_policy_vs_ref_max_abs_diff']:.1e}",
+         f"reference twice {st['noise_ref_repeat_max_abs_diff']:.1e} (sums up to {st['logprob_sum_max_abs']:.0f})"),
+    ]
 
 
 def machine() -> str:
@@ -1240,6 +1629,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(ITEMS)}")
     ap.add_argument("--gpu", action="store_true", help="only the GPU item (needs CUDA), written to "
                     "bench_gpu_results.json (results/bench_gpu_results.json with --quick) unless --json is given")
+    ap.add_argument("--profile", action="store_true", help="with the GPU item: torch.profiler over one MPO step, a "
+                    "table of device time by region (profile_step; CPU time when --only gpu runs on the CPU)")
+    ap.add_argument("--timed-steps", type=int, metavar="N", help="GPU item: timed steps after step 1 and timed "
+                    "scans per kernel (default 1 with --quick, else 5)")
     ap.add_argument("--json", help="where to write the results (default: bench_results.json for a full run of every "
                     "item, results/bench_results.json for --quick / --only)")
     ap.add_argument("--print", metavar="JSON", nargs="?", const=str(ROOT / "bench_results.json"),
@@ -1260,6 +1653,8 @@ def main(argv: list[str] | None = None) -> int:
             head = (f"omni-mpo bench ({'quick' if res['quick'] else 'full'}), {res['date']}, {res['machine']}: "
                     f"`{res.get('command', 'python bench.py')}`")
             text = table({k: v for k, v in res.items() if k in ITEMS})
+            if "profile" in res.get("gpu", {}) and "error" not in res["gpu"]["profile"]:
+                text += "\n\n" + profile_table(res["gpu"]["profile"])
         except (ValueError, TypeError, KeyError) as e:  # not JSON, or not a results file of this bench.py
             what = (f"invalid JSON: {e}" if isinstance(e, json.JSONDecodeError) else
                     f"not a bench.py results file ({type(e).__name__}: {e})")  # fmt: skip
@@ -1281,28 +1676,42 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
+    if (args.profile or args.timed_steps) and "gpu" not in names:
+        ap.error("--profile and --timed-steps are the GPU item's: use them with --gpu (or an --only that names gpu)")
+    if args.timed_steps is not None and args.timed_steps < 1:
+        ap.error(f"--timed-steps {args.timed_steps}: at least 1")
     import cpu_compat
 
     print(cpu_compat.select_kernels().line(), file=sys.stderr, flush=True)
+    flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")
+    flags += f" --timed-steps {args.timed_steps}" if args.timed_steps else ""
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
-                 "command": "python bench.py" + (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "")}
-    try:
-        for name in names:
-            t = time.perf_counter()
-            res[name] = ITEMS[name](args.quick)
-            res[name]["bench_seconds"] = round(time.perf_counter() - t, 2)
-            print(f"[bench] {name}: {res[name]['bench_seconds']} s", file=sys.stderr, flush=True)
-    finally:
-        if "tmp" in _STATE:
-            shutil.rmtree(_STATE["tmp"], ignore_errors=True)
+                 "command": "python bench.py" + flags}
     out = Path(args.json or (ROOT / "bench_results.json" if not args.quick and args.only is None else
                              ROOT / "results" / "bench_results.json"))  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    _STATE["write"] = lambda: out.write_text(json.dumps(res, indent=1) + "\n")  # after every section (run_section)
+    _STATE["write"]()
+    failed = []
+    try:
+        for name in names:
+            fn = ITEMS[name]
+            if name == "gpu":  # its sections (step, scans, profile) are written as each ends
+                fn = functools.partial(bench_gpu, profile=args.profile, timed=args.timed_steps,
+                                       out=res.setdefault("gpu", {}))
+            if not run_section(res, name, fn, args.quick):
+                failed.append(name)
+            failed += [f"{name}.{k}" for k, v in res[name].items() if isinstance(v, dict) and "error" in v]
+    finally:
+        _STATE.pop("write", None)
+        if "tmp" in _STATE:
+            shutil.rmtree(_STATE["tmp"], ignore_errors=True)
     print(f"wrote {out}")
     print(f"omni-mpo bench ({'quick' if args.quick else 'full'}), {res['date']}, {res['machine']}")
     print(table({k: v for k, v in res.items() if k in ITEMS}))
-    if "logprobs" in res:
+    if "profile" in res.get("gpu", {}) and "error" not in res["gpu"]["profile"]:
+        print("\n" + profile_table(res["gpu"]["profile"]))
+    if "logprobs" in res and "error" not in res["logprobs"]:
         lp = res["logprobs"]
         met = lp["memory_ratio"] >= MEMORY_GOAL and lp["time_ratio"] <= TIME_GOAL
         print(f"log-prob goal (>= {MEMORY_GOAL}x less peak memory at <= {TIME_GOAL}x time): "
@@ -1310,6 +1719,9 @@ def main(argv: list[str] | None = None) -> int:
               f"gradient {lp['working_memory_ratio']:.2f}x, time {lp['time_ratio']:.2f}x)")
     if "gpu" in res and "skipped" in res["gpu"]:
         print(f"gpu: skipped ({res['gpu']['skipped']})")
+    if failed:
+        print(f"bench.py: failed: {', '.join(failed)} (recorded as errors in {out})", file=sys.stderr)
+        return 1
     return 0
 
 

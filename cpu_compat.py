@@ -4,7 +4,9 @@ Transformer Engine, without mamba-ssm, or without a GPU.
 megatron-core assumes CUDA in a few dozen places (device="cuda" literals, CUDA RNG states, CUDA streams) and, even on a
 GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and mamba-ssm (the Mamba mixer's kernels).
 `select_kernels()` decides from what imports and whether CUDA is used: the TE spec only with TE and CUDA, else the local
-spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch. `apply()` patches exactly the
+spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch; in the local spec on CUDA,
+torch's grouped-GEMM experts and varlen FlashAttention where their kernels run, else megatron-core's SequentialMLP and
+SDPA per sequence (the CPU path and the reference). `apply()` patches exactly the
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
 sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not; then the model
 shims every platform needs (`MODEL_SHIMS`: the Mamba scan hook - time-step clamp and the shared-prompt scan -,
@@ -20,7 +22,8 @@ every marker (its comment states the upstream failure and its exact error), then
 
 Use:
     import cpu_compat
-    print(cpu_compat.select_kernels().line())   # e.g. "kernels: spec local; mamba torch; device cpu"
+    print(cpu_compat.select_kernels().line())
+    # e.g. "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
     cpu_compat.apply()                 # before building any megatron module
     ...build the model, parallel_state, model_parallel_cuda_manual_seed(seed)...
     with cpu_compat.cuda_to_cpu():     # around optimizer construction, optimizer.step() and checkpoint loading
@@ -39,6 +42,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -65,18 +69,28 @@ def needed() -> bool:
 class Kernels:
     """The kernels a model build uses, chosen by capability (`select_kernels`), never by "CPU or not".
 
-    spec: "te" (megatron-core's Transformer Engine spec) or "local" (torch norms, SDPA per sequence: omni_model's
-        local spec). mamba: "mamba-ssm" (mamba-ssm's fused Triton/CUDA kernels) or "torch" (mamba_torch, on the
-        step's device). device: "cuda" or "cpu".
+    spec: "te" (megatron-core's Transformer Engine spec) or "local" (torch norms: omni_model's local spec).
+    mamba: "mamba-ssm" (mamba-ssm's fused Triton/CUDA kernels) or "torch" (mamba_torch, on the step's device).
+    device: "cuda" or "cpu".
+    attention (local spec): "varlen" (torch.nn.attention.varlen.varlen_attn, FlashAttention over all sequences of a
+        bin in one call, for bf16/fp16 layers on CUDA; fp32, context parallelism and dropout stay on SDPA) or "sdpa"
+        (torch SDPA per sequence, the reference); "te" with the TE spec (TE's own attention).
+    experts (local spec): "grouped" (local_spec.GroupedExperts: one torch grouped GEMM per projection) or
+        "sequential" (megatron-core's SequentialMLP, a loop over the experts, the reference); "te" with the TE spec
+        (TEGroupedMLP).
     """
 
     spec: str
     mamba: str
     device: str
+    attention: str = "sdpa"
+    experts: str = "sequential"
 
     def line(self) -> str:
-        """The one start-up line of train.py and bench.py, e.g. `kernels: spec local; mamba torch; device cuda`."""
-        return f"kernels: spec {self.spec}; mamba {self.mamba}; device {self.device}"
+        """The one start-up line of train.py and bench.py, e.g.
+        `kernels: spec local; attention varlen; experts grouped; mamba torch; device cuda`."""
+        return (f"kernels: spec {self.spec}; attention {self.attention}; experts {self.experts}; mamba {self.mamba}; "
+                f"device {self.device}")
 
 
 def have_transformer_engine() -> bool:
@@ -98,18 +112,45 @@ def have_mamba_ssm() -> bool:
     return True
 
 
-def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: bool | None = None) -> Kernels:
-    """The kernels for this process: the TE spec only when Transformer Engine imports AND CUDA is used, else the local
-    spec; mamba-ssm's kernels only when mamba-ssm + causal-conv1d import AND CUDA is used, else mamba_torch.
+def have_grouped_mm() -> bool:
+    """True when torch's grouped GEMM has its CUTLASS kernel on this GPU: `torch.nn.functional.grouped_mm` (torch >=
+    2.10; `torch._grouped_mm` before) and a CUDA device of compute capability 9.x or 10.x (elsewhere torch loops over
+    the groups: aten/src/ATen/native/cuda/GroupedBlas.cpp, `_grouped_mm_cuda`)."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    return fn is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
 
-    Args: te, mamba_ssm, cuda: the capabilities; None probes them (have_transformer_engine, have_mamba_ssm,
-        torch.cuda.is_available). Tests inject them.
+
+def have_varlen_attn() -> bool:
+    """True when torch's variable-length FlashAttention runs here: `torch.nn.attention.varlen.varlen_attn` with a
+    `scale` argument (torch >= 2.11) and a CUDA device of compute capability >= 8.0 (FlashAttention-2)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "scale" in inspect.signature(varlen_attn).parameters and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() >= (8, 0)
+
+
+def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: bool | None = None,
+                   grouped_mm: bool | None = None, varlen_attn: bool | None = None) -> Kernels:
+    """The kernels for this process: the TE spec only when Transformer Engine imports AND CUDA is used, else the local
+    spec; mamba-ssm's kernels only when mamba-ssm + causal-conv1d import AND CUDA is used, else mamba_torch. With the
+    local spec: grouped experts when torch's grouped GEMM kernel runs (`have_grouped_mm`) AND CUDA is used, else
+    SequentialMLP; varlen attention when torch's varlen FlashAttention runs (`have_varlen_attn`) AND CUDA is used, else
+    SDPA per sequence. On the CPU every choice is the reference path.
+
+    Args: te, mamba_ssm, cuda, grouped_mm, varlen_attn: the capabilities; None probes them (have_transformer_engine,
+        have_mamba_ssm, torch.cuda.is_available, have_grouped_mm, have_varlen_attn). Tests inject them.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = (cuda and have_transformer_engine()) if te is None else te
     mamba_ssm = (cuda and have_mamba_ssm()) if mamba_ssm is None else mamba_ssm
-    return Kernels(spec="te" if te and cuda else "local", mamba="mamba-ssm" if mamba_ssm and cuda else "torch",
-                   device="cuda" if cuda else "cpu")
+    grouped_mm = (cuda and have_grouped_mm()) if grouped_mm is None else grouped_mm
+    varlen_attn = (cuda and have_varlen_attn()) if varlen_attn is None else varlen_attn
+    spec = "te" if te and cuda else "local"
+    return Kernels(spec=spec, mamba="mamba-ssm" if mamba_ssm and cuda else "torch", device="cuda" if cuda else "cpu",
+                   attention="te" if spec == "te" else "varlen" if varlen_attn and cuda else "sdpa",
+                   experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "sequential")
 
 
 # Which shim each missing capability needs (names of functions of this module, applied in this order).

@@ -7,15 +7,20 @@ MambaMixer) plus the project modules that stand in for Transformer Engine ones:
 - `LocalNormColumnParallelLinear`: the non-TE twin of `TELayerNormColumnParallelLinear`, with the same parameter
   names, so a checkpoint is the same whichever spec built the model.
 - `ThdDotProductAttention`: THD `cu_seqlens` attention within each sequence (causal or not) through torch's SDPA per
-  sequence; context parallelism by all-gathering K/V; the shared-prompt layout (`shared_prompt_attention`, when
+  sequence, or on CUDA in bf16/fp16 through ONE call of torch's varlen FlashAttention (`varlen_attention`); context
+  parallelism by all-gathering K/V; the shared-prompt layout (`shared_prompt_attention`, when
   cpu_compat.SHARED_PROMPT_SEGMENTS is set by the model's forward).
+- `GroupedExperts`: megatron-core's SequentialMLP (same parameters and checkpoint keys) computed with one torch grouped
+  GEMM per projection instead of a loop over the experts.
 The specs take what differs per model as arguments (the Mamba mixer class and its parameters, the expert count), so
 this module imports only megatron-core, torch, pack and cpu_compat (the per-forward layout state).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import math
 from functools import partial
 
@@ -32,6 +37,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -109,6 +115,92 @@ class LocalNormColumnParallelLinear(ColumnParallelLinear):
         """input_ [s, b, input_size] (this rank's sequence shard under SP) -> (output, bias) as ColumnParallelLinear."""
         x = _norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps, self.norm_kind)
         return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+# ======================================================================================================================
+# Routed experts: one grouped GEMM per projection
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM, a [T, K] row-major x b [E, K, N] -> [T, N]: rows offs[e-1]:offs[e] of `a` times b[e]
+    (offs: int32 [E], cumulative, offs[-1] = T; empty groups allowed). `torch.nn.functional.grouped_mm` (torch >=
+    2.10), else `torch._grouped_mm`. The output's gradient is made contiguous (a tensor hook, a no-op when it already
+    is): torch's CUTLASS kernel (aten/src/ATen/native/cuda/GroupMMCommon.cuh, prepare_grouped_gemm_data) needs group
+    sizes that are multiples of 16 bytes and non-zero only when the weight-gradient GEMM gets a column-major output
+    gradient; with a row-major `a`, a column-major `b` and a contiguous gradient every group size runs, zero included
+    (so groups are not padded; checked on an H200 with torch 2.11)."""
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    out = fn(a, b, offs=offs)
+    if out.requires_grad:
+        out.register_hook(torch.Tensor.contiguous)
+    return out
+
+
+class GroupedExperts(SequentialMLP):
+    """megatron-core's SequentialMLP computed with one grouped GEMM per projection (`grouped_mm`) instead of a Python
+    loop over the experts: the local spec's routed experts on CUDA (cpu_compat.Kernels.experts = "grouped").
+
+    The parameters, their names (`local_experts.N.linear_fc1.weight`, `...linear_fc2.weight`), `state_dict`,
+    `sharded_state_dict` (per-expert keys) and hf_weights' key map are SequentialMLP's: a checkpoint saved with either
+    module loads into the other. The forward is SequentialMLP's arithmetic per token (MLP.forward's unfused path:
+    fc1, the activation - gated or not -, the routing probabilities `permuted_probs` multiplied in and cast back to the
+    activation's dtype, fc2), so on the CPU (torch's grouped GEMM there is a loop of matmuls) it equals SequentialMLP
+    bit for bit, forward and backward (tests/test_experts.py).
+
+    Cost: each forward stacks the per-expert weights into [E, out, in] (torch.stack: a copy of the layer's expert
+    weights, 2·E·hidden·moe_ffn elements; for Nemotron-3-Nano ≈ 1.3e9 per layer, ~2.6 GB in bf16) and the backward
+    splits the stacked gradient back per expert; bench.py --gpu --profile measures it.
+
+    Supported: expert tensor parallelism 1 (build_model's requirement), no linear biases, no FP8/FP4, megatron's
+    unfused activation (no `bias_activation_fusion`, no TE activation), no MoE latent projection. Other settings raise
+    ValueError at construction (SequentialMLP supports them).
+    """
+
+    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None, name: str | None = None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+        c = self.config
+        unsupported = {"expert tensor parallel size > 1": self.tp_group.size() > 1,
+                       "add_bias_linear": c.add_bias_linear, "fp8 / fp4": bool(c.fp8 or c.fp4),
+                       "bias_activation_fusion": c.bias_activation_fusion,
+                       "use_te_activation_func": c.use_te_activation_func,
+                       "moe_latent_size": c.moe_latent_size is not None}
+        if any(unsupported.values()):
+            raise ValueError(f"GroupedExperts does not support {[k for k, v in unsupported.items() if v]}; "
+                             "use SequentialMLP (cpu_compat.Kernels.experts = 'sequential')")
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """fc1's output h [T, ffn (x2 gated)] through the activation, times probs [T], in h's dtype: the unfused path
+        of megatron/core/transformer/mlp.py MLP.forward (megatron-core 0.19.2)."""
+        c = self.config
+        if c.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+            if (val := c.activation_func_clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_linear = x_linear.clamp(min=-val, max=val)
+            a = c.activation_func(x_glu) * (x_linear + c.glu_linear_offset)
+        else:
+            a = c.activation_func(h)
+        return (a * probs.unsqueeze(-1)).to(a.dtype)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """permuted_local_hidden_states [T, hidden], the tokens sorted by local expert; tokens_per_expert int [E] (any
+        device); permuted_probs [T]. Returns (output [T, hidden] in the input's dtype, None), as SequentialMLP."""
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward
+            assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, ffn, hidden] (x2 ffn gated)
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, hidden, ffn]
+        h = grouped_mm(x.contiguous(), w1.transpose(1, 2), offs)
+        h = self._activation(h, probs)
+        return grouped_mm(h.contiguous(), w2.transpose(1, 2), offs), None
+
+
+# ======================================================================================================================
+# Core attention
 
 
 def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
@@ -293,6 +385,50 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_
     return out.permute(1, 0, 2).reshape(query.shape[0], h * d)
 
 
+# Devices whose THD attention ThdDotProductAttention(attention="varlen") sends to `varlen_attention` (torch's
+# FlashAttention: CUDA). The CPU tests add "cpu" with a stand-in varlen_attn.
+VARLEN_DEVICE_TYPES = frozenset({"cuda"})
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_names(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, causal: bool = True,
+                     scale: float | None = None) -> torch.Tensor:
+    """Attention of packed variable-length sequences in ONE call of torch's `torch.nn.attention.varlen.varlen_attn`
+    (FlashAttention-2: CUDA sm80+, bf16/fp16; cpu_compat.have_varlen_attn): the same masks as `varlen_sdpa`, causal
+    aligned bottom-right (query j of a sequence of n_q queries and n_kv keys sees keys 0 .. n_kv - n_q + j:
+    FlashAttention's convention, plain causal where n_q == n_kv) or none.
+
+    The arguments follow the installed signature: causal as window_size=(-1, 0) where it has `window_size` (torch >=
+    2.11), else is_causal=True; GQA by enable_gqa=True where it has `enable_gqa` (torch >= 2.12), else the K/V heads
+    repeated (torch 2.11's call refuses fewer K/V heads than query heads).
+
+    Args:
+        query: [T_q, heads, d]; key, value: [T_kv, groups, d] (heads a multiple of groups).
+        cu_seqlens_q, cu_seqlens_kv: int32 [S+1] cumulative lengths on the tensors' device; max_seqlen_q,
+            max_seqlen_kv: the longest sequence (int). scale: softmax scale (default 1/sqrt(d)).
+    Returns:
+        [T_q, heads * d] in query's dtype (also the `attention_fn` of `shared_prompt_varlen_attention`).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    names = _parameter_names(varlen_attn)
+    kw = {"scale": scale}
+    if causal:
+        kw.update({"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True})
+    h, g = query.shape[1], key.shape[1]
+    if h != g and "enable_gqa" in names:
+        kw["enable_gqa"] = True
+    elif h != g:
+        key, value = key.repeat_interleave(h // g, dim=1), value.repeat_interleave(h // g, dim=1)
+    out = varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **kw)
+    return out.reshape(query.shape[0], h * query.shape[2])
+
+
 def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                    segment_cu_seqlens_padded: torch.Tensor, attention_fn=None) -> torch.Tensor:
     """`shared_prompt_attention` as one variable-length attention call (`shared_prompt_varlen_layout`): the keys and
@@ -301,8 +437,9 @@ def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value
 
     The backend is the argument: on a GPU with Transformer Engine, omni_model's TE attention module passes a call of
     transformer_engine.pytorch.DotProductAttention.forward (qkv_format "thd", attn_mask_type
-    "padding_causal_bottom_right"); the default is `varlen_sdpa` (torch, any device), against which the tests check
-    the layout. The TE backend has not run on a GPU yet (tests/test_gpu.py holds its check).
+    "padding_causal_bottom_right"); the local spec's varlen backend passes `varlen_attention` (torch's varlen
+    FlashAttention); the default is `varlen_sdpa` (torch, any device), against which the tests check the layout.
+    tests/test_gpu.py checks both GPU backends against `shared_prompt_attention`.
 
     Args:
         query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs).
@@ -337,6 +474,11 @@ class ThdDotProductAttention(nn.Module):
     Shared-prompt layout (cpu_compat.SHARED_PROMPT_SEGMENTS set, THD): `shared_prompt_attention` over the segments
     (rejected tokens see the prompt, never the chosen response).
 
+    attention="varlen" (cpu_compat.Kernels.attention, on CUDA): a THD call in bf16/fp16 without context parallelism
+    or dropout runs every sequence of the row in ONE `varlen_attention` call (torch's varlen FlashAttention; the
+    shared-prompt layout through `shared_prompt_varlen_attention`, keys gathered per sequence); anything else (fp32,
+    CP, dropout, BSHD) stays on the SDPA path below, the reference (tests/test_gpu.py compares the two on CUDA).
+
     Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
     sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
     square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
@@ -348,8 +490,10 @@ class ThdDotProductAttention(nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, **unused):
+                 cp_comm_type: str | None = None, pg_collection=None, attention: str = "sdpa", **unused):
         super().__init__()
+        assert attention in ("sdpa", "varlen"), attention
+        self.attention = attention
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.config = config
@@ -361,6 +505,13 @@ class ThdDotProductAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _varlen(self, query: torch.Tensor, thd: bool) -> bool:
+        """True when this call runs `varlen_attention`: the varlen backend, THD, a non-empty bf16/fp16 CUDA query, no
+        context parallelism, no attention dropout in training (FlashAttention-2's domain; the rest stays SDPA)."""
+        return (self.attention == "varlen" and thd and query.device.type in VARLEN_DEVICE_TYPES and query.shape[0] > 0
+                and query.dtype in (torch.bfloat16, torch.float16) and self.config.context_parallel_size == 1
+                and not (self.training and self.dropout > 0))
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -375,11 +526,22 @@ class ThdDotProductAttention(nn.Module):
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+        varlen = self._varlen(query, thd)
         if segments is not None and thd:  # shared-prompt row (CP is refused at start: pack.validate_packing_config)
             if not causal or self.config.context_parallel_size > 1:
                 raise ValueError("the shared-prompt layout needs causal attention without context parallelism")
+            if varlen:
+                return shared_prompt_varlen_attention(query, key, value, segments,
+                                                      attention_fn=partial(varlen_attention, scale=self.scale))
             return shared_prompt_attention(query, key, value, segments, scale=self.scale,
                                            dropout_p=self.dropout if self.training else 0.0)
+        if varlen:  # one call over the row's sequences (those of _query_runs without CP: whole, in row order)
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            lens = [n for _, n, _, _, _ in _query_runs([int(c) for c in cu.tolist()], query.shape[0], 1, 0)]
+            cu_lens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=query.device)
+            return varlen_attention(query, key, value, cu_lens, cu_lens, max(lens), max(lens), causal=causal,
+                                    scale=self.scale)
         if thd:  # [t, h, d] -> [t, 1, h, d]
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         s_local, b = query.shape[0], query.shape[1]
@@ -444,15 +606,35 @@ class ThdDotProductAttention(nn.Module):
 # Layer specs
 
 
-def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int) -> ModuleSpec:
+def _core_attention_spec(attention: str):
+    """ThdDotProductAttention with `attention` ("sdpa" or "varlen", cpu_compat.Kernels.attention).
+    Raises ValueError for another name."""
+    if attention not in ("sdpa", "varlen"):
+        raise ValueError(f"attention {attention!r}: 'sdpa' or 'varlen'")
+    return ThdDotProductAttention if attention == "sdpa" else \
+        ModuleSpec(module=ThdDotProductAttention, params={"attention": attention})
+
+
+def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "sequential",
+                            attention: str = "sdpa") -> ModuleSpec:
     """HybridStack spec of megatron-core's non-TE modules plus this module's norm-linear and THD attention.
 
     Args: mamba_mixer: the MambaMixer class of every `M` layer (omni_model.OmniMambaMixer); mamba_params: its keyword
-        arguments (conv kernel, chunk size, dt settings); num_experts: routed experts of every `E` layer (>= 1).
+        arguments (conv kernel, chunk size, dt settings); num_experts: routed experts of every `E` layer (>= 1);
+        experts: "sequential" (megatron-core's SequentialMLP) or "grouped" (`GroupedExperts`); attention: "sdpa" or
+        "varlen" (ThdDotProductAttention's backend) - cpu_compat.Kernels' fields.
+    Raises ValueError for another experts or attention name.
     """
     norm_linear = LocalNormColumnParallelLinear
     moe = get_moe_module_spec(use_te=False, num_experts=num_experts,
                               moe_grouped_gemm=False)
+    if experts not in ("sequential", "grouped"):
+        raise ValueError(f"experts {experts!r}: 'sequential' or 'grouped'")
+    if experts == "grouped":  # the same submodules (parameter names), the grouped forward
+        seq = moe.keywords["submodules"].experts  # moe: partial(MoELayer, submodules=MoESubmodules(...))
+        assert seq.func is SequentialMLP, seq
+        moe.keywords["submodules"].experts = partial(GroupedExperts, *seq.args, **seq.keywords)
+    core_attention = _core_attention_spec(attention)
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
@@ -474,8 +656,7 @@ def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: 
                         module=SelfAttention,
                         params={"attn_mask_type": AttnMaskType.causal},
                         submodules=SelfAttentionSubmodules(
-                            linear_qkv=norm_linear, core_attention=ThdDotProductAttention,
-                            linear_proj=RowParallelLinear,
+                            linear_qkv=norm_linear, core_attention=core_attention, linear_proj=RowParallelLinear,
                         ),
                     ),
                     self_attn_bda=get_bias_dropout_add,
@@ -499,9 +680,9 @@ def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: 
 
 
 
-def local_vit_layer_spec() -> ModuleSpec:
+def local_vit_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     """Pre-LN ViT layer of non-TE modules (LayerNorm fused into qkv / fc1 like TE's ViT spec), non-causal THD
-    attention (each image attends only to itself)."""
+    attention (each image attends only to itself) with `attention` ("sdpa" or "varlen", cpu_compat.Kernels')."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -509,7 +690,7 @@ def local_vit_layer_spec() -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=LocalNormColumnParallelLinear, core_attention=ThdDotProductAttention,
+                    linear_qkv=LocalNormColumnParallelLinear, core_attention=_core_attention_spec(attention),
                     linear_proj=RowParallelLinear,
                 ),
             ),

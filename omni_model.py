@@ -24,7 +24,9 @@ What is built:
 - Two specs chosen at build time: the Transformer Engine spec (megatron's `hybrid_stack_spec`, TE ViT layer spec)
   when transformer_engine imports and CUDA is used, else local_spec.py's (megatron-core's non-TE modules plus
   `LocalNormColumnParallelLinear`, with TE's parameter names so a checkpoint does not depend on the spec, and
-  `ThdDotProductAttention`, torch SDPA per packed sequence). Both use `OmniMambaMixer` for the `M` layers.
+  `ThdDotProductAttention`, torch SDPA per packed sequence or torch's varlen FlashAttention, and the routed experts
+  as megatron-core's `SequentialMLP` or `GroupedExperts`, chosen by cpu_compat.select_kernels). Both use
+  `OmniMambaMixer` for the `M` layers.
 - Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
   and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
   cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
@@ -427,8 +429,10 @@ class OmniModel(nn.Module):
     image grid, or pixel rows that do not match the grids; a shared-prompt batch under CP.
     """
 
-    def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
+    def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool, kernels=None):
         super().__init__()
+        experts, attention = (kernels.experts, kernels.attention) if kernels is not None and not use_te else \
+            ("sequential", "sdpa")
         self.hf = hf
         self.use_te = use_te
         self.image_token_id = hf.image_token_id
@@ -443,8 +447,9 @@ class OmniModel(nn.Module):
         if use_te:
             spec = te_hybrid_stack_spec(hf, model_cfg)
         else:
-            experts = max(1, getattr(hf.text, "n_routed_experts", 1) or 1)
-            spec = local_hybrid_stack_spec(OmniMambaMixer, _mamba_params(hf, model_cfg), experts)
+            n_experts = max(1, getattr(hf.text, "n_routed_experts", 1) or 1)
+            spec = local_hybrid_stack_spec(OmniMambaMixer, _mamba_params(hf, model_cfg), n_experts, experts=experts,
+                                           attention=attention)
         self.language_model = HybridModel(
             config=self.lm_config,
             hybrid_stack_spec=spec,
@@ -462,7 +467,7 @@ class OmniModel(nn.Module):
             vit_spec = get_vit_layer_with_transformer_engine_spec()
             fc1, fc2 = TELayerNormColumnParallelLinear, TERowParallelLinear
         else:
-            vit_spec, fc1, fc2 = local_vit_layer_spec(), LocalNormColumnParallelLinear, RowParallelLinear
+            vit_spec, fc1, fc2 = local_vit_layer_spec(attention), LocalNormColumnParallelLinear, RowParallelLinear
         v = hf.vision
         self.vision_model = RADIOViTModel(
             transformer_config=self.vit_config,
@@ -650,12 +655,15 @@ def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:
     return cast
 
 
-def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None) -> OmniModel:
+def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None,
+                kernels: cpu_compat.Kernels | None = None) -> OmniModel:
     """Build the Omni model on this rank (megatron-core parallel_state must be initialised with the sizes in
     `parallel_cfg`). Weights are megatron-core's initialisation until `load_hf_weights`.
 
     Args: hf_dir: checkpoint directory (config.json). model_cfg: config.ModelConfig. parallel_cfg:
         config.ParallelConfig. use_te: force the TE (True) or local (False) spec; default: TE when it imports with CUDA.
+        kernels: the local spec's experts and attention (cpu_compat.Kernels); default
+        cpu_compat.select_kernels(te=use_te), the start-up line's choice.
     Raises: ValueError for unsupported checkpoint settings or sizes that do not divide (named in the message).
     """
     cpu_compat.apply()
@@ -677,7 +685,8 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
     if "E" in hf.pattern and parallel_cfg.expert_tensor_parallel_size != 1:
         raise ValueError(f"expert_tensor_parallel_size = {parallel_cfg.expert_tensor_parallel_size}: only 1 "
                          "(experts whole on their EP rank) is supported")
-    model = OmniModel(hf, model_cfg, parallel_cfg, use_te)
+    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, cpu_compat.select_kernels(te=use_te) if kernels is None
+                      else kernels)
     cast_params_to(model, _dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -422,8 +422,9 @@ def resolve_shared_prompt(cfg, kernels) -> str:
 
     "auto" is on exactly where the shared-prompt layout runs the code that is checked exact against separate rows: the
     local spec with mamba_torch (tests/test_shared_prompt_model.py, on the CPU: log-prob sums, the MPO loss and every
-    gradient to 1e-5, TP/DP included; on CUDA the same torch code, SDPA with the same masks, whose check is
-    tests/test_gpu.py item 7) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt
+    gradient to 1e-5, TP/DP included; on CUDA the same torch code, its attention SDPA with the same masks or, with
+    `attention varlen`, one varlen FlashAttention call over gathered keys, whose checks are tests/test_gpu.py items 7
+    and 8) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt
     attention, omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's
     kernels (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked
     only through Triton's CPU interpreter, the conv not at all) and with context parallelism (not supported). An

@@ -98,15 +98,20 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
 
 def test_kernel_selection_by_capability():
-    """The decision for every combination of (Transformer Engine imports, mamba-ssm + causal-conv1d import, CUDA)."""
+    """The decision for every combination of (Transformer Engine imports, mamba-ssm + causal-conv1d import, CUDA,
+    torch's grouped GEMM kernel, torch's varlen FlashAttention)."""
     from itertools import product
 
     sel = cpu_compat.select_kernels
-    for te, ms, cuda in product((True, False), repeat=3):
-        k = sel(te=te, mamba_ssm=ms, cuda=cuda)
-        assert k == cpu_compat.Kernels(spec="te" if te and cuda else "local",
+    for te, ms, cuda, gm, va in product((True, False), repeat=5):
+        k = sel(te=te, mamba_ssm=ms, cuda=cuda, grouped_mm=gm, varlen_attn=va)
+        local = not (te and cuda)
+        assert k == cpu_compat.Kernels(spec="local" if local else "te",
                                        mamba="mamba-ssm" if ms and cuda else "torch",
-                                       device="cuda" if cuda else "cpu"), (te, ms, cuda)
+                                       device="cuda" if cuda else "cpu",
+                                       attention=("varlen" if va and cuda else "sdpa") if local else "te",
+                                       experts=("grouped" if gm and cuda else "sequential") if local else "te"), \
+            (te, ms, cuda, gm, va)
         names = cpu_compat.shims_for(k)
         assert all(callable(getattr(cpu_compat, n)) for n in names)
         # CUDA-only workarounds only without CUDA; the TE final-norm swap whenever the local spec is used; the torch
@@ -115,15 +120,22 @@ def test_kernel_selection_by_capability():
         assert bool(set(cpu_compat.CPU_ONLY_SHIMS) & set(names)) == (not cuda)
         assert ("_patch_hybrid_final_norm" in names) == (k.spec == "local")
         assert ("install_torch_mamba" in names) == (k.mamba == "torch")
-    # the issue's H200 (no TE, no compiled mamba-ssm): local spec and torch Mamba on CUDA, no CPU shim
-    k = sel(te=False, mamba_ssm=False, cuda=True)
-    assert k.line() == "kernels: spec local; mamba torch; device cuda"
+    # the issue's H200 (no TE, no compiled mamba-ssm, torch 2.11): local spec, varlen attention, grouped experts and
+    # torch Mamba on CUDA, no CPU shim
+    k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True)
+    assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba torch; device cuda"
+    assert sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=True, varlen_attn=True).line() == \
+        "kernels: spec te; attention te; experts te; mamba mamba-ssm; device cuda"
     assert cpu_compat.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
                                        "_patch_hybrid_final_norm", "install_torch_mamba")
-    assert cpu_compat.shims_for(sel(te=True, mamba_ssm=True, cuda=True)) == ("_stub_paged_stash_without_triton",)
+    assert cpu_compat.shims_for(sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=False, varlen_attn=False)) == \
+        ("_stub_paged_stash_without_triton",)
+    assert not cpu_compat.have_grouped_mm() and not cpu_compat.have_varlen_attn()  # no CUDA here
     # this machine: probed, and every shim the CPU path always had is installed (CPU behaviour unchanged)
     here = sel()
-    assert here == cpu_compat.Kernels("local", "torch", "cpu") and not omni_model.have_transformer_engine()
+    assert here == cpu_compat.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
+    assert here.line() == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
+    assert not omni_model.have_transformer_engine()
     assert set(cpu_compat.shims_for(here)) == {
         "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
         "_install_cpu_rng_tracker", "_patch_causal_masks", "_patch_torch_norm_sequence_parallel",

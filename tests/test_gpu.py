@@ -20,6 +20,10 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
    `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
+8. The local spec's portable kernels (issue 33) against their references on CUDA, forward and backward:
+   local_spec.GroupedExperts (torch's grouped GEMM) against SequentialMLP (bf16, fp32; 128 experts, some empty), and
+   ThdDotProductAttention's varlen backend (one torch varlen_attn call) against its per-sequence SDPA (bf16, fp16;
+   causal, non-causal, GQA, the shared-prompt layout); point 5's tolerance.
 The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
 metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
 """
@@ -305,3 +309,95 @@ def test_shared_prompt_main_job_with_recompute_equals_separate_rows_at_step_1(ru
     assert shared[0]["tokens"] < straight[0]["tokens"]
     for k in ("loss", "preference_loss", "bco_loss", "sft_loss", "logprobs/chosen", "logprobs/rejected", "grad_norm"):
         assert shared[0][k] == pytest.approx(straight[0][k], rel=5e-3, abs=1e-4), k
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 8. The local spec's portable kernels on CUDA against their references (issue 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
+    """local_spec.GroupedExperts (torch's grouped GEMM: CUTLASS on sm90/sm100 in bf16, a loop of matmuls otherwise)
+    against megatron-core's SequentialMLP with the same weights: 128 experts of the Nano's ratio scaled down (hidden
+    256, ffn 192), 3000 tokens in groups that are not multiples of 8, some experts without tokens; output and the
+    gradients of the tokens, the probs and every expert weight (max difference relative to the largest value)."""
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    import local_spec
+
+    dev, E = torch.device("cuda", 0), 128
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, add_bias_linear=False,
+                            bias_activation_fusion=False, gradient_accumulation_fusion=False, num_moe_experts=E,
+                            moe_router_topk=6, ffn_hidden_size=192, moe_ffn_hidden_size=192, params_dtype=dtype,
+                            bf16=dtype == torch.bfloat16, activation_func=lambda x: F.relu(x).square())
+    sub, pgs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), \
+        ProcessGroupCollection.use_mpu_process_groups()
+    seq = SequentialMLP(E, cfg, sub, pg_collection=pgs).to(dev)
+    grp = local_spec.GroupedExperts(E, cfg, sub, pg_collection=pgs).to(dev)
+    grp.load_state_dict(seq.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 48, (E,), generator=gen)
+    counts[::9] = 0
+    T = int(counts.sum())
+    x, probs, w = (torch.randn(T, 256, generator=gen), torch.rand(T, generator=gen), torch.randn(T, 256, generator=gen))
+    results = []
+    for m in (grp, seq):
+        xs, ps = x.to(dev, dtype).requires_grad_(True), probs.to(dev).requires_grad_(True)
+        out, _ = m(xs, counts, ps)
+        (out.float() * w.to(dev)).sum().backward()
+        results.append({"out": out.detach(), "x": xs.grad, "probs": ps.grad,
+                        **{n: p.grad for n, p in m.named_parameters()}})
+    worst = {k: _rel(results[0][k], results[1][k]) for k in results[1] if results[1][k].abs().max() > 0}
+    assert len(worst) == 3 + 2 * int((counts > 0).sum()) and max(worst.values()) <= KERNEL_TOL[dtype], worst
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["causal", "no_mask", "shared_prompt"])
+def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
+    """ThdDotProductAttention(attention="varlen"): ONE torch varlen_attn call per row equals the per-sequence SDPA path
+    (attention="sdpa", the reference), GQA 8 heads / 2 groups, head dim 64: a packed row of 5 sequences (one empty,
+    trailing padding) causal and not, and the shared-prompt row of tests/test_shared_prompt_te (bottom-right causal
+    masks over gathered keys); output and q/k/v gradients (max difference relative to the largest value). The
+    backend is asserted chosen (and not for fp32)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from test_shared_prompt_te import SPANS, row_offsets
+
+    import cpu_compat
+    import local_spec
+
+    dev, heads, groups, d = torch.device("cuda", 0), 8, 2, 64
+    cfg = SimpleNamespace(num_attention_heads=heads, num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
+                          context_parallel_size=1)
+    pgs = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=None)
+    mask = AttnMaskType.no_mask if layout == "no_mask" else AttnMaskType.causal
+    modules = {k: local_spec.ThdDotProductAttention(cfg, 1, mask, pg_collection=pgs, attention=k)
+               for k in ("varlen", "sdpa")}
+    if layout == "shared_prompt":
+        seg, T = row_offsets([(p * 37, c * 29, r * 31, pad) for p, c, r, pad in SPANS], tail=40)
+        seg, cu = seg.to(dev), torch.tensor([0, T], dtype=torch.int32, device=dev)
+    else:
+        seg, cu = None, torch.tensor([0, 300, 300, 1100, 1400, 1513], dtype=torch.int32, device=dev)
+        T = 1540
+    psp = SimpleNamespace(qkv_format="thd", cu_seqlens_q_padded=cu, cu_seqlens_q=cu)
+    gen = torch.Generator().manual_seed(7)
+    leaves = [torch.randn(T, n, d, generator=gen) for n in (heads, groups, groups)]
+    weight = torch.randn(T, heads * d, generator=gen).to(dev)
+    assert modules["varlen"]._varlen(leaves[0].to(dev, dtype), True)
+    assert not modules["varlen"]._varlen(leaves[0].to(dev), True)
+    results = []
+    for module in modules.values():
+        q, k, v = (t.to(dev, dtype).requires_grad_(True) for t in leaves)
+        token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(seg)
+        try:
+            out = module(q, k, v, packed_seq_params=psp)
+        finally:
+            cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+        (out.float() * weight).sum().backward()
+        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+    assert max(worst.values()) <= KERNEL_TOL[torch.bfloat16], worst
