@@ -236,3 +236,21 @@ def test_mamba_ssm_triton_from_source_is_off_without_the_variable_and_one_error_
     monkeypatch.setenv("OMNI_MAMBA_SSM_SRC", str(tmp_path))
     with pytest.raises(ImportError, match=f"OMNI_MAMBA_SSM_SRC={tmp_path} does not hold mamba-ssm's sources"):
         bench.mamba_ssm_triton_from_source()
+
+
+def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd):
+    """Issue 36, point 3: save_pretrained's "Writing model shards" bars landed in bench.py's table output."""
+    import shutil
+
+    from transformers.utils import logging as hf_logging
+
+    import bench
+
+    monkeypatch.setattr(bench, "_STATE", {})
+    assert hf_logging.is_progress_bar_enabled()
+    try:
+        bench.small_checkpoint("policy", seed=1)
+    finally:
+        shutil.rmtree(bench._STATE["tmp"], ignore_errors=True)
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # switched off only inside the block
