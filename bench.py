@@ -191,6 +191,21 @@ def _make_tiny_module():
     return mod
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' progress bars ("Writing model shards", "Loading weights") off inside the block: bench.py's output
+    is its table."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def small_checkpoint(name: str, seed: int) -> Path:
     """A hub-layout checkpoint folder of the small bench config (random weights from transformers' init, `seed`),
     with the tiny asset's tokenizer, chat template and processor. Written once per process into a temporary folder."""
@@ -208,7 +223,8 @@ def small_checkpoint(name: str, seed: int) -> Path:
     cfg["projector_hidden_size"] = SMALL_PROJECTOR_HIDDEN
     from safetensors.torch import save_file
 
-    sd = _make_tiny_module().build_weights(cfg, seed)
+    with no_progress_bars():  # build_weights writes the model with save_pretrained
+        sd = _make_tiny_module().build_weights(cfg, seed)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
              "weight_map": {k: "model.safetensors" for k in sd}}
@@ -537,8 +553,9 @@ def bench_train(quick: bool) -> dict:
         return m
 
     # -- baseline: transformers, conventional padded per-pair step ---------------------------------------------------
-    hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).to(ctx.device).train()
-    hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).to(ctx.device).eval()
+    with no_progress_bars():
+        hf_pol = NemotronH_Omni_Reasoning_V3.from_pretrained(pol_dir, dtype=torch.float32).to(ctx.device).train()
+        hf_ref = NemotronH_Omni_Reasoning_V3.from_pretrained(ref_dir, dtype=torch.float32).to(ctx.device).eval()
     hf_ref.requires_grad_(False)
     params = [p for p in hf_pol.parameters() if p.requires_grad]
     hf_opt = _torch_adam(params, o)

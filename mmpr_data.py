@@ -53,8 +53,14 @@ and what is done here:
   the N-th image's placeholder, N = 1..n each once; other counts are `placeholder_mismatch`. A question with images
   but no placeholder is kept with its images, which the chat template puts before the question text (`<image>\\n` for
   one image, `<image 1><image> <image 2><image> ...\\n` for several).
+- Text-only rows: a row without `image`, or with `"image": ""` or `[]`, is a pure-text pair (InternVL's rule: an image
+  row is `'image' in row and len(row['image']) != 0`).
 - `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
   subset is dropped as `no_image_root`, naming the subset.
+- Image paths stay inside the root: a relative path is joined to the subset's root (InternVL's `os.path.join`), and
+  one whose `..` parts climb above the root (`../../etc/passwd`) is dropped as `image_outside_root`; the check is on
+  the path as written, so symbolic links inside the root may point anywhere (a root that links its image folders to
+  another file system). An absolute path is used as written (as `os.path.join` does).
 - An image the model's image processor cannot size (transformers divides by zero for one whose patch grid is more
   than the per-image patch budget times longer on one side than the other, e.g. 5000 x 1 px with the tiny asset's
   256 patches) is dropped as `image_unprocessable` (`image_grids`), at index time; a training step re-checks it.
@@ -73,12 +79,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import difflib
+import errno
 import hashlib
 import json
 import math
 import os
 import random
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -105,8 +113,9 @@ DROP_REASONS = (
     # the image checks) render to the same text, e.g. an empty <think></think> on one side only: no preference signal
     "identical_responses",
     "no_image_root",  # relative image paths in a subset whose meta entry has no root (null or missing)
+    "image_outside_root",  # a relative image path whose `..` parts leave the subset's root
     "image_missing",  # an image file does not exist
-    "image_unreadable",  # PIL cannot open or decode it
+    "image_unreadable",  # it cannot be opened (a symbolic link loop, no permission) or PIL cannot decode it
     "image_truncated",  # the file ends before the image data does
     "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
     "template_rewrites_text",  # the chat template would change the question, system or response text
@@ -345,11 +354,16 @@ def load_image(path: str | Path):
 
     path = Path(path)
     try:
-        is_file = path.is_file()
-    except OSError as e:  # a name longer than the file system allows, a folder on the way this user cannot search
-        raise _Drop("image_unreadable", f"{path}: {e.strerror or e}") from None
-    if not is_file:
-        raise _Drop("image_missing", f"{path} is a directory" if path.is_dir() else f"{path} does not exist")
+        mode = path.stat().st_mode  # follows symbolic links
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL or a lone surrogate in the name
+        raise _Drop("image_missing", f"{path} does not exist") from None
+    except OSError as e:  # a symbolic link loop, a name longer than the file system allows, no permission
+        what = "a symbolic link loop" if e.errno == errno.ELOOP else e.strerror or e
+        raise _Drop("image_unreadable", f"{path}: {what}") from None
+    if stat.S_ISDIR(mode):
+        raise _Drop("image_missing", f"{path} is a directory")
+    if not stat.S_ISREG(mode):  # a FIFO would block the reader
+        raise _Drop("image_unreadable", f"{path} is not a regular file")
     try:
         with Image.open(path) as im:
             im.load()
@@ -499,7 +513,8 @@ class TextRenderer:
         reasoning or in inner whitespace, is kept): such a pair is the same row twice and has no preference signal.
 
         `<image_N>` placeholders become `<image>` with the N-th image at that place; relative image paths are joined
-        to `root` (None: the subset `subset` has no root, so such a row is dropped). Raises _Drop (DROP_REASONS).
+        to `root` and must stay inside it (None: the subset `subset` has no root, so such a row is dropped). Raises
+        _Drop (DROP_REASONS).
         """
         if not isinstance(row, dict):
             raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
@@ -515,7 +530,8 @@ class TextRenderer:
                 raise _Drop("invalid_json", f"{name!r} holds the lone surrogate escape {ascii(m.group())} at "
                                             f"character {m.start()}: not Unicode text (decoded with surrogateescape?)")
         image = row.get("image")
-        images = [] if image is None else [image] if isinstance(image, str) else image
+        # InternVL: an image row is `'image' in row and len(row['image']) != 0`; "" and [] are text-only rows
+        images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
             raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
         if row.get("video") is not None:
@@ -549,6 +565,9 @@ class TextRenderer:
         if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
             raise _Drop("no_image_root", f"subset {subset!r} has no root in the meta-recipe, so the relative image "
                                          f"path {rel[0]!r} cannot be resolved")
+        for p in images:
+            if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
+                raise _Drop("image_outside_root", f"the image path {p!r} leaves the subset's root {str(root)!r}")
         return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images]
 
     def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:

@@ -63,7 +63,7 @@ from mmpr_data import (
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 4  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 5  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's index build (build_index). The default process group's timeout (NCCL's
 # 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);

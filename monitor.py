@@ -452,7 +452,7 @@ def format_line(step: int, cfg, m: dict) -> str:
     mx = cfg.mpo.max_num_steps
     speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
     if m.get("mfu") is not None:
-        speed += f" mfu {100 * m['mfu']:.1f}%"
+        speed += f" mfu {100 * m['mfu']:.3g}%"  # significant digits: a tiny model's MFU is far below 0.1%
     return (
         f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
         f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "

@@ -2,7 +2,7 @@
 # Split one long run into Slurm jobs that each end at a step boundary, chained with afterok dependencies.
 #
 #   CHAIN_SEGMENTS=3 CHAIN_STEP_TARGETS=2000,4500,7000 MPO_DATA_PATH=/lustre/MMPR/meta.json \
-#       MPO_HF_PATH=/lustre/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 slurm/chain.sh [section.key=value ...]
+#       MPO_MODEL_NAME=/lustre/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 slurm/chain.sh [section.key=value ...]
 #   DRY_RUN=1 ...  slurm/chain.sh      # print every segment's sbatch/srun/torchrun lines; submit nothing
 #
 # Every segment gets the same MPO_MAX_NUM_STEPS (the LR schedule horizon never changes), the same RESULTS_DIR

@@ -433,3 +433,21 @@ def test_fla_is_left_out_where_it_refuses_triton(monkeypatch, capability, triton
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert (bench.fla_refusal(torch.device("cuda", 0)) is not None) is refused
+
+
+def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd):
+    """Issue 36, point 3: save_pretrained's "Writing model shards" bars landed in bench.py's table output."""
+    import shutil
+
+    from transformers.utils import logging as hf_logging
+
+    import bench
+
+    monkeypatch.setattr(bench, "_STATE", {})
+    assert hf_logging.is_progress_bar_enabled()
+    try:
+        bench.small_checkpoint("policy", seed=1)
+    finally:
+        shutil.rmtree(bench._STATE["tmp"], ignore_errors=True)
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # switched off only inside the block

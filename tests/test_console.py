@@ -189,3 +189,14 @@ def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == [
         "kernels:", "world", "data:", "config:", "step", "step", "saved", "stopped"], proc.stdout  # fmt: skip
     assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: shared prompt (auto)\n" in proc.stdout
+
+
+@pytest.mark.parametrize("value, shown", [(0.3851, " mfu 38.5% "), (2.3e-6, " mfu 0.00023% "), (None, None)])
+def test_console_line_shows_mfu_in_significant_digits(value, shown):
+    """Issue 36, point 3: a GPU run of the tiny model printed `mfu 0.0%`."""
+    cfg = config_mod.load_config(None, [])
+    m = {"loss": 0.7, "preference_loss": 0.69, "bco_loss": 0.69, "sft_loss": 1.2, "accuracy": 0.5,
+         "rewards/margin": 0.01, "reward_shift": 0.0, "lr": 1e-6, "grad_norm": 1.0, "pairs_per_s": 2.0,
+         "tokens_per_s": 900.0, "mfu": value, "step_time": 4.0, "eta_s": 60.0}  # fmt: skip
+    line = monitor.format_line(1, cfg, m)
+    assert shown in line if shown else " mfu " not in line

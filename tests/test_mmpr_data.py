@@ -486,6 +486,19 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
     assert batch.pixel_values.shape[0] == sum(int(ds[i].image_grid_hw.prod(-1).sum()) for i in range(4))
 
 
+def test_an_empty_image_field_is_a_text_only_row(tmp_path, processor):
+    """Issue 36, point 2: InternVL reads `"image": ""` (or []) as a pure-text row; it was dropped as missing_field."""
+    text = {"question": "What is 9 - 4?", "chosen": "5", "rejected": "3"}
+    meta = write_set(tmp_path, [text, {"image": "", **text}, {"image": [], **text}])
+    with md.data_warnings([]):
+        index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert len(index) == 3 and mi.summary_drops(index) == {} and index.num_images.tolist() == [0, 0, 0]
+    assert index.stats["sub"]["repeats"] == 2  # the same pair as the row without an image key
+    ds = md.PairDataset(index, processor)
+    for i in (1, 2):
+        assert ds[i].pixel_values.shape == (0, 768) and torch.equal(ds[i].chosen_ids, ds[0].chosen_ids)
+
+
 def _png_bytes(img, fmt="PNG") -> bytes:
     b = io.BytesIO()
     img.save(b, fmt)
@@ -524,6 +537,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
         row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
         row(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
+        row(25, image="../images/a.png"),  # image_outside_root: `..` climbs above the root
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2], "thin.png": rgb(5000, 1)})
@@ -538,14 +552,14 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
                              "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
-                             "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
+                             "image_outside_root": 1, "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
                              "image_unprocessable": 1, "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
         "relative image path 'a.png' cannot be resolved"]
     assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
-    assert st["rows_read"] == 27 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 28 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -790,6 +804,34 @@ def test_subset_without_root(tmp_path, processor):
         assert f"subset '{name}' has no root" in index.stats[name]["drop_examples"]["no_image_root"][0]
     ds = md.PairDataset(index, processor)
     assert ds[0].pixel_values.shape == (0, 768) and ds[1].image_grid_hw.shape == (1, 2)
+
+
+def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor):
+    """Issue 36, point 8: `../../etc/passwd` was opened outside the subset's root (dropped only as unreadable)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    rgb().save(outside / "b.png")
+    rows = [
+        row(0, image="../../../../../../../../etc/passwd"),  # image_outside_root
+        row(1, image="sub/../a.png"),  # kept: `..` inside the root
+        row(2, image="link.png"),  # kept: a symbolic link in the root may point elsewhere
+        row(3, image=str(outside / "b.png")),  # kept: an absolute path is used as written
+        row(4, image="../images/a.png"),  # image_outside_root: the check reads the path as written
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    (meta.parent / "images" / "link.png").symlink_to(outside / "b.png")
+    (meta.parent / "images" / "sub").mkdir()
+    index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
+    assert index.stats["sub"]["dropped"] == {"image_outside_root": 2} and index.line.tolist() == [2, 3, 4]
+    assert "'../../../../../../../../etc/passwd'" in index.stats["sub"]["drop_examples"]["image_outside_root"][0]
+
+
+def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
+    """Issue 36, point 8: a symbolic link loop was reported as "does not exist"."""
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
+    with pytest.raises(md._Drop) as e:
+        md.load_image(tmp_path / "loop.png")
+    assert e.value.reason == "image_unreadable" and "symbolic link loop" in e.value.detail
 
 
 def test_video_rows_are_dropped_as_video(tmp_path, processor):

@@ -234,7 +234,6 @@ def test_submit_mode_calls_sbatch_and_prints_job_id(tmp_path):
         ({"WANDB_RUN_ID": "a b"}, "WANDB_RUN_ID='a b' may only hold"),
         ({"WANDB_MODE": "on"}, "WANDB_MODE='on'"),
         ({"MPO_DATA_PATH": ""}, "MPO_DATA_PATH is required"),
-        ({"MPO_MODEL_NAME": "/ckpt/x"}, "MPO_MODEL_NAME is now MPO_HF_PATH (it sets model.hf_path)"),
         ({"WANDB_MODE": "online"}, "neither WANDB_API_KEY nor ~/.netrc"),
     ],
 )
@@ -242,6 +241,42 @@ def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
     r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", **env}, [], tmp_path)
     assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr)
     assert not (tmp_path / "sbatch.log").exists()
+
+
+def test_the_reference_launchers_variables_drive_a_chain(tmp_path):
+    """Issue 36, point 1: the reference guide's MPO_MODEL_NAME was refused (exit 2); it is the model.hf_path knob."""
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password key\n")  # W&B online, as the user's
+    env = {"CONTAINER": "img", "SBATCH_ACCOUNT": "acct", "MPO_MODEL_NAME": "/m", "MPO_DATA_PATH": "/d/meta.json",
+           "DRY_RUN": "1", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "50,100", "MPO_MAX_NUM_STEPS": "100",
+           "MPO_HF_PATH": ""}  # fmt: skip
+    r = _run(CHAIN, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    torchruns = [_lines(block, "torchrun")[0] for block in _segment_blocks(r.stdout)]
+    assert [[a for a in _overrides(t) if a.startswith("model.")] for t in torchruns] == [["model.hf_path=/m"]] * 2
+
+
+@pytest.mark.parametrize("mode", ["submit", "job"])
+@pytest.mark.parametrize("names", [("MPO_MODEL_NAME",), ("MPO_HF_PATH",), ("MPO_MODEL_NAME", "MPO_HF_PATH")])
+def test_model_name_and_hf_path_are_one_knob(tmp_path, mode, names):
+    """MPO_MODEL_NAME (the reference's name) and MPO_HF_PATH set model.hf_path alike; both with one value is fine."""
+    env = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "DRY_RUN": "1", "MPO_MODEL_NAME": "", "MPO_HF_PATH": "",
+           **dict.fromkeys(names, TINY)}  # fmt: skip
+    if mode == "job":
+        env.update(JOB_ENV, SLURM_NNODES="1")
+    r = _run(SBATCH, env, [], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [torchrun] = _lines(r.stdout, "torchrun")
+    assert [a for a in _overrides(torchrun) if a.startswith("model.")] == [f"model.hf_path={TINY}"]
+
+
+@pytest.mark.parametrize("script", [SBATCH, CHAIN], ids=lambda p: p.name)
+def test_model_name_and_hf_path_with_different_values_is_an_error(tmp_path, script):
+    env = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "MPO_MODEL_NAME": "/m", "MPO_HF_PATH": TINY,
+           "CHAIN_STEP_TARGETS": "10,20"}  # fmt: skip
+    r = _run(script, env, [], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("train.sbatch: error: ") and "MPO_MODEL_NAME" in r.stderr and "MPO_HF_PATH" in r.stderr
+    assert not (tmp_path / "sbatch.log").exists() and not (tmp_path / "results").exists()
 
 
 @pytest.mark.parametrize("mode", ["submit", "job"])
@@ -286,7 +321,7 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
     hub = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"  # configs/nano.toml's model.hf_path
     cases = [
         ({"MPO_HF_PATH": ""}, [], f"train.sbatch: error: model.hf_path='{hub}' (from configs/nano.toml: set "
-         f"MPO_HF_PATH to the local checkpoint directory) has no config.json at {ROOT}/{hub}: it must be a local HF "
+         f"MPO_MODEL_NAME to the local checkpoint directory) has no config.json at {ROOT}/{hub}: it must be a local HF "
          f"checkpoint directory (relative paths are relative to REPO_DIR={ROOT})"),
         ({"MPO_HF_PATH": "", "DRY_RUN": "1"}, [], f"model.hf_path='{hub}' (from configs/nano.toml"),
         ({"MPO_HF_PATH": str(tmp_path)}, [], f"train.sbatch: error: model.hf_path='{tmp_path}' has no config.json at "
@@ -325,7 +360,7 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
         f"train.sbatch: note: no config.py in REPO_DIR={tmp_path}; CONFIG and the overrides are checked when the job "
         "starts\n")
     r = _run(CHAIN, {**base, "MPO_HF_PATH": "", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"}, [], tmp_path)
-    assert r.returncode == 2 and "(from configs/nano.toml: set MPO_HF_PATH" in r.stderr, r.stderr
+    assert r.returncode == 2 and "(from configs/nano.toml: set MPO_MODEL_NAME" in r.stderr, r.stderr
     assert not (tmp_path / "results").exists()
 
 
