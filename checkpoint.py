@@ -14,7 +14,8 @@ Layout of a run directory (`checkpoint.dir`):
                                       against the config by `check_schedule` before a resume loads any state),
                                       reward_shift and reward_shift_num_updates (the optimizer steps that moved it: a
                                       diagnostic, not read back by training), W&B run id, world size and parallel
-                                      layout, the resolved config
+                                      layout, the resolved config; "checksums": the hash of every other file of the
+                                      step (xxh3_64, or crc32 without xxhash), verified by `check_complete`
         rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
     <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
                                       crash mid-save never leaves a directory that looks complete (it is ignored, and
@@ -53,6 +54,7 @@ Command line (export the trained policy as a Hugging Face checkpoint that transf
 
 OUT_DIR must be new, empty, or an earlier export (it holds EXPORT_INFO_FILE, which every export writes: the source
 checkpoint, its step, the base model.hf_path and the date); anything else is refused before any file is written.
+The export is written to `<OUT_DIR>.tmp` and renamed to OUT_DIR when complete: a failed one leaves OUT_DIR as it was.
 
 Tests: `pytest tests/test_checkpoint.py`.
 """
@@ -72,12 +74,18 @@ import shutil
 import socket
 import sys
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+try:  # a dependency of wandb (requirements.txt); zlib's crc32 where it is absent
+    import xxhash
+except ImportError:
+    xxhash = None
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 RUN_STATE_FILE = "run_state.json"
@@ -90,6 +98,10 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 # Written into every export's OUT_DIR (provenance: source checkpoint, step, base model.hf_path, date, complete): marks
 # the directory as an export that a later export may overwrite (`check_export_dir`); transformers ignores it.
 EXPORT_INFO_FILE = "omni_mpo_export.json"
+# The hash of the per-file checksums in run_state.json ("checksums": {"algorithm", "files": {relative path: hex}}).
+CHECKSUM_ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
+SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # model_optim/__<rank>_<i>.distcp: the shard files rank <rank> wrote
+FULL_BYTES = 1 << 20  # free space below which a file system counts as full (a failed write is then ENOSPC)
 
 
 class CheckpointError(RuntimeError):
@@ -105,11 +117,11 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step}"
 
 
-def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+def list_checkpoints(ckpt_dir: str | Path, report: bool = True) -> list[tuple[int, Path]]:
     """Complete checkpoints in `ckpt_dir` as (step, path), ascending by step.
 
     Complete means a `step_<N>` directory (never `step_<N>.tmp`, a save that did not finish) holding run_state.json.
-    A `step_<N>` without it (copied by hand, or damaged) is not complete and is reported on stderr, not used.
+    A `step_<N>` without it (copied by hand, or damaged) is not complete and is reported on stderr (`report`), not used.
     """
     root = Path(ckpt_dir)
     if not root.is_dir():
@@ -122,8 +134,25 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
         if (p / RUN_STATE_FILE).is_file() and (p / MODEL_OPTIM_DIR).is_dir():
             found.append((int(m.group(1)), p))
         else:
-            print(f"checkpoint: ignoring {p}: no {RUN_STATE_FILE} or {MODEL_OPTIM_DIR}/ (incomplete)", file=sys.stderr)
+            if report:
+                print(f"checkpoint: ignoring {p}: no {RUN_STATE_FILE} or {MODEL_OPTIM_DIR}/ (incomplete)",
+                      file=sys.stderr)  # fmt: skip
     return sorted(found)
+
+
+def previous_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint before `path` (a step_<N>) in its run directory: the highest step below N, or None."""
+    m = STEP_RE.match(Path(path).name)
+    older = [p for n, p in list_checkpoints(Path(path).parent, report=False) if m and n < int(m.group(1))]
+    return older[-1] if older else None
+
+
+def move_away(path: str | Path) -> str:
+    """The way out of a damaged checkpoint `path`: `move PATH away (e.g. to PATH.damaged) to resume from the previous
+    checkpoint`, naming that checkpoint when the run directory holds one."""
+    prev = previous_checkpoint(path)
+    return (f"move {path} away (e.g. to {path}.damaged) to resume from the previous checkpoint"
+            + (f", {prev}" if prev else ""))  # fmt: skip
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
@@ -441,37 +470,103 @@ def _innermost(e: BaseException) -> BaseException:
     return e
 
 
-def _describe(e: BaseException) -> str:
-    """`Type: message` of the innermost cause of `e`."""
-    e = _innermost(e)
+def _free_bytes(directory: str | Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def free_space(directory: str | Path) -> str:
+    """`N bytes free on DIRECTORY`, with `: the file system is full` below FULL_BYTES (or why it is unknown)."""
+    n = _free_bytes(directory)
+    if n is None:
+        return f"free space on {directory} unknown"
+    return f"{n} bytes free on {directory}" + (": the file system is full" if n < FULL_BYTES else "")
+
+
+def write_failure(e: BaseException, directory: str | Path) -> OSError | None:
+    """The OSError behind `e` when `e` is a failed write into `directory` (full disk, quota, I/O error), else None.
+
+    The innermost cause when it is an OSError; safetensors' SafetensorError carries the OS error number in its text
+    ("(os error 28)"); torch's zip writer (torch.save) raises RuntimeError "[enforce fail at inline_container.cc:...]
+    ... unexpected pos" without one: ENOSPC when `directory` has less than FULL_BYTES free, else an OSError quoting it.
+    """
+    inner = _innermost(e)
+    if isinstance(inner, OSError):
+        return inner
+    text = str(inner)
+    if type(inner).__name__ == "SafetensorError" and (m := re.search(r"\(os error (\d+)\)", text)):
+        return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    if isinstance(inner, RuntimeError) and "inline_container.cc" in text:
+        n = _free_bytes(directory)
+        if n is not None and n < FULL_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return OSError(f"torch's file writer failed ({text.splitlines()[0][:200]})")
+    return None
+
+
+def _describe(e: BaseException, directory: str | Path) -> str:
+    """`Type: message` of the write failure behind `e` (`write_failure`), else of its innermost cause."""
+    e = write_failure(e, directory) or _innermost(e)
     return f"{type(e).__name__}: {e}"
 
 
-def _report_unexpected(e: BaseException, step: int) -> None:
-    """Print the traceback of a save error on this rank's stderr unless its innermost cause is an OSError (a failed
-    write: full disk, quota, permissions, which the one-line CheckpointError says in full). Anything else is a bug in
-    the state being saved, and the CheckpointError keeps only its last line."""
-    if not isinstance(_innermost(e), OSError):
+def _report_unexpected(e: BaseException, step: int, directory: str | Path) -> None:
+    """Print the traceback of a save error on this rank's stderr unless it is a failed write (`write_failure`: full
+    disk, quota, permissions, which the one-line CheckpointError says in full). Anything else is a bug in the state
+    being saved, and the CheckpointError keeps only its last line."""
+    if write_failure(e, directory) is None:
         print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
         traceback.print_exception(e, file=sys.stderr)
 
 
-def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path) -> None:
+def file_checksum(path: str | Path, algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    """Hex digest of the file at `path`: "xxh3_64" (xxhash) or "crc32" (zlib), read in 16 MiB blocks."""
+    h = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(min(os.fstat(f.fileno()).st_size + 1, 1 << 24))  # small files: no 16 MiB to zero
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            if h is not None:
+                h.update(view[:n])
+            else:
+                crc = zlib.crc32(view[:n], crc)
+    return h.hexdigest() if h is not None else f"{crc:08x}"
+
+
+def _own_files(tmp: Path) -> list[str]:
+    """The files of the save in progress `tmp` that this rank wrote, relative to it: its shard files
+    (model_optim/__<rank>_<i>.distcp) and RNG file; on rank 0 also megatron's other model_optim/ files (.metadata,
+    metadata.json, common.pt)."""
+    r = _rank()
+    names = [f"{RNG_DIR}/rank_{r:05d}.pt"]
+    for p in sorted((tmp / MODEL_OPTIM_DIR).iterdir()):
+        m = SHARD_RE.match(p.name)
+        if p.is_file() and (int(m.group(1)) == r if m else r == 0):
+            names.append(f"{MODEL_OPTIM_DIR}/{p.name}")
+    return names
+
+
+def _raise_if_failed(
+    error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path, sums: dict[str, str] | None = None
+) -> dict[str, str]:
     """Collective: the save goes on when no rank failed; otherwise rank 0 removes `tmp` and every rank raises the
     same CheckpointError (the first failing rank's error, the free space of the file system before `tmp` was
-    removed: ~0 on a full disk, whose OSError torch's zip writer can turn into "unexpected pos ...")."""
-    errors = [None if error is None else _describe(error)]
+    removed: ~0 on a full disk, whose OSError torch's zip writer can turn into "unexpected pos ...").
+
+    Returns: every rank's file checksums `sums` merged ({relative path: hex digest}).
+    """
+    mine = (None if error is None else _describe(error, ckpt_dir), sums or {})
+    gathered = [mine]
     if _world() > 1:
-        errors = [None] * _world()
-        dist.all_gather_object(errors, None if error is None else _describe(error))
-    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+        gathered = [None] * _world()
+        dist.all_gather_object(gathered, mine)
+    failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
     if not failed:
-        return
-    try:  # before the .tmp goes: the space the failed save saw
-        n = shutil.disk_usage(ckpt_dir).free
-        free = f"{n} bytes free on {ckpt_dir}" + (": the file system is full" if n < 2**20 else "")
-    except OSError as e:
-        free = f"free space on {ckpt_dir} unknown: {e.strerror}"
+        return {k: v for _, rank_sums in gathered for k, v in rank_sums.items()}
+    free = free_space(ckpt_dir)  # before the .tmp goes: the space the failed save saw
     _barrier()
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -495,22 +590,25 @@ def save(
 ) -> Path:
     """Write the checkpoint of optimizer step `step` to `<ckpt_dir>/step_<step>` (collective: call on every rank).
 
+    Every rank hashes the files it wrote (`file_checksum`, right after writing them); rank 0 writes run_state.json
+    last, with every file's checksum under "checksums" (`verify_checksums` checks them before a resume loads).
+
     Args:
         model: the policy (megatron-core module, DDP-wrapped or not); saved with its `sharded_state_dict`.
         optimizer: the megatron-core optimizer (distributed or not, possibly chained).
         scheduler: megatron-core `OptimizerParamScheduler` (its state goes to run_state.json), or None.
         run_state: JSON-serialisable run state from rank 0 (consumed pairs, sampler state, reward_shift and its update
-            count, W&B run id, resolved config, ...); `step`, `world_size` and `scheduler` are added here.
+            count, W&B run id, resolved config, ...); `step`, `world_size`, `scheduler` and `checksums` are added here.
         keep_last: keep this many complete checkpoints after the save (0 = keep all).
 
     Returns: the path of the complete checkpoint.
 
     Raises:
         CheckpointError: run_state is not JSON-serialisable (checked before anything is written); a write failed on
-            any rank (disk full, quota, I/O error): one line on every rank naming the step, the path, the first
-            failing rank's error and the free space there; the `step_<N>.tmp` is removed first, the complete
-            checkpoints are untouched. A failure of megatron-core's own shard write reaches every rank through its
-            collective finalisation, so no rank is left waiting.
+            any rank (disk full, quota, I/O error; torch's zip-writer RuntimeError included: `write_failure`): one line
+            on every rank naming the step, the path, the first failing rank's error and the free space there; the
+            `step_<N>.tmp` is removed first, the complete checkpoints are untouched. A failure of megatron-core's own
+            shard write reaches every rank through its collective finalisation, so no rank is left waiting.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -520,7 +618,7 @@ def save(
     if scheduler is not None:
         state["scheduler"] = schedule_state(scheduler)
     try:
-        state_text = json.dumps(state, indent=1)
+        json.dumps(state)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"run state of step {step} is not JSON-serialisable: {e}") from None
 
@@ -537,21 +635,36 @@ def save(
 
     _use_in_process_write_queue()
     _WRITE_ERRORS.clear()
+    sums: dict[str, str] = {}
     try:
         dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
-        if _rank() == 0:
-            with open(tmp / RUN_STATE_FILE, "w") as f:
-                f.write(state_text)
-                f.flush()
-                os.fsync(f.fileno())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
         error = _WRITE_ERRORS[0] if _WRITE_ERRORS else e  # the shard writer's own error (megatron logs it only)
     if error is None and _WRITE_ERRORS:  # the .metadata write failed (rank 0; megatron's save returned)
         error = _WRITE_ERRORS[0]
+    if error is None:
+        try:  # right after the writes: the files are still in the page cache
+            sums = {name: file_checksum(tmp / name) for name in _own_files(tmp)}
+        except OSError as e:
+            error = e
     if error is not None:
-        _report_unexpected(error, step)
-    _raise_if_failed(error, step, ckpt_dir, tmp)  # every rank's shards and RNG file are on disk
+        _report_unexpected(error, step, ckpt_dir)
+    sums = _raise_if_failed(error, step, ckpt_dir, tmp, sums)  # every rank's shards and RNG file are on disk
+    if _rank() == 0:
+        try:
+            for p in sorted(tmp.rglob("*")):  # a file no rank claimed (another megatron-core naming): hashed here
+                name = p.relative_to(tmp).as_posix()
+                if p.is_file() and name not in sums:
+                    sums[name] = file_checksum(p)
+            state["checksums"] = {"algorithm": CHECKSUM_ALGORITHM, "files": dict(sorted(sums.items()))}
+            with open(tmp / RUN_STATE_FILE, "w") as f:
+                f.write(json.dumps(state, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            error = e
+    _raise_if_failed(error, step, ckpt_dir, tmp)
 
     if _rank() == 0:
         if final.exists():  # the same step saved again (e.g. a signal right after a periodic save): replace it
@@ -895,8 +1008,7 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
     def unreadable(name: str, e: Exception) -> CheckpointError:
         return CheckpointError(
             f"checkpoint {path.name} ({path}) is damaged: {MODEL_OPTIM_DIR}/{name} cannot be read "
-            f"({type(e).__name__}: {e}); move {path} away (e.g. to {path}.damaged) to resume from the previous "
-            "checkpoint"
+            f"({type(e).__name__}: {e}); {move_away(path)}"
         )
 
     missing = []
@@ -926,13 +1038,45 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
     return missing
 
 
+def _checksum_mismatches(path: Path, world_size: int | None) -> tuple[list[str], str | None]:
+    """Collective: the files of checkpoint `path` whose content differs from the checksum run_state.json lists for it
+    (relative paths, sorted), and a notice when there is nothing to verify. Each rank hashes every world-th file of
+    the ones a load reads (model_optim/*, with `world_size` also rng/*), so a resume reads each file once more,
+    spread over the ranks.
+
+    Checkpoints without "checksums" (saved before they were written) or hashed with an algorithm this environment
+    lacks (xxh3_64 without xxhash) are not verified: ([], the notice)."""
+    saved = _run_state(path).get("checksums")
+    if not isinstance(saved, dict) or not isinstance(saved.get("files"), dict):
+        return [], f"checkpoint: {path} holds no checksums (saved before they were written): its files are not verified"
+    algorithm = saved.get("algorithm")
+    if algorithm not in ("crc32", "xxh3_64") or (algorithm == "xxh3_64" and xxhash is None):
+        return [], (f"checkpoint: the checksums of {path} are {algorithm}, which this environment cannot compute "
+                    "(xxh3_64 needs the xxhash package): its files are not verified")  # fmt: skip
+    names = sorted(n for n in saved["files"] if not n.startswith(f"{RNG_DIR}/") or world_size)
+    bad = []
+    for name in names[_rank() :: _world()]:
+        try:
+            if file_checksum(path / name, algorithm) != saved["files"][name]:
+                bad.append(name)
+        except OSError:  # missing (at another world size, an RNG file nobody reads) or unreadable: the load says which
+            pass
+    if _world() > 1:
+        every: list = [None] * _world()
+        dist.all_gather_object(every, bad)
+        bad = sorted(n for rank_bad in every for n in rank_bad)
+    return bad, None
+
+
 def check_complete(path: str | Path, world_size: int | None) -> None:
     """Refuse a damaged checkpoint before any collective load, identically on every rank (rank 0 checks, the outcome
-    is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata says.
+    is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata says, then files
+    whose checksum differs from the one saved in run_state.json (`_checksum_mismatches`, all ranks).
 
     Raises:
         CheckpointError: one line naming the step, the missing files, and the way out: move the step directory away
-            to resume from the previous checkpoint; or the truncated shard files (`_load_shards`' line).
+            to resume from the previous checkpoint (named when there is one); or the truncated shard files
+            (`_load_shards`' line); or the files whose checksum differs (a bit flipped on disk or in a copy).
     """
     path = Path(path)
     out: list[str | None] = [None]
@@ -944,10 +1088,7 @@ def check_complete(path: str | Path, world_size: int | None) -> None:
         else:
             short = [] if missing else _truncated_files(path / MODEL_OPTIM_DIR)
             if missing:
-                out[0] = (
-                    f"checkpoint {path.name} ({path}) is damaged: missing {', '.join(missing)}; move {path} "
-                    f"away (e.g. to {path}.damaged) to resume from the previous checkpoint"
-                )
+                out[0] = f"checkpoint {path.name} ({path}) is damaged: missing {', '.join(missing)}; {move_away(path)}"
             elif short:  # the line `_load_shards` gives, but before the load and on every rank
                 out[0] = (
                     f"{path / MODEL_OPTIM_DIR}: damaged checkpoint: {_short_files(short)}; copy the step again or "
@@ -957,6 +1098,14 @@ def check_complete(path: str | Path, world_size: int | None) -> None:
         dist.broadcast_object_list(out, src=0)
     if out[0] is not None:
         raise CheckpointError(out[0])
+    bad, notice = _checksum_mismatches(path, world_size)
+    if notice and _rank() == 0:
+        print(notice, file=sys.stderr)
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path.name} ({path}) is damaged: {', '.join(bad)} "
+            f"{'does' if len(bad) == 1 else 'do'} not match the checksum saved with it; {move_away(path)}"
+        )
 
 
 def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
@@ -972,10 +1121,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
 
     Raises:
         CheckpointError: missing files (run_state.json; model_optim/.metadata, a shard file it references, or at
-            the saved world size a rank's RNG file: `check_complete`), or a scheduler whose schedule (lr, min_lr,
-            warmup start and steps, horizon, decay style, weight decay: `check_schedule`) differs from the saved one,
-            raised before any state is loaded (chained segments must share one schedule); a truncated shard file
-            (`_load_shards`).
+            the saved world size a rank's RNG file: `check_complete`) or a file whose checksum differs, or a
+            scheduler whose schedule (lr, min_lr, warmup start and steps, horizon, decay style, weight decay:
+            `check_schedule`) differs from the saved one, raised before any state is loaded (chained segments must
+            share one schedule); a truncated shard file (`_load_shards`).
     """
     path = Path(path)
     if not (path / RUN_STATE_FILE).is_file():
@@ -1086,7 +1235,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     Single process: builds the model with TP = CP = EP = 1 from the saved config's `model.hf_path`, loads the
     (resharded) weights, and calls hf_weights.export_hf, which writes safetensors plus the original config,
     tokenizer and processor files of `model.hf_path`, then EXPORT_INFO_FILE (provenance; written first with
-    "complete": false, so an interrupted export is still recognised as one and may be exported over).
+    "complete": false, so an interrupted export is still recognised as one and may be exported over). All of it goes
+    to `<OUT_DIR>.tmp`, which replaces OUT_DIR (an earlier export) only once complete (`_export_staging`).
 
     Raises:
         CheckpointError: no complete checkpoint at `ckpt`; its run_state.json cannot be read or holds no "config";
@@ -1094,8 +1244,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             e.g. a checkpoint of a version before a key was renamed: the config.ConfigError's text, naming the key);
             `out_dir` is the run, holds one or is its model.hf_path, is a file, or is a non-empty directory that is
             not an earlier export (`check_export_dir`); `out_dir` cannot be created or written;
-            the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing or
-            truncated file (`check_complete`: .metadata, a shard file).
+            the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing,
+            truncated or changed file (`check_complete`: .metadata, a shard file, a checksum); a failed write (full
+            disk: `write_failure`), naming the free space, with `<OUT_DIR>.tmp` removed and OUT_DIR as it was.
     """
     import config as config_mod
     import distributed
@@ -1117,10 +1268,11 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             f"{os.getcwd()}; run the export from the directory the training ran in"
         )
     check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
+    out, staging = Path(out_dir), _export_staging(out_dir)
     info = {"source": os.path.abspath(path), "step": _saved_step(path),
             "model.hf_path": os.path.abspath(cfg.model.hf_path),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "complete": False}
-    _write_export_info(out_dir, info)  # before the model is built: a directory that cannot be written fails here
+    _write_export_info(staging, info, out_dir)  # before the model is built: an unwritable directory fails here
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         setattr(cfg.parallel, k, 1)
     cfg.parallel.sequence_parallel = False
@@ -1136,22 +1288,47 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     model_sd = model_sharded_state_dict(model)
     loaded = _load_shards({"model": model_sd}, path / MODEL_OPTIM_DIR)
     _unwrap(model).load_state_dict(loaded["model"])
-    hf_weights.export_hf(model, out_dir, cfg.model.hf_path)
-    _remove_unlisted_shards(out_dir)
-    _write_export_info(out_dir, info | {"complete": True})  # after export_hf, which copies the source's files
-    return Path(out_dir)
+    try:
+        hf_weights.export_hf(model, staging, cfg.model.hf_path)
+    except Exception as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        failure = write_failure(e, staging.parent)
+        if failure is None:
+            raise
+        free = free_space(staging.parent)
+        raise CheckpointError(
+            f"exporting {path} to {out_dir} failed: {type(failure).__name__}: {failure} ({free}); the partial export "
+            f"{staging.name} was removed, {out_dir} is as it was"
+        ) from None
+    _write_export_info(staging, info | {"complete": True}, out_dir)  # after export_hf, which copies source files
+    if out.exists():  # an earlier export or an empty directory (check_export_dir): replaced only now
+        old = out.with_name(out.name + ".old")
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old)
+    else:
+        staging.rename(out)
+    return out
 
 
-def _remove_unlisted_shards(out_dir: str | Path) -> list[str]:
-    """Remove the *.safetensors files of `out_dir` that its model.safetensors.index.json does not list (an earlier
-    export there, of a base model sharded into other files, left them); returns their names. Only for an export's
-    OUT_DIR, which `check_export_dir` allowed: new, empty or an earlier export."""
-    index = json.loads((Path(out_dir) / "model.safetensors.index.json").read_text())
-    listed = set(index["weight_map"].values())
-    stale = sorted(f.name for f in Path(out_dir).glob("*.safetensors") if f.name not in listed)
-    for name in stale:
-        (Path(out_dir) / name).unlink()
-    return stale
+def _export_staging(out_dir: str | Path) -> Path:
+    """`<OUT_DIR>.tmp`, where an export is written before it replaces OUT_DIR (so a failed export leaves an earlier
+    one whole); one left by an interrupted export (it holds EXPORT_INFO_FILE), and `<OUT_DIR>.old` of one killed
+    while replacing, are removed.
+
+    Raises:
+        CheckpointError: `<OUT_DIR>.tmp` or `<OUT_DIR>.old` exists and is not an export's.
+    """
+    out = Path(out_dir)
+    for p in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
+        if p.is_dir() and (p / EXPORT_INFO_FILE).is_file():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            raise CheckpointError(
+                f"{p} exists and is not an interrupted export (no {EXPORT_INFO_FILE}); the export writes there "
+                f"before it replaces {out_dir}: move it away or choose another OUT_DIR"
+            )
+    return out.with_name(out.name + ".tmp")
 
 
 def _saved_step(path: Path) -> int | None:
@@ -1160,18 +1337,21 @@ def _saved_step(path: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _write_export_info(out_dir: str | Path, info: dict[str, Any]) -> None:
-    """Create `out_dir` (with its parents) and write EXPORT_INFO_FILE there.
+def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path) -> None:
+    """Create `staging` (the export's `<OUT_DIR>.tmp`, with its parents) and write EXPORT_INFO_FILE there.
 
     Raises:
-        CheckpointError: the directory cannot be created or the file written (the OSError's reason).
+        CheckpointError: the directory cannot be created or the file written (the OSError's reason and the free
+            space); `staging` is removed.
     """
-    out = Path(out_dir)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     except OSError as e:
-        raise CheckpointError(f"export directory {out_dir} cannot be written: {e.strerror or e}") from None
+        shutil.rmtree(staging, ignore_errors=True)
+        where = staging.parent if staging.parent.is_dir() else None
+        free = f" ({free_space(where)})" if where else ""
+        raise CheckpointError(f"export directory {out_dir} cannot be written: {e.strerror or e}{free}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

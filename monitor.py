@@ -278,6 +278,10 @@ def _row_step(row: str) -> float:
     return step if isinstance(step, int) and not isinstance(step, bool) else -math.inf
 
 
+class MetricsError(RuntimeError):
+    """metrics.jsonl cannot be written (a full disk, a quota): one line naming the file and the free space."""
+
+
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
 
@@ -377,17 +381,32 @@ class MetricsLog:
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
         """Rank 0: append {"step", "split", **metrics} to metrics.jsonl (tidied first at the first call) and log the
-        numeric metrics to W&B as `<split>/<name>` at `step`. Other ranks: nothing."""
-        if self.rank != 0:
-            return
-        if self._tidy_after is not None:
-            self._tidy(self._tidy_after)
-            self._tidy_after = None
-        row = {"step": step, "split": split, **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.run is not None:
-            self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        numeric metrics to W&B as `<split>/<name>` at `step`. Collective (every rank calls it): rank 0's outcome is
+        broadcast.
+
+        Raises:
+            MetricsError: on every rank, when rank 0 cannot write metrics.jsonl (the OSError, the free space).
+        """
+        failed = None
+        if self.rank == 0:
+            try:
+                if self._tidy_after is not None:
+                    self._tidy(self._tidy_after)
+                    self._tidy_after = None
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+            except OSError as e:  # a row cut off by it is dropped by the next resume (`_tidy`)
+                failed = (f"cannot write step {step} to {self.path}: {type(e).__name__}: {e} "
+                          f"({checkpoint.free_space(self.path.parent)}); the run stopped without saving step {step}: "
+                          "make room, then resume from the latest checkpoint")  # fmt: skip
+            if failed is None and self.run is not None:
+                self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            outcome = [failed]
+            dist.broadcast_object_list(outcome, src=0)
+            failed = outcome[0]
+        if failed:
+            raise MetricsError(failed)
 
     def finish(self) -> None:
         if self.run is not None:

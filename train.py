@@ -172,14 +172,8 @@ def main(cfg) -> int:
         try:
             metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
         except DivergedError as e:
-            saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
-                                                   if saved_step else "")
-            raise DivergedError(
-                f"step {run['step'] + 1}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
-                "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
-                "saved LR schedule); if the LR is already small, look at extreme loss settings (a very large "
-                "mpo.reference_policy_kl_penalty or mpo.reward_shift)"
-            ) from None
+            first = resume_from if steps_done == 0 else None
+            raise DivergedError(diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
         advance_run_state(run, step_data, metrics, new_shift)
         steps_done += 1
         tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
@@ -420,6 +414,27 @@ def last_saved(saved_step: int, cfg) -> str:
     return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
 
 
+def diverged_message(e: DivergedError, step: int, resumed_from, saved_step: int, cfg) -> str:
+    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
+    None otherwise) the saved state is suspect (a file damaged where no checksum covers it), not the LR: the way out
+    is the previous checkpoint. Otherwise the run diverged: a lower optimizer.lr."""
+    if resumed_from is not None:
+        return (
+            f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
+            "non-finite values (a damaged file that no checksum caught, e.g. in a checkpoint saved before checksums "
+            f"were written; or a run that was already diverging: check its logged loss); "
+            f"{checkpoint.move_away(resumed_from)}"
+        )
+    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
+                                           if saved_step else "")  # fmt: skip
+    return (
+        f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
+        "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
+        "saved LR schedule); if the LR is already small, look at extreme loss settings (a very large "
+        "mpo.reference_policy_kl_penalty or mpo.reward_shift)"
+    )
+
+
 def agreed_error(error: Exception | None, ctx: Ctx) -> Exception | None:
     """Collective over the world: None when no rank has an error, else the error of the lowest failing rank, the same
     exception on every rank. A bad pair is loaded by one DP rank only; raised there alone, the other ranks would wait
@@ -646,7 +661,8 @@ if __name__ == "__main__":
     path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
     try:
         code = main(config_mod.load_config(path, overrides))
-    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError) as e:
+    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError,
+            monitor.MetricsError) as e:
         # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
         # torchrun) would only bury it.
         monitor.report_error(e)

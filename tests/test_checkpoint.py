@@ -5,7 +5,9 @@ part; without a launcher: the one-line refusals of a resume with another layout 
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
 and model.hf_path. QA4b: the run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
 of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
-missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (monitor.watch_parent).
+missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (monitor.watch_parent). Issue 36: files
+that differ from their saved checksums (1 and 2 ranks), a non-finite first step after a resume, full disks
+(metrics.jsonl, torch's zip writer, the export).
 """
 
 from __future__ import annotations
@@ -348,7 +350,7 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     for fine in (empty, earlier, tmp_path / "new" / "hf"):
         checkpoint.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError) as e:  # a parent that is a file: one line, no traceback
-        checkpoint._write_export_info(a_file / "hf", {})
+        checkpoint._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
     assert str(e.value) == f"export directory {a_file / 'hf'} cannot be written: Not a directory"
 
 
@@ -814,6 +816,7 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     # QA: random bytes as an RNG file ended in torch's UnpicklingError traceback, whose advice (weights_only=False)
     # does not apply to a damaged file
     step = damaged("rng_garbage")
+    _without_checksums(step)  # with them, the changed file is named before the load (below)
     rng = step / "rng" / "rank_00000.pt"
     rng.write_bytes(bytes(range(256)) * 100)
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={step.parent}", "mpo.max_num_steps=2",
@@ -842,6 +845,219 @@ def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
         with pytest.raises(checkpoint.CheckpointError) as e:
             checkpoint.check_run_state(tmp_path, state)
         assert str(e.value) == f"{tmp_path / 'run_state.json'} is damaged or was edited: {problems}{tail}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Issue 36: checksums, a non-finite first step after a resume, full disks
+
+
+def _rewrite_tensors(step: Path, match, change) -> int:
+    """Apply `change` (float32 array -> float32 array) in place to the data of every saved tensor whose key `match`
+    accepts (torch.distributed.checkpoint stores each as a torch.save zip inside a .distcp file); files keep their
+    sizes. Returns how many."""
+    import io
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shards = step / checkpoint.MODEL_OPTIM_DIR
+    storage = FileSystemReader(str(shards)).read_metadata().storage_data
+    found = [info for index, info in storage.items() if match(index.fqn)]
+    for info in found:
+        shard = shards / info.relative_path
+        data = bytearray(shard.read_bytes())
+        region = bytes(data[info.offset : info.offset + info.length])
+        entry = next(z for z in zipfile.ZipFile(io.BytesIO(region)).infolist() if z.filename.endswith("/data/0"))
+        name_len, extra_len = struct.unpack("<HH", region[entry.header_offset + 26 : entry.header_offset + 30])
+        start = info.offset + entry.header_offset + 30 + name_len + extra_len
+        old = np.frombuffer(bytes(data[start : start + entry.file_size]), dtype=np.float32)
+        data[start : start + entry.file_size] = change(old).tobytes()
+        shard.write_bytes(bytes(data))
+    return len(found)
+
+
+def _embedding(fqn: str) -> bool:
+    return fqn == "language_model.embedding.word_embeddings.weight"
+
+
+def _without_checksums(step: Path) -> None:
+    """Make `step` look like a checkpoint saved before checksums were written."""
+    state = json.loads((step / checkpoint.RUN_STATE_FILE).read_text())
+    del state["checksums"]
+    (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(state))
+
+
+def test_changed_file_is_refused_naming_it_and_the_previous_checkpoint(one_step, tmp_path, monkeypatch, capsys):
+    """Issue 36, 3: a flipped bit in a shard (same size) or a tensor scaled in place resumed silently. Every file of
+    a save is hashed into run_state.json and checked before the load; the error names the file and the previous
+    complete checkpoint. Checkpoints without checksums (saved before them) still resume, with one notice."""
+    saved = json.loads((one_step / checkpoint.RUN_STATE_FILE).read_text())["checksums"]
+    assert saved["algorithm"] == checkpoint.CHECKSUM_ALGORITHM
+    assert sorted(saved["files"]) == ["model_optim/.metadata", "model_optim/__0_0.distcp",
+                                      "model_optim/metadata.json", "rng/rank_00000.pt"]  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(one_step, run / "step_0")  # the previous complete checkpoint
+    step = run / "step_1"
+    way_out = f"; move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint, {run / 'step_0'}"
+
+    def refused(name: str) -> None:
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.check_complete(step, 1)
+        assert str(e.value) == f"checkpoint step_1 ({step}) is damaged: {name} does not match the checksum saved " \
+                               f"with it{way_out}"  # fmt: skip
+
+    shutil.copytree(one_step, step)
+    shard = step / "model_optim" / "__0_0.distcp"
+    size = shard.stat().st_size
+    assert _rewrite_tensors(step, _embedding, lambda w: w.view(np.uint32) ^ np.uint32(1 << 3)) == 1  # a mantissa bit
+    assert shard.stat().st_size == size
+    refused("model_optim/__0_0.distcp")
+    shutil.rmtree(step)
+    shutil.copytree(one_step, step)
+    assert _rewrite_tensors(step, _embedding, lambda w: w * np.float32(1.01)) == 1  # scaled in place
+    refused("model_optim/__0_0.distcp")
+    shutil.rmtree(step)
+    shutil.copytree(one_step, step)
+    rng = step / "rng" / "rank_00000.pt"
+    rng.write_bytes(rng.read_bytes()[:-1] + b"!")
+    refused("rng/rank_00000.pt")
+    checkpoint.check_complete(step, None)  # an RNG file is read (and verified) only at the saved world size
+    capsys.readouterr()
+    _without_checksums(step)  # saved before checksums: resumes, one notice
+    checkpoint.check_complete(step, 1)
+    assert capsys.readouterr().err == (f"checkpoint: {step} holds no checksums (saved before they were written): its "
+                                       "files are not verified\n")  # fmt: skip
+    checkpoint.check_complete(one_step, 1)  # intact
+    assert capsys.readouterr().err == ""
+    # zlib's crc32 where xxhash does not import; an xxh3_64 manifest there is not verified (one notice)
+    monkeypatch.setattr(checkpoint, "xxhash", None)
+    checkpoint.check_complete(one_step, 1)
+    if checkpoint.CHECKSUM_ALGORITHM == "xxh3_64":
+        assert "are xxh3_64, which this environment cannot compute" in capsys.readouterr().err
+    crc = {n: checkpoint.file_checksum(one_step / n, "crc32") for n in saved["files"]}
+    assert all(len(v) == 8 for v in crc.values())
+    state = json.loads((step / checkpoint.RUN_STATE_FILE).read_text())
+    state["checksums"] = {"algorithm": "crc32", "files": crc}  # of the intact files: step's RNG file differs
+    (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(state))
+    refused("rng/rank_00000.pt")
+
+
+def test_changed_file_is_refused_on_every_rank(dist_result):
+    """Issue 36, 3 at 2 ranks: each rank hashes its own files at the save and verifies every other file at the load;
+    a bit flipped in rank 1's shard is the same error on both ranks, naming the file and the previous checkpoint."""
+    r = dist_result["damaged"]
+    assert {"model_optim/.metadata", "model_optim/metadata.json", "model_optim/__0_0.distcp",
+            "model_optim/__1_0.distcp", "rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(r["checksum_files"])
+    assert r["flipped_errors"][0] == r["flipped_errors"][1] == (
+        f"checkpoint step_2 ({r['flipped_path']}) is damaged: model_optim/__1_0.distcp does not match the checksum "
+        f"saved with it; move {r['flipped_path']} away (e.g. to {r['flipped_path']}.damaged) to resume from the "
+        f"previous checkpoint, {r['flipped_previous']}"
+    )  # fmt: skip
+
+
+def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_path, monkeypatch):
+    """Issue 36, 6: a full disk while appending to metrics.jsonl was a raw OSError on rank 0 and a gloo traceback on
+    rank 1. It is one MetricsError on every rank naming the file and the free space (train.py prints it as one line)."""
+    r = dist_result["damaged"]
+    assert r["metrics_errors"][0] == r["metrics_errors"][1]
+    assert r["metrics_errors"][0].startswith(f"cannot write step 1 to {r['metrics_path']}: OSError: [Errno 28] No "
+                                             "space left on device (")  # fmt: skip
+    import config as config_mod
+    import monitor
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    log = monitor.MetricsLog(config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=disabled"]),
+                             None, 0, 0)  # fmt: skip
+    monkeypatch.setattr(monitor, "open", full, raising=False)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=512))
+    with pytest.raises(monitor.MetricsError) as e:
+        log.log(4, {"loss": 0.5})
+    assert str(e.value).startswith(f"cannot write step 4 to {tmp_path / 'metrics.jsonl'}: OSError: [Errno 28] No "
+                                   f"space left on device (512 bytes free on {tmp_path}: the file system is full)")
+
+
+def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 36, 6: a full disk during a save printed interleaved tracebacks and ended in torch's `RuntimeError:
+    [enforce fail at inline_container.cc:672] . unexpected pos ...` (torch.save's zip writer keeps no errno). With
+    the file system full it is the ENOSPC OSError the README promises; otherwise a failed write, still one line."""
+    torch_text = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # torch 2.14, /dev/full
+
+    def zip_writer_fails(model, optimizer, is_loading):
+        raise RuntimeError(torch_text)
+
+    monkeypatch.setattr(checkpoint, "_sharded_state_dict", zip_writer_fails)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+    assert str(e.value) == (f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: OSError: [Errno 28] No space left on "
+                            f"device (0 bytes free on {tmp_path}: the file system is full); step_7.tmp was removed, "
+                            "the complete checkpoints are untouched")  # fmt: skip
+    assert capsys.readouterr().err == "" and not (tmp_path / "step_7.tmp").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=1 << 40))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+    assert f"failed: OSError: torch's file writer failed ({torch_text}) ({1 << 40} bytes free on" in str(e.value)
+    assert capsys.readouterr().err == ""
+
+
+EXPORT_ON_A_FULL_DISK = """
+import errno, os, sys
+sys.path.insert(0, os.getcwd())
+import checkpoint, hf_weights
+from safetensors import SafetensorError
+run, out = sys.argv[1:3]
+assert checkpoint.main(["export", run, out]) == 0
+real = hf_weights.save_file
+
+def full(tensors, path, metadata=None):  # what safetensors raises when the disk fills mid-write
+    open(path, "wb").write(b"partial")
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+hf_weights.save_file = full
+sys.exit(checkpoint.main(["export", run, out]))
+"""
+
+
+def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step, tmp_path):
+    """Issue 36, 6: a full disk during `python checkpoint.py export RUN OUT` was a raw SafetensorError with OUT left
+    "complete": false. The export is written to OUT.tmp and renamed when complete: a failure is one line naming the
+    free space, OUT.tmp is removed and the earlier export in OUT stays whole."""
+    out = tmp_path / "hf"
+    proc = _cli("-c", EXPORT_ON_A_FULL_DISK, str(one_step), str(out))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: exporting {one_step} to {out} failed: OSError: [Errno 28] No space left on device "
+                           f"(") and f"bytes free on {tmp_path}" in last, last  # fmt: skip
+    assert last.endswith(f"the partial export hf.tmp was removed, {out} is as it was")
+    assert json.loads((out / checkpoint.EXPORT_INFO_FILE).read_text())["complete"] is True
+    assert (out / "model.safetensors").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(one_step, tmp_path):
+    """Issue 36, 4: random bytes in a shard (of a checkpoint without checksums, which resumes with a notice) gave
+    `DivergedError: step N: ... start a new run with a lower optimizer.lr`. At the first step after a resume the
+    line names the checkpoint and offers the previous one."""
+    run = tmp_path / "run"
+    shutil.copytree(one_step, run / "step_0")
+    step = run / "step_1"
+    shutil.copytree(one_step, step)
+    _without_checksums(step)
+    # NaN weights: the model's and the distributed optimizer's fp32 copies (a resume loads the weights from the latter)
+    assert _rewrite_tensors(step, lambda k: k.endswith((".weight", ".param")),
+                            lambda w: np.full_like(w, np.nan)) > 2  # fmt: skip
+    proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", "mpo.max_num_steps=2",
+                "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"checkpoint: {step} holds no checksums" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: DivergedError: step 2: ") and "optimizer.lr" not in last, last
+    assert f"the first step after resuming from {step}" in last
+    assert last.endswith(f"move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint, "
+                         f"{run / 'step_0'}")  # fmt: skip
 
 
 ORPHAN = """

@@ -10,14 +10,18 @@ plain megatron optimizer, on DP = 2:
   * a leftover `step_3.tmp` is ignored, keep_last prunes, the run state (reward_shift) round-trips exactly;
   * a save whose shard write fails on one rank (OSError ENOSPC) raises the same CheckpointError on both ranks and
     removes its `.tmp`;
-  * the model part reloads into TP = 2 (resharded) and gives the TP = 1 loss.
+  * the model part reloads into TP = 2 (resharded) and gives the TP = 1 loss;
+  * a flipped bit in rank 1's shard is one CheckpointError on both ranks (checksums verified by both), and a
+    metrics.jsonl that rank 0 cannot write is one MetricsError on both ranks.
 The checkpoints go under WORK_DIR; rank 0 reports the result (tests/dist/report.py), the pytest side asserts on it.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,7 +45,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 import checkpoint  # noqa: E402
+import config as config_mod  # noqa: E402
 import cpu_compat  # noqa: E402
+import monitor  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -264,12 +270,57 @@ def reshard(out: Path) -> dict:
     return {"tp1": tp1, "tp2": eval_loss(ddp), "tp2_fresh": fresh}
 
 
+def damaged_and_full(out: Path) -> dict:
+    """A bit flipped in rank 1's shard of a copy of step_2 (beside an intact copy as step_1), verified on both ranks;
+    metrics.jsonl on a full disk (rank 0's write fails). Every rank's error text (None: no error)."""
+    rank, res = dist.get_rank(), {}
+    step = checkpoint.latest_checkpoint(out / "run_dopt1")
+    copy = out / "flipped" / step.name
+    if rank == 0:
+        shutil.copytree(step, out / "flipped" / "step_1")
+        shutil.copytree(step, copy)
+        shard = copy / checkpoint.MODEL_OPTIM_DIR / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        res["checksum_files"] = sorted(json.loads((step / checkpoint.RUN_STATE_FILE).read_text())["checksums"]["files"])
+    dist.barrier()
+    res["flipped_path"], res["flipped_previous"] = str(copy), str(out / "flipped" / "step_1")
+    res["flipped_errors"] = every_rank_error(lambda: checkpoint.check_complete(copy, 2), checkpoint.CheckpointError)
+
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={out / 'metrics'}", "logging.wandb=disabled"])
+    log = monitor.MetricsLog(cfg, None, 0, rank)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank == 0:
+        monitor.open = disk_full  # module global before the builtin
+    res["metrics_errors"] = every_rank_error(lambda: log.log(1, {"loss": 0.5}), monitor.MetricsError)
+    if rank == 0:
+        del monitor.open
+    res["metrics_path"] = str(log.path)
+    return res
+
+
+def every_rank_error(call, kind) -> list:
+    try:
+        call()
+        error = None
+    except kind as e:
+        error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     cpu_compat.apply()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     result = {"dopt1": scenario(out, True), "dopt0": scenario(out, False), "reshard": reshard(out)}
+    result["damaged"] = damaged_and_full(out)
     if dist.get_rank() == 0:
         report.write(result)
     dist.barrier()
