@@ -86,7 +86,9 @@ import math
 import os
 import random
 import re
+import signal
 import stat
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1108,12 +1110,21 @@ class StepData:
     sampler_state: dict = field(default_factory=dict)
 
 
-def _ignore_sigint(worker_id: int) -> None:
-    """DataLoader workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the training process, not its
-    workers, decides to finish the step and save (monitor.StopSignal)."""
-    import signal
+def ignore_stop_signals(*_) -> None:
+    """A data worker (DataLoader's worker_init_fn, the index pool's initializer) leaves the stop signals to its rank
+    (monitor.StopSignal: finish the step, save). torchrun's forward reaches the rank's whole process group, scancel
+    every process of the job; a worker killed by it broke the rank's step, nothing saved. SIGTERM from the parent (the
+    DataLoader's or multiprocessing's clean-up) still ends the worker, as torch's own handler does."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    def exit_on_parents_sigterm() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
+            pass
+        os._exit(0)
+
+    threading.Thread(target=exit_on_parents_sigterm, name="parent_sigterm", daemon=True).start()
 
 
 class StepLoader:
@@ -1143,7 +1154,7 @@ class StepLoader:
 
         loader = torch.utils.data.DataLoader(
             _ReturnDataErrors(self.dataset), batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs,
-            num_workers=self.num_workers, worker_init_fn=_ignore_sigint,
+            num_workers=self.num_workers, worker_init_fn=ignore_stop_signals,
         )
         batches = iter(loader)
         while True:  # endless; batches come back in order, so they match `pending` first-in first-out

@@ -57,6 +57,7 @@ from mmpr_data import (
     checked_rows,
     data_warnings,
     end_row_checks,
+    ignore_stop_signals,
     plural,
     read_meta,
 )
@@ -179,7 +180,8 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
         import multiprocessing
 
-        pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, mp_context=multiprocessing.get_context("fork"))
+        pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=ignore_stop_signals)  # a stop is the rank's
 
     def drop(st: dict, where: str, reason: str, detail: str) -> None:
         if data.strict:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
+import stat
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,34 +33,62 @@ import mpo_loss
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C); the loop finishes the
-    step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank twice (the terminal's and torchrun's forward);
-    repeats are ignored, so a second Ctrl-C does not abort the save (Ctrl-\\, SIGQUIT, still kills at once).
+    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C) / SIGHUP (a closed
+    terminal, a dropped ssh); the loop finishes the step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank
+    twice (the terminal's and torchrun's forward); repeats are ignored, so a second Ctrl-C does not abort the save
+    (Ctrl-\\, SIGQUIT, still kills at once).
+
+    Under torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set) a rank whose launcher is gone stops the same way after the
+    current step: `kill -9` of torchrun, the OOM killer, a signal torchrun does not handle (SIGUSR1 kills it). The
+    ranks run in sessions of their own and would otherwise train on as orphans that a restarted run collides with.
 
     `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
     when the signal reaches the ranks at different times.
     """
 
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
     def __init__(self) -> None:
         self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+        self.launcher = os.getppid() if under_torchrun else None  # its pid; a re-parented rank sees another
+        for sig in self.SIGNALS:
+            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:  # started under nohup: kept ignored
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        if signum == signal.SIGHUP:  # the terminal is gone: a print to it (EIO) would kill the rank before its save
+            for fd in (1, 2):  # a terminal, hung up or not (isatty is False once it is): a character device
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    null = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(null, fd)
+                    os.close(null)
         # Ignore repeats at the OS level: under Slurm a rank can get USR1 twice (step-wide delivery and the launcher's
         # forward), and a repeat arriving while the interpreter shuts down would take the default action and kill the
         # rank (exit -10), failing a job that had already saved.
         signal.signal(signum, signal.SIG_IGN)
 
+    def launcher_gone(self) -> bool:
+        """Whether this rank's torchrun is gone (this process was re-parented); the first time, LOCAL_RANK 0 prints
+        one notice line on stderr (one per node: every rank there lost the same launcher)."""
+        if self.launcher is None or os.getppid() == self.launcher:
+            return False
+        if self.received is None and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"rank {global_rank()}: the launcher (pid {self.launcher}) is gone: the ranks of this node save "
+                  "after the current step and stop", file=sys.stderr, flush=True)
+        self.received = signal.SIGTERM  # the stop path of SIGTERM from here on
+        return True
+
     def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank received one of the signals (collective: every rank calls it after the same step)."""
-        return self._any_rank(self.received is not None, device)
+        """Whether any rank received one of the signals or lost its launcher (collective: every rank calls it after
+        the same step)."""
+        return self._any_rank(self.launcher_gone() or self.received is not None, device)
 
     def interrupted(self, device: torch.device) -> bool:
         """Whether any rank received a Ctrl-C (SIGINT) so far (collective). train.py asks before the first step: a
         Ctrl-C while the data and models load ends the run there (exit 130, nothing trained, nothing saved), where
-        SIGTERM / SIGUSR1 (a scheduler's grace period) still get their step and save."""
+        SIGTERM / SIGUSR1 / SIGHUP (a scheduler's grace period) still get their step and save."""
         return self._any_rank(self.received == signal.SIGINT, device)
 
     @staticmethod
@@ -68,36 +97,6 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def watch_parent(interval_s: float = 5.0) -> threading.Thread | None:
-    """Under torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set), start a daemon thread that checks every `interval_s`
-    seconds whether this process's parent changed (os.getppid() differs from the one at start: the launcher died,
-    e.g. `kill -9` of torchrun or the OOM killer, and the rank was re-parented) and then sends this process SIGTERM
-    once: the run's stop path (StopSignal: finish the step, save, exit 0) instead of training on as an orphan that
-    a restarted run would collide with. One notice line on stderr when it fires (LOCAL_RANK 0's: one per node; the
-    other ranks of the node see the same launcher gone and stop silently). Returns the thread (None outside
-    torchrun). torchrun starts the ranks in sessions of their own, so a signal to its process group misses them.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
-        return None
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: every rank there lost the same launcher
-            print(
-                f"rank {global_rank()}: the launcher (pid {parent}) is gone: the ranks of this node send "
-                "themselves SIGTERM, save after the current step and stop",
-                file=sys.stderr,
-                flush=True,
-            )
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    thread = threading.Thread(target=watch, name="watch_parent", daemon=True)
-    thread.start()
-    return thread
 
 
 def report_error(e: Exception) -> str:
@@ -113,6 +112,19 @@ def report_error(e: Exception) -> str:
     if global_rank() == 0:
         print(msg, file=sys.stderr, flush=True)
     return msg
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """The one-line reason when `e` is this rank's view of another process of the job dying (a gloo connection closed
+    or reset: a rank killed by `kill -9` or the OOM killer; a DataLoader worker killed), else None. train.py prints it
+    as one line: this rank's traceback would show only where it waited."""
+    msg = str(e).strip()
+    gloo = re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg)
+    if gloo:
+        return f"{gloo.group(1)} (another rank died or stopped: its lines and torchrun's report say why)"
+    if msg.startswith("DataLoader worker (pid"):
+        return msg.splitlines()[0]
+    return None
 
 
 def global_rank() -> int:

@@ -28,8 +28,8 @@ tests/test_train.py::test_train_step_keeps_one_device checks it with a recording
 
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
-pre-timeout signal) / SIGINT (Ctrl-C): it finishes the current step, saves a checkpoint and exits 0. A run directory
-with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
+pre-timeout signal) / SIGINT (Ctrl-C) / SIGHUP: it finishes the current step, saves a checkpoint and exits 0. A run
+directory with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
 `<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
 `<checkpoint.dir>/config.json`.
 
@@ -125,8 +125,7 @@ def main(cfg) -> int:
     checkpoint.check_resume_schedule(resume_from, planned_schedule(cfg))  # the same LR schedule (chained segments)
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
-    stopper = monitor.StopSignal()
-    monitor.watch_parent()  # under torchrun: a rank whose launcher died stops (SIGTERM path) instead of running on
+    stopper = monitor.StopSignal()  # also: under torchrun, a rank whose launcher died stops after its step
 
     # -- data -------------------------------------------------------------------------------------------------------
     data = load_data(cfg, hf, rank)
@@ -668,6 +667,13 @@ if __name__ == "__main__":
         monitor.report_error(e)
         if monitor.global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
             time.sleep(5)
+        sys.exit(1)
+    except RuntimeError as e:
+        reason = monitor.lost_peer(e)
+        if reason is None:  # a bug: its traceback
+            raise
+        # another process of the job died: each rank that saw it says so in one line (rank 0 may be the one gone)
+        print(f"error: rank {monitor.global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
         if monitor.global_rank() == 0:

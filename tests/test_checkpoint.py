@@ -5,9 +5,9 @@ part; without a launcher: the one-line refusals of a resume with another layout 
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
 and model.hf_path. QA4b: the run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
 of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
-missing files, and a rank whose launcher was SIGKILLed taking the SIGTERM path (monitor.watch_parent). Issue 36: files
-that differ from their saved checksums (1 and 2 ranks), a non-finite first step after a resume, full disks
-(metrics.jsonl, torch's zip writer, the export).
+missing files, and a rank whose launcher died stopping after its step (monitor.StopSignal). Issue 36: files that
+differ from their saved checksums (1 and 2 ranks), a non-finite first step after a resume, full disks (metrics.jsonl,
+torch's zip writer, the export).
 """
 
 from __future__ import annotations
@@ -1063,12 +1063,11 @@ def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(on
 ORPHAN = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-import monitor
+import torch, monitor
 stopper = monitor.StopSignal()
-monitor.watch_parent(interval_s=0.1)
 print("ready", os.getpid(), flush=True)
 deadline = time.time() + 60
-while stopper.received is None and time.time() < deadline:
+while time.time() < deadline and not stopper.should_stop(torch.device("cpu")):  # one "step" each
     time.sleep(0.05)
 print("stopped by signal", stopper.received, flush=True)
 """
@@ -1080,9 +1079,11 @@ time.sleep(600)
 """
 
 
-def test_rank_whose_launcher_died_takes_the_sigterm_path(tmp_path):
-    """QA4b 10: after `kill -9` of torchrun the ranks (in sessions of their own) trained on. A stand-in launcher
-    starts a stand-in rank (LOCAL_RANK set, StopSignal installed) and is SIGKILLed; the rank gets SIGTERM."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1])
+def test_rank_whose_launcher_died_stops_after_its_step(tmp_path, sig):
+    """QA4b 10: after `kill -9` of torchrun the ranks (in sessions of their own) trained on; issue 36.5: after
+    `kill -USR1` of torchrun (which dies of it) they trained up to 5 s more (a polling thread). A stand-in launcher
+    starts a stand-in rank (LOCAL_RANK set, StopSignal installed) and is killed; the rank stops after its next step."""
     out, err = tmp_path / "out", tmp_path / "err"
     env = dict(os.environ, LOCAL_RANK="0", RANK="3")
     env.pop("TORCHELASTIC_RUN_ID", None)
@@ -1093,19 +1094,26 @@ def test_rank_whose_launcher_died_takes_the_sigterm_path(tmp_path):
     while time.time() < deadline and not out.read_text().startswith("ready"):
         time.sleep(0.1)
     rank_pid = int(out.read_text().split()[1])
-    launcher.kill()
+    launcher.send_signal(sig)
     launcher.wait()
+    killed, deadline = time.time(), time.time() + 60
     while time.time() < deadline and "stopped" not in out.read_text():
-        time.sleep(0.1)
+        time.sleep(0.05)
+    assert time.time() - killed < 3.0  # the next step's check, not a poll every few seconds
     assert out.read_text().splitlines() == [f"ready {rank_pid}", f"stopped by signal {int(signal.SIGTERM)}"]
     notices = [x for x in err.read_text().splitlines() if "launcher" in x]  # (import-time warnings aside)
-    assert notices == [f"rank 3: the launcher (pid {launcher.pid}) is gone: the ranks of this node send themselves "
-                       "SIGTERM, save after the current step and stop"]  # fmt: skip
+    assert notices == [f"rank 3: the launcher (pid {launcher.pid}) is gone: the ranks of this node save after the "
+                       "current step and stop"]  # fmt: skip
 
 
-def test_watch_parent_only_under_torchrun(monkeypatch):
+def test_launcher_check_only_under_torchrun(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     import monitor
 
-    assert monitor.watch_parent() is None
+    previous = {sig: signal.getsignal(sig) for sig in monitor.StopSignal.SIGNALS}
+    try:
+        assert monitor.StopSignal().launcher is None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

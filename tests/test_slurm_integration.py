@@ -136,7 +136,7 @@ def test_stop_signal_during_start_up_is_kept_and_the_job_completes(tmp_path):
     still importing) stops the run after its first step, saves, and the job COMPLETES (an afterok chain goes on)."""
     env = _env(SBATCH_TIME="00:03:00", SBATCH_SIGNAL="B:USR1@30", MPO_MAX_NUM_STEPS="100000",
                RESULTS_DIR=str(tmp_path / "run"))  # fmt: skip
-    job = _submit(tmp_path, env)
+    job = _submit(tmp_path, env, "data.num_workers=1")  # a DataLoader worker (issue 36.1)
     log = tmp_path / f"slurm-{job}.out"
     _wait_log(log, "train.sbatch: job ", job)
     r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, timeout=30)
@@ -173,8 +173,10 @@ def test_failed_first_segment_cancels_the_rest_and_can_be_resubmitted(tmp_path):
 
 def test_scancel_saves_and_the_log_says_so(tmp_path):
     """Issue 19, point 5: after scancel (SIGTERM) the ranks save; the log's last word is one line saying that
-    torchrun's SignalException traceback only reports the signal."""
-    job = _submit(tmp_path, _env(MPO_MAX_NUM_STEPS="100000", RESULTS_DIR=str(tmp_path / "run")))
+    torchrun's SignalException traceback only reports the signal. Issue 36.1: also with a DataLoader worker, which
+    scancel's SIGTERM reaches too (it killed the worker and the rank's step: nothing saved)."""
+    job = _submit(tmp_path, _env(MPO_MAX_NUM_STEPS="100000", RESULTS_DIR=str(tmp_path / "run")),
+                  "data.num_workers=1")  # issue 36.1: scancel signals the DataLoader workers too
     log = tmp_path / f"slurm-{job}.out"
     _wait_log(log, "step 2/100000", job)
     subprocess.run(["scancel", job], timeout=30, check=True)

@@ -16,7 +16,8 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
 The readme and separate runs are also golden traces: every metric of every step against recorded numbers (1e-6).
 Unit tests (schedule, metric reduction, metrics.jsonl truncation, W&B mode and failure, the data-changed resume line)
 run in-process; a failed wandb.init on 2 ranks (tests/dist/check_wandb_failure.py) and a finished run's "nothing to
-do" (`python train.py`, no model built) are short launches of their own.
+do" (`python train.py`, no model built) are short launches of their own, as are the stops with DataLoader workers
+(SIGTERM / a closed terminal's SIGHUP to torchrun, mid-run and before step 1) and a rank killed mid-run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -1422,6 +1424,79 @@ def test_sigusr1_finishes_the_step_saves_and_exits_zero(tp1_signal):
     assert sorted(p.name for p in tp1_signal.dir.glob("step_*")) == sorted({"step_3", f"step_{last}"})
 
 
+def _start_tiny(torchrun, env, run_dir: Path, *overrides: str, console: int | None = None):
+    """torchrun on 2 ranks, 20 steps of configs/tiny.toml (no validation), unbuffered; its output in pipes, or on the
+    terminal `console` (a pseudo-terminal's file descriptor)."""
+    args = ("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", "mpo.max_num_steps=20",
+            "mpo.val_at_end=false", *overrides)  # fmt: skip
+    extra = {"HF_DATASETS_CACHE": env["HF_DATASETS_CACHE"], "PYTHONUNBUFFERED": "1",
+             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}  # fmt: skip  # 30 s may not do on a loaded CI machine
+    if console is None:
+        return torchrun.start(*args, env=extra)
+    return subprocess.Popen(torchrun.argv(*args), cwd=ROOT, env=torchrun.env(extra), stdout=console, stderr=console,
+                            start_new_session=True)  # fmt: skip
+
+
+def _after_step(proc, run_dir: Path, step: int, terminal: int | None = None) -> None:
+    """Wait until `step` is in metrics.jsonl (or the launch ended), reading what comes to `terminal` (a pseudo-terminal
+    master: unread, it would fill and block the ranks)."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+            return
+        if terminal is not None and select.select([terminal], [], [], 0.2)[0]:
+            os.read(terminal, 1 << 16)
+        else:
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig, when, workers", [(signal.SIGTERM, "step 2", 2), (signal.SIGHUP, "step 2", 1),
+                                                (signal.SIGTERM, "start", 1)])  # fmt: skip
+def test_a_stop_signal_to_torchrun_with_data_workers_saves_the_step(torchrun, env, tmp_path, sig, when, workers):
+    """Issue 36, 1-2: torchrun forwards SIGTERM / SIGHUP to each rank's whole process group, DataLoader workers
+    included; SIGTERM killed the workers and the ranks crashed in their step (nothing saved), SIGHUP killed the ranks
+    at once. Now the ranks finish the step, save it and exit 0; before the first step: one step and its save. The
+    SIGHUP case is a closed terminal: the run's console is a pseudo-terminal, closed before the signal."""
+    run_dir, terminal, console = tmp_path / "run", None, None
+    if sig == signal.SIGHUP:
+        terminal, console = os.openpty()
+    proc = _start_tiny(torchrun, env, run_dir, f"data.num_workers={workers}", console=console)
+    if when == "start":  # the models are built: the next thing is the first step
+        while (line := proc.stdout.readline()) and not line.startswith("config: "):
+            pass
+    else:
+        _after_step(proc, run_dir, 2, terminal)
+    if terminal is not None:
+        os.close(console)
+        os.close(terminal)  # the terminal hangs up: a rank's print to it fails (EIO)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    last = _rows(run_dir)[-1]["step"]
+    assert last == 1 if when == "start" else 2 <= last < 20
+    assert sorted(p.name for p in run_dir.glob("step_*")) == [f"step_{last}"], err and err[-3000:]
+    assert json.loads((run_dir / f"step_{last}" / "run_state.json").read_text())["step"] == last
+    assert proc.returncode == 1  # torchrun's, after its SignalException report; the ranks exit 0
+    if terminal is None:
+        assert f"stopped after step {last} (signal)" in out and "SignalException" in err
+        assert "killed by signal" not in err and 'train.py", line' not in err
+
+
+def test_a_killed_rank_leaves_one_line_on_the_other(torchrun, env, tmp_path):
+    """Issue 36.7: after `kill -9` of one rank the other printed a full gloo traceback (from its gradient reduction);
+    now one line naming the error."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = _start_tiny(torchrun, env, run_dir, "data.num_workers=1")
+    _after_step(proc, run_dir, 2)
+    ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
+    ranks[1].kill()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and 'train.py", line' not in err and "[rank0]:" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: RuntimeError: "), errors
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Export
 
@@ -1526,14 +1601,15 @@ def test_a_pair_that_fails_mid_run_stops_every_rank_in_one_line_and_keeps_the_fi
     """An image emptied after the index was built, loaded at step 3 by one DP rank: that rank raised its DataError
     alone, rank 1 died in a gloo "Connection closed by peer" traceback (and when the bad pair was rank 1's, global
     rank 0 printed no error line at all), and steps 1-2 were lost. Now every rank raises the same DataError before
-    step 3, after saving step 2."""
+    step 3, after saving step 2. With a DataLoader worker (issue 36.7) torchrun's SIGTERM to the other rank killed its
+    worker: a DataLoader traceback after the line."""
     import shutil
 
     data = tmp_path / "data"
     shutil.copytree(ROOT / "data" / "mmpr_sample", data)
     meta = data / "MMPR-sample" / "meta.json"
     over = [f"model.hf_path={ROOT / 'assets' / 'tiny-omni'}", f"data.train.data_path={meta}", "mpo.max_num_steps=6",
-            "mpo.val_at_end=false"]  # fmt: skip
+            "mpo.val_at_end=false", "data.num_workers=1"]  # fmt: skip
     # the pairs of step 3 as train.py samples them (the index built here is the one the run then loads from cache)
     monkeypatch.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
     from step_cases import tiny_config  # the layout, hence the plans, of the run launched below
