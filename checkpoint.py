@@ -667,13 +667,7 @@ def save(
     _raise_if_failed(error, step, ckpt_dir, tmp)
 
     if _rank() == 0:
-        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save): replace it
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        _replace_dir(tmp, final)  # the same step saved again (e.g. a signal right after a periodic save) is replaced
         fd = os.open(final.parent, os.O_RDONLY)  # make the rename durable before older checkpoints are deleted
         try:
             os.fsync(fd)
@@ -1301,14 +1295,20 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             f"{staging.name} was removed, {out_dir} is as it was"
         ) from None
     _write_export_info(staging, info | {"complete": True}, out_dir)  # after export_hf, which copies source files
-    if out.exists():  # an earlier export or an empty directory (check_export_dir): replaced only now
-        old = out.with_name(out.name + ".old")
-        out.rename(old)
-        staging.rename(out)
+    _replace_dir(staging, out)  # an earlier export or an empty directory (check_export_dir): replaced only now
+    return out
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename the finished folder `src` to `dst`; an existing `dst` is first renamed to `<dst>.old`, removed after (a
+    crash in between leaves `.old`, which the next run restores or removes)."""
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        dst.rename(old)
+        src.rename(dst)
         shutil.rmtree(old)
     else:
-        staging.rename(out)
-    return out
+        src.rename(dst)
 
 
 def _export_staging(out_dir: str | Path) -> Path:

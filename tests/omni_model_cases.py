@@ -1,7 +1,8 @@
 """Shared inputs and helpers of the omni_model tests (pytest module and the 2-rank torchrun script).
 
 Not a test module itself: `make_pair_batch` builds a packed THD microbatch of one preference pair (chosen and rejected
-rows sharing one image, pack.py's PackedBatch fields), deterministic from a seed.
+rows sharing one image, pack.py's PackedBatch fields), deterministic from a seed; `logits_and_grads` runs a model's
+forward and backward on it for equality checks.
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def image_text_inputs() -> dict:
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is highest?"}]},
          {"role": "assistant", "content": "Figs."}], tokenize=False)
     return proc(images=[img], text=text, return_tensors="pt")
+
+
+def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`model(batch)`'s logits and every parameter's gradient of a fixed random weighting of them (seed 11), the
+    model's gradients cleared before and after."""
+    model.zero_grad(set_to_none=True)
+    logits = model(batch)
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
+    (logits * w).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import TINY, make_pair_batch  # noqa: E402
+from omni_model_cases import TINY, logits_and_grads, make_pair_batch  # noqa: E402
 
 import cpu_compat  # noqa: E402
 
@@ -124,16 +124,6 @@ def test_spec_names_are_checked():
         local_spec.local_hybrid_stack_spec(object, {}, 4, attention="flash")
 
 
-def _logits_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    logits = model(batch)
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
-    (logits * w).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return logits.detach(), grads
-
-
 def test_tiny_model_with_grouped_experts_equals_sequential():
     """The tiny Omni model (2 MoE layers, 4 experts, top-2) with GroupedExperts: the same parameter names, logits and
     every gradient as with SequentialMLP, exactly (fp32, CPU), training mode."""
@@ -151,8 +141,8 @@ def test_tiny_model_with_grouped_experts_equals_sequential():
     assert n_grouped == 2 and not any(isinstance(x, local_spec.GroupedExperts) for x in models["sequential"].modules())
     assert list(models["sequential"].state_dict()) == list(models["grouped"].state_dict())
     batch = make_pair_batch(seed=5)
-    l1, g1 = _logits_and_grads(models["sequential"], batch)
-    l2, g2 = _logits_and_grads(models["grouped"], batch)
+    l1, g1 = logits_and_grads(models["sequential"], batch)
+    l2, g2 = logits_and_grads(models["grouped"], batch)
     assert torch.equal(l1, l2)
     assert g1.keys() == g2.keys() and any(".experts.local_experts." in n for n in g1)
     for n in g1:

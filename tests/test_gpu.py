@@ -366,8 +366,8 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
     backend is asserted chosen (and not for fp32)."""
     from megatron.core.transformer.enums import AttnMaskType
     from test_shared_prompt_te import SPANS, row_offsets
+    from test_varlen_attention import _run
 
-    import cpu_compat
     import local_spec
 
     dev, heads, groups, d = torch.device("cuda", 0), 8, 2, 64
@@ -389,15 +389,7 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
     weight = torch.randn(T, heads * d, generator=gen).to(dev)
     assert modules["varlen"]._varlen(leaves[0].to(dev, dtype), True)
     assert not modules["varlen"]._varlen(leaves[0].to(dev), True)
-    results = []
-    for module in modules.values():
-        q, k, v = (t.to(dev, dtype).requires_grad_(True) for t in leaves)
-        token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(seg)
-        try:
-            out = module(q, k, v, packed_seq_params=psp)
-        finally:
-            cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
-        (out.float() * weight).sum().backward()
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    results = [dict(zip(("out", "dq", "dk", "dv"), _run(module, [t.to(dev, dtype) for t in leaves], psp, weight, seg),
+                        strict=True)) for module in modules.values()]
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
     assert max(worst.values()) <= KERNEL_TOL[torch.bfloat16], worst

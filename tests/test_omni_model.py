@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import TINY, image_text_inputs, make_pair_batch  # noqa: E402
+from omni_model_cases import TINY, image_text_inputs, logits_and_grads, make_pair_batch  # noqa: E402
 
 import pack  # noqa: E402
 
@@ -172,22 +172,12 @@ def test_packed_equals_unpacked(model):
     assert (whole[a:a + n] - packed[a:a + n]).abs().max().item() > 1e-3
 
 
-def _loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    logits = model(batch)
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(11))
-    (logits * w).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return logits.detach(), grads
-
-
 def test_vision_once_per_pair_equals_per_row_encoding(model):
     shared = make_pair_batch(seed=9, lens=(21, 30))
     per_row = make_pair_batch(seed=9, lens=(21, 30), duplicate_media=True)
     assert torch.equal(shared["input_ids"], per_row["input_ids"])
-    l1, g1 = _loss_and_grads(model, shared)
-    l2, g2 = _loss_and_grads(model, per_row)
+    l1, g1 = logits_and_grads(model, shared)
+    l2, g2 = logits_and_grads(model, per_row)
     assert (l1 - l2).abs().max().item() <= INVARIANCE
     assert set(g1) == set(g2) and any(n.startswith("vision_model.") for n in g1)
     for n in g1:
@@ -491,8 +481,8 @@ def test_recompute_full_gives_the_same_gradients(model, world):
     r.train()
     assert r.lm_config.recompute_granularity == "full"
     batch = make_pair_batch(seed=4)
-    l1, g1 = _loss_and_grads(model, batch)
-    l2, g2 = _loss_and_grads(r, batch)
+    l1, g1 = logits_and_grads(model, batch)
+    l2, g2 = logits_and_grads(r, batch)
     assert torch.equal(l1, l2)
     assert set(g1) == set(g2) and all(torch.allclose(g1[n], g2[n], rtol=0, atol=1e-6) for n in g1)
 

@@ -22,6 +22,7 @@ do" (`python train.py`, no model built) are short launches of their own, as are 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -987,12 +988,20 @@ REWARD_KEYS = {"rewards/chosen", "rewards/rejected", "rewards/margin", "bco/rewa
                "reward_shift", "reward_shift_used", "preference_loss", "bco_loss", "accuracy"}  # fmt: skip
 
 
+@functools.cache
+def _trace_mpo():
+    """configs/tiny.toml's mpo section: the traces' β, loss weights and reward-shift momentum (the rule assumes its
+    averaging flags)."""
+    mpo = config_mod.load_config(ROOT / "configs" / "tiny.toml", []).mpo
+    assert mpo.sft_average_log_probs and not (mpo.preference_average_log_probs or mpo.quality_average_log_probs)
+    return mpo
+
+
 def golden_tolerance(key: str, row: dict, s_max: float) -> float:
     """The tolerance of one traced value by the rule above: absolute, but for grad_norm and lr (relative). `row` is
     the golden row the value belongs to (its step, split, tokens, counts, sft_loss); `s_max` the trace's largest
     |logprobs/*|."""
-    mpo = config_mod.load_config(ROOT / "configs" / "tiny.toml", []).mpo  # the traces' β, weights, momentum
-    assert mpo.sft_average_log_probs and not (mpo.preference_average_log_probs or mpo.quality_average_log_probs)
+    mpo = _trace_mpo()
     first = row["step"] == 1 and row.get("split", "train") == "train"  # policy = reference: rewards exactly 0
     if key in COUNT_KEYS or (first and key in REWARD_KEYS):
         return 0.0
