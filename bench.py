@@ -1720,9 +1720,9 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
             failed += [f"{name}.{k}" for k, v in res[name].items() if isinstance(v, dict) and "error" in v]
     finally:
-        _STATE.pop("write", None)
         if "tmp" in _STATE:
             shutil.rmtree(_STATE["tmp"], ignore_errors=True)
+        _STATE.clear()  # the folder and the checkpoints cached in it are gone: a later call in this process makes new
     print(f"wrote {out}")
     print(f"omni-mpo bench ({'quick' if args.quick else 'full'}), {res['date']}, {res['machine']}")
     print(table({k: v for k, v in res.items() if k in ITEMS}))

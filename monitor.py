@@ -9,12 +9,12 @@ Tests: `pytest tests/test_train.py tests/test_console.py`.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import signal
-import stat
 import sys
 import time
 from pathlib import Path
@@ -58,12 +58,6 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-        if signum == signal.SIGHUP:  # the terminal is gone: a print to it (EIO) would kill the rank before its save
-            for fd in (1, 2):  # a terminal, hung up or not (isatty is False once it is): a character device
-                if stat.S_ISCHR(os.fstat(fd).st_mode):
-                    null = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(null, fd)
-                    os.close(null)
         # Ignore repeats at the OS level: under Slurm a rank can get USR1 twice (step-wide delivery and the launcher's
         # forward), and a repeat arriving while the interpreter shuts down would take the default action and kill the
         # rank (exit -10), failing a job that had already saved.
@@ -97,6 +91,43 @@ class StopSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+class Console:
+    """A rank's sys.stdout / sys.stderr: a write or flush that finds the console gone (EIO: a hung-up terminal; EPIPE:
+    a closed pipe, e.g. `| tee` ended by the same hang-up) points the file descriptor at /dev/null and goes on, so the
+    rank still finishes its step and saves when the stop signal comes (`install()` wraps both streams once)."""
+
+    GONE = (errno.EIO, errno.EPIPE)
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    @classmethod
+    def install(cls) -> None:
+        for name in ("stdout", "stderr"):
+            if not isinstance(getattr(sys, name), cls):
+                setattr(sys, name, cls(getattr(sys, name)))
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno not in self.GONE:
+                raise
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            return fn(*args)  # what is still buffered goes to /dev/null
+
+    def write(self, text: str) -> int:
+        return self._guard(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def report_error(e: Exception) -> str:

@@ -126,6 +126,7 @@ def main(cfg) -> int:
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
     stopper = monitor.StopSignal()  # also: under torchrun, a rank whose launcher died stops after its step
+    monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
     # -- data -------------------------------------------------------------------------------------------------------
     data = load_data(cfg, hf, rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -348,6 +349,23 @@ def test_quick_and_partial_runs_never_replace_the_full_results(tmp_path, monkeyp
     assert bench.main(["--print"]) == 0  # no argument: the committed full results
     out = capsys.readouterr().out
     assert out.startswith("omni-mpo bench (full), 2026-01-01, m: `python bench.py`")
+
+
+def test_a_call_after_main_in_the_same_process_gets_a_new_folder(tmp_path, monkeypatch):
+    """main() removes its temporary folder at the end; a later bench call in the process (a test, a notebook) makes a
+    new one instead of writing into the removed one."""
+    import bench
+
+    old = tmp_path / "old"
+    old.mkdir()
+    monkeypatch.setattr(bench, "_STATE", {"tmp": old, "ckpt_policy": old / "policy"})
+    assert bench.main(["--quick", "--only", "packing", "--json", str(tmp_path / "r.json")]) == 0
+    assert not old.exists() and bench._STATE == {}
+    made = bench._shape_checkpoint(bench.TINY_GPU_SHAPE)
+    try:
+        assert made.parent != old and (made / "config.json").is_file()
+    finally:
+        shutil.rmtree(made.parent)
 
 
 def test_print_of_a_file_that_is_not_a_results_file_is_one_line(tmp_path, capsys):

@@ -200,3 +200,29 @@ def test_console_line_shows_mfu_in_significant_digits(value, shown):
          "tokens_per_s": 900.0, "mfu": value, "step_time": 4.0, "eta_s": 60.0}  # fmt: skip
     line = monitor.format_line(1, cfg, m)
     assert shown in line if shown else " mfu " not in line
+
+
+def test_a_console_that_is_gone_sends_the_output_to_dev_null_and_other_errors_still_raise():
+    """monitor.Console: a write to a closed pipe (EPIPE; a hung-up terminal gives EIO) points the descriptor at
+    /dev/null and returns; an error that is not a lost console (a full disk) is raised."""
+    import errno
+
+    read, write = os.pipe()
+    os.close(read)  # `| tee` ended
+    stream = os.fdopen(write, "w", buffering=1)
+    console = monitor.Console(stream)
+    try:
+        assert console.write("step 3\n") == len("step 3\n")
+        console.write("step 4\n")
+        console.flush()
+        assert os.fstat(write).st_rdev == os.stat(os.devnull).st_rdev and console.fileno() == write
+    finally:
+        stream.close()
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        monitor.Console(FullDisk()).write("x")
+    assert e.value.errno == errno.ENOSPC

@@ -1459,15 +1459,17 @@ def _after_step(proc, run_dir: Path, step: int, terminal: int | None = None) -> 
             time.sleep(0.2)
 
 
-@pytest.mark.parametrize("sig, when, workers", [(signal.SIGTERM, "step 2", 2), (signal.SIGHUP, "step 2", 1),
+@pytest.mark.parametrize("sig, when, workers", [(signal.SIGTERM, "step 2", 2), (signal.SIGHUP, "terminal closed", 1),
+                                                (signal.SIGHUP, "pipe closed", 1),
                                                 (signal.SIGTERM, "start", 1)])  # fmt: skip
 def test_a_stop_signal_to_torchrun_with_data_workers_saves_the_step(torchrun, env, tmp_path, sig, when, workers):
     """Issue 36, 1-2: torchrun forwards SIGTERM / SIGHUP to each rank's whole process group, DataLoader workers
     included; SIGTERM killed the workers and the ranks crashed in their step (nothing saved), SIGHUP killed the ranks
     at once. Now the ranks finish the step, save it and exit 0; before the first step: one step and its save. The
-    SIGHUP case is a closed terminal: the run's console is a pseudo-terminal, closed before the signal."""
+    SIGHUP cases are a closed terminal (the run's console is a pseudo-terminal) and a closed pipe (`| tee`, which the
+    same hang-up ends), closed two steps before the signal: rank 0's step lines meet EIO / EPIPE first."""
     run_dir, terminal, console = tmp_path / "run", None, None
-    if sig == signal.SIGHUP:
+    if when == "terminal closed":
         terminal, console = os.openpty()
     proc = _start_tiny(torchrun, env, run_dir, f"data.num_workers={workers}", console=console)
     if when == "start":  # the models are built: the next thing is the first step
@@ -1475,17 +1477,23 @@ def test_a_stop_signal_to_torchrun_with_data_workers_saves_the_step(torchrun, en
             pass
     else:
         _after_step(proc, run_dir, 2, terminal)
-    if terminal is not None:
+    if when == "terminal closed":
         os.close(console)
-        os.close(terminal)  # the terminal hangs up: a rank's print to it fails (EIO)
+        os.close(terminal)
+    elif when == "pipe closed":
+        proc.stdout.close()
+        proc.stderr.close()
+    if sig == signal.SIGHUP:
+        _after_step(proc, run_dir, 4)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=300) if sig != signal.SIGHUP else (None, None)
+    proc.wait(timeout=300)
     last = _rows(run_dir)[-1]["step"]
-    assert last == 1 if when == "start" else 2 <= last < 20
+    assert last == 1 if when == "start" else (4 if sig == signal.SIGHUP else 2) <= last < 20
     assert sorted(p.name for p in run_dir.glob("step_*")) == [f"step_{last}"], err and err[-3000:]
     assert json.loads((run_dir / f"step_{last}" / "run_state.json").read_text())["step"] == last
     assert proc.returncode == 1  # torchrun's, after its SignalException report; the ranks exit 0
-    if terminal is None:
+    if out is not None:
         assert f"stopped after step {last} (signal)" in out and "SignalException" in err
         assert "killed by signal" not in err and 'train.py", line' not in err
 
