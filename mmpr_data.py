@@ -1110,14 +1110,30 @@ class StepData:
     sampler_state: dict = field(default_factory=dict)
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # monitor.StopSignal's
+
+
+@contextlib.contextmanager
+def workers_start_deaf():
+    """Start data workers inside this block: they are forked with the stop signals blocked (a signal to the process
+    group in the meantime stays pending, for the rank's other threads or until the block ends), so none reaches a
+    worker before `ignore_stop_signals` runs (torch's DataLoader worker re-raises a SIGTERM not from its parent)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def ignore_stop_signals(*_) -> None:
-    """A data worker (DataLoader's worker_init_fn, the index pool's initializer) leaves the stop signals to its rank
-    (monitor.StopSignal: finish the step, save). torchrun's forward reaches the rank's whole process group, scancel
-    every process of the job; a worker killed by it broke the rank's step, nothing saved. SIGTERM from the parent (the
-    DataLoader's or multiprocessing's clean-up) still ends the worker, as torch's own handler does."""
+    """A data worker (DataLoader's worker_init_fn, the index pool's initializer; started in `workers_start_deaf`)
+    leaves the stop signals to its rank (monitor.StopSignal: finish the step, save). torchrun's forward reaches the
+    rank's whole process group, scancel every process of the job; a worker killed by it broke the rank's step, nothing
+    saved. SIGTERM from the parent (the DataLoader's or multiprocessing's clean-up) still ends the worker, as torch's
+    own handler does."""
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
+    signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})  # threads started from here on inherit the mask
 
     def exit_on_parents_sigterm() -> None:
         while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
@@ -1156,7 +1172,8 @@ class StepLoader:
             _ReturnDataErrors(self.dataset), batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs,
             num_workers=self.num_workers, worker_init_fn=ignore_stop_signals,
         )
-        batches = iter(loader)
+        with workers_start_deaf():
+            batches = iter(loader)
         while True:  # endless; batches come back in order, so they match `pending` first-in first-out
             pairs = next(batches)
             error = next((p for p in pairs if isinstance(p, DataError)), None)

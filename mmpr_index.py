@@ -60,6 +60,7 @@ from mmpr_data import (
     ignore_stop_signals,
     plural,
     read_meta,
+    workers_start_deaf,
 )
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
@@ -180,8 +181,10 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
         import multiprocessing
 
-        pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, mp_context=multiprocessing.get_context("fork"),
-                                                    initializer=ignore_stop_signals)  # a stop is the rank's
+        with workers_start_deaf():  # a stop is the rank's
+            pool = concurrent.futures.ProcessPoolExecutor(data.num_workers, initializer=ignore_stop_signals,
+                                                        mp_context=multiprocessing.get_context("fork"))
+            pool.submit(int).result()  # forks every worker now (a fork pool starts them all at its first task)
 
     def drop(st: dict, where: str, reason: str, detail: str) -> None:
         if data.strict:

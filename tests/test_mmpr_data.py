@@ -1317,6 +1317,42 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     )
 
 
+def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, processor, monkeypatch):
+    """A SIGTERM from torchrun (another process than the worker's parent) that reached a DataLoader worker after its
+    fork but before its worker_init_fn killed it (torch's worker handler re-raises such a SIGTERM), and the rank's step
+    with it. Here the worker's start takes a second, and the signal comes 0.2 s after the fork: the first step loads."""
+    import threading
+
+    import psutil
+
+    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    index = mi.build_index(meta, processor, data_cfg())
+    ds = md.PairDataset(index, processor)
+    loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
+                           plan_fn=lambda ids: (None, ids), num_workers=1)  # fmt: skip
+    deaf = md.ignore_stop_signals
+    monkeypatch.setattr(md, "ignore_stop_signals", lambda *a: (time.sleep(1.0), deaf(*a)))
+    before, sent = {c.pid for c in psutil.Process().children()}, []
+
+    def signal_the_new_worker():
+        deadline = time.time() + 30
+        while time.time() < deadline and not sent:
+            new = [c.pid for c in psutil.Process().children() if c.pid not in before]
+            if new:
+                time.sleep(0.2)
+                subprocess.run(["kill", "-TERM", str(new[0])], check=True)  # si_pid: not the worker's parent
+                sent.append(new[0])
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=signal_the_new_worker)
+    thread.start()
+    try:
+        step = next(iter(loader))
+    finally:
+        thread.join()
+    assert sent and sorted(step.pairs) == [0, 1]
+
+
 def test_sampler_state_notes_changed_data_with_the_same_pair_count():
     """QA 4b.6: the sampler state carries the index fingerprint; a resume over data with the same pair count but
     another fingerprint returns the note train.resume prints; no note for the same data or an older state without a
