@@ -6,12 +6,11 @@ Layout of a run directory (`checkpoint.dir`):
                                       earlier run there that saved no checkpoint)
     <dir>/config.json                 the resolved config of the latest segment (written by train.py)
     <dir>/config.step_<N>.json        the config steps up to N ran with, kept when a resume from step_<N> changed
-                                      loss settings (NOTICE_KEYS; written by train.py)
+                                      loss settings (NOTICE in RESUME_RULES; written by train.py)
     <dir>/step_<N>/                   a complete checkpoint after optimizer step N
         model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
                                       i.e. torch.distributed.checkpoint files), every rank writes its own shards
-        run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr; checked
-                                      against the config by `check_schedule` before a resume loads any state),
+        run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr),
                                       reward_shift and reward_shift_num_updates (the optimizer steps that moved it: a
                                       diagnostic, not read back by training), W&B run id, world size and parallel
                                       layout, the resolved config; "checksums": the hash of every other file of the
@@ -28,13 +27,13 @@ Layout of a run directory (`checkpoint.dir`):
 
 `latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
 after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`: a resume needs the same
-layout except for the data-parallel size (`check_layout` refuses another TP/CP/EP or parameter dtype, see below),
+layout except for the data-parallel size (`check_resume` refuses another TP/CP/EP or parameter dtype, see below),
 while the model part alone reshards freely, so `export` loads it at TP = CP = EP = 1 whatever layout saved it.
 
 The optimizer format is a choice, the same on every platform: the distributed optimizer's `dp_reshardable`
 (`OPTIMIZER_METADATA`). Each rank writes its own gradient-buffer shards without communication, which is what a
 large run wants at every save; the price is that the optimizer state reshards over DP only: a resume with another
-TP/CP/EP (or parameter dtype) is refused by `check_layout`, and the way to continue with another layout is to export
+TP/CP/EP (or parameter dtype) is refused by `check_resume`, and the way to continue with another layout is to export
 the policy and start a new run from it (model.hf_path = the export, a fresh optimizer). The alternatives would not
 buy bf16 correctness either (a param group mixing fp32 and bf16 parameters breaks every format alike, because all
 read the same position map: hence omni_model.cast_params_to). That megatron-core 0.19.2's model-space default
@@ -61,6 +60,7 @@ Tests: `pytest tests/test_checkpoint.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -706,133 +706,104 @@ def _restore_adam_steps(optimizer) -> None:
         raise CheckpointError(f"optimizer param groups carry different Adam steps {sorted(steps)}")
 
 
-# The schedule entries of a scheduler state (all but the step count) and the settings behind them.
-SCHEDULE_KEYS = {
-    "max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "init_lr": "scheduler.lr_warmup_init",
-    "lr_warmup_steps": "scheduler.lr_warmup_steps", "lr_decay_steps": "mpo.max_num_steps",
-    "lr_decay_style": "scheduler.lr_decay_style", "start_wd": "optimizer.weight_decay",
-    "end_wd": "optimizer.weight_decay", "wd_incr_steps": "mpo.max_num_steps", "wd_incr_style": "optimizer.weight_decay",
-}  # fmt: skip
-
-
 def schedule_state(scheduler) -> dict[str, Any]:
     """megatron-core `OptimizerParamScheduler.state_dict()` plus its `init_lr` (the warmup start, which megatron does
     not save): what run_state.json stores under "scheduler"."""
     return dict(scheduler.state_dict(), init_lr=scheduler.init_lr)
 
 
-def check_schedule(path: str | Path, saved: dict[str, Any] | None, mine: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint whose LR / weight-decay schedule differs from this run's.
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """A checkpoint's run_state.json (written by `save`), read and checked once by `read_run_state`."""
 
-    Compares every entry of SCHEDULE_KEYS present in the saved state (all but the step count; checkpoints written
-    before `init_lr` was saved skip that one). Run before any tensor is loaded.
-
-    Raises:
-        CheckpointError: no saved scheduler state, or any entry differs; the message lists (saved, now) per entry and
-            the settings to restore.
-    """
-    if saved is None:
-        raise CheckpointError(f"{Path(path) / RUN_STATE_FILE} has no scheduler state")
-    diff = {k: (saved[k], mine[k]) for k in SCHEDULE_KEYS if k in saved and saved[k] != mine[k]}
-    if diff:
-        names = ", ".join(dict.fromkeys(SCHEDULE_KEYS[k] for k in diff))
-        raise CheckpointError(
-            f"the LR schedule of {path} differs from this run's (saved, now): {diff}; set {names} back to the saved "
-            "values (chained segments keep optimizer.lr, optimizer.min_lr, optimizer.weight_decay, scheduler.* and "
-            "mpo.max_num_steps, the horizon, unchanged) or start a new run in another checkpoint.dir"
-        )
+    path: Path  # the step_<N> folder
+    step: int  # optimizer steps done
+    world_size: int
+    consumed_pairs: int
+    reward_shift: float  # δ of the next step
+    reward_shift_num_updates: int  # optimizer steps that moved δ (a diagnostic; training does not read it)
+    sampler: dict  # mmpr_data.PairSampler.state_dict() after step `step`
+    scheduler: dict  # schedule_state() after step `step`
+    config: dict  # the resolved config (config.to_dict) the steps up to `step` ran with
+    wandb_run_id: str | None = None
+    checksums: dict | None = None  # {"algorithm", "files": {path relative to `path`: hex digest}}
 
 
-# What train.resume reads from a run_state.json (besides the optional wandb_run_id and config) and their JSON types.
-RUN_STATE_KEYS = {"step": int, "world_size": int, "consumed_pairs": int, "reward_shift": float,
-                  "reward_shift_num_updates": int, "sampler": dict, "scheduler": dict}
+# The fields of RunState that run_state.json must hold, with their JSON types (an int counts as a float).
+_RUN_STATE_TYPES = {"step": int, "world_size": int, "consumed_pairs": int, "reward_shift": float,
+                    "reward_shift_num_updates": int, "sampler": dict, "scheduler": dict, "config": dict}
 
 
-def check_run_state(path: Path, state: Any) -> None:
-    """Refuse a run_state.json (of checkpoint `path`, a step_<N>; `state` its parsed JSON) that a resume cannot use:
-    not an object, a key of RUN_STATE_KEYS missing or of another type (an int counts as a float), a negative step,
-    a reward shift δ that is not finite (JSON's NaN / Infinity).
+def read_run_state(path: str | Path) -> RunState:
+    """The run state of checkpoint `path` (a step_<N> folder), checked: every field of RunState without a default
+    present with its JSON type (an int counts as a float), step >= 0, δ finite.
 
     Raises:
-        CheckpointError: one line naming the file and every problem, with the way out (move the step away and resume
-            from the previous checkpoint).
+        CheckpointError: run_state.json cannot be read, or a check fails: one line naming the file, every problem and
+            the way out (move the step away to resume from the previous checkpoint).
     """
-    if not isinstance(state, dict):
-        problems = [f"a JSON {type(state).__name__}, not an object"]
-    else:
-        problems = [f"no {k!r}" for k in RUN_STATE_KEYS if k not in state]
-        for k, kind in RUN_STATE_KEYS.items():
-            v = state.get(k)
-            ok = isinstance(v, (int, float) if kind is float else kind) and not isinstance(v, bool)
-            if k in state and not ok:
-                problems.append(f"{k!r} = {v!r} is not a JSON {'number' if kind is float else kind.__name__}")
-        if isinstance(state.get("step"), int) and state["step"] < 0:
-            problems.append(f"'step' = {state['step']} is negative")
-        if isinstance(state.get("reward_shift"), float) and not math.isfinite(state["reward_shift"]):
-            problems.append(f"'reward_shift' = {state['reward_shift']} is not finite")
-    if problems:
-        raise CheckpointError(
-            f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; move {path} away (e.g. to "
-            f"{path}.damaged) to resume from the previous checkpoint"
-        )
-
-
-def check_resume_schedule(path: str | Path | None, mine: dict[str, Any]) -> None:
-    """`check_schedule` of checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) against `mine` (the
-    `schedule_state` this run's config gives, train.planned_schedule), from its run_state.json alone: train.py runs it
-    with check_layout, before metrics.jsonl, the data or the models are touched, so a changed schedule is refused in
-    seconds. `load` checks again against the built scheduler.
-
-    Raises:
-        CheckpointError: those of `check_schedule`; run_state.json unreadable (`_run_state`).
-    """
-    if path is not None:
-        check_schedule(path, _run_state(Path(path)).get("scheduler"), mine)
-
-
-# Settings that fix the layout of the saved model/optimizer state: the parameter dtype (and with it the optimizer's
-# param groups and fp32 master copies), the TP/CP/EP/ETP sharding of the optimizer's buckets (dp_reshardable reshards
-# over DP only), the optimizer format and the set of trained parameters (the freeze flags: a frozen parameter has no
-# gradient bucket). A resume with another value would fail deep in megatron-core's dist_checkpointing (KeyError
-# "...bucket_idx_0.param from model not in state dict", or a CheckpointException); `check_layout` refuses it first.
-LAYOUT_KEYS = (
-    "model.params_dtype",
-    "parallel.tensor_model_parallel_size",
-    "parallel.context_parallel_size",
-    "parallel.expert_model_parallel_size",
-    "parallel.expert_tensor_parallel_size",
-    "optimizer.use_distributed_optimizer",
-    "model.freeze_vision_encoder",
-    "model.freeze_vision_projector",
-    "model.freeze_language_model",
-)
-
-
-def _run_state(path: Path) -> dict:
-    """`<path>/run_state.json` as a dict.
-
-    Raises:
-        CheckpointError: the file cannot be read, is not JSON or not a JSON object.
-    """
+    path = Path(path)
     try:
-        state = json.loads((path / RUN_STATE_FILE).read_text())
+        raw = json.loads((path / RUN_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no run state (a JSON object)")
-    return state
+        raise CheckpointError(f"{path / RUN_STATE_FILE} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(raw, dict):
+        problems = [f"a JSON {type(raw).__name__}, not an object"]
+    else:
+        problems = [f"no {k!r}" for k in _RUN_STATE_TYPES if k not in raw]
+        for k, kind in _RUN_STATE_TYPES.items():
+            ok = isinstance(raw.get(k), (int, float) if kind is float else kind) and not isinstance(raw.get(k), bool)
+            if k in raw and not ok:
+                problems.append(f"{k!r} = {raw[k]!r} is not a JSON {'number' if kind is float else kind.__name__}")
+        if isinstance(raw.get("step"), int) and raw["step"] < 0:
+            problems.append(f"'step' = {raw['step']} is negative")
+        if isinstance(raw.get("reward_shift"), float) and not math.isfinite(raw["reward_shift"]):
+            problems.append(f"'reward_shift' = {raw['reward_shift']} is not finite")
+    if problems:
+        raise CheckpointError(f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; "
+                              f"{move_away(path)}")  # fmt: skip
+    return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
+                    checksums=raw.get("checksums"))  # fmt: skip
 
 
-def _saved_config(path: Path) -> dict:
-    """The resolved config saved in `<path>/run_state.json` (a config.to_dict dict).
-
-    Raises:
-        CheckpointError: run_state.json cannot be read or holds no config.
-    """
-    saved = _run_state(path).get("config")
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path / RUN_STATE_FILE} holds no resolved config")
-    return saved
+# What a resume does when this run's config changes a setting saved with the checkpoint (`check_resume`): refuse it,
+# for the reason given, or NOTICE: the new value applies from the next step (train.resume prints one `resume:` line
+# and keeps the saved config as config.step_<N>.json). A setting not listed may change silently (e.g. data paths,
+# logging, checkpoint.save_period); the data-parallel size is no setting (it follows from the world size).
+LAYOUT = "the saved optimizer state loads only with the saved layout (it reshards over DP only)"
+REWARD_UNITS = "δ is an EMA of the BCO rewards β·L in the saved units"
+SCHEDULE = "the segments of a run follow one LR / weight-decay schedule"
+NOTICE = "notice"
+RESUME_RULES = {
+    "model.params_dtype": LAYOUT,  # the optimizer's param groups and fp32 master copies
+    "parallel.tensor_model_parallel_size": LAYOUT,
+    "parallel.context_parallel_size": LAYOUT,
+    "parallel.expert_model_parallel_size": LAYOUT,
+    "parallel.expert_tensor_parallel_size": LAYOUT,
+    "optimizer.use_distributed_optimizer": LAYOUT,
+    "model.freeze_vision_encoder": LAYOUT,  # a frozen parameter has no gradient bucket
+    "model.freeze_vision_projector": LAYOUT,
+    "model.freeze_language_model": LAYOUT,
+    "mpo.reference_policy_kl_penalty": REWARD_UNITS,  # β
+    "mpo.quality_average_log_probs": REWARD_UNITS,  # L a sum or a per-token mean
+    "optimizer.lr": SCHEDULE,
+    "optimizer.min_lr": SCHEDULE,
+    "optimizer.weight_decay": SCHEDULE,
+    "scheduler.lr_warmup_init": SCHEDULE,
+    "scheduler.lr_warmup_steps": SCHEDULE,
+    "scheduler.lr_decay_style": SCHEDULE,
+    "mpo.max_num_steps": SCHEDULE,  # the horizon
+    "model.hf_path": NOTICE,  # the frozen reference is read from it at every start; the policy continues
+    "policy.train_global_batch_size": NOTICE,
+    "mpo.preference_loss_weight": NOTICE,
+    "mpo.bco_loss_weight": NOTICE,
+    "mpo.sft_loss_weight": NOTICE,
+    "mpo.reward_shift_momentum": NOTICE,
+    "mpo.reward_shift": NOTICE,  # a fresh start's δ only: a resume carries the saved δ
+    "mpo.preference_average_log_probs": NOTICE,
+    "mpo.sft_average_log_probs": NOTICE,
+    "packing.shared_prompt": NOTICE,
+}
 
 
 def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
@@ -856,80 +827,26 @@ def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
     return diff
 
 
-def check_layout(path: str | Path | None, cfg) -> None:
-    """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start, nothing to check) when this run's config
-    changes a setting of LAYOUT_KEYS.
-
-    Compares the resolved config saved in the step's run_state.json with `cfg` (a config.Config). The data-parallel
-    size is no setting (it follows from the world size) and may change: the state reshards over DP. Reads one file,
-    on every rank, before any model is built.
+def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
+    """Whether this run's config `cfg` may continue checkpoint `saved` (RESUME_RULES). Returns the NOTICE settings
+    that changed, {key: (saved, now)}.
 
     Raises:
-        CheckpointError: one line with every changed setting as (saved, now) and the way out: set them back, or export
-            the policy (`python checkpoint.py export RUN OUT`) and start a new run dir with model.hf_path=OUT (a fresh
-            optimizer); also when run_state.json is missing or holds no config.
+        CheckpointError: one line with every refused change (saved -> now) under its reason, and the way out: set
+            the saved values back, or export the policy and start a new run from it (a fresh optimizer).
     """
-    if path is None:
-        return
-    path = Path(path)
-    diff = changed_settings(_saved_config(path), cfg, LAYOUT_KEYS)
-    if diff:
-        run_dir = path.parent
+    changed = changed_settings(saved.config, cfg, RESUME_RULES)
+    refused = {k: v for k, v in changed.items() if RESUME_RULES[k] != NOTICE}
+    if refused:
+        why = "; ".join(reason + ": " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in refused.items()
+                                                  if RESUME_RULES[k] == reason)
+                        for reason in dict.fromkeys(RESUME_RULES[k] for k in refused))  # fmt: skip
         raise CheckpointError(
-            f"cannot resume {path}: it was saved with another checkpoint layout (saved, now): {diff}; its optimizer "
-            f"state loads only with the saved {', '.join(diff)}. Set the saved values back, or export the policy "
-            f"(python checkpoint.py export {run_dir} OUT) and start a new run in another checkpoint.dir with "
-            "model.hf_path=OUT (a fresh optimizer)"
+            f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, or export the "
+            f"policy (python checkpoint.py export {saved.path.parent} OUT) and start a new run in another "
+            "checkpoint.dir with model.hf_path=OUT"
         )
-
-
-# Loss settings that define the units of the BCO rewards β·L (L a sum, or a per-token mean with the flag): the reward
-# shift δ carried in run_state.json is an EMA of those rewards in the saved units (mpo_loss.update_reward_shift), so a
-# resume with another value is refused by `check_loss_settings`.
-REWARD_UNIT_KEYS = (
-    "mpo.reference_policy_kl_penalty",
-    "mpo.quality_average_log_probs",
-)
-# Settings a resume may change: the new values apply from the next step; train.resume prints one `resume:` line
-# listing them (saved -> now) and keeps the earlier segment's config as config.step_<N>.json (monitor). mpo.reward_shift
-# is only the δ of a fresh start: a resume carries the saved δ. model.hf_path is where the frozen reference model is
-# read from at every start (the policy continues from the checkpoint); the global batch changes the pairs per step.
-NOTICE_KEYS = (
-    "model.hf_path",
-    "policy.train_global_batch_size",
-    "mpo.preference_loss_weight",
-    "mpo.bco_loss_weight",
-    "mpo.sft_loss_weight",
-    "mpo.reward_shift_momentum",
-    "mpo.reward_shift",
-    "mpo.preference_average_log_probs",
-    "mpo.sft_average_log_probs",
-    "packing.shared_prompt",
-)
-
-
-def check_loss_settings(path: str | Path | None, cfg) -> None:
-    """Refuse to resume checkpoint `path` (a step_<N>; None: a fresh start) when this run changes a setting of
-    REWARD_UNIT_KEYS (β or mpo.quality_average_log_probs). Reads the config saved in run_state.json, on every rank,
-    before any model is built.
-
-    Raises:
-        CheckpointError: one line with every changed setting as saved -> now, the reason (the carried δ is an EMA of
-            rewards in the saved units) and the way out (set them back, or a new run from an export); also when
-            run_state.json is missing or holds no config.
-    """
-    if path is None:
-        return
-    path = Path(path)
-    diff = changed_settings(_saved_config(path), cfg, REWARD_UNIT_KEYS)
-    if diff:
-        changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
-        raise CheckpointError(
-            f"cannot resume {path} with changed reward settings: {changes}; β and mpo.quality_average_log_probs set "
-            "the units of the BCO rewards β·L, and the carried reward shift δ is an EMA of them in the saved units. "
-            f"Set the saved values back, or export the policy (python checkpoint.py export {path.parent} OUT) and "
-            "start a new run in another checkpoint.dir with model.hf_path=OUT"
-        )
+    return {k: v for k, v in changed.items() if RESUME_RULES[k] == NOTICE}
 
 
 def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
@@ -1032,15 +949,15 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
     return missing
 
 
-def _checksum_mismatches(path: Path, world_size: int | None) -> tuple[list[str], str | None]:
-    """Collective: the files of checkpoint `path` whose content differs from the checksum run_state.json lists for it
+def _checksum_mismatches(state: RunState, world_size: int | None) -> tuple[list[str], str | None]:
+    """Collective: the files of checkpoint `state.path` whose content differs from the checksum its run state lists
     (relative paths, sorted), and a notice when there is nothing to verify. Each rank hashes every world-th file of
     the ones a load reads (model_optim/*, with `world_size` also rng/*), so a resume reads each file once more,
     spread over the ranks.
 
     Checkpoints without "checksums" (saved before they were written) or hashed with an algorithm this environment
     lacks (xxh3_64 without xxhash) are not verified: ([], the notice)."""
-    saved = _run_state(path).get("checksums")
+    path, saved = state.path, state.checksums
     if not isinstance(saved, dict) or not isinstance(saved.get("files"), dict):
         return [], f"checkpoint: {path} holds no checksums (saved before they were written): its files are not verified"
     algorithm = saved.get("algorithm")
@@ -1062,17 +979,17 @@ def _checksum_mismatches(path: Path, world_size: int | None) -> tuple[list[str],
     return bad, None
 
 
-def check_complete(path: str | Path, world_size: int | None) -> None:
-    """Refuse a damaged checkpoint before any collective load, identically on every rank (rank 0 checks, the outcome
-    is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata says, then files
-    whose checksum differs from the one saved in run_state.json (`_checksum_mismatches`, all ranks).
+def check_complete(state: RunState, world_size: int | None) -> None:
+    """Refuse a damaged checkpoint (`state.path`) before any collective load, identically on every rank (rank 0
+    checks, the outcome is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata
+    says, then files whose checksum differs from the one saved in its run state (`_checksum_mismatches`, all ranks).
 
     Raises:
         CheckpointError: one line naming the step, the missing files, and the way out: move the step directory away
             to resume from the previous checkpoint (named when there is one); or the truncated shard files
             (`_load_shards`' line); or the files whose checksum differs (a bit flipped on disk or in a copy).
     """
-    path = Path(path)
+    path = state.path
     out: list[str | None] = [None]
     if _rank() == 0:
         try:
@@ -1092,7 +1009,7 @@ def check_complete(path: str | Path, world_size: int | None) -> None:
         dist.broadcast_object_list(out, src=0)
     if out[0] is not None:
         raise CheckpointError(out[0])
-    bad, notice = _checksum_mismatches(path, world_size)
+    bad, notice = _checksum_mismatches(state, world_size)
     if notice and _rank() == 0:
         print(notice, file=sys.stderr)
     if bad:
@@ -1102,32 +1019,23 @@ def check_complete(path: str | Path, world_size: int | None) -> None:
         )
 
 
-def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
-    """Restore a checkpoint written by `save` into a freshly built model / optimizer / scheduler (collective).
+def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
+    """Restore checkpoint `ckpt` (its RunState, or a step_<N> folder) written by `save` into a freshly built model /
+    optimizer / scheduler (collective); returns its RunState.
 
-    The model part accepts any parallel layout; the optimizer part needs the same LAYOUT_KEYS settings (DP may differ;
-    train.py checks them first with `check_layout`).
-    RNG states are restored when the world size is the one saved; at another world size (another DP size) they are
-    not, and rank 0 prints one note on stderr (the per-rank RNG files are then neither read nor required).
-    Before anything is loaded, `check_complete` refuses a damaged checkpoint on every rank alike.
-
-    Returns: the run state (run_state.json) with `step`, `scheduler`, `reward_shift`, ...
+    The model part accepts any parallel layout; the optimizer and scheduler need the saved settings of RESUME_RULES
+    (train.py checks them first with `check_resume`; DP may differ). RNG states are restored when the world size is
+    the one saved; at another world size (another DP size) they are not, and rank 0 prints one note on stderr (the
+    per-rank RNG files are then neither read nor required). Before anything is loaded, `check_complete` refuses a
+    damaged checkpoint on every rank alike.
 
     Raises:
-        CheckpointError: missing files (run_state.json; model_optim/.metadata, a shard file it references, or at
-            the saved world size a rank's RNG file: `check_complete`) or a file whose checksum differs, or a
-            scheduler whose schedule (lr, min_lr, warmup start and steps, horizon, decay style, weight decay:
-            `check_schedule`) differs from the saved one, raised before any state is loaded (chained segments must
-            share one schedule); a truncated shard file (`_load_shards`).
+        CheckpointError: those of `read_run_state` and `check_complete`; a truncated shard file (`_load_shards`); a
+            damaged RNG file.
     """
-    path = Path(path)
-    if not (path / RUN_STATE_FILE).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {RUN_STATE_FILE})")
-    state = json.loads((path / RUN_STATE_FILE).read_text())
-    same_world = state.get("world_size") == _world()
-    check_complete(path, state.get("world_size") if same_world else None)  # before any collective load
-    if scheduler is not None:  # before any state is loaded: megatron's optimizer load fails on another lr (KeyError)
-        check_schedule(path, state.get("scheduler"), schedule_state(scheduler))
+    state = ckpt if isinstance(ckpt, RunState) else read_run_state(ckpt)
+    path, same_world = state.path, state.world_size == _world()
+    check_complete(state, state.world_size if same_world else None)  # before any collective load
 
     if optimizer is not None:
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
@@ -1141,7 +1049,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
         _restore_adam_steps(optimizer)
     if scheduler is not None:
         scheduler.num_steps = 0
-        scheduler.load_state_dict(state["scheduler"])
+        scheduler.load_state_dict(state.scheduler)
 
     rng_file = path / RNG_DIR / f"rank_{_rank():05d}.pt"
     if same_world:  # every rank's file is there (check_complete)
@@ -1162,7 +1070,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=Non
         set_rng_state(rng)
     elif _rank() == 0:
         print(
-            f"checkpoint: RNG states not restored: saved with world size {state.get('world_size')}, now {_world()}",
+            f"checkpoint: RNG states not restored: saved with world size {state.world_size}, now {_world()}",
             file=sys.stderr,
         )
     _barrier()
@@ -1251,8 +1159,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
         raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
+    state = read_run_state(path)
     try:
-        cfg = config_mod.from_dict(_saved_config(path))
+        cfg = config_mod.from_dict(state.config)
     except config_mod.ConfigError as e:
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
     check_export_dir(out_dir, path, cfg.model.hf_path)
@@ -1261,9 +1170,9 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
             f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json seen from "
             f"{os.getcwd()}; run the export from the directory the training ran in"
         )
-    check_complete(path, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
+    check_complete(state, None)  # a missing or truncated shard file, before the model is built (no RNG file needed)
     out, staging = Path(out_dir), _export_staging(out_dir)
-    info = {"source": os.path.abspath(path), "step": _saved_step(path),
+    info = {"source": os.path.abspath(path), "step": state.step,
             "model.hf_path": os.path.abspath(cfg.model.hf_path),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "complete": False}
     _write_export_info(staging, info, out_dir)  # before the model is built: an unwritable directory fails here
@@ -1329,12 +1238,6 @@ def _export_staging(out_dir: str | Path) -> Path:
                 f"before it replaces {out_dir}: move it away or choose another OUT_DIR"
             )
     return out.with_name(out.name + ".tmp")
-
-
-def _saved_step(path: Path) -> int | None:
-    """The step in `<path>/run_state.json` (None when it holds none); the file was read once already."""
-    step = json.loads((path / RUN_STATE_FILE).read_text()).get("step")
-    return step if isinstance(step, int) else None
 
 
 def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path) -> None:

@@ -163,26 +163,6 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def saved_progress(resume_from) -> tuple[int, str | None]:
-    """(step, W&B run id) of the checkpoint `resume_from` (a step_<N> directory, or None: (0, None)), read from its
-    run_state.json before anything heavy is built (the metrics log and W&B start from them); checkpoint.load reads the
-    whole run state later.
-
-    Raises:
-        checkpoint.CheckpointError: run_state.json cannot be read, or lacks a key a resume reads
-            (`checkpoint.check_run_state`: damaged or edited by hand).
-    """
-    if resume_from is None:
-        return 0, None
-    path = Path(resume_from) / checkpoint.RUN_STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
-    checkpoint.check_run_state(Path(resume_from), state)
-    return state["step"], state.get("wandb_run_id")
-
-
 RESOLVED_CONFIG_FILE = "config.json"
 
 

@@ -47,7 +47,6 @@ import math
 import os
 import sys
 import time
-import types
 from dataclasses import dataclass
 
 # One CUDA hardware work queue per device, set before CUDA starts (the driver reads it when it creates the context;
@@ -114,17 +113,16 @@ def main(cfg) -> int:
         monitor.print_layout(ctx, world, kernels, pair_layout)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
-    checkpoint.check_layout(resume_from, cfg)  # the same dtype / TP / CP / EP as saved (DP may change)
-    checkpoint.check_loss_settings(resume_from, cfg)  # the same β and quality flag (the units of δ)
-    saved_step, saved_wandb_id = monitor.saved_progress(resume_from)
+    saved = checkpoint.read_run_state(resume_from) if resume_from else None  # None: a fresh start
+    notices = checkpoint.check_resume(saved, cfg) if saved else {}  # refuses another layout, β or LR schedule
+    saved_step = saved.step if saved else 0
     last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
     if saved_step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
         if rank == 0:
             print(f"nothing to do: step {saved_step} already reached the stop step {last}")
         return 0
-    checkpoint.check_resume_schedule(resume_from, planned_schedule(cfg))  # the same LR schedule (chained segments)
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
-    log = monitor.MetricsLog(cfg, saved_wandb_id, saved_step, rank)
+    log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved_step, rank)
     stopper = monitor.StopSignal()  # also: under torchrun, a rank whose launcher died stops after its step
     monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
@@ -139,7 +137,7 @@ def main(cfg) -> int:
     ddp, optimizer, scheduler = build_optimizer(policy, cfg)
 
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
-    run = resume(resume_from, ddp, optimizer, scheduler, data.sampler, cfg, rank)
+    run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run["wandb_run_id"] = log.run_id
 
     # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
@@ -292,16 +290,8 @@ def build_scheduler(optimizer, cfg):
         end_wd=o.weight_decay,
         wd_incr_steps=horizon,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments is an error (checkpoint.load)
+        use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments: checkpoint.check_resume
     )
-
-
-def planned_schedule(cfg) -> dict:
-    """The scheduler state (checkpoint.schedule_state: lr, min_lr, warmup, horizon, decay style, weight decay; step 0)
-    of `build_scheduler(optimizer, cfg)`, without an optimizer: what a resume is checked against before any model is
-    built (checkpoint.check_resume_schedule). Raises config.ConfigError as `build_scheduler` does."""
-    no_params = types.SimpleNamespace(param_groups=[])  # the scheduler only writes lr / weight_decay into the groups
-    return checkpoint.schedule_state(build_scheduler(no_params, cfg))
 
 
 def build_optimizer(policy, cfg):
@@ -340,13 +330,13 @@ def build_optimizer(policy, cfg):
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
 
-def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
-    """The run state: fresh (step 0, δ = mpo.reward_shift) or loaded with the model, optimizer, scheduler and sampler
-    from the checkpoint `resume_from`; then writes the resolved config (rank 0; after a successful resume, so a
-    refused config never replaces the run's). A resume that changes settings of checkpoint.NOTICE_KEYS (β and
-    mpo.quality_average_log_probs were refused by checkpoint.check_loss_settings) prints one `resume:` line listing them
-    (saved -> now) and keeps the saved config of the resumed step N as `config.step_<N>.json`; training data changed
-    since step N with the same pair count (the sampler's index fingerprint) prints one `resume:` line too.
+def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
+    """The run state: fresh (step 0, δ = mpo.reward_shift; `saved` None) or loaded with the model, optimizer, scheduler
+    and sampler from `saved` (checkpoint.RunState); then writes the resolved config (rank 0; after a successful
+    resume, so a refused config never replaces the run's). `notices`, the changed settings checkpoint.check_resume
+    allowed, get one `resume:` line (saved -> now), and the saved config of the resumed step N is kept as
+    `config.step_<N>.json`; training data changed since step N with the same pair count (the sampler's index
+    fingerprint) prints one `resume:` line too.
 
     Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
     next step), reward_shift_num_updates (how many optimizer steps moved δ, i.e. had bco/reward_count > 0: a recorded
@@ -360,31 +350,27 @@ def resume(resume_from, ddp, optimizer, scheduler, sampler: mmpr_data.PairSample
         "reward_shift_num_updates": 0,
         "wandb_run_id": None,
     }
-    previous = None  # (step, saved config) of a resume that changes loss settings
-    if resume_from is not None:
+    if saved is not None:
         with cpu_compat.cuda_to_cpu():
-            state = checkpoint.load(resume_from, ddp, optimizer, scheduler)
-        run.update({k: state[k] for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates")})
-        run["wandb_run_id"] = state.get("wandb_run_id")
-        data_changed = sampler.load_state_dict(state["sampler"])  # a note when the data changed, same pair count
-        changed = checkpoint.changed_settings(state.get("config") or {}, cfg, checkpoint.NOTICE_KEYS)
-        if changed:
-            previous = (run["step"], state["config"])
+            checkpoint.load(saved, ddp, optimizer, scheduler)
+        run.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates",
+                                                   "wandb_run_id")})  # fmt: skip
+        data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
         if rank == 0:
-            print(f"resumed from {resume_from} (step {run['step']}, reward_shift {run['reward_shift']!r})")
+            print(f"resumed from {saved.path} (step {saved.step}, reward_shift {saved.reward_shift!r})")
             if data_changed:
-                print(f"resume: the training data changed since step {run['step']} ({data_changed})")
-            if changed:
+                print(f"resume: the training data changed since step {saved.step} ({data_changed})")
+            if notices:
                 note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
                         "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
-                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in changed.items())
+                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
                 print(
-                    f"resume: changed settings from step {run['step'] + 1} on: {changes}; the settings of steps "
-                    f"up to {run['step']}: config.step_{run['step']}.json"
+                    f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
+                    f"up to {saved.step}: config.step_{saved.step}.json"
                 )
     run["sampler"] = sampler.state_dict()
     if rank == 0:
-        print(f"config: {monitor.write_resolved_config(cfg, previous)}")
+        print(f"config: {monitor.write_resolved_config(cfg, (saved.step, saved.config) if notices else None)}")
     return run
 
 

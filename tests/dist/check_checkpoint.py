@@ -141,7 +141,7 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     ddp, opt, sched = build(1, distributed_optimizer)
     first = [train_step(ddp, opt, sched, s) for s in range(1, 3)]
     run_state = {"consumed_pairs": 8, "reward_shift": 0.1 + 1e-17 * 3 + 2 / 3, "reward_shift_num_updates": 2,
-                 "sampler": {"epoch": 0, "offset": 8}, "wandb_run_id": "abc123"}  # fmt: skip
+                 "sampler": {"epoch": 0, "offset": 8}, "wandb_run_id": "abc123", "config": {}}  # fmt: skip
     checkpoint.save(run_dir, 1, ddp, opt, sched, dict(run_state), keep_last=1)  # pruned by the next save
     checkpoint.save(run_dir, 2, ddp, opt, sched, dict(run_state), keep_last=1)
     saved_steps, _ = adam_steps(opt)
@@ -227,7 +227,7 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     with cpu_compat.cuda_to_cpu():
         state = checkpoint.load(latest, ddp, opt, sched)
     res["latest"] = latest.name
-    res["state"] = {k: state[k] for k in ("step", "reward_shift", "consumed_pairs", "sampler", "wandb_run_id")}
+    res["state"] = {k: getattr(state, k) for k in ("step", "reward_shift", "consumed_pairs", "sampler", "wandb_run_id")}
     res["reward_shift_expected"] = run_state["reward_shift"]
     res["saved_steps"] = saved_steps
     res["loaded_steps"], res["loaded_step_tensors"] = adam_steps(opt)
@@ -239,18 +239,6 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     res["final_max_diff"] = max_diff(final_straight, final_resumed)
     res["final_count"] = len(final_straight)
 
-    # Another horizon (mpo.max_num_steps), lr or min_lr between segments is refused before any state is loaded
-    # (megatron's optimizer load alone raises a KeyError on the lr / min_lr of its param groups).
-    for name, kwargs in (("horizon", {"max_steps": 5}), ("lr", {"lr": 5e-3}), ("min_lr", {"min_lr": 1e-4})):
-        ddp, opt, sched = build(1, distributed_optimizer, **kwargs)
-        before = opt_tensors(opt)
-        try:
-            with cpu_compat.cuda_to_cpu():
-                checkpoint.load(latest, ddp, opt, sched)
-            res[f"{name}_error"] = None
-        except checkpoint.CheckpointError as e:
-            res[f"{name}_error"] = str(e)
-        res[f"{name}_untouched"] = max_diff(before, opt_tensors(opt)) == 0.0 and sched.num_steps == 0
     return res
 
 
@@ -286,7 +274,8 @@ def damaged_and_full(out: Path) -> dict:
         res["checksum_files"] = sorted(json.loads((step / checkpoint.RUN_STATE_FILE).read_text())["checksums"]["files"])
     dist.barrier()
     res["flipped_path"], res["flipped_previous"] = str(copy), str(out / "flipped" / "step_1")
-    res["flipped_errors"] = every_rank_error(lambda: checkpoint.check_complete(copy, 2), checkpoint.CheckpointError)
+    flipped = checkpoint.read_run_state(copy)
+    res["flipped_errors"] = every_rank_error(lambda: checkpoint.check_complete(flipped, 2), checkpoint.CheckpointError)
 
     cfg = config_mod.load_config(None, [f"checkpoint.dir={out / 'metrics'}", "logging.wandb=disabled"])
     log = monitor.MetricsLog(cfg, None, 0, rank)
