@@ -1,61 +1,16 @@
-"""Resumable training checkpoints: sharded model + optimizer, run state, per-rank RNG; HF export.
+"""Resumable training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the HF export.
 
-Layout of a run directory (`checkpoint.dir`):
+    <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
+        model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
+        run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums
+        rng/rank_<r>.pt               the RNG states of rank r
+    <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
+    <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
 
-    <dir>/metrics.jsonl               one JSON object per step (written by train.py; metrics.<n>.jsonl: the rows of an
-                                      earlier run there that saved no checkpoint)
-    <dir>/config.json                 the resolved config of the latest segment (written by train.py)
-    <dir>/config.step_<N>.json        the config steps up to N ran with, kept when a resume from step_<N> changed
-                                      loss settings (NOTICE in RESUME_RULES; written by train.py)
-    <dir>/step_<N>/                   a complete checkpoint after optimizer step N
-        model_optim/                  model and optimizer state: megatron-core dist_checkpointing (torch_dist format,
-                                      i.e. torch.distributed.checkpoint files), every rank writes its own shards
-        run_state.json                step, consumed pairs, sampler state, LR-scheduler state (+ its init_lr),
-                                      reward_shift and reward_shift_num_updates (the optimizer steps that moved it: a
-                                      diagnostic, not read back by training), W&B run id, world size and parallel
-                                      layout, the resolved config; "checksums": the hash of every other file of the
-                                      step (xxh3_64, or crc32 without xxhash), verified by `check_complete`
-        rng/rank_<r>.pt               RNG states of rank r: python, numpy, torch CPU, CUDA, megatron's tracker
-    <dir>/step_<N>.tmp/               a save in progress; renamed to step_<N> only when every rank has finished, so a
-                                      crash mid-save never leaves a directory that looks complete (it is ignored, and
-                                      removed by the next run's `lock_run_dir`; a failed save removes its own)
-    <dir>/step_<N>.old/               only while a second save of step N (a signal right after a periodic save)
-                                      replaces step_<N>; a run killed between the renames leaves it, and the next
-                                      run's `lock_run_dir` renames it back to step_<N> (or removes it beside one)
-    <dir>/.lock                       held (fcntl.flock) by the run using the directory; holds its host, pid, Slurm job
-                                      and start time (`lock_run_dir`: one run per directory)
-
-`latest_checkpoint(dir)` is the highest complete `step_<N>`; `save(..., keep_last=k)` removes older complete ones
-after a successful save. The model/optimizer format is megatron-core's `sharded_state_dict`: a resume needs the same
-layout except for the data-parallel size (`check_resume` refuses another TP/CP/EP or parameter dtype, see below),
-while the model part alone reshards freely, so `export` loads it at TP = CP = EP = 1 whatever layout saved it.
-
-The optimizer format is a choice, the same on every platform: the distributed optimizer's `dp_reshardable`
-(`OPTIMIZER_METADATA`). Each rank writes its own gradient-buffer shards without communication, which is what a
-large run wants at every save; the price is that the optimizer state reshards over DP only: a resume with another
-TP/CP/EP (or parameter dtype) is refused by `check_resume`, and the way to continue with another layout is to export
-the policy and start a new run from it (model.hf_path = the export, a fresh optimizer). The alternatives would not
-buy bf16 correctness either (a param group mixing fp32 and bf16 parameters breaks every format alike, because all
-read the same position map: hence omni_model.cast_params_to). That megatron-core 0.19.2's model-space default
-(`fully_sharded_model_space`) also fails without Transformer Engine or Apex ("flattened_range is not supported") is
-a fact about that alternative, not the reason for the choice.
-
-Known megatron-core trap, handled in `load` (`_restore_adam_steps`, which carries its SHIM marker: the line
-megatron/core/optimizer/distrib_optimizer.py:1032 of megatron-core 0.19.2): without Transformer Engine or Apex
-the distributed optimizer restores torch Adam's per-parameter `step` from the param group's `step`, which is the dummy
-value 1, as one tensor shared by every parameter (torch's Adam then increments it once per parameter); bias correction
-would restart and the resumed run diverge. `load` gives every parameter its own `step` tensor holding the saved count.
-(It stays in `load` rather than cpu_compat.py because it repairs loaded state, not megatron-core code.)
-
-Command line (export the trained policy as a Hugging Face checkpoint that transformers loads):
-
-    python checkpoint.py export RUN_DIR OUT_DIR      # RUN_DIR: a run directory (latest step) or one step_<N>
-
-OUT_DIR must be new, empty, or an earlier export (it holds EXPORT_INFO_FILE, which every export writes: the source
-checkpoint, its step, the base model.hf_path and the date); anything else is refused before any file is written.
-The export is written to `<OUT_DIR>.tmp` and renamed to OUT_DIR when complete: a failed one leaves OUT_DIR as it was.
-
-Tests: `pytest tests/test_checkpoint.py`.
+`save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
+it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
+changed files). `export` (`python checkpoint.py export RUN_DIR OUT_DIR`) writes the policy as an HF checkpoint.
+Why this optimizer format, the Adam-step repair and the `.old` swap: docs/DESIGN.md. Tests: tests/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -118,11 +73,8 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(ckpt_dir: str | Path, report: bool = True) -> list[tuple[int, Path]]:
-    """Complete checkpoints in `ckpt_dir` as (step, path), ascending by step.
-
-    Complete means a `step_<N>` directory (never `step_<N>.tmp`, a save that did not finish) holding run_state.json.
-    A `step_<N>` without it (copied by hand, or damaged) is not complete and is reported on stderr (`report`), not used.
-    """
+    """Complete checkpoints in `ckpt_dir` as (step, path), ascending: `step_<N>` folders holding run_state.json
+    and model_optim/. Another `step_<N>` is reported on stderr (`report`) and skipped."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
@@ -156,11 +108,8 @@ def move_away(path: str | Path) -> str:
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The highest complete `step_<N>` in `ckpt_dir`, or None (leftover `.tmp` directories are ignored).
-
-    With torch.distributed initialised, rank 0 decides and broadcasts, so every rank resumes from the same step even
-    if a file system shows a rename late on some node.
-    """
+    """The highest complete `step_<N>` in `ckpt_dir`, or None; rank 0 decides and broadcasts (a rename seen late
+    on another node cannot split the ranks)."""
     found = list_checkpoints(ckpt_dir) if _rank() == 0 else []
     path = [str(found[-1][1]) if found else None]
     if _world() > 1:
@@ -169,11 +118,10 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 
 def resume_path(ckpt_dir: str | Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from (`checkpoint.resume = true`), or None for a fresh start.
+    """The checkpoint to resume from, or None for a fresh start.
 
     Raises:
-        CheckpointError: `resume` is False and `ckpt_dir` already holds a complete checkpoint (refuse to overwrite
-            a run; choose another `checkpoint.dir` or set `checkpoint.resume=true`).
+        CheckpointError: `resume` is False and `ckpt_dir` holds a complete checkpoint.
     """
     latest = latest_checkpoint(ckpt_dir)
     if latest is not None and not resume:
@@ -260,19 +208,12 @@ def _take_lock(root: Path) -> str | None:
 
 
 def lock_run_dir(ckpt_dir: str | Path) -> None:
-    """Claim `ckpt_dir` for this run (collective: call on every rank, before anything is written there).
-
-    Global rank 0 creates the directory and takes an exclusive `fcntl.flock` on `<ckpt_dir>/.lock` (non-blocking),
-    writes its host, pid, SLURM_JOB_ID and start time into it (JSON) and keeps it open until the process exits: the
-    kernel releases the lock on any exit, SIGKILL included, so a dead run never blocks the next one. It then cleans
-    up after a save that an earlier run died in (`remove_unfinished_saves`: `.tmp` removed, `.old` restored). The
-    outcome is broadcast, so every rank raises the same error and none waits in a collective. A file system without
-    flock support (ENOLCK, EOPNOTSUPP, ENOSYS) gets one notice line on stderr, and the run goes on unprotected.
+    """Claim `ckpt_dir` for this run (collective, before anything is written there): rank 0 takes a
+    non-blocking `fcntl.flock` on `<ckpt_dir>/.lock`, held until the process exits (any exit releases it), writes its
+    host, pid, Slurm job and start time there, then `remove_unfinished_saves`; the outcome is broadcast.
 
     Raises:
-        CheckpointError: another process holds the lock (an sbatch resubmitted while the job still runs, a second
-            chain): one line naming its host, pid, Slurm job and start time from the lock file; or the lock file
-            cannot be created, or an unfinished save cannot be removed.
+        CheckpointError: another process holds the lock (named from the lock file); the lock or a clean-up fails.
     """
     root = Path(ckpt_dir)
     out: list[str | None] = [None]
@@ -290,14 +231,10 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
 
 
 def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
-    """Clean up after a run killed inside `save`; returns the directories removed. Call only while holding the run
-    directory's lock (`lock_run_dir`): a running save is a `.tmp` too.
-
-    - `step_<N>.tmp` (a save killed before its rename: never complete, and up to a full checkpoint's size) is removed.
-    - `step_<N>.old` (the earlier checkpoint of step N while `save` replaced it with a second save of the same step):
-      without `step_<N>` the run died between the two renames, and `.old` is renamed back to `step_<N>` (complete, the
-      step's first save); beside `step_<N>` it is removed (the run died while deleting it).
-    Each action gets one notice line on stderr naming the directories."""
+    """Clean up after a run killed inside `save` (call while holding the lock: a running save is a `.tmp`
+    too): `step_<N>.tmp` is removed; `step_<N>.old` is renamed back to `step_<N>` when that is missing (the run died
+    between the two renames of a second save of step N), else removed. One notice line per action; returns the
+    directories removed."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
@@ -325,10 +262,8 @@ def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
 
 
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: python, numpy, torch CPU, every CUDA device (when available), megatron's tracker.
-
-    Everything is stored as tensors, tuples, ints and strings so that `torch.load(weights_only=True)` reads it back.
-    """
+    """This rank's RNG states (python, numpy, torch CPU, each CUDA device, megatron's tracker) as tensors,
+    tuples, ints and strings, which `torch.load(weights_only=True)` reads."""
     from megatron.core import tensor_parallel
 
     np_state = np.random.get_state()
@@ -391,13 +326,9 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
-    """megatron-core sharded state dict of `model` (DDP / Float16Module wrappers removed).
-
-    A plain `nn.Module` that holds megatron modules (omni_model.OmniModel: language model, ViT, projector) gets the
-    union of its children's `sharded_state_dict` (megatron's `sharded_state_dict_default`: TP/EP-sharded tensors for
-    megatron modules, replicated ones for anything else) with the child's name as key prefix, so keys equal the
-    module's own `state_dict` keys.
-    """
+    """megatron-core sharded state dict of `model` (DDP / Float16Module unwrapped). A plain module holding
+    megatron modules (omni_model.OmniModel) gets the union of its children's, prefixed by the child's name, so the keys
+    equal its own `state_dict` keys."""
     from megatron.core.transformer.utils import sharded_state_dict_default
 
     module = _unwrap(model)
@@ -424,16 +355,9 @@ _WRITE_ERRORS: list[BaseException] = []  # the shard writers' exceptions of the 
 
 
 def _use_in_process_write_queue() -> None:
-    """Make dist_checkpointing's synchronous save report its writes through an in-process queue.
-
-    SHIM(megatron-core 0.19.2): megatron/core/dist_checkpointing/strategies/filesystem_async.py:65
-    megatron-core otherwise creates a `multiprocessing.Manager` queue in a spawned process, which re-imports the
-    training script (torch, megatron-core: ~9 s on the 2-core CI machine, per process and run). With synchronous saves
-    (async_sharded_save=False, ours) the writer runs in this process and a plain thread-safe queue carries the same
-    results: this sets the module's private `_results_queue`, which `get_write_results_queue` returns when set. It
-    stays here rather than in cpu_compat.py because it is a checkpoint-speed choice on every platform, not a
-    capability workaround.
-    """
+    """Give dist_checkpointing's synchronous save an in-process results queue (megatron-core otherwise spawns
+    a `multiprocessing.Manager`, ~9 s per run) and record a shard writer's exception for `save` to name.
+    SHIM(megatron-core 0.19.2): megatron/core/dist_checkpointing/strategies/filesystem_async.py:65"""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
@@ -486,12 +410,9 @@ def free_space(directory: str | Path) -> str:
 
 
 def write_failure(e: BaseException, directory: str | Path) -> OSError | None:
-    """The OSError behind `e` when `e` is a failed write into `directory` (full disk, quota, I/O error), else None.
-
-    The innermost cause when it is an OSError; safetensors' SafetensorError carries the OS error number in its text
-    ("(os error 28)"); torch's zip writer (torch.save) raises RuntimeError "[enforce fail at inline_container.cc:...]
-    ... unexpected pos" without one: ENOSPC when `directory` has less than FULL_BYTES free, else an OSError quoting it.
-    """
+    """The OSError behind `e` when `e` is a failed write into `directory` (full disk, quota, I/O), else None:
+    the innermost OSError, safetensors' "(os error N)", or torch's zip-writer "unexpected pos" (ENOSPC when
+    `directory` has less than FULL_BYTES free)."""
     inner = _innermost(e)
     if isinstance(inner, OSError):
         return inner
@@ -513,9 +434,8 @@ def _describe(e: BaseException, directory: str | Path) -> str:
 
 
 def _report_unexpected(e: BaseException, step: int, directory: str | Path) -> None:
-    """Print the traceback of a save error on this rank's stderr unless it is a failed write (`write_failure`: full
-    disk, quota, permissions, which the one-line CheckpointError says in full). Anything else is a bug in the state
-    being saved, and the CheckpointError keeps only its last line."""
+    """Print the traceback of a save error on this rank's stderr unless it is a failed write (`write_failure`),
+    which the one-line CheckpointError says in full."""
     if write_failure(e, directory) is None:
         print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
         traceback.print_exception(e, file=sys.stderr)
@@ -537,9 +457,8 @@ def file_checksum(path: str | Path, algorithm: str = CHECKSUM_ALGORITHM) -> str:
 
 
 def _own_files(tmp: Path) -> list[str]:
-    """The files of the save in progress `tmp` that this rank wrote, relative to it: its shard files
-    (model_optim/__<rank>_<i>.distcp) and RNG file; on rank 0 also megatron's other model_optim/ files (.metadata,
-    metadata.json, common.pt)."""
+    """The files of the save in progress `tmp` this rank wrote, relative to it: its shards and RNG file; on
+    rank 0 also megatron's other model_optim/ files."""
     r = _rank()
     names = [f"{RNG_DIR}/rank_{r:05d}.pt"]
     for p in sorted((tmp / MODEL_OPTIM_DIR).iterdir()):
@@ -552,12 +471,8 @@ def _own_files(tmp: Path) -> list[str]:
 def _raise_if_failed(
     error: BaseException | None, step: int, ckpt_dir: str | Path, tmp: Path, sums: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """Collective: the save goes on when no rank failed; otherwise rank 0 removes `tmp` and every rank raises the
-    same CheckpointError (the first failing rank's error, the free space of the file system before `tmp` was
-    removed: ~0 on a full disk, whose OSError torch's zip writer can turn into "unexpected pos ...").
-
-    Returns: every rank's file checksums `sums` merged ({relative path: hex digest}).
-    """
+    """Collective: when any rank failed, rank 0 removes `tmp` and every rank raises the same CheckpointError
+    (the first failing rank's error and the free space). Returns every rank's `sums` merged."""
     mine = (None if error is None else _describe(error, ckpt_dir), sums or {})
     gathered = [mine]
     if _world() > 1:
@@ -588,27 +503,16 @@ def save(
     run_state: dict[str, Any],
     keep_last: int = 0,
 ) -> Path:
-    """Write the checkpoint of optimizer step `step` to `<ckpt_dir>/step_<step>` (collective: call on every rank).
+    """Write the checkpoint of optimizer step `step` to `<ckpt_dir>/step_<step>` (collective).
 
-    Every rank hashes the files it wrote (`file_checksum`, right after writing them); rank 0 writes run_state.json
-    last, with every file's checksum under "checksums" (`verify_checksums` checks them before a resume loads).
-
-    Args:
-        model: the policy (megatron-core module, DDP-wrapped or not); saved with its `sharded_state_dict`.
-        optimizer: the megatron-core optimizer (distributed or not, possibly chained).
-        scheduler: megatron-core `OptimizerParamScheduler` (its state goes to run_state.json), or None.
-        run_state: JSON-serialisable run state from rank 0 (consumed pairs, sampler state, reward_shift and its update
-            count, W&B run id, resolved config, ...); `step`, `world_size`, `scheduler` and `checksums` are added here.
-        keep_last: keep this many complete checkpoints after the save (0 = keep all).
-
-    Returns: the path of the complete checkpoint.
+    `run_state` (JSON-serialisable, from rank 0) gets `step`, `world_size`, `scheduler` (`schedule_state`) and
+    `checksums` (every file's hash, computed by the rank that wrote it) and becomes run_state.json, written last into
+    `step_<N>.tmp`, which is then renamed. `keep_last` > 0 keeps that many complete checkpoints (`prune`).
 
     Raises:
-        CheckpointError: run_state is not JSON-serialisable (checked before anything is written); a write failed on
-            any rank (disk full, quota, I/O error; torch's zip-writer RuntimeError included: `write_failure`): one line
-            on every rank naming the step, the path, the first failing rank's error and the free space there; the
-            `step_<N>.tmp` is removed first, the complete checkpoints are untouched. A failure of megatron-core's own
-            shard write reaches every rank through its collective finalisation, so no rank is left waiting.
+        CheckpointError: run_state not JSON-serialisable (before any write); a write failed on any rank (disk full,
+            quota, I/O: `write_failure`): one line on every rank naming the step, the error and the free space, the
+            `.tmp` removed and the complete checkpoints untouched.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -681,9 +585,7 @@ def save(
 def _restore_adam_steps(optimizer) -> None:
     """Give every parameter its own Adam `step` tensor equal to the loaded param-group step (in place).
 
-    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032
-    megatron-core's distributed optimizer without TE/Apex restores `step` as the dummy 1 and makes all parameters share
-    one tensor (see the module docstring); its param groups do carry the saved step.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032 (docs/DESIGN.md, Checkpoints).
 
     Raises:
         CheckpointError: the param groups carry different steps.
@@ -735,12 +637,11 @@ _RUN_STATE_TYPES = {"step": int, "world_size": int, "consumed_pairs": int, "rewa
 
 
 def read_run_state(path: str | Path) -> RunState:
-    """The run state of checkpoint `path` (a step_<N> folder), checked: every field of RunState without a default
-    present with its JSON type (an int counts as a float), step >= 0, δ finite.
+    """The run state of checkpoint `path` (a step_<N> folder), checked: each field of _RUN_STATE_TYPES present
+    with its JSON type, step >= 0, δ finite.
 
     Raises:
-        CheckpointError: run_state.json cannot be read, or a check fails: one line naming the file, every problem and
-            the way out (move the step away to resume from the previous checkpoint).
+        CheckpointError: unreadable, or one line naming the file, every problem and the way out (`move_away`).
     """
     path = Path(path)
     try:
@@ -807,11 +708,9 @@ RESUME_RULES = {
 
 
 def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
-    """The settings of `keys` ("section.name") whose value in the saved resolved config `saved` (config.to_dict form,
-    as run_state.json stores it) differs from `cfg` (a config.Config), as {key: (saved, now)} in the order of `keys`.
-    A key the saved config lacks (a checkpoint older than the setting) counts as unchanged; a path (config.PATH_KEYS)
-    spelled another way for the same file or folder (relative / absolute, a symlink; resolved from the working
-    directory) too."""
+    """{key: (saved, now)} for the settings of `keys` ("section.name") whose value in the saved resolved
+    config `saved` (config.to_dict form) differs from `cfg`, in the order of `keys`. A key the saved config lacks counts
+    as unchanged, as does a path (config.PATH_KEYS) naming the same file from the working directory."""
     import config as config_mod
 
     now = config_mod.to_dict(cfg)
@@ -828,12 +727,11 @@ def changed_settings(saved: dict, cfg, keys) -> dict[str, tuple[Any, Any]]:
 
 
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
-    """Whether this run's config `cfg` may continue checkpoint `saved` (RESUME_RULES). Returns the NOTICE settings
-    that changed, {key: (saved, now)}.
+    """Whether config `cfg` may continue checkpoint `saved` (RESUME_RULES); returns the changed NOTICE
+    settings, {key: (saved, now)}.
 
     Raises:
-        CheckpointError: one line with every refused change (saved -> now) under its reason, and the way out: set
-            the saved values back, or export the policy and start a new run from it (a fresh optimizer).
+        CheckpointError: one line with every refused change (saved -> now) under its reason, and the way out.
     """
     changed = changed_settings(saved.config, cfg, RESUME_RULES)
     refused = {k: v for k, v in changed.items() if RESUME_RULES[k] != NOTICE}
@@ -850,12 +748,11 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
 
 
 def _load_shards(sharded_state_dict: dict, ckpt_dir: Path) -> dict:
-    """megatron-core's dist_checkpointing.load of `ckpt_dir` (a model_optim/), with a damaged file named.
+    """megatron-core's dist_checkpointing.load of `ckpt_dir` (a model_optim/).
 
     Raises:
-        CheckpointError: a shard file shorter than its metadata says (a truncated copy or an interrupted transfer:
-            torch.distributed.checkpoint raises EOFError, wrapped in its CheckpointException on every rank), or an
-            EOFError / UnpicklingError otherwise (naming the directory). Other errors propagate unchanged.
+        CheckpointError: a shard file shorter than its metadata says, or another EOFError / UnpicklingError, naming
+            the directory. Other errors propagate.
     """
     import pickle
 
@@ -903,13 +800,11 @@ def _truncated_files(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
 
 
 def missing_files(path: str | Path, world_size: int | None) -> list[str]:
-    """The files a complete checkpoint `path` (a step_<N>) lacks, relative to it: model_optim/metadata.json
-    (megatron-core dist_checkpointing's config), model_optim/.metadata, every shard file its metadata references, and
-    with `world_size` (a resume at the saved world size) rng/rank_<r>.pt of every rank r < world_size. [] when nothing
-    is missing (shorter shard files are `_load_shards`' diagnosis).
+    """The files a complete checkpoint `path` lacks, relative to it: model_optim/metadata.json, .metadata,
+    each shard file .metadata references and, with `world_size`, rng/rank_<r>.pt of every rank.
 
     Raises:
-        CheckpointError: metadata.json or .metadata exists but cannot be read (not JSON, truncated).
+        CheckpointError: metadata.json or .metadata cannot be read.
     """
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -950,13 +845,9 @@ def missing_files(path: str | Path, world_size: int | None) -> list[str]:
 
 
 def _checksum_mismatches(state: RunState, world_size: int | None) -> tuple[list[str], str | None]:
-    """Collective: the files of checkpoint `state.path` whose content differs from the checksum its run state lists
-    (relative paths, sorted), and a notice when there is nothing to verify. Each rank hashes every world-th file of
-    the ones a load reads (model_optim/*, with `world_size` also rng/*), so a resume reads each file once more,
-    spread over the ranks.
-
-    Checkpoints without "checksums" (saved before they were written) or hashed with an algorithm this environment
-    lacks (xxh3_64 without xxhash) are not verified: ([], the notice)."""
+    """Collective: the files of `state.path` whose hash differs from the one saved in its run state (sorted), and a
+    notice when nothing can be verified (no checksums saved, or xxh3_64 without xxhash). Each rank hashes every
+    world-th file a load reads (the RNG files only with `world_size`)."""
     path, saved = state.path, state.checksums
     if not isinstance(saved, dict) or not isinstance(saved.get("files"), dict):
         return [], f"checkpoint: {path} holds no checksums (saved before they were written): its files are not verified"
@@ -980,14 +871,11 @@ def _checksum_mismatches(state: RunState, world_size: int | None) -> tuple[list[
 
 
 def check_complete(state: RunState, world_size: int | None) -> None:
-    """Refuse a damaged checkpoint (`state.path`) before any collective load, identically on every rank (rank 0
-    checks, the outcome is broadcast): `missing_files(path, world_size)`, then shard files shorter than the metadata
-    says, then files whose checksum differs from the one saved in its run state (`_checksum_mismatches`, all ranks).
+    """Refuse a damaged checkpoint (`state.path`) before any collective load, identically on every rank:
+    `missing_files`, shard files shorter than the metadata says, files whose checksum differs (`_checksum_mismatches`).
 
     Raises:
-        CheckpointError: one line naming the step, the missing files, and the way out: move the step directory away
-            to resume from the previous checkpoint (named when there is one); or the truncated shard files
-            (`_load_shards`' line); or the files whose checksum differs (a bit flipped on disk or in a copy).
+        CheckpointError: one line naming the step and the files, and the way out (`move_away`).
     """
     path = state.path
     out: list[str | None] = [None]
@@ -1020,18 +908,12 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 
 
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
-    """Restore checkpoint `ckpt` (its RunState, or a step_<N> folder) written by `save` into a freshly built model /
-    optimizer / scheduler (collective); returns its RunState.
-
-    The model part accepts any parallel layout; the optimizer and scheduler need the saved settings of RESUME_RULES
-    (train.py checks them first with `check_resume`; DP may differ). RNG states are restored when the world size is
-    the one saved; at another world size (another DP size) they are not, and rank 0 prints one note on stderr (the
-    per-rank RNG files are then neither read nor required). Before anything is loaded, `check_complete` refuses a
-    damaged checkpoint on every rank alike.
+    """Restore checkpoint `ckpt` (its RunState or folder) into a freshly built model / optimizer / scheduler
+    (collective, after `check_complete`; train.py runs `check_resume` first) and return its RunState. RNG states are
+    restored at the saved world size only (else one note).
 
     Raises:
-        CheckpointError: those of `read_run_state` and `check_complete`; a truncated shard file (`_load_shards`); a
-            damaged RNG file.
+        CheckpointError: `read_run_state`'s, `check_complete`'s, a truncated shard (`_load_shards`), a damaged RNG file.
     """
     state = ckpt if isinstance(ckpt, RunState) else read_run_state(ckpt)
     path, same_world = state.path, state.world_size == _world()
@@ -1082,18 +964,13 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
 
 
 def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Path | None = None) -> None:
-    """Refuse an export directory that would overwrite a run: the source checkpoint `source` (a step_<N>) or a
-    directory inside it (pruned with it), its run directory, or any directory holding a run (config.json with
-    metrics.jsonl or a step_<N>/): the export writes config.json (the HF one) over the run's resolved config. A new
-    directory inside the run directory (e.g. RUN/hf) is fine. Also refused: the run's `model.hf_path` (`hf_path`,
-    relative to the working directory), the source of the reference weights, of every resume and of the files the
-    export copies. Paths are compared after resolving symlinks. Otherwise `out_dir` must not exist, be an empty
-    directory, or be an earlier export (it holds EXPORT_INFO_FILE): the export writes config.json, tokenizer and
-    processor files and safetensors over any of the same name, so an unrelated directory (e.g. /tmp) is refused.
+    """Refuse an export directory that would overwrite something: the checkpoint `source` or a folder in it,
+    a directory holding a run (its own included: the HF config.json would replace the run's), the run's
+    `model.hf_path` (`hf_path`), a file, or a non-empty directory that is not an earlier export (EXPORT_INFO_FILE).
+    Symlinks are resolved first.
 
     Raises:
-        CheckpointError: one line naming the directory and what it holds: the checkpoint, its run directory, another
-            run, the run's model.hf_path, an existing file, or a non-empty directory that is not an earlier export.
+        CheckpointError: one line naming the directory and what it holds.
     """
     out, src = Path(out_dir).resolve(), Path(source).resolve()
     if hf_path is not None and out == Path(hf_path).resolve():
@@ -1132,23 +1009,14 @@ def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Pat
 
 
 def export(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of checkpoint `ckpt` (a run directory: its latest step; or a step_<N>) as an HF checkpoint.
-
-    Single process: builds the model with TP = CP = EP = 1 from the saved config's `model.hf_path`, loads the
-    (resharded) weights, and calls hf_weights.export_hf, which writes safetensors plus the original config,
-    tokenizer and processor files of `model.hf_path`, then EXPORT_INFO_FILE (provenance; written first with
-    "complete": false, so an interrupted export is still recognised as one and may be exported over). All of it goes
-    to `<OUT_DIR>.tmp`, which replaces OUT_DIR (an earlier export) only once complete (`_export_staging`).
+    """Write the policy of checkpoint `ckpt` (a run directory: its latest step; or a step_<N>) as an HF checkpoint
+    in `out_dir`, from one process: built at TP = CP = EP = 1 from the saved config, written to `<OUT_DIR>.tmp`
+    (hf_weights.export_hf, then EXPORT_INFO_FILE) and renamed to OUT_DIR when complete.
 
     Raises:
-        CheckpointError: no complete checkpoint at `ckpt`; its run_state.json cannot be read or holds no "config";
-            the saved config does not load in this version (an unknown key or a value `config.validate` refuses,
-            e.g. a checkpoint of a version before a key was renamed: the config.ConfigError's text, naming the key);
-            `out_dir` is the run, holds one or is its model.hf_path, is a file, or is a non-empty directory that is
-            not an earlier export (`check_export_dir`); `out_dir` cannot be created or written;
-            the saved model.hf_path (relative paths: to the working directory) has no config.json; a missing,
-            truncated or changed file (`check_complete`: .metadata, a shard file, a checksum); a failed write (full
-            disk: `write_failure`), naming the free space, with `<OUT_DIR>.tmp` removed and OUT_DIR as it was.
+        CheckpointError: no complete checkpoint; a saved config this version cannot load (naming the key); the saved
+            model.hf_path without config.json; those of read_run_state, check_export_dir, check_complete; a failed
+            write (the free space; OUT_DIR as it was).
     """
     import config as config_mod
     import distributed
@@ -1221,9 +1089,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _export_staging(out_dir: str | Path) -> Path:
-    """`<OUT_DIR>.tmp`, where an export is written before it replaces OUT_DIR (so a failed export leaves an earlier
-    one whole); one left by an interrupted export (it holds EXPORT_INFO_FILE), and `<OUT_DIR>.old` of one killed
-    while replacing, are removed.
+    """`<OUT_DIR>.tmp`, where an export is written before it replaces OUT_DIR; an interrupted export's
+    `.tmp` and `.old` are removed first.
 
     Raises:
         CheckpointError: `<OUT_DIR>.tmp` or `<OUT_DIR>.old` exists and is not an export's.
@@ -1241,11 +1108,10 @@ def _export_staging(out_dir: str | Path) -> Path:
 
 
 def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path) -> None:
-    """Create `staging` (the export's `<OUT_DIR>.tmp`, with its parents) and write EXPORT_INFO_FILE there.
+    """Create `staging` (with its parents) and write EXPORT_INFO_FILE there.
 
     Raises:
-        CheckpointError: the directory cannot be created or the file written (the OSError's reason and the free
-            space); `staging` is removed.
+        CheckpointError: a failed write (the reason and the free space); `staging` is removed.
     """
     try:
         staging.mkdir(parents=True, exist_ok=True)
