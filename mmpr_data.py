@@ -1,77 +1,16 @@
-"""MMPR rows -> preference pairs for MPO: the meta-recipe, the row checks, and the pairs a step trains on.
+"""MMPR rows -> preference pairs: the meta-recipe (`read_meta`), the row rules (`checked_rows`; a failed rule is a
+counted drop named in DROP_REASONS), `PairDataset` (a pair's token rows, loss masks and image tensors, from the model's
+own processor) and the step's sampling (`PairSampler`, `StepLoader`). The index over all rows is mmpr_index.py.
 
-Reads the InternVL / MMPR meta-recipe JSON (`{subset: {"root", "annotation", "repeat_time", ...}}`, the format of the
-public MMPR v1.0-v1.2 releases on the HF hub, OpenGVLab/MMPR*) and produces, per preference pair, the chosen and
-rejected token rows with their loss masks and the pair's image tensors, expanded by the model's own processor
-(transformers `AutoProcessor` of the model directory: chat template, tokenizer, dynamic-resolution image processor).
-
-The row-to-pair path (the index over all rows, its cache, the splits and the pre-flight report are in mmpr_index.py,
-which imports this module):
-
-- `read_meta` and `apply_repeat_time`: the meta-recipe's subsets and InternVL's repeat rule.
-- `checked_rows`: every row of an annotation file checked (text, images, rendered template, lengths; a failed check is
-  a drop named by one of `DROP_REASONS`; blank lines are not rows: skipped, not counted, line numbers stay the
-  file's), in worker processes or in-process; mmpr_index.build_index keeps the valid
-  ones in a `PairIndex` (per pair: source file / line / offset, image paths and grids, token lengths).
-- `PairDataset(index, processor)[pair_id] -> pack.PreferencePair`: re-reads that row, decodes its images once (EXIF
-  orientation, RGB), runs the image processor and tokenises both rows; the lengths are checked against the index.
-- Sampling: `PairSampler` (seeded per-epoch shuffle, identical on every rank, `state_dict()` = epoch + offset) and
-  `StepLoader` (a torch DataLoader with `data.num_workers` workers that decodes only the pairs of this rank's bins and
-  hands back the sampler state of each step for checkpoints).
-
-Text layout of a row (the Omni chat template, chat_template.jinja of the hub checkpoint):
+A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
     <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{images + question}<|im_end|>\\n      <- prompt
     <|im_start|>assistant\\n<think></think>                                                        <- prompt
     {response}<|im_end|>                                                           <- loss mask True
     \\n                                                                             <- row end, mask False
 
-The prompt is exactly the template's generation prompt (thinking off for a response without reasoning, on for one
-with `<think>...</think>`); the loss mask covers what the model generates after it: the response and `<|im_end|>`.
-
-Row rules, where InternVL's loader (the MMPR authors', template-agnostic: its models have no reasoning tokens) and
-NeMo-RL's (NVIDIA's MPO loader for this checkpoint, nemo_rl/data/processors.py::vlm_preference_preprocessor) differ,
-and what is done here:
-
-- Text as written. The Omni template removes `/think` and `/no_think` from system and user text wherever they occur
-  (in `</think>`, a word, a URL: `https://x.com/thinking` becomes `https://x.coming`) and switches reasoning on or off
-  for them; NeMo-RL trains on that rewritten text, InternVL on the text as written. Here the text is rendered as
-  written (InternVL): the template never sees these substrings (`TextRenderer.render`), so MMPR-v1.2's R1 prompt
-  ("...within <think> and </think> tags.") keeps its `</think>`, and a pair's reasoning mode comes from its responses
-  only, never from a directive in its text. `<think>` / `</think>` in a question are tokenised as the reasoning tokens,
-  as a tokenizer does at inference. Any other change a template makes to the system, question or response text is a
-  counted drop (`template_rewrites_text`).
-- One side reasons, the other not: kept (NeMo-RL; InternVL has no reasoning blocks). The two rows share the prompt up
-  to `<|im_start|>assistant\\n`; the reasoning side continues `<think>\\n...\\n</think>\\n`, the plain side
-  `<think></think>`, each the template's own rendering of its conversation, and the loss covers that opening too.
-- A reasoning block is one block at the start of a response (or closed by `</think>` after the generation prompt
-  opened it). `<think>` never closed (a generation cut off while reasoning, which both loaders keep and the template
-  renders as a second `<think>` after a thinking-off prompt) is dropped as `unterminated_reasoning`: trained as a
-  chosen response it teaches to stop mid-thought. Several blocks or text before `<think>` (the template silently keeps
-  only its first block and the text after the last `</think>`) are `malformed_reasoning`.
-- Image placeholders: `<image>` (InternVL) marks the next image, one per image in list order; `<image_N>` (NeMo-RL) is
-  the N-th image's placeholder, N = 1..n each once; other counts are `placeholder_mismatch`. A question with images
-  but no placeholder is kept with its images, which the chat template puts before the question text (`<image>\\n` for
-  one image, `<image 1><image> <image 2><image> ...\\n` for several).
-- Text-only rows: a row without `image`, or with `"image": ""` or `[]`, is a pure-text pair (InternVL's rule: an image
-  row is `'image' in row and len(row['image']) != 0`).
-- `"root": null` or no root (InternVL's text-only subsets) is accepted; a row with a relative image path in such a
-  subset is dropped as `no_image_root`, naming the subset.
-- Image paths stay inside the root: a relative path is joined to the subset's root (InternVL's `os.path.join`), and
-  one whose `..` parts climb above the root (`../../etc/passwd`) is dropped as `image_outside_root`; the check is on
-  the path as written, so symbolic links inside the root may point anywhere (a root that links its image folders to
-  another file system). An absolute path is used as written (as `os.path.join` does).
-- An image the model's image processor cannot size (transformers divides by zero for one whose patch grid is more
-  than the per-image patch budget times longer on one side than the other, e.g. 5000 x 1 px with the tiny asset's
-  256 patches) is dropped as `image_unprocessable` (`image_grids`), at index time; a training step re-checks it.
-- Video rows (a `video` field or a `<video>` placeholder) are dropped as `video_unsupported`: video preference pairs
-  are not supported yet (NeMo-RL drops every row without exactly one image).
-- `repeat_time` as InternVL (NeMo-RL ignores it); a subset it empties is a warning, an index it empties an error that
-  says so.
-
-The pre-flight report over a whole meta-recipe: `python mmpr_index.py META --model MODEL_DIR` (mmpr_index.py).
-
-Tests: `pytest tests/test_mmpr_data.py`.
+The loss mask covers what the model generates after the generation prompt. The row rules and where they follow
+InternVL or NeMo-RL: docs/DESIGN.md. Tests: tests/test_mmpr_data.py.
 """
 
 from __future__ import annotations
@@ -192,15 +131,12 @@ class Subset:
 
 
 def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir: bool = False) -> Path:
-    """Resolve a meta-recipe `root` / `annotation` path.
-
-    Absolute paths are used as they are. A relative path is resolved against `data_root` when it is set; otherwise
-    against the meta file's grandparent (the official layout `<dir>/MMPR-v1.2/meta.json` with paths
-    `MMPR-v1.2/images/...`), then the meta file's own folder; the first that exists wins.
+    """Resolve a meta-recipe `root` / `annotation` path: absolute as is; relative against `data_root` when set,
+    else the first that exists of the meta file's grandparent (the layout `<dir>/MMPR-v1.2/meta.json` with paths
+    `MMPR-v1.2/images/...`) and its own folder.
 
     Raises:
-        DataError: no candidate exists (the message lists every path tried), or the first that exists is a directory
-            where a file is wanted (or the reverse).
+        DataError: no candidate exists (listing the paths tried), or a directory where a file is wanted (or reverse).
     """
     p = Path(path).expanduser()
     meta = Path(meta_path).resolve()
@@ -241,18 +177,13 @@ META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max
 
 
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
-    """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`).
-
-    Required key per subset: `annotation`. `root` may be null or missing, as InternVL allows for text-only subsets:
-    rows with relative image paths are then dropped (no_image_root). `repeat_time` (float >= 0, default 1) is
-    honoured; `length` is compared with the rows read later; `data_augment: true` warns (not supported); InternVL's
-    other keys (META_KEYS) are ignored; any other key warns once per subset (DataWarning), naming the closest known
-    key.
+    """Parse a meta-recipe JSON into `Subset`s, in file order, paths resolved (`resolve_path`): `annotation`
+    required; `root` optional or null (text-only subsets); `repeat_time` >= 0 (default 1); `length` compared with the
+    rows read later; `data_augment: true` and unknown keys warn (DataWarning, naming the closest known key).
 
     Raises:
-        DataError: an empty path; an annotation (JSON Lines) file given instead of a meta-recipe; a file that is not
-            UTF-8 text; invalid JSON (with file, line and column); a subset name (or a key of one subset) given twice;
-            a missing annotation, a root that is neither a string nor null, a bad repeat_time, a path not found.
+        DataError: one line naming the file and the problem (not a meta-recipe, not UTF-8, invalid JSON with its
+            line, a name given twice, a missing annotation, a bad root or repeat_time, a path not found).
     """
     if not str(meta_path).strip():
         raise DataError("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
@@ -399,20 +330,13 @@ def image_patch_budget(image_processor, n_images: int) -> int:
 
 def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
                 paths: Sequence[str] = ()) -> list[tuple[int, int]]:
-    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together.
-
-    Each image's grid is transformers' `get_patch_grid_size` (5.23.0, image_processing_nemotron_h_omni.py) with the
-    call's per-image budget B = `image_patch_budget(image_processor, len(sizes))` patches. It starts from the image's
-    own grid (round(h/16 + 1/2), round(w/16 + 1/2)) 16-px patches, scales it down by sqrt(B / area) with floor(), then
-    up to min_num_patches by dividing by the new area. An image whose own grid has its long side more than B times its
-    short side is refused: the downscale floors the short side to 0 patches and the upscale divides by zero. With
-    assets/tiny-omni (B = 256) that is an image under 16 px high (or wide) and over 4096 px wide (or high); with the
-    class defaults (B = 13312) over 212,992 px. The processor would raise ZeroDivisionError on such an image in a
-    training step too, so the row is dropped here; a grid with a side of 0 (possible when max_num_patches <=
-    min_num_patches skips the upscale) is refused likewise.
+    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together:
+    transformers' `get_patch_grid_size` (5.23.0, image_processing_nemotron_h_omni.py) with the per-image budget
+    B = `image_patch_budget(image_processor, len(sizes))`. An image whose own grid is more than B times longer on one
+    side than the other (tiny asset: B = 256) would make the processor divide by zero, in training too.
 
     Raises:
-        _Drop: image_unprocessable, naming the image (`paths[j]`, else its position), its size and the budget.
+        _Drop: image_unprocessable, naming the image, its size and the budget.
     """
     from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
 
@@ -463,13 +387,9 @@ def _as_str(row: dict, *keys: str) -> str | None:
 
 
 def check_reasoning(name: str, response: str) -> None:
-    """Check the reasoning block of a stripped response; raises _Drop when it is not one block the template renders.
-
-    Allowed: no reasoning token; `<think>` at the start, reasoning, one `</think>`, the answer; or reasoning, one
-    `</think>`, the answer (the block opened by the thinking-on generation prompt). `<think>` without `</think>` is
-    unterminated_reasoning (a generation cut off while reasoning); anything else (a second block, text before
-    `<think>`) is malformed_reasoning: the template would silently drop the text outside its one block.
-    """
+    """Raise _Drop unless the stripped response has no reasoning token or one block the template renders
+    (`<think>` reasoning `</think>` answer, or the opening `<think>` left to the generation prompt): `<think>` never
+    closed is unterminated_reasoning, anything else (a second block, text before it) malformed_reasoning."""
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
         raise _Drop("unterminated_reasoning", f"{name} opens <think> but never closes it with </think>")
@@ -510,13 +430,9 @@ class TextRenderer:
               subset: str = "") -> tuple[str, str, str, str, list[str]]:
         """Check a JSON row; return (system, question, chosen, rejected, image paths in placeholder order).
 
-        chosen and rejected come back stripped of surrounding whitespace (what is rendered and trained). Identical
-        responses means equal after that strip, reasoning included (a pair differing only inside the text, in its
-        reasoning or in inner whitespace, is kept): such a pair is the same row twice and has no preference signal.
-
-        `<image_N>` placeholders become `<image>` with the N-th image at that place; relative image paths are joined
-        to `root` and must stay inside it (None: the subset `subset` has no root, so such a row is dropped). Raises
-        _Drop (DROP_REASONS).
+        Responses come back stripped (identical after the strip: `identical_responses`); `<image_N>` placeholders
+        become `<image>` with the N-th image there; relative image paths are joined to `root` and must stay inside it
+        (`root` None: dropped, naming `subset`). Raises _Drop (DROP_REASONS).
         """
         if not isinstance(row, dict):
             raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
@@ -589,23 +505,15 @@ class TextRenderer:
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
     def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
-        """Render the prompt and both responses with the chat template. Returns (prompt, chosen, rejected) strings.
-
-        The prompt is the template's own generation prompt (thinking off / on) that the full rendered conversation
-        starts with; the response string is the rest (`... <|im_end|>\\n`). When one response reasons and the other
-        does not, the prompt is the part both generation prompts share (up to `<|im_start|>assistant\\n`) and each
-        response starts with its own `<think>\\n` or `<think></think>` (NeMo-RL's rule).
-
-        The row's text is rendered as written: `/think` and `/no_think` (TEMPLATE_DIRECTIVES) anywhere in it are
-        hidden from the template while it renders (their '/' replaced by a character found in neither the row nor
-        the template, put back afterwards), so the template neither removes them nor switches reasoning on or off
-        for them; the reasoning mode of a pair comes from its responses only.
+        """Render (prompt, chosen, rejected) with the chat template: the prompt is the template's generation prompt
+        the rendered conversation starts with, each response the rest (`... <|im_end|>\\n`). When one side reasons and
+        the other not, the prompt stops at `<|im_start|>assistant\\n` and each response opens its own `<think>` block.
+        `/think` and `/no_think` (TEMPLATE_DIRECTIVES) are hidden from the template while it renders, so the text
+        stays as written.
 
         Raises:
-            _Drop: template_rewrites_text when the rendering lacks the system / question text or a response's
-                reasoning or answer, as written; identical_responses when both responses render to the same text
-                (an empty reasoning block on one side only, which the template drops).
-            DataError: the template does not render a conversation as a generation prompt + response.
+            _Drop: template_rewrites_text (the rendering lacks some text as written) or identical_responses.
+            DataError: the template does not render a generation prompt + response.
         """
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
@@ -687,17 +595,13 @@ class TextRenderer:
 
 @dataclass
 class PairIndex:
-    """Validated pairs, columnar. Pair ids are positions 0..N-1 (a repeated row appears under several ids).
+    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
 
-    Per pair ([N] int64 tensors): `subset_id` (into `subsets`), `line` (1-based line in the subset's annotation file),
-    `offset` (its byte offset), `prompt_len` (tokens, expanded image tokens included; identical in both rows),
-    `chosen_len` / `rejected_len` (full rows: prompt + response + trailing newline), `image_tokens` (sum of the
-    pair's `<image>` tokens), `image_start` / `num_images` (a slice of the per-image arrays).
-    Per image ([M]): `image_path_id` (into `image_paths`), `image_grid_hw` [M, 2] (16-px patches), `image_token_counts`.
-    `stats[subset]`: rows_read, valid, pairs (kept after repeat_time and max_samples), dropped {reason: count},
-    drop_examples {reason: ["file:line: detail", ...]} (first 3), first_drop {where, reason, detail} (if any),
-    repeat_time; subsets after the one that reached max_samples have not_read set.
-    `cache_status` ("hit", "built", "rebuilt: ...", "disabled") and `cache_dir` describe where it came from.
+    Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
+    `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
+    `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
+    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples.
+    `cache_status` and `cache_dir`: where it came from.
     """
 
     meta_path: str
@@ -848,11 +752,10 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
 
 def checked_rows(pool, workers: int, root: str, path: Path,
                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
-    """Every non-blank row of the annotation file `path` (subset `subset`, image root `root`, "" = none) checked, in
-    file order: (line number, byte offset, lengths dict or (drop reason, detail)); the lengths dict holds prompt_len,
-    chosen_len, rejected_len (tokens, image tokens expanded), imgs (resolved paths), grids and counts (per image).
-    `pool` (a fork-context ProcessPoolExecutor of `workers` processes, or None = in-process) checks CHUNK_ROWS rows
-    per task with 2 chunks per worker in flight. Needs `begin_row_checks` first."""
+    """Every non-blank row of annotation file `path` (of `subset`; image `root`, "" = none) checked, in file
+    order: (line, byte offset, lengths or (drop reason, detail)); lengths holds prompt_len, chosen_len, rejected_len
+    (tokens), imgs, grids and counts. `pool` (fork-context ProcessPoolExecutor of `workers`, or None: in-process)
+    checks CHUNK_ROWS rows per task. Needs `begin_row_checks` first."""
     if pool is None:
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)
@@ -885,18 +788,13 @@ def changed_remedy(ix: PairIndex) -> str:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """`dataset[pair_id] -> PreferencePair` for the pairs of a `PairIndex` (pair_id in 0..len(index)-1).
-
-    Re-reads the row from its annotation file, renders it exactly as the index did, decodes the images once per pair
-    and runs the model's image processor on them (`pixel_values` [sum gh*gw, 768] float32, `image_grid_hw` [n, 2]
-    int64, `image_token_counts` [n] int64), expands each `<image>` with the processor (`<img>` + n x `<image>` +
-    `</img>`) and tokenises. chosen_ids / rejected_ids: [L] int64 (prompt + response + newline); loss masks: [L] bool,
-    True on the response and its `<|im_end|>`.
+    """`dataset[pair_id] -> PreferencePair` for the pairs of a `PairIndex`: the row re-read and rendered as the
+    index did, its images decoded once (`pixel_values` [sum gh*gw, 768] float32, `image_grid_hw` [n, 2],
+    `image_token_counts` [n]), each `<image>` expanded by the processor (`<img>` + n x `<image>` + `</img>`), both rows
+    tokenised ([L] int64; loss masks [L] bool, True on the response and its `<|im_end|>`).
 
     Raises:
-        DataError: the row no longer matches the index (annotation or image changed since the index was built, e.g.
-            an image now unreadable or too thin for the processor; the message names the file and line and the
-            cache folder to delete).
+        DataError: the row or an image changed since the index was built (naming the file, line and the cache).
     """
 
     def __init__(self, index: PairIndex, processor):
@@ -975,16 +873,10 @@ class PairDataset(torch.utils.data.Dataset):
 
 
 class PairSampler:
-    """The global pair order: a seeded shuffle per epoch, identical on every rank; resumable.
-
-    Epoch e is `pair_ids` permuted by numpy's PCG64 seeded with (seed, e) (or kept in order with shuffle=False).
-    `take(n)` returns the next n pair ids, continuing into the next epoch when one ends, and never the same pair twice:
-    a step straddling an epoch boundary would otherwise draw a pair at the end of one epoch and again at the start of
-    the next, and the step is planned and trained by pair id (one pair, one pair_index). Such a repeat is deferred: it
-    opens the next step instead (still once per epoch pass, one step late), so every step trains n distinct pairs.
-    `state_dict()` = {epoch, offset (pairs of the epoch already taken), deferred (pair ids waiting for the next step),
-    num_pairs, seed, shuffle, fingerprint}; `load_state_dict` continues from there. `fingerprint` identifies the data
-    the pair ids point into (the PairIndex's fingerprint, mmpr_index.index_fingerprint; "" = not known).
+    """The global pair order: a seeded shuffle per epoch (numpy PCG64 seeded with (seed, epoch)), identical on
+    every rank; resumable. `take(n)` returns the next n pair ids, continuing into the next epoch, never the same pair
+    twice in a step (a pair drawn again across an epoch boundary opens the next step instead). `state_dict()` =
+    {epoch, offset, deferred, num_pairs, seed, shuffle, fingerprint (of the PairIndex; "" = unknown)}.
     """
 
     def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True, fingerprint: str = ""):
@@ -1038,14 +930,11 @@ class PairSampler:
                 "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> str | None:
-        """Continue from a saved position.
-
-        Returns a note (for a `resume:` line) when the data changed but kept its pair count: both fingerprints known
-        and different. The position still applies to the same number of pairs, so the run continues; a state saved
-        without a fingerprint (older checkpoints) gives no note. Otherwise None.
+        """Continue from a saved position; returns a note for a `resume:` line when the data changed with the same
+        pair count (both fingerprints known and different), else None.
 
         Raises:
-            DataError: the pair count, seed or shuffle differ from the saved run's (the position does not apply).
+            DataError: the pair count, seed or shuffle differ from the saved run's.
         """
         why = {"num_pairs": "the training pairs changed (the data, or a data setting that selects them)",
                "seed": "data.train.seed changed: set it back", "shuffle": "data.train.shuffle changed: set it back"}
@@ -1115,9 +1004,8 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  #
 
 @contextlib.contextmanager
 def workers_start_deaf():
-    """Start data workers inside this block: they are forked with the stop signals blocked (a signal to the process
-    group in the meantime stays pending, for the rank's other threads or until the block ends), so none reaches a
-    worker before `ignore_stop_signals` runs (torch's DataLoader worker re-raises a SIGTERM not from its parent)."""
+    """Fork data workers inside this block: they start with the stop signals blocked (pending, not lost), so
+    none reaches a worker before `ignore_stop_signals` (torch's worker handler re-raises a SIGTERM from elsewhere)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -1126,11 +1014,9 @@ def workers_start_deaf():
 
 
 def ignore_stop_signals(*_) -> None:
-    """A data worker (DataLoader's worker_init_fn, the index pool's initializer; started in `workers_start_deaf`)
-    leaves the stop signals to its rank (monitor.StopSignal: finish the step, save). torchrun's forward reaches the
-    rank's whole process group, scancel every process of the job; a worker killed by it broke the rank's step, nothing
-    saved. SIGTERM from the parent (the DataLoader's or multiprocessing's clean-up) still ends the worker, as torch's
-    own handler does."""
+    """A data worker's start (DataLoader's worker_init_fn, the index pool's initializer): the stop signals are
+    its rank's (monitor.StopSignal), so SIGINT / SIGHUP / SIGUSR1 are ignored and SIGTERM ends the worker only when its
+    parent sends it (the DataLoader's clean-up); torchrun and scancel signal every process of a rank's group."""
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})  # threads started from here on inherit the mask
@@ -1144,13 +1030,9 @@ def ignore_stop_signals(*_) -> None:
 
 
 class StepLoader:
-    """Steps of `global_batch_size` pairs; each rank decodes only the pairs of its own bins, in DataLoader workers.
-
-    plan_fn(global_pair_ids) -> (plan, ids_to_load) runs in the main process on every rank with the same input:
-    typically `plan = pack.plan_step(index.lengths(ids), cfg.packing, dp)` and ids_to_load = the pair ids of
-    plan.ranks[dp_rank]. The DataLoader (num_workers workers, prefetching) loads those ids with `dataset`.
-    Iterating is endless (epochs continue); stop after the last step.
-    """
+    """Steps of `global_batch_size` pairs, endless: `plan_fn(global_pair_ids) -> (plan, ids_to_load)` runs in the
+    main process on every rank (e.g. pack.plan_step and this rank's bins), and `num_workers` DataLoader workers decode
+    only `ids_to_load`."""
 
     def __init__(self, dataset: PairDataset, sampler: PairSampler, global_batch_size: int,
                  plan_fn: Callable[[list[int]], tuple[Any, Sequence[int]]], num_workers: int = 0):
