@@ -1,14 +1,11 @@
-"""The one distributed initialisation: torch.distributed and megatron-core's parallel state, for training (under
-torchrun) and for everything that builds a model in a single process (checkpoint.py export, bench.py, tests).
+"""The one distributed initialisation: torch.distributed and megatron-core's parallel state, for training under
+torchrun and for tools that build a model in one process (export, bench.py, tests).
 
     ctx = init_distributed(cfg, local_device(), num_experts)   # train.py: the layout of cfg.parallel
-    init_distributed(device=torch.device("cpu"))               # a tool: a world of one, TP = CP = EP = PP = 1
+    init_distributed(device=torch.device("cpu"))               # a tool: a world of one
 
-Under torchrun the world comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); without it (plain
-`python`, an in-process test) the world is one rank on a free local port. The backend follows the device: nccl for a
-CUDA device, gloo for the CPU. Other modules read process groups from megatron-core's `parallel_state` (or from `Ctx`).
-
-Tests: `pytest tests/test_train.py tests/test_checkpoint.py -k export`.
+Without torchrun the world is one rank on a free local port. Other modules read the process groups from
+megatron-core's `parallel_state` or from `Ctx`. Tests: tests/test_train.py, tests/test_checkpoint.py -k export.
 """
 
 from __future__ import annotations
@@ -63,8 +60,8 @@ class Ctx:
 def local_device() -> torch.device:
     """cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK 0 outside torchrun), else the CPU.
 
-    Raises config.ConfigError when LOCAL_RANK names no CUDA device of this node (more processes per node than GPUs,
-    e.g. the README's 2-rank CPU command on a one-GPU machine), before any process group or CUDA context exists.
+    Raises:
+        config.ConfigError: LOCAL_RANK names no CUDA device of this node (more ranks per node than GPUs).
     """
     if torch.cuda.is_available():
         local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
@@ -91,18 +88,12 @@ def group_rank_size(group) -> tuple[int, int]:
 
 
 def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None) -> Ctx:
-    """torch.distributed and megatron-core parallel state for `cfg.parallel` (all sizes 1 when `cfg` is None) on
-    `device` (None: the CPU); returns the `Ctx` of this process.
-
-    The world is torchrun's (environment variables) or, without torchrun, one rank on a free local port. The backend
-    is nccl for a CUDA device (which becomes the current device), gloo otherwise. cpu_compat's stand-ins for what this
-    process lacks (TE, mamba-ssm, CUDA) are applied first. Idempotent: an existing process group or parallel state is
-    kept. A parallel state created here seeds megatron's RNG tracker with 0 (seed_everything reseeds it).
+    """torch.distributed and megatron-core's parallel state for `cfg.parallel` (all sizes 1 when `cfg` is None)
+    on `device` (None: the CPU); returns this process's `Ctx`. nccl for CUDA, gloo otherwise; cpu_compat's stand-ins are
+    applied first. Idempotent. A parallel state created here seeds megatron's RNG tracker with 0.
 
     Raises:
-        config.ConfigError: (with `cfg`) world size != TP·CP·DP, ETP·EP not dividing it, EP not dividing
-            `num_experts`, or the global batch not divisible by DP (config.validate_parallel), before any process
-            group exists.
+        config.ConfigError: (with `cfg`) config.validate_parallel's rules, before any process group exists.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -176,15 +167,10 @@ def check_deterministic_env(enabled: bool) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """Deterministic kernels for this process when `enabled` (model.deterministic_mode); nothing otherwise.
-
-    Sets the variables of DETERMINISTIC_ENV that are unset (before the first CUDA matmul and the model build: call it
-    before `init_distributed`) and `torch.use_deterministic_algorithms(True, warn_only=True)`, which mamba-ssm's
-    Triton kernels also read at run time. mamba-ssm fixes its autotuning configs when imported, which train.py does
-    before reading the config: when it is imported already and MAMBA_DETERMINISTIC was not exported, one note line on
-    stderr says to export it. megatron-core's own switch is TransformerConfig.deterministic_mode (omni_model). PyTorch's
-    reproducibility notes (docs/source/notes/randomness.rst) list the ops it changes; on the CPU every kernel this job
-    uses is deterministic already, and the switch only fills new uninitialised tensors (torch.empty) with NaN.
+    """With `enabled` (model.deterministic_mode): set the unset variables of DETERMINISTIC_ENV (call before
+    `init_distributed`: before the first CUDA matmul) and `torch.use_deterministic_algorithms(True, warn_only=True)`,
+    which mamba-ssm's Triton kernels read too. mamba-ssm fixes its autotuning when imported: imported already without
+    MAMBA_DETERMINISTIC exported, one note on stderr says to export it.
 
     Raises:
         config.ConfigError: `check_deterministic_env`.

@@ -23,18 +23,12 @@ import pack
 
 
 def check_inputs(cfg) -> None:
-    """The checks that need neither a process group nor a model: the files the config names and the packing layout.
-
-    Run before `init_distributed`, so a typo fails in seconds on every rank with the key named. The paths are
-    checked as config.load_config left them (a leading `~` already expanded), i.e. as the loaders will read them.
+    """The checks that need neither a process group nor a model, run before `init_distributed` so that a typo
+    fails in seconds: model.hf_path holds config.json and safetensors, the data paths are files, the packing layout
+    (pack.validate_packing_config), `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`.
 
     Raises:
-        config.ConfigError: model.hf_path has no config.json or no safetensors weights; data.train.data_path is
-            empty; data.train.data_path (or data.validation.data_path, when set) is not a file; the packing / parallel
-            divisibility rule (pack.validate_packing_config) fails; checkpoint.dir cannot be created or written
-            (`check_run_dir`); logging.wandb = "online" / "offline" without an importable wandb, or "online"
-            without an API key (`check_wandb`); an environment that contradicts model.deterministic_mode
-            (`distributed.check_deterministic_env`).
+        config.ConfigError: naming the key.
     """
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
@@ -127,17 +121,11 @@ def _checkpoint_around(path: Path) -> Path | None:
 
 
 def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
-    """`checkpoint.dir` names a directory this process can write, and not one whose files a run would overwrite or
-    lose; creates it (with its parents) when missing.
+    """`checkpoint.dir` names a directory this process can write and whose files no run would overwrite or lose
+    (not model.hf_path or another HF model, not a checkpoint or inside one); creates it when missing.
 
     Raises:
-        config.ConfigError: the value is empty (the run's files would land in the working directory); the path is an
-            existing file; it is model.hf_path (`hf_path`) or holds an HF model (a config.json with model_type or
-            architectures, or an export's checkpoint.EXPORT_INFO_FILE): the run's resolved config.json would replace
-            the model's; it is a checkpoint (step_<N>) or inside one (pruned with it; to resume, the run directory is
-            the value to set), or named as a save in progress (step_<N>.tmp / .old) or inside one; a parent on its way
-            is not a directory (e.g. /dev/null/x); the nearest existing directory is not writable; or mkdir fails
-            anyway (e.g. /proc/x, /sys/x, where os.access says yes to root).
+        config.ConfigError: empty, a file, an HF model or a checkpoint, a parent that is no directory, not writable.
     """
     import checkpoint
 
@@ -184,17 +172,12 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
 
 
 def check_wandb(mode: str) -> None:
-    """With `logging.wandb = "online"` or `"offline"`, the wandb package must import (it is in requirements.txt, but
-    an image built without it, e.g. a GPU image with its own Python set, would otherwise stop with a
-    ModuleNotFoundError traceback, "offline" only once the models are built). With "online", W&B must also find an
-    API key: wandb's own lookup (`wandb.login(verify=False, prompt=False)`: WANDB_API_KEY or
-    WANDB_IDENTITY_TOKEN_FILE, the .netrc that `wandb login` writes, a wandb settings file), without a prompt or a
-    network call. "disabled" needs neither. `mode` is the mode the run uses: cfg.logging.wandb after
-    config.load_config applied WANDB_MODE (config.apply_wandb_mode_env).
+    """With `mode` "online" or "offline" (cfg.logging.wandb after WANDB_MODE), wandb must import; with "online"
+    it must also find an API key by its own lookup (`wandb.login(verify=False, prompt=False)`), without a prompt or a
+    network call.
 
     Raises:
-        config.ConfigError: wandb does not import; no key found, or the key found has an invalid format (wandb's
-            AuthenticationError).
+        config.ConfigError: wandb does not import; no key, or a key of invalid format.
     """
     if mode == "disabled":
         return
@@ -257,15 +240,12 @@ MCORE_FIELD_KEYS = {
 
 
 def check_model_config(cfg, hf) -> None:
-    """megatron-core's constraints on this model and layout, checked before any process group, data or model work.
-
-    Builds the three megatron-core TransformerConfigs (language model, ViT, projector: their __post_init__ runs
-    megatron's own checks) and applies the rules megatron-core enforces only later, at build or at the first training
-    forward: MoE with TP > 1 needs sequence parallelism (MoELayer.forward), experts whole on their EP rank (ETP = 1,
-    build_model), a vocabulary divisible by TP (the output layer stays vocab-parallel). Nothing to train is an error.
+    """megatron-core's constraints on this model and layout, before any process group, data or model: the three
+    TransformerConfigs (language model, ViT, projector) are built (their own checks), plus the rules megatron-core
+    enforces only later: MoE with TP > 1 needs SP, ETP = 1, the vocabulary divisible by TP, something to train.
 
     Raises:
-        config.ConfigError: one line naming the project's keys (and their values) behind megatron-core's message.
+        config.ConfigError: one line naming the project's keys behind megatron-core's message.
     """
     m, p = cfg.model, cfg.parallel
     if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
@@ -310,22 +290,14 @@ def check_model_config(cfg, hf) -> None:
 
 
 def check_splits(train_split, val_split, cfg):
-    """Check the loaded splits against the batch and bin sizes before the models are built; returns (the training
-    split to sample from, the validation split to use or None when it has no pair, a list of notes for the console).
-
-    With packing.drop_oversized_pairs, pairs larger than a bin (pack.pair_bin_tokens > packing.max_tokens_per_bin) are
-    dropped here, at start, from both splits' pair ids: the sampler and validation never see them, so no step and no
-    validation batch can hold only oversized pairs. The count is a console note and `Split.dropped_oversized` (the
-    `dropped_oversized` metric of every training row). The choice is the same on every rank (the index is) and on a
-    resume with the same settings (the sampler's state checks its pair count). Without the switch nothing is dropped.
-    A separate validation meta-recipe that reads some of the training annotation files gets a note, as does an
-    mpo.val_period without validation data.
+    """Check the loaded splits against the batch and bin sizes before the models are built; returns (the
+    training split, the validation split or None when it has no pair, notes for the console). With
+    packing.drop_oversized_pairs, pairs larger than a bin are dropped here from both splits (counted:
+    `Split.dropped_oversized`), the same on every rank and every resume.
 
     Raises:
-        config.ConfigError: a training or validation pair larger than packing.max_tokens_per_bin without
-            packing.drop_oversized_pairs (found here, at start, instead of at the step that samples it); every pair of
-            a split oversized; fewer training pairs (after the drop) than policy.train_global_batch_size (every step
-            would repeat pairs).
+        config.ConfigError: an oversized pair without packing.drop_oversized_pairs; every pair of a split oversized;
+            fewer training pairs than policy.train_global_batch_size.
     """
     notes = []
     if val_split is not None and val_split.index is not train_split.index and \
