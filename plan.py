@@ -348,13 +348,15 @@ def default_world(cfg) -> int:
 
 
 def check_layout(cfg, world: int, hf) -> None:
-    """train.py's checks of the layout and the model, before anything is built. Raises config.ConfigError."""
-    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
+    """train.py's checks of the layout and the model, in its order (preflight.check_inputs' packing rule,
+    preflight.check_model_config, then distributed.init_distributed's config.validate_parallel), before anything
+    is built. Raises config.ConfigError."""
     try:
         pack.validate_packing_config(cfg)
     except ValueError as e:
         raise config_mod.ConfigError(str(e)) from None
     preflight.check_model_config(cfg, hf)
+    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
 
 
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
