@@ -105,13 +105,17 @@ def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
 
     env = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)  # init_distributed validates the layout against torchrun's world
-    gather = dist.all_gather_object
+    gather, new_group = dist.all_gather_object, dist.new_group
+
+    def fake_group(*args, backend=None, **kwargs):  # megatron's gloo side groups (DP > 1): fake ones too
+        return new_group(*args, **kwargs)
+
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        dist.all_gather_object = _plain(gather)
+        dist.all_gather_object, dist.new_group = _plain(gather), fake_group
         yield distributed.init_distributed(cfg, torch.device("cpu"), num_experts)
     finally:
-        dist.all_gather_object = gather
+        dist.all_gather_object, dist.new_group = gather, new_group
         if env is None:
             os.environ.pop("WORLD_SIZE", None)
         else:
