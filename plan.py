@@ -383,7 +383,8 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
             master, moments = optimizer_bytes(optimizer, bf16)
             ref = _model_bytes(reference)
             row = RankPlan(
-                ranks=[rank], params=total, params_active=active, reference_params=total,
+                ranks=[rank], params=total, params_active=active,
+                reference_params=sum(p.numel() for p in reference.parameters()),
                 weights=_model_bytes(policy),
                 grads=sum(b.grad_data.numel() * b.grad_data.element_size()
                           for b in ddp.buffers + ddp.expert_parallel_buffers),
