@@ -99,9 +99,17 @@ def _plain(fn):
 @contextlib.contextmanager
 def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
     """This process as `rank` of a fake world of `world` ranks: torch's "fake" process group, then megatron-core's
-    parallel state from distributed.init_distributed (train.py's layout checks and groups); torn down on exit."""
+    parallel state from distributed.init_distributed (train.py's layout checks and groups); torn down on exit. A
+    world this process already had (a tool's or a test's world of one) is torn down first and made anew afterwards
+    (distributed.init_distributed's world of one: objects holding its old groups must not be used after)."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    had_world = dist.is_initialized()
+    if had_world:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
     env = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)  # init_distributed validates the layout against torchrun's world
@@ -124,6 +132,8 @@ def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
             parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if had_world:
+            distributed.init_distributed()
 
 
 def build_rank(cfg):

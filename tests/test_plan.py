@@ -203,6 +203,23 @@ def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
     assert err[0] == f"error: ConfigError: {train_error.value}"
 
 
+def test_a_world_of_one_before_the_plan_is_a_world_of_one_after():
+    """A process that already has a world (a tool, another test) keeps one: the plan's fake worlds replace it while
+    they run, then distributed.init_distributed makes a world of one again."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import distributed
+
+    distributed.init_distributed()
+    hf = omni_model.read_hf_config(NANO)
+    with plan.fake_rank(nano_cfg(), 8, 3, hf.text.n_routed_experts):
+        assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
+        assert parallel_state.get_tensor_model_parallel_world_size() == 8
+    assert (dist.get_world_size(), dist.get_rank()) == (1, 0)
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+
+
 def test_two_nodes_shard_the_optimizer_over_dp():
     """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's fp32
     master copies of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters exactly (padding holds
