@@ -1002,24 +1002,36 @@ def _step_setup(device: torch.device, shape: dict) -> dict:
     closed-form step-1 loss `want` = w_p·ln 2 + w_q·2 ln 2 (policy = reference, δ = 0, no SFT term)."""
     import math
 
-    import config as config_mod
     import distributed
     import omni_model as om
 
     distributed.init_distributed(device=device)
     ckpt = _shape_checkpoint(shape)
     hf = om.read_hf_config(ckpt)
-    cfg = config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
-        f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}",
-        f"policy.train_global_batch_size={shape['pairs']}", f"packing.max_sequences_per_bin={shape['pairs_per_bin']}",
-        "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
-        "policy.logprob_chunk_size=1024", "packing.shared_prompt=false"])  # separate rows; shared timed apart
+    cfg = step_config(ckpt, shape)
     m = cfg.mpo
     pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], hf.text.vocab_size)
     return dict(cfg=cfg, ckpt=ckpt, hf=hf, dtype=getattr(torch, shape["dtype"]), pairs=pairs,
-                lengths={i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()},
+                lengths=pair_lengths(pairs),
                 ids={"image": hf.image_token_id, "pad": 0},
                 want=m.preference_loss_weight * math.log(2) + m.bco_loss_weight * 2 * math.log(2))
+
+
+def step_config(ckpt, shape: dict):
+    """The config of the GPU step (mpo_step_bench, profile_step; plan.py's calibration): configs/tiny.toml with the
+    checkpoint folder `ckpt` of `shape`, its dtype, pairs and pairs per bin, separate rows (shared timed apart)."""
+    import config as config_mod
+
+    return config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
+        f"model.hf_path={ckpt}", f"model.params_dtype={shape['dtype']}",
+        f"policy.train_global_batch_size={shape['pairs']}", f"packing.max_sequences_per_bin={shape['pairs_per_bin']}",
+        "packing.max_tokens_per_bin=65536", "scheduler.lr_warmup_steps=0", "mpo.max_num_steps=100",
+        "policy.logprob_chunk_size=1024", "packing.shared_prompt=false"])
+
+
+def pair_lengths(pairs: dict) -> dict:
+    """{pair id: (chosen row tokens, rejected row tokens)} of pack.PreferencePairs (pack.plan_step's lengths)."""
+    return {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
 
 
 def closed_form_tolerance(device: torch.device, shape: dict, want: float) -> float | None:

@@ -68,6 +68,17 @@ def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
     return ParamMap(dim, "tp", lambda r, s: [Segment(k, off + r * n // s, n // s) for k, off, n in parts])
 
 
+def _rows(segments: list[Segment], start: int, length: int) -> list[Segment]:
+    """Rows [start, start + length) of the concatenation of `segments`, as segments."""
+    out, offset = [], 0
+    for s in segments:
+        lo, hi = max(start, offset), min(start + length, offset + s.length)
+        if lo < hi:
+            out.append(Segment(s.key, s.start + lo - offset, hi - lo))
+        offset += s.length
+    return out
+
+
 def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     """megatron-core name -> ParamMap for every parameter (and the router expert-bias buffer) of `model`.
 
@@ -88,14 +99,15 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     maps: dict[str, ParamMap] = {}
 
     def qkv(layer: int, groups: int) -> ParamMap:
-        def seg(r, s):
-            out = []
-            for g in range(r * groups // s, (r + 1) * groups // s):
-                out += [Segment(f"{lm}layers.{layer}.mixer.q_proj.weight", g * hpg * head_dim, hpg * head_dim),
-                        Segment(f"{lm}layers.{layer}.mixer.k_proj.weight", g * head_dim, head_dim),
-                        Segment(f"{lm}layers.{layer}.mixer.v_proj.weight", g * head_dim, head_dim)]
-            return out
-        return ParamMap(0, "tp", seg)
+        # megatron's fused rows, per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
+        # row blocks (whole groups when TP divides the groups; with fewer groups than TP, part of one group, which
+        # megatron's attention all-gathers: attention.py's get_query_key_value_tensors)
+        p = f"{lm}layers.{layer}.mixer."
+        rows = [seg for g in range(groups) for seg in (Segment(p + "q_proj.weight", g * hpg * head_dim, hpg * head_dim),
+                                                         Segment(p + "k_proj.weight", g * head_dim, head_dim),
+                                                         Segment(p + "v_proj.weight", g * head_dim, head_dim))]
+        n = groups * (hpg + 2) * head_dim
+        return ParamMap(0, "tp", lambda r, s: _rows(rows, r * n // s, n // s))
 
     def vit_qkv(key: str) -> ParamMap:
         def seg(r, s):  # timm rows [Q; K; V] -> megatron per head [q_h; k_h; v_h]

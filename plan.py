@@ -1,0 +1,483 @@
+"""Will it fit? Plan a run's per-GPU memory without a GPU and without weights.
+
+    python plan.py configs/nano.toml model.hf_path=assets/nano-omni-config           # 8 ranks (TP 8, EP 8)
+    python plan.py configs/nano.toml model.hf_path=/ckpt/Nemotron-3-Nano-Omni-... --gpus 16   # two nodes: DP 2
+
+From the checkpoint's config.json alone, one process builds what train.py builds on each distinct rank of the layout
+(the policy and the frozen reference with omni_model.build_model, megatron DDP and the distributed optimizer with
+train.build_optimizer), every tensor on the `meta` device inside a fake process group of the run's world size
+(torch's "fake" backend: collectives are no-ops, no model memory is touched). It prints the global parameter counts,
+a table per distinct rank (parameters; bytes of weights, fp32 main gradients, optimizer state, reference,
+activations at packing.max_tokens_per_bin, the fused log-prob chunk; the total against 80 GB and 141 GB GPUs), the
+verdict and the largest packing.max_tokens_per_bin that fits each GPU. A bad layout is the one-line ConfigError that
+train.py gives (the same checks: config.validate_parallel, preflight.check_model_config, pack.validate_packing_config).
+
+Activations (`activation_bytes`) count what autograd keeps for the backward of the kernels this project runs on a
+GPU without Transformer Engine or mamba-ssm (the measured path: `spec local; attention varlen; experts grouped; mamba
+torch`); per token of a rank (T/CP tokens; TP shards the feature dims, sequence parallelism the sequence), b bytes
+per parameter-dtype element, h hidden, SP = TP with sequence parallelism else 1:
+  Mamba      2h/SP (norm in, out) + the Mamba mixer body as mamba_torch saves it, MEASURED with autograd's
+             saved-tensor hooks at the rank's head count (`mamba_body_bytes_per_token`) + d_inner/TP (out_proj input)
+  attention  2h/SP + (q + 2 kv)/TP (qkv output) + q/TP (flash-attention output) elements, + 4 bytes x heads/TP (lse)
+  MoE        2h/SP + k(2h + 2f)/SP (permuted input, fc1 output, activation, fc2 output of the k routed copies) +
+             2 f_shared/TP (shared expert) elements + 3 x 4 bytes x E/SP (router logits, scores, top-k in fp32);
+             plus, per layer and independent of T, the stacked expert weights that GroupedExperts keeps (2 E_local h f)
+  dense MLP  2h/SP + 2 f/TP elements
+  head       3h/SP (final norm in, out; output-layer input) + V/TP (the logits, whose gradient is written in place)
+The attention and MLP terms are Korthikanti et al. 2022 (arXiv 2205.05198, section 4) without dropout masks and
+with flash attention (no s x s scores); the Mamba and MoE terms follow the same accounting of the tensors that
+megatron-core's modules and mamba_torch save. Recomputation (model.recompute): "none" and "selective" (megatron
+recomputes only the core attention, which flash attention already keeps to q, k, v, out) keep every layer's terms;
+"full" keeps each layer's input (h/SP) and recomputes one layer at a time. The backward of a layer holds its
+activations and their gradients at once: the largest layer's activations count once more (twice under "full":
+recomputed, then their gradients). The fused log-prob chunk is 2 x chunk x V/TP fp32 (mpo_loss.token_logprobs;
+bench.py measures it).
+Image tokens (--image-tokens, per bin) add the RADIO ViT's activations: 4 patches per token, Korthikanti's
+34 h_v bytes per patch and layer at 16 bits (h_v b per patch and layer under "full").
+tests/test_plan.py compares the formula with the recorded H200 benchmark (README "First GPU numbers").
+
+Run `python plan.py -h` for the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import config as config_mod  # noqa: E402
+
+config_mod.quiet_known_warnings()  # before megatron-core is imported
+import distributed  # noqa: E402
+import omni_model  # noqa: E402
+import pack  # noqa: E402
+import preflight  # noqa: E402
+
+GiB = 2**30
+# Usable memory of the two GPU sizes (what torch reports as the device's total capacity): an 80 GB H100 / A100 has
+# 79.1 GiB, a 141 GB H200 139.8 GiB (the recorded H200 run's out-of-memory message, README "First GPU numbers").
+GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
+
+
+# ======================================================================================================================
+# One rank on the meta device
+
+
+class _MetaAllocations(torch.overrides.TorchFunctionMode):
+    """Every tensor factory call makes a meta tensor, an explicit `device=` included (megatron DDP allocates its
+    buffers on the current device); paused by `_plain` around torch.distributed's object collectives, which read
+    their sizes back with .item()."""
+
+    paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _MetaAllocations.paused and func in torch.utils._device._device_constructors():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def _plain(fn):
+    def call(*args, **kwargs):
+        _MetaAllocations.paused = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _MetaAllocations.paused = False
+
+    return call
+
+
+@contextlib.contextmanager
+def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
+    """This process as `rank` of a fake world of `world` ranks: torch's "fake" process group, then megatron-core's
+    parallel state from distributed.init_distributed (train.py's layout checks and groups); torn down on exit. A
+    world this process already had (a tool's or a test's world of one) is torn down first and made anew afterwards
+    (distributed.init_distributed's world of one: objects holding its old groups must not be used after)."""
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    had_world = dist.is_initialized()
+    if had_world:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+    env = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)  # init_distributed validates the layout against torchrun's world
+    gather, new_group = dist.all_gather_object, dist.new_group
+
+    def fake_group(*args, backend=None, **kwargs):  # megatron's gloo side groups (DP > 1): fake ones too
+        return new_group(*args, **kwargs)
+
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        dist.all_gather_object, dist.new_group = _plain(gather), fake_group
+        yield distributed.init_distributed(cfg, torch.device("cpu"), num_experts)
+    finally:
+        dist.all_gather_object, dist.new_group = gather, new_group
+        if env is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = env
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if had_world:
+            distributed.init_distributed()
+
+
+def build_rank(cfg):
+    """(policy, reference, ddp, optimizer) of this rank as train.main builds them, on the meta device (inside
+    `fake_rank`); no weights are read (hf_weights.load_hf_weights is skipped: the shapes are the same)."""
+    import train
+
+    with _MetaAllocations():
+        reference = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel).eval().requires_grad_(False)
+        policy = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        ddp, optimizer, _ = train.build_optimizer(policy, cfg)
+    return policy, reference, ddp, optimizer
+
+
+# ======================================================================================================================
+# Counting
+
+
+COMPONENTS = ("language_model", "vision_model", "vision_projection")
+
+
+def _routed(model) -> set[int]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+
+
+def global_counts(model, hf) -> dict[str, int]:
+    """Global parameter counts {component: n, "total", "active"} from one rank's shards: TP-split parameters times TP,
+    routed-expert parameters times EP (ETP is 1). "active" = monitor.active_params (the LM parameters a token's
+    forward multiplies with: no input embedding, top_k / n_routed of the routed experts)."""
+    from megatron.core import parallel_state
+
+    import monitor
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    routed = _routed(model)
+    out = {}
+    for name in COMPONENTS:
+        out[name] = sum(p.numel() * (ep if id(p) in routed else tp if getattr(p, "tensor_model_parallel", False)
+                                     else 1) for p in getattr(model, name).parameters())
+    out["total"] = sum(out[n] for n in COMPONENTS)
+    out["active"] = monitor.active_params(model, hf)
+    return out
+
+
+def rank_params(model, hf) -> tuple[int, int]:
+    """(parameters on this rank, their share a token multiplies with: every non-routed parameter and top_k / n_routed
+    of the rank's routed experts)."""
+    routed = _routed(model)
+    total = sum(p.numel() for p in model.parameters())
+    n_exp = getattr(hf.text, "n_routed_experts", 0) or 0
+    share = hf.text.num_experts_per_tok / n_exp if n_exp else 1.0
+    experts = sum(p.numel() for p in model.parameters() if id(p) in routed)
+    return total, int(total - experts + experts * share)
+
+
+def _model_bytes(model) -> int:
+    """Bytes of the parameters and of the router's fp32 expert-bias buffers."""
+    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
+    """(fp32 master copies, Adam's two fp32 moments) of this rank: the main parameters megatron-core's optimizer
+    holds (with the distributed optimizer, this DP rank's shard of each gradient bucket; its fp32 copies of 16-bit
+    parameters, or views of fp32 ones), and exp_avg + exp_avg_sq of the same shapes (created at the first step)."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    main = sum(p.numel() for o in optimizers for g in o.optimizer.param_groups for p in g["params"])
+    return (4 * main if bf16 else 0), 2 * 4 * main
+
+
+# ======================================================================================================================
+# Activations
+
+
+def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
+    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined (the Mamba mixer after in_proj: conv, SSD
+    scan, gated norm) keeps for backward at this rank's share of the heads (TP), measured with autograd's
+    saved-tensor hooks at two token counts on the CPU (its inputs included: the in_proj output); the slope."""
+    import mamba_torch
+
+    t = hf.text
+    nh, hd, ng, ds = t.mamba_num_heads // tp, t.mamba_head_dim, max(t.n_groups // tp, 1), t.ssm_state_size
+    di, gn = nh * hd, ng * ds
+
+    def saved(n: int) -> int:
+        storages = {}
+
+        def keep(x):
+            s = x.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return x
+
+        def leaf(*shape):
+            return torch.randn(*shape).to(dtype).requires_grad_()
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            mamba_torch.mamba_split_conv1d_scan_combined(
+                leaf(1, n, 2 * di + 2 * gn + nh), leaf(di + 2 * gn, t.conv_kernel), leaf(di + 2 * gn), leaf(nh),
+                -torch.rand(nh).to(dtype).requires_grad_(), leaf(nh), t.chunk_size, rmsnorm_weight=leaf(di),
+                rmsnorm_eps=t.layer_norm_epsilon, headdim=hd, ngroups=ng, norm_before_gate=False,
+                cu_seqlens=torch.tensor([0, n], dtype=torch.int32))
+        return sum(storages.values())
+
+    a, b = tokens
+    return (saved(b) - saved(a)) / (b - a)
+
+
+@dataclass
+class ActivationModel:
+    """Per-rank activation bytes as a function of the tokens of one bin (module docstring); built once per layout."""
+
+    per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
+    per_layer: dict[str, float]  # T-independent bytes per layer of each kind (the grouped experts' stacked weights)
+    pattern: str
+    recompute: str
+    cp: int
+    input_bytes: float  # bytes per rank-token of a layer's input (what full recompute keeps)
+    vit_per_image_token: float  # bytes per image token of the ViT's activations
+    chunk_bytes: int  # the fused log-prob chunk
+    notes: list[str] = field(default_factory=list)
+
+    def layer(self, kind: str, tokens: float) -> float:
+        return self.per_token[kind] * tokens + self.per_layer.get(kind, 0.0)
+
+    def __call__(self, bin_tokens: int, image_tokens: int = 0) -> float:
+        """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images), the log-prob
+        chunk included."""
+        s = bin_tokens / self.cp
+        largest = max(self.layer(k, s) for k in set(self.pattern))
+        if self.recompute == "full":
+            kept = len(self.pattern) * self.input_bytes * s + 2 * largest
+        else:
+            kept = sum(self.layer(k, s) for k in self.pattern) + largest
+        return kept + self.per_token["head"] * s + self.vit_per_image_token * image_tokens + self.chunk_bytes
+
+
+def activation_model(cfg, hf) -> ActivationModel:
+    """The activation formula of the module docstring for `cfg`'s layout and model."""
+    t, v = hf.text, hf.vision
+    tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    ep = cfg.parallel.expert_model_parallel_size
+    dtype = omni_model._dtype(cfg.model.params_dtype)
+    b = torch.finfo(dtype).bits // 8
+    h = t.hidden_size
+    head_dim = getattr(t, "head_dim", None) or h // t.num_attention_heads
+    q, kv = t.num_attention_heads * head_dim, t.num_key_value_heads * head_dim
+    di = t.mamba_num_heads * t.mamba_head_dim
+    n_exp = getattr(t, "n_routed_experts", 0) or 0
+    k, f = t.num_experts_per_tok, t.moe_intermediate_size
+    f_shared = t.moe_shared_expert_intermediate_size or 0
+    per_token = {
+        "M": 2 * h / sp * b + mamba_body_bytes_per_token(hf, tp, dtype) + di / tp * b,
+        "*": (2 * h / sp + (q + 2 * kv) / tp + q / tp) * b + 4 * t.num_attention_heads / tp,
+        "E": (2 * h / sp + k * (2 * h + 2 * f) / sp + 2 * f_shared / tp) * b + 3 * 4 * n_exp / sp,
+        "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,
+        "head": (3 * h / sp + t.vocab_size / tp) * b,
+    }
+    per_layer = {"E": 2 * (n_exp // ep) * h * f * b} if n_exp else {}
+    vh, vlayers = v.hidden_size, v.num_hidden_layers
+    vit = 4 * vlayers * vh * (b if cfg.model.recompute == "full" else 34 * b / 2)
+    return ActivationModel(per_token=per_token, per_layer=per_layer, pattern=hf.pattern, recompute=cfg.model.recompute,
+                           cp=cp, input_bytes=h / sp * b, vit_per_image_token=vit,
+                           chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
+
+
+# ======================================================================================================================
+# The plan
+
+
+@dataclass
+class RankPlan:
+    """One distinct rank's parameters and bytes (the table's row)."""
+
+    ranks: list[int]
+    params: int
+    params_active: int
+    reference_params: int
+    weights: int
+    grads: int
+    master: int
+    moments: int
+    reference: int  # 0 with reference.offload
+    reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
+
+    def static(self) -> int:
+        return self.weights + self.grads + self.master + self.moments + self.reference
+
+    def total(self, activations: float) -> float:
+        """Peak bytes: the policy's pass (activations) or, with reference.offload, the reference's own visit."""
+        return self.static() + max(activations, self.reference_offloaded)
+
+
+@dataclass
+class Plan:
+    world: int
+    counts: dict[str, int]
+    ranks: list[RankPlan]
+    activations: ActivationModel
+    bin_tokens: int
+    image_tokens: int
+
+    def fits(self, capacity: float, bin_tokens: int | None = None) -> bool:
+        act = self.activations(self.bin_tokens if bin_tokens is None else bin_tokens, self.image_tokens)
+        return all(r.total(act) <= capacity for r in self.ranks)
+
+    def largest_bin(self, capacity: float, multiple: int) -> int:
+        """The largest packing.max_tokens_per_bin (a multiple of `multiple`) that fits `capacity`; 0 if none."""
+        lo, hi = 0, 1
+        while self.fits(capacity, hi * multiple) and hi < 2**24:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(capacity, mid * multiple) else (lo, mid)
+        return lo * multiple
+
+
+def default_world(cfg) -> int:
+    """The smallest world the layout runs on: lcm(TP x CP, ETP x EP) ranks (DP = world / (TP x CP))."""
+    p = cfg.parallel
+    return math.lcm(p.tensor_model_parallel_size * p.context_parallel_size,
+                    p.expert_tensor_parallel_size * p.expert_model_parallel_size)
+
+
+def check_layout(cfg, world: int, hf) -> None:
+    """train.py's checks of the layout and the model, in its order (preflight.check_inputs' packing rule,
+    preflight.check_model_config, then distributed.init_distributed's config.validate_parallel), before anything
+    is built. Raises config.ConfigError."""
+    try:
+        pack.validate_packing_config(cfg)
+    except ValueError as e:
+        raise config_mod.ConfigError(str(e)) from None
+    preflight.check_model_config(cfg, hf)
+    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
+
+
+def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
+    """Build every distinct rank of `cfg`'s layout on the meta device and count. Distinct ranks: TP, EP and CP shards
+    have equal shapes (megatron-core requires even splits), and the distributed optimizer pads each bucket so that
+    every DP rank holds the same number of elements; the first and the last rank are built (they differ, if any
+    two do, only in where the padding falls) and identical rows are merged. Raises config.ConfigError."""
+    hf = omni_model.read_hf_config(cfg.model.hf_path)
+    world = world or default_world(cfg)
+    check_layout(cfg, world, hf)
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    rows: list[RankPlan] = []
+    counts = None
+    for rank in sorted({0, world - 1}):
+        with fake_rank(cfg, world, rank, getattr(hf.text, "n_routed_experts", None)):
+            policy, reference, ddp, optimizer = build_rank(cfg)
+            if counts is None:
+                counts = global_counts(policy, hf)
+            total, active = rank_params(policy, hf)
+            master, moments = optimizer_bytes(optimizer, bf16)
+            ref = _model_bytes(reference)
+            row = RankPlan(
+                ranks=[rank], params=total, params_active=active,
+                reference_params=sum(p.numel() for p in reference.parameters()),
+                weights=_model_bytes(policy),
+                grads=sum(b.grad_data.numel() * b.grad_data.element_size()
+                          for b in ddp.buffers + ddp.expert_parallel_buffers),
+                master=master, moments=moments,
+                reference=0 if cfg.reference.offload else ref,
+                reference_offloaded=ref if cfg.reference.offload else 0,
+            )
+        same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
+        if same is not None:
+            same.ranks.append(rank)
+        else:
+            rows.append(row)
+    return Plan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
+                bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens)
+
+
+# ======================================================================================================================
+# The report
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def format_plan(plan: Plan, cfg) -> str:
+    """The printed plan: global counts, the per-rank table (GiB), the verdict and the largest bin per GPU size."""
+    c, p = plan.counts, cfg.parallel
+    dp = plan.world // (p.tensor_model_parallel_size * p.context_parallel_size)
+    act = plan.activations(plan.bin_tokens, plan.image_tokens)
+    lines = [
+        f"model {cfg.model.hf_path}: language model {_b(c['language_model'])}, vision tower {_b(c['vision_model'])}, "
+        f"projector {_b(c['vision_projection'])}; total {_b(c['total'])}, active per token {_b(c['active'])} "
+        "(language model without the input embedding: monitor.active_params)",
+        f"layout: {plan.world} GPUs = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x DP {dp} "
+        f"(EP {p.expert_model_parallel_size}, SP {p.sequence_parallel}); {cfg.model.params_dtype}, recompute "
+        f"{cfg.model.recompute}, reference.offload {cfg.reference.offload}, bins of {plan.bin_tokens} tokens"
+        + (f" ({plan.image_tokens} image tokens)" if plan.image_tokens else "")
+        + f", log-prob chunk {cfg.policy.logprob_chunk_size}",
+        "",
+        "| ranks | params (policy / reference) | active | weights | grads fp32 | master fp32 | Adam moments "
+        "| reference | activations | total GiB | 80 GB | 141 GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in plan.ranks:
+        total = r.total(act)
+        ranks = ", ".join(map(str, r.ranks)) if len(plan.ranks) > 1 else f"all {plan.world}"
+        fit = ["fits" if total <= cap else "OOM" for cap in GPUS.values()]
+        ref = _gib(r.reference) if not r.reference_offloaded else f"0 (offload; {_gib(r.reference_offloaded)})"
+        lines.append(f"| {ranks} | {_b(r.params)} / {_b(r.reference_params)} | {_b(r.params_active)} "
+                     f"| {_gib(r.weights)} | {_gib(r.grads)} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
+                     f"| {_gib(act)} | {_gib(total)} | {fit[0]} | {fit[1]} |")
+    lines.append("")
+    multiple = cfg.packing.make_sequence_length_divisible_by
+    for name, cap in GPUS.items():
+        verdict = "fits" if plan.fits(cap) else "does NOT fit"
+        best = plan.largest_bin(cap, multiple)
+        lines.append(f"{name} GPUs ({_gib(cap)} GiB): {verdict}; the largest packing.max_tokens_per_bin that fits: "
+                     + (str(best) if best else "none (the weights and optimizer alone do not fit)"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python plan.py", description=__doc__.split("\n")[0])
+    ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/nano.toml")
+    ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[], help="overrides (config.py)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="the world size (default: the smallest the layout runs on, lcm(TP x CP, EP))")
+    ap.add_argument("--image-tokens", type=int, default=0,
+                    help="image tokens per bin (adds the ViT's activations; default 0: text)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = config_mod.load_config(args.config, args.overrides)
+        plan = make_plan(cfg, args.gpus, args.image_tokens)
+    except config_mod.ConfigError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_plan(plan, cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    config_mod.exit_cli(main)

@@ -1,0 +1,232 @@
+"""Full-size checks without weights: the shipped Nano config (assets/nano-omni-config) against the published
+parameter counts and transformers' model, the HF key map at TP 1 and TP 8 / EP 8, plan.py's table of
+configs/nano.toml (golden), its calibration against the recorded H200 benchmark, and its layout errors.
+
+Every model here is built on the meta device (plan.fake_rank / plan.build_rank): no weights, no model memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import config as config_mod
+import hf_weights
+import omni_model
+import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+NANO = ROOT / "assets" / "nano-omni-config"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "plan_nano.txt"
+NANO_ARGS = ["configs/nano.toml", f"model.hf_path={NANO}"]
+
+
+def nano_cfg(*overrides: str):
+    return config_mod.load_config(ROOT / "configs" / "nano.toml", [f"model.hf_path={NANO}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    """transformers' NemotronH_Omni_Reasoning_V3 of the shipped config on the meta device."""
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    raw = json.loads((NANO / "config.json").read_text())
+    cfg = NemotronH_Omni_Reasoning_V3_Config(**{k: v for k, v in raw.items() if k not in ("architectures",
+                                                                                          "model_type")})
+    with torch.device("meta"):
+        return NemotronH_Omni_Reasoning_V3(cfg)
+
+
+@pytest.fixture(scope="module")
+def hub_shapes(transformers_model):
+    """{hub checkpoint key: shape} of transformers' model, through transformers' own inverse of its load-time key
+    conversion (the names and layout of the hub checkpoint that hf_weights reads)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = revert_weight_conversion(transformers_model, transformers_model.state_dict())
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+# transformers-only tensors: the RADIO blocks' layer scales (identity, absent from the hub checkpoint:
+# test_foundation checks they load as ones)
+def _transformers_only(key: str) -> bool:
+    return "layer_scale" in key
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (8, 8)], ids=["tp1", "tp8-ep8"])
+def megatron_rank(request):
+    """(hf_param_map, {name: local shape}, global counts, TP, EP) of rank 0 of nano.toml's layout at (TP, EP)."""
+    tp, ep = request.param
+    cfg = nano_cfg(f"parallel.tensor_model_parallel_size={tp}", f"parallel.expert_model_parallel_size={ep}",
+                   f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}")
+    hf = omni_model.read_hf_config(NANO)
+    with plan.fake_rank(cfg, max(tp, ep), 0, hf.text.n_routed_experts):
+        with plan._MetaAllocations():
+            model = omni_model.build_model(NANO, cfg.model, cfg.parallel)
+        maps = hf_weights.hf_param_map(model)
+        shapes = {n: tuple(t.shape) for n, t in hf_weights._model_tensors(model).items()}
+        counts = plan.global_counts(model, hf)
+    return maps, shapes, counts, tp, ep
+
+
+def test_parameter_counts_match_transformers_and_the_published_totals(transformers_model, hub_shapes):
+    """Exact: the megatron model's global counts per component equal transformers' model of the same config (its
+    vision tower without the identity layer scales and the untrained video embedder). Published:
+    - 33,015,546,816 parameters in the hub checkpoint (transformers' parameters less its 81,920 layer-scale ones):
+      Megatron-Bridge's verification card of the converted Omni checkpoint (examples/model_verification_cards/
+      nemotron-3-nano-omni-30b-a3b-reasoning/card.yaml, an earlier revision than the one stored here);
+    - 6,243 tensors of the language model: Megatron-Bridge's Nemotron-3-Nano-30B-A3B card ("all 6,243 exported BF16
+      weights", examples/model_verification_cards/nemotron-3-nano-30b-a3b/card.yaml);
+    - 31.6B total and about 3.2B active parameters per token (3.6B with the embeddings): NVIDIA's Nemotron 3 Nano
+      30B-A3B model card, i.e. the language model (active: monitor.active_params, without the input embedding)."""
+    hf = omni_model.read_hf_config(NANO)
+    cfg = nano_cfg()
+    with plan.fake_rank(cfg, 8, 0, hf.text.n_routed_experts):
+        with plan._MetaAllocations():
+            model = omni_model.build_model(NANO, cfg.model, cfg.parallel)
+        counts = plan.global_counts(model, hf)
+
+    def tf(prefix: str, skip=("layer_scale",)) -> int:
+        return sum(p.numel() for n, p in transformers_model.named_parameters()
+                   if n.startswith(prefix) and not any(s in n for s in skip))
+
+    assert counts["language_model"] == tf("language_model.") == 31_577_937_344
+    assert counts["vision_model"] == tf("vision_model.", ("layer_scale", "video_patch_projection"))
+    assert counts["vision_projection"] == tf("multi_modal_projector.")
+    assert tf("") == 33_015_546_816
+    assert sum(k.startswith("language_model.") for k in hub_shapes) == 6243
+    assert round(counts["language_model"] / 1e9, 1) == 31.6
+    embedding = hf.text.vocab_size * hf.text.hidden_size
+    assert round(counts["active"] / 1e9, 1) == 3.2 and round((counts["active"] + embedding) / 1e9, 1) == 3.6
+
+
+def test_every_hub_key_maps_to_megatron_slices_and_back(megatron_rank, hub_shapes):
+    """Import and export are one bijection at full size: every megatron tensor of every rank of its group is the
+    concatenation of hub slices of matching shape, and the slices of all ranks tile each mapped hub tensor exactly
+    once (what export lays back). What no slice covers is exactly the untrained components (hf_weights'
+    UNTOUCHED_PREFIXES: the sound encoder and its projection, RADIO's video embedder and summary indices), which
+    load_hf_weights keeps aside and export_hf writes back unchanged; transformers' identity layer scales are not
+    hub keys."""
+    maps, shapes, _, tp, ep = megatron_rank
+    assert set(maps) == set(shapes)
+    spans: dict[str, list[tuple[int, int, int]]] = {}  # hub key -> (dim, start, end) of every slice
+    for name, pm in maps.items():
+        size = {"tp": tp, "ep": ep, None: 1}[pm.group]
+        for r in range(size):
+            along = 0
+            for s in pm.segments(r, size):
+                full = hub_shapes[s.key]
+                n = full[pm.dim] if s.length is None else s.length
+                assert s.start + n <= full[pm.dim], (name, s)
+                rest = [d for i, d in enumerate(full) if i != pm.dim]
+                assert rest == [d for i, d in enumerate(shapes[name]) if i != pm.dim], (name, s.key, full)
+                spans.setdefault(s.key, []).append((pm.dim, s.start, s.start + n))
+                along += n
+            assert along == shapes[name][pm.dim], (name, r)
+    for key, parts in spans.items():
+        parts.sort()
+        assert len({d for d, _, _ in parts}) == 1, key
+        dim = parts[0][0]
+        assert parts[0][1] == 0 and parts[-1][2] == hub_shapes[key][dim], (key, parts[:3])
+        # no gap, no overlap
+        assert all(a[2] == b[1] for a, b in zip(parts[:-1], parts[1:], strict=True)), (key, parts[:3])
+    left = {k for k in hub_shapes if k not in spans and not _transformers_only(k)}
+    audio = {k for k in hub_shapes if k.startswith(("sound_encoder.", "sound_projection."))}
+    assert audio and all(k.startswith(hf_weights.UNTOUCHED_PREFIXES) for k in left)
+    assert left == audio | {"vision_model.radio_model.model.patch_generator.video_embedder.weight",
+                            "vision_model.radio_model.summary_idxs"}
+
+
+def test_plan_of_nano_is_the_golden_table(capsys):
+    """`python plan.py configs/nano.toml model.hf_path=assets/nano-omni-config` in-process, in under two minutes;
+    its output changes only when the layout, the model or the formula does (regenerate the file then)."""
+    t0 = time.perf_counter()
+    assert plan.main(NANO_ARGS) == 0
+    seconds = time.perf_counter() - t0
+    out = capsys.readouterr().out.replace(str(NANO), "assets/nano-omni-config")
+    assert out == GOLDEN.read_text()
+    assert seconds < 120
+
+
+def test_plan_predicts_the_recorded_gpu_peak_within_15_percent():
+    """The plan of bench.py --gpu's step (its config and checkpoint folder: bench.step_config, one rank, the same
+    pairs and bins) against the peak memory the H200 run recorded (bench_gpu_results.json, README "First GPU
+    numbers"): max_memory_allocated over the policy + reference + distributed Adam step."""
+    import bench
+    import pack
+
+    recorded = json.loads((ROOT / "bench_gpu_results.json").read_text())["gpu"]["step"]
+    shape = bench.GPU_SHAPE
+    ckpt = bench._shape_checkpoint(shape)
+    cfg = bench.step_config(ckpt, shape)
+    hf = omni_model.read_hf_config(ckpt)
+    assert (recorded["pattern"], recorded["hidden_size"], recorded["vocab_size"], recorded["dtype"]) == (
+        hf.pattern, hf.text.hidden_size, hf.text.vocab_size, cfg.model.params_dtype)
+    lengths = bench.pair_lengths(bench.text_pairs(shape["pairs"], shape["prompt"], shape["response"],
+                                                  hf.text.vocab_size))
+    step = pack.plan_step(lengths, cfg.packing, 1)
+    sizes = pack.pair_bin_tokens(lengths, cfg.packing.make_sequence_length_divisible_by)
+    bins = [sum(sizes[p] for p in b.pair_ids) for b in step.ranks[0]]
+    assert len(bins) == recorded["microbatches_ours"] and recorded["pairs"] == shape["pairs"]
+    assert 0 <= sum(bins) - recorded["tokens"] < len(lengths) * 2 * cfg.packing.make_sequence_length_divisible_by
+    p = plan.make_plan(cfg, 1)
+    (rank,) = p.ranks
+    predicted = rank.total(p.activations(max(bins)))
+    assert abs(predicted / recorded["peak_bytes_ours"] - 1) < 0.15, (predicted, recorded["peak_bytes_ours"])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.expert_model_parallel_size=7"], "parallel.expert_model_parallel_size"),  # 128 experts
+    (["parallel.tensor_model_parallel_size=3", "packing.make_sequence_length_divisible_by=24"],  # 32 heads
+     "parallel.tensor_model_parallel_size"),
+])
+def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
+    """plan.py stops with the one line train.py prints for the same layout (the same checks in train.py's order:
+    the packing rule, preflight.check_model_config, config.validate_parallel with the expert count), before any
+    model is built."""
+    import pack
+    import preflight
+
+    assert plan.main([*NANO_ARGS, *overrides]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ConfigError: ") and key in err[0]
+    cfg = nano_cfg(*overrides)
+    hf = omni_model.read_hf_config(NANO)
+    with pytest.raises(config_mod.ConfigError) as train_error:
+        pack.validate_packing_config(cfg)
+        preflight.check_model_config(cfg, hf)
+        config_mod.validate_parallel(cfg, plan.default_world(cfg), hf.text.n_routed_experts)
+    assert err[0] == f"error: ConfigError: {train_error.value}"
+
+
+def test_a_world_of_one_before_the_plan_is_a_world_of_one_after():
+    """A process that already has a world (a tool, another test) keeps one: the plan's fake worlds replace it while
+    they run, then distributed.init_distributed makes a world of one again."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import distributed
+
+    distributed.init_distributed()
+    hf = omni_model.read_hf_config(NANO)
+    with plan.fake_rank(nano_cfg(), 8, 3, hf.text.n_routed_experts):
+        assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
+        assert parallel_state.get_tensor_model_parallel_world_size() == 8
+    assert (dist.get_world_size(), dist.get_rank()) == (1, 0)
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+
+
+def test_two_nodes_shard_the_optimizer_over_dp():
+    """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's fp32
+    master copies of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters exactly (padding holds
+    no main parameter); the fp32 gradient buffer stays whole on each DP rank."""
+    p = plan.make_plan(nano_cfg(), 16)
+    first, last = p.ranks if len(p.ranks) == 2 else (p.ranks[0], p.ranks[0])
+    assert first.params == last.params
+    assert first.master + last.master == 4 * first.params
+    assert first.moments + last.moments == 2 * 4 * first.params
+    assert first.grads >= 4 * first.params
