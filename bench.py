@@ -57,7 +57,6 @@ import contextlib
 import copy
 import datetime
 import functools
-import importlib.machinery
 import importlib.util
 import json
 import os
@@ -1091,35 +1090,6 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     return out
 
 
-def mamba_ssm_triton_from_source() -> dict | None:
-    """mamba-ssm's Triton Mamba-2 scan and gated RMSNorm imported from its sources, for a machine where the compiled
-    package does not install (no CUDA toolchain; evaluation only, never used for training): {"scan_fn":
-    mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn} (the keyword names of
-    mamba_torch.mamba_split_conv1d_scan_shared_prompt), or None when $OMNI_MAMBA_SSM_SRC is unset.
-
-    $OMNI_MAMBA_SSM_SRC names a directory holding `mamba_ssm/` (e.g. the unpacked sdist; tests/gpu_check.sh unpacks a
-    `mamba_ssm-*.tar.gz` found in its wheel folder). These kernels are pure Triton; mamba-ssm's package __init__ also
-    imports its compiled Mamba-1 extension `selective_scan_cuda`, which they never call: when that is neither imported
-    nor importable, an empty module with its own ModuleSpec stands in for it (a module without `__spec__` in
-    sys.modules makes a later importlib.util.find_spec of that name raise ValueError). Calling this again is a no-op
-    import. Raises ImportError when the directory does not hold the sources.
-    """
-    src = os.environ.get("OMNI_MAMBA_SSM_SRC")
-    if not src:
-        return None
-    if not (Path(src) / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
-        raise ImportError(f"OMNI_MAMBA_SSM_SRC={src} does not hold mamba-ssm's sources (mamba_ssm/ops/triton/)")
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
-        spec = importlib.machinery.ModuleSpec("selective_scan_cuda", loader=None)
-        sys.modules["selective_scan_cuda"] = importlib.util.module_from_spec(spec)
-    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    return {"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
-
-
 def fla_refusal(device: torch.device) -> str | None:
     """Why fla-core's chunk_simple_gla does not run on `device`, or None: fla refuses Triton >= 3.4.0 and < 3.7.1 on
     Hopper (sm90) GPUs itself (a Triton code-generation bug in its gated chunk backward, fla-core issue #640)."""
@@ -1134,20 +1104,21 @@ def fla_refusal(device: torch.device) -> str | None:
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
     with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm) or, without the compiled
-    package, from its sources ("mamba-ssm-src", `mamba_ssm_triton_from_source`), and fla-core's Triton simple-GLA
+    package, from its sources ("mamba-ssm-src", mamba_triton.load_mamba_ssm_triton), and fla-core's Triton simple-GLA
     kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
     import cpu_compat
     import mamba_torch
+    import mamba_triton
 
     kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
     if device.type == "cuda" and cpu_compat.have_mamba_ssm():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
-    elif device.type == "cuda" and (source := mamba_ssm_triton_from_source()) is not None:
+    elif device.type == "cuda" and (source := mamba_triton.load_mamba_ssm_triton()) is not None:
         kernels["mamba-ssm-src"] = source["scan_fn"]
     if device.type == "cuda":
         try:

@@ -427,7 +427,8 @@ def resolve_shared_prompt(cfg, kernels) -> str:
     and 8) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt
     attention, omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's
     kernels (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked
-    only through Triton's CPU interpreter, the conv not at all) and with context parallelism (not supported). An
+    only through Triton's CPU interpreter, the conv not at all), with the Triton set (`mamba triton`: checked only in
+    the interpreter so far) and with context parallelism (not supported). An
     explicit true or false is kept as it is (true with CP is refused later by `validate_packing_config`). Called once at
     start by train.main, before preflight, so config.json and the checkpoints record the resolved value; the tests'
     configs go through it too (tests/step_cases.tiny_config), bench.py sets true / false itself.
@@ -448,8 +449,9 @@ def resolve_shared_prompt(cfg, kernels) -> str:
         why.append(f"the shared-prompt layout is not supported with parallel.context_parallel_size = {cp}")
     if kernels.spec == "te":
         why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
-    if kernels.mamba == "mamba-ssm":
-        why.append("mamba-ssm's kernels in the shared-prompt scan have not run on a GPU yet")
+    if kernels.mamba in ("mamba-ssm", "triton"):
+        which = {"mamba-ssm": "mamba-ssm's kernels", "triton": "the Triton Mamba kernels"}[kernels.mamba]
+        why.append(f"{which} in the shared-prompt scan have not run on a GPU yet")
     pk.shared_prompt = not why
     if not why:
         return "shared prompt (auto)"

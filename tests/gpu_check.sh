@@ -49,8 +49,9 @@ else
   row "install wheels" ok 0 "none in $WHEELS"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-# mamba-ssm's sdist (no compiled kernels needed): its pure-Triton Mamba-2 scan and gated RMSNorm, compared and timed
-# when the compiled mamba-ssm is missing (bench.mamba_ssm_triton_from_source; tests/test_gpu.py items 5 and 7)
+# mamba-ssm's sdist (no compiled kernels needed): its pure-Triton Mamba-2 scan and gated RMSNorm, with fla-core's
+# Triton conv the `mamba triton` kernel set that trains when the compiled mamba-ssm is missing
+# (mamba_triton.load_mamba_ssm_triton; tests/test_gpu.py items 5, 7 and 9, and the train.py launches)
 sdists=("$WHEELS"/mamba_ssm-*.tar.gz)
 if [ ${#sdists[@]} -gt 0 ] && [ -z "${OMNI_MAMBA_SSM_SRC:-}" ]; then
   t0=$SECONDS
@@ -67,8 +68,8 @@ t0=$SECONDS
 deps=$("$PY" -W ignore - <<'PY' 2>"$OUT/deps.log" | tail -1
 # the project's requirements that this check needs (torch, torchvision and numpy stay the machine's own CUDA builds)
 import importlib.metadata as md
-need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "einops": None, "psutil": None, "safetensors": None,
-        "pillow": None, "tqdm": None, "pytest": None}
+need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "fla-core": "0.6.0", "einops": None, "psutil": None,
+        "safetensors": None, "pillow": None, "tqdm": None, "pytest": None}
 bad = []
 for name, version in need.items():
     try:
