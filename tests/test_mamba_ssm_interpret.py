@@ -66,9 +66,9 @@ def mamba_ssm_src() -> Path:
     return src
 
 
-def _interpret(src: Path, check: str, module: str = "mamba_ssm.ops.triton.ssd_combined") -> dict:
+def _interpret(src: Path, check: str, module: str = "mamba_ssm.ops.triton.ssd_combined", *args: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "OMNI_MAMBA_SSM_SRC": str(src)}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "mamba_ssm_interpret.py"), check],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "mamba_ssm_interpret.py"), check, *args],
                           env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         import numpy
@@ -105,6 +105,21 @@ def test_triton_mixer_body_equals_mamba_torch(mamba_ssm_src):
     and with the gated norm inside: output and the gradient of every input."""
     worst = _interpret(mamba_ssm_src, "mixer", module="mamba_triton")
     assert len(worst) == 7 + 9 and max(worst.values()) <= TOL, worst
+
+
+@pytest.mark.slow
+def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_path):
+    """The tiny Omni built with the `mamba triton` set (megatron's MambaMixer calling mamba_triton through
+    cpu_compat's hook, its gated norm on mamba-ssm's rmsnorm_fn) and with mamba_torch, each in its own process, on one
+    packed pair with images and padding in training mode: the logits and every parameter gradient."""
+    import torch
+
+    _interpret(mamba_ssm_src, "model", "mamba_torch", "torch", str(tmp_path / "torch.pt"))
+    _interpret(mamba_ssm_src, "model", "mamba_triton", "triton", str(tmp_path / "triton.pt"))
+    want, got = torch.load(tmp_path / "torch.pt"), torch.load(tmp_path / "triton.pt")
+    assert got.keys() == want.keys() and len(want) > 40  # the logits and every parameter's gradient
+    worst = {k: ((got[k].double() - want[k].double()).abs().max() / want[k].double().abs().max()).item() for k in want}
+    assert max(worst.values()) <= TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
 
 
 @pytest.mark.slow

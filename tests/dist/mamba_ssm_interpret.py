@@ -5,7 +5,7 @@ CPU through Triton's interpreter and compare them with mamba_torch (float32); pr
 Run by tests/test_mamba_ssm_interpret.py in a fresh process with TRITON_INTERPRET=1 (read when the kernels are
 defined) and $OMNI_MAMBA_SSM_SRC naming mamba-ssm's sources, imported by mamba_triton.load_mamba_ssm_triton (the
 training path's import of the same kernels without the compiled package).
-Usage: python tests/dist/mamba_ssm_interpret.py {scan,conv,mixer,shared_prompt}
+Usage: python tests/dist/mamba_ssm_interpret.py {scan,conv,mixer,shared_prompt} | model {triton,torch} OUT.pt
 
 What this process changes, so that mamba-ssm's GPU code runs on CPU tensors (nothing here is used outside it):
 * `torch.cuda.device(...)` is a no-op context and `torch.cuda.get_device_properties(...).multi_processor_count` is
@@ -128,6 +128,34 @@ def mixer() -> tuple[str, dict]:
     return mamba_triton.mamba_split_conv1d_scan_combined.__module__, worst
 
 
+def model(kernels: str, out: str) -> tuple[str, dict]:
+    """The tiny Omni (its 2 Mamba layers through megatron's MambaMixer) on one packed pair with images and padding,
+    built with the `mamba triton` set (kernels "triton": cpu_compat.install_triton_mamba before cpu_compat.apply, which
+    then keeps it) or mamba_torch's ("torch"): saves the logits and every parameter gradient (omni_model_cases'
+    weighting) to `out` for the test to compare; {} as "worst"."""
+    from omni_model_cases import TINY, logits_and_grads, make_pair_batch
+
+    import cpu_compat
+    import distributed
+    import hf_weights
+    import mamba_triton
+    import omni_model
+    from config import ModelConfig, ParallelConfig
+
+    if kernels == "triton":
+        cpu_compat.install_triton_mamba()
+    distributed.init_distributed()
+    from megatron.core.ssm import mamba_mixer
+
+    fused = mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__  # under cpu_compat's Mamba scan hook
+    assert (fused is mamba_triton.mamba_split_conv1d_scan_combined) == (kernels == "triton"), fused
+    m = omni_model.build_model(TINY, ModelConfig(), ParallelConfig())
+    hf_weights.load_hf_weights(m, TINY)
+    logits, grads = logits_and_grads(m.train(), make_pair_batch(seed=5, lens=(19, 27), divisible_by=8))
+    torch.save({"logits": logits, **grads}, out)
+    return fused.__module__, {}
+
+
 def shared_prompt() -> tuple[str, dict]:
     """mamba_torch.mamba_split_conv1d_scan_shared_prompt with the `mamba triton` set (fla-core's conv as conv_fn,
     mamba-ssm's scan as scan_fn: the prompt state h_P is then summed over the prompt, its gated RMSNorm as norm_fn), as
@@ -156,5 +184,6 @@ def shared_prompt() -> tuple[str, dict]:
 
 if __name__ == "__main__":
     _cpu_harness()
-    module, worst = {"scan": scan, "conv": conv, "mixer": mixer, "shared_prompt": shared_prompt}[sys.argv[1]]()
+    checks = {"scan": scan, "conv": conv, "mixer": mixer, "model": model, "shared_prompt": shared_prompt}
+    module, worst = checks[sys.argv[1]](*sys.argv[2:])
     print(json.dumps({"kernel_module": module, "worst": worst}))
