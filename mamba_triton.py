@@ -105,7 +105,7 @@ def conv_chunk_indices(cu_seqlens: list[int]) -> torch.Tensor:
     rows = [
         (s, c) for s in range(len(cu_seqlens) - 1) for c in range(-(-(cu_seqlens[s + 1] - cu_seqlens[s]) // FLA_CHUNK))
     ]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+    return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, 2)
 
 
 def _offsets(seq_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
