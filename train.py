@@ -21,10 +21,13 @@ Device rule: every tensor a step touches lives on the step's device (`Ctx.device
 `load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
 pair's prompt once; in the data loader's processes) and moves the whole
 `PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
-with `device=ctx.device`, and only Python numbers leave the device (`.item()`, `.tolist()`, for logging and δ). The
+with `device=ctx.device`. The batch keeps its CPU copy (`PackedBatch.host`): host numbers (offsets, image grids and
+positions, the pair layout) are read there, the few index tensors made from them go to the device from pinned memory
+(`pack.to_device`), and the step reads the device three times: the pair count before the first forward (the loss's
+denominator), the finiteness flags before the update, and the metrics and δ's statistics once after it. The
 exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
 its passes), checkpoint files and the HF export (written from CPU copies), RNG states (CPU byte tensors).
-tests/test_train.py::test_train_step_keeps_one_device checks it with a recording TorchFunctionMode.
+tests/test_train.py::test_train_step_keeps_one_device checks both with a recording TorchFunctionMode.
 
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
