@@ -149,10 +149,21 @@ def model(kernels: str, out: str) -> tuple[str, dict]:
 
     fused = mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__  # under cpu_compat's Mamba scan hook
     assert (fused is mamba_triton.mamba_split_conv1d_scan_combined) == (kernels == "triton"), fused
-    m = omni_model.build_model(TINY, ModelConfig(), ParallelConfig())
+    m = omni_model.build_model(TINY, ModelConfig(), ParallelConfig(), kernels=cpu_compat.Kernels(
+        "local", kernels, "cpu", attention="sdpa", experts="sequential"))
+    hits = []  # per conv call: were its offsets the batch's (OmniModel.forward's CONV_OFFSETS), not read back?
+    offsets = mamba_triton._offsets
+
+    def recorded(seq_idx):
+        row = mamba_triton.CONV_OFFSETS.get()
+        hits.append(row is not None and row[0] is seq_idx)
+        return offsets(seq_idx)
+
+    mamba_triton._offsets = recorded
     hf_weights.load_hf_weights(m, TINY)
     logits, grads = logits_and_grads(m.train(), make_pair_batch(seed=5, lens=(19, 27), divisible_by=8))
-    torch.save({"logits": logits, **grads}, out)
+    extra = {"conv_offsets_from_the_batch": torch.tensor([len(hits) > 0 and all(hits)])} if kernels == "triton" else {}
+    torch.save({"logits": logits, **grads, **extra}, out)
     return fused.__module__, {}
 
 
