@@ -1220,6 +1220,26 @@ STEP_RANGE = "omni_step"  # the record_function range around the profiled step
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "  # the autograd engine's range around one backward node
 
 
+class _ItemAccess:
+    """A dict's items as attributes (`profile_regions` wraps the entries of a dict of kernels like module functions)."""
+
+    def __init__(self, d: dict):
+        object.__setattr__(self, "_d", d)
+
+    def __getattr__(self, name):
+        return self._d.get(name)
+
+    def __setattr__(self, name, value):
+        self._d[name] = value
+
+    def __delattr__(self, name):
+        del self._d[name]
+
+    @property
+    def __dict__(self):  # vars(): what `on_call` records to undo
+        return self._d
+
+
 @contextlib.contextmanager
 def profile_regions(policy, optimizer):
     """record_function ranges named REGION_PREFIX + a PROFILE_REGIONS name around the parts of one MPO step, by module
@@ -1231,9 +1251,10 @@ def profile_regions(policy, optimizer):
     Modules: MambaMixer (in_proj/out_proj, norm, the rest), Attention (core_attention, the rest: QKV and output
     projections), MoELayer (router, experts, shared_experts, the rest), MLPLayer's mlp, the layers' input_layernorm /
     pre_mlp_layernorm and the decoder's final_norm, HybridModel's embedding and output_layer. Calls: mamba_torch's
-    causal conv and chunked scan (plain and shared-prompt), the MoE token dispatcher's dispatch_* / token_dispatch and
-    combine_* / token_combine, mpo_loss.packed_sequence_logprobs, train.reference_logprobs (the whole no-grad reference
-    pass: it absorbs every region inside it) and `optimizer.step`."""
+    causal conv and chunked scan (plain and shared-prompt), the `mamba triton` set's conv and scan, the MoE token
+    dispatcher's dispatch_* / token_dispatch and combine_* / token_combine, mpo_loss.packed_sequence_logprobs,
+    train.reference_logprobs (the whole no-grad reference pass: it absorbs every region inside it) and
+    `optimizer.step`."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -1244,6 +1265,7 @@ def profile_regions(policy, optimizer):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     import mamba_torch
+    import mamba_triton
     import mpo_loss
     import train
 
@@ -1307,6 +1329,14 @@ def profile_regions(policy, optimizer):
         on_call(mamba_torch, name, "Mamba conv")
     for name in ("mamba_chunk_scan_combined", "mamba_chunk_scan_shared_prompt"):
         on_call(mamba_torch, name, "Mamba scan")
+    # the `mamba triton` set: its conv by name, its scan in the kernels dict mamba_triton.kernels() hands out
+    on_call(mamba_triton, "causal_conv1d_fn", "Mamba conv")
+    try:
+        triton_set = mamba_triton.load_mamba_ssm_triton()
+    except ImportError:  # sources that do not import here: that set is not used either
+        triton_set = None
+    if triton_set is not None:
+        on_call(_ItemAccess(triton_set), "scan_fn", "Mamba scan")
     on_call(mpo_loss, "packed_sequence_logprobs", "LM head + fused log-probs")
     on_call(train, "reference_logprobs", "reference forward")
     on_call(optimizer, "step", "optimizer step")

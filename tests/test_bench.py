@@ -408,3 +408,25 @@ def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd)
         shutil.rmtree(bench._STATE["tmp"], ignore_errors=True)
     assert "Writing model shards" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # switched off only inside the block
+
+
+def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
+    """With the `mamba triton` set, its conv (mamba_triton.causal_conv1d_fn) and scan (the scan_fn of the kernels
+    dict mamba_triton hands out) run inside "Mamba conv" / "Mamba scan" ranges while profile_regions is active, and
+    both are restored on exit."""
+    import types
+
+    import bench
+    import mamba_triton
+
+    kernels = {"scan_fn": lambda: "scan", "norm_fn": lambda: "norm"}
+    monkeypatch.setattr(mamba_triton, "load_mamba_ssm_triton", lambda: kernels)
+    scan, conv = kernels["scan_fn"], mamba_triton.causal_conv1d_fn
+    optimizer = types.SimpleNamespace(step=lambda: None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with bench.profile_regions(torch.nn.Linear(1, 1), optimizer):
+            assert kernels["scan_fn"]() == "scan" and kernels["norm_fn"] is not scan
+            assert mamba_triton.causal_conv1d_fn is not conv
+    names = {e.name for e in prof.events()}
+    assert bench.REGION_PREFIX + "Mamba scan" in names
+    assert kernels["scan_fn"] is scan and mamba_triton.causal_conv1d_fn is conv
