@@ -57,7 +57,6 @@ import contextlib
 import copy
 import datetime
 import functools
-import importlib.machinery
 import importlib.util
 import json
 import os
@@ -1103,35 +1102,6 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     return out
 
 
-def mamba_ssm_triton_from_source() -> dict | None:
-    """mamba-ssm's Triton Mamba-2 scan and gated RMSNorm imported from its sources, for a machine where the compiled
-    package does not install (no CUDA toolchain; evaluation only, never used for training): {"scan_fn":
-    mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn} (the keyword names of
-    mamba_torch.mamba_split_conv1d_scan_shared_prompt), or None when $OMNI_MAMBA_SSM_SRC is unset.
-
-    $OMNI_MAMBA_SSM_SRC names a directory holding `mamba_ssm/` (e.g. the unpacked sdist; tests/gpu_check.sh unpacks a
-    `mamba_ssm-*.tar.gz` found in its wheel folder). These kernels are pure Triton; mamba-ssm's package __init__ also
-    imports its compiled Mamba-1 extension `selective_scan_cuda`, which they never call: when that is neither imported
-    nor importable, an empty module with its own ModuleSpec stands in for it (a module without `__spec__` in
-    sys.modules makes a later importlib.util.find_spec of that name raise ValueError). Calling this again is a no-op
-    import. Raises ImportError when the directory does not hold the sources.
-    """
-    src = os.environ.get("OMNI_MAMBA_SSM_SRC")
-    if not src:
-        return None
-    if not (Path(src) / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
-        raise ImportError(f"OMNI_MAMBA_SSM_SRC={src} does not hold mamba-ssm's sources (mamba_ssm/ops/triton/)")
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
-        spec = importlib.machinery.ModuleSpec("selective_scan_cuda", loader=None)
-        sys.modules["selective_scan_cuda"] = importlib.util.module_from_spec(spec)
-    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    return {"scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
-
-
 def fla_refusal(device: torch.device) -> str | None:
     """Why fla-core's chunk_simple_gla does not run on `device`, or None: fla refuses Triton >= 3.4.0 and < 3.7.1 on
     Hopper (sm90) GPUs itself (a Triton code-generation bug in its gated chunk backward, fla-core issue #640)."""
@@ -1146,20 +1116,21 @@ def fla_refusal(device: torch.device) -> str | None:
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
     with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm) or, without the compiled
-    package, from its sources ("mamba-ssm-src", `mamba_ssm_triton_from_source`), and fla-core's Triton simple-GLA
+    package, from its sources ("mamba-ssm-src", mamba_triton.load_mamba_ssm_triton), and fla-core's Triton simple-GLA
     kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
     import cpu_compat
     import mamba_torch
+    import mamba_triton
 
     kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
     if device.type == "cuda" and cpu_compat.have_mamba_ssm():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
-    elif device.type == "cuda" and (source := mamba_ssm_triton_from_source()) is not None:
+    elif device.type == "cuda" and (source := mamba_triton.load_mamba_ssm_triton()) is not None:
         kernels["mamba-ssm-src"] = source["scan_fn"]
     if device.type == "cuda":
         try:
@@ -1261,6 +1232,26 @@ STEP_RANGE = "omni_step"  # the record_function range around the profiled step
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "  # the autograd engine's range around one backward node
 
 
+class _ItemAccess:
+    """A dict's items as attributes (`profile_regions` wraps the entries of a dict of kernels like module functions)."""
+
+    def __init__(self, d: dict):
+        object.__setattr__(self, "_d", d)
+
+    def __getattr__(self, name):
+        return self._d.get(name)
+
+    def __setattr__(self, name, value):
+        self._d[name] = value
+
+    def __delattr__(self, name):
+        del self._d[name]
+
+    @property
+    def __dict__(self):  # vars(): what `on_call` records to undo
+        return self._d
+
+
 @contextlib.contextmanager
 def profile_regions(policy, optimizer):
     """record_function ranges named REGION_PREFIX + a PROFILE_REGIONS name around the parts of one MPO step, by module
@@ -1272,9 +1263,10 @@ def profile_regions(policy, optimizer):
     Modules: MambaMixer (in_proj/out_proj, norm, the rest), Attention (core_attention, the rest: QKV and output
     projections), MoELayer (router, experts, shared_experts, the rest), MLPLayer's mlp, the layers' input_layernorm /
     pre_mlp_layernorm and the decoder's final_norm, HybridModel's embedding and output_layer. Calls: mamba_torch's
-    causal conv and chunked scan (plain and shared-prompt), the MoE token dispatcher's dispatch_* / token_dispatch and
-    combine_* / token_combine, mpo_loss.packed_sequence_logprobs, train.reference_logprobs (the whole no-grad reference
-    pass: it absorbs every region inside it) and `optimizer.step`."""
+    causal conv and chunked scan (plain and shared-prompt), the `mamba triton` set's conv and scan, the MoE token
+    dispatcher's dispatch_* / token_dispatch and combine_* / token_combine, mpo_loss.packed_sequence_logprobs,
+    train.reference_logprobs (the whole no-grad reference pass: it absorbs every region inside it) and
+    `optimizer.step`."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -1285,6 +1277,7 @@ def profile_regions(policy, optimizer):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     import mamba_torch
+    import mamba_triton
     import mpo_loss
     import train
 
@@ -1348,6 +1341,14 @@ def profile_regions(policy, optimizer):
         on_call(mamba_torch, name, "Mamba conv")
     for name in ("mamba_chunk_scan_combined", "mamba_chunk_scan_shared_prompt"):
         on_call(mamba_torch, name, "Mamba scan")
+    # the `mamba triton` set: its conv by name, its scan in the kernels dict mamba_triton.kernels() hands out
+    on_call(mamba_triton, "causal_conv1d_fn", "Mamba conv")
+    try:
+        triton_set = mamba_triton.load_mamba_ssm_triton()
+    except ImportError:  # sources that do not import here: that set is not used either
+        triton_set = None
+    if triton_set is not None:
+        on_call(_ItemAccess(triton_set), "scan_fn", "Mamba scan")
     on_call(mpo_loss, "packed_sequence_logprobs", "LM head + fused log-probs")
     on_call(train, "reference_logprobs", "reference forward")
     on_call(optimizer, "step", "optimizer step")

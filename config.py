@@ -610,8 +610,8 @@ KNOWN_WARNINGS = (
     # and mamba-ssm's Triton Mamba kernels take one fixed config each and advise Triton's cached autotuning instead
     "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",
     "Deterministic mode: upgrade to Triton >= 3.4.0",
-    # fla-core (requirements.txt: the GPU's Mamba conv) imported by megatron's hybrid specs on a machine without a GPU;
-    # its kernels are selected on CUDA only (cpu_compat.select_kernels)
+    # fla-core (requirements.txt: the `mamba triton` set's conv) is imported by megatron-core's gated_delta_net when
+    # installed (hybrid_layer_specs imports it); on a machine without a GPU it says its Triton kernels fall back
     "Triton is not supported on current platform, roll back to CPU",
 )
 KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the console (a str or a tuple of str)

@@ -4,14 +4,16 @@ Transformer Engine, without mamba-ssm, or without a GPU.
 megatron-core assumes CUDA in a few dozen places (device="cuda" literals, CUDA RNG states, CUDA streams) and, even on a
 GPU, Transformer Engine (the hybrid stack's hard-coded TENorm final norm) and mamba-ssm (the Mamba mixer's kernels).
 `select_kernels()` decides from what imports and whether CUDA is used: the TE spec only with TE and CUDA, else the local
-spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else mamba_torch; in the local spec on CUDA,
+spec; mamba-ssm's kernels only with mamba-ssm + causal-conv1d and CUDA, else on CUDA the pure-Triton set of
+mamba_triton (mamba-ssm's Triton scan and norm from its sources, fla-core's Triton conv) when both import, else
+mamba_torch; in the local spec on CUDA,
 torch's grouped-GEMM experts and varlen FlashAttention where their kernels run, else megatron-core's SequentialMLP and
 SDPA per sequence (the CPU path and the reference). `apply()` patches exactly the
 places whose capability is missing (`shims_for`): the CUDA-only workarounds only without CUDA, the final-norm and
-sequence-parallel-norm shims whenever the local spec is used, the torch Mamba whenever mamba-ssm is not; then the model
-shims every platform needs (`MODEL_SHIMS`: the Mamba scan hook - time-step clamp and the shared-prompt scan -,
-activation recomputation in the forward's context, the routers' padding mask, the routers' evaluation mode on a row
-without real tokens).
+sequence-parallel-norm shims whenever the local spec is used, the Triton or torch Mamba whenever mamba-ssm is not;
+then the model shims every platform needs (`MODEL_SHIMS`: the Mamba scan hook - time-step clamp and the
+shared-prompt scan -, activation recomputation in the forward's context, the routers' padding mask, the routers'
+evaluation mode on a row without real tokens).
 
 This module is the project's one boundary for platform code: every workaround of megatron-core behaviour is here (the
 non-TE modules themselves are in local_spec.py; checkpoint.py keeps two checkpoint-only ones, `_restore_adam_steps`
@@ -70,7 +72,9 @@ class Kernels:
     """The kernels a model build uses, chosen by capability (`select_kernels`), never by "CPU or not".
 
     spec: "te" (megatron-core's Transformer Engine spec) or "local" (torch norms: omni_model's local spec).
-    mamba: "mamba-ssm" (mamba-ssm's fused Triton/CUDA kernels) or "torch" (mamba_torch, on the step's device).
+    mamba: "mamba-ssm" (mamba-ssm's fused Triton/CUDA kernels), "triton" (mamba_triton: mamba-ssm's Triton scan and
+        gated norm without its compiled package, fla-core's Triton conv; CUDA) or "torch" (mamba_torch, on the step's
+        device).
     device: "cuda" or "cpu".
     attention (local spec): "varlen" (torch.nn.attention.varlen.varlen_attn, FlashAttention over all sequences of a
         bin in one call, for bf16/fp16 layers on CUDA; fp32, context parallelism and dropout stay on SDPA) or "sdpa"
@@ -112,6 +116,18 @@ def have_mamba_ssm() -> bool:
     return True
 
 
+def have_mamba_triton() -> bool:
+    """True when the pure-Triton Mamba-2 set imports: mamba-ssm's Triton scan and norm from its sources (installed
+    without CUDA, or $OMNI_MAMBA_SSM_SRC) and fla-core's Triton causal_conv1d (mamba_triton). fla-core's refusal of
+    Triton 3.4-3.7.0 on Hopper (bench.fla_refusal) concerns its gated chunk backward, not the conv: no guard here."""
+    import mamba_triton
+
+    try:
+        return mamba_triton.load_mamba_ssm_triton() is not None and mamba_triton.have_fla_conv()
+    except Exception:  # ImportError from sources that do not import here (another triton, a wrong folder)
+        return False
+
+
 def have_grouped_mm() -> bool:
     """True when torch's grouped GEMM has its CUTLASS kernel on this GPU: `torch.nn.functional.grouped_mm` (torch >=
     2.10; `torch._grouped_mm` before) and a CUDA device of compute capability 9.x or 10.x (elsewhere torch loops over
@@ -132,23 +148,28 @@ def have_varlen_attn() -> bool:
 
 
 def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: bool | None = None,
-                   grouped_mm: bool | None = None, varlen_attn: bool | None = None) -> Kernels:
+                   grouped_mm: bool | None = None, varlen_attn: bool | None = None,
+                   mamba_triton: bool | None = None) -> Kernels:
     """The kernels for this process: the TE spec only when Transformer Engine imports AND CUDA is used, else the local
-    spec; mamba-ssm's kernels only when mamba-ssm + causal-conv1d import AND CUDA is used, else mamba_torch. With the
+    spec; mamba-ssm's kernels only when mamba-ssm + causal-conv1d import AND CUDA is used, else the Triton set when it
+    imports (`have_mamba_triton`) AND CUDA is used, else mamba_torch. With the
     local spec: grouped experts when torch's grouped GEMM kernel runs (`have_grouped_mm`) AND CUDA is used, else
     SequentialMLP; varlen attention when torch's varlen FlashAttention runs (`have_varlen_attn`) AND CUDA is used, else
     SDPA per sequence. On the CPU every choice is the reference path.
 
-    Args: te, mamba_ssm, cuda, grouped_mm, varlen_attn: the capabilities; None probes them (have_transformer_engine,
-        have_mamba_ssm, torch.cuda.is_available, have_grouped_mm, have_varlen_attn). Tests inject them.
+    Args: te, mamba_ssm, cuda, grouped_mm, varlen_attn, mamba_triton: the capabilities; None probes them
+        (have_transformer_engine, have_mamba_ssm, torch.cuda.is_available, have_grouped_mm, have_varlen_attn,
+        have_mamba_triton). Tests inject them.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = (cuda and have_transformer_engine()) if te is None else te
     mamba_ssm = (cuda and have_mamba_ssm()) if mamba_ssm is None else mamba_ssm
+    mamba_triton = (cuda and not mamba_ssm and have_mamba_triton()) if mamba_triton is None else mamba_triton
     grouped_mm = (cuda and have_grouped_mm()) if grouped_mm is None else grouped_mm
     varlen_attn = (cuda and have_varlen_attn()) if varlen_attn is None else varlen_attn
     spec = "te" if te and cuda else "local"
-    return Kernels(spec=spec, mamba="mamba-ssm" if mamba_ssm and cuda else "torch", device="cuda" if cuda else "cpu",
+    mamba = "mamba-ssm" if mamba_ssm and cuda else "triton" if mamba_triton and cuda else "torch"
+    return Kernels(spec=spec, mamba=mamba, device="cuda" if cuda else "cpu",
                    attention="te" if spec == "te" else "varlen" if varlen_attn and cuda else "sdpa",
                    experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "sequential")
 
@@ -157,7 +178,8 @@ def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: 
 CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_streams", "_install_cpu_rng_tracker",
                   "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads")  # CUDA-only code paths
 LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
-TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels
+TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels, no Triton set
+TRITON_MAMBA_SHIMS = ("install_triton_mamba",)  # no compiled mamba-ssm; its Triton sources and fla-core instead
 # Upstream behaviour the Omni model needs changed on every platform; installed by apply() after the ones above (the
 # Mamba scan hook wraps whichever Mamba scan kernel is installed by then).
 MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask",
@@ -166,7 +188,8 @@ MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix
 
 def shims_for(kernels: Kernels) -> tuple[str, ...]:
     """Names of the shims `apply` installs for `kernels`: the paged-stash stub always (it checks for triton itself),
-    the CPU-only shims without CUDA, the norm shims with the local spec, the torch Mamba without mamba-ssm."""
+    the CPU-only shims without CUDA, the norm shims with the local spec, the Triton or torch Mamba without
+    mamba-ssm."""
     names = ("_stub_paged_stash_without_triton",)
     if kernels.device == "cpu":
         names += CPU_ONLY_SHIMS
@@ -174,6 +197,8 @@ def shims_for(kernels: Kernels) -> tuple[str, ...]:
         names += LOCAL_SPEC_SHIMS
     if kernels.mamba == "torch":
         names += TORCH_MAMBA_SHIMS
+    if kernels.mamba == "triton":
+        names += TRITON_MAMBA_SHIMS
     return names
 
 
@@ -568,6 +593,29 @@ def install_torch_mamba() -> None:
     class (with the sharded_state_dict of megatron's ExtendedRMSNorm), HAVE_MAMBA_SSM, and the packing check for the
     training path.
     """
+    import mamba_torch
+
+    _install_mamba_kernels(mamba_torch.mamba_split_conv1d_scan_combined, mamba_torch.mamba_chunk_scan_combined,
+                           mamba_torch.causal_conv1d_fn, mamba_torch.rmsnorm_fn)
+
+
+def install_triton_mamba() -> None:
+    """Make megatron-core's MambaMixer run on the pure-Triton set of `mamba_triton` (mamba-ssm's Triton scan and
+    gated norm loaded from its sources, fla-core's Triton conv, composed by mamba_torch's mixer body).
+
+    SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
+
+    The same names as `install_torch_mamba` (mamba-ssm's package does not import without its compiled extensions, so
+    megatron-core's own import of its kernels failed); the gated norm module calls mamba-ssm's Triton rmsnorm_fn.
+    """
+    import mamba_triton
+
+    k = mamba_triton.kernels()
+    _install_mamba_kernels(mamba_triton.mamba_split_conv1d_scan_combined, k["scan_fn"], k["conv_fn"], k["norm_fn"])
+
+
+def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
+    """Set megatron's mamba_mixer names to these kernels (once per process: the first call wins)."""
     from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -577,7 +625,12 @@ def install_torch_mamba() -> None:
         return
 
     class ExtendedRMSNorm(mamba_torch.RMSNormGated):
-        """Gated grouped RMSNorm, weight sharded over TP along dim 0 in distributed checkpoints."""
+        """Gated grouped RMSNorm on `norm_fn`, weight sharded over TP along dim 0 in distributed checkpoints."""
+
+        def forward(self, x, z=None):
+            """x, z: [..., hidden_size] → [..., hidden_size] in x.dtype."""
+            return norm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                           norm_before_gate=self.norm_before_gate)
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             from megatron.core import parallel_state
@@ -595,16 +648,16 @@ def install_torch_mamba() -> None:
     orig_check = mamba_mixer._check_mamba_sequence_packing_support
 
     def _check_packing(for_inference_not_training: bool = True):
-        # The torch path honours seq_idx in training; inference/varlen kernels are megatron's own Triton ops.
+        # The torch and Triton paths honour seq_idx in training; inference/varlen kernels are megatron's own Triton ops.
         if not for_inference_not_training:
             return True, None
         return orig_check(for_inference_not_training)
 
     mamba_mixer.RMSNormGated = mamba_torch.RMSNormGated
     mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
-    mamba_mixer.mamba_chunk_scan_combined = mamba_torch.mamba_chunk_scan_combined
-    mamba_mixer.mamba_split_conv1d_scan_combined = mamba_torch.mamba_split_conv1d_scan_combined
-    mamba_mixer.causal_conv1d_fn = mamba_torch.causal_conv1d_fn
+    mamba_mixer.mamba_chunk_scan_combined = scan_fn
+    mamba_mixer.mamba_split_conv1d_scan_combined = split_fn
+    mamba_mixer.causal_conv1d_fn = conv_fn
     mamba_mixer.HAVE_MAMBA_SSM = True
     mamba_mixer._check_mamba_sequence_packing_support = _check_packing
     mamba_mixer._omni_torch_mamba = True
@@ -627,12 +680,16 @@ SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_sh
 
 
 def _shared_prompt_kernels(fn) -> dict:
-    """conv_fn / scan_fn / norm_fn for mamba_torch.mamba_split_conv1d_scan_shared_prompt: mamba-ssm's and
-    causal-conv1d's kernels when the fused function megatron calls is mamba-ssm's (GPU), else {} (mamba_torch's)."""
+    """conv_fn / scan_fn / norm_fn for mamba_torch.mamba_split_conv1d_scan_shared_prompt, those of the fused function
+    megatron calls: {} for mamba_torch's, mamba_triton.kernels() for the Triton set's, else mamba-ssm's and
+    causal-conv1d's compiled kernels (GPU)."""
     import mamba_torch
+    import mamba_triton
 
     if fn is mamba_torch.mamba_split_conv1d_scan_combined:
         return {}
+    if fn is mamba_triton.mamba_split_conv1d_scan_combined:
+        return mamba_triton.kernels()
     from causal_conv1d import causal_conv1d_fn
     from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined

@@ -538,6 +538,12 @@ class ThdDotProductAttention(nn.Module):
         if varlen:  # one call over the row's sequences (those of _query_runs without CP: whole, in row order)
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            host = getattr(packed_seq_params, "cu_seqlens_padded_host", None)  # pack.thd_packed_seq_params' copy
+            lens = [b - a for a, b in itertools.pairwise(host)] if host is not None else []
+            if lens and host[-1] == query.shape[0] and min(lens) > 0:
+                # the padded offsets tile the row without empty sequences: they are the call's offsets as they are
+                return varlen_attention(query, key, value, cu, cu, max(lens), max(lens), causal=causal,
+                                        scale=self.scale)
             lens = [n for _, n, _, _, _ in _query_runs([int(c) for c in cu.tolist()], query.shape[0], 1, 0)]
             cu_lens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=query.device)
             return varlen_attention(query, key, value, cu_lens, cu_lens, max(lens), max(lens), causal=causal,
@@ -557,7 +563,9 @@ class ThdDotProductAttention(nn.Module):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         else:
             cu = torch.tensor([0, s_total])
-        runs = _query_runs([int(c) for c in cu.tolist()], s_total, cp, self.cp_group.rank() if cp > 1 else 0)
+        host = getattr(packed_seq_params, "cu_seqlens_padded_host", None) if thd else None
+        offsets = list(host) if host is not None and host[-1] == s_total else [int(c) for c in cu.tolist()]
+        runs = _query_runs(offsets, s_total, cp, self.cp_group.rank() if cp > 1 else 0)
         if cp > 1:
             # the gathered K/V are rank-major slices: put them back in packed order
             cu = cu.to(device)

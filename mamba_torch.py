@@ -493,6 +493,9 @@ def mamba_split_conv1d_scan_combined(
     norm_before_gate: bool = True,
     state_dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    conv_fn=None,
+    scan_fn=None,
+    norm_fn=None,
 ):
     """Mamba-2 mixer body after in_proj (mamba_ssm's mamba_split_conv1d_scan_combined semantics).
 
@@ -505,6 +508,9 @@ def mamba_split_conv1d_scan_combined(
     Args (shapes): conv1d_weight [dim + 2·ngroups·dstate, W]; conv1d_bias [same]; dt_bias, A [nheads];
         D [nheads] (then headdim is required) or [nheads, headdim]; initial_states [batch, nheads, headdim, dstate];
         seq_idx [batch, seqlen] or cu_seqlens [num_seqs + 1] (batch 1) for packed rows.
+        conv_fn / scan_fn / norm_fn: the kernels, with the signatures of this module's causal_conv1d_fn,
+            mamba_chunk_scan_combined and rmsnorm_fn (default: those; mamba_triton.kernels() on a GPU without the
+            compiled packages). state_dtype is passed to the scan only when set.
     Returns:
         out [batch, seqlen, out] in zxbcdt.dtype, or (out, final_states) with return_final_states.
     Raises:
@@ -514,21 +520,21 @@ def mamba_split_conv1d_scan_combined(
     nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = causal_conv1d_fn(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
-                           activation=activation).transpose(1, 2)
+    xBC = (conv_fn or causal_conv1d_fn)(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
+                                        activation=activation).transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(batch, seqlen, nheads, headdim)
     B = B.reshape(batch, seqlen, ngroups, dstate)
     C = C.reshape(batch, seqlen, ngroups, dstate)
     z4 = z.reshape(batch, seqlen, nheads, headdim)
-    res = mamba_chunk_scan_combined(
+    res = (scan_fn or mamba_chunk_scan_combined)(
         x, dt, A, B, C, chunk_size, D=D, z=None if rmsnorm_weight is not None else z4, dt_bias=dt_bias,
         initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
-        return_final_states=return_final_states, state_dtype=state_dtype,
+        return_final_states=return_final_states, **({} if state_dtype is None else {"state_dtype": state_dtype}),
     )
     y, final = (res if return_final_states else (res, None))
     y = _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
-                    norm_before_gate, outproj_weight, outproj_bias, rmsnorm_fn)
+                    norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
     return (y, final) if return_final_states else y
 
 

@@ -188,18 +188,25 @@ def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path
 # Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B
 
 
-def reduce_metrics(local: dict[str, float], group, device: torch.device) -> dict[str, float]:
-    """Combine one rank's summed step metrics (mpo_loss.combine_metrics) over the data-parallel `group`.
+def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
+    """Combine one rank's summed step metrics (mpo_loss.combine_metrics: floats, or 0-d tensors on `device`) over the
+    data-parallel `group`, in one all-reduce and one read of the device.
 
     "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract), "constant"
     ones are kept. "count" metrics (num_valid_pairs) come back as ints. Keys must be the same on every rank.
     """
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
-    vals = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+    kept = [k for k in local if k not in keys]
+
+    def stacked(names):
+        return torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device).reshape(()) for k in names]) \
+            if names else torch.zeros(0, dtype=torch.float64, device=device)
+
+    vals = stacked(keys)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(vals, group=group)
-    out = dict(local)
-    out.update(zip(keys, vals.tolist(), strict=True))
+    values = dict(zip(keys + kept, torch.cat([vals, stacked(kept)]).tolist(), strict=True))
+    out = {k: values[k] for k in local}  # the caller's key order
     for k in keys:
         if mpo_loss.METRIC_REDUCTION.get(k) == "count":
             out[k] = round(out[k])  # a sum of whole numbers (float64: exact)

@@ -60,6 +60,7 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+import pack
 from distributed import group_rank_size
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -190,6 +191,7 @@ def sequence_sums(
     seq_ids: torch.Tensor,
     num_sequences: int,
     cp_group: torch.distributed.ProcessGroup | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Differentiable per-sequence sums of per-token values: out[s] = Σ_{t: seq_ids[t] = s} values[t].
 
@@ -206,9 +208,11 @@ def sequence_sums(
     Returns:
         [S] sums, identical on every CP rank.
     Raises:
-        ValueError: an id outside [0, S] (checked here: index_add would fail deep inside, or assert on a GPU).
+        ValueError (with `check`): an id outside [0, S] (index_add would fail deep inside, or assert on a GPU). The
+            step passes check=False for a batch's own ids (pack.PackedBatch.loss_seq_ids: read back from the device,
+            the check would wait for the GPU).
     """
-    if seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids > num_sequences)).any()):
+    if check and seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids > num_sequences)).any()):
         raise ValueError(
             f"seq_ids must be in [0, S = {num_sequences}] (S: the dropped padding id); got ids "
             f"{int(seq_ids.min())} .. {int(seq_ids.max())}"
@@ -226,6 +230,7 @@ def sequence_logprobs(
     seq_ids: torch.Tensor,
     num_sequences: int,
     cp_group: torch.distributed.ProcessGroup | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence response log-prob sums Σ_t log π(y_t) and response-token counts.
 
@@ -234,7 +239,7 @@ def sequence_logprobs(
         loss_mask: [T_local] bool/int, 1 on response tokens (the final assistant turn) of the pre-rolled labels.
         seq_ids: [T_local] int64 sequence index of each token (`pack.token_sequence_ids`, CP-sliced like the tokens).
         num_sequences: S, sequences in the packed row.
-        cp_group: context-parallel group (see `sequence_sums`).
+        cp_group: context-parallel group (see `sequence_sums`); check: check the ids (see `sequence_sums`).
 
     Returns:
         (logprob_sums [S] in logprobs' dtype, num_response_tokens [S] int64), whole-sequence values on every CP
@@ -248,9 +253,9 @@ def sequence_logprobs(
     mask = loss_mask.bool()
     # where, not multiply: a non-finite log-prob at a masked position must not become NaN (0·inf).
     masked = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
-    sums = sequence_sums(masked, seq_ids, num_sequences, cp_group)
+    sums = sequence_sums(masked, seq_ids, num_sequences, cp_group, check)
     with torch.no_grad():
-        counts = sequence_sums(mask.to(torch.float64), seq_ids, num_sequences, cp_group)
+        counts = sequence_sums(mask.to(torch.float64), seq_ids, num_sequences, cp_group, check=False)
     return sums, counts.round().long()
 
 
@@ -264,12 +269,13 @@ def packed_sequence_logprobs(
     cp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = 1024,
     inplace_backward: bool = False,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` then `sequence_logprobs`: logits [T_local, V/TP] of one packed microbatch → (Σ_t log π over each
     sequence's response tokens [S] fp32, response-token counts [S] int64). Run it under torch.no_grad() for the
-    reference model; `inplace_backward` as in `token_logprobs`."""
+    reference model; `inplace_backward` as in `token_logprobs`, `check` as in `sequence_sums`."""
     logprobs = token_logprobs(logits, labels, tp_group, chunk_size, inplace_backward)
-    return sequence_logprobs(logprobs, loss_mask, seq_ids, num_sequences, cp_group)
+    return sequence_logprobs(logprobs, loss_mask, seq_ids, num_sequences, cp_group, check)
 
 
 def sequence_logratios(
@@ -394,7 +400,9 @@ def mpo_loss(
         ref_logprobs: [S] Σ_t log π_ref, same layout (no gradient needed).
         num_response_tokens: [S] int response-token count of each sequence (its own loss-mask count, never padding).
         pair_index, is_chosen, sample_mask: [S] pair metadata; every pair id must have exactly one chosen and one
-            rejected row (any order); sample_mask 0 marks dummy rows.
+            rejected row (any order); sample_mask 0 marks dummy rows. On the CPU (the batch's host copy,
+            pack.host_view, as train.py passes them) the pairs are matched there and only their row indices go to
+            the device: matching them on a GPU reads data-dependent sizes back (torch.unique, boolean masks).
         mpo_cfg: config.MPOConfig (reference_policy_kl_penalty β, *_loss_weight, *_average_log_probs).
         reward_shift: δ of this optimizer step (a float, constant over the step).
         num_global_pairs: valid pairs of the whole optimizer step over all microbatches and DP ranks
@@ -412,7 +420,8 @@ def mpo_loss(
             rejected rows and their count (2 per valid pair) — δ's sufficient statistics for `update_reward_shift`.
 
     Raises:
-        ValueError: malformed pair metadata (names the pair), shape mismatch, or num_global_pairs smaller than this
+        ValueError: malformed pair metadata (names the pair) or a shape mismatch. RuntimeError (torch._assert_async,
+            checked on the device: on a GPU it surfaces at the step's next read): num_global_pairs smaller than this
             microbatch's valid pairs.
 
     Formulas: MPO (Wang et al. 2024, arXiv 2411.10442 §3.2), DPO (Rafailov et al. 2023), paired BCO with reward shift
@@ -426,14 +435,17 @@ def mpo_loss(
         )
     device = policy_logprobs.device
     num_response_tokens = num_response_tokens.to(device)
-    chosen, rejected, valid = valid_pairs(
-        num_response_tokens, pair_index.to(device), is_chosen.to(device), sample_mask.to(device)
-    )
-    num_local = int(valid.sum())
-    if num_global_pairs < num_local:
+    if not (pair_index.shape == sample_mask.shape == num_response_tokens.shape):
         raise ValueError(
-            f"num_global_pairs = {num_global_pairs} is smaller than this microbatch's {num_local} valid pairs"
+            f"num_response_tokens, pair_index and sample_mask must all be [S]; got "
+            f"{tuple(num_response_tokens.shape)}, {tuple(pair_index.shape)}, {tuple(sample_mask.shape)}"
         )
+    chosen, rejected, _ = pair_layout(pair_index, is_chosen)  # where the metadata is (the host in training)
+    chosen, rejected = pack.to_device(chosen, device), pack.to_device(rejected, device)
+    row_ok = pack.to_device(sample_mask, device).bool() & (num_response_tokens > 0)
+    valid = row_ok[chosen] & row_ok[rejected]
+    num_local = valid.sum()  # on the device: checked there, read with the step's metrics
+    torch._assert_async(num_local <= num_global_pairs, "num_global_pairs is smaller than this microbatch's valid pairs")
     denom = float(max(int(num_global_pairs), 1))  # 0 only when no pair anywhere is valid: the loss is then 0
     beta = float(mpo_cfg.reference_policy_kl_penalty)
     delta = float(reward_shift)
@@ -473,27 +485,32 @@ def mpo_loss(
             "logprobs/rejected": mean(policy_logprobs[rejected]),
             "nll/chosen": mean(nll_c),
             "bco/reward_mean": mean(q_c + q_r) / 2,
-            "num_valid_pairs": torch.tensor(float(num_local), dtype=policy_logprobs.dtype, device=device),
+            "num_valid_pairs": num_local.to(policy_logprobs.dtype),
             "reward_shift_used": torch.tensor(delta, dtype=policy_logprobs.dtype, device=device),
         }
         metrics = {k: v.detach() for k, v in metrics.items()}
         reward_sum = torch.where(valid, q_c + q_r, zero).sum().detach()
-        reward_count = torch.tensor(2.0 * num_local, dtype=policy_logprobs.dtype, device=device)
+        reward_count = 2.0 * num_local.to(policy_logprobs.dtype)
     return loss, metrics, (reward_sum, reward_count)
 
 
-def combine_metrics(per_microbatch: Iterable[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
+def combine_metrics(per_microbatch: Iterable[Mapping[str, torch.Tensor | float]],
+                    read: bool = True) -> dict[str, float] | dict[str, torch.Tensor]:
     """Combine one rank's per-microbatch metric dicts of a step as METRIC_REDUCTION says (sum "mean" and "count"
-    metrics, keep the first "constant"). Across DP ranks, all-reduce (SUM) the summed keys the same way."""
-    out: dict[str, float] = {}
+    metrics in float64, in microbatch order, keep the first "constant"). Across DP ranks, all-reduce (SUM) the summed
+    keys the same way (monitor.reduce_metrics). Returns Python floats (one read of the device), or with read=False
+    0-d float64 tensors where the metrics are (nothing read)."""
+    out: dict[str, torch.Tensor] = {}
     for m in per_microbatch:
         for k, v in m.items():
-            v = float(v)
+            v = v.double() if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64, device="cpu")
             if METRIC_REDUCTION.get(k, "mean") == "constant":
                 out.setdefault(k, v)
             else:
-                out[k] = out.get(k, 0.0) + v
-    return out
+                out[k] = out[k] + v if k in out else v
+    if not read or not out:
+        return out
+    return dict(zip(out, torch.stack(list(out.values())).tolist(), strict=True))
 
 
 def update_reward_shift(

@@ -48,6 +48,7 @@ Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -75,8 +76,16 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
 import cpu_compat
+import mamba_triton
 from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
-from pack import cp_partition_index, routing_padding_mask, thd_packed_seq_params, token_sequence_ids
+from pack import (
+    cp_partition_index,
+    host_view,
+    routing_padding_mask,
+    thd_packed_seq_params,
+    to_device,
+    token_sequence_ids,
+)
 
 # ======================================================================================================================
 # Config: the checkpoint's config.json -> typed facts -> megatron-core TransformerConfigs
@@ -435,6 +444,7 @@ class OmniModel(nn.Module):
             ("sequential", "sdpa")
         self.hf = hf
         self.use_te = use_te
+        self.mamba_kernels = kernels.mamba if kernels is not None else "torch"
         self.image_token_id = hf.image_token_id
         self.patch_size = hf.vision.patch_size
         self.num_prefix_tokens = hf.num_prefix_tokens
@@ -507,7 +517,8 @@ class OmniModel(nn.Module):
         """RADIO + 2x2 pixel shuffle (v2) + projector, every image once.
 
         Args: pixel_values float [N_patches, 3*P*P] (patches row-major per image, each laid out (c, py, px), already
-            normalised by the processor); image_grid_hw int64 [N_images, 2] patch grid (gh, gw), both even.
+            normalised by the processor); image_grid_hw int64 [N_images, 2] patch grid (gh, gw), both even (read on
+            the host: pass the batch's CPU copy).
         Returns: list of [gh*gw/4, H_lm] features, one per image, in the language model's dtype.
         Raises: ValueError on odd grids or a patch count that does not match the grids.
         """
@@ -522,11 +533,15 @@ class OmniModel(nn.Module):
                 raise ValueError(f"image grid {h}x{w} must be even in both sides for the 2x2 pixel shuffle")
         dtype = self.vit_config.params_dtype
         device = pixel_values.device
-        lens = torch.tensor([h * w for h, w in grids], device=device)
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+        lens = [h * w for h, w in grids]
+        cu_h = [0, *itertools.accumulate(lens)]
+        cu = to_device(torch.tensor(cu_h, dtype=torch.int32, device="cpu"), device)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
-                              max_seqlen_q=int(lens.max()), max_seqlen_kv=int(lens.max()))
-        sizes = torch.tensor(grids, device=device) * self.patch_size
+                              max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        # the offsets the ViT's attention sees, for local_spec's varlen attention to read on the host: RADIO puts
+        # num_prefix_tokens class / register tokens before each image's patches (it shifts the device offsets itself)
+        psp.cu_seqlens_padded_host = tuple(itertools.accumulate([0] + [n + self.num_prefix_tokens for n in lens]))
+        sizes = to_device(torch.tensor(grids, device="cpu") * self.patch_size, device)
         x = self.vision_model(pixel_values.to(dtype)[None], imgs_sizes=sizes, packed_seq_params=psp)[0]
         out, start = [], 0
         p = self.num_prefix_tokens
@@ -545,7 +560,8 @@ class OmniModel(nn.Module):
         return out
 
     def _image_rows(self, batch, ids: torch.Tensor, cu_pad: torch.Tensor, feats: list[torch.Tensor]):
-        """(positions [N] int64, rows [N, H]) of every `<image>` token, rows taken per sequence from its media slot."""
+        """(positions [N] int64 on the host, rows [N, H]) of every `<image>` token, rows taken per sequence from its
+        media slot. batch, ids [T], cu_pad [S+1]: the host copies (every read here is of host numbers)."""
         is_img = ids == self.image_token_id
         positions = torch.nonzero(is_img).flatten()
         media_index = _get(batch, "media_index")
@@ -573,25 +589,32 @@ class OmniModel(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------------------
 
     def forward(self, batch) -> torch.Tensor:
+        """batch: a pack.PackedBatch on the step's device (or a dict of its fields); the numbers the forward needs on
+        the host (offsets, image grids and positions, whether any token is real) are read from its CPU copy
+        (pack.host_view), so nothing is read back from the GPU. Returns logits [T_local, V/TP]."""
+        host = host_view(batch)
         input_ids = _get(batch, "input_ids")
-        ids = input_ids.reshape(-1)
+        ids, ids_h = input_ids.reshape(-1), _get(host, "input_ids").reshape(-1)
         T = ids.numel()
         device = ids.device
-        cu_pad = _get(batch, "cu_seqlens_padded")
-        cu_pad = torch.tensor([0, T], dtype=torch.int32, device=device) if cu_pad is None else cu_pad.to(device)
-        cu = _get(batch, "cu_seqlens")
-        cu = cu_pad if cu is None else cu.to(device)
-        if int(cu_pad[-1]) != T:
-            raise ValueError(f"cu_seqlens_padded ends at {int(cu_pad[-1])} but input_ids has {T} tokens")
+        cu_pad, cu = _get(batch, "cu_seqlens_padded"), _get(batch, "cu_seqlens")
+        cu_pad_h, cu_h = _get(host, "cu_seqlens_padded"), _get(host, "cu_seqlens")
+        if cu_pad is None:
+            cu_pad_h = cu_pad = torch.tensor([0, T], dtype=torch.int32, device="cpu")
+        cu, cu_h = (cu_pad, cu_pad_h) if cu is None else (cu, cu_h)
+        cu_pad, cu = to_device(cu_pad, device), to_device(cu, device)
+        if int(cu_pad_h[-1]) != T:
+            raise ValueError(f"cu_seqlens_padded ends at {int(cu_pad_h[-1])} but input_ids has {T} tokens")
 
         emb = self.language_model.embedding(input_ids=ids[None], position_ids=None)  # [T, 1, H], TP-reduced
-        pixel_values, grid = _get(batch, "pixel_values"), _get(batch, "image_grid_hw")
+        pixel_values, grid = _get(batch, "pixel_values"), _get(host, "image_grid_hw")
         has_images = grid is not None and grid.numel() > 0
         feats = self.encode_images(pixel_values.to(device), grid) if has_images else []
-        n_tokens = int((ids == self.image_token_id).sum())
+        n_tokens = int((ids_h == self.image_token_id).sum())
         if n_tokens or feats:
-            positions, rows = self._image_rows(batch, ids, cu_pad, feats)
+            positions, rows = self._image_rows(host, ids_h, cu_pad_h, feats)
             if rows is not None:
+                positions = to_device(positions, device)
                 emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype)[:, None][:, 0])
 
         cp = parallel_state.get_context_parallel_world_size()
@@ -600,8 +623,8 @@ class OmniModel(nn.Module):
             emb = emb.index_select(0, index)
         if self.lm_config.sequence_parallel:
             emb = scatter_to_sequence_parallel_region(emb, group=self.pg.tp)
-        max_seqlen = _get(batch, "max_seqlen") or int((cu_pad[1:] - cu_pad[:-1]).max())
-        psp = thd_packed_seq_params(cu, cu_pad, max_seqlen)
+        max_seqlen = _get(batch, "max_seqlen") or int((cu_pad_h[1:] - cu_pad_h[:-1]).max())
+        psp = thd_packed_seq_params(cu, cu_pad, max_seqlen, host=(cu_h.tolist(), cu_pad_h.tolist()))
         # Padding and zero-weight (dummy-bin) tokens take no part in the routers' statistics: megatron-core's
         # padding_mask ([1, tokens of this rank], True = padding) reaches every MoE router (expert-bias counts, aux
         # loss, z-loss) on the TE and local specs. It is sliced like the embeddings: CP layout, then this TP rank's
@@ -616,20 +639,33 @@ class OmniModel(nn.Module):
             if sample_mask is not None:  # per response [2P] -> per pair span [P] (both rows of a pair share it)
                 sample_mask = sample_mask.view(-1, 2).amax(dim=1)
         pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
-        no_real_token = bool(pad.all())
+        sample_mask_h = _get(host, "sample_mask")
+        if segments is not None and sample_mask_h is not None:
+            sample_mask_h = sample_mask_h.view(-1, 2).amax(dim=1)
+        no_real_token = bool(routing_padding_mask(cu_h, cu_pad_h, T, sample_mask_h).all())  # on the host
         if cp > 1:
             pad = pad[index]
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
+        conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
         try:
             with cpu_compat.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:
+            mamba_triton.CONV_OFFSETS.reset(conv)
             cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
         return logits[0]
+
+    def _conv_offsets(self, psp, cu_pad: torch.Tensor, device):
+        """mamba_triton.CONV_OFFSETS of this row for the `mamba triton` set (its conv then reads no offsets back
+        from the GPU): (psp.seq_idx, cu_seqlens_padded, fla's chunk indices); None with the other kernel sets."""
+        if self.mamba_kernels != "triton":
+            return None
+        chunks = mamba_triton.conv_chunk_indices(list(psp.cu_seqlens_padded_host))
+        return psp.seq_idx, cu_pad, to_device(chunks, device)
 
 
 def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:

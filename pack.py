@@ -427,7 +427,8 @@ def resolve_shared_prompt(cfg, kernels) -> str:
     and 8) and no context parallelism. It is off with the Transformer Engine spec (its shared-prompt
     attention, omni_model.shared_prompt_te_attention, is checked only against a CPU stand-in of TE), with mamba-ssm's
     kernels (the shared scan then runs causal-conv1d's compiled conv and mamba-ssm's Triton scan on the GPU, checked
-    only through Triton's CPU interpreter, the conv not at all) and with context parallelism (not supported). An
+    only through Triton's CPU interpreter, the conv not at all), with the Triton set (`mamba triton`: checked only in
+    the interpreter so far) and with context parallelism (not supported). An
     explicit true or false is kept as it is (true with CP is refused later by `validate_packing_config`). Called once at
     start by train.main, before preflight, so config.json and the checkpoints record the resolved value; the tests'
     configs go through it too (tests/step_cases.tiny_config), bench.py sets true / false itself.
@@ -448,8 +449,9 @@ def resolve_shared_prompt(cfg, kernels) -> str:
         why.append(f"the shared-prompt layout is not supported with parallel.context_parallel_size = {cp}")
     if kernels.spec == "te":
         why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
-    if kernels.mamba == "mamba-ssm":
-        why.append("mamba-ssm's kernels in the shared-prompt scan have not run on a GPU yet")
+    if kernels.mamba in ("mamba-ssm", "triton"):
+        which = {"mamba-ssm": "mamba-ssm's kernels", "triton": "the Triton Mamba kernels"}[kernels.mamba]
+        why.append(f"{which} in the shared-prompt scan have not run on a GPU yet")
     pk.shared_prompt = not why
     if not why:
         return "shared prompt (auto)"
@@ -580,6 +582,10 @@ class PackedBatch:
             prompt_1, ...; segment_cu_seqlens_padded (int32 [3P+1]): their boundaries in the row (segment j of pair i
             is input_ids[0, b[3i+j]:b[3i+j+1]]; the pair's padding belongs to its rejected segment, so
             segment_cu_seqlens_padded[3i] = cu_seqlens_padded[i]).
+
+    host: the batch as built, on the CPU, kept by `to` (None until the batch is moved): what the step needs as host
+    numbers (offsets, image grids, image-token positions) is read from it, never from the device copy, so the step
+    does not wait for the GPU to read them back (`host_view`).
     The chosen sequence is prompt + chosen segment, the rejected sequence prompt + rejected segment: the rejected
     tokens must see the prompt but never the chosen segment (attention: local_spec.shared_prompt_attention in
     ThdDotProductAttention; Mamba: `mamba_torch.mamba_split_conv1d_scan_shared_prompt`), and their log-probs are
@@ -604,6 +610,7 @@ class PackedBatch:
     media_patch_offsets: torch.Tensor
     segment_cu_seqlens: torch.Tensor | None = None
     segment_cu_seqlens_padded: torch.Tensor | None = None
+    host: PackedBatch | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -626,7 +633,7 @@ class PackedBatch:
         T = self.input_ids.shape[1]
         if self.shared_prompt:
             return response_sequence_ids(self.segment_cu_seqlens_padded, T)
-        return token_sequence_ids(self.cu_seqlens_padded, T)
+        return token_sequence_ids(self.cu_seqlens_padded, T, check=False)
 
     @property
     def num_pairs(self) -> int:
@@ -635,11 +642,13 @@ class PackedBatch:
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
         """Copy of the batch with every tensor moved to `device`: the one move of a step's batch (train.load_bins;
-        the device rule is stated in train.py's docstring)."""
+        the device rule is stated in train.py's docstring). The copy's `host` is this batch (or its own host): new
+        tensors even on the CPU, so the CPU path keeps the host copy and the step's tensors apart as a GPU does."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            kw[f.name] = v.to(device, non_blocking=non_blocking, copy=True) if isinstance(v, torch.Tensor) else v
+        kw["host"] = self.host if self.host is not None else self
         return PackedBatch(**kw)
 
 
@@ -799,19 +808,25 @@ def packed_seq_params(batch: PackedBatch):
     return thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.max_seqlen)
 
 
-def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int):
+def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int,
+                          host: tuple[list[int], list[int]] | None = None):
     """megatron-core `PackedSeqParams` of one packed THD row (self-attention: q and kv share cu_seqlens).
 
     Args: cu_seqlens / cu_seqlens_padded: [S+1] real / padded sequence boundaries (cast to int32). max_seqlen: the
-    longest padded sequence, in tokens.
-    Returns: PackedSeqParams (qkv_format "thd"). Its `total_tokens` field, derived here, is the full (un-CP-sliced)
-    packed length T = cu_seqlens_padded[-1]: megatron-core derives the Mamba `seq_idx` [1, T] from it (without it,
-    sequences mix inside Mamba layers); `pad_between_seqs` tells TE that padded and real boundaries differ.
+        longest padded sequence, in tokens. host: the same two offsets as lists of ints (from the batch's host copy),
+        or None to read them from the tensors.
+    Returns: PackedSeqParams (qkv_format "thd"). Its `total_tokens` field is the full (un-CP-sliced) packed length
+        T = cu_seqlens_padded[-1], and `seq_idx` [1, T] int32 the sequence of each token (megatron-core's Mamba
+        layers read it; without it, sequences mix inside them), computed here on the offsets' device with its size
+        known (megatron-core's own derivation sizes it from the data: a read back from the GPU); `pad_between_seqs`
+        tells TE that padded and real boundaries differ. `cu_seqlens_padded_host` (an attribute added here) holds the
+        host offsets for local_spec's varlen attention.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu, cu_pad = cu_seqlens.to(torch.int32), cu_seqlens_padded.to(torch.int32)
-    return PackedSeqParams(
+    cu_h, cu_pad_h = host if host is not None else (cu.tolist(), cu_pad.tolist())
+    psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -819,12 +834,32 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Ten
         cu_seqlens_kv_padded=cu_pad,
         max_seqlen_q=int(max_seqlen),
         max_seqlen_kv=int(max_seqlen),
-        total_tokens=int(cu_pad[-1]),
-        pad_between_seqs=bool((cu != cu_pad).any()),
+        pad_between_seqs=cu_h != cu_pad_h,
     )
+    psp.total_tokens = cu_pad_h[-1]
+    lengths = (cu_pad[1:] - cu_pad[:-1]).long()
+    psp.seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_pad.device, dtype=torch.int32),
+                                          lengths, output_size=cu_pad_h[-1]).unsqueeze(0)
+    psp.cu_seqlens_padded_host = tuple(cu_pad_h)
+    return psp
 
 
-def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor goes to a GPU from pinned memory without blocking (a copy from pageable memory
+    waits for the GPU's queue to drain: a host synchronisation)."""
+    device = torch.device(device)
+    if t.device == device or device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def host_view(batch):
+    """The CPU copy of a batch for host reads: PackedBatch.host when the batch was moved, else the batch itself (a
+    CPU batch, or a dict of tensors as the tests build them)."""
+    return getattr(batch, "host", None) or batch
+
+
+def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int, check: bool = True) -> torch.Tensor:
     """The sequence index of every token of a packed THD row.
 
     Args:
@@ -835,10 +870,14 @@ def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> to
         [T] int64 in [0, S]. With context parallelism, index this with the same CP partition index as input_ids.
 
     Raises:
-        ValueError: cu_seqlens_padded not starting at 0, decreasing, or longer than total_tokens.
+        ValueError (with `check`): cu_seqlens_padded not starting at 0, decreasing, or longer than total_tokens. The
+            step passes check=False for a batch's own offsets (built by `pack`; reading them back from the device
+            would wait for the GPU).
     """
     cu = cu_seqlens_padded.long()  # computed where cu_seqlens_padded lives (train.py's device rule)
-    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > total_tokens:
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"cu_seqlens_padded must be a non-empty 1-D tensor; got shape {tuple(cu.shape)}")
+    if check and (cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > total_tokens):
         raise ValueError(f"cu_seqlens_padded must rise from 0 to at most T = {total_tokens}; got {cu.tolist()}")
     lengths = torch.cat([cu[1:] - cu[:-1], total_tokens - cu[-1:]])
     return torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long, device=cu.device), lengths,
@@ -857,9 +896,10 @@ def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
 
     Returns:
         bool [T] on cu_seqlens_padded's device: True at each sequence's padding (between cu_seqlens_padded[s] +
-        real length and cu_seqlens_padded[s+1]), past the last sequence, and on zero-weight sequences.
+        real length and cu_seqlens_padded[s+1]), past the last sequence, and on zero-weight sequences. The offsets
+        are taken as `pack` builds them (not read back from the device to be checked).
     """
-    seq_ids = token_sequence_ids(cu_seqlens_padded, total_tokens)
+    seq_ids = token_sequence_ids(cu_seqlens_padded, total_tokens, check=False)
     cu, cu_pad = cu_seqlens.long().to(seq_ids.device), cu_seqlens_padded.long().to(seq_ids.device)
     real = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # the trailing run (id S) has no real token
     start = torch.cat([cu_pad[:-1], cu_pad[-1:]])

@@ -21,10 +21,13 @@ Device rule: every tensor a step touches lives on the step's device (`Ctx.device
 `load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
 pair's prompt once; in the data loader's processes) and moves the whole
 `PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
-with `device=ctx.device`, and only Python numbers leave the device (`.item()`, `.tolist()`, for logging and δ). The
+with `device=ctx.device`. The batch keeps its CPU copy (`PackedBatch.host`): host numbers (offsets, image grids and
+positions, the pair layout) are read there, the few index tensors made from them go to the device from pinned memory
+(`pack.to_device`), and the step reads the device three times: the pair count before the first forward (the loss's
+denominator), the finiteness flags before the update, and the metrics and δ's statistics once after it. The
 exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
 its passes), checkpoint files and the HF export (written from CPU copies), RNG states (CPU byte tensors).
-tests/test_train.py::test_train_step_keeps_one_device checks it with a recording TorchFunctionMode.
+tests/test_train.py::test_train_step_keeps_one_device checks both with a recording TorchFunctionMode.
 
 Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
 `mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
@@ -450,11 +453,16 @@ def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
     later step and checkpoint (megatron-core checks gradients only under a loss scaler, i.e. fp16, or with its DDP's
     check_for_nan_in_grad, which raises from inside the gradient reduction).
 
+    `local` and `reward_sum` are floats or 0-d tensors on the step's device: the check runs there, and its two flags
+    are the one value read back before the update.
+
     Raises:
         DivergedError: on every rank when any rank found a non-finite value (what: loss, gradients or both).
     """
-    loss_bad = not all(math.isfinite(v) for v in local.values()) or not math.isfinite(reward_sum)
-    flags = torch.tensor([int(loss_bad), 0], dtype=torch.long, device=ctx.device)
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device).reshape(())
+                          for v in (*local.values(), reward_sum)])
+    flags = torch.zeros(2, dtype=torch.long, device=ctx.device)
+    flags[0] = (~torch.isfinite(values)).any()  # on the device, like the gradients' flag
     chunk = 1 << 26  # isfinite's bool temporary: 64 MiB at most, not one byte per gradient element of the buffer
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         if buffer.grad_data is not None:
@@ -503,15 +511,16 @@ def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Te
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
     return mpo_loss.packed_sequence_logprobs(  # inplace_backward: the logits are read by nothing else
-        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True
+        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True, check=False
     )
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward.
-    Computed on the batches' device (the device rule of the module docstring)."""
+    """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward:
+    counted on the batches' host copies (pack.host_view), all-reduced on the step's device and read once (the loss's
+    denominator is a host number)."""
     local = 0
-    for b in batches:
+    for b in map(pack.host_view, batches):
         num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
         local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
     n = torch.tensor([local], dtype=torch.long, device=ctx.device)
@@ -533,31 +542,34 @@ def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> 
 
 
 def policy_forward_backward(
-    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool
+    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool,
+    read: bool = True,
 ):
     """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
     (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
-    (reward_sum, reward_count)."""
-    per_mb, r_sum, r_count = [], 0.0, 0.0
+    (reward_sum, reward_count): Python floats, or with read=False 0-d float64 tensors on the step's device, so that
+    the microbatches run without waiting for the GPU (train_step reads them once, after the optimizer step)."""
+    per_mb = []
     for b, ref in zip(batches, ref_logprobs, strict=True):
+        host = pack.host_view(b)  # the pair metadata on the host: mpo_loss matches the pairs there
         with torch.set_grad_enabled(backward):
             logprobs, num_response_tokens = forward_logprobs(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(
                 logprobs,
                 ref,
                 num_response_tokens,
-                b.pair_index,
-                b.is_chosen,
-                b.sample_mask,
+                host.pair_index,
+                host.is_chosen,
+                host.sample_mask,
                 ctx.cfg.mpo,
                 reward_shift,
                 num_global_pairs,
             )
         if backward:
             loss.backward()  # megatron DDP accumulates into its main_grad buffers
-        per_mb.append(metrics)
-        r_sum, r_count = r_sum + float(s), r_count + float(c)
-    return mpo_loss.combine_metrics(per_mb), r_sum, r_count
+        per_mb.append({**metrics, "bco/reward_sum": s, "bco/reward_count": c})
+    local = mpo_loss.combine_metrics(per_mb, read=read)
+    return local, local.pop("bco/reward_sum"), local.pop("bco/reward_count")
 
 
 def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
@@ -576,7 +588,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     # into the class-level tensor, which megatron's backward creates 0-d when it runs first.
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
     local, r_sum, r_count = policy_forward_backward(
-        batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True
+        batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True, read=False
     )
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
@@ -586,18 +598,17 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     if not math.isfinite(grad_norm):  # finite gradients whose squares overflowed the norm (fp32: |g| > ~1e19)
         raise DivergedError(f"the gradient norm is {grad_norm} (finite gradients, whose norm overflowed)")
     scheduler.step(increment=1)
-    stats = torch.tensor([r_sum, r_count], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(stats, group=ctx.dp_group)
-    r_sum, r_count = stats.tolist()
-    new_shift = mpo_loss.update_reward_shift(reward_shift, r_sum, r_count, ctx.cfg.mpo.reward_shift_momentum)
-    metrics = monitor.reduce_metrics(local, ctx.dp_group, ctx.device)
+    # the step's one read of its metrics, after the update: δ's statistics ride in the same all-reduce
+    metrics = monitor.reduce_metrics({**local, "bco/reward_sum": r_sum, "bco/reward_count": r_count}, ctx.dp_group,
+                                     ctx.device)
+    new_shift = mpo_loss.update_reward_shift(reward_shift, metrics["bco/reward_sum"], metrics["bco/reward_count"],
+                                             ctx.cfg.mpo.reward_shift_momentum)
     metrics.update(
         lr=lr,
         grad_norm=float(grad_norm),
         num_global_pairs=num_global_pairs,
         reward_shift=new_shift,  # δ after this step's update: the next step's, saved as run_state's reward_shift
         reward_shift_used=reward_shift,  # δ this step's loss used (the exact float; mpo_loss reports it in fp32)
-        **{"bco/reward_sum": r_sum, "bco/reward_count": r_count},
     )
     return metrics, new_shift
 

@@ -5,14 +5,16 @@
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a
 #    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
 # 2. prints the kernel selection (cpu_compat.select_kernels);
-# 3. runs tests/test_gpu.py in two parts, the in-process checks (<= 180 s: the Mamba kernel comparisons compile
-#    mamba-ssm's Triton kernels from a cold cache) then the five train.py launches (<= 210 s),
+# 3. runs tests/test_gpu.py in three parts, the in-process checks (<= 180 s), the Triton Mamba kernels against
+#    mamba_torch (<= 240 s: mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9,
+#    the `mamba triton` set among them) then the five train.py launches (<= 300 s: they train on the kernel line's
+#    set, `mamba triton` where the sources are there),
 #    and `bench.py --gpu --profile` at the full shape (16 pairs, 4 per bin; 2 timed steps; <= 150 s; results to
 #    $OMNI_OUT, default /tmp/omni_gpu_check, never over the committed bench files): bench.py writes each section (the
 #    step, the profile, the scans) to its JSON as it ends, so a run killed at the limit keeps those that finished;
 # 4. prints a short table, then the benchmark's tables from that JSON (the profile's device time by region among
 #    them); exits non-zero when any step fails. About 9 minutes in all (7.8 on an H200 on 2026-12-04, the first part
-#    cut at 120 s then).
+#    cut at 120 s then), at most 15 with every part at its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 WHEELS=${1:?usage: bash tests/gpu_check.sh WHEEL_DIR (a folder of .whl files; see README, GPU check)}
@@ -49,8 +51,9 @@ else
   row "install wheels" ok 0 "none in $WHEELS"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-# mamba-ssm's sdist (no compiled kernels needed): its pure-Triton Mamba-2 scan and gated RMSNorm, compared and timed
-# when the compiled mamba-ssm is missing (bench.mamba_ssm_triton_from_source; tests/test_gpu.py items 5 and 7)
+# mamba-ssm's sdist (no compiled kernels needed): its pure-Triton Mamba-2 scan and gated RMSNorm, with fla-core's
+# Triton conv the `mamba triton` kernel set that trains when the compiled mamba-ssm is missing
+# (mamba_triton.load_mamba_ssm_triton; tests/test_gpu.py items 5, 7 and 9, and the train.py launches)
 sdists=("$WHEELS"/mamba_ssm-*.tar.gz)
 if [ ${#sdists[@]} -gt 0 ] && [ -z "${OMNI_MAMBA_SSM_SRC:-}" ]; then
   t0=$SECONDS
@@ -67,8 +70,8 @@ t0=$SECONDS
 deps=$("$PY" -W ignore - <<'PY' 2>"$OUT/deps.log" | tail -1
 # the project's requirements that this check needs (torch, torchvision and numpy stay the machine's own CUDA builds)
 import importlib.metadata as md
-need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "einops": None, "psutil": None, "safetensors": None,
-        "pillow": None, "tqdm": None, "pytest": None}
+need = {"megatron-core": "0.19.2", "transformers": "5.23.0", "fla-core": "0.6.0", "einops": None, "psutil": None,
+        "safetensors": None, "pillow": None, "tqdm": None, "pytest": None}
 bad = []
 for name, version in need.items():
     try:
@@ -103,6 +106,7 @@ row "kernel selection" "$([ -n "$kernels" ] && echo ok || echo FAIL)" 0 "${kerne
 # -- 2. tests/test_gpu.py: the in-process checks first, then the train.py launches (each part its own time limit, so a
 # slow launch part still leaves the parity, audit and kernel results) --------------------------------------------------
 LAUNCHES="main_job or resume or bf16_trains"  # the tests of the `runs` fixture: five train.py launches
+TRITON="triton or fla_conv or every_mamba_kernel or shared_prompt_mamba"  # the Triton Mamba kernels against mamba_torch
 gpu_tests() {  # name, time limit, -k expression
   local t0=$SECONDS rc summary last reason log="$OUT/test_gpu_$1.log"
   # -v: one line per test as it ends, so a part killed at its time limit still reports the tests it finished
@@ -127,8 +131,9 @@ gpu_tests() {  # name, time limit, -k expression
     row "  ${last#tests/test_gpu.py::}" FAIL "" "running when killed"
   fi
 }
-gpu_tests in-process 180 "not ($LAUNCHES)"
-gpu_tests launches 210 "$LAUNCHES"
+gpu_tests in-process 180 "not ($LAUNCHES or $TRITON)"
+gpu_tests triton-mamba 240 "$TRITON"
+gpu_tests launches 300 "$LAUNCHES"
 
 # -- 3. bench.py --gpu --profile (full shape) --------------------------------------------------------------------------
 t0=$SECONDS

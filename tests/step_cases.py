@@ -22,10 +22,17 @@ TINY_TOML = ROOT / "configs" / "tiny.toml"
 # The modules whose code runs inside a step on the step's device (cpu_compat's CPU-only shims are not on a GPU path).
 PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "omni_model.py",
                                                   "mamba_torch.py", "checkpoint.py"))
+# ... and, for host reads (`DeviceAudit.reads`), also the modules the forward calls into
+READ_FILES = PROJECT_FILES | frozenset(str(ROOT / f) for f in ("local_spec.py", "mamba_triton.py", "monitor.py"))
 _TORCH_DIR = os.path.dirname(torch.__file__)
 FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
                        torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint})
 MOVES = {torch.Tensor.cpu: "Tensor.cpu", torch.Tensor.cuda: "Tensor.cuda", torch.Tensor.numpy: "Tensor.numpy"}
+# Calls that read a tensor's values (or a size that depends on them) on the host: on a GPU each waits for the device.
+T = torch.Tensor
+READS = frozenset({T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, T.numpy, T.cpu, torch.nonzero,
+                   T.nonzero, torch.unique, T.unique, torch.bincount, T.bincount, torch.masked_select,
+                   T.masked_select})
 
 
 def _same(a: torch.device, b: torch.device) -> bool:
@@ -56,20 +63,46 @@ class DeviceAudit(TorchFunctionMode):
     On the CPU the third check cannot fire (everything is on the CPU), the first two can: they are what would put a
     tensor on the wrong device on a GPU (the count_global_pairs bug of issue 12 was a `.cpu()`).
     `violations` is the list of records; `calls` counts the audited calls (a check that saw nothing is no check).
+
+    Host numbers: the CPU copies of the step's batches (`host`: their PackedBatch.host, pack.host_view), tensors made
+    with device="cpu" (the string, as host code writes it; the step's device is a torch.device), and whatever is
+    computed from those (and from factory results, e.g. an arange on a host tensor's device) are host tensors: they
+    may be on the CPU and be read; `pack.to_device` moves what the device needs. `reads` records (file:line
+    function: what) every read of a tensor that is not a host tensor (READS, a boolean-mask index, a
+    repeat_interleave sized by its data) by the project's code: on a GPU each is a host synchronisation.
     """
 
-    def __init__(self, device, extra_files=()):
+    def __init__(self, device, extra_files=(), host=()):
         super().__init__()
         self.device = torch.device(device)
         self.files = PROJECT_FILES | {str(Path(f).resolve()) for f in extra_files}
         self.violations: list[str] = []
+        self.reads: list[str] = []
         self.calls = 0
+        self._host: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive, so an id is never reused)
+        self._made: dict[int, torch.Tensor] = {}  # factory results: host or device by what they meet
+        for b in host:
+            self._mark(vars(b.host).values() if getattr(b, "host", None) is not None else ())
 
-    def _caller(self) -> str | None:
+    def _mark(self, values) -> None:
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                self._host[id(t)] = t
+
+    def _is_read(self, func, args, kwargs, tensors) -> bool:
+        if func in READS:
+            return True
+        if func is torch.Tensor.__getitem__:  # a boolean mask: the result's size is the mask's count
+            return any(t.dtype == torch.bool for t in tensors[1:])
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            return len(tensors) > 1 and kwargs.get("output_size") is None
+        return False
+
+    def _caller(self, files=None) -> str | None:
         f = sys._getframe(2)
         while f is not None:
             name = f.f_code.co_filename
-            if name in self.files:
+            if name in (files or self.files):
                 return f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
             if not (name.startswith(_TORCH_DIR) or name == __file__):
                 return None
@@ -79,11 +112,24 @@ class DeviceAudit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        explicit_cpu = func in FACTORIES and kwargs.get("device") == "cpu"  # the string: host code, not ctx.device
+        host = explicit_cpu or (any(id(t) in self._host for t in tensors)
+                                and all(id(t) in self._host or id(t) in self._made for t in tensors))
+        if not host and (func in FACTORIES or (tensors and all(id(t) in self._made for t in tensors))):
+            self._made.update((id(t), t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        moved = func is torch.Tensor.to and _device_arg(args, kwargs) not in (None, torch.device("cpu"))
+        if host and not moved:
+            self._mark(tree_flatten(out)[0])
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        if not host and self._is_read(func, args, kwargs, tensors):
+            reader = self._caller(READ_FILES | self.files)
+            if reader is not None:
+                self.reads.append(f"{reader}: {name}")
         where = self._caller()
-        if where is None:
+        if where is None or host:
             return out
         self.calls += 1
-        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         if func in MOVES:
             self.violations.append(f"{where}: {MOVES[func]} moves a tensor off {self.device}")
         elif func is torch.Tensor.to:

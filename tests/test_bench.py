@@ -396,49 +396,6 @@ def test_only_without_an_item_is_a_usage_error(capsys):
             f"python bench.py: error: --only {value!r} names no item; choose from {list(bench.ITEMS)}")
 
 
-def test_mamba_ssm_triton_from_source_is_off_without_the_variable_and_one_error_for_a_wrong_directory(
-        tmp_path, monkeypatch):
-    """Unset: None (nothing imported). A directory without mamba-ssm's sources: one ImportError naming it. (With the
-    real sources, tests/test_mamba_ssm_interpret.py imports and runs the kernels through this function.)"""
-    import bench
-
-    monkeypatch.delenv("OMNI_MAMBA_SSM_SRC", raising=False)
-    assert bench.mamba_ssm_triton_from_source() is None
-    monkeypatch.setenv("OMNI_MAMBA_SSM_SRC", str(tmp_path))
-    with pytest.raises(ImportError, match=f"OMNI_MAMBA_SSM_SRC={tmp_path} does not hold mamba-ssm's sources"):
-        bench.mamba_ssm_triton_from_source()
-
-
-def test_mamba_ssm_triton_from_source_imports_twice(tmp_path, monkeypatch):
-    """The stand-in for mamba-ssm's compiled `selective_scan_cuda` made a second call (and any find_spec of that name)
-    raise ValueError: `selective_scan_cuda.__spec__ is None`. A fake source folder whose package __init__ imports it,
-    as mamba-ssm's does: both calls return the same kernels and find_spec still answers."""
-    import importlib.util
-
-    import bench
-
-    if "mamba_ssm" in sys.modules or importlib.util.find_spec("selective_scan_cuda") is not None:
-        pytest.skip("mamba-ssm is imported or compiled here: the stand-in is not used")
-    triton = tmp_path / "mamba_ssm" / "ops" / "triton"
-    triton.mkdir(parents=True)
-    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda  # noqa: F401\n")
-    (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
-    (triton / "__init__.py").write_text("")
-    (triton / "ssd_combined.py").write_text("def mamba_chunk_scan_combined(*args, **kwargs):\n    return 'scan'\n")
-    (triton / "layernorm_gated.py").write_text("def rmsnorm_fn(*args, **kwargs):\n    return 'norm'\n")
-    monkeypatch.setenv("OMNI_MAMBA_SSM_SRC", str(tmp_path))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    try:
-        first = bench.mamba_ssm_triton_from_source()
-        second = bench.mamba_ssm_triton_from_source()
-        assert importlib.util.find_spec("selective_scan_cuda") is not None
-    finally:
-        for name in set(sys.modules) - before:
-            del sys.modules[name]
-    assert first == second and (first["scan_fn"](), first["norm_fn"]()) == ("scan", "norm")
-
-
 @pytest.mark.parametrize("capability,triton_version,refused", [((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False),
                                                                ((8, 0), "3.6.0", False), ((9, 0), "3.3.1", False)])
 def test_fla_is_left_out_where_it_refuses_triton(monkeypatch, capability, triton_version, refused):
@@ -469,3 +426,25 @@ def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd)
         shutil.rmtree(bench._STATE["tmp"], ignore_errors=True)
     assert "Writing model shards" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # switched off only inside the block
+
+
+def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
+    """With the `mamba triton` set, its conv (mamba_triton.causal_conv1d_fn) and scan (the scan_fn of the kernels
+    dict mamba_triton hands out) run inside "Mamba conv" / "Mamba scan" ranges while profile_regions is active, and
+    both are restored on exit."""
+    import types
+
+    import bench
+    import mamba_triton
+
+    kernels = {"scan_fn": lambda: "scan", "norm_fn": lambda: "norm"}
+    monkeypatch.setattr(mamba_triton, "load_mamba_ssm_triton", lambda: kernels)
+    scan, conv = kernels["scan_fn"], mamba_triton.causal_conv1d_fn
+    optimizer = types.SimpleNamespace(step=lambda: None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with bench.profile_regions(torch.nn.Linear(1, 1), optimizer):
+            assert kernels["scan_fn"]() == "scan" and kernels["norm_fn"] is not scan
+            assert mamba_triton.causal_conv1d_fn is not conv
+    names = {e.name for e in prof.events()}
+    assert bench.REGION_PREFIX + "Mamba scan" in names
+    assert kernels["scan_fn"] is scan and mamba_triton.causal_conv1d_fn is conv

@@ -78,7 +78,8 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
     site = Path(megatron.core.__file__).parents[2]
     names = ("_stub_paged_stash_without_triton", *cpu_compat.CPU_ONLY_SHIMS, *cpu_compat.LOCAL_SPEC_SHIMS,
-             *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS, "install_mamba_cp_thd_indices")
+             *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.TRITON_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS,
+             "install_mamba_cp_thd_indices")
     objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
                                                          local_spec.LocalNorm,
                                                          local_spec.LocalNormColumnParallelLinear,
@@ -99,19 +100,21 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
 def test_kernel_selection_by_capability():
     """The decision for every combination of (Transformer Engine imports, mamba-ssm + causal-conv1d import, CUDA,
-    torch's grouped GEMM kernel, torch's varlen FlashAttention)."""
+    torch's grouped GEMM kernel, torch's varlen FlashAttention, the Triton Mamba set imports)."""
     from itertools import product
 
-    sel = cpu_compat.select_kernels
-    for te, ms, cuda, gm, va in product((True, False), repeat=5):
-        k = sel(te=te, mamba_ssm=ms, cuda=cuda, grouped_mm=gm, varlen_attn=va)
+    def sel(**kw):
+        return cpu_compat.select_kernels(**{"mamba_triton": False, **kw})
+
+    for te, ms, cuda, gm, va, mt in product((True, False), repeat=6):
+        k = sel(te=te, mamba_ssm=ms, cuda=cuda, grouped_mm=gm, varlen_attn=va, mamba_triton=mt)
         local = not (te and cuda)
         assert k == cpu_compat.Kernels(spec="local" if local else "te",
-                                       mamba="mamba-ssm" if ms and cuda else "torch",
+                                       mamba=("mamba-ssm" if ms else "triton" if mt else "torch") if cuda else "torch",
                                        device="cuda" if cuda else "cpu",
                                        attention=("varlen" if va and cuda else "sdpa") if local else "te",
                                        experts=("grouped" if gm and cuda else "sequential") if local else "te"), \
-            (te, ms, cuda, gm, va)
+            (te, ms, cuda, gm, va, mt)
         names = cpu_compat.shims_for(k)
         assert all(callable(getattr(cpu_compat, n)) for n in names)
         # CUDA-only workarounds only without CUDA; the TE final-norm swap whenever the local spec is used; the torch
@@ -120,6 +123,7 @@ def test_kernel_selection_by_capability():
         assert bool(set(cpu_compat.CPU_ONLY_SHIMS) & set(names)) == (not cuda)
         assert ("_patch_hybrid_final_norm" in names) == (k.spec == "local")
         assert ("install_torch_mamba" in names) == (k.mamba == "torch")
+        assert ("install_triton_mamba" in names) == (k.mamba == "triton")
     # the issue's H200 (no TE, no compiled mamba-ssm, torch 2.11): local spec, varlen attention, grouped experts and
     # torch Mamba on CUDA, no CPU shim
     k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True)
@@ -128,11 +132,15 @@ def test_kernel_selection_by_capability():
         "kernels: spec te; attention te; experts te; mamba mamba-ssm; device cuda"
     assert cpu_compat.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
                                        "_patch_hybrid_final_norm", "install_torch_mamba")
+    # with mamba-ssm's sources and fla-core there (the pip-install GPU path of issue 33): the Triton Mamba set
+    k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True, mamba_triton=True)
+    assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba triton; device cuda"
+    assert cpu_compat.shims_for(k)[-1] == "install_triton_mamba"
     assert cpu_compat.shims_for(sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=False, varlen_attn=False)) == \
         ("_stub_paged_stash_without_triton",)
     assert not cpu_compat.have_grouped_mm() and not cpu_compat.have_varlen_attn()  # no CUDA here
     # this machine: probed, and every shim the CPU path always had is installed (CPU behaviour unchanged)
-    here = sel()
+    here = cpu_compat.select_kernels()
     assert here == cpu_compat.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
     assert here.line() == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
     assert not omni_model.have_transformer_engine()

@@ -24,6 +24,10 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    local_spec.GroupedExperts (torch's grouped GEMM) against SequentialMLP (bf16, fp32; 128 experts, some empty), and
    ThdDotProductAttention's varlen backend (one torch varlen_attn call) against its per-sequence SDPA (bf16, fp16;
    causal, non-causal, GQA, the shared-prompt layout); point 5's tolerance.
+9. The `mamba triton` set (issue 33: mamba_triton, fla-core's Triton conv with mamba-ssm's Triton scan and gated norm
+   from its sources) on CUDA, forward and backward: the conv and the fused mixer body megatron calls in training
+   against mamba_torch (bf16, fp32; point 5's tolerance), the conv offsets precomputed from the batch as the model
+   passes them, and the kernel line naming `mamba triton` where the set imports without the compiled packages.
 The helpers are the CPU tests' own: test_train's train.py launcher (on the torchrun fixture of tests/conftest.py) and
 metrics reader, test_omni_model's parity inputs, step_cases' in-process step and device audit, bench's scan inputs.
 """
@@ -143,11 +147,24 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path)
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
     s = tiny_step("cuda:0")
-    audit = DeviceAudit("cuda:0")
+    audit = DeviceAudit("cuda:0", host=s["batches"])
     with audit:
         metrics, _ = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000 and audit.violations == []
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=STEP1)
+    # issue 33: the project's code reads the GPU three times per step (the pair count before the first forward, the
+    # finiteness flags before the update, the metrics after it; megatron-core's own reads, e.g. its MoE dispatcher's
+    # split sizes, are not counted here); with the `mamba triton` set none in the Mamba layers (mamba_torch, the
+    # fallback set, reads its seq_idx check and conv correction)
+    import re
+
+    import cpu_compat
+
+    sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
+    assert sites == ["monitor.py reduce_metrics: TensorBase.tolist", "train.py check_finite: TensorBase.tolist",
+                     "train.py count_global_pairs: TensorBase.item"], sites
+    if cpu_compat.select_kernels().mamba != "torch":
+        assert not any(r.startswith("mamba_torch.py") for r in audit.reads), audit.reads
 
 
 def test_two_steps_plus_resume_two_equal_four_steps(runs):
@@ -269,21 +286,24 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     (what cpu_compat's Mamba hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
     of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
     prompt, padding): output and the gradients of every input (max difference relative to the largest value).
-    Without the compiled packages but with mamba-ssm's sources ($OMNI_MAMBA_SSM_SRC, bench.mamba_ssm_triton_from_source)
-    the scan and norm are mamba-ssm's Triton kernels and the conv stays mamba_torch's."""
+    Without the compiled packages: the `mamba triton` set (fla-core's conv, mamba-ssm's Triton scan and norm from its
+    sources, mamba_triton.kernels()); with mamba-ssm's sources alone, its scan and norm and mamba_torch's conv."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
-    import bench
     import cpu_compat
     import mamba_torch
+    import mamba_triton
 
     if cpu_compat.have_mamba_ssm():
         from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
 
         kernels = cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined)
         assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
-    elif (kernels := bench.mamba_ssm_triton_from_source()) is None:
-        pytest.skip("mamba-ssm + causal-conv1d do not import here and OMNI_MAMBA_SSM_SRC is unset")
+    elif cpu_compat.have_mamba_triton():
+        kernels = cpu_compat._shared_prompt_kernels(mamba_triton.mamba_split_conv1d_scan_combined)
+        assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
+    elif (kernels := mamba_triton.load_mamba_ssm_triton()) is None:
+        pytest.skip("mamba-ssm + causal-conv1d do not import here and no mamba-ssm sources (OMNI_MAMBA_SSM_SRC)")
 
     dev, dtype = torch.device("cuda", 0), torch.bfloat16
     seg, T = row_offsets([(p * 23, c * 19, r * 17, pad) for p, c, r, pad in SPANS], tail=8)
@@ -393,3 +413,102 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
                         strict=True)) for module in modules.values()]
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
     assert max(worst.values()) <= KERNEL_TOL[torch.bfloat16], worst
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 9. The `mamba triton` set on CUDA against mamba_torch (issue 33; on the CPU: Triton's interpreter)
+
+_triton_set = pytest.mark.skipif(not __import__("cpu_compat").have_mamba_triton(),
+                                 reason="the `mamba triton` set does not import here (mamba-ssm's sources via "
+                                        "OMNI_MAMBA_SSM_SRC or its CUDA-less install, and fla-core)")
+
+
+def _mixer_case(dev, dtype, gate_in_scan: bool):
+    """Inputs of the fused mixer body at a Nano-like head shape (16 heads x 64, 2 groups, d_state 64, chunk 128) on
+    1500 tokens in 4 packed sequences (one of 3 tokens, lengths not multiples of the chunk), as megatron's training
+    call gives them (gate in the scan, no norm) or with the gated norm inside (Nemotron-H's norm_before_gate False)."""
+    from test_shared_prompt import mixer_tensors
+
+    import mamba_torch
+
+    T, cu = 1500, [0, 3, 400, 1111, 1500]
+    tensors, kw = mixer_tensors(T, h=16, p=64, g=2, n=64)
+    if gate_in_scan:
+        del tensors["rmsnorm_weight"], tensors["outproj_weight"]
+    leaves = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
+    seq_idx = mamba_torch.seq_idx_from_cu_seqlens(torch.tensor(cu), T).to(dev)
+    return leaves, kw, seq_idx, cu
+
+
+@_triton_set
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gate_in_scan", [True, False], ids=["megatron-call", "norm-inside"])
+def test_triton_mamba_mixer_body_equals_mamba_torch(dtype, gate_in_scan):
+    """mamba_triton.mamba_split_conv1d_scan_combined against mamba_torch's on the same inputs and dtype, with the conv
+    offsets precomputed (mamba_triton.CONV_OFFSETS, as OmniModel.forward sets them) and derived from seq_idx: output
+    and the gradient of every input (max difference relative to the largest value, point 5's tolerance)."""
+    import mamba_torch
+    import mamba_triton
+
+    dev = torch.device("cuda", 0)
+    results = {}
+    for name in ("torch", "triton", "triton offsets"):
+        leaves, kw, seq_idx, cu = _mixer_case(dev, dtype, gate_in_scan)
+        fn = mamba_torch.mamba_split_conv1d_scan_combined if name == "torch" else \
+            mamba_triton.mamba_split_conv1d_scan_combined
+        row = (seq_idx, torch.tensor(cu, dtype=torch.int32, device=dev),
+               mamba_triton.conv_chunk_indices(cu).to(dev)) if name == "triton offsets" else None
+        token = mamba_triton.CONV_OFFSETS.set(row)
+        try:
+            out = fn(**leaves, chunk_size=128, seq_idx=seq_idx, dt_limit=(1e-3, float("inf")), **kw)
+        finally:
+            mamba_triton.CONV_OFFSETS.reset(token)
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dev)
+        (out.float() * weight).sum().backward()
+        results[name] = {"out": out.detach(), **{k: v.grad for k, v in leaves.items()}}
+    for name in ("triton", "triton offsets"):
+        worst = {k: _rel(results[name][k], results["torch"][k]) for k in results["torch"]}
+        assert max(worst.values()) <= KERNEL_TOL[dtype], (name, worst)
+
+
+@_triton_set
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fla_conv_equals_mamba_torch_on_cuda(dtype):
+    """mamba_triton.causal_conv1d_fn (fla-core's Triton conv) against mamba_torch.causal_conv1d_fn at the Nano's conv
+    width (2·4096 + 2·8·128 channels would be slow to compare; 1024 channels, 4 taps) on 4 packed sequences with silu
+    and bias: output and the gradients of x, weight, bias (point 5's tolerance)."""
+    import mamba_torch
+    import mamba_triton
+
+    dev = torch.device("cuda", 0)
+    T, dim, cu = 3000, 1024, [0, 2, 700, 2049, 3000]
+    gen = torch.Generator().manual_seed(0)
+    base = {"x": torch.randn(1, T, dim, generator=gen), "weight": torch.randn(dim, 4, generator=gen) * 0.5,
+            "bias": torch.randn(dim, generator=gen) * 0.1}
+    seq_idx = mamba_torch.seq_idx_from_cu_seqlens(torch.tensor(cu), T).to(dev)
+    grad_out = torch.randn(1, dim, T, generator=gen).to(dev, dtype)
+    results = []
+    for fn in (mamba_triton.causal_conv1d_fn, mamba_torch.causal_conv1d_fn):
+        a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in base.items()}
+        y = fn(a["x"].transpose(1, 2), a["weight"], a["bias"], seq_idx=seq_idx, activation="silu")
+        y.backward(grad_out)
+        results.append({"y": y.detach(), **{k: v.grad for k, v in a.items()}})
+    worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}
+    assert max(worst.values()) <= KERNEL_TOL[dtype], worst
+
+
+@_triton_set
+def test_the_kernel_line_names_the_triton_mamba_set():
+    """Without the compiled mamba-ssm / causal-conv1d, a machine where the set imports trains on it (train.py's
+    `kernels:` line, and the mixer's fused function is mamba_triton's after cpu_compat.apply())."""
+    import cpu_compat
+    import mamba_triton
+
+    if cpu_compat.have_mamba_ssm():
+        pytest.skip("the compiled mamba-ssm imports here: it is chosen over the Triton set")
+    assert cpu_compat.select_kernels().mamba == "triton"
+    cpu_compat.apply()
+    from megatron.core.ssm import mamba_mixer
+
+    assert getattr(mamba_mixer.mamba_split_conv1d_scan_combined, "__wrapped__", None) is \
+        mamba_triton.mamba_split_conv1d_scan_combined

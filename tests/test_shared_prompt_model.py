@@ -176,6 +176,8 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
                               "on a GPU yet; packing.shared_prompt=true turns it on)"),
     ("local", "mamba-ssm", 1, False, "separate rows (auto: mamba-ssm's kernels in the shared-prompt scan have not run "
                                      "on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("local", "triton", 1, False, "separate rows (auto: the Triton Mamba kernels in the shared-prompt scan have not "
+                                  "run on a GPU yet; packing.shared_prompt=true turns it on)"),
     ("te", "mamba-ssm", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not "
                                   "run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not run on a "
                                   "GPU yet; packing.shared_prompt=true turns it on)"),

@@ -1583,11 +1583,21 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # the sample's index cache
     # separate rows: the layout of the first GPU run (the shared layout's audit: tests/test_shared_prompt_model.py)
     s = tiny_step("cpu", "packing.shared_prompt=false")
-    audit = DeviceAudit("cpu")
+    audit = DeviceAudit("cpu", host=s["batches"])
     with audit:
         metrics, shift = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000  # the audit saw the step's project code
     assert audit.violations == []
+    # issue 33: the step reads the device three times - the pair count before the first forward (the loss's
+    # denominator), the finiteness flags before the update, the metrics once after it - plus, with the CPU's Mamba
+    # set (mamba_torch), its seq_idx check and conv correction; the GPU's `mamba triton` set reads nothing (its conv
+    # offsets come from the batch's host copy: tests/test_mamba_triton.py)
+    sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads})
+    assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
+                     "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
+                     "monitor.py reduce_metrics: TensorBase.tolist", "train.py check_finite: TensorBase.tolist",
+                     "train.py count_global_pairs: TensorBase.item"], sites
+    assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 3
     # golden numbers: identical policy and reference
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)

@@ -114,6 +114,34 @@ def test_varlen_backend_equals_per_sequence_sdpa(signature, causal, groups, monk
         assert torch.equal(a, b)
 
 
+def test_varlen_backend_takes_the_host_offsets_of_the_packed_seq_params(monkeypatch):
+    """PackedSeqParams from pack.thd_packed_seq_params carry the padded offsets on the host
+    (`cu_seqlens_padded_host`): where they tile the row without an empty sequence, the varlen call takes them and the
+    device offsets as they are (nothing is read back from the device: the path through _query_runs, which reads them,
+    is not taken), with the same result as the SDPA path."""
+    import pack
+
+    calls = []
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _stand_in("2.12", calls))
+    monkeypatch.setattr(local_spec, "VARLEN_DEVICE_TYPES", frozenset({"cpu"}))
+    gen = torch.Generator().manual_seed(0)
+    cu_h, T = [0, 5, 14, 16, 19], 19
+    leaves = [torch.randn(T, h, 8, generator=gen).to(torch.bfloat16) for h in (4, 2, 2)]
+    weight = torch.randn(T, 32, generator=gen)
+    cu = torch.tensor(cu_h, dtype=torch.int32)
+    psp = pack.thd_packed_seq_params(cu, cu, max_seqlen=9, host=(cu_h, cu_h))
+    assert psp.cu_seqlens_padded_host == tuple(cu_h) and psp.total_tokens == T
+    from megatron.core.packed_seq_params import PackedSeqParams  # its own seq_idx, sized from the data
+
+    assert torch.equal(psp.seq_idx, PackedSeqParams(cu_seqlens_q_padded=cu, total_tokens=T).seq_idx)
+    want = _run(_attention("sdpa", True, 2), leaves, psp, weight)
+    monkeypatch.setattr(local_spec, "_query_runs", lambda *a: pytest.fail("the device offsets were read"))
+    got = _run(_attention("varlen", True, 2), leaves, psp, weight)
+    assert [c["cu_q"] for c in calls] == [cu_h] and calls[0]["max_q"] == 9
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("signature", ["2.11", "2.12"])
 def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
     """The shared-prompt row (tests/test_shared_prompt_te.SPANS: empty responses, padding, a bin tail) through ONE
