@@ -34,7 +34,7 @@ recomputed, then their gradients). The fused log-prob chunk is 2 x chunk x V/TP 
 bench.py measures it).
 Image tokens (--image-tokens, per bin) add the RADIO ViT's activations: 4 patches per token, Korthikanti's
 34 h_v bytes per patch and layer at 16 bits (h_v b per patch and layer under "full").
-tests/test_plan.py compares the formula with the recorded H200 benchmark (README "First GPU numbers").
+tests/test_plan.py compares the formula with the recorded H200 benchmark (docs/PERFORMANCE.md, "First GPU numbers").
 
 Run `python plan.py -h` for the options.
 """
@@ -63,7 +63,7 @@ import preflight  # noqa: E402
 
 GiB = 2**30
 # Usable memory of the two GPU sizes (what torch reports as the device's total capacity): an 80 GB H100 / A100 has
-# 79.1 GiB, a 141 GB H200 139.8 GiB (the recorded H200 run's out-of-memory message, README "First GPU numbers").
+# 79.1 GiB, a 141 GB H200 139.8 GiB (the recorded H200 run's out-of-memory message, docs/PERFORMANCE.md).
 GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 

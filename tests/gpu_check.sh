@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of issue 12, for a fresh CUDA machine without network. From the repo root:
-#   bash tests/gpu_check.sh WHEEL_DIR          # WHEEL_DIR: the wheels this machine lacks (README "GPU check")
+#   bash tests/gpu_check.sh WHEEL_DIR          # WHEEL_DIR: the wheels this machine lacks (docs/PERFORMANCE.md, "GPU check")
 # 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a
 #    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
@@ -17,7 +17,7 @@
 #    cut at 120 s then), at most 15 with every part at its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-WHEELS=${1:?usage: bash tests/gpu_check.sh WHEEL_DIR (a folder of .whl files; see README, GPU check)}
+WHEELS=${1:?usage: bash tests/gpu_check.sh WHEEL_DIR (a folder of .whl files; see docs/PERFORMANCE.md, GPU check)}
 SITE=${OMNI_SITE:-/tmp/omni_site}
 OUT=${OMNI_OUT:-/tmp/omni_gpu_check}
 PY=${PYTHON:-python3}

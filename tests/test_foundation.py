@@ -519,7 +519,7 @@ def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
     assert f"megatron-core=={args['MEGATRON_CORE_VERSION']}" in reqs
     sbatch = (ROOT / "slurm" / "train.sbatch").read_text()
     assert f"WANDB_PIN_VERSION=${{WANDB_PIN_VERSION-{args['WANDB_VERSION']}}}" in sbatch
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "CLUSTER.md").read_text().split())
     assert (f"megatron-core {args['MEGATRON_CORE_VERSION']}, mamba-ssm {args['MAMBA_SSM_VERSION']}, causal-conv1d "
             f"{args['CAUSAL_CONV1D_VERSION']}, wandb {args['WANDB_VERSION']} and `requirements.txt`") in readme
     assert f"The image is `{args['BASE_IMAGE']}`" in readme

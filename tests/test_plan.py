@@ -154,8 +154,8 @@ def test_plan_of_nano_is_the_golden_table(capsys):
 
 def test_plan_predicts_the_recorded_gpu_peak_within_15_percent():
     """The plan of bench.py --gpu's step (its config and checkpoint folder: bench.step_config, one rank, the same
-    pairs and bins) against the peak memory the H200 run recorded (bench_gpu_results.json, README "First GPU
-    numbers"): max_memory_allocated over the policy + reference + distributed Adam step."""
+    pairs and bins) against the peak memory the H200 run recorded (bench_gpu_results.json; docs/PERFORMANCE.md, First
+    GPU numbers): max_memory_allocated over the policy + reference + distributed Adam step."""
     import bench
     import pack
 
