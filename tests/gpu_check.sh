@@ -5,22 +5,25 @@
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a
 #    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
 # 2. prints the kernel selection (cpu_compat.select_kernels);
-# 3. runs tests/test_gpu.py in three parts, the in-process checks (<= 180 s), the Triton Mamba kernels against
-#    mamba_torch (<= 240 s: mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9,
-#    the `mamba triton` set among them) then the five train.py launches (<= 300 s: they train on the kernel line's
-#    set, `mamba triton` where the sources are there),
-#    and `bench.py --gpu --profile` at the full shape (16 pairs, 4 per bin; 2 timed steps; <= 150 s; results to
-#    $OMNI_OUT, default /tmp/omni_gpu_check, never over the committed bench files): bench.py writes each section (the
-#    step, the profile, the scans) to its JSON as it ends, so a run killed at the limit keeps those that finished;
+# 3. runs tests/test_gpu.py's in-process checks (<= 150 s), the Triton Mamba kernels against mamba_torch (<= 180 s:
+#    mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9), `bench.py --gpu
+#    --profile` at the full shape (16 pairs, 4 per bin; 2 timed steps; <= 150 s; results to $OMNI_OUT, default
+#    /tmp/omni_gpu_check, never over the committed bench files; each section is written to its JSON as it ends), then
+#    the five train.py launches (<= 240 s: they train on the kernel line's set, `mamba triton` where the sources are);
+#    every limit is cut to what is left of OMNI_GPU_CHECK_SECONDS (default 560: one device call may run 600 s);
 # 4. prints a short table, then the benchmark's tables from that JSON (the profile's device time by region among
-#    them); exits non-zero when any step fails. About 9 minutes in all (7.8 on an H200 on 2026-12-04, the first part
-#    cut at 120 s then), at most 15 with every part at its limit.
+#    them); exits non-zero when any step fails. The parts ran in 7.8 minutes on an H200 on 2026-12-04 (before the
+#    Triton Mamba part existed).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 WHEELS=${1:?usage: bash tests/gpu_check.sh WHEEL_DIR (a folder of .whl files; see docs/PERFORMANCE.md, GPU check)}
 SITE=${OMNI_SITE:-/tmp/omni_site}
 OUT=${OMNI_OUT:-/tmp/omni_gpu_check}
 PY=${PYTHON:-python3}
+# the whole check ends within this many seconds (a device call may run 600 s): each part's limit is cut to what is left
+BUDGET=${OMNI_GPU_CHECK_SECONDS:-560}
+START=$SECONDS
+limit() { local left=$((BUDGET - (SECONDS - START))); [ "$left" -lt 20 ] && left=20; echo $(("$1" < left ? "$1" : left)); }
 export TORCHDYNAMO_DISABLE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 # mamba-ssm's Triton kernels (its sdist, or a compiled mamba-ssm) with one fixed config each: from a cold cache its
 # autotuning compiles ~40 forward and ~100 backward configs per dtype and shape (minutes), more than the time limits
@@ -107,13 +110,14 @@ row "kernel selection" "$([ -n "$kernels" ] && echo ok || echo FAIL)" 0 "${kerne
 # slow launch part still leaves the parity, audit and kernel results) --------------------------------------------------
 LAUNCHES="main_job or resume or bf16_trains"  # the tests of the `runs` fixture: five train.py launches
 TRITON="triton or fla_conv or every_mamba_kernel or shared_prompt_mamba"  # the Triton Mamba kernels against mamba_torch
-gpu_tests() {  # name, time limit, -k expression
-  local t0=$SECONDS rc summary last reason log="$OUT/test_gpu_$1.log"
+gpu_tests() {  # name, time limit (cut to the budget left), -k expression
+  local t0=$SECONDS rc summary last reason log="$OUT/test_gpu_$1.log" lim
+  lim=$(limit "$2")
   # -v: one line per test as it ends, so a part killed at its time limit still reports the tests it finished
-  COLUMNS=240 timeout "$2" "$PY" -m pytest -v -rfEs -p no:cacheprovider tests/test_gpu.py -k "$3" >"$log" 2>&1
+  COLUMNS=240 timeout "$lim" "$PY" -m pytest -v -rfEs -p no:cacheprovider tests/test_gpu.py -k "$3" >"$log" 2>&1
   rc=$?
   summary=$(tail -1 "$log" | sed -E 's/^=+ //; s/ =+$//')
-  [ $rc -eq 124 ] && summary="killed at the ${2}s limit"
+  [ $rc -eq 124 ] && summary="killed at the ${lim}s limit"
   row "tests/test_gpu.py ($1)" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "rc $rc: $summary"
   while read -r name status rest; do
     rest=$(sed -E 's/ *\[ *[0-9]+%\]$//' <<<"$rest")  # the progress column
@@ -131,19 +135,20 @@ gpu_tests() {  # name, time limit, -k expression
     row "  ${last#tests/test_gpu.py::}" FAIL "" "running when killed"
   fi
 }
-gpu_tests in-process 180 "not ($LAUNCHES or $TRITON)"
-gpu_tests triton-mamba 240 "$TRITON"
-gpu_tests launches 300 "$LAUNCHES"
+gpu_tests in-process 150 "not ($LAUNCHES or $TRITON)"
+gpu_tests triton-mamba 180 "$TRITON"
 
-# -- 3. bench.py --gpu --profile (full shape) --------------------------------------------------------------------------
+# -- 3. bench.py --gpu --profile (full shape), before the launches: its numbers are the ones no other part gives -------
 t0=$SECONDS
-timeout 150 "$PY" bench.py --gpu --profile --timed-steps 2 --json "$OUT/bench_gpu.json" >"$OUT/bench.log" 2>&1
+lim=$(limit 150)
+timeout "$lim" "$PY" bench.py --gpu --profile --timed-steps 2 --json "$OUT/bench_gpu.json" >"$OUT/bench.log" 2>&1
 rc=$?
 note="rc $rc, $OUT/bench_gpu.json"
-[ $rc -eq 124 ] && note="killed at the 150s limit (the sections that ended are in $OUT/bench_gpu.json)"
+[ $rc -eq 124 ] && note="killed at the ${lim}s limit (the sections that ended are in $OUT/bench_gpu.json)"
 failed=$(sed -nE 's/^bench\.py: failed: ([^(]*) \(.*/\1/p' "$OUT/bench.log" | head -1)
 [ -n "$failed" ] && note="rc $rc, failed sections: $failed (errors in $OUT/bench_gpu.json; see $OUT/bench.log)"
 row "bench.py --gpu --profile" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "$note"
+gpu_tests launches 240 "$LAUNCHES"
 
 # -- 4. table ---------------------------------------------------------------------------------------------------------
 echo
