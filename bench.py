@@ -205,15 +205,20 @@ def no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+def _tmp() -> Path:
+    """This process's temporary folder of bench checkpoints (made on first use; main() removes it)."""
+    if "tmp" not in _STATE:
+        _STATE["tmp"] = Path(tempfile.mkdtemp(prefix="omni_bench_"))
+    return _STATE["tmp"]
+
+
 def small_checkpoint(name: str, seed: int) -> Path:
     """A hub-layout checkpoint folder of the small bench config (random weights from transformers' init, `seed`),
     with the tiny asset's tokenizer, chat template and processor. Written once per process into a temporary folder."""
     key = f"ckpt_{name}"
     if key in _STATE:
         return _STATE[key]
-    if "tmp" not in _STATE:
-        _STATE["tmp"] = Path(tempfile.mkdtemp(prefix="omni_bench_"))
-    out = _STATE["tmp"] / name
+    out = _tmp() / name
     out.mkdir()
     cfg = json.loads((TINY / "config.json").read_text())
     cfg["llm_config"].update(SMALL_LLM)
@@ -819,9 +824,7 @@ def _reset_peak(device: torch.device) -> None:
 
 def _shape_checkpoint(shape: dict) -> Path:
     """A folder with the tiny asset's config.json widened by shape["llm"] (no weights: both models init randomly)."""
-    if "tmp" not in _STATE:
-        _STATE["tmp"] = Path(tempfile.mkdtemp(prefix="omni_bench_"))
-    out = _STATE["tmp"] / f"gpu_shape_{len(list(_STATE['tmp'].iterdir()))}"
+    out = _tmp() / f"gpu_shape_{len(list(_tmp().iterdir()))}"
     out.mkdir()
     cfg = json.loads((TINY / "config.json").read_text())
     cfg["llm_config"].update(shape["llm"])

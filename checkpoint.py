@@ -632,8 +632,8 @@ class RunState:
 
 
 # The fields of RunState that run_state.json must hold, with their JSON types (an int counts as a float).
-_RUN_STATE_TYPES = {"step": int, "world_size": int, "consumed_pairs": int, "reward_shift": float,
-                    "reward_shift_num_updates": int, "sampler": dict, "scheduler": dict, "config": dict}
+_RUN_STATE_TYPES = {f.name: {"int": int, "float": float, "dict": dict}[f.type] for f in dataclasses.fields(RunState)
+                    if f.default is dataclasses.MISSING and f.name != "path"}
 
 
 def read_run_state(path: str | Path) -> RunState:

@@ -999,7 +999,7 @@ class StepData:
     sampler_state: dict = field(default_factory=dict)
 
 
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # monitor.StopSignal's
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # a run's (monitor.StopSignal.SIGNALS)
 
 
 @contextlib.contextmanager
@@ -1017,7 +1017,7 @@ def ignore_stop_signals(*_) -> None:
     """A data worker's start (DataLoader's worker_init_fn, the index pool's initializer): the stop signals are
     its rank's (monitor.StopSignal), so SIGINT / SIGHUP / SIGUSR1 are ignored and SIGTERM ends the worker only when its
     parent sends it (the DataLoader's clean-up); torchrun and scancel signal every process of a rank's group."""
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for sig in STOP_SIGNALS - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})  # threads started from here on inherit the mask
 

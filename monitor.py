@@ -46,7 +46,7 @@ class StopSignal:
     when the signal reaches the ranks at different times.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+    SIGNALS = tuple(sorted(mmpr_data.STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (its data workers ignore them)
 
     def __init__(self) -> None:
         self.received: int | None = None

@@ -10,7 +10,7 @@ train.build_optimizer), every tensor on the `meta` device inside a fake process 
 a table per distinct rank (parameters; bytes of weights, fp32 main gradients, optimizer state, reference,
 activations at packing.max_tokens_per_bin, the fused log-prob chunk; the total against 80 GB and 141 GB GPUs), the
 verdict and the largest packing.max_tokens_per_bin that fits each GPU. A bad layout is the one-line ConfigError that
-train.py gives (the same checks: config.validate_parallel, preflight.check_model_config, pack.validate_packing_config).
+train.py gives (the same checks: config.validate_parallel, preflight.check_model_config, preflight.check_packing).
 
 Activations (`activation_bytes`) count what autograd keeps for the backward of the kernels this project runs on a
 GPU without Transformer Engine or mamba-ssm (the measured path: `spec local; attention varlen; experts grouped; mamba
@@ -58,7 +58,6 @@ import config as config_mod  # noqa: E402
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
 import omni_model  # noqa: E402
-import pack  # noqa: E402
 import preflight  # noqa: E402
 
 GiB = 2**30
@@ -362,13 +361,10 @@ def default_world(cfg) -> int:
 
 
 def check_layout(cfg, world: int, hf) -> None:
-    """train.py's checks of the layout and the model, in its order (preflight.check_inputs' packing rule,
+    """train.py's checks of the layout and the model, in its order (preflight.check_packing, from check_inputs,
     preflight.check_model_config, then distributed.init_distributed's config.validate_parallel), before anything
     is built. Raises config.ConfigError."""
-    try:
-        pack.validate_packing_config(cfg)
-    except ValueError as e:
-        raise config_mod.ConfigError(str(e)) from None
+    preflight.check_packing(cfg)
     preflight.check_model_config(cfg, hf)
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
 

@@ -51,10 +51,7 @@ def check_inputs(cfg) -> None:
             raise config_mod.ConfigError(
                 f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON{_relative_hint(path)})"
             )
-    try:
-        pack.validate_packing_config(cfg)
-    except ValueError as e:
-        raise config_mod.ConfigError(str(e)) from None
+    check_packing(cfg)
     check_run_dir(cfg.checkpoint.dir, cfg.model.hf_path)
     check_wandb(cfg.logging.wandb)
     distributed.check_deterministic_env(cfg.model.deterministic_mode)
@@ -78,6 +75,14 @@ def _is_hf_config(obj: dict | None) -> bool:
     """Whether `obj` (a parsed config.json, or None) is a Hugging Face model config: it has model_type or
     architectures (an omni-mpo run's resolved config.json has neither)."""
     return obj is not None and ("model_type" in obj or "architectures" in obj)
+
+
+def check_packing(cfg) -> None:
+    """pack.validate_packing_config (the packing section against the parallel layout) as a config.ConfigError."""
+    try:
+        pack.validate_packing_config(cfg)
+    except ValueError as e:
+        raise config_mod.ConfigError(str(e)) from None
 
 
 def check_hf_config(hf_path: str) -> None:
