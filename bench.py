@@ -59,8 +59,10 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -139,25 +141,92 @@ def run_section(out: dict, key: str, fn, *args, **kwargs) -> bool:
 # 1. Packing
 
 
+def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int, int]]:
+    """Pair id -> (prompt, chosen response, rejected response) tokens modelling MMPR rows for Nemotron-Omni.
+
+    Prompt = one image of gh x gw 16-px patches (gh in 32..128, gw in 32..104, even; gh*gw/4 tokens after the 2x2
+    pixel shuffle) + 40..72 text tokens; responses log-uniform in 50..1500, the rejected one the chosen length times
+    exp(N(0, 0.3)), clipped to 50..1500. Deterministic for (n_pairs, seed).
+    """
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n_pairs):
+        gh, gw = 2 * rng.randint(16, 64), 2 * rng.randint(16, 52)
+        prompt = gh * gw // 4 + rng.randint(40, 72)
+        chosen = int(math.exp(rng.uniform(math.log(50), math.log(1500))))
+        rejected = min(1500, max(50, int(chosen * math.exp(rng.gauss(0.0, 0.3)))))
+        out[i] = (prompt, chosen, rejected)
+    return out
+
+
+def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int]]:
+    """Pair id -> (chosen row, rejected row) tokens: the rows prompt + response of `synthetic_mmpr_parts`."""
+    return {i: (p + c, p + r) for i, (p, c, r) in synthetic_mmpr_parts(n_pairs, seed).items()}
+
+
+def deal_round_robin(bins, dp_size: int) -> list[list[pack.Bin]]:
+    """Bin i to DP rank i % dp_size, in the given order (NeMo-RL's deal; the baseline)."""
+    assert len(bins) % dp_size == 0
+    return [list(bins[r::dp_size]) for r in range(dp_size)]
+
+
+def round_robin_ranks(plan: pack.Plan, lengths) -> list[list[pack.Bin]]:
+    """The bins of `plan` in the step's data order (their first pair's place in `lengths`, dummies last), dealt
+    round-robin: the baseline of pack.deal_greedy."""
+    arrival = {pid: i for i, pid in enumerate(lengths)}
+    bins = [b for r in plan.ranks for b in r]
+    return deal_round_robin(sorted(bins, key=lambda b: (b.dummy, min(arrival[p] for p in b.pair_ids))),
+                            len(plan.ranks))
+
+
+def rank_imbalance(ranks, key: str = "tokens") -> float:
+    """Busiest rank's load / mean load over DP ranks (1.0 = perfect), load = sum of `key` ("tokens" or "cost")."""
+    loads = [sum(getattr(b, key) for b in r) for r in ranks]
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def shared_prompt_token_counts(parts, max_tokens_per_bin: int, max_sequences_per_bin: int, dp_size: int,
+                               divisible_by: int = 1) -> dict:
+    """Tokens the language model computes for the same pairs, separate rows vs the shared-prompt layout, each planned
+    by pack.plan_bins under the same bin budget. parts: pair id -> (prompt, chosen, rejected) tokens
+    (`synthetic_mmpr_parts`); the shared layout stores prompt - 1 tokens once. Returns tokens_* (padded, dummies
+    included), useful_* (real), bins_* of both layouts and token_ratio = tokens_separate / tokens_shared."""
+    lengths = {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
+    shared = {i: p - 1 for i, (p, _, _) in parts.items()}
+    sep = pack.plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by)
+    shr = pack.plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by,
+                         shared_lengths=shared)
+
+    def total(plan, key):
+        return sum(getattr(b, key) for r in plan.ranks for b in r)
+
+    out = {"tokens_separate": total(sep, "tokens"), "tokens_shared": total(shr, "tokens"),
+           "useful_separate": total(sep, "useful"), "useful_shared": total(shr, "useful"),
+           "bins_separate": sum(map(len, sep.ranks)), "bins_shared": sum(map(len, shr.ranks))}
+    out["token_ratio"] = out["tokens_separate"] / out["tokens_shared"]
+    return out
+
+
 def bench_packing(quick: bool) -> dict:
     """Useful-token fraction and DP balance of three ways to lay out one MMPR-like step (exact token arithmetic).
 
-    Setup: pack.synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses
+    Setup: synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses
     50-1500), 8 DP ranks, rows padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's
     default); the same numbers in --quick (no cost to compute).
     """
     n_pairs, dp, cap, div = 256, 8, 10240, 8
-    lengths = pack.synthetic_mmpr_lengths(n_pairs, seed=0)
+    lengths = synthetic_mmpr_lengths(n_pairs, seed=0)
     useful = sum(c + r for c, r in lengths.values())
 
     def summary(ranks) -> dict:
         loads = [sum(b.tokens for b in r) for r in ranks]
         total = sum(loads)
         return {"tokens": total, "useful_fraction": useful / total, "busiest_rank_share": max(loads) / total,
-                "busiest_rank_tokens": max(loads), "imbalance": pack.rank_imbalance(ranks)}
+                "busiest_rank_tokens": max(loads), "imbalance": rank_imbalance(ranks)}
 
-    ours = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="greedy")
-    rr = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div, balance="round_robin")
+    ours = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div)
+    rr = round_robin_ranks(ours, lengths)
     # (c): one pair per microbatch as a [2, L] batch, L = the longer row padded to the multiple; in data order,
     # dealt round-robin like the reference system.
     padded = []
@@ -165,8 +234,8 @@ def bench_packing(quick: bool) -> dict:
         L = pack.padded_length(max(c, r), div)
         padded.append(pack.Bin(pair_ids=(pid,), tokens=2 * L, useful=c + r, cost=2 * pack.sequence_cost(L)))
     out = {"pairs": n_pairs, "dp": dp, "max_tokens_per_bin": cap, "divisible_by": div, "useful_tokens": useful,
-           "ours": summary(ours.ranks), "round_robin": summary(rr.ranks),
-           "padded": summary(pack.deal_round_robin(padded, dp))}
+           "ours": summary(ours.ranks), "round_robin": summary(rr),
+           "padded": summary(deal_round_robin(padded, dp))}
     a, c = out["ours"], out["padded"]
     out["padding_compute_c_over_a"] = c["tokens"] / a["tokens"]  # processed tokens of (c) per token of (a)
     out["padding_wasted_fraction_c"] = 1 - c["useful_fraction"]
@@ -611,7 +680,7 @@ SHARED_GOAL = 1.4  # goal of the shared-prompt layout: >= 1.4x pairs/s on the MM
 
 def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> dict:
     """Text pairs (pack.PreferencePair) with the (prompt, chosen, rejected) lengths of `parts`
-    (pack.synthetic_mmpr_parts) divided by `scale` (at least 2 / 1 / 1 tokens): the prompt's image tokens become text
+    (synthetic_mmpr_parts) divided by `scale` (at least 2 / 1 / 1 tokens): the prompt's image tokens become text
     tokens (the language model's work is the same; vision runs once per pair in both layouts). Random ids >= 32."""
     g = torch.Generator().manual_seed(seed)
     pairs = {}
@@ -645,9 +714,9 @@ def shared_lengths(pairs: dict) -> dict[int, int]:
 
 def bench_shared(quick: bool) -> dict:
     """Shared-prompt layout (packing.shared_prompt, pack.pack_shared) vs separate rows (pack.pack), same pairs, same
-    bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (pack.shared_prompt_token_counts,
+    bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
-    (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of pack.synthetic_mmpr_parts divided
+    (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts divided
     by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
     and their ratio; the step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
     import dataclasses
@@ -656,13 +725,13 @@ def bench_shared(quick: bool) -> dict:
     import train
 
     n_count = 2000 if quick else 10000
-    counts = pack.shared_prompt_token_counts(pack.synthetic_mmpr_parts(n_count, seed=0), SHARED_BIN_TOKENS, 1, 8,
+    counts = shared_prompt_token_counts(synthetic_mmpr_parts(n_count, seed=0), SHARED_BIN_TOKENS, 1, 8,
                                              divisible_by=8)
     n_pairs, scale, timed = (8, 16, 2) if quick else (8, 1, 3)
     distributed.init_distributed(device=_device())
     pol_dir, ref_dir = small_checkpoint("policy", seed=1234), small_checkpoint("reference", seed=4321)
     vocab = json.loads((pol_dir / "config.json").read_text())["llm_config"]["vocab_size"]
-    parts = pack.synthetic_mmpr_parts(n_pairs, seed=1)
+    parts = synthetic_mmpr_parts(n_pairs, seed=1)
     pairs = mmpr_like_text_pairs(parts, scale, vocab)
     lengths = {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}
     cfg = _bench_cfg(pol_dir, n_pairs)
