@@ -1,19 +1,14 @@
 """Pair-atomic THD sequence packing, context-parallel slicing and data-parallel balancing for MPO.
 
-A preference pair (chosen row + rejected row, same prompt and images) is the unit of packing: both rows land in the
-same bin, i.e. the same microbatch on the same data-parallel rank (NeMo-RL's `pair_grouping_key="pair_index"`).
+A preference pair (chosen + rejected row) is the unit of packing: both rows land in the same microbatch.
+- Planning (pure Python): `plan_step` / `plan_bins` bin a step's pairs first-fit-decreasing, fill the bin count to a
+  multiple of DP and deal the bins to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
+- Packing: `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one [1, T] THD row with `cu_seqlens`,
+  pre-rolled labels, loss mask, position ids and each pair's media once; `thd_packed_seq_params` for megatron-core.
+- Context parallelism: `cp_partition_index`, the tokens a CP rank keeps.
+- Shared-prompt layout (`packing.shared_prompt`): `pack_shared`, one [prompt | chosen | rejected] span per pair.
 
-- Planning (pure Python): `plan_step` / `plan_bins` bin a step's pairs first-fit-decreasing, make the bin count a
-  multiple of DP (splitting bins, then zero-weight dummy bins) and deal bins to DP ranks by cost (`deal_greedy`).
-  Every rank computes the same `Plan` and takes `plan.ranks[dp_rank]`.
-- Packing (tensors, one bin): `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one [1, T] THD row with
-  `cu_seqlens`, pre-rolled labels, loss mask, per-sequence position ids and each pair's media once;
-  `thd_packed_seq_params` builds megatron-core's `PackedSeqParams`.
-- Context parallelism: `cp_partition_index` gives the tokens a CP rank keeps (TE's load-balanced layout).
-- Shared-prompt layout (`packing.shared_prompt`): `pack_shared` stores each pair as one span [prompt | chosen |
-  rejected]; `response_sequence_ids` maps its tokens to the loss's sequences.
-
-Why these choices: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py, tests/test_shared_prompt.py.
+Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py, tests/test_shared_prompt.py.
 """
 
 from __future__ import annotations
@@ -36,10 +31,7 @@ ATTENTION_QUADRATIC_TOKENS = 145_000.0
 
 
 def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel: bool) -> None:
-    """Check `make_sequence_length_divisible_by` against the layout: a multiple of 2*CP (CP cuts each sequence into
-    2*CP chunks), times TP under sequence parallelism (NeMo-RL's rule, nemo_rl/models/megatron/data.py).
-
-    Raises ValueError naming the value, TP, CP, sequence parallelism and the required factor."""
+    """ValueError unless `divisible_by` is a multiple of 2*CP, times TP under sequence parallelism (NeMo-RL's rule)."""
     assert divisible_by >= 1  # config.validate
     need = 1
     why = []
@@ -57,9 +49,7 @@ def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel
 
 
 def validate_packing_config(cfg) -> None:
-    """Check `cfg.packing` against `cfg.parallel` (preflight.check_packing raises it as a ConfigError).
-
-    Raises ValueError: packing.shared_prompt = true with context parallelism, or `validate_divisibility`'s rule."""
+    """ValueError for packing.shared_prompt = true with CP > 1 or a `validate_divisibility` failure."""
     assert cfg.packing.pair_grouping_key == "pair_index"  # config's Literal type
     p = cfg.parallel
     if getattr(cfg.packing, "shared_prompt", False) is True and p.context_parallel_size > 1:
@@ -92,21 +82,18 @@ def sequence_cost(padded_len: int) -> float:
 
 @dataclass(frozen=True)
 class Bin:
-    """One packed microbatch: its pair ids in packing order, padded `tokens`, real tokens `useful` (0 for a dummy) and
-    `cost` (sum of `sequence_cost`). A dummy bin repeats the step's smallest pair with sample_mask 0: it keeps every
-    DP rank at the same microbatch count and adds no gradient and no count."""
+    """One microbatch: pair ids in packing order, padded `tokens`, real tokens `useful` (0 in a dummy bin), `cost`."""
 
     pair_ids: tuple[int, ...]
     tokens: int
     useful: int
     cost: float
-    dummy: bool = False
+    dummy: bool = False  # repeats the step's smallest pair with sample_mask 0: equal microbatch counts on DP ranks
 
 
 @dataclass
 class Plan:
-    """The microbatches of one optimizer step: ranks[r][m] is microbatch m of DP rank r (`num_microbatches` each);
-    `dropped` lists the oversized pairs dropped (drop_oversized=True)."""
+    """One step's microbatches: ranks[r][m] is microbatch m of DP rank r; `dropped`: oversized pairs dropped."""
 
     ranks: list[list[Bin]]
     num_microbatches: int
@@ -121,8 +108,9 @@ def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int
 def _shared_pair_sizes(
     lens: tuple[int, int], shared: int, divisible_by: int, cost_fn: Callable[[int], float]
 ) -> tuple[int, int, float]:
-    """(padded tokens, real tokens, cost) of a pair stored as one [prompt | chosen | rejected] span: Lc + Lr - shared
-    real tokens padded as a whole; cost = cost_fn(Lc) + cost_fn(Lr + pad) - cost_fn(shared) (the prompt runs once)."""
+    """(padded, real, cost) of a [prompt | chosen | rejected] span: Lc + Lr - shared real tokens padded as a
+    whole; cost = cost_fn(Lc) + cost_fn(Lr + pad) - cost_fn(shared).
+    """
     real = lens[0] + lens[1] - shared
     padded = padded_length(real, divisible_by)
     return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
@@ -131,8 +119,7 @@ def _shared_pair_sizes(
 def pair_bin_tokens(
     lengths: Mapping[int, tuple[int, int]], divisible_by: int, shared_lengths: Mapping[int, int] | None = None
 ) -> dict[int, int]:
-    """Pair id -> tokens it takes in a bin: both rows padded (`pack`), or its span padded as a whole (`pack_shared`,
-    with `shared_lengths`). A pair fits iff this is <= packing.max_tokens_per_bin (preflight.check_splits)."""
+    """Pair id -> tokens it takes in a bin (separate rows, or a span with `shared_lengths`)."""
     no_cost = float  # the cost model plays no part in the size
     if shared_lengths is None:
         return {p: _pair_sizes(tuple(lens), divisible_by, no_cost)[0] for p, lens in lengths.items()}
@@ -142,8 +129,7 @@ def pair_bin_tokens(
 def first_fit_decreasing(
     sizes: Mapping[int, int], max_tokens_per_bin: int, max_sequences_per_bin: int
 ) -> list[list[int]]:
-    """Bin items (id -> tokens, each <= max_tokens_per_bin) first-fit-decreasing, largest first (ties: smaller id), at
-    most max_sequences_per_bin items a bin. Returns bins as lists of ids in opening order; deterministic."""
+    """Bins of item ids (id -> tokens), largest first (ties: smaller id) into the first bin with room."""
     order = sorted(sizes, key=lambda i: (-sizes[i], i))
     smallest = sizes[order[-1]] if order else 0
     bins: list[list[int]] = []
@@ -167,8 +153,7 @@ def first_fit_decreasing(
 
 
 def deal_greedy(bins: Sequence[Bin], dp_size: int) -> list[list[Bin]]:
-    """Deal bins to DP ranks, largest cost first, each to the least-loaded rank with a free slot (LPT scheduling with
-    len(bins) / dp_size bins per rank; ties to the lower rank)."""
+    """Bins to DP ranks, largest cost first to the least-loaded rank with a free slot (equal counts)."""
     assert len(bins) % dp_size == 0
     per_rank = len(bins) // dp_size
     order = sorted(range(len(bins)), key=lambda i: (-bins[i].cost, i))
@@ -183,8 +168,7 @@ def deal_greedy(bins: Sequence[Bin], dp_size: int) -> list[list[Bin]]:
 
 
 def _split_bins_to_multiple(bins: list[list[int]], sizes: Mapping[int, int], multiple: int) -> list[list[int]]:
-    """Split the multi-pair bin with the most tokens (its pairs, largest first, alternating to the lighter half) until
-    the bin count is a multiple of `multiple` or no bin has two pairs."""
+    """Split the heaviest multi-pair bin in two until the bin count is a multiple of `multiple`."""
     bins = [list(b) for b in bins]
     while len(bins) % multiple:
         cand = [i for i, b in enumerate(bins) if len(b) >= 2]
@@ -209,16 +193,11 @@ def plan_bins(
     drop_oversized: bool = False,
     shared_lengths: Mapping[int, int] | None = None,
 ) -> Plan:
-    """Plan the packed microbatches of one optimizer step.
+    """Plan one optimizer step's microbatches.
 
-    Args:
-        lengths: pair id -> (chosen row, rejected row) tokens, unpadded, for the step's pairs.
-        max_tokens_per_bin / max_sequences_per_bin: bin capacity in padded tokens / in pairs.
-        dp_size: data-parallel ranks; every rank gets the same number of bins.
-        divisible_by: each row (or shared-prompt span) is padded to a multiple of this.
-        drop_oversized: drop pairs larger than a bin (listed in `Plan.dropped`) instead of raising.
-        shared_lengths: pair id -> prompt tokens stored once (shared-prompt layout), or None for separate rows.
-    Raises ValueError: an oversized pair (its sizes and the limit) unless drop_oversized; no pair left.
+    lengths: pair id -> (chosen, rejected) row tokens, unpadded; capacities in padded tokens and in pairs per bin;
+    divisible_by: each row (or span) is padded to a multiple of it; shared_lengths: pair id -> prompt tokens stored once
+    (shared-prompt layout) or None. Raises ValueError: an oversized pair (unless drop_oversized), or no pair left.
     """
     assert min(max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by) >= 1  # config.validate
     assert all(len(lens) == 2 and min(lens) >= 1 for lens in lengths.values())
@@ -269,12 +248,8 @@ def plan_bins(
 
 
 def resolve_shared_prompt(cfg, kernels) -> str:
-    """Resolve `packing.shared_prompt = "auto"` in place to true or false; return the pair layout for the `world` line
-    ("shared prompt" / "separate rows", with "(auto)" or "(auto: <why not>)").
-
-    "auto" is true exactly with the local spec, mamba_torch and no context parallelism (the code checked exact against
-    separate rows; docs/DESIGN.md, "Packing"). An explicit true or false is kept. Called once by train.main before
-    preflight. kernels: cpu_compat.Kernels (its `spec` and `mamba` are read).
+    """Resolve `packing.shared_prompt = "auto"` in place (true with the local spec, mamba_torch and no CP);
+    return the layout's description for the `world` line. kernels: cpu_compat.Kernels.
     """
     pk = cfg.packing
     if pk.shared_prompt != "auto":
@@ -296,7 +271,7 @@ def resolve_shared_prompt(cfg, kernels) -> str:
 
 
 def shared_prompt_on(packing) -> bool:
-    """`packing.shared_prompt` as resolved at start. Raises ValueError while it is still "auto"."""
+    """`packing.shared_prompt` as resolved at start; ValueError while it is still "auto"."""
     if not isinstance(packing.shared_prompt, bool):
         raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
                          "pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels()); call it before planning")
@@ -305,8 +280,7 @@ def shared_prompt_on(packing) -> bool:
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the capacities, padding, drop switch and layout of `packing` (config.PackingConfig);
-    `shared_lengths` is used with `packing.shared_prompt` on, ignored for separate rows."""
+    """`plan_bins` with the settings of `packing` (config.PackingConfig)."""
     pk = packing
     shared = shared_prompt_on(pk)
     assert shared_lengths is not None or not shared
@@ -327,68 +301,46 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
 
 @dataclass
 class PreferencePair:
-    """One preference pair as the data module produces it (CPU tensors).
-
-    chosen_ids / rejected_ids: [L] int64 full rows (prompt + response), unpadded.
-    chosen_loss_mask / rejected_loss_mask: [L] bool, True on the final assistant turn's response tokens (the tokens
-        the model predicts, from position t-1); never at position 0.
-    pixel_values: [sum of gh*gw over images, 3*16*16] float, the pair's patches (shared by both rows).
-    image_grid_hw: [n_images, 2] int64 patch grids; image_token_counts: [n_images] int64 `<image>` tokens per image.
-    """
+    """One preference pair from the data module (CPU tensors)."""
 
     pair_index: int
-    chosen_ids: torch.Tensor
-    rejected_ids: torch.Tensor
-    chosen_loss_mask: torch.Tensor
-    rejected_loss_mask: torch.Tensor
-    pixel_values: torch.Tensor
-    image_grid_hw: torch.Tensor
-    image_token_counts: torch.Tensor
+    chosen_ids: torch.Tensor  # [L_c] int64, the full row (prompt + response), unpadded
+    rejected_ids: torch.Tensor  # [L_r] int64
+    chosen_loss_mask: torch.Tensor  # [L_c] bool, True on the response tokens of the last assistant turn; [0] False
+    rejected_loss_mask: torch.Tensor  # [L_r] bool
+    pixel_values: torch.Tensor  # [sum of gh*gw over the images, 3*16*16] float, shared by both rows
+    image_grid_hw: torch.Tensor  # [n_images, 2] int64, (gh, gw) patches
+    image_token_counts: torch.Tensor  # [n_images] int64, <image> tokens of each image in each row
 
 
 @dataclass
 class PackedBatch:
-    """One packed THD microbatch of S = 2P sequences (P pairs, each chosen then rejected), T tokens.
-
-    Tokens, [1, T]:
-        input_ids (int64): the rows, each padded with pad_token_id to a multiple of divisible_by.
-        labels (int64): labels[t] = input_ids[t + 1] inside a sequence's real tokens, IGNORE_INDEX at its last real
-            token and on padding.
-        loss_mask (bool): the row's response mask shifted by one (loss_mask[t] = row_loss_mask[t + 1]).
-        position_ids (int64): 0, 1, ... restarting at each sequence (padding continues the count).
-    Sequences: cu_seqlens / cu_seqlens_padded (int32 [S+1]) cumulative real / padded lengths; max_seqlen (int) the
-        longest padded sequence; pair_index (int64 [S], -1 in a dummy bin); is_chosen (bool [S]); sample_mask
-        (float32 [S], 0 in a dummy bin).
-    Media, once per pair in pair order: pixel_values [N_patches, 3*16*16]; image_grid_hw (int64 [N_images, 2]);
-        image_token_counts (int64 [N_images]); media_index (int64 [S]) the media slot (pair position) of each
-        sequence; media_image_offsets / media_patch_offsets (int64 [P+1]) the slot's images / patch rows.
-    Shared-prompt layout (`pack_shared`): each pair is ONE sequence [prompt | chosen | rejected | padding], so
-        cu_seqlens, cu_seqlens_padded and media_index are per pair ([P+1], [P+1], [P]) while pair_index, is_chosen and
-        sample_mask stay per response ([2P]). segment_cu_seqlens (int32 [3P+1]) are the cumulative real lengths of the
-        segments prompt_0, chosen_0, rejected_0, prompt_1, ...; segment_cu_seqlens_padded (int32 [3P+1]) their
-        boundaries in the row (a pair's padding belongs to its rejected segment).
-    host: the batch as built on the CPU, kept by `to` for host reads (`host_view`); None until moved.
+    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens; see the fields.
+    In the shared-prompt layout each pair is one sequence [prompt | chosen | rejected | padding]: the per-sequence
+    fields are per pair, pair_index / is_chosen / sample_mask stay per response [2P].
     """
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_padded: torch.Tensor
-    max_seqlen: int
-    pair_index: torch.Tensor
-    is_chosen: torch.Tensor
-    sample_mask: torch.Tensor
-    pixel_values: torch.Tensor
-    image_grid_hw: torch.Tensor
-    image_token_counts: torch.Tensor
-    media_index: torch.Tensor
-    media_image_offsets: torch.Tensor
-    media_patch_offsets: torch.Tensor
+    input_ids: torch.Tensor  # [1, T] int64, the rows, each padded with pad_token_id to a multiple of divisible_by
+    labels: torch.Tensor  # [1, T] int64, input_ids[t + 1] inside a sequence, IGNORE_INDEX at its end and on padding
+    loss_mask: torch.Tensor  # [1, T] bool, the response mask shifted by one: loss_mask[t] = row_loss_mask[t + 1]
+    position_ids: torch.Tensor  # [1, T] int64, 0, 1, ... from each sequence start (padding continues the count)
+    cu_seqlens: torch.Tensor  # [S+1] int32, cumulative real lengths
+    cu_seqlens_padded: torch.Tensor  # [S+1] int32, cumulative padded lengths: sequence s is [cu_pad[s], cu_pad[s+1])
+    max_seqlen: int  # the longest padded sequence
+    pair_index: torch.Tensor  # [2P] int64, the pair of each response (-1 in a dummy bin)
+    is_chosen: torch.Tensor  # [2P] bool
+    sample_mask: torch.Tensor  # [2P] float32, 1, or 0 in a dummy bin (no gradient, no count)
+    pixel_values: torch.Tensor  # [N_patches, 3*16*16] float, the pairs' patches once per pair, in pair order
+    image_grid_hw: torch.Tensor  # [N_images, 2] int64
+    image_token_counts: torch.Tensor  # [N_images] int64
+    media_index: torch.Tensor  # [S] int64, the media slot (pair position in the bin) of each sequence
+    media_image_offsets: torch.Tensor  # [P+1] int64, the images of slot m: image_grid_hw[off[m]:off[m+1]]
+    media_patch_offsets: torch.Tensor  # [P+1] int64, the same in rows of pixel_values
+    # Shared-prompt layout only: [3P+1] int32 cumulative real lengths of the segments prompt_0, chosen_0, rejected_0,
+    # prompt_1, ..., and their boundaries in the row (a pair's padding belongs to its rejected segment).
     segment_cu_seqlens: torch.Tensor | None = None
     segment_cu_seqlens_padded: torch.Tensor | None = None
-    host: PackedBatch | None = field(default=None, repr=False, compare=False)
+    host: PackedBatch | None = field(default=None, repr=False, compare=False)  # the CPU batch, set by `to`
 
     @property
     def num_sequences(self) -> int:
@@ -396,17 +348,16 @@ class PackedBatch:
 
     @property
     def shared_prompt(self) -> bool:
-        """True for the shared-prompt layout (`pack_shared`)."""
+        """True for the shared-prompt layout."""
         return self.segment_cu_seqlens_padded is not None
 
     @property
     def num_responses(self) -> int:
-        """Sequences the loss sees (2 per pair) in either layout: len(pair_index)."""
+        """Sequences the loss sees (2 per pair)."""
         return self.pair_index.numel()
 
     def loss_seq_ids(self) -> torch.Tensor:
-        """int64 [T]: each token's loss sequence (its response's index in pair_index; prompt tokens of the shared
-        layout get the dropped id S), on the batch's device."""
+        """int64 [T]: each token's response index in pair_index (S on prompts and padding past the last)."""
         T = self.input_ids.shape[1]
         if self.shared_prompt:
             return response_sequence_ids(self.segment_cu_seqlens_padded, T)
@@ -414,11 +365,11 @@ class PackedBatch:
 
     @property
     def num_pairs(self) -> int:
-        """Pairs in the bin, P (dummy pairs included)."""
+        """P, dummy pairs included."""
         return self.media_image_offsets.numel() - 1
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        """Copy with every tensor on `device` (new tensors even on the CPU); its `host` is this batch's host copy."""
+        """Copy with every tensor on `device`; `host` keeps the CPU batch for host reads."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -428,7 +379,6 @@ class PackedBatch:
 
 
 def _check_pair(p: PreferencePair, image_token_id: int) -> None:
-    """Invariants of a pair from the data module (which checks the rows and images, mmpr_data)."""
     n_img = int(p.image_token_counts.sum())
     for ids, mask in ((p.chosen_ids, p.chosen_loss_mask), (p.rejected_ids, p.rejected_loss_mask)):
         assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_index}: row ids"
@@ -442,8 +392,7 @@ def _check_pair(p: PreferencePair, image_token_id: int) -> None:
 def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
                   cu_pad: list[int], pair_index: list[int], is_chosen: list[bool], dummy: bool,
                   media_index: torch.Tensor, **segments: torch.Tensor) -> PackedBatch:
-    """The PackedBatch of `pack` / `pack_shared` from the lists of 1-D ids, labels, loss masks and positions (in row
-    order), the offsets and the per-sequence pair metadata; the pairs' media are stored once, in pair order."""
+    """The PackedBatch of `pack` / `pack_shared` from its token pieces, offsets and pair metadata."""
     ids, labels, lmask, pos = (torch.cat(t) for t in token_parts)
     cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int64)
@@ -475,9 +424,9 @@ def pack(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack the pairs of one bin into a THD microbatch (see `PackedBatch`): pair 0 chosen, pair 0 rejected, pair 1
-    chosen, ..., each row padded to a multiple of `divisible_by` (pad_token_id, IGNORE_INDEX, loss_mask False); the
-    row is not padded to the bin size. `dummy=True` (a Plan's dummy bin): sample_mask 0 and pair_index -1."""
+    """Pack one bin (see `PackedBatch`): pair 0 chosen, pair 0 rejected, pair 1 chosen, ..., each row padded to a
+    multiple of `divisible_by`. `dummy=True`: sample_mask 0, pair_index -1.
+    """
     assert pairs and divisible_by >= 1
     ids, labels, lmask, pos = [], [], [], []
     cu, cu_pad = [0], [0]
@@ -509,13 +458,8 @@ def pack(
 
 def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int,
                           host: tuple[list[int], list[int]] | None = None):
-    """megatron-core `PackedSeqParams` (qkv_format "thd", q and kv share the offsets) of one packed row.
-
-    cu_seqlens / cu_seqlens_padded: [S+1] real / padded boundaries (cast to int32); max_seqlen: longest padded sequence
-    (tokens); host: the two offsets as int lists (from the batch's host copy) or None to read them from the tensors.
-    Besides megatron's fields it sets `total_tokens` (T = cu_seqlens_padded[-1], before CP slicing), `seq_idx`
-    ([1, T] int32, each token's sequence, which the Mamba layers read; sized here from host numbers) and
-    `cu_seqlens_padded_host` (for local_spec's varlen attention).
+    """megatron-core `PackedSeqParams` ("thd") of one packed row, plus `total_tokens` (T), `seq_idx` [1, T]
+    int32 (the Mamba layers' sequence ids) and `cu_seqlens_padded_host`. host: the offsets as int lists, if known.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -540,7 +484,7 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Ten
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`; a CPU tensor goes to a GPU from pinned memory without blocking (pageable copies synchronise)."""
+    """`t` on `device`; CPU -> GPU from pinned memory without blocking."""
     device = torch.device(device)
     if t.device == device or device.type == "cpu" or t.device.type != "cpu":
         return t.to(device)
@@ -548,14 +492,14 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def host_view(batch):
-    """The CPU copy of a batch for host reads: PackedBatch.host when moved, else the batch (or dict) itself."""
+    """The CPU copy of a batch (PackedBatch.host, or the batch itself)."""
     return getattr(batch, "host", None) or batch
 
 
 def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int, check: bool = True) -> torch.Tensor:
-    """int64 [T] sequence index of every token of a packed row, on the offsets' device; tokens at or after
-    cu_seqlens_padded[-1] get S. cu_seqlens_padded: [S+1] cumulative padded lengths from 0. With CP, index the result
-    like input_ids. Raises ValueError (with `check`; the step skips it for its own offsets) on bad offsets."""
+    """int64 [T]: each token's sequence in [0, S] (S past cu_seqlens_padded[-1]); ValueError on bad offsets
+    when `check`.
+    """
     cu = cu_seqlens_padded.long()
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"cu_seqlens_padded must be a non-empty 1-D tensor; got shape {tuple(cu.shape)}")
@@ -568,9 +512,9 @@ def token_sequence_ids(cu_seqlens_padded: torch.Tensor, total_tokens: int, check
 
 def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, total_tokens: int,
                          sample_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """bool [T], megatron-core's MoE `padding_mask` (True = excluded from the routers' statistics): each sequence's
-    padding, the tokens past the last sequence, and every token of a sequence with sample_mask 0 (float [S]).
-    cu_seqlens / cu_seqlens_padded: [S+1] real / padded offsets (as `pack` builds them: not checked)."""
+    """bool [T], True where a token is excluded from MoE routing statistics (megatron-core's
+    `padding_mask`): sequence padding, the tail past the last sequence, sequences with sample_mask 0.
+    """
     seq_ids = token_sequence_ids(cu_seqlens_padded, total_tokens, check=False)
     cu, cu_pad = cu_seqlens.long().to(seq_ids.device), cu_seqlens_padded.long().to(seq_ids.device)
     real = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # the trailing run (id S) has no real token
@@ -588,9 +532,9 @@ def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
 
 
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """LongTensor [T / CP]: the token positions CP rank `cp_rank` keeps. Each sequence's padded length is cut into
-    2*CP chunks; rank r keeps chunks r and 2*CP-1-r (TE's `thd_get_partitioned_indices` layout). Use as
-    `x.index_select(seq_dim, index)`. cu_seqlens_padded: int [S+1] from 0, each length divisible by 2*CP."""
+    """int64 [T / CP]: the positions CP rank `cp_rank` keeps, chunks r and 2*CP-1-r of each sequence's 2*CP
+    chunks (TE's `thd_get_partitioned_indices` layout).
+    """
     assert 0 <= cp_rank < cp_size, f"cp_rank = {cp_rank}"
     cu = cu_seqlens_padded.to(torch.int64)
     assert cu.numel() > 0 and int(cu[0]) == 0, "cu_seqlens_padded must start at 0"
@@ -612,9 +556,7 @@ def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: i
 
 def shared_prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
                          rejected_loss_mask: torch.Tensor) -> int:
-    """Tokens of a pair stored once: k = m - 1, m the longest common prefix of the rows outside both response masks
-    (the last common token predicts the first, differing, response token, so it starts each response segment).
-    Args: [L_c] / [L_r] int64 ids and bool masks. Returns k in [0, min(L_c, L_r) - 1]."""
+    """k = m - 1, m the rows' common prefix outside both response masks (row[k] starts each response)."""
     n = min(chosen_ids.numel(), rejected_ids.numel())
     same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
     m = int(same.long().cumprod(0).sum())
@@ -628,12 +570,8 @@ def pack_shared(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack one bin in the shared-prompt layout (see `PackedBatch`): per pair one THD sequence [prompt (k =
-    `shared_prefix_length` tokens) | chosen row[k:] | rejected row[k:] | padding to divisible_by].
-
-    Labels and loss masks are the separate rows', position by position (the last token of each response segment gets
-    IGNORE_INDEX). position_ids: prompt 0..k-1, each response k, k+1, ..., padding continues the rejected count.
-    Raises ValueError: a pair whose rows share no prompt token, or whose `<image>` tokens are not all in the prompt.
+    """Pack one bin in the shared-prompt layout: per pair [row[:k] | chosen[k:] | rejected[k:] | padding], k =
+    `shared_prefix_length`; labels and masks as the separate rows'. ValueError: k = 0, or `<image>` past the prompt.
     """
     assert pairs and divisible_by >= 1
     ids, labels, lmask, pos = [], [], [], []
@@ -685,8 +623,7 @@ def pack_shared(
 
 
 def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
-    """(prompt start, chosen start, rejected start, end) row offsets of every pair, as ints, from
-    segment_cu_seqlens_padded (int [3P+1]). Raises ValueError unless it has 3P+1 entries rising from 0 to at most T."""
+    """(prompt, chosen, rejected, end) offsets of every pair; ValueError on malformed offsets."""
     b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
     if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
         raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
@@ -695,9 +632,7 @@ def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: i
 
 
 def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """int64 [T], the loss sequence of every token of a shared-prompt row (the layout's `token_sequence_ids`): 2i on
-    pair i's chosen segment, 2i+1 on its rejected segment (padding included), 2P (dropped by mpo_loss.sequence_sums)
-    on prompts and after the last pair."""
+    """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
     spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
     n = 2 * len(spans)
     b = segment_cu_seqlens_padded.long()
