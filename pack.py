@@ -82,7 +82,7 @@ def sequence_cost(padded_len: int) -> float:
 
 @dataclass(frozen=True)
 class Bin:
-    """One microbatch: pair ids in packing order, padded `tokens`, real tokens `useful` (0 in a dummy bin), `cost`."""
+    """One microbatch: pair ids in packing order, padded `tokens`, real tokens `useful`, `cost`."""
 
     pair_ids: tuple[int, ...]
     tokens: int
@@ -108,9 +108,7 @@ def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int
 def _shared_pair_sizes(
     lens: tuple[int, int], shared: int, divisible_by: int, cost_fn: Callable[[int], float]
 ) -> tuple[int, int, float]:
-    """(padded, real, cost) of a [prompt | chosen | rejected] span: Lc + Lr - shared real tokens padded as a
-    whole; cost = cost_fn(Lc) + cost_fn(Lr + pad) - cost_fn(shared).
-    """
+    """(padded, real, cost) of a [prompt | chosen | rejected] span of Lc + Lr - shared real tokens."""
     real = lens[0] + lens[1] - shared
     padded = padded_length(real, divisible_by)
     return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
@@ -193,11 +191,8 @@ def plan_bins(
     drop_oversized: bool = False,
     shared_lengths: Mapping[int, int] | None = None,
 ) -> Plan:
-    """Plan one optimizer step's microbatches.
-
-    lengths: pair id -> (chosen, rejected) row tokens, unpadded; capacities in padded tokens and in pairs per bin;
-    divisible_by: each row (or span) is padded to a multiple of it; shared_lengths: pair id -> prompt tokens stored once
-    (shared-prompt layout) or None. Raises ValueError: an oversized pair (unless drop_oversized), or no pair left.
+    """Plan one step's microbatches. lengths: pair id -> (chosen, rejected) row tokens, unpadded; shared_lengths:
+    pair id -> prompt tokens stored once (shared-prompt layout). ValueError: an oversized pair (unless drop_oversized).
     """
     assert min(max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by) >= 1  # config.validate
     assert all(len(lens) == 2 and min(lens) >= 1 for lens in lengths.values())
@@ -280,7 +275,7 @@ def shared_prompt_on(packing) -> bool:
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the settings of `packing` (config.PackingConfig)."""
+    """`plan_bins` with the settings of `packing`; `shared_lengths` only counts with packing.shared_prompt on."""
     pk = packing
     shared = shared_prompt_on(pk)
     assert shared_lengths is not None or not shared
