@@ -369,96 +369,59 @@ def apply_wandb_mode_env(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Check values that do not depend on the world size. Raises ConfigError naming the key and the allowed range."""
-    m = cfg.mpo
+    m, opt = cfg.mpo, cfg.optimizer
     for k in ("preference_loss_weight", "sft_loss_weight", "bco_loss_weight", "reference_policy_kl_penalty"):
         if getattr(m, k) < 0:
             raise ConfigError(f"mpo.{k} = {getattr(m, k)} must be >= 0")
     weights = ("preference_loss_weight", "bco_loss_weight", "sft_loss_weight")
     if all(getattr(m, k) == 0 for k in weights):
-        raise ConfigError(
-            "mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: the loss is 0, "
-            "nothing to train; set at least one > 0"
-        )
-    if m.reference_policy_kl_penalty == 0:
-        on = [f"mpo.{k} = {getattr(m, k)}" for k in weights[:2] if getattr(m, k) > 0]
-        if on:
-            raise ConfigError(
-                f"mpo.reference_policy_kl_penalty (beta) = 0 with {' and '.join(on)}: with beta = 0 the DPO and BCO "
-                "terms are constants (no gradient); set mpo.reference_policy_kl_penalty > 0 or their weights to 0"
-            )
+        raise ConfigError("mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: "
+                          "nothing to train; set at least one > 0")
+    on = [f"mpo.{k} = {getattr(m, k)}" for k in weights[:2] if getattr(m, k) > 0]
+    if m.reference_policy_kl_penalty == 0 and on:  # beta = 0 makes the DPO and BCO terms constants
+        raise ConfigError(f"mpo.reference_policy_kl_penalty = 0 with {' and '.join(on)} trains nothing (no gradient); "
+                          "set mpo.reference_policy_kl_penalty > 0 or those weights to 0")
     if not 0.0 <= m.reward_shift_momentum < 1.0:
         raise ConfigError(f"mpo.reward_shift_momentum = {m.reward_shift_momentum} must be in [0, 1)")
     if m.max_num_steps < 1:
         raise ConfigError(f"mpo.max_num_steps = {m.max_num_steps} must be >= 1")
     if m.stop_after_step != 0 and not 1 <= m.stop_after_step <= m.max_num_steps:
-        raise ConfigError(
-            f"mpo.stop_after_step = {m.stop_after_step} must be in [1, mpo.max_num_steps = {m.max_num_steps}] "
-            "(or 0 for no segment stop)"
-        )
-    positive = {
-        "policy.train_global_batch_size": cfg.policy.train_global_batch_size,
-        "policy.logprob_chunk_size": cfg.policy.logprob_chunk_size,
-        "packing.max_tokens_per_bin": cfg.packing.max_tokens_per_bin,
-        "packing.max_sequences_per_bin": cfg.packing.max_sequences_per_bin,
-        "packing.make_sequence_length_divisible_by": cfg.packing.make_sequence_length_divisible_by,
-        "data.max_seq_length": cfg.data.max_seq_length,
-        "data.train.max_images_per_row": cfg.data.train.max_images_per_row,
-        "mpo.val_global_batch_size": cfg.mpo.val_global_batch_size,
-        "mpo.val_batches": cfg.mpo.val_batches,
-        "logging.log_period": cfg.logging.log_period,
-        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
-        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
-        "parallel.expert_tensor_parallel_size": cfg.parallel.expert_tensor_parallel_size,
-    }
-    for k, v in positive.items():
-        if v < 1:
-            raise ConfigError(f"{k} = {v} must be >= 1")
+        raise ConfigError(f"mpo.stop_after_step = {m.stop_after_step} must be in [1, mpo.max_num_steps = "
+                          f"{m.max_num_steps}] (or 0 for no segment stop)")
+    positive = ("policy.train_global_batch_size", "policy.logprob_chunk_size", "packing.max_tokens_per_bin",
+                "packing.max_sequences_per_bin", "packing.make_sequence_length_divisible_by", "data.max_seq_length",
+                "data.train.max_images_per_row", "mpo.val_global_batch_size", "mpo.val_batches", "logging.log_period",
+                "parallel.tensor_model_parallel_size", "parallel.context_parallel_size",
+                "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size")
+    for k in positive:
+        if get_dotted(cfg, k) < 1:
+            raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 1")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
-        raise ConfigError(
-            "parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (sequence parallelism "
-            "splits the sequence over the TP ranks); set parallel.sequence_parallel = false or raise TP"
-        )
-    non_negative = {
-        "data.train.max_samples": cfg.data.train.max_samples,
-        "data.validation.max_samples": cfg.data.validation.max_samples,
-        "data.num_workers": cfg.data.num_workers,
-        "data.train.split_validation_size": cfg.data.train.split_validation_size,
-        "checkpoint.save_period": cfg.checkpoint.save_period,
-        "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "mpo.val_period": cfg.mpo.val_period,
-        "scheduler.lr_warmup_steps": cfg.scheduler.lr_warmup_steps,
-        "optimizer.lr": cfg.optimizer.lr,
-        "optimizer.min_lr": cfg.optimizer.min_lr,
-        "optimizer.weight_decay": cfg.optimizer.weight_decay,
-        "optimizer.clip_grad": cfg.optimizer.clip_grad,
-        "scheduler.lr_warmup_init": cfg.scheduler.lr_warmup_init,
-    }
-    for k, v in non_negative.items():
-        if v < 0:
-            raise ConfigError(f"{k} = {v} must be >= 0")
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1; set "
+                          "parallel.sequence_parallel = false or raise TP")
+    non_negative = ("data.train.max_samples", "data.validation.max_samples", "data.num_workers",
+                    "data.train.split_validation_size", "checkpoint.save_period", "checkpoint.keep_last",
+                    "mpo.val_period", "scheduler.lr_warmup_steps", "optimizer.lr", "optimizer.min_lr",
+                    "optimizer.weight_decay", "optimizer.clip_grad", "scheduler.lr_warmup_init",
+                    "model.moe_router_bias_update_rate")
+    for k in non_negative:
+        if get_dotted(cfg, k) < 0:
+            raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 0")
     size = cfg.data.train.split_validation_size
     if size >= 1 and size != int(size):
         raise ConfigError(f"data.train.split_validation_size = {size}: a fraction of the pairs (< 1, e.g. 0.015) or a "
                           "whole pair count (>= 1), not both")
-    if cfg.model.moe_router_bias_update_rate < 0:
-        raise ConfigError(f"model.moe_router_bias_update_rate = {cfg.model.moe_router_bias_update_rate} must be >= 0")
     if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
-        raise ConfigError(
-            "model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported: megatron-core computes it per "
-            "row of the batch, and a packed THD row holds several sequences, so it would silently equal 'aux_loss'; "
-            "use 'aux_loss' or 'none'"
-        )
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"optimizer.min_lr = {cfg.optimizer.min_lr} must be <= optimizer.lr = {cfg.optimizer.lr}")
+        raise ConfigError("model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported (megatron-core "
+                          "takes a packed row as one sequence); use 'aux_loss' or 'none'")
+    if opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr = {opt.min_lr} must be <= optimizer.lr = {opt.lr}")
     for k in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
-            raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
-    # 0 (or a value that is 0 in fp32, as 1e-300 is): a parameter with no gradient yet gets 0/0 = NaN in its update
-    if not cfg.optimizer.adam_eps >= FLOAT32_TINY:
-        raise ConfigError(f"optimizer.adam_eps = {cfg.optimizer.adam_eps} must be > 0 (e.g. 1e-8) and at least "
-                          "1.2e-38, the smallest normal float32: Adam divides by sqrt(second moment) + adam_eps in "
-                          "fp32, and the second moment of a parameter can be 0")
+        if not 0.0 <= getattr(opt, k) < 1.0:
+            raise ConfigError(f"optimizer.{k} = {getattr(opt, k)} must be in [0, 1)")
+    if not opt.adam_eps >= FLOAT32_TINY:  # 0 in fp32 gives 0/0 = NaN for a parameter without gradient yet
+        raise ConfigError(f"optimizer.adam_eps = {opt.adam_eps} must be > 0 and at least 1.2e-38 (the smallest "
+                          "normal float32), e.g. 1e-8")
     validate_schedule(cfg)
 
 
