@@ -443,25 +443,19 @@ def validate_parallel(cfg: Config, world_size: int, num_experts: int | None = No
     p = cfg.parallel
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
     if world_size % (tp * cp) != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) * "
-            f"parallel.context_parallel_size ({cp}) = {tp * cp}"
-        )
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) * "
+                          f"parallel.context_parallel_size ({cp}) = {tp * cp}")
     dp = world_size // (tp * cp)
     etp = p.expert_tensor_parallel_size
     if world_size % (etp * ep) != 0:
-        raise ConfigError(
-            f"parallel.expert_tensor_parallel_size ({etp}) * parallel.expert_model_parallel_size ({ep}) = "
-            f"{etp * ep} must divide the world size {world_size}"
-        )
+        raise ConfigError(f"parallel.expert_tensor_parallel_size ({etp}) * parallel.expert_model_parallel_size ({ep}) "
+                          f"= {etp * ep} must divide the world size {world_size}")
     if num_experts is not None and num_experts % ep != 0:
         raise ConfigError(f"parallel.expert_model_parallel_size = {ep} must divide the expert count {num_experts}")
     gbs = cfg.policy.train_global_batch_size
     if gbs % dp != 0:
-        raise ConfigError(
-            f"policy.train_global_batch_size = {gbs} must be divisible by the data-parallel size "
-            f"DP = world {world_size} / (TP {tp} * CP {cp}) = {dp}"
-        )
+        raise ConfigError(f"policy.train_global_batch_size = {gbs} must be divisible by the data-parallel size "
+                          f"DP = world {world_size} / (TP {tp} * CP {cp}) = {dp}")
     return dp
 
 
@@ -519,7 +513,6 @@ def quiet_known_warnings() -> bool:
     """Filter KNOWN_WARNINGS and KNOWN_LOG_RECORDS (call before megatron-core is imported); returns False and changes
     nothing when OMNI_MPO_SHOW_WARNINGS is set (not 0)."""
     import logging
-    import re
     import warnings
 
     if os.environ.get(SHOW_WARNINGS_ENV, "0") not in ("", "0"):
