@@ -37,10 +37,7 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The tree. Units are in the comments; names follow NeMo-RL's MPO recipe config (its dpo / MPOLossConfig keys, e.g.
-# reference_policy_kl_penalty, bco_loss_weight) where it has one. The path-valued fields are PATH_KEYS (below the tree):
-# a leading `~` or `~user` in them is expanded when the config is loaded (`expand_user_paths`), in a TOML file as in an
-# override, so every reader (preflight, data loader, checkpoints, the printed config) sees the expanded path.
+# The tree: units in the comments; names follow NeMo-RL's MPO recipe (reference_policy_kl_penalty, bco_loss_weight).
 
 
 @dataclass
@@ -53,20 +50,11 @@ class ModelConfig:
     recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation granularity
     mamba_dt_clamp: bool = True  # clamp softplus(dt) to >= time_step_min as transformers does (False = mcore)
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)
-    # mcore router balancing; "seq_aux_loss" is refused: megatron-core takes a packed THD row as one sequence
+    # mcore router balancing; "seq_aux_loss" is refused (a packed THD row is one sequence to megatron-core)
     moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
-    # expert-bias step per optimizer step (aux-loss-free balancing: ±rate by the sign of each expert's load offset);
-    # default: megatron-core 0.19.2's TransformerConfig default (DeepSeek-V3's bias update speed 0.001); 0 freezes
-    # the bias, as model.freeze_language_model does
-    moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias_update_rate: float = 1e-3  # expert-bias step per optimizer step (aux-loss-free); 0 freezes it
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
-    # Deterministic kernels (distributed.set_deterministic): the same run twice, or a run and its resume, give the
-    # same numbers bit for bit where every kernel has a deterministic variant; slower. On a GPU: torch's
-    # use_deterministic_algorithms (warn_only: an op without a deterministic CUDA kernel, e.g. the ViT's bilinear
-    # position-embedding backward, warns once and stays nondeterministic), CUBLAS_WORKSPACE_CONFIG=:4096:8,
-    # megatron-core's deterministic_mode (TE attention with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) and mamba-ssm's
-    # deterministic Triton configs. The CPU kernels are deterministic either way.
-    deterministic_mode: bool = False
+    deterministic_mode: bool = False  # deterministic GPU kernels (distributed.set_deterministic); bit-exact, slower
 
 
 @dataclass
@@ -131,8 +119,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1  # TP degree (must divide the world size)
     context_parallel_size: int = 1  # CP degree
     expert_model_parallel_size: int = 1  # EP degree; must divide the number of experts
-    expert_tensor_parallel_size: int = 1  # ETP: TP inside each expert; only 1 is supported (ConfigError otherwise)
-    sequence_parallel: bool = False  # megatron-core SP: needs TP > 1 (ConfigError otherwise); TP > 1 with MoE needs SP
+    expert_tensor_parallel_size: int = 1  # ETP: TP inside each expert; only 1 is supported
+    sequence_parallel: bool = False  # megatron-core SP: needs TP > 1; TP > 1 with MoE needs SP
 
 
 @dataclass
@@ -160,21 +148,9 @@ class PackingConfig:
     max_sequences_per_bin: int = 1  # pairs per packed microbatch (a pair, chosen + rejected, counts once; 1 = one pair)
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
-    # Pairs larger than a bin: false = a ConfigError at start naming the largest; true = dropped at start from the
-    # training and validation pairs (never sampled, so no step is left empty; counted in the start notes and the
-    # `dropped_oversized` metric)
-    drop_oversized_pairs: bool = False
-    # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
-    # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that span.
-    # "auto" (the default) = on where it runs the code checked exact against separate rows, off elsewhere, decided at
-    # start by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line:
-    # on with the local spec and mamba_torch (the CPU path, checked by tests/test_shared_prompt_model.py, and a GPU
-    # without Transformer Engine or mamba-ssm: the same torch code, tests/test_gpu.py item 7); off with the Transformer
-    # Engine spec or mamba-ssm's kernels (their shared-prompt calls, omni_model.shared_prompt_te_attention and
-    # causal-conv1d's conv / mamba-ssm's scan inside mamba_torch's shared scan, have not run on a GPU yet) and with
-    # context parallelism (not supported). true = on wherever it is supported (a ConfigError with context parallelism);
-    # false = separate rows. The resolved true / false is what config.json and the checkpoints record. The `tokens`
-    # metric counts the tokens computed, so it drops with the layout on.
+    drop_oversized_pairs: bool = False  # pairs larger than a bin: dropped at start (true) or a ConfigError (false)
+    # one THD span [prompt | chosen | rejected] per pair (pack.pack_shared); "auto": resolved at start by
+    # pack.resolve_shared_prompt (on where checked exact against separate rows); true refused with CP
     shared_prompt: bool | Literal["auto"] = "auto"
 
 
@@ -208,23 +184,13 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# The path-valued fields of the tree: `~` expanded at load (`expand_user_paths`). Every other str field is not a path
-# (tests/test_foundation.py checks that a new str field is listed here or there).
-PATH_KEYS = (
-    "model.hf_path",
-    "data.train.data_path",
-    "data.train.data_root",
-    "data.validation.data_path",
-    "checkpoint.dir",
-)
+# The path-valued fields: a leading `~` is expanded at load (`expand_user_paths`).
+PATH_KEYS = ("model.hf_path", "data.train.data_path", "data.train.data_root", "data.validation.data_path",
+             "checkpoint.dir")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Loading and overriding
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _type_name(tp: Any) -> str:
@@ -234,8 +200,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _unquote(value: str, key: str, where: str) -> str:
-    """An override value written as a TOML string ("..." or '...', the quotes kept by the shell) -> the string itself,
-    TOML escapes applied; any other value unchanged. Raises ConfigError when the quoted value is not one TOML string."""
+    """An override value quoted as a TOML string ("..." or '...') -> the string, escapes applied; others unchanged."""
     if len(value) < 2 or value[0] not in "\"'" or value[-1] != value[0]:
         return value
     try:
@@ -249,9 +214,7 @@ def _unquote(value: str, key: str, where: str) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Convert a TOML value or an override string to the field type `tp`; raise ConfigError naming `key`.
-
-    An override of a string field (str, or a Literal of strings) may quote its value as a TOML string (`_unquote`)."""
+    """Convert a TOML value or an override string to the field type `tp`; raise ConfigError naming `key`."""
     from_cli = isinstance(value, str) and where.startswith("override")
     origin = typing.get_origin(tp)
     if from_cli and (tp is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))):
@@ -312,7 +275,7 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
 
 
 def _apply(obj: Any, data: dict[str, Any], prefix: str, where: str) -> None:
-    hints = _hints(type(obj))
+    hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for k, v in data.items():
         key = f"{prefix}{k}"
@@ -340,14 +303,7 @@ def apply_override(cfg: Config, override: str) -> None:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a `Config` from defaults, a TOML file (optional) and `key.path=value` overrides, then validate it.
-
-    Path-valued fields (PATH_KEYS) get a leading `~` expanded (`expand_user_paths`).
-
-    Raises:
-        ConfigError: the TOML file is missing, a directory or unreadable, invalid TOML (with line and column), an
-            unknown key, a wrong type, an invalid value, or a `~user` path whose user is unknown.
-    """
+    """Build a `Config` from defaults, a TOML file (optional) and `key.path=value` overrides, then validate it."""
     cfg = Config()
     if path is not None:
         if Path(path).is_dir():
@@ -378,13 +334,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 def expand_user_paths(cfg: Config) -> None:
-    """Expand a leading `~` / `~user` (os.path.expanduser) in every path-valued field (PATH_KEYS), in place: TOML
-    files and quoted shell words get no shell expansion, and a literal `~` directory in the working directory is a
-    trap (`rm -rf ~` removes the home directory). Other fields are untouched.
-
-    Raises:
-        ConfigError: a path still starts with `~` after the expansion (an unknown user, or no home directory known).
-    """
+    """Expand a leading `~` / `~user` in every path-valued field (PATH_KEYS) in place; TOML has no shell expansion."""
     for key in PATH_KEYS:
         section, name = key.rsplit(".", 1)
         obj = get_dotted(cfg, section)
@@ -407,13 +357,7 @@ def get_dotted(obj: Any, dotted: str) -> Any:
 
 
 def apply_wandb_mode_env(cfg: Config) -> None:
-    """WANDB_MODE in the environment (online / offline / disabled), when set, overrides logging.wandb, as
-    WANDB_PROJECT overrides logging.wandb_project: a job script or a shell profile decides for the machine (e.g.
-    WANDB_MODE=offline on compute nodes without internet). The resolved config holds the mode used.
-
-    Raises:
-        ConfigError: WANDB_MODE holds another value.
-    """
+    """WANDB_MODE (online / offline / disabled), when set, overrides logging.wandb (the machine decides)."""
     mode = os.environ.get("WANDB_MODE", "").strip()
     if not mode:
         return
@@ -425,96 +369,59 @@ def apply_wandb_mode_env(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Check values that do not depend on the world size. Raises ConfigError naming the key and the allowed range."""
-    m = cfg.mpo
+    m, opt = cfg.mpo, cfg.optimizer
     for k in ("preference_loss_weight", "sft_loss_weight", "bco_loss_weight", "reference_policy_kl_penalty"):
         if getattr(m, k) < 0:
             raise ConfigError(f"mpo.{k} = {getattr(m, k)} must be >= 0")
     weights = ("preference_loss_weight", "bco_loss_weight", "sft_loss_weight")
     if all(getattr(m, k) == 0 for k in weights):
-        raise ConfigError(
-            "mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: the loss is 0, "
-            "nothing to train; set at least one > 0"
-        )
-    if m.reference_policy_kl_penalty == 0:
-        on = [f"mpo.{k} = {getattr(m, k)}" for k in weights[:2] if getattr(m, k) > 0]
-        if on:
-            raise ConfigError(
-                f"mpo.reference_policy_kl_penalty (beta) = 0 with {' and '.join(on)}: with beta = 0 the DPO and BCO "
-                "terms are constants (no gradient); set mpo.reference_policy_kl_penalty > 0 or their weights to 0"
-            )
+        raise ConfigError("mpo.preference_loss_weight, mpo.bco_loss_weight and mpo.sft_loss_weight are all 0: "
+                          "nothing to train; set at least one > 0")
+    on = [f"mpo.{k} = {getattr(m, k)}" for k in weights[:2] if getattr(m, k) > 0]
+    if m.reference_policy_kl_penalty == 0 and on:  # beta = 0 makes the DPO and BCO terms constants
+        raise ConfigError(f"mpo.reference_policy_kl_penalty = 0 with {' and '.join(on)} trains nothing (no gradient); "
+                          "set mpo.reference_policy_kl_penalty > 0 or those weights to 0")
     if not 0.0 <= m.reward_shift_momentum < 1.0:
         raise ConfigError(f"mpo.reward_shift_momentum = {m.reward_shift_momentum} must be in [0, 1)")
     if m.max_num_steps < 1:
         raise ConfigError(f"mpo.max_num_steps = {m.max_num_steps} must be >= 1")
     if m.stop_after_step != 0 and not 1 <= m.stop_after_step <= m.max_num_steps:
-        raise ConfigError(
-            f"mpo.stop_after_step = {m.stop_after_step} must be in [1, mpo.max_num_steps = {m.max_num_steps}] "
-            "(or 0 for no segment stop)"
-        )
-    positive = {
-        "policy.train_global_batch_size": cfg.policy.train_global_batch_size,
-        "policy.logprob_chunk_size": cfg.policy.logprob_chunk_size,
-        "packing.max_tokens_per_bin": cfg.packing.max_tokens_per_bin,
-        "packing.max_sequences_per_bin": cfg.packing.max_sequences_per_bin,
-        "packing.make_sequence_length_divisible_by": cfg.packing.make_sequence_length_divisible_by,
-        "data.max_seq_length": cfg.data.max_seq_length,
-        "data.train.max_images_per_row": cfg.data.train.max_images_per_row,
-        "mpo.val_global_batch_size": cfg.mpo.val_global_batch_size,
-        "mpo.val_batches": cfg.mpo.val_batches,
-        "logging.log_period": cfg.logging.log_period,
-        "parallel.tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-        "parallel.context_parallel_size": cfg.parallel.context_parallel_size,
-        "parallel.expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
-        "parallel.expert_tensor_parallel_size": cfg.parallel.expert_tensor_parallel_size,
-    }
-    for k, v in positive.items():
-        if v < 1:
-            raise ConfigError(f"{k} = {v} must be >= 1")
+        raise ConfigError(f"mpo.stop_after_step = {m.stop_after_step} must be in [1, mpo.max_num_steps = "
+                          f"{m.max_num_steps}] (or 0 for no segment stop)")
+    positive = ("policy.train_global_batch_size", "policy.logprob_chunk_size", "packing.max_tokens_per_bin",
+                "packing.max_sequences_per_bin", "packing.make_sequence_length_divisible_by", "data.max_seq_length",
+                "data.train.max_images_per_row", "mpo.val_global_batch_size", "mpo.val_batches", "logging.log_period",
+                "parallel.tensor_model_parallel_size", "parallel.context_parallel_size",
+                "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size")
+    for k in positive:
+        if get_dotted(cfg, k) < 1:
+            raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 1")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
-        raise ConfigError(
-            "parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (sequence parallelism "
-            "splits the sequence over the TP ranks); set parallel.sequence_parallel = false or raise TP"
-        )
-    non_negative = {
-        "data.train.max_samples": cfg.data.train.max_samples,
-        "data.validation.max_samples": cfg.data.validation.max_samples,
-        "data.num_workers": cfg.data.num_workers,
-        "data.train.split_validation_size": cfg.data.train.split_validation_size,
-        "checkpoint.save_period": cfg.checkpoint.save_period,
-        "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "mpo.val_period": cfg.mpo.val_period,
-        "scheduler.lr_warmup_steps": cfg.scheduler.lr_warmup_steps,
-        "optimizer.lr": cfg.optimizer.lr,
-        "optimizer.min_lr": cfg.optimizer.min_lr,
-        "optimizer.weight_decay": cfg.optimizer.weight_decay,
-        "optimizer.clip_grad": cfg.optimizer.clip_grad,
-        "scheduler.lr_warmup_init": cfg.scheduler.lr_warmup_init,
-    }
-    for k, v in non_negative.items():
-        if v < 0:
-            raise ConfigError(f"{k} = {v} must be >= 0")
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1; set "
+                          "parallel.sequence_parallel = false or raise TP")
+    non_negative = ("data.train.max_samples", "data.validation.max_samples", "data.num_workers",
+                    "data.train.split_validation_size", "checkpoint.save_period", "checkpoint.keep_last",
+                    "mpo.val_period", "scheduler.lr_warmup_steps", "optimizer.lr", "optimizer.min_lr",
+                    "optimizer.weight_decay", "optimizer.clip_grad", "scheduler.lr_warmup_init",
+                    "model.moe_router_bias_update_rate")
+    for k in non_negative:
+        if get_dotted(cfg, k) < 0:
+            raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 0")
     size = cfg.data.train.split_validation_size
     if size >= 1 and size != int(size):
         raise ConfigError(f"data.train.split_validation_size = {size}: a fraction of the pairs (< 1, e.g. 0.015) or a "
                           "whole pair count (>= 1), not both")
-    if cfg.model.moe_router_bias_update_rate < 0:
-        raise ConfigError(f"model.moe_router_bias_update_rate = {cfg.model.moe_router_bias_update_rate} must be >= 0")
     if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
-        raise ConfigError(
-            "model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported: megatron-core computes it per "
-            "row of the batch, and a packed THD row holds several sequences, so it would silently equal 'aux_loss'; "
-            "use 'aux_loss' or 'none'"
-        )
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"optimizer.min_lr = {cfg.optimizer.min_lr} must be <= optimizer.lr = {cfg.optimizer.lr}")
+        raise ConfigError("model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported (megatron-core "
+                          "takes a packed row as one sequence); use 'aux_loss' or 'none'")
+    if opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr = {opt.min_lr} must be <= optimizer.lr = {opt.lr}")
     for k in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(cfg.optimizer, k) < 1.0:
-            raise ConfigError(f"optimizer.{k} = {getattr(cfg.optimizer, k)} must be in [0, 1)")
-    # 0 (or a value that is 0 in fp32, as 1e-300 is): a parameter with no gradient yet gets 0/0 = NaN in its update
-    if not cfg.optimizer.adam_eps >= FLOAT32_TINY:
-        raise ConfigError(f"optimizer.adam_eps = {cfg.optimizer.adam_eps} must be > 0 (e.g. 1e-8) and at least "
-                          "1.2e-38, the smallest normal float32: Adam divides by sqrt(second moment) + adam_eps in "
-                          "fp32, and the second moment of a parameter can be 0")
+        if not 0.0 <= getattr(opt, k) < 1.0:
+            raise ConfigError(f"optimizer.{k} = {getattr(opt, k)} must be in [0, 1)")
+    if not opt.adam_eps >= FLOAT32_TINY:  # 0 in fp32 gives 0/0 = NaN for a parameter without gradient yet
+        raise ConfigError(f"optimizer.adam_eps = {opt.adam_eps} must be > 0 and at least 1.2e-38 (the smallest "
+                          "normal float32), e.g. 1e-8")
     validate_schedule(cfg)
 
 
@@ -522,12 +429,7 @@ FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, withou
 
 
 def validate_schedule(cfg: Config) -> None:
-    """The learning-rate schedule's rules (config.validate, and train.build_scheduler for a config changed after it).
-
-    Raises:
-        ConfigError: scheduler.lr_warmup_steps >= mpo.max_num_steps (megatron's scheduler needs a decay phase), or
-            scheduler.lr_warmup_init > optimizer.lr.
-    """
+    """The learning-rate schedule's rules (`validate`, and train.build_scheduler for a config changed after it)."""
     s, horizon = cfg.scheduler, cfg.mpo.max_num_steps
     if s.lr_warmup_steps >= horizon:
         raise ConfigError(f"scheduler.lr_warmup_steps = {s.lr_warmup_steps} must be < mpo.max_num_steps = {horizon}")
@@ -536,36 +438,24 @@ def validate_schedule(cfg: Config) -> None:
 
 
 def validate_parallel(cfg: Config, world_size: int, num_experts: int | None = None) -> int:
-    """Check the parallel layout against the world size; return the data-parallel size DP.
-
-    world_size must equal TP * CP * DP; experts are laid out by megatron-core over ETP * EP ranks, so ETP * EP must
-    divide world_size, and EP must divide the expert count; the global batch (pairs) must be divisible by DP.
-
-    Raises:
-        ConfigError: with every factor in the message.
-    """
+    """The layout against the world size (TP * CP * DP; ETP * EP divides it; EP divides the experts; DP divides the
+    global batch); returns DP."""
     p = cfg.parallel
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
     if world_size % (tp * cp) != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) * "
-            f"parallel.context_parallel_size ({cp}) = {tp * cp}"
-        )
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) * "
+                          f"parallel.context_parallel_size ({cp}) = {tp * cp}")
     dp = world_size // (tp * cp)
     etp = p.expert_tensor_parallel_size
     if world_size % (etp * ep) != 0:
-        raise ConfigError(
-            f"parallel.expert_tensor_parallel_size ({etp}) * parallel.expert_model_parallel_size ({ep}) = "
-            f"{etp * ep} must divide the world size {world_size}"
-        )
+        raise ConfigError(f"parallel.expert_tensor_parallel_size ({etp}) * parallel.expert_model_parallel_size ({ep}) "
+                          f"= {etp * ep} must divide the world size {world_size}")
     if num_experts is not None and num_experts % ep != 0:
         raise ConfigError(f"parallel.expert_model_parallel_size = {ep} must divide the expert count {num_experts}")
     gbs = cfg.policy.train_global_batch_size
     if gbs % dp != 0:
-        raise ConfigError(
-            f"policy.train_global_batch_size = {gbs} must be divisible by the data-parallel size "
-            f"DP = world {world_size} / (TP {tp} * CP {cp}) = {dp}"
-        )
+        raise ConfigError(f"policy.train_global_batch_size = {gbs} must be divisible by the data-parallel size "
+                          f"DP = world {world_size} / (TP {tp} * CP {cp}) = {dp}")
     return dp
 
 
@@ -583,8 +473,7 @@ def from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-# Known-harmless library messages kept off the console by `quiet_known_warnings` (checked on megatron-core 0.19.2,
-# transformers 5.23, torch 2.14): Python warnings by message start, and records of the named loggers by message start.
+# Known-harmless library messages kept off the console by `quiet_known_warnings`, matched by their start.
 KNOWN_WARNINGS = (
     "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (cpu_compat)
     "Apex is not installed",
@@ -595,23 +484,16 @@ KNOWN_WARNINGS = (
     "`torch.distributed.reduce_scatter_tensor` is deprecated",  # megatron DDP / distributed optimizer
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Mismatch dtype between input and weight",  # bf16 input to an fp32-computed norm on CPU
-    # megatron's hybrid_layer_specs builds its TE spec when imported (omni_model imports it at the top); without
-    # Transformer Engine that spec is never used (cpu_compat.select_kernels picks the local spec)
-    "Only transformer-engine>=1.7.0 supports MoE experts",
+    "Only transformer-engine>=1.7.0 supports MoE experts",  # megatron's TE spec built at import, unused without TE
     "The argument order of load has been changed",  # torch.distributed.checkpoint, called by megatron's loader
     "Please use DTensor instead and we are deprecating ShardedTensor",  # megatron dist_checkpointing on torch 2.14
-    # megatron's load_common_state_dict reads the unsharded common state on every rank without a process group
     "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
-    # megatron's expert linears under sequence parallelism: experts are not TP-sharded here (ETP = 1), so SP has
-    # nothing to split in them; the attention / Mamba / shared-expert layers keep SP. megatron-core 0.19.2's text,
-    # backticks included (tensor_parallel/layers.py); a filter matches the message's start exactly.
+    # megatron's expert linears under SP: experts are not TP-sharded here (ETP = 1); the other layers keep SP
     "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
-    # MAMBA_DETERMINISTIC=1 exported before the start (model.deterministic_mode, tests/gpu_check.sh): megatron-core's
-    # and mamba-ssm's Triton Mamba kernels take one fixed config each and advise Triton's cached autotuning instead
+    # MAMBA_DETERMINISTIC=1 (model.deterministic_mode): the Triton Mamba kernels take one fixed config each
     "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",
     "Deterministic mode: upgrade to Triton >= 3.4.0",
-    # fla-core (requirements.txt: the `mamba triton` set's conv) is imported by megatron-core's gated_delta_net when
-    # installed (hybrid_layer_specs imports it); on a machine without a GPU it says its Triton kernels fall back
+    # fla-core, imported by megatron-core when installed, on a machine without a GPU
     "Triton is not supported on current platform, roll back to CPU",
 )
 KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the console (a str or a tuple of str)
@@ -620,7 +502,7 @@ KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
     "transformers.configuration_utils": "You are using a model of type",  # the Omni processor's sub-configs
     "torch.utils.cpp_extension": "No CUDA runtime is found",
-    # a failed save's writer error, which checkpoint.save reports as its one CheckpointError line on every rank
+    # a failed save's writer error (checkpoint.save reports it as one CheckpointError line)
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ("Local worker ",
                                                                      "An error is caught while starting worker "),
 }
@@ -628,11 +510,9 @@ SHOW_WARNINGS_ENV = "OMNI_MPO_SHOW_WARNINGS"
 
 
 def quiet_known_warnings() -> bool:
-    """Keep the known-harmless library warnings (KNOWN_WARNINGS, KNOWN_LOG_RECORDS) off the console; every other
-    warning still prints. Call before megatron-core is imported. Returns False (and changes nothing) when the
-    environment variable OMNI_MPO_SHOW_WARNINGS is set to a non-empty value other than 0."""
+    """Filter KNOWN_WARNINGS and KNOWN_LOG_RECORDS (call before megatron-core is imported); returns False and changes
+    nothing when OMNI_MPO_SHOW_WARNINGS is set (not 0)."""
     import logging
-    import re
     import warnings
 
     if os.environ.get(SHOW_WARNINGS_ENV, "0") not in ("", "0"):
@@ -645,9 +525,7 @@ def quiet_known_warnings() -> bool:
 
 
 def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str, list[str]]:
-    """The command line `CONFIG.toml [section.key=value ...]` of config.py and train.py (argparse): returns the config
-    path and the overrides. `-h` / `--help` prints the usage and exits 0; a missing config path or an option other
-    than -h prints the usage and one error line and exits 2 (argparse)."""
+    """The command line `CONFIG.toml [section.key=value ...]` of config.py and train.py -> (path, overrides)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=prog, description=description)
@@ -659,9 +537,8 @@ def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str,
 
 
 def exit_cli(main) -> None:
-    """`sys.exit(main())` for a command that prints a report, with a reader that leaves early (`python config.py ... |
-    head`) ending it quietly: the BrokenPipeError's traceback becomes exit status 1 and no output, the handling the
-    Python docs give for SIGPIPE (library/signal.html, "Note on SIGPIPE")."""
+    """`sys.exit(main())`; a reader that leaves early (`... | head`) ends it quietly with status 1 (Python docs,
+    "Note on SIGPIPE")."""
     try:
         code = main()
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's shutdown
@@ -672,8 +549,7 @@ def exit_cli(main) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python config.py CONFIG.toml [section.key=value ...]`: print the resolved config as JSON (exit 0), or one
-    `error: ...` line on stderr (exit 1); `-h` / `--help` prints the usage (exit 0)."""
+    """`python config.py CONFIG.toml [section.key=value ...]`: the resolved config as JSON, or one `error:` line."""
     path, overrides = parse_cli(
         argv, "python config.py", "Print the resolved run configuration (defaults < TOML file < overrides) as JSON, "
         "checked as train.py checks it before any work (the paths it names are checked by train.py's preflight, not "

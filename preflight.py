@@ -1,10 +1,8 @@
-"""The checks a training run makes before it spends time: the files the config names, the run directory, wandb and
-its key (with logging.wandb = "online"; wandb alone with "offline"), the packing layout,
-megatron-core's constraints on the model and parallel layout (all before any process group exists), and the loaded
-splits against the batch and bin sizes (before the models are built). Each failure is one config.ConfigError line that
-names the keys to change.
+"""The checks a run makes before it spends time, each failure one config.ConfigError line naming the keys to change.
 
-Tests: `pytest tests/test_train.py -k "check_"`.
+`check_inputs` (files, run directory, wandb, packing; before init_distributed), `check_model_config` (megatron-core's
+rules on the model and layout; before any process group) and `check_splits` (the loaded data against the batch and bin
+sizes; before the models are built). Tests: `pytest tests/test_train.py -k "check_"`.
 """
 
 from __future__ import annotations
@@ -23,13 +21,8 @@ import pack
 
 
 def check_inputs(cfg) -> None:
-    """The checks that need neither a process group nor a model, run before `init_distributed` so that a typo
-    fails in seconds: model.hf_path holds config.json and safetensors, the data paths are files, the packing layout
-    (pack.validate_packing_config), `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`.
-
-    Raises:
-        config.ConfigError: naming the key.
-    """
+    """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path, the data
+    paths, `check_packing`, `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`."""
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory"
@@ -58,12 +51,11 @@ def check_inputs(cfg) -> None:
 
 
 def _relative_hint(path: str) -> str:
-    """The working-directory hint of an error message about `path`: empty for an absolute path."""
     return "" if Path(path).is_absolute() else f"; relative paths are relative to the working directory {os.getcwd()}"
 
 
 def _json_object(path: Path) -> dict | None:
-    """The JSON object in file `path`, or None when it is not one (unreadable, not JSON, another JSON value)."""
+    """The JSON object in file `path`, or None (unreadable, not JSON, another JSON value)."""
     try:
         obj = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -72,28 +64,34 @@ def _json_object(path: Path) -> dict | None:
 
 
 def _is_hf_config(obj: dict | None) -> bool:
-    """Whether `obj` (a parsed config.json, or None) is a Hugging Face model config: it has model_type or
-    architectures (an omni-mpo run's resolved config.json has neither)."""
+    """A Hugging Face model config has model_type or architectures (an omni-mpo run's config.json has neither)."""
     return obj is not None and ("model_type" in obj or "architectures" in obj)
 
 
 def check_packing(cfg) -> None:
-    """pack.validate_packing_config (the packing section against the parallel layout) as a config.ConfigError."""
-    try:
-        pack.validate_packing_config(cfg)
-    except ValueError as e:
-        raise config_mod.ConfigError(str(e)) from None
+    """packing.make_sequence_length_divisible_by against the layout, and packing.shared_prompt = true without CP.
+
+    CP cuts each sequence into 2*CP chunks; SP splits each rank's tokens over TP: the multiple is 2*CP (CP > 1) times TP
+    (SP), NeMo-RL's rule (nemo_rl/models/megatron/data.py::_get_pack_sequence_parameters_for_megatron).
+    """
+    p, pk = cfg.parallel, cfg.packing
+    tp, cp, sp = p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel
+    if pk.shared_prompt is True and cp > 1:
+        raise config_mod.ConfigError(
+            f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = {cp} yet; set "
+            'packing.shared_prompt = "auto" (separate rows with CP) or false, or context_parallel_size = 1'
+        )
+    need = (2 * cp if cp > 1 else 1) * (tp if sp and tp > 1 else 1)
+    if pk.make_sequence_length_divisible_by % need != 0:
+        raise config_mod.ConfigError(
+            f"packing.make_sequence_length_divisible_by = {pk.make_sequence_length_divisible_by} must be a multiple "
+            f"of {need} (2*CP with CP > 1, times TP with sequence parallelism) for TP = {tp}, CP = {cp}, "
+            f"sequence_parallel = {sp}"
+        )
 
 
 def check_hf_config(hf_path: str) -> None:
-    """`model.hf_path`'s config.json is a Hugging Face model config (a JSON object with `model_type` or
-    `architectures`), not an omni-mpo run's resolved config (the run directory's config.json, which has the same
-    name) nor anything else.
-
-    Raises:
-        config.ConfigError: the file is not JSON, not an object, or has neither key (a run's config named as such,
-            with the way out: export the run first).
-    """
+    """`model.hf_path`'s config.json is a Hugging Face model config, not an omni-mpo run's config.json or other."""
     path = Path(hf_path) / "config.json"
     obj = _json_object(path)
     if _is_hf_config(obj):
@@ -110,9 +108,8 @@ def check_hf_config(hf_path: str) -> None:
 
 
 def _checkpoint_around(path: Path) -> Path | None:
-    """`path` or its nearest ancestor that is a checkpoint (a step_<N> folder holding run_state.json or model_optim/)
-    or is named as a save in progress (step_<N>.tmp, step_<N>.old: the next start of the run directory holding it
-    removes or renames it, checkpoint.remove_unfinished_saves), or None."""
+    """`path` or its nearest ancestor that is a checkpoint (step_<N> with run_state.json or model_optim/) or a save in
+    progress (step_<N>.tmp / .old), or None."""
     import checkpoint
 
     for p in (path, *path.parents):
@@ -126,12 +123,8 @@ def _checkpoint_around(path: Path) -> Path | None:
 
 
 def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
-    """`checkpoint.dir` names a directory this process can write and whose files no run would overwrite or lose
-    (not model.hf_path or another HF model, not a checkpoint or inside one); creates it when missing.
-
-    Raises:
-        config.ConfigError: empty, a file, an HF model or a checkpoint, a parent that is no directory, not writable.
-    """
+    """`checkpoint.dir` is a directory this process can write and no run would lose (not an HF model, not in a
+    checkpoint); created when missing."""
     import checkpoint
 
     if not ckpt_dir.strip():
@@ -177,13 +170,8 @@ def check_run_dir(ckpt_dir: str, hf_path: str | None = None) -> None:
 
 
 def check_wandb(mode: str) -> None:
-    """With `mode` "online" or "offline" (cfg.logging.wandb after WANDB_MODE), wandb must import; with "online"
-    it must also find an API key by its own lookup (`wandb.login(verify=False, prompt=False)`), without a prompt or a
-    network call.
-
-    Raises:
-        config.ConfigError: wandb does not import; no key, or a key of invalid format.
-    """
+    """With `mode` (logging.wandb after WANDB_MODE) "online" or "offline" wandb must import; with "online" it must
+    find an API key (`wandb.login(verify=False, prompt=False)`: no prompt, no network)."""
     if mode == "disabled":
         return
     try:
@@ -197,11 +185,7 @@ def check_wandb(mode: str) -> None:
     if mode != "online":
         return
 
-    # wandb.login skips the lookup (returns False) under WANDB_MODE=offline/disabled, while wandb.init gets the
-    # config's mode explicitly: look up as for that mode. Silently on every rank: the non-silent login prints the
-    # user name, which wandb (0.31) asks the server for; without network that request retries until it is cancelled,
-    # and the wandb.teardown() below can then wait forever for wandb-core. wandb.init prints the login line later.
-    # Nothing has imported wandb yet in train.py, so its settings are first read here.
+    # login looks up only under WANDB_MODE=online; silent, since a non-silent login asks the server (DESIGN.md)
     env = {"WANDB_MODE": "online", "WANDB_SILENT": "true"}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -223,8 +207,7 @@ def check_wandb(mode: str) -> None:
         )
 
 
-# megatron-core TransformerConfig fields set from this project's keys (the rest come from the checkpoint's config.json),
-# matched as substrings of megatron-core's messages; its prose names ("sequence parallelism") are listed too
+# megatron-core TransformerConfig fields (and prose names) set from this project's keys, found in its messages
 MCORE_FIELD_KEYS = {
     "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
     "context_parallel_size": "parallel.context_parallel_size",
@@ -245,13 +228,8 @@ MCORE_FIELD_KEYS = {
 
 
 def check_model_config(cfg, hf) -> None:
-    """megatron-core's constraints on this model and layout, before any process group, data or model: the three
-    TransformerConfigs (language model, ViT, projector) are built (their own checks), plus the rules megatron-core
-    enforces only later: MoE with TP > 1 needs SP, ETP = 1, the vocabulary divisible by TP, something to train.
-
-    Raises:
-        config.ConfigError: one line naming the project's keys behind megatron-core's message.
-    """
+    """megatron-core's constraints, before any process group: the three TransformerConfigs are built (their own
+    checks), plus the rules it enforces later (MoE with TP > 1 needs SP, ETP = 1, vocab % TP, something to train)."""
     m, p = cfg.model, cfg.parallel
     if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
         raise config_mod.ConfigError(
@@ -295,15 +273,8 @@ def check_model_config(cfg, hf) -> None:
 
 
 def check_splits(train_split, val_split, cfg):
-    """Check the loaded splits against the batch and bin sizes before the models are built; returns (the
-    training split, the validation split or None when it has no pair, notes for the console). With
-    packing.drop_oversized_pairs, pairs larger than a bin are dropped here from both splits (counted:
-    `Split.dropped_oversized`), the same on every rank and every resume.
-
-    Raises:
-        config.ConfigError: an oversized pair without packing.drop_oversized_pairs; every pair of a split oversized;
-            fewer training pairs than policy.train_global_batch_size.
-    """
+    """The loaded splits against the batch and bin sizes -> (train split, validation split or None, console notes).
+    With packing.drop_oversized_pairs, pairs larger than a bin are dropped here (`Split.dropped_oversized`)."""
     notes = []
     if val_split is not None and val_split.index is not train_split.index and \
             set(val_split.index.annotation_files) & set(train_split.index.annotation_files):

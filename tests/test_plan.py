@@ -188,7 +188,6 @@ def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
     """plan.py stops with the one line train.py prints for the same layout (the same checks in train.py's order:
     the packing rule, preflight.check_model_config, config.validate_parallel with the expert count), before any
     model is built."""
-    import pack
     import preflight
 
     assert plan.main([*NANO_ARGS, *overrides]) == 1
@@ -197,7 +196,7 @@ def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
     cfg = nano_cfg(*overrides)
     hf = omni_model.read_hf_config(NANO)
     with pytest.raises(config_mod.ConfigError) as train_error:
-        pack.validate_packing_config(cfg)
+        preflight.check_packing(cfg)
         preflight.check_model_config(cfg, hf)
         config_mod.validate_parallel(cfg, plan.default_world(cfg), hf.text.n_routed_experts)
     assert err[0] == f"error: ConfigError: {train_error.value}"

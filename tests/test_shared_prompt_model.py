@@ -192,6 +192,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
 
     import cpu_compat
     import pack
+    import preflight
 
     cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}"])  # "auto", unresolved
     assert cfg.packing.shared_prompt == "auto"
@@ -202,7 +203,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
     assert pack.resolve_shared_prompt(cfg, kernels) == ("shared prompt" if want else "separate rows")  # now explicit
-    pack.validate_packing_config(cfg)  # no error, CP included: auto chose separate rows there
+    preflight.check_packing(cfg)  # no error, CP included: auto chose separate rows there
 
 
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("true", True), ("false", False), ("'auto'", "auto")])
