@@ -1,26 +1,14 @@
-"""The MMPR index: every row of a meta-recipe checked once, its lengths cached, the splits, and the pre-flight report.
+"""The MMPR index: every row of a meta-recipe checked once (mmpr_rows.checked_rows), its lengths cached, the splits,
+and the pre-flight report.
 
-`build_index(meta_path, processor, cfg.data) -> mmpr_data.PairIndex` reads every subset of the meta-recipe
-(`mmpr_data.read_meta`), checks every row with mmpr_data's row checks (text, images, rendered template, lengths) and
-keeps, per pair, its source (subset, file, line, byte offset), its resolved image paths and grids, and the token
-lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to plan bins without opening an image.
-Dropped rows are counted by reason (`mmpr_data.DROP_REASONS`); `data.strict` turns a drop into an error naming the file
-and line. Rows are checked in chunks by `data.num_workers` forked processes (rendering and image decoding are CPU
-bound) and settled in file order; `repeat_time` and `max_samples` then choose the pairs.
-
-The index is cached under `$HF_DATASETS_CACHE` (else `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a
-folder named by a fingerprint of the meta file, the annotation files (size, mtime), the tokenizer / template / image
-processor, and the settings that change the index; written atomically, checksummed, rebuilt (with a warning) when
-corrupt. Under torch.distributed global rank 0 builds it while the others wait.
-
-`load_splits(processor, cfg.data)` gives the train and validation splits (`Split`: an index and its pair ids);
-mmpr_data.PairDataset turns a pair id of an index into a pack.PreferencePair.
-
-Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
+`build_index(meta_path, processor, cfg.data) -> PairIndex` keeps per pair its source (subset, file, line, byte offset),
+its image paths and grids, and the token lengths of its prompt and rows: enough for pack.py to plan bins without
+opening an image. Dropped rows are counted by reason (mmpr_rows.DROP_REASONS). The index is cached under the HF
+datasets cache in a folder named by a fingerprint of the meta file, the annotation files (size, mtime), the processor
+and the settings that change it; under torch.distributed global rank 0 builds it while the others wait.
+`load_splits(processor, cfg.data)` gives the train and validation `Split`s.
 
     python mmpr_index.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
-
-Imports mmpr_data (the row-to-pair path), never the other way round. Tests: `pytest tests/test_mmpr_data.py`.
 """
 
 from __future__ import annotations
@@ -47,20 +35,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_data import (
+from mmpr_data import ignore_stop_signals, workers_start_deaf
+from mmpr_rows import (
     DataError,
     DataWarning,
-    PairIndex,
     Subset,
     apply_repeat_time,
     begin_row_checks,
     checked_rows,
     data_warnings,
     end_row_checks,
-    ignore_stop_signals,
     plural,
     read_meta,
-    workers_start_deaf,
 )
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
@@ -71,6 +57,78 @@ CACHE_PREFIX = "omni_mpo_mmpr_"
 # 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);
 # a failed build does not make them wait this long: rank 0 broadcasts its error.
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
+
+# ======================================================================================================================
+# The index
+
+
+@dataclass
+class PairIndex:
+    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
+
+    Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
+    `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
+    `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
+    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples.
+    `cache_status` and `cache_dir`: where it came from.
+    """
+
+    meta_path: str
+    fingerprint: str
+    subsets: list[str]
+    annotation_files: list[str]
+    image_roots: list[str]  # "" for a subset without root
+    image_paths: list[str]
+    subset_id: torch.Tensor
+    line: torch.Tensor
+    offset: torch.Tensor
+    prompt_len: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    image_tokens: torch.Tensor
+    image_start: torch.Tensor
+    num_images: torch.Tensor
+    image_path_id: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+    stats: dict[str, dict]
+    build_seconds: float = 0.0
+    cache_status: str = "disabled"
+    cache_dir: str = ""
+
+    _SAVED = ("meta_path", "fingerprint", "subsets", "annotation_files", "image_roots", "image_paths", "subset_id",
+              "line", "offset", "prompt_len", "chosen_len", "rejected_len", "image_tokens", "image_start", "num_images",
+              "image_path_id", "image_grid_hw", "image_token_counts", "stats", "build_seconds")
+
+    def __len__(self) -> int:
+        return int(self.line.numel())
+
+    def lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+        """{pair_id: (chosen tokens, rejected tokens)}: the input of pack.plan_bins / plan_step."""
+        ids = range(len(self)) if pair_ids is None else pair_ids
+        c, r = self.chosen_len.tolist(), self.rejected_len.tolist()
+        return {int(i): (c[i], r[i]) for i in ids}
+
+    def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (pack.pack_shared's
+        k = pack.shared_prefix_length is at least this: the last prompt token starts both responses), the
+        `shared_lengths` of pack.plan_bins / plan_step; sizes planned with it are upper bounds of the packed spans."""
+        if pair_ids is None:
+            return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
+        ids = [int(i) for i in pair_ids]
+        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
+
+    def source(self, i: int) -> str:
+        """'annotation.jsonl:line' of pair i (for messages)."""
+        return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"
+
+    def images(self, i: int) -> list[str]:
+        s, n = int(self.image_start[i]), int(self.num_images[i])
+        return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
+
+    def state(self) -> dict:
+        return {k: getattr(self, k) for k in self._SAVED}
+
 
 # ======================================================================================================================
 # Fingerprint and cache folder
