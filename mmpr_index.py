@@ -53,9 +53,7 @@ logger = logging.getLogger("omni_mpo.mmpr_index")
 
 CACHE_VERSION = 5  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
-# How long the other ranks wait for rank 0's index build (build_index). The default process group's timeout (NCCL's
-# 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);
-# a failed build does not make them wait this long: rank 0 broadcasts its error.
+# How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
 
 # ======================================================================================================================
@@ -69,9 +67,7 @@ class PairIndex:
     Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
     `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
     `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
-    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples.
-    `cache_status` and `cache_dir`: where it came from.
-    """
+    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
 
     meta_path: str
     fingerprint: str
@@ -110,9 +106,8 @@ class PairIndex:
         return {int(i): (c[i], r[i]) for i in ids}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (pack.pack_shared's
-        k = pack.shared_prefix_length is at least this: the last prompt token starts both responses), the
-        `shared_lengths` of pack.plan_bins / plan_step; sizes planned with it are upper bounds of the packed spans."""
+        """{pair_id: prompt tokens - 1}: what the shared-prompt layout stores once per pair at least (the last prompt
+        token starts both responses): the `shared_lengths` of pack.plan_bins / plan_step."""
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
@@ -144,13 +139,8 @@ def _cache_root() -> Path:
 
 
 def load_processor(model_dir: str | Path, key: str):
-    """The model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`: chat template, tokenizer, image
-    processor). `key` names the setting in the error (`model.hf_path`, `--model`).
-
-    Raises:
-        DataError: the directory has no config.json (transformers would take the name for a hub id and retry), or
-            transformers cannot build a processor from it (a missing tokenizer or processor file), in one line.
-    """
+    """The model's transformers processor (chat template, tokenizer, image processor). Raises DataError naming the
+    setting `key` (`model.hf_path`, `--model`) when `model_dir` has no config.json or no processor."""
     if not (Path(model_dir) / "config.json").is_file():
         raise DataError(
             f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
@@ -197,13 +187,8 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
 
 
 def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
-    """Why the annotation file of a subset with stats `st` looks like JSON but not JSON Lines, or None.
-
-    Each row of an annotation is one JSON object on one line; a JSON array (an export, or pretty-printed with
-    `json.dump(rows, f, indent=...)`) has none, and its lines are all counted as invalid_json drops. The hint is given
-    when some rows are invalid_json and either the first non-blank line opens an array (starts with `[` and is not
-    JSON on its own) or every row read is invalid_json. It names the file and its first invalid_json example
-    (file:line: detail)."""
+    """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some rows are invalid_json and its first
+    line opens a JSON array (a `json.dump(rows, indent=...)` export), or all rows are."""
     bad, rows = st.get("dropped", {}).get("invalid_json", 0), st.get("rows_read", 0)
     if not bad:
         return None
@@ -226,7 +211,7 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 
 
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
-    """Scan every subset, validate rows and compute lengths (see build_index)."""
+    """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
     begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
     image_paths: list[str] = []
@@ -372,9 +357,8 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
 
 
 def _write_cache(folder: Path, index: PairIndex) -> None:
-    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX). A cache that
-    cannot be written (the cache folder cannot be created, is read-only, the disk is full) is a logged warning: the
-    index just built is used uncached."""
+    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX); a cache that
+    cannot be written is a logged warning (the index is used uncached)."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -419,26 +403,12 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
-    """Validated, cached index of the pairs of a meta-recipe (see the module docstring).
+    """The validated, cached index of the pairs of meta-recipe `meta_path` (see the module docstring).
 
-    Args:
-        meta_path: the MMPR meta-recipe JSON.
-        processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
-        data: the config's data section (config.DataConfig, `cfg.data`): max_seq_length, strict, num_workers (>= 2:
-            forked processes that check rows while indexing), train.data_root / seed / max_images_per_row /
-            max_samples.
-        max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
-            random sample. Default data.train.max_samples; 0 = all.
-        use_cache: read / write the cache (see `_cache_root`).
-
-    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait (on a gloo
-    group with INDEX_BUILD_TIMEOUT, 24 h), then read it (or build it themselves when the cache folder is not shared
-    with rank 0). On a full MMPR release build the index first with `python mmpr_index.py` (README, Data).
-
-    Raises:
-        DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
-            path tried), no valid pair left, or with data.strict the first dropped row (file and line).
-    """
+    `data` is the config's data section (cfg.data); `max_samples` keeps the first N valid pairs in file order (after
+    repeat_time; default data.train.max_samples, 0 = all). Under torch.distributed global rank 0 builds and writes the
+    cache while the others wait on a gloo group (INDEX_BUILD_TIMEOUT), then read it. Raises DataError: a bad
+    meta-recipe, no valid pair, or with data.strict the first dropped row."""
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -510,10 +480,8 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
 
 
 def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed).
-
-    Repeats of one annotation row (repeat_time > 1) go to the same side, so validation never sees a training row.
-    """
+    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed); repeats of
+    one row (repeat_time > 1) go to the same side."""
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
         groups[key].append(i)
@@ -533,8 +501,7 @@ def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int
 
 @dataclass
 class Split:
-    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1); `dropped_oversized` counts the
-    pairs preflight.check_splits removed from `pair_ids` as larger than a bin (packing.drop_oversized_pairs)."""
+    """The index a split draws from and its pair ids; `dropped_oversized`: pairs preflight.check_splits removed."""
 
     index: PairIndex
     pair_ids: list[int]
@@ -542,12 +509,8 @@ class Split:
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
-    """The train split and the validation split (None when neither source is configured) of the data section `data`
-    (config.DataConfig, `cfg.data`).
-
-    Validation comes from data.validation.data_path (its own meta, data.validation.max_samples) when set, else from
-    data.train.split_validation_size pairs of the train index (seed data.train.seed).
-    """
+    """(train, validation or None) of `data` (cfg.data): validation from data.validation.data_path when set, else
+    data.train.split_validation_size pairs of the train index."""
     train = build_index(data.train.data_path, processor, data)
     if data.validation.data_path:
         if data.train.split_validation_size:
@@ -579,8 +542,8 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def report(index: PairIndex) -> dict:
-    """Per subset and in total: rows read, valid rows, pairs kept, drops by reason (with examples) and length
-    percentiles in tokens (prompt, image tokens, chosen row, rejected row). JSON-serialisable."""
+    """Per subset and in total: rows read, valid, pairs, drops by reason (with examples) and token-length
+    percentiles (prompt, image tokens, chosen row, rejected row), JSON-serialisable."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
                 (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
@@ -623,8 +586,7 @@ CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--ma
 
 
 def cli_text(text: str) -> str:
-    """`text` (a data message, drop example or report) with the config keys of CLI_FLAGS named by this command's
-    flags: the messages are shared with train.py, where the config keys are the names to set."""
+    """`text` with the config keys of CLI_FLAGS named by this command's flags."""
     for key, flag in CLI_FLAGS.items():
         text = text.replace(key, flag)
     return text
