@@ -1,8 +1,6 @@
-"""Pairs for the training step: `PairDataset` (a pair id of an mmpr_index.PairIndex -> pack.PreferencePair: token
-rows, loss masks and image tensors from the model's own processor), `PairSampler` (the seeded, resumable global pair
-order) and `StepLoader` (a step's pairs, decoded by DataLoader workers), with the stop-signal rules of data workers.
-The row rules are mmpr_rows.py; the index over all rows is mmpr_index.py.
-"""
+"""Pairs for the training step: `PairDataset` (pair id of an mmpr_index.PairIndex -> pack.PreferencePair),
+`PairSampler` (the seeded, resumable global pair order) and `StepLoader` (a step's pairs, decoded by DataLoader
+workers), with the stop-signal rules of data workers."""
 
 from __future__ import annotations
 
@@ -31,17 +29,14 @@ if TYPE_CHECKING:
 
 
 def _changed(ix: PairIndex, i: int, what: str) -> DataError:
-    """A row or image that no longer matches the index: restore it, or re-index (other pairs: a new run)."""
     return DataError(f"{ix.source(i)}: {what}; changed since the index was built: restore it and resume, or delete "
                      f"{ix.cache_dir or 'the index cache'} to re-index and start a new run in another checkpoint.dir")
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """`dataset[pair_id] -> PreferencePair`: the row re-read and rendered as the index did, its images decoded
-    (`pixel_values` [sum gh*gw, 768] float32, `image_grid_hw` [n, 2], `image_token_counts` [n]), each `<image>`
-    expanded by the processor (`<img>` + n x `<image>` + `</img>`), both rows tokenised ([L] int64; loss masks [L]
-    bool, True on the response and its `<|im_end|>`). Raises DataError when the row or an image changed since the
-    index was built."""
+    """`dataset[pair_id] -> PreferencePair`: the row rendered as the index did, its images decoded (`pixel_values`
+    [sum gh*gw, 768] float32, `image_grid_hw` [n, 2], `image_token_counts` [n]) and expanded (`<img>` + n x `<image>`
+    + `</img>`), both rows tokenised ([L] int64; loss masks [L] bool, True on the response and its `<|im_end|>`)."""
 
     def __init__(self, index: PairIndex, processor):
         self.index = index
@@ -136,8 +131,7 @@ class PairSampler:
         return self._order
 
     def take(self, n: int) -> list[int]:
-        """The next n distinct pair ids, continuing into the next epoch; a pair drawn again across an epoch boundary
-        is deferred to open the next take."""
+        """The next n distinct pair ids; a pair drawn again across an epoch boundary opens the next take instead."""
         assert n <= len(self.pair_ids), (n, len(self.pair_ids))  # preflight.check_splits: batch <= training pairs
         out, self.deferred = self.deferred, []
         seen = set(out)
@@ -161,8 +155,7 @@ class PairSampler:
                 "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> str | None:
-        """Continue from a saved position; returns a note for the `resume:` line when the index fingerprint changed
-        with the same pair count, else None. Raises DataError when the pair count, seed or shuffle differ."""
+        """Continue from a saved position; returns a note when the index fingerprint changed (same pair count)."""
         for k, what, mine in (("num_pairs", "the training pairs", len(self.pair_ids)),
                               ("seed", "data.train.seed", self.seed), ("shuffle", "data.train.shuffle", self.shuffle)):
             if state[k] != mine:
@@ -183,8 +176,7 @@ def _collate_pairs(pairs: list[PreferencePair | DataError]) -> list[PreferencePa
 
 
 class _ReturnDataErrors(torch.utils.data.Dataset):
-    """`dataset[i]`, or the DataError it raised: StepLoader raises it in the training process as the one line it is
-    (torch would re-raise it as "Caught DataError in DataLoader worker process 0." with the worker's traceback)."""
+    """`dataset[i]`, or the DataError it raised (torch would re-raise it with the worker's traceback)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset):
         self.dataset = dataset
@@ -224,8 +216,7 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  #
 
 @contextlib.contextmanager
 def workers_start_deaf():
-    """Fork data workers inside this block: they start with the stop signals blocked (pending, not lost) until
-    `ignore_stop_signals` (torch's worker handler would re-raise a SIGTERM from elsewhere)."""
+    """Fork data workers inside this block: the stop signals stay pending until `ignore_stop_signals`."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -234,9 +225,8 @@ def workers_start_deaf():
 
 
 def ignore_stop_signals(*_) -> None:
-    """A data worker's start (worker_init_fn, the index pool's initializer): stops are its rank's (monitor.StopSignal;
-    torchrun and scancel signal the whole process group), so the worker ignores them, except a SIGTERM from its
-    parent (the DataLoader's clean-up), which ends it."""
+    """A data worker's start (worker_init_fn, the index pool's initializer): ignore the stop signals (the rank's),
+    except a SIGTERM from the parent, which ends the worker."""
     for sig in STOP_SIGNALS - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})  # threads started from here on inherit the mask
@@ -250,9 +240,8 @@ def ignore_stop_signals(*_) -> None:
 
 
 class StepLoader:
-    """Steps of `global_batch_size` pairs, endless: `plan_fn(global_pair_ids) -> (plan, ids_to_load)` runs in the
-    main process on every rank (e.g. pack.plan_step and this rank's bins), and `num_workers` DataLoader workers decode
-    only `ids_to_load`."""
+    """Endless steps of `global_batch_size` pairs: `plan_fn(global_pair_ids) -> (plan, ids_to_load)` runs in the main
+    process on every rank, and `num_workers` DataLoader workers decode only `ids_to_load`."""
 
     def __init__(self, dataset: PairDataset, sampler: PairSampler, global_batch_size: int,
                  plan_fn: Callable[[list[int]], tuple[Any, Sequence[int]]], num_workers: int = 0):

@@ -422,8 +422,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
     dist = torch.distributed
     if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build. The
-        # wait is on a gloo group of its own with INDEX_BUILD_TIMEOUT: the default group's timeout is far shorter.
+        # rank 0 builds and broadcasts its outcome (or its error, so that no rank waits for a failed build)
         wait = dist.new_group(backend="gloo", timeout=INDEX_BUILD_TIMEOUT)
         msg: list[Any] = [None]
         if dist.get_rank() == 0:
@@ -431,9 +430,9 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                 index = _load_or_build(*args, write=True)
             except Exception as e:
                 msg[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(msg, src=0, group=wait)
                 raise
-            dist.broadcast_object_list(msg, src=0, group=wait)
+            finally:
+                dist.broadcast_object_list(msg, src=0, group=wait)
         else:
             dist.broadcast_object_list(msg, src=0, group=wait)
             if msg[0] is not None:

@@ -1,7 +1,6 @@
-"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its chat-template
-rendering (`TextRenderer.render`), its images (`load_image`, `image_grids`), and `checked_rows`, which applies them all
-to an annotation file. A row that fails a rule is a counted drop named in DROP_REASONS; a bad meta-recipe or path is a
-DataError naming the file and the key.
+"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its rendering
+(`TextRenderer.render`), its images (`load_image`, `image_grids`); `checked_rows` applies them to an annotation file.
+A row that fails a rule is a counted drop (DROP_REASONS); a bad meta-recipe is a DataError naming the file and key.
 
 A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
@@ -78,8 +77,7 @@ class DataWarning(UserWarning):
 
 @contextlib.contextmanager
 def data_warnings(notes: list[str]) -> Iterator[list[str]]:
-    """Within the block, DataWarning messages are appended to `notes` (each text once) instead of printed; other
-    warnings print as usual after the block."""
+    """Within the block, DataWarning texts are appended to `notes` (each once) instead of printed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DataWarning)
         yield notes
@@ -118,8 +116,8 @@ class Subset:
 
 
 def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir: bool = False) -> Path:
-    """A meta-recipe `root` / `annotation` path: absolute as is; relative against `data_root` when set, else the first
-    that exists of the meta file's grandparent (`<dir>/MMPR-v1.2/meta.json` naming `MMPR-v1.2/images`) and folder."""
+    """A meta-recipe path: absolute as is; relative to `data_root` when set, else to the first that exists of the meta
+    file's grandparent (`<dir>/MMPR-v1.2/meta.json` naming `MMPR-v1.2/images`) and its folder."""
     p = Path(path).expanduser()
     meta = Path(meta_path).resolve()
     if p.is_absolute():
@@ -151,8 +149,7 @@ def _is_row(value: Any) -> bool:
 
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     """The meta-recipe JSON {subset: {annotation, root, repeat_time, length, ...}} as `Subset`s in file order, paths
-    resolved (`resolve_path`). `root` may be null; `repeat_time` >= 0 (default 1); `data_augment: true` and unknown
-    keys warn (DataWarning). Raises DataError naming the file and the key."""
+    resolved; `data_augment: true` and unknown keys warn (DataWarning)."""
     if not str(meta_path).strip():
         raise DataError("the meta-recipe path is empty")
     meta_path = Path(meta_path)
@@ -227,9 +224,8 @@ def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[
 
 
 def load_image(path: str | Path):
-    """Decode an image fully as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto
-    white (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits. Raises _Drop (image_missing,
-    image_truncated, image_unreadable)."""
+    """An image decoded as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto white
+    (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits."""
     from PIL import Image, ImageOps
     from transformers.image_transforms import convert_to_rgb
 
@@ -276,8 +272,7 @@ def image_patch_budget(image_processor, n_images: int) -> int:
 def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
                 paths: Sequence[str] = ()) -> list[tuple[int, int]]:
     """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together
-    (transformers' `get_patch_grid_size` with the budget of `image_patch_budget`), without resizing them. Raises
-    _Drop(image_unprocessable) for an image more than the budget times longer on one side than the other."""
+    (transformers' `get_patch_grid_size` with `image_patch_budget`), without resizing them."""
     from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
 
     ip = image_processor
@@ -303,8 +298,7 @@ def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
 
 @dataclass
 class RowText:
-    """A validated row's text: the rendered prompt with one `<image>` per image (not yet expanded) and the rendered
-    responses (`... <|im_end|>\\n`)."""
+    """A validated row's rendered text; the prompt has one `<image>` per image (not yet expanded)."""
 
     prompt: str
     chosen: str
@@ -318,8 +312,8 @@ def _as_str(row: dict, *keys: str) -> str | None:
 
 
 def check_reasoning(name: str, response: str) -> None:
-    """Raise _Drop unless the stripped response has no reasoning token or one block at its start (`<think>` reasoning
-    `</think>` answer, or `</think>` alone: the generation prompt opened the block)."""
+    """Raise _Drop unless `response` has no reasoning block or one at its start (`</think>` alone: the generation
+    prompt opened it)."""
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
         raise _Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
@@ -351,8 +345,8 @@ class TextRenderer:
 
     def parse(self, row: Any, root: Path | None, max_images: int,
               subset: str = "") -> tuple[str, str, str, str, list[str]]:
-        """Check a JSON row; return (system, question, chosen, rejected, image paths in placeholder order), the
-        responses stripped, `<image_N>` turned into `<image>`, relative image paths joined to `root`. Raises _Drop."""
+        """Check a JSON row: (system, question, chosen, rejected, image paths in placeholder order), the responses
+        stripped, `<image_N>` turned into `<image>`, relative image paths joined to `root`."""
         if not isinstance(row, dict):
             raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
         system = row.get("system_prompt", row.get("system"))
@@ -411,10 +405,8 @@ class TextRenderer:
 
     def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
         """(prompt, chosen, rejected) rendered by the chat template: the prompt is the generation prompt the rendered
-        conversation starts with, each response the rest (`... <|im_end|>\\n`). When one side reasons and the other
-        not, the prompt stops at `<|im_start|>assistant\\n`. TEMPLATE_DIRECTIVES are hidden from the template.
-        Raises _Drop (template_rewrites_text, identical_responses), or DataError for a template that renders no
-        generation prompt + response."""
+        conversation starts with (up to `<|im_start|>assistant\\n` when only one side reasons), each response the
+        rest (`... <|im_end|>\\n`)."""
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
@@ -520,8 +512,7 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
 
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                  subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
-    """Check rows [(line, byte offset, raw line)] of `subset` (image root `root`, "" = none): (line, offset, lengths
-    dict or (reason, detail))."""
+    """[(line, offset, lengths dict or (drop reason, detail))] of rows [(line, byte offset, raw line)]."""
     text, ip = _CHUNK_CTX["text"], _CHUNK_CTX["ip"]
     max_images, max_len = _CHUNK_CTX["max_images"], _CHUNK_CTX["max_len"]
     merge = round(1 / ip.downsample_ratio)
@@ -573,9 +564,7 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
 def checked_rows(pool, workers: int, root: str, path: Path,
                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
     """Every non-blank row of annotation file `path` checked, in file order: (line, byte offset, lengths or (drop
-    reason, detail)); lengths holds prompt_len, chosen_len, rejected_len (tokens), imgs, grids, counts and digest.
-    `pool` (a fork-context ProcessPoolExecutor of `workers`, or None: in-process) checks CHUNK_ROWS rows per task.
-    Needs `begin_row_checks` first."""
+    reason, detail)). `pool`: a fork-context ProcessPoolExecutor of `workers`, or None (in-process)."""
     if pool is None:
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)
