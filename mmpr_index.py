@@ -238,11 +238,13 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         if len(ex) < 3:
             ex.append(f"{where}: {detail}")
 
+    def new_stats(sub: Subset, **more) -> dict:
+        return {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                "repeat_time": sub.repeat_time, **more}
+
     try:
         for sid, sub in enumerate(subsets):
-            st = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
-                  "repeat_time": sub.repeat_time}
-            stats[sub.name] = st
+            st = stats[sub.name] = new_stats(sub)
             exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
             valid: list[dict] = []
             stopped_early = False
@@ -263,29 +265,26 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     rows.close()
                     break
             notes = []  # kept in the index's stats, so that a cache hit repeats them (build_index warns them)
-            # a subset that is not JSON Lines: without pairs build_index's error says it, with pairs from other
-            # subsets this note does (its drops alone say invalid_json, not why)
-            if (hint := not_jsonl_hint(sub.annotation, st)) is not None:
+            where, n_read = f"{meta_path}: subset {sub.name!r}", st["rows_read"]
+            if (hint := not_jsonl_hint(sub.annotation, st)) is not None:  # its drops say invalid_json, not why
                 notes.append(hint)
-            if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
-                notes.append(f"{meta_path}: subset {sub.name!r}: the meta says length = {sub.length} but "
-                             f"{sub.annotation} has {st['rows_read']} rows")
-            elif st["rows_read"] == 0:  # an empty file (or blank lines only): the subset adds nothing
-                notes.append(f"{meta_path}: subset {sub.name!r}: {sub.annotation} holds no rows, so the subset adds "
-                             "no pair")
-            if st["rows_read"] and not valid and hint is None:  # every row dropped (the drops say why)
-                notes.append(f"{meta_path}: subset {sub.name!r}: all {st['rows_read']} rows of {sub.annotation} "
-                             f"were dropped ({st['dropped']}), so the subset adds no pair")
+            if sub.length is not None and sub.length != n_read and not stopped_early:
+                notes.append(f"{where}: the meta says length = {sub.length} but {sub.annotation} has {n_read} rows")
+            elif n_read == 0:  # an empty file (or blank lines only)
+                notes.append(f"{where}: {sub.annotation} holds no rows, so the subset adds no pair")
+            if n_read and not valid and hint is None:
+                notes.append(f"{where}: all {n_read} rows of {sub.annotation} were dropped ({st['dropped']}), so the "
+                             "subset adds no pair")
             if st.get("repeats"):  # e.g. a file listed under two subsets, or rows copied within a file
                 verb = "repeats" if st["repeats"] == 1 else "repeat"
-                notes.append(f"{meta_path}: subset {sub.name!r}: {plural(st['repeats'], 'row')} {verb} an earlier "
-                             f"row word for word (e.g. {st['first_repeat']}): each copy is its own pair, and a "
-                             "validation split of these pairs can hold copies of training pairs")
+                notes.append(f"{where}: {plural(st['repeats'], 'row')} {verb} an earlier row word for word (e.g. "
+                             f"{st['first_repeat']}): each copy is its own pair, and a validation split of these "
+                             "pairs can hold copies of training pairs")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:
-                notes.append(f"{meta_path}: subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its "
-                             f"{len(valid)} valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)")
+                notes.append(f"{where}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} valid rows "
+                             f"(floor({len(valid)} x {sub.repeat_time}) = 0)")
             if notes:
                 st["notes"] = notes
             if max_samples:
@@ -311,8 +310,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
             st["pairs"] = len(keep)
             if max_samples and len(cols["line"]) >= max_samples:
                 for later in subsets[sid + 1:]:
-                    stats[later.name] = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
-                                         "repeat_time": later.repeat_time, "not_read": "max_samples reached"}
+                    stats[later.name] = new_stats(later, not_read="max_samples reached")
                 break
     finally:
         if pool is not None:

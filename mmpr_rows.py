@@ -157,11 +157,11 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         raw = meta_path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read the meta-recipe {meta_path}: {e}") from None
-    duplicates: list[list[str]] = []  # per JSON object, innermost first: the top-level object's comes last
+    duplicates: list[str] = []  # JSON keeps the last of equal keys: a subset would vanish without a word
 
     def keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
         seen: set[str] = set()
-        duplicates.append([k for k, _ in pairs if k in seen or seen.add(k)])
+        duplicates.extend(k for k, _ in pairs if k in seen or seen.add(k))
         return dict(pairs)
 
     meta, error = None, None
@@ -177,8 +177,8 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         raise DataError(f"{meta_path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}")
     if not isinstance(meta, dict) or not meta:
         raise DataError(f"{meta_path}: expected a non-empty JSON object {{subset: {{root, annotation, ...}}}}")
-    if dup := duplicates[-1] + [k for d in duplicates[:-1] for k in d]:  # JSON keeps the last of equal keys
-        raise DataError(f"{meta_path}: key {dup[0]!r} appears more than once")
+    if duplicates:
+        raise DataError(f"{meta_path}: key {duplicates[0]!r} appears more than once")
     subsets = []
     for name, spec in meta.items():
         where = f"{meta_path}: subset {name!r}"

@@ -261,6 +261,13 @@ def test_meta_errors(tmp_path):
     bad.write_text(json.dumps({"a": {"root": 3, "annotation": "x"}}))
     with pytest.raises(mr.DataError, match="subset 'a': root = 3 must be a folder path or null"):
         mr.read_meta(bad)
+    for text, key in (("[]", "non-empty JSON object"), ("{}", "non-empty JSON object"),
+                      ('{"a": 3}', "subset 'a': must be an object")):
+        bad.write_text(text)
+        with pytest.raises(mr.DataError, match=key):
+            mr.read_meta(bad)
+    with pytest.raises(mr.DataError, match="cannot read the meta-recipe"):
+        mr.read_meta(tmp_path / "absent.json")
 
 
 def test_meta_warnings_length_and_data_augment(tmp_path, processor):
