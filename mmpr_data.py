@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mmpr_rows import DataError, RowText, TextRenderer, _Drop, image_grids, load_image
+from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image
 from pack import PreferencePair
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ class PairDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def _row_text(self, i: int) -> RowText:
+    def _row_text(self, i: int) -> tuple[str, str, str, list[str]]:
+        """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` not yet expanded), images."""
         ix = self.index
         sub = int(ix.subset_id[i])
         with open(ix.annotation_files[sub], "rb") as f:
@@ -64,30 +65,30 @@ class PairDataset(torch.utils.data.Dataset):
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
         except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _changed(ix, i, f"the row no longer validates ({e})") from None
-        return RowText(prompt, r_c, r_r, images)
+        return prompt, r_c, r_r, images
 
     def __getitem__(self, i: int) -> PreferencePair:
         i = int(i)
-        ix, row = self.index, self._row_text(i)
-        if row.images:
+        ix = self.index
+        prompt, chosen, rejected, images = self._row_text(i)
+        if images:
             try:
-                pil = [load_image(p) for p in row.images]
+                pil = [load_image(p) for p in images]
                 # an image replaced by one too thin for the processor: this error, not its ZeroDivisionError
-                image_grids(self.processor.image_processor, [(im.height, im.width) for im in pil], row.images)
+                image_grids(self.processor.image_processor, [(im.height, im.width) for im in pil], images)
             except _Drop as d:
                 raise _changed(ix, i, str(d)) from None
             media = self.processor.image_processor(images=pil, return_tensors="pt")
             pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
             reps = [self.processor.replace_image_token(media, j) for j in range(len(pil))]
-            prompt = self.processor.get_text_with_replacements([row.prompt], images_replacements=reps)[0][0]
+            prompt = self.processor.get_text_with_replacements([prompt], images_replacements=reps)[0][0]
         else:
             pixel_values, grid = torch.zeros(0, self.patch_dim), torch.zeros(0, 2, dtype=torch.long)
-            prompt = row.prompt
         merge = round(1 / self.processor.image_processor.downsample_ratio)
         counts = grid.prod(dim=-1) // merge**2
         prompt_ids = self.text.encode(prompt)
         rows = {}
-        for side, response in (("chosen", row.chosen), ("rejected", row.rejected)):
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
             r_ids, r_mask = self.text.response_ids(response)
             rows[side] = (torch.tensor(prompt_ids + r_ids, dtype=torch.int64),
                           torch.tensor([False] * len(prompt_ids) + r_mask, dtype=torch.bool))

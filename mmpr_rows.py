@@ -169,7 +169,7 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         meta = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=keep_duplicates)  # a byte-order mark is tolerated
     except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
         error = e
-    if _is_row(meta) or error is not None and _is_row(raw.partition(b"\n")[0].decode("utf-8", errors="replace")):
+    if _is_row(meta) or error is not None and _is_row(raw.partition(b"\n")[0].decode("utf-8-sig", "replace")):
         raise DataError(f"{meta_path}: an annotation file (JSON Lines), not a meta-recipe: pass the meta-recipe")
     if isinstance(error, UnicodeDecodeError):
         raise DataError(f"{meta_path}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start})")
@@ -294,16 +294,6 @@ def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
 
 # ======================================================================================================================
 # Text: validation, chat-template rendering, tokenisation
-
-
-@dataclass
-class RowText:
-    """A validated row's rendered text; the prompt has one `<image>` per image (not yet expanded)."""
-
-    prompt: str
-    chosen: str
-    rejected: str
-    images: list[str]  # resolved image paths, in placeholder order
 
 
 def _as_str(row: dict, *keys: str) -> str | None:
