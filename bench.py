@@ -788,10 +788,10 @@ def bench_shared(quick: bool) -> dict:
 
 def _repeated_meta(folder: Path, repeat: int) -> Path:
     """A copy of the sample's meta-recipe whose annotations hold every row `repeat` times (absolute image roots)."""
-    import mmpr_data
+    import mmpr_rows
 
     meta = json.loads(SAMPLE_META.read_text())
-    subsets = {s.name: s for s in mmpr_data.read_meta(SAMPLE_META)}
+    subsets = {s.name: s for s in mmpr_rows.read_meta(SAMPLE_META)}
     for name, entry in meta.items():
         s = subsets[name]
         lines = [ln for ln in s.annotation.read_text().splitlines() if ln.strip()]
@@ -1604,7 +1604,7 @@ def scan_rows(sc: dict) -> list[tuple[str, ...]]:
 
 def table(res: dict) -> str:
     """The results as one Markdown table: item | metric | ours | baseline | ratio."""
-    from mmpr_data import plural
+    from mmpr_rows import plural
 
     rows = [(name, "failed", r["error"][:100], "", "") for name, r in res.items() if "error" in r]
     res = {name: r for name, r in res.items() if "error" not in r}

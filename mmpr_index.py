@@ -1,26 +1,14 @@
-"""The MMPR index: every row of a meta-recipe checked once, its lengths cached, the splits, and the pre-flight report.
+"""The MMPR index: every row of a meta-recipe checked once (mmpr_rows.checked_rows), its lengths cached, the splits,
+and the pre-flight report.
 
-`build_index(meta_path, processor, cfg.data) -> mmpr_data.PairIndex` reads every subset of the meta-recipe
-(`mmpr_data.read_meta`), checks every row with mmpr_data's row checks (text, images, rendered template, lengths) and
-keeps, per pair, its source (subset, file, line, byte offset), its resolved image paths and grids, and the token
-lengths of prompt / chosen / rejected rows and image tokens: enough for pack.py to plan bins without opening an image.
-Dropped rows are counted by reason (`mmpr_data.DROP_REASONS`); `data.strict` turns a drop into an error naming the file
-and line. Rows are checked in chunks by `data.num_workers` forked processes (rendering and image decoding are CPU
-bound) and settled in file order; `repeat_time` and `max_samples` then choose the pairs.
-
-The index is cached under `$HF_DATASETS_CACHE` (else `$HF_HOME/datasets`, else `~/.cache/huggingface/datasets`) in a
-folder named by a fingerprint of the meta file, the annotation files (size, mtime), the tokenizer / template / image
-processor, and the settings that change the index; written atomically, checksummed, rebuilt (with a warning) when
-corrupt. Under torch.distributed global rank 0 builds it while the others wait.
-
-`load_splits(processor, cfg.data)` gives the train and validation splits (`Split`: an index and its pair ids);
-mmpr_data.PairDataset turns a pair id of an index into a pack.PreferencePair.
-
-Run the pre-flight report (rows read, pairs kept, drops by reason, length percentiles, per subset):
+`build_index(meta_path, processor, cfg.data) -> PairIndex` keeps per pair its source (subset, file, line, byte offset),
+its image paths and grids, and the token lengths of its prompt and rows: enough for pack.py to plan bins without
+opening an image. Dropped rows are counted by reason (mmpr_rows.DROP_REASONS). The index is cached under the HF
+datasets cache in a folder named by a fingerprint of the meta file, the annotation files (size, mtime), the processor
+and the settings that change it; under torch.distributed global rank 0 builds it while the others wait.
+`load_splits(processor, cfg.data)` gives the train and validation `Split`s.
 
     python mmpr_index.py data/mmpr_sample/MMPR-sample/meta.json --model assets/tiny-omni [--max-samples N] [--json]
-
-Imports mmpr_data (the row-to-pair path), never the other way round. Tests: `pytest tests/test_mmpr_data.py`.
 """
 
 from __future__ import annotations
@@ -47,30 +35,95 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_data import (
+from mmpr_data import ignore_stop_signals, workers_start_deaf
+from mmpr_rows import (
     DataError,
     DataWarning,
-    PairIndex,
     Subset,
     apply_repeat_time,
     begin_row_checks,
     checked_rows,
     data_warnings,
     end_row_checks,
-    ignore_stop_signals,
     plural,
     read_meta,
-    workers_start_deaf,
 )
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
 CACHE_VERSION = 5  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
-# How long the other ranks wait for rank 0's index build (build_index). The default process group's timeout (NCCL's
-# 10 minutes) would stop them during a build over a full MMPR release (hours: ~11 ms per image row on one process);
-# a failed build does not make them wait this long: rank 0 broadcasts its error.
+# How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
+
+# ======================================================================================================================
+# The index
+
+
+@dataclass
+class PairIndex:
+    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
+
+    Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
+    `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
+    `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
+    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
+
+    meta_path: str
+    fingerprint: str
+    subsets: list[str]
+    annotation_files: list[str]
+    image_roots: list[str]  # "" for a subset without root
+    image_paths: list[str]
+    subset_id: torch.Tensor
+    line: torch.Tensor
+    offset: torch.Tensor
+    prompt_len: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    image_tokens: torch.Tensor
+    image_start: torch.Tensor
+    num_images: torch.Tensor
+    image_path_id: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+    stats: dict[str, dict]
+    build_seconds: float = 0.0
+    cache_status: str = "disabled"
+    cache_dir: str = ""
+
+    _SAVED = ("meta_path", "fingerprint", "subsets", "annotation_files", "image_roots", "image_paths", "subset_id",
+              "line", "offset", "prompt_len", "chosen_len", "rejected_len", "image_tokens", "image_start", "num_images",
+              "image_path_id", "image_grid_hw", "image_token_counts", "stats", "build_seconds")
+
+    def __len__(self) -> int:
+        return int(self.line.numel())
+
+    def lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+        """{pair_id: (chosen tokens, rejected tokens)}: the input of pack.plan_bins / plan_step."""
+        ids = range(len(self)) if pair_ids is None else pair_ids
+        c, r = self.chosen_len.tolist(), self.rejected_len.tolist()
+        return {int(i): (c[i], r[i]) for i in ids}
+
+    def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
+        """{pair_id: prompt tokens - 1}: what the shared-prompt layout stores once per pair at least (the last prompt
+        token starts both responses): the `shared_lengths` of pack.plan_bins / plan_step."""
+        if pair_ids is None:
+            return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
+        ids = [int(i) for i in pair_ids]
+        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
+
+    def source(self, i: int) -> str:
+        """'annotation.jsonl:line' of pair i (for messages)."""
+        return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"
+
+    def images(self, i: int) -> list[str]:
+        s, n = int(self.image_start[i]), int(self.num_images[i])
+        return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
+
+    def state(self) -> dict:
+        return {k: getattr(self, k) for k in self._SAVED}
+
 
 # ======================================================================================================================
 # Fingerprint and cache folder
@@ -86,13 +139,8 @@ def _cache_root() -> Path:
 
 
 def load_processor(model_dir: str | Path, key: str):
-    """The model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`: chat template, tokenizer, image
-    processor). `key` names the setting in the error (`model.hf_path`, `--model`).
-
-    Raises:
-        DataError: the directory has no config.json (transformers would take the name for a hub id and retry), or
-            transformers cannot build a processor from it (a missing tokenizer or processor file), in one line.
-    """
+    """The model's transformers processor (chat template, tokenizer, image processor). Raises DataError naming the
+    setting `key` (`model.hf_path`, `--model`) when `model_dir` has no config.json or no processor."""
     if not (Path(model_dir) / "config.json").is_file():
         raise DataError(
             f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
@@ -139,13 +187,8 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
 
 
 def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
-    """Why the annotation file of a subset with stats `st` looks like JSON but not JSON Lines, or None.
-
-    Each row of an annotation is one JSON object on one line; a JSON array (an export, or pretty-printed with
-    `json.dump(rows, f, indent=...)`) has none, and its lines are all counted as invalid_json drops. The hint is given
-    when some rows are invalid_json and either the first non-blank line opens an array (starts with `[` and is not
-    JSON on its own) or every row read is invalid_json. It names the file and its first invalid_json example
-    (file:line: detail)."""
+    """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some rows are invalid_json and its first
+    line opens a JSON array (a `json.dump(rows, indent=...)` export), or all rows are."""
     bad, rows = st.get("dropped", {}).get("invalid_json", 0), st.get("rows_read", 0)
     if not bad:
         return None
@@ -168,7 +211,7 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 
 
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
-    """Scan every subset, validate rows and compute lengths (see build_index)."""
+    """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
     begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
     image_paths: list[str] = []
@@ -195,11 +238,13 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         if len(ex) < 3:
             ex.append(f"{where}: {detail}")
 
+    def new_stats(sub: Subset, **more) -> dict:
+        return {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
+                "repeat_time": sub.repeat_time, **more}
+
     try:
         for sid, sub in enumerate(subsets):
-            st = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
-                  "repeat_time": sub.repeat_time}
-            stats[sub.name] = st
+            st = stats[sub.name] = new_stats(sub)
             exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
             valid: list[dict] = []
             stopped_early = False
@@ -220,29 +265,26 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     rows.close()
                     break
             notes = []  # kept in the index's stats, so that a cache hit repeats them (build_index warns them)
-            # a subset that is not JSON Lines: without pairs build_index's error says it, with pairs from other
-            # subsets this note does (its drops alone say invalid_json, not why)
-            if (hint := not_jsonl_hint(sub.annotation, st)) is not None:
+            where, n_read = f"{meta_path}: subset {sub.name!r}", st["rows_read"]
+            if (hint := not_jsonl_hint(sub.annotation, st)) is not None:  # its drops say invalid_json, not why
                 notes.append(hint)
-            if sub.length is not None and sub.length != st["rows_read"] and not stopped_early:
-                notes.append(f"{meta_path}: subset {sub.name!r}: the meta says length = {sub.length} but "
-                             f"{sub.annotation} has {st['rows_read']} rows")
-            elif st["rows_read"] == 0:  # an empty file (or blank lines only): the subset adds nothing
-                notes.append(f"{meta_path}: subset {sub.name!r}: {sub.annotation} holds no rows, so the subset adds "
-                             "no pair")
-            if st["rows_read"] and not valid and hint is None:  # every row dropped (the drops say why)
-                notes.append(f"{meta_path}: subset {sub.name!r}: all {st['rows_read']} rows of {sub.annotation} "
-                             f"were dropped ({st['dropped']}), so the subset adds no pair")
+            if sub.length is not None and sub.length != n_read and not stopped_early:
+                notes.append(f"{where}: the meta says length = {sub.length} but {sub.annotation} has {n_read} rows")
+            elif n_read == 0:  # an empty file (or blank lines only)
+                notes.append(f"{where}: {sub.annotation} holds no rows, so the subset adds no pair")
+            if n_read and not valid and hint is None:
+                notes.append(f"{where}: all {n_read} rows of {sub.annotation} were dropped ({st['dropped']}), so the "
+                             "subset adds no pair")
             if st.get("repeats"):  # e.g. a file listed under two subsets, or rows copied within a file
                 verb = "repeats" if st["repeats"] == 1 else "repeat"
-                notes.append(f"{meta_path}: subset {sub.name!r}: {plural(st['repeats'], 'row')} {verb} an earlier "
-                             f"row word for word (e.g. {st['first_repeat']}): each copy is its own pair, and a "
-                             "validation split of these pairs can hold copies of training pairs")
+                notes.append(f"{where}: {plural(st['repeats'], 'row')} {verb} an earlier row word for word (e.g. "
+                             f"{st['first_repeat']}): each copy is its own pair, and a validation split of these "
+                             "pairs can hold copies of training pairs")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:
-                notes.append(f"{meta_path}: subset {sub.name!r}: repeat_time = {sub.repeat_time} keeps none of its "
-                             f"{len(valid)} valid rows (floor({len(valid)} x {sub.repeat_time}) = 0)")
+                notes.append(f"{where}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} valid rows "
+                             f"(floor({len(valid)} x {sub.repeat_time}) = 0)")
             if notes:
                 st["notes"] = notes
             if max_samples:
@@ -268,8 +310,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
             st["pairs"] = len(keep)
             if max_samples and len(cols["line"]) >= max_samples:
                 for later in subsets[sid + 1:]:
-                    stats[later.name] = {"rows_read": 0, "valid": 0, "pairs": 0, "dropped": {}, "drop_examples": {},
-                                         "repeat_time": later.repeat_time, "not_read": "max_samples reached"}
+                    stats[later.name] = new_stats(later, not_read="max_samples reached")
                 break
     finally:
         if pool is not None:
@@ -314,9 +355,8 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
 
 
 def _write_cache(folder: Path, index: PairIndex) -> None:
-    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX). A cache that
-    cannot be written (the cache folder cannot be created, is read-only, the disk is full) is a logged warning: the
-    index just built is used uncached."""
+    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX); a cache that
+    cannot be written is a logged warning (the index is used uncached)."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -361,26 +401,12 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
-    """Validated, cached index of the pairs of a meta-recipe (see the module docstring).
+    """The validated, cached index of the pairs of meta-recipe `meta_path` (see the module docstring).
 
-    Args:
-        meta_path: the MMPR meta-recipe JSON.
-        processor: the model's transformers processor (`AutoProcessor.from_pretrained(model_dir)`).
-        data: the config's data section (config.DataConfig, `cfg.data`): max_seq_length, strict, num_workers (>= 2:
-            forked processes that check rows while indexing), train.data_root / seed / max_images_per_row /
-            max_samples.
-        max_samples: keep the first N valid pairs in meta/file order (after repeat_time): a quick first light, not a
-            random sample. Default data.train.max_samples; 0 = all.
-        use_cache: read / write the cache (see `_cache_root`).
-
-    With torch.distributed initialised, global rank 0 builds and writes the cache while the others wait (on a gloo
-    group with INDEX_BUILD_TIMEOUT, 24 h), then read it (or build it themselves when the cache folder is not shared
-    with rank 0). On a full MMPR release build the index first with `python mmpr_index.py` (README, Data).
-
-    Raises:
-        DataError: meta-recipe problems (invalid JSON with line and column, missing keys, paths not found with every
-            path tried), no valid pair left, or with data.strict the first dropped row (file and line).
-    """
+    `data` is the config's data section (cfg.data); `max_samples` keeps the first N valid pairs in file order (after
+    repeat_time; default data.train.max_samples, 0 = all). Under torch.distributed global rank 0 builds and writes the
+    cache while the others wait on a gloo group (INDEX_BUILD_TIMEOUT), then read it. Raises DataError: a bad
+    meta-recipe, no valid pair, or with data.strict the first dropped row."""
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -394,8 +420,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
     dist = torch.distributed
     if use_cache and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # rank 0 builds; its outcome (or its error) is broadcast so that no rank waits forever on a failed build. The
-        # wait is on a gloo group of its own with INDEX_BUILD_TIMEOUT: the default group's timeout is far shorter.
+        # rank 0 builds and broadcasts its outcome (or its error, so that no rank waits for a failed build)
         wait = dist.new_group(backend="gloo", timeout=INDEX_BUILD_TIMEOUT)
         msg: list[Any] = [None]
         if dist.get_rank() == 0:
@@ -403,9 +428,9 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                 index = _load_or_build(*args, write=True)
             except Exception as e:
                 msg[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(msg, src=0, group=wait)
                 raise
-            dist.broadcast_object_list(msg, src=0, group=wait)
+            finally:
+                dist.broadcast_object_list(msg, src=0, group=wait)
         else:
             dist.broadcast_object_list(msg, src=0, group=wait)
             if msg[0] is not None:
@@ -452,10 +477,8 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
 
 
 def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed).
-
-    Repeats of one annotation row (repeat_time > 1) go to the same side, so validation never sees a training row.
-    """
+    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed); repeats of
+    one row (repeat_time > 1) go to the same side."""
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
         groups[key].append(i)
@@ -475,8 +498,7 @@ def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int
 
 @dataclass
 class Split:
-    """A split: the index it draws from and its pair ids (a subset of 0..len(index)-1); `dropped_oversized` counts the
-    pairs preflight.check_splits removed from `pair_ids` as larger than a bin (packing.drop_oversized_pairs)."""
+    """The index a split draws from and its pair ids; `dropped_oversized`: pairs preflight.check_splits removed."""
 
     index: PairIndex
     pair_ids: list[int]
@@ -484,12 +506,8 @@ class Split:
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
-    """The train split and the validation split (None when neither source is configured) of the data section `data`
-    (config.DataConfig, `cfg.data`).
-
-    Validation comes from data.validation.data_path (its own meta, data.validation.max_samples) when set, else from
-    data.train.split_validation_size pairs of the train index (seed data.train.seed).
-    """
+    """(train, validation or None) of `data` (cfg.data): validation from data.validation.data_path when set, else
+    data.train.split_validation_size pairs of the train index."""
     train = build_index(data.train.data_path, processor, data)
     if data.validation.data_path:
         if data.train.split_validation_size:
@@ -521,8 +539,8 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def report(index: PairIndex) -> dict:
-    """Per subset and in total: rows read, valid rows, pairs kept, drops by reason (with examples) and length
-    percentiles in tokens (prompt, image tokens, chosen row, rejected row). JSON-serialisable."""
+    """Per subset and in total: rows read, valid, pairs, drops by reason (with examples) and token-length
+    percentiles (prompt, image tokens, chosen row, rejected row), JSON-serialisable."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
                 (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
@@ -565,8 +583,7 @@ CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--ma
 
 
 def cli_text(text: str) -> str:
-    """`text` (a data message, drop example or report) with the config keys of CLI_FLAGS named by this command's
-    flags: the messages are shared with train.py, where the config keys are the names to set."""
+    """`text` with the config keys of CLI_FLAGS named by this command's flags."""
     for key, flag in CLI_FLAGS.items():
         text = text.replace(key, flag)
     return text

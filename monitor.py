@@ -26,6 +26,7 @@ import checkpoint
 import config as config_mod
 import mmpr_data
 import mmpr_index
+import mmpr_rows
 import mpo_loss
 
 # ======================================================================================================================
@@ -391,7 +392,7 @@ class MetricsLog:
                 n += 1
             self.path.rename(old)
             print(
-                f"metrics: {self.path} held {mmpr_data.plural(len(rows), 'row')} of an earlier run without a "
+                f"metrics: {self.path} held {mmpr_rows.plural(len(rows), 'row')} of an earlier run without a "
                 f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
             )
         elif rows:  # rows after the resumed step belong to a segment that died before saving
@@ -401,7 +402,7 @@ class MetricsLog:
                 self.path.write_text("".join(r + "\n" for r in keep), errors="surrogateescape")
             if after:
                 print(
-                    f"metrics: dropped {mmpr_data.plural(after, 'row')} after step {resumed_step} from {self.path} "
+                    f"metrics: dropped {mmpr_rows.plural(after, 'row')} after step {resumed_step} from {self.path} "
                     "(logged after the checkpoint this run resumes from: a segment that stopped before saving them, or "
                     "a later checkpoint moved away)"
                 )

@@ -87,6 +87,7 @@ import distributed  # noqa: E402
 import hf_weights  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
+import mmpr_rows  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -236,9 +237,9 @@ class Data:
 
 def load_data(cfg, hf, rank: int) -> Data:
     """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
-    (mmpr_data.DataWarning) among them as plain lines, once."""
+    (mmpr_rows.DataWarning) among them as plain lines, once."""
     processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
-    with mmpr_data.data_warnings([]) as warned:
+    with mmpr_rows.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, warned + notes, rank)
@@ -481,7 +482,7 @@ def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
 # One microbatch, one step, one validation
 
 
-def plan_and_select(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
+def plan_and_select(index: mmpr_index.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
     """Plan a step's bins over all DP ranks (pack.plan_step) and select the pairs this DP rank loads: (plan, pair ids)
     (mmpr_data.StepLoader's plan_fn, with `index` and `ctx` bound)."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))

@@ -1,6 +1,6 @@
-"""mmpr_data.py and mmpr_index.py: meta-recipe parsing and path rules, row validation and every drop reason, image
-decoding, template rendering and loss masks (checked token by token and against the processor end to end), the index
-cache, splits, the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
+"""mmpr_rows.py, mmpr_index.py, mmpr_data.py: meta-recipe parsing and path rules, row validation and every drop reason,
+image decoding, template rendering and loss masks (checked token by token and against the processor end to end), the
+index cache, splits, the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
 
 Every test writes its cache under tmp_path (HF_DATASETS_CACHE is monkeypatched), never to ~/.cache.
 """
@@ -24,6 +24,7 @@ from PIL import Image
 
 import mmpr_data as md
 import mmpr_index as mi
+import mmpr_rows as mr
 from config import Config, DataConfig
 from pack import pack, plan_step
 
@@ -214,7 +215,7 @@ def test_path_resolution_rules(tmp_path, processor):
     cfg = data_cfg()
     # 1. grandparent (official layout)
     meta = write_set(tmp_path / "g", [row()], {"a.png": rgb()})
-    subs = md.read_meta(meta)
+    subs = mr.read_meta(meta)
     assert subs[0].annotation == (tmp_path / "g" / "MMPR-t" / "annotations" / "sub.jsonl").resolve()
     # 2. the meta file's own folder
     d = tmp_path / "own"
@@ -226,40 +227,47 @@ def test_path_resolution_rules(tmp_path, processor):
     # 3. data.train.data_root, for a meta that lives elsewhere
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
-    with pytest.raises(md.DataError):
-        md.read_meta(tmp_path / "elsewhere" / "meta.json")
-    subs = md.read_meta(tmp_path / "elsewhere" / "meta.json", data_root=str(d))
+    with pytest.raises(mr.DataError):
+        mr.read_meta(tmp_path / "elsewhere" / "meta.json")
+    subs = mr.read_meta(tmp_path / "elsewhere" / "meta.json", data_root=str(d))
     assert subs[0].root == (d / "imgs").resolve()
     index = mi.build_index(tmp_path / "elsewhere" / "meta.json", processor, data_cfg(train__data_root=str(d)))
     assert len(index) == 1
     # absolute paths are used as they are
     (tmp_path / "abs.json").write_text(json.dumps({"s": {"root": str(d / "imgs"),
                                                          "annotation": str(d / "rows.jsonl")}}))
-    assert md.read_meta(tmp_path / "abs.json")[0].annotation == d / "rows.jsonl"
+    assert mr.read_meta(tmp_path / "abs.json")[0].annotation == d / "rows.jsonl"
     # the error lists every path tried
     (tmp_path / "x" / "y").mkdir(parents=True)
     (tmp_path / "x" / "y" / "meta.json").write_text(json.dumps({"s": {"root": "nope", "annotation": "no.jsonl"}}))
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(tmp_path / "x" / "y" / "meta.json")
+    with pytest.raises(mr.DataError) as e:
+        mr.read_meta(tmp_path / "x" / "y" / "meta.json")
     assert f"tried:\n  {tmp_path / 'x' / 'nope'}\n  {tmp_path / 'x' / 'y' / 'nope'}\n" in str(e.value)
-    with pytest.raises(md.DataError, match="tried:\n  " + str(tmp_path / "dr" / "nope")):
-        md.read_meta(tmp_path / "x" / "y" / "meta.json", data_root=str(tmp_path / "dr"))
+    with pytest.raises(mr.DataError, match="tried:\n  " + str(tmp_path / "dr" / "nope")):
+        mr.read_meta(tmp_path / "x" / "y" / "meta.json", data_root=str(tmp_path / "dr"))
 
 
 def test_meta_errors(tmp_path):
     bad = tmp_path / "debug_mpo.json"  # InternVL's own debug meta has a trailing comma
     bad.write_text('{"a": {"root": "r",\n  "annotation": "a.jsonl", "repeat_time": 1},\n}\n')
-    with pytest.raises(md.DataError, match=r"debug_mpo.json:3:1: invalid JSON"):
-        md.read_meta(bad)
+    with pytest.raises(mr.DataError, match=r"debug_mpo.json:3:1: invalid JSON"):
+        mr.read_meta(bad)
     bad.write_text(json.dumps({"a": {"root": "r"}}))
-    with pytest.raises(md.DataError, match="subset 'a' has no 'annotation'"):
-        md.read_meta(bad)
+    with pytest.raises(mr.DataError, match="subset 'a': annotation = None"):
+        mr.read_meta(bad)
     bad.write_text(json.dumps({"a": {"root": "r", "annotation": "x", "repeat_time": -1}}))
-    with pytest.raises(md.DataError, match="repeat_time = -1 must be a number >= 0"):
-        md.read_meta(bad)
+    with pytest.raises(mr.DataError, match="repeat_time = -1 must be a number >= 0"):
+        mr.read_meta(bad)
     bad.write_text(json.dumps({"a": {"root": 3, "annotation": "x"}}))
-    with pytest.raises(md.DataError, match="subset 'a': root = 3 must be a folder path or null"):
-        md.read_meta(bad)
+    with pytest.raises(mr.DataError, match="subset 'a': root = 3 must be a folder path or null"):
+        mr.read_meta(bad)
+    for text, key in (("[]", "non-empty JSON object"), ("{}", "non-empty JSON object"),
+                      ('{"a": 3}', "subset 'a': must be an object")):
+        bad.write_text(text)
+        with pytest.raises(mr.DataError, match=key):
+            mr.read_meta(bad)
+    with pytest.raises(mr.DataError, match="cannot read the meta-recipe"):
+        mr.read_meta(tmp_path / "absent.json")
 
 
 def test_meta_warnings_length_and_data_augment(tmp_path, processor):
@@ -280,7 +288,7 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
     meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True})
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
-        with md.data_warnings([]) as notes:
+        with mr.data_warnings([]) as notes:
             mi.build_index(meta, processor, data_cfg(), use_cache=False)
             mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the same notices again: kept once
             warnings.warn("something else", UserWarning, stacklevel=1)
@@ -295,25 +303,20 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
 
 def test_bad_meta_paths_name_the_real_cause(tmp_path):
     """QA15 item 10: an empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
-    with pytest.raises(md.DataError) as e:
-        md.read_meta("")
-    assert str(e.value) == ("the meta-recipe path is empty: give an MMPR meta-recipe JSON "
-                            "{subset: {root, annotation, ...}}")
+    with pytest.raises(mr.DataError, match="meta-recipe path is empty"):
+        mr.read_meta("")
     for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
         jsonl = tmp_path / f"rows{n}.jsonl"
         jsonl.write_text("".join(json.dumps(row(i)) + "\n" for i in range(n)))
-        with pytest.raises(md.DataError) as e:
-            md.read_meta(jsonl)
-        assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but "
-                                "what looks like an annotation file (JSON Lines, one preference row per line); pass "
-                                "the meta-recipe that names it")
+        with pytest.raises(mr.DataError, match=f"^{jsonl}: an annotation file"):
+            mr.read_meta(jsonl)
     broken = tmp_path / "broken.json"
     broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not rows: still the JSON error
-    with pytest.raises(md.DataError, match=r"broken.json:2:1: invalid JSON: Extra data$"):
-        md.read_meta(broken)
+    with pytest.raises(mr.DataError, match=r"broken.json:2:1: invalid JSON: Extra data$"):
+        mr.read_meta(broken)
     for flag, value, message in (("--max-samples", "-3", "--max-samples = -3 must be >= 0 (0 = all)"),
                                  ("--max-seq-length", "0", "--max-seq-length = 0 must be >= 1")):
-        with pytest.raises(md.DataError) as e:
+        with pytest.raises(mr.DataError) as e:
             mi.main([str(SAMPLE_META), "--model", str(TINY), flag, value])
         assert str(e.value) == message
 
@@ -323,54 +326,46 @@ def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
     UnicodeDecodeError as a traceback on every rank."""
     nonutf = tmp_path / "nonutf.json"
     nonutf.write_bytes(b"\xff\xfe{}")  # a UTF-16 byte-order mark (Windows) before the text
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(nonutf)
-    assert str(e.value) == (f"{nonutf}: not UTF-8 text (byte 0xff at offset 0); a meta-recipe is a UTF-8 JSON file "
-                            "(one saved as UTF-16, e.g. by a Windows editor, must be converted)")
+    with pytest.raises(mr.DataError, match=f"^{nonutf}: not UTF-8 .byte 0xff at offset 0"):
+        mr.read_meta(nonutf)
     jsonl = tmp_path / "rows.jsonl"  # an annotation file with one row that is not UTF-8, given as the meta
     jsonl.write_bytes(json.dumps(row(0)).encode() + b"\n" + json.dumps(row(1)).encode()[:-2] + b"\xe9\"}\n")
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(jsonl)
-    assert str(e.value) == (f"{jsonl}: not a meta-recipe JSON object {{subset: {{root, annotation, ...}}}} but what "
-                            "looks like an annotation file (JSON Lines, one preference row per line); pass the "
-                            "meta-recipe that names it")
+    with pytest.raises(mr.DataError, match=f"^{jsonl}: an annotation file"):
+        mr.read_meta(jsonl)
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()})
     meta.write_bytes(b"\xef\xbb\xbf" + meta.read_bytes())  # a UTF-8 byte-order mark is tolerated
-    assert [s.name for s in md.read_meta(meta)] == ["sub"]
+    assert [s.name for s in mr.read_meta(meta)] == ["sub"]
 
 
 def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
     """QA 4b.11: keys with typos were ignored silently and a repeated subset name kept only the last subset."""
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()},
                      spec={"repeat_times": 2, "lenght": 3, "max_dynamic_patch": 6, "color": "red"})
-    with md.data_warnings([]) as notes:
-        md.read_meta(meta)
-        md.read_meta(SAMPLE_META)  # the shipped sample: InternVL's keys only, nothing said
+    with mr.data_warnings([]) as notes:
+        mr.read_meta(meta)
+        mr.read_meta(SAMPLE_META)  # the shipped sample: InternVL's keys only, nothing said
     assert notes == [f"{meta}: subset 'sub': unknown keys ignored: 'repeat_times' (did you mean 'repeat_time'?), "
                      "'lenght' (did you mean 'length'?), 'color'"]
     dup = tmp_path / "dup.json"
     dup.write_text('{"a": {"annotation": "x.jsonl"}, "b": {"annotation": "y.jsonl"}, "a": {"annotation": "z.jsonl"}}')
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(dup)
-    assert str(e.value) == (f"{dup}: subset 'a' appears more than once (JSON keeps only the last); give each subset "
-                            "its own name")
+    with pytest.raises(mr.DataError, match=f"^{dup}: key 'a' appears more than once"):
+        mr.read_meta(dup)
     dup.write_text('{"a": {"annotation": "x.jsonl", "root": null, "annotation": "y.jsonl"}}')
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(dup)
-    assert str(e.value) == f"{dup}: key 'annotation' appears more than once in one object (JSON keeps only the last)"
+    with pytest.raises(mr.DataError, match=f"^{dup}: key 'annotation' appears more than once"):
+        mr.read_meta(dup)
 
 
 def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
     """QA 4b.11: an image path or an annotation path naming a directory was reported as not existing."""
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
-    with pytest.raises(md.DataError) as e:
-        md.read_meta(meta)
-    assert str(e.value) == f"{meta}: file 'MMPR-t/images': {tmp_path / 'MMPR-t' / 'images'} is a directory, not a file"
-    with pytest.raises(md._Drop) as e:
-        md.load_image(tmp_path)
+    with pytest.raises(mr.DataError) as e:
+        mr.read_meta(meta)
+    assert str(e.value) == f"{meta}: file 'MMPR-t/images': {tmp_path / 'MMPR-t' / 'images'} is a directory"
+    with pytest.raises(mr._Drop) as e:
+        mr.load_image(tmp_path)
     assert (e.value.reason, e.value.detail) == ("image_missing", f"{tmp_path} is a directory")
-    with pytest.raises(md._Drop) as e:
-        md.load_image(tmp_path / "nope.png")
+    with pytest.raises(mr._Drop) as e:
+        mr.load_image(tmp_path / "nope.png")
     assert e.value.detail == f"{tmp_path / 'nope.png'} does not exist"
 
 
@@ -384,7 +379,7 @@ def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(pro
     monkeypatch.setattr(tub.logger, "warning", lambda msg, *args, **kwargs: said.append(msg))
     monkeypatch.setattr(processor.tokenizer, "model_max_length", 8)
     monkeypatch.setattr(processor.tokenizer, "deprecation_warnings", {})
-    assert len(md.TextRenderer(processor).encode("word " * 50)) > 8
+    assert len(mr.TextRenderer(processor).encode("word " * 50)) > 8
     assert said == []
     processor.tokenizer("word " * 50, add_special_tokens=False)  # the control: the plain call warns
     assert len(said) == 1 and said[0].startswith("Token indices sequence length is longer than the specified maximum")
@@ -400,17 +395,17 @@ def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, process
         "placeholder_mismatch": [f"{sub}:1: 2 <image> placeholders for 1 image",
                                  f"{sub}:2: 1 <image> placeholder for 2 images"],
         "too_many_images": [f"{sub}:3: 3 images > data.train.max_images_per_row = 2"]}
-    assert md.plural(0, "image") == "0 images" and md.plural(1, "image") == "1 image"
-    assert md.plural(2, "microbatch") == "2 microbatches" and md.plural(1, "microbatch") == "1 microbatch"
+    assert mr.plural(0, "image") == "0 images" and mr.plural(1, "image") == "1 image"
+    assert mr.plural(2, "microbatch") == "2 microbatches" and mr.plural(1, "microbatch") == "1 microbatch"
 
 
 def test_repeat_time(tmp_path, processor):
-    assert md.apply_repeat_time(10, 1.0, 0, "s") == list(range(10))
-    assert md.apply_repeat_time(10, 0.0, 0, "s") == []
-    low = md.apply_repeat_time(10, 0.3, 7, "s")
-    assert len(low) == 3 and low == sorted(set(low)) and low == md.apply_repeat_time(10, 0.3, 7, "s")
-    assert len({tuple(md.apply_repeat_time(10, 0.3, s, "s")) for s in range(8)}) > 1  # the seed matters
-    high = md.apply_repeat_time(10, 2.5, 7, "s")
+    assert mr.apply_repeat_time(10, 1.0, 0, "s") == list(range(10))
+    assert mr.apply_repeat_time(10, 0.0, 0, "s") == []
+    low = mr.apply_repeat_time(10, 0.3, 7, "s")
+    assert len(low) == 3 and low == sorted(set(low)) and low == mr.apply_repeat_time(10, 0.3, 7, "s")
+    assert len({tuple(mr.apply_repeat_time(10, 0.3, s, "s")) for s in range(8)}) > 1  # the seed matters
+    high = mr.apply_repeat_time(10, 2.5, 7, "s")
     counts = np.bincount(high, minlength=10)
     assert len(high) == 25 and set(counts.tolist()) == {2, 3} and (counts == 3).sum() == 5
 
@@ -420,7 +415,7 @@ def test_repeat_time(tmp_path, processor):
         index = mi.build_index(meta, processor, data_cfg(train__seed=3))
         assert len(index) == expect and index.stats["sub"]["valid"] == 10 and index.stats["sub"]["pairs"] == expect
         lines = index.line.tolist()
-        assert lines == [v + 1 for v in md.apply_repeat_time(10, r, 3, "sub")]
+        assert lines == [v + 1 for v in mr.apply_repeat_time(10, r, 3, "sub")]
         # repeats of a row share its image slots (images are stored once per row)
         assert len(index.image_token_counts) == len(set(lines))
     ds = md.PairDataset(index, processor)
@@ -490,7 +485,7 @@ def test_an_empty_image_field_is_a_text_only_row(tmp_path, processor):
     """Issue 36, point 2: InternVL reads `"image": ""` (or []) as a pure-text row; it was dropped as missing_field."""
     text = {"question": "What is 9 - 4?", "chosen": "5", "rejected": "3"}
     meta = write_set(tmp_path, [text, {"image": "", **text}, {"image": [], **text}])
-    with md.data_warnings([]):
+    with mr.data_warnings([]):
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 3 and mi.summary_drops(index) == {} and index.num_images.tolist() == [0, 0, 0]
     assert index.stats["sub"]["repeats"] == 2  # the same pair as the row without an image key
@@ -556,9 +551,8 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
                              "image_unprocessable": 1, "template_rewrites_text": 1, "too_long": 1}
     assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
-        f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root in the meta-recipe, so the "
-        "relative image path 'a.png' cannot be resolved"]
-    assert set(mi.summary_drops(index)) == set(md.DROP_REASONS)
+        f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root for 'a.png'"]
+    assert set(mi.summary_drops(index)) == set(mr.DROP_REASONS)
     assert st["rows_read"] == 28 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
@@ -566,9 +560,9 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert max(index.chosen_len.max(), index.rejected_len.max()) <= 200
     # strict: the first drop is an error naming the file and line
     cfg.strict = True
-    with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*cached index"):
+    with pytest.raises(mr.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*cached index"):
         mi.build_index(meta, processor, cfg)  # the index above is cached: strict still fails
-    with pytest.raises(md.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
+    with pytest.raises(mr.DataError, match=r"sub.jsonl:2: row dropped \(invalid_json.*strict = true$"):
         mi.build_index(meta, processor, cfg, use_cache=False)  # a fresh build stops at the first drop
 
 
@@ -595,18 +589,15 @@ def test_identical_responses_are_a_counted_drop(tmp_path, processor):
                                    processor, data_cfg(), use_cache=False).stats["sub"]["drop_examples"]
     assert [e.split(": ", 1)[1] for e in only_rendered["identical_responses"]] == [
         "chosen and rejected render to the same text 'Red.<|im_end|>\\n'"] * 2
-    example = (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: chosen and rejected are the same text (after stripping "
-               "surrounding whitespace)")
+    example = f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: chosen and rejected are the same text"
     assert st["drop_examples"]["identical_responses"][0] == example
     assert mi.summary_drops(index) == {"identical_responses": 5}
     assert "    dropped identical_responses: 5  e.g. " + example in mi.format_report(mi.report(index)).splitlines()
     cfg = data_cfg()
     cfg.strict = True
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError, match=f"^{tmp_path}/MMPR-t/annotations/sub.jsonl:2: row dropped "
+                                            r"\(identical_responses"):
         mi.build_index(meta, processor, cfg, use_cache=False)
-    assert str(e.value) == (f"{tmp_path}/MMPR-t/annotations/sub.jsonl:2: row dropped (identical_responses: chosen and "
-                            "rejected are the same text (after stripping surrounding whitespace)) and data.strict = "
-                            "true")
 
 
 def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(tmp_path, processor):
@@ -625,10 +616,9 @@ def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(t
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 3, "image_unreadable": 1} and index.line.tolist() == [1]
     ex = [e.split(": ", 1)[1] for e in st["drop_examples"]["invalid_json"]]
-    assert ex[0] == "'chosen' holds the lone surrogate escape '\\ud83d' at character 6: not Unicode text (decoded " \
-                    "with surrogateescape?)"
-    assert ex[1].startswith("'question' holds the lone surrogate escape '\\udce9' at character 11")
-    assert ex[2].startswith("'system' holds the lone surrogate escape '\\udcff' at character 3")
+    assert ex[0] == "'chosen': lone surrogate '\\ud83d' at character 6"
+    assert ex[1] == "'question': lone surrogate '\\udce9' at character 11"
+    assert ex[2] == "'system': lone surrogate '\\udcff' at character 3"
     assert st["drop_examples"]["image_unreadable"][0].endswith(".png: File name too long")
 
 
@@ -647,7 +637,7 @@ def test_an_index_cache_that_cannot_be_written_is_a_warning(tmp_path, processor,
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
     """Forked row checking (data.num_workers >= 2) gives the serial index: same order, lengths, drops, early stop."""
-    monkeypatch.setattr(md, "CHUNK_ROWS", 3)  # many chunks, a window of 4 in flight
+    monkeypatch.setattr(mr, "CHUNK_ROWS", 3)  # many chunks, a window of 4 in flight
     rows = [row(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
     meta = write_set(tmp_path, rows, {"a.png": rgb()})
     for max_samples in (0, 7):
@@ -659,7 +649,7 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, data_cfg())
     assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'image_missing': 1}}"
 
@@ -667,7 +657,7 @@ def test_no_valid_pair_is_an_error(tmp_path, processor):
 def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
     """QA5: an empty annotation file said only 'drops: {}'; the subsets without a row are named."""
     meta = write_set(tmp_path, [], {})
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert str(e.value) == f"{meta}: no valid preference pair; drops: {{}}; no rows in subset(s) 'sub'"
 
@@ -679,7 +669,7 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
     meta = write_set(tmp_path, [], {"a.png": rgb()})
     annotation = meta.parent / "annotations" / "sub.jsonl"
     annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")  # 2 rows -> 14 lines, each invalid JSON
-    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+    with pytest.warns(mr.DataWarning, match="is not JSON Lines"), pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
     assert str(e.value) == (
         f"{meta}: no valid preference pair; drops: {{'invalid_json': 14}}; {annotation} is not JSON Lines (its first "
@@ -687,7 +677,7 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
         "Expecting value: line 2 column 1 (char 2))")
     # a compact array on one line, then lines of a JSON array's objects: none is a JSON object on its own line
     annotation.write_text(json.dumps([row(0)]) + "\n" + "\n".join(json.dumps(row(i)) + "," for i in (1, 2)) + "\n")
-    with pytest.warns(md.DataWarning, match="is not JSON Lines"), pytest.raises(md.DataError) as e:
+    with pytest.warns(mr.DataWarning, match="is not JSON Lines"), pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
     assert str(e.value) == (
         f"{meta}: no valid preference pair; drops: {{'invalid_json': 3}}; {annotation} is not JSON Lines (none of its "
@@ -695,7 +685,7 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
         f"{annotation}:1: expected a JSON object, got list)")
     # a JSONL with one bad row is not called an array, whatever that row is: the message is the usual one
     annotation.write_text("[1, 2]\n" + json.dumps(row(0, image="nope.png")) + "\n")
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'invalid_json': 1, 'image_missing': 1}}"
     # the array as one subset beside a good one: the index builds, and a warning names the array file
@@ -704,7 +694,7 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
     (meta.parent / "annotations" / "good.jsonl").write_text(json.dumps(row(5)) + "\n")
     spec["good"] = {"root": "MMPR-t/images", "annotation": "MMPR-t/annotations/good.jsonl"}
     meta.write_text(json.dumps(spec))
-    with pytest.warns(md.DataWarning) as warned:
+    with pytest.warns(mr.DataWarning) as warned:
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 1 and index.stats["sub"]["dropped"] == {"invalid_json": 14}
     assert [str(w.message) for w in warned] == [
@@ -794,7 +784,7 @@ def test_subset_without_root(tmp_path, processor):
     )) + "\n")
     (d / "meta.json").write_text(json.dumps({"text_null": {"root": None, "annotation": "text.jsonl"},
                                              "text_missing": {"annotation": "text.jsonl", "repeat_time": 1}}))
-    subs = md.read_meta(d / "meta.json")
+    subs = mr.read_meta(d / "meta.json")
     assert [s.root for s in subs] == [None, None]
     index = mi.build_index(d / "meta.json", processor, data_cfg())
     assert len(index) == 4 and index.num_images.tolist() == [0, 1, 0, 1]
@@ -829,8 +819,8 @@ def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor)
 def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
     """Issue 36, point 8: a symbolic link loop was reported as "does not exist"."""
     (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
-    with pytest.raises(md._Drop) as e:
-        md.load_image(tmp_path / "loop.png")
+    with pytest.raises(mr._Drop) as e:
+        mr.load_image(tmp_path / "loop.png")
     assert e.value.reason == "image_unreadable" and "symbolic link loop" in e.value.detail
 
 
@@ -847,8 +837,7 @@ def test_video_rows_are_dropped_as_video(tmp_path, processor):
     st = index.stats["sub"]
     assert index.line.tolist() == [4] and st["dropped"] == {"video_unsupported": 3}
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["video_unsupported"]] == [
-        "the row has a video ('clip.mp4'); video preference pairs are not supported yet"] * 2 + [
-        "question has a <video> placeholder; video preference pairs are not supported yet"]
+        "video 'clip.mp4'"] * 2 + ["<video> placeholder"]
 
 
 def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
@@ -864,12 +853,11 @@ def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
     st = index.stats["sub"]
     assert index.line.tolist() == [6] and st["dropped"] == {"unterminated_reasoning": 2, "malformed_reasoning": 3}
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["unterminated_reasoning"]] == [
-        "chosen opens <think> but never closes it with </think>", "rejected opens <think> but never closes it with "
-        "</think>"]
+        "chosen opens <think> and never closes it", "rejected opens <think> and never closes it"]
     assert [e.split(": ", 1)[1] for e in st["drop_examples"]["malformed_reasoning"]] == [
-        "chosen has 2 <think> and 2 </think>; one reasoning block at the start of the response is allowed",
-        "chosen has text before its <think>; one reasoning block at the start of the response is allowed",
-        "chosen has 0 <think> and 2 </think>; one reasoning block at the start of the response is allowed"]
+        "chosen: 2 <think> and 2 </think>, not one block at its start",
+        "chosen: 1 <think> and 1 </think>, not one block at its start",
+        "chosen: 0 <think> and 2 </think>, not one block at its start"]
 
 
 def test_numbered_image_placeholders(tmp_path, processor):
@@ -889,7 +877,7 @@ def test_numbered_image_placeholders(tmp_path, processor):
     st = index.stats["sub"]
     assert index.line.tolist() == [1, 2, 3, 4] and st["dropped"] == {"placeholder_mismatch": 3}
     assert st["drop_examples"]["placeholder_mismatch"][0].endswith(
-        "placeholders <image_1>, <image_3> for 2 images: expected each of <image_1>..<image_2> once")
+        "<image_N> placeholders [1, 3] for 2 images")
     folder = tmp_path / "MMPR-t" / "images"
     assert index.images(0) == index.images(1) == index.images(2) == [str(folder / "a.png"), str(folder / "b.png")]
     ds = md.PairDataset(index, processor)
@@ -907,7 +895,7 @@ def test_subset_notices_repeat_on_a_cache_hit(tmp_path, processor, monkeypatch):
     meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5})
     seen = []
     for _ in range(2):  # a build, then a cache hit
-        with md.data_warnings([]) as notes:
+        with mr.data_warnings([]) as notes:
             index = mi.build_index(meta, processor, data_cfg())
         seen.append((index.cache_status, notes))
     length = (f"{meta}: subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 "
@@ -927,7 +915,7 @@ def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
     for name in ("empty", "gone"):
         spec[name] = dict(spec["sub"], annotation=f"MMPR-t/annotations/{name}.jsonl")
     meta.write_text(json.dumps(spec))
-    with md.data_warnings([]) as notes:
+    with mr.data_warnings([]) as notes:
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 2 and [str(n) for n in notes] == [
         f"{meta}: subset 'empty': {ann / 'empty.jsonl'} holds no rows, so the subset adds no pair",
@@ -946,7 +934,7 @@ def test_rows_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor
     spec["again"] = dict(spec["sub"])  # the same annotation file under a second subset
     meta.write_text(json.dumps(spec))
     ann = meta.parent / "annotations" / "sub.jsonl"
-    with md.data_warnings([]) as notes:
+    with mr.data_warnings([]) as notes:
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 10 and index.stats["sub"]["repeats"] == 2 and index.stats["again"]["repeats"] == 5
     assert [str(n) for n in notes] == [
@@ -960,7 +948,7 @@ def test_rows_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor
 def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
     meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
     with pytest.warns(UserWarning, match=r"subset 'sub': repeat_time = 0.005 keeps none of its 3 valid rows"):
-        with pytest.raises(md.DataError, match=r"no preference pair: repeat_time kept none of the valid rows "
+        with pytest.raises(mr.DataError, match=r"no preference pair: repeat_time kept none of the valid rows "
                                                r"\('sub': repeat_time 0.005 x 3 valid rows -> 0 pairs\); drops: \{\}"):
             mi.build_index(meta, processor, data_cfg())
 
@@ -992,7 +980,7 @@ def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
 def test_image_modes_are_converted_to_rgb(tmp_path):
     def save(name, img, **kw):
         img.save(tmp_path / name, **kw)
-        return md.load_image(tmp_path / name)
+        return mr.load_image(tmp_path / name)
 
     pal = Image.new("P", (4, 4), 1)
     pal.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
@@ -1021,7 +1009,7 @@ def test_exif_orientation_is_applied(tmp_path, processor):
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation 6: display rotated 90 degrees clockwise
     img.save(tmp_path / "rot.jpg", exif=exif, quality=95)
-    out = md.load_image(tmp_path / "rot.jpg")
+    out = mr.load_image(tmp_path / "rot.jpg")
     assert out.size == (32, 64)  # now 32 wide x 64 high
     top, bottom = np.asarray(out)[5, 16].astype(int), np.asarray(out)[58, 16].astype(int)
     assert abs(top - [255, 0, 0]).max() < 40 and abs(bottom - [0, 0, 255]).max() < 40  # the left edge is on top
@@ -1040,19 +1028,17 @@ def test_index_image_grids_equal_the_processor(processor, sizes, budget):
     if budget == "larger":  # a budget that depends on the image count: (36 - 4) * 4 = 128 patches, 64 per image
         ip = copy.deepcopy(ip)
         ip.max_num_patches, ip.max_model_len = 2048, 36
-        assert md.image_patch_budget(ip, len(sizes)) == max(128, 64 * len(sizes))
+        assert mr.image_patch_budget(ip, len(sizes)) == max(128, 64 * len(sizes))
     else:  # the asset: (68 - 4) * 4 = 256 = max_num_patches
-        assert md.image_patch_budget(ip, len(sizes)) == 256
+        assert mr.image_patch_budget(ip, len(sizes)) == 256
     ref = ip(images=[Image.new("RGB", (w, h)) for h, w in sizes], return_tensors="pt")["image_grid_hw"].tolist()
-    assert [list(g) for g in md.image_grids(ip, sizes)] == ref
+    assert [list(g) for g in mr.image_grids(ip, sizes)] == ref
 
 
-def _unprocessable(path, w: int, h: int, own: str) -> str:
-    """The image_unprocessable detail for a w x h image of the asset (budget 256) whose own patch grid is `own`."""
-    return (f"{path}: the image processor cannot resize a {w}x{h} px image (width x height): in 16-px patches it is "
-            f"{own}, a long side more than 256 times the short one (256 = the patch budget per image), so the short "
-            "side shrinks to 0 patches; the processor raises ZeroDivisionError (division by zero) in transformers' "
-            "get_patch_grid_size")
+def _unprocessable(path, w: int, h: int, own: str = "") -> str:
+    """The image_unprocessable detail for a w x h px image of the asset (budget 256)."""
+    return (f"{path}: {w}x{h} px, in 16-px patches one side more than 256 times the other: the image processor "
+            "cannot size it")
 
 
 def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
@@ -1089,13 +1075,13 @@ def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
     assert [ds[i].image_grid_hw.tolist() for i in (1, 2, 3)] == [[[2, 256]], [[2, 188]], [[2, 46]]]
     assert index.image_grid_hw.tolist()[1:] == [[2, 256], [2, 188], [2, 46]]
     cfg = data_cfg(train__max_images_per_row=2, strict=True)
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         mi.build_index(meta, processor, cfg, use_cache=False)
     assert str(e.value) == (f"{annotation}:2: row dropped (image_unprocessable: "
                             + _unprocessable(images / "wide.png", 5000, 8, "313x1") + ") and data.strict = true")
     # image_grids names an image by its position when no paths are given
-    with pytest.raises(md._Drop) as d:
-        md.image_grids(ip, [(40, 48), (1, 5000)])
+    with pytest.raises(mr._Drop) as d:
+        mr.image_grids(ip, [(40, 48), (1, 5000)])
     assert d.value.reason == "image_unprocessable" and d.value.detail == _unprocessable("image 2", 5000, 1, "313x1")
 
 
@@ -1110,23 +1096,21 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
     ds = md.PairDataset(index, processor)
     loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
                            plan_fn=lambda ids: (None, ids), num_workers=1)
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         next(iter(loader))
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
-    assert str(e.value) == (f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000, "1x313")
-                            + "; the image changed since the index was built: " + md.changed_remedy(index))
-    # the remedy: a re-index changes the pairs, which a resume refuses (the sampler's pair count), so it says both ways
-    assert md.changed_remedy(index) == (f"restore it and resume, or delete {index.cache_dir} to re-index and start a "
-                                        "new run in another checkpoint.dir (a resume needs the same pairs)")
+    assert str(e.value).startswith(f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000)
+                                   + "; changed since the index was built: restore it and resume, or delete "
+                                   + index.cache_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # cache
 
 
-def _same(a: md.PairIndex, b: md.PairIndex) -> bool:
+def _same(a: mi.PairIndex, b: mi.PairIndex) -> bool:
     return all(torch.equal(getattr(a, k), getattr(b, k)) if isinstance(getattr(a, k), torch.Tensor)
-               else getattr(a, k) == getattr(b, k) for k in md.PairIndex._SAVED if k != "build_seconds")
+               else getattr(a, k) == getattr(b, k) for k in mi.PairIndex._SAVED if k != "build_seconds")
 
 
 def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
@@ -1193,7 +1177,7 @@ def test_validation_split(sample, tmp_path, processor):
     assert len(va) == 4 and len(tr) == 30 and not set(tr) & set(va) and sorted(tr + va) == list(range(34))
     assert mi.split_validation(index, 4, seed=42) == (tr, va) and mi.split_validation(index, 4, seed=1)[1] != va
     assert len(mi.split_validation(index, 0.25, seed=0)[1]) == 8  # floor(0.25 * 34)
-    with pytest.raises(md.DataError, match="leaves no training pairs"):
+    with pytest.raises(mr.DataError, match="leaves no training pairs"):
         mi.split_validation(index, 34, seed=0)
     # repeats of one row stay on one side
     meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 3})
@@ -1231,11 +1215,11 @@ def test_sampler_order_and_resume():
     assert sorted(e1) == ids and e0 != e1 and e0 != ids
     unshuffled = md.PairSampler(ids, seed=3, shuffle=False)
     assert unshuffled.take(10) + unshuffled.take(2) == ids + ids[:2]
-    with pytest.raises(md.DataError, match="11 distinct pairs per step but only 10 pairs"):
+    with pytest.raises(AssertionError):
         unshuffled.take(11)
-    with pytest.raises(md.DataError, match="num_pairs = 10 but this run has 9"):
+    with pytest.raises(mr.DataError, match="num_pairs 10 -> 9"):
         md.PairSampler(ids[:9], seed=3).load_state_dict(state)
-    with pytest.raises(md.DataError, match="seed"):
+    with pytest.raises(mr.DataError, match="seed"):
         md.PairSampler(ids, seed=4).load_state_dict(state)
 
 
@@ -1308,13 +1292,11 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     ds = md.PairDataset(index, processor)
     sampler = md.PairSampler([0, 1], seed=0, shuffle=False)
     loader = md.StepLoader(ds, sampler, global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
-    with pytest.raises(md.DataError) as e:
+    with pytest.raises(mr.DataError) as e:
         next(iter(loader))
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
-    assert str(e.value) == (
-        f"{annotation}:2: image_truncated: {image}: image file is truncated; the image changed "
-        f"since the index was built: {md.changed_remedy(index)}"
-    )
+    assert str(e.value).startswith(f"{annotation}:2: image_truncated: {image}: image file is truncated; changed "
+                                   "since the index was built")
 
 
 def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, processor, monkeypatch):
@@ -1371,12 +1353,10 @@ def test_sampler_state_notes_changed_data_with_the_same_pair_count():
     assert changed.take(3) == a.take(3)  # the position still applies
     old = {k: v for k, v in state.items() if k != "fingerprint"}  # a checkpoint written before the field existed
     assert md.PairSampler(list(range(10)), seed=1, fingerprint="b" * 64).load_state_dict(old) is None
-    with pytest.raises(md.DataError, match="^sampler state has num_pairs = 10 but this run has 9: "):
+    with pytest.raises(mr.DataError, match="^sampler state: num_pairs 10 -> 9: "):
         md.PairSampler(list(range(9)), seed=1, fingerprint="b" * 64).load_state_dict(state)
-    with pytest.raises(md.DataError) as e:  # QA: said "the data or data.train.seed changed" for the shuffle flag
+    with pytest.raises(mr.DataError, match="shuffle True -> False: data.train.shuffle changed"):
         md.PairSampler(list(range(10)), seed=1, shuffle=False, fingerprint="a" * 64).load_state_dict(state)
-    assert str(e.value) == ("sampler state has shuffle = True but this run has False: the saved position does not "
-                            "apply (data.train.shuffle changed: set it back)")
 
 
 def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(tmp_path, processor, monkeypatch):
@@ -1474,7 +1454,7 @@ def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, 
         assert index.cache_status == status and len(index) == 3
         picked[seed] = index.line.tolist()
     assert picked[42] != picked[7]  # the seed picks other rows: it must be in the fingerprint
-    with pytest.raises(md.DataError, match="^--max-images-per-row = 0 must be >= 1$"):
+    with pytest.raises(mr.DataError, match="^--max-images-per-row = 0 must be >= 1$"):
         mi.main([str(meta), "--model", str(TINY), "--max-images-per-row", "0"])
 
 
@@ -1512,12 +1492,12 @@ def test_model_without_processor_files_is_one_line_naming_the_setting(tmp_path, 
     train.py's data loading in transformers' ValueError traceback (one per rank under torchrun)."""
     shutil.copy(TINY / "config.json", tmp_path / "config.json")
     for key in ("--model", "model.hf_path"):
-        with pytest.raises(mi.DataError) as e:
+        with pytest.raises(mr.DataError) as e:
             mi.load_processor(tmp_path, key)
         assert str(e.value).startswith(f"{key} {str(tmp_path)!r}: transformers cannot load its processor: "
                                        f"Unrecognized processing class in {tmp_path}.")  # fmt: skip
         assert "\n" not in str(e.value)
-    with pytest.raises(mi.DataError, match=r"^model.hf_path 'assets/nope': no config.json there"):
+    with pytest.raises(mr.DataError, match=r"^model.hf_path 'assets/nope': no config.json there"):
         mi.load_processor("assets/nope", "model.hf_path")
     assert mi.processor_identity(mi.load_processor(TINY, "--model")) == mi.processor_identity(processor)
 

@@ -130,7 +130,7 @@ SEPARATE = "packing.shared_prompt=false"
 
 
 class _FakeIndex:
-    """The part of mmpr_data.PairIndex that preflight.check_splits reads."""
+    """The part of mmpr_index.PairIndex that preflight.check_splits reads."""
 
     def __init__(self, lengths, annotation_files=("a.jsonl",)):
         self._lengths, self.annotation_files = lengths, list(annotation_files)
@@ -279,13 +279,13 @@ def test_check_splits_notes_a_validation_meta_that_reads_training_files():
 def test_validation_max_samples_without_a_validation_meta_is_a_notice():
     """QA: data.validation.max_samples = 2 without data.validation.data_path left the 4 pairs of
     data.train.split_validation_size, without a word."""
-    import mmpr_data
     import mmpr_index
+    import mmpr_rows
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["data.validation.max_samples=2"])
     cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
     processor = mmpr_index.load_processor(ROOT / cfg.model.hf_path, "model.hf_path")
-    with mmpr_data.data_warnings([]) as notes:
+    with mmpr_rows.data_warnings([]) as notes:
         train, val = mmpr_index.load_splits(processor, cfg.data)
     assert [str(n) for n in notes] == [
         "data.validation.max_samples = 2 is ignored without data.validation.data_path (a validation split of the "

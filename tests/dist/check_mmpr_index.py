@@ -35,7 +35,7 @@ def main() -> None:
     try:
         mi.build_index(os.environ["BAD_META"], p, cfg.data)
         err = None
-    except md.DataError as e:
+    except mi.DataError as e:
         err = str(e)
     # one report per rank: two ranks printing long lines to one pipe can interleave them
     report.write({"rank": rank, "status": index.cache_status, "n": len(index), "order": order,

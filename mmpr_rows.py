@@ -1,0 +1,572 @@
+"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its rendering
+(`TextRenderer.render`), its images (`load_image`, `image_grids`); `checked_rows` applies them to an annotation file.
+A row that fails a rule is a counted drop (DROP_REASONS); a bad meta-recipe is a DataError naming the file and key.
+
+A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{images + question}<|im_end|>\\n      <- prompt
+    <|im_start|>assistant\\n<think></think>                                                        <- prompt
+    {response}<|im_end|>                                                           <- loss mask True
+    \\n                                                                             <- row end, mask False
+
+Why each rule is as it is (InternVL's and NeMo-RL's loaders): docs/DESIGN.md, "Data: the row rules".
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import difflib
+import errno
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import stat
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
+DROP_REASONS = (
+    "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
+    "missing_field",  # question / chosen / rejected missing or not a string; image not a string or list of strings
+    "video_unsupported",  # a `video` field or a <video> placeholder
+    "too_many_images",  # more images than data.train.max_images_per_row
+    "placeholder_mismatch",  # <image> / <image_N> placeholders in the question, but not one per image
+    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
+    "unterminated_reasoning",  # a response opens <think> and never closes it
+    "malformed_reasoning",  # several reasoning blocks, or text before <think>
+    "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
+    "identical_responses",  # the same text after stripping, or (checked when rendering) the same rendered text
+    "no_image_root",  # relative image paths in a subset whose meta entry has no root
+    "image_outside_root",  # a relative image path whose `..` parts leave the subset's root
+    "image_missing",  # an image file does not exist
+    "image_unreadable",  # it cannot be opened (a symbolic link loop, no permission) or PIL cannot decode it
+    "image_truncated",  # the file ends before the image data does
+    "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
+    "template_rewrites_text",  # the chat template would change the question, system or response text
+    "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
+)
+REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may contain
+TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
+NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
+# Keys a meta-recipe subset may hold: the ones read here and the other keys InternVL's dataset builders read (no
+# effect here: the Omni processor decides the tiling). Any other key warns (a typo such as repeat_times).
+META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
+             "dynamic_image_size", "max_num_image", "min_num_image", "is_chinese", "sampling_method")
+
+
+def plural(n: int, noun: str) -> str:
+    """plural(1, "image") = "1 image", plural(2, "image") = "2 images", plural(2, "microbatch") = "2 microbatches"."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "x", "ch", "sh")) else f"{n} {noun}s"
+
+
+class DataWarning(UserWarning):
+    """A data notice that does not stop the run (an unknown meta key, a subset that adds no pair, a rebuilt cache)."""
+
+
+@contextlib.contextmanager
+def data_warnings(notes: list[str]) -> Iterator[list[str]]:
+    """Within the block, DataWarning texts are appended to `notes` (each once) instead of printed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DataWarning)
+        yield notes
+    for w in caught:
+        if not issubclass(w.category, DataWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif str(w.message) not in notes:
+            notes.append(str(w.message))
+
+
+class DataError(ValueError):
+    """Bad meta-recipe, path or model directory, or (with data.strict) a dropped row; the message names the file."""
+
+
+class _Drop(Exception):
+    """A row rejected for `reason` (one of DROP_REASONS)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+# ======================================================================================================================
+# Meta-recipe
+
+
+@dataclass(frozen=True)
+class Subset:
+    """One meta-recipe entry with its paths resolved."""
+
+    name: str
+    root: Path | None  # image folder; relative row image paths are relative to it (None: no root in the meta)
+    annotation: Path  # JSONL file
+    repeat_time: float = 1.0
+    length: int | None = None  # row count the meta claims (informational, as in InternVL)
+
+
+def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir: bool = False) -> Path:
+    """A meta-recipe path: absolute as is; relative to `data_root` when set, else to the first that exists of the meta
+    file's grandparent (`<dir>/MMPR-v1.2/meta.json` naming `MMPR-v1.2/images`) and its folder."""
+    p = Path(path).expanduser()
+    meta = Path(meta_path).resolve()
+    if p.is_absolute():
+        candidates = [p]
+    elif data_root:
+        candidates = [Path(data_root).expanduser().resolve() / p]
+    else:
+        candidates = [meta.parent.parent / p, meta.parent / p]
+    for c in candidates:
+        if c.is_dir() if want_dir else c.is_file():
+            return c
+    kind = "folder" if want_dir else "file"
+    if (wrong := next((c for c in candidates if c.exists()), None)) is not None:
+        raise DataError(f"{meta}: {kind} {path!r}: {wrong} is " + ("a file" if want_dir else "a directory"))
+    tried = "\n  ".join(str(c) for c in candidates)
+    raise DataError(f"{meta}: {kind} {path!r} not found; tried:\n  {tried}\n(set data.train.data_root to its base)")
+
+
+def _is_row(value: Any) -> bool:
+    """True for an annotation row (or its JSON text): an object with chosen and rejected responses."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return False
+    return isinstance(value, dict) and any(k in value for k in ("chosen", "chosen_response")) and any(
+        k in value for k in ("rejected", "rejected_response"))
+
+
+def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
+    """The meta-recipe JSON {subset: {annotation, root, repeat_time, length, ...}} as `Subset`s in file order, paths
+    resolved; `data_augment: true` and unknown keys warn (DataWarning)."""
+    if not str(meta_path).strip():
+        raise DataError("the meta-recipe path is empty")
+    meta_path = Path(meta_path)
+    try:
+        raw = meta_path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read the meta-recipe {meta_path}: {e}") from None
+    duplicates: list[str] = []  # JSON keeps the last of equal keys: a subset would vanish without a word
+
+    def keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        seen: set[str] = set()
+        duplicates.extend(k for k, _ in pairs if k in seen or seen.add(k))
+        return dict(pairs)
+
+    meta, error = None, None
+    try:
+        meta = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=keep_duplicates)  # a byte-order mark is tolerated
+    except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
+        error = e
+    if _is_row(meta) or error is not None and _is_row(raw.partition(b"\n")[0].decode("utf-8-sig", "replace")):
+        raise DataError(f"{meta_path}: an annotation file (JSON Lines), not a meta-recipe: pass the meta-recipe")
+    if isinstance(error, UnicodeDecodeError):
+        raise DataError(f"{meta_path}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start})")
+    if isinstance(error, json.JSONDecodeError):
+        raise DataError(f"{meta_path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}")
+    if not isinstance(meta, dict) or not meta:
+        raise DataError(f"{meta_path}: expected a non-empty JSON object {{subset: {{root, annotation, ...}}}}")
+    if duplicates:
+        raise DataError(f"{meta_path}: key {duplicates[0]!r} appears more than once")
+    subsets = []
+    for name, spec in meta.items():
+        where = f"{meta_path}: subset {name!r}"
+        if not isinstance(spec, dict):
+            raise DataError(f"{where}: must be an object, got {type(spec).__name__}")
+        if unknown := [k for k in spec if k not in META_KEYS]:
+            hints = {k: difflib.get_close_matches(k, META_KEYS, n=1) for k in unknown}
+            listed = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+            warnings.warn(f"{where}: unknown keys ignored: {listed}", DataWarning, stacklevel=2)
+        r = spec.get("repeat_time", 1)
+        for key, ok, want in (
+                ("annotation", isinstance(spec.get("annotation"), str), "a file path"),
+                ("root", isinstance(spec.get("root"), (str, type(None))), "a folder path or null"),
+                ("repeat_time", not isinstance(r, bool) and isinstance(r, (int, float)) and math.isfinite(r) and r >= 0,
+                 "a number >= 0")):
+            if not ok:
+                raise DataError(f"{where}: {key} = {spec.get(key)!r} must be {want}")
+        if spec.get("data_augment"):
+            warnings.warn(f"{where}: data_augment is not supported; images are not augmented", DataWarning,
+                          stacklevel=2)
+        length = spec.get("length")
+        subsets.append(Subset(
+            name=name,
+            root=None if spec.get("root") is None else resolve_path(spec["root"], meta_path, data_root, want_dir=True),
+            annotation=resolve_path(spec["annotation"], meta_path, data_root),
+            repeat_time=float(r),
+            length=length if isinstance(length, int) and not isinstance(length, bool) else None,
+        ))
+    return subsets
+
+
+def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[int]:
+    """Row positions 0..n-1 a subset contributes, as InternVL's `repeat_time`, in file order: floor(r) full copies plus
+    a random floor(n*(r - floor(r))) rows, seeded by (seed, subset name), so the same on every rank and run."""
+    whole = math.floor(repeat_time)
+    extra = math.floor(n * (repeat_time - whole) + 1e-9)
+    rng = random.Random(f"{seed}:{name}")  # str seeds hash deterministically (not PYTHONHASHSEED dependent)
+    return list(range(n)) * whole + sorted(rng.sample(range(n), extra))
+
+
+# ======================================================================================================================
+# Images
+
+
+def load_image(path: str | Path):
+    """An image decoded as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto white
+    (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits."""
+    from PIL import Image, ImageOps
+    from transformers.image_transforms import convert_to_rgb
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode  # follows symbolic links
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL or a lone surrogate in the name
+        raise _Drop("image_missing", f"{path} does not exist") from None
+    except OSError as e:  # a symbolic link loop, a name too long, no permission
+        raise _Drop("image_unreadable", f"{path}: " + ("a symbolic link loop" if e.errno == errno.ELOOP
+                                                       else e.strerror or str(e))) from None
+    if stat.S_ISDIR(mode):
+        raise _Drop("image_missing", f"{path} is a directory")
+    if not stat.S_ISREG(mode):  # a FIFO would block the reader
+        raise _Drop("image_unreadable", f"{path} is not a regular file")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im)  # a transposed copy; the file handle can close
+        if im.mode.startswith("I"):  # 16/32-bit integer grayscale: 0..65535 -> 0..255 (PIL's own clips at 255)
+            a = np.asarray(im, dtype=np.float64) / 257.0
+            im = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+        elif im.mode == "F":
+            im = Image.fromarray(np.clip(np.rint(np.asarray(im)), 0, 255).astype(np.uint8), mode="L")
+        return Image.fromarray(convert_to_rgb(im, return_numpy=True))
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        if "truncated" in str(e):
+            raise _Drop("image_truncated", f"{path}: {e}") from None
+        raise _Drop("image_unreadable", f"{path}: {type(e).__name__}: {e}") from None
+
+
+def image_patch_budget(image_processor, n_images: int) -> int:
+    """Most 16-px patches per image when `n_images` images are processed in one call: transformers'
+    NemotronH_Omni_Reasoning_V3ImageProcessor rule clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min,
+    max), m = 1/downsample_ratio."""
+    ip = image_processor
+    merge = round(1 / ip.downsample_ratio)
+    budget = max((ip.max_model_len - 4) * merge**2, ip.min_num_patches * n_images)
+    if ip.max_num_patches:
+        budget = min(budget, ip.max_num_patches)
+    return max(budget, ip.min_num_patches)
+
+
+def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
+                paths: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together
+    (transformers' `get_patch_grid_size` with `image_patch_budget`), without resizing them."""
+    from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
+
+    ip = image_processor
+    budget = image_patch_budget(ip, len(sizes))
+    merge = round(1 / ip.downsample_ratio)
+    grids = []
+    for j, (h, w) in enumerate(sizes):
+        try:  # only this image's arithmetic: any other error is a bug and stays visible
+            grid = get_patch_grid_size(h, w, ip.patch_size, merge, ip.min_num_patches, budget)
+        except ZeroDivisionError:
+            grid = (0, 0)
+        if min(grid) < 1:
+            name = paths[j] if j < len(paths) else f"image {j + 1}"
+            raise _Drop("image_unprocessable", f"{name}: {w}x{h} px, in {ip.patch_size}-px patches one side more "
+                                               f"than {budget} times the other: the image processor cannot size it")
+        grids.append(grid)
+    return grids
+
+
+# ======================================================================================================================
+# Text: validation, chat-template rendering, tokenisation
+
+
+def _as_str(row: dict, *keys: str) -> str | None:
+    k = next((k for k in keys if k in row), None)
+    return row[k] if k is not None and isinstance(row[k], str) else None
+
+
+def check_reasoning(name: str, response: str) -> None:
+    """Raise _Drop unless `response` has no reasoning block or one at its start (`</think>` alone: the generation
+    prompt opened it)."""
+    opens, closes = response.count("<think>"), response.count("</think>")
+    if opens and not closes:
+        raise _Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
+    if closes > 1 or opens > 1 or opens and not response.startswith("<think>"):
+        raise _Drop("malformed_reasoning", f"{name}: {opens} <think> and {closes} </think>, not one block at its start")
+
+
+class TextRenderer:
+    """Validates a row's fields and renders them with the processor's chat template (one instance per processor)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token  # "<image>"
+        self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.video_token = getattr(processor, "video_token", None) or "<video>"
+        specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        # a special-token string in the data would be tokenised as that token (an extra <image> takes an image feature)
+        self.forbidden = sorted(specials - set(REASONING_TOKENS) - {self.image_token}, key=len, reverse=True)
+        # characters absent from the template, to stand in for the '/' of a directive while the template renders
+        template = str(processor.chat_template)
+        self._marks = [chr(c) for c in range(0xE000, 0xF900) if chr(c) not in template][:64]
+
+    def _stray(self, text: str, allow_image: bool) -> str | None:
+        for t in self.forbidden:
+            if t in text:
+                return t
+        return None if allow_image or self.image_token not in text else self.image_token
+
+    def parse(self, row: Any, root: Path | None, max_images: int,
+              subset: str = "") -> tuple[str, str, str, str, list[str]]:
+        """Check a JSON row: (system, question, chosen, rejected, image paths in placeholder order), the responses
+        stripped, `<image_N>` turned into `<image>`, relative image paths joined to `root`."""
+        if not isinstance(row, dict):
+            raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
+        system = row.get("system_prompt", row.get("system"))
+        fields = {"question": _as_str(row, "question"), "chosen": _as_str(row, "chosen", "chosen_response"),
+                  "rejected": _as_str(row, "rejected", "rejected_response"),
+                  "system": "" if system is None else system if isinstance(system, str) else None}
+        for name, v in fields.items():
+            if v is None:
+                raise _Drop("missing_field", f"{name!r} is missing or not a string")
+            if (m := _SURROGATE.search(v)) is not None:
+                raise _Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
+        question, chosen, rejected, system = fields.values()
+        image = row.get("image")
+        images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
+        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+            raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
+        if row.get("video") is not None or any(self.video_token in t for t in (question, system)):
+            raise _Drop("video_unsupported", f"video {row['video']!r}" if row.get("video") is not None
+                        else f"{self.video_token} placeholder")
+        if len(images) > max_images:
+            raise _Drop("too_many_images", f"{plural(len(images), 'image')} > data.train.max_images_per_row = "
+                                           f"{max_images}")
+        question, images = self._numbered_placeholders(question, images)
+        n_ph = question.count(self.image_token)
+        if n_ph and n_ph != len(images):
+            raise _Drop("placeholder_mismatch", f"{plural(n_ph, self.image_token + ' placeholder')} for "
+                                                f"{plural(len(images), 'image')}")
+        for name, text in (("question", question), ("system", system), ("chosen", chosen), ("rejected", rejected)):
+            if (t := self._stray(text, name == "question")) is not None:
+                raise _Drop("stray_media_token", f"{name} contains {t!r}")
+        chosen, rejected = chosen.strip(), rejected.strip()
+        for name, text in (("chosen", chosen), ("rejected", rejected)):
+            check_reasoning(name, text)
+        for name, text in (("chosen", chosen), ("rejected", rejected)):
+            if not text.split("</think>")[-1].strip():
+                raise _Drop("empty_response", f"{name} is empty")
+        if chosen == rejected:
+            raise _Drop("identical_responses", "chosen and rejected are the same text")
+        if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
+            raise _Drop("no_image_root", f"subset {subset!r} has no root for {rel[0]!r}")
+        for p in images:
+            if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
+                raise _Drop("image_outside_root", f"{p!r} leaves the root {str(root)!r}")
+        return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images]
+
+    def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
+        """`<image_N>` (N = 1..n, each once) -> `<image>`, the images in placeholder order."""
+        numbers = [int(m) for m in NUMBERED_IMAGE.findall(question)]
+        if not numbers:
+            return question, images
+        if self.image_token in question or sorted(numbers) != list(range(1, len(images) + 1)):
+            mixed = f" and {self.image_token}" if self.image_token in question else ""
+            raise _Drop("placeholder_mismatch", f"<image_N> placeholders {numbers}{mixed} for "
+                                                f"{plural(len(images), 'image')}")
+        return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
+
+    def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
+        """(prompt, chosen, rejected) rendered by the chat template: the prompt is the generation prompt the rendered
+        conversation starts with (up to `<|im_start|>assistant\\n` when only one side reasons), each response the
+        rest (`... <|im_end|>\\n`)."""
+        texts = (system, question, chosen, rejected)
+        mark = "/"  # the identity, unless the row has a directive to hide
+        if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
+            mark = next((m for m in self._marks if not any(m in t for t in texts)), "")
+            if not mark:
+                raise _Drop("template_rewrites_text", "no free character left to hide /think from the template")
+
+        def hide(text: str, keep_think_end: bool) -> str:
+            # "/no_think" does not contain "/think": the order does not matter
+            for d in TEMPLATE_DIRECTIVES if mark != "/" else ():
+                text = (re.sub(f"(?<!<){re.escape(d)}", mark + d[1:], text) if keep_think_end
+                        else text.replace(d, mark + d[1:]))
+            return text
+
+        user = {"role": "user", "content": [{"type": "image"}] * n_images
+                + [{"type": "text", "text": hide(question, False)}]}
+        msgs = ([{"role": "system", "content": hide(system, False)}] if system else []) + [user]
+        apply = self.processor.apply_chat_template
+        prompts: dict[bool, str] = {}  # rendered lazily: most MMPR responses need only the thinking-off prompt
+
+        def prompt_of(full: str) -> str | None:
+            for thinking in (False, True):
+                if thinking not in prompts:
+                    prompts[thinking] = apply(msgs, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=thinking)
+                if full.startswith(prompts[thinking]):
+                    return prompts[thinking]
+            return None
+
+        out = []
+        for response in (chosen, rejected):
+            # a response keeps its reasoning delimiter </think>: the template splits the reasoning off at it
+            full = apply(msgs + [{"role": "assistant", "content": hide(response, True)}], tokenize=False)
+            prompt = prompt_of(full)
+            if prompt is None or not full.endswith("<|im_end|>\n"):
+                raise DataError(f"the chat template renders {full!r}, not a generation prompt + response + "
+                                "'<|im_end|>\\n'")
+            out.append((prompt.replace(mark, "/"), full[len(prompt):].replace(mark, "/")))
+        prompt = out[0][0]
+        if out[1][0] != prompt:  # one side reasons, the other not: share the prompt up to the reasoning switch
+            prompt = os.path.commonprefix([out[0][0], out[1][0]])
+            prompt = prompt[: len(prompt) - len("<think>")] if prompt.endswith("<think>") else prompt
+            out = [(prompt, p[len(prompt):] + r) for p, r in out]
+        if prompt.count(self.image_token) != n_images:
+            raise DataError(f"the chat template renders {prompt.count(self.image_token)} {self.image_token} for "
+                            f"{plural(n_images, 'image')}: {prompt!r}")
+        for name, text in (("system", system), ("question", question)):
+            if text.strip() and text.strip() not in prompt:
+                raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")
+        for (_, rendered), (name, response) in zip(out, (("chosen", chosen), ("rejected", rejected)), strict=True):
+            parts = response.split("</think>")
+            for part in (parts[0].split("<think>")[-1].strip(), parts[-1].strip()) if len(parts) > 1 else parts:
+                if part not in rendered:
+                    raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {rendered!r}")
+        if out[0][1] == out[1][1]:  # e.g. "<think></think>A cat." and "A cat.": the template drops empty reasoning
+            raise _Drop("identical_responses", f"chosen and rejected render to the same text {out[0][1]!r}")
+        return prompt, out[0][1], out[1][1]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS, as the Omni processor)."""
+        # verbose=False: no model_max_length warning; a row's length is checked against data.max_seq_length
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def response_ids(self, response: str) -> tuple[list[int], list[bool]]:
+        """Token ids of a rendered response and its loss mask: True up to and including the last <|im_end|>."""
+        ids = self.encode(response)
+        assert self.eos_id in ids, response  # render() checked that it ends with <|im_end|>\n
+        end = len(ids) - 1 - ids[::-1].index(self.eos_id)
+        return ids, [True] * (end + 1) + [False] * (len(ids) - end - 1)
+
+
+# ======================================================================================================================
+# Checking the rows of an annotation file (mmpr_index.build_index)
+
+
+# What the checking processes share, set by `begin_row_checks` before they fork (so nothing is pickled).
+_CHUNK_CTX: dict[str, Any] = {}
+CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
+
+
+def begin_row_checks(processor, max_images: int, max_len: int) -> None:
+    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row and data.max_seq_length."""
+    _CHUNK_CTX.clear()
+    _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor, max_images=max_images,
+                      max_len=max_len)
+
+
+def end_row_checks() -> None:
+    _CHUNK_CTX.clear()
+
+
+def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
+    """(height, width) of a decodable image, or (drop reason, detail); memoised per process."""
+    cache = _CHUNK_CTX.setdefault("sizes", {})
+    if path not in cache:
+        try:
+            im = load_image(path)
+            cache[path] = (im.height, im.width)
+        except _Drop as d:
+            cache[path] = (d.reason, d.detail)
+    return cache[path]
+
+
+def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
+                 subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
+    """[(line, offset, lengths dict or (drop reason, detail))] of rows [(line, byte offset, raw line)]."""
+    text, ip = _CHUNK_CTX["text"], _CHUNK_CTX["ip"]
+    max_images, max_len = _CHUNK_CTX["max_images"], _CHUNK_CTX["max_len"]
+    merge = round(1 / ip.downsample_ratio)
+    out = []
+    for lineno, offset, raw in lines:
+        try:
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _Drop("invalid_json", str(e)) from None
+            system, question, chosen, rejected, imgs = text.parse(row, Path(root) if root else None, max_images,
+                                                                  subset)
+            sizes = [_probe(p) for p in imgs]
+            if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
+                raise _Drop(*bad)
+            grids = image_grids(ip, sizes, imgs)  # before rendering: the order of DROP_REASONS
+            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
+            counts = [gh * gw // merge**2 for gh, gw in grids]
+            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
+            p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
+            c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
+            if max(c_len, r_len) > max_len:
+                raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
+            # the row's content as trained (not its JSON formatting): mmpr_index notes rows that repeat another
+            digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs]).encode(),
+                                     digest_size=8).hexdigest()
+            out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
+                                             grids=grids, counts=counts, digest=digest)))
+        except _Drop as d:  # a plain tuple: it crosses the process boundary
+            out.append((lineno, offset, (d.reason, d.detail)))
+    return out
+
+
+def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
+    """Non-blank lines of a JSONL file as (1-based line number, byte offset, bytes), CHUNK_ROWS at a time."""
+    chunk, offset = [], 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                chunk.append((lineno, offset, raw))
+                if len(chunk) == CHUNK_ROWS:
+                    yield chunk
+                    chunk = []
+            offset += len(raw)
+    if chunk:
+        yield chunk
+
+
+def checked_rows(pool, workers: int, root: str, path: Path,
+                 subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
+    """Every non-blank row of annotation file `path` checked, in file order: (line, byte offset, lengths or (drop
+    reason, detail)). `pool`: a fork-context ProcessPoolExecutor of `workers`, or None (in-process)."""
+    if pool is None:
+        for chunk in _read_chunks(path):
+            yield from _check_chunk(root, chunk, subset)
+        return
+    window: collections.deque = collections.deque()
+    try:
+        for chunk in _read_chunks(path):
+            window.append(pool.submit(_check_chunk, root, chunk, subset))
+            if len(window) >= 2 * workers:
+                yield from window.popleft().result()
+        while window:
+            yield from window.popleft().result()
+    finally:  # stopped early (max_samples) or failed: drop the chunks not yet started
+        for fut in window:
+            fut.cancel()
