@@ -364,19 +364,9 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 if __name__ == "__main__":
-    from omni_model import build_model, smoke_cli
+    from omni_model import smoke_run
 
-    hf_dir = smoke_cli(
-        "python hf_weights.py",
-        "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is one), "
-        "load its weights, print the load report and the logits' shape for 16 random tokens.",
-    )
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import config as config_mod
-    from distributed import init_distributed, local_device
-
-    init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
-    model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
-    print(load_hf_weights(model, hf_dir))
-    ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
-    print("logits", tuple(model({"input_ids": ids}).shape))
+    smoke_run("python hf_weights.py",
+              "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is "
+              "one), load its weights, print the load report and the logits' shape for 16 random tokens.",
+              load_weights=True)

@@ -252,37 +252,6 @@ def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_t
             "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
 
 
-def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, scale: float | None = None,
-                dropout_p: float = 0.0) -> torch.Tensor:
-    """Reference varlen attention, SDPA per sequence, causal bottom-right. query [T_q, heads, d],
-    key/value [T_kv, groups, d], cu_seqlens_* int [S+1] -> [T_q, heads * d]; max_seqlen_* unused (TE's signature)."""
-    cq, ckv = [int(v) for v in cu_seqlens_q.tolist()], [int(v) for v in cu_seqlens_kv.tolist()]
-    lq = [b - a for a, b in zip(cq[:-1], cq[1:], strict=True)]
-    lkv = [b - a for a, b in zip(ckv[:-1], ckv[1:], strict=True)]
-    if len(lq) != len(lkv) or cq[-1] != query.shape[0] or ckv[-1] != key.shape[0] or \
-            any(n < m for m, n in zip(lq, lkv, strict=True)):
-        raise ValueError(f"cu_seqlens_q {cq} / cu_seqlens_kv {ckv} do not describe query [{query.shape[0]}] and "
-                         f"key [{key.shape[0]}] sequences with n_q <= n_kv")
-    h, d = query.shape[1], query.shape[2]
-    rep = h // key.shape[1]
-    q = query.permute(1, 0, 2)
-    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    outs = []
-    for qs, ks, vs in zip(q.split(lq, dim=1), k.split(lkv, dim=1), v.split(lkv, dim=1), strict=True):
-        n_q, n_kv = qs.shape[1], ks.shape[1]
-        if n_q == 0:
-            continue
-        mask = None
-        if n_kv != n_q:
-            mask = bottom_right_causal_mask(n_q, n_kv, q.device)
-        outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, dropout_p=dropout_p,
-                                                   is_causal=mask is None, scale=scale)[0])  # 4-D: fused kernels
-    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
-    return out.permute(1, 0, 2).reshape(query.shape[0], h * d)
-
-
 # Devices whose THD attention goes to `varlen_attention` (the CPU tests add "cpu" with a stand-in varlen_attn).
 VARLEN_DEVICE_TYPES = frozenset({"cuda"})
 
@@ -314,14 +283,13 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn=None) -> torch.Tensor:
-    """`shared_prompt_attention` as one call of attention_fn (default `varlen_sdpa`;
-    `varlen_attention`, or TE's in omni_model) over `shared_prompt_varlen_layout`."""
+                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn) -> torch.Tensor:
+    """`shared_prompt_attention` as one call of attention_fn (`varlen_attention`, or TE's in omni_model; the tests'
+    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `shared_prompt_varlen_layout`."""
     T, h, _ = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     lay = shared_prompt_varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
-    fn = attention_fn or varlen_sdpa
-    return fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
+    return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
               lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
@@ -343,7 +311,6 @@ class ThdDotProductAttention(nn.Module):
         self.cp_group = getattr(pg_collection, "cp", None)
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -448,11 +415,13 @@ class ThdDotProductAttention(nn.Module):
 # Layer specs
 
 
-def _core_attention_spec(attention: str):
-    """ThdDotProductAttention with `attention` (sdpa or varlen)."""
+def _self_attention(mask_type: AttnMaskType, attention: str) -> ModuleSpec:
+    """Norm-fused qkv, ThdDotProductAttention with `attention` ("sdpa" or "varlen"), RowParallelLinear."""
     assert attention in ("sdpa", "varlen"), attention
-    return ThdDotProductAttention if attention == "sdpa" else \
+    core = ThdDotProductAttention if attention == "sdpa" else \
         ModuleSpec(module=ThdDotProductAttention, params={"attention": attention})
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": mask_type}, submodules=SelfAttentionSubmodules(
+        linear_qkv=LocalNormColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear))
 
 
 def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "sequential",
@@ -466,68 +435,25 @@ def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: 
         seq = moe.keywords["submodules"].experts  # moe: partial(MoELayer, submodules=MoESubmodules(...))
         assert seq.func is SequentialMLP, seq
         moe.keywords["submodules"].experts = partial(GroupedExperts, *seq.args, **seq.keywords)
-    core_attention = _core_attention_spec(attention)
-    return ModuleSpec(
-        module=HybridStack,
-        submodules=HybridStackSubmodules(
-            mamba_layer=ModuleSpec(
-                module=MambaLayer,
-                submodules=MambaLayerSubmodules(
-                    mixer=ModuleSpec(
-                        module=mamba_mixer,
-                        params=mamba_params,
-                        submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear),
-                    ),
-                    mamba_bda=get_bias_dropout_add,
-                ),
-            ),
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    self_attention=ModuleSpec(
-                        module=SelfAttention,
-                        params={"attn_mask_type": AttnMaskType.causal},
-                        submodules=SelfAttentionSubmodules(
-                            linear_qkv=norm_linear, core_attention=core_attention, linear_proj=RowParallelLinear,
-                        ),
-                    ),
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
-            mlp_layer=ModuleSpec(
-                module=MLPLayer,
-                submodules=TransformerLayerSubmodules(
-                    mlp=partial(MLP.as_mlp_submodule,
-                                submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear)),
-                    mlp_bda=get_bias_dropout_add,
-                ),
-            ),
-            moe_layer=ModuleSpec(
-                module=MoETransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=get_bias_dropout_add),
-            ),
-        ),
-    )
+    bda = get_bias_dropout_add
+    mixer = ModuleSpec(module=mamba_mixer, params=mamba_params,
+                       submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear))
+    mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=mixer, mamba_bda=bda)),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            self_attention=_self_attention(AttnMaskType.causal, attention), self_attn_bda=bda)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(mlp=mlp, mlp_bda=bda)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=bda)),
+    ))
 
 
 def local_vit_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     """Pre-LN ViT layer of non-TE modules, non-causal THD attention (each image to itself)."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=LocalNormColumnParallelLinear, core_attention=_core_attention_spec(attention),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=LocalNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=_self_attention(AttnMaskType.no_mask, attention), self_attn_bda=get_bias_dropout_add,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=LocalNormColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add,
+    ))

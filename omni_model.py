@@ -121,24 +121,13 @@ def _common_config_kwargs(model_cfg, parallel_cfg) -> dict:
     """TransformerConfig settings shared by the language model, the ViT and the projector."""
     dtype = _dtype(model_cfg.params_dtype)
     kw = dict(
-        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
-        gated_linear_unit=False,
-        apply_query_key_layer_scaling=False,
-        attention_softmax_in_fp32=True,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, gated_linear_unit=False, apply_query_key_layer_scaling=False,
+        attention_softmax_in_fp32=True, use_cpu_initialization=not torch.cuda.is_available(),
         # fusions that need TE/Apex/CUDA; the TE spec fuses on its own
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         deterministic_mode=model_cfg.deterministic_mode,  # e.g. embedding lookups by indexing (deterministic backward)
     )
     if model_cfg.recompute == "full":
@@ -154,41 +143,28 @@ def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
     kw = _common_config_kwargs(model_cfg, parallel_cfg)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     kw.update(
-        num_layers=len(hf.pattern),
-        hidden_size=t.hidden_size,
-        ffn_hidden_size=t.intermediate_size,
-        num_attention_heads=t.num_attention_heads,
-        num_query_groups=t.num_key_value_heads,
-        kv_channels=head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=t.layer_norm_epsilon,
-        activation_func=squared_relu,
-        mamba_state_dim=t.ssm_state_size,
-        mamba_head_dim=t.mamba_head_dim,
-        mamba_num_groups=t.n_groups,
-        mamba_num_heads=t.mamba_num_heads,
-        context_parallel_size=parallel_cfg.context_parallel_size,
+        num_layers=len(hf.pattern), hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads, num_query_groups=t.num_key_value_heads, kv_channels=head_dim,
+        normalization="RMSNorm", layernorm_epsilon=t.layer_norm_epsilon, activation_func=squared_relu,
+        mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim, mamba_num_groups=t.n_groups,
+        mamba_num_heads=t.mamba_num_heads, context_parallel_size=parallel_cfg.context_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
         fp32_residual_connection=bool(getattr(t, "residual_in_fp32", False)),
     )
     if "E" in hf.pattern:
-        # moe_shared_expert_intermediate_size is the total width of the one shared MLP (transformers and megatron)
         kw.update(
-            num_moe_experts=t.n_routed_experts,
-            moe_router_topk=t.num_experts_per_tok,
+            num_moe_experts=t.n_routed_experts, moe_router_topk=t.num_experts_per_tok,
             moe_ffn_hidden_size=t.moe_intermediate_size,
+            # the total width of the one shared MLP (transformers and megatron alike)
             moe_shared_expert_intermediate_size=t.moe_shared_expert_intermediate_size or None,
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
             # aux-loss-free balancing: the expert bias moves ±rate per step; a frozen language model keeps it
             moe_router_bias_update_rate=0.0 if model_cfg.freeze_language_model else
             model_cfg.moe_router_bias_update_rate,
-            moe_router_topk_scaling_factor=t.routed_scaling_factor,
-            moe_router_dtype="fp32",
+            moe_router_topk_scaling_factor=t.routed_scaling_factor, moe_router_dtype="fp32",
             moe_router_num_groups=t.n_group if t.n_group > 1 else None,
             moe_router_group_topk=t.topk_group if t.n_group > 1 else None,
-            moe_grouped_gemm=use_te,
-            moe_permute_fusion=False,
+            moe_grouped_gemm=use_te, moe_permute_fusion=False,
             moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
             moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
@@ -206,19 +182,11 @@ def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
         raise ValueError(f"RADIO hidden_act {v.hidden_act!r} is not supported (gelu, gelu_pytorch_tanh)")
     kw = _common_config_kwargs(model_cfg, parallel_cfg)
     kw.update(
-        num_layers=v.num_hidden_layers,
-        hidden_size=v.hidden_size,
-        ffn_hidden_size=int(v.hidden_size * v.mlp_ratio),
-        num_attention_heads=v.num_attention_heads,
-        num_query_groups=v.num_attention_heads,
-        kv_channels=v.hidden_size // v.num_attention_heads,
-        add_bias_linear=True,
-        add_qkv_bias=bool(v.qkv_bias),
-        normalization="LayerNorm",
-        layernorm_epsilon=v.layer_norm_eps,
-        activation_func=act,
-        context_parallel_size=1,
-        sequence_parallel=False,
+        num_layers=v.num_hidden_layers, hidden_size=v.hidden_size, ffn_hidden_size=int(v.hidden_size * v.mlp_ratio),
+        num_attention_heads=v.num_attention_heads, num_query_groups=v.num_attention_heads,
+        kv_channels=v.hidden_size // v.num_attention_heads, add_bias_linear=True, add_qkv_bias=bool(v.qkv_bias),
+        normalization="LayerNorm", layernorm_epsilon=v.layer_norm_eps, activation_func=act,
+        context_parallel_size=1, sequence_parallel=False,
     )
     return TransformerConfig(**kw)
 
@@ -227,15 +195,9 @@ def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
     """TransformerConfig of the mlp1 projector (RMSNorm eps 1e-5, as transformers')."""
     kw = _common_config_kwargs(model_cfg, parallel_cfg)
     kw.update(
-        num_layers=1,
-        hidden_size=hf.text.hidden_size,
-        ffn_hidden_size=hf.projector_hidden_size,
-        num_attention_heads=hf.text.num_attention_heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
-        activation_func=squared_relu,
-        context_parallel_size=1,
-        sequence_parallel=False,
+        num_layers=1, hidden_size=hf.text.hidden_size, ffn_hidden_size=hf.projector_hidden_size,
+        num_attention_heads=hf.text.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        activation_func=squared_relu, context_parallel_size=1, sequence_parallel=False,
     )
     return TransformerConfig(**kw)
 
@@ -262,19 +224,13 @@ class OmniMambaMixer(MambaMixer):
 
 def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
     t = hf.text
-    return dict(
-        d_conv=t.conv_kernel,
-        chunk_size=t.chunk_size,
-        dt_min=t.time_step_min,
-        dt_max=t.time_step_max,
-        dt_init_floor=t.time_step_floor,
-        conv_bias=True,
-        dt_clamp_min=t.time_step_min if model_cfg.mamba_dt_clamp else None,
-    )
+    return dict(d_conv=t.conv_kernel, chunk_size=t.chunk_size, dt_min=t.time_step_min, dt_max=t.time_step_max,
+                dt_init_floor=t.time_step_floor, conv_bias=True,
+                dt_clamp_min=t.time_step_min if model_cfg.mamba_dt_clamp else None)
+
 
 def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
-    """megatron-core's TE `hybrid_stack_spec` with OmniMambaMixer and the core attention
-    wrapped by `shared_prompt_te_attention`."""
+    """megatron-core's TE `hybrid_stack_spec` with OmniMambaMixer and `shared_prompt_te_attention`."""
     spec = copy.deepcopy(hybrid_stack_spec)
     mixer = spec.submodules.mamba_layer.submodules.mixer
     mixer.module = OmniMambaMixer
@@ -294,8 +250,7 @@ def shared_prompt_te_attention(base: type) -> type:
     class SharedPromptTEDotProductAttention(base):
         def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                     packed_seq_params=None, **kwargs):
-            """As `base.forward`; shared prompt: query
-            [t, heads, d], key/value [t, groups, d] -> [t, heads * d] in row order."""
+            """As `base.forward`; shared prompt: query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
             segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
             if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
@@ -324,7 +279,6 @@ def shared_prompt_te_attention(base: type) -> type:
                     m.attention_type = kind
 
     return SharedPromptTEDotProductAttention
-
 
 
 def have_transformer_engine() -> bool:
@@ -373,16 +327,12 @@ class OmniModel(nn.Module):
             spec = local_hybrid_stack_spec(OmniMambaMixer, _mamba_params(hf, model_cfg), n_experts, experts=experts,
                                            attention=attention)
         self.language_model = HybridModel(
-            config=self.lm_config,
-            hybrid_stack_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=hf.text.max_position_embeddings,
-            hybrid_layer_pattern=hf.pattern,
+            config=self.lm_config, hybrid_stack_spec=spec, vocab_size=vocab,
+            max_sequence_length=hf.text.max_position_embeddings, hybrid_layer_pattern=hf.pattern,
             position_embedding_type="none",
             share_embeddings_and_output_weights=bool(getattr(hf.text, "tie_word_embeddings", False)),
             scatter_embedding_sequence_parallel=False,  # merge images, CP-slice, then scatter (forward)
-            parallel_output=True,
-            pg_collection=pg,
+            parallel_output=True, pg_collection=pg,
         )
         self.vit_config = vision_config(hf, model_cfg, parallel_cfg)
         if use_te:
@@ -392,28 +342,17 @@ class OmniModel(nn.Module):
             vit_spec, fc1, fc2 = local_vit_layer_spec(attention), LocalNormColumnParallelLinear, RowParallelLinear
         v = hf.vision
         self.vision_model = RADIOViTModel(
-            transformer_config=self.vit_config,
-            transformer_layer_spec=vit_spec,
-            add_class_token=True,
-            class_token_len=self.num_prefix_tokens,
-            patch_dim=v.patch_size,
-            img_h=v.patch_size * 2,
-            img_w=v.patch_size * 2,
-            max_img_h=v.max_img_size,
-            max_img_w=v.max_img_size,
-            has_cpe=True,
-            embedder_bias=False,
-            dynamic_resolution=True,
+            transformer_config=self.vit_config, transformer_layer_spec=vit_spec, add_class_token=True,
+            class_token_len=self.num_prefix_tokens, patch_dim=v.patch_size, img_h=v.patch_size * 2,
+            img_w=v.patch_size * 2, max_img_h=v.max_img_size, max_img_w=v.max_img_size, has_cpe=True,
+            embedder_bias=False, dynamic_resolution=True,
             force_cpe_eval_mode=True,  # CPE augmentation off: the same position embeddings in train and eval
             pg_collection=pg,
         )
         self.proj_config = projector_config(hf, model_cfg, parallel_cfg)
         self.vision_projection = MultimodalProjector(
-            config=self.proj_config,
-            submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),
-            projector_type="mlp",
-            input_size=hf.vision_hidden_size * 4,
-            tp_group=pg.tp,
+            config=self.proj_config, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2), projector_type="mlp",
+            input_size=hf.vision_hidden_size * 4, tp_group=pg.tp,
         )
         self.pg = pg
         for flag, module in ((model_cfg.freeze_vision_encoder, self.vision_model),
@@ -608,9 +547,10 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
 # Smoke run
 
 
-def smoke_cli(prog: str, description: str) -> str:
-    """The command line [HF_DIR] (default assets/tiny-omni) of the smoke runs of omni_model.py and
-    hf_weights.py; argparse's error for a directory without config.json."""
+def smoke_run(prog: str, description: str, load_weights: bool = False) -> None:
+    """One-rank smoke run of omni_model.py / hf_weights.py: build the model of [HF_DIR] (default assets/tiny-omni),
+    optionally load its weights, and print the logits' shape for 16 random tokens. argparse's error (exit 2) for a
+    directory without config.json, before any process group exists."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=prog, description=description)
@@ -619,22 +559,21 @@ def smoke_cli(prog: str, description: str) -> str:
     hf_dir = ap.parse_args().hf_dir
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
-    return hf_dir
-
-
-# ======================================================================================================================
-
-if __name__ == "__main__":
-    hf_dir = smoke_cli(
-        "python omni_model.py",
-        "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is one) and "
-        "print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).",
-    )
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import config as config_mod
     from distributed import init_distributed, local_device
 
     init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
     model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
+    if load_weights:
+        import hf_weights
+
+        print(hf_weights.load_hf_weights(model, hf_dir))
     ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
     print("logits", tuple(model({"input_ids": ids}).shape))
+
+
+if __name__ == "__main__":
+    smoke_run("python omni_model.py",
+              "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is "
+              "one) and print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).")
