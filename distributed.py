@@ -36,17 +36,10 @@ class Ctx:
     def current(cls, cfg, device: torch.device) -> Ctx:
         from megatron.core import parallel_state as ps
 
-        return cls(
-            cfg=cfg,
-            device=device,
-            dp=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_group=ps.get_data_parallel_group(),
-            tp_group=ps.get_tensor_model_parallel_group(),
-            cp=ps.get_context_parallel_world_size(),
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_group=ps.get_context_parallel_group(),
-        )
+        return cls(cfg=cfg, device=device, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                   dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                   cp_group=ps.get_context_parallel_group())
 
 
 def local_device() -> torch.device:

@@ -82,14 +82,11 @@ class LocalNormColumnParallelLinear(ColumnParallelLinear):
                          **{k: v for k, v in kwargs.items() if k in _COLUMN_PARALLEL_ARGS})
         self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
         self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
-        norm_params = [self.layer_norm_weight]
-        if self.norm_kind == "LayerNorm":
-            self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
-            norm_params.append(self.layer_norm_bias)
-        else:
-            self.layer_norm_bias = None
-        for p in norm_params:
-            p.sequence_parallel = bool(config.sequence_parallel)
+        self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype)) \
+            if self.norm_kind == "LayerNorm" else None
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         """input_ [s, b, input_size] -> (output, bias), as ColumnParallelLinear."""

@@ -102,15 +102,9 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"{path}: {msg}")
-    return OmniHFConfig(
-        text=text,
-        vision=vision,
-        pattern=pattern,
-        vision_hidden_size=int(cfg.vision_hidden_size),
-        projector_hidden_size=int(cfg.projector_hidden_size),
-        image_token_id=int(cfg.image_token_id),
-        num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers),
-    )
+    return OmniHFConfig(text=text, vision=vision, pattern=pattern, vision_hidden_size=int(cfg.vision_hidden_size),
+                        projector_hidden_size=int(cfg.projector_hidden_size), image_token_id=int(cfg.image_token_id),
+                        num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers))
 
 
 def _dtype(name: str) -> torch.dtype:

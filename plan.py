@@ -325,20 +325,14 @@ def default_world(cfg) -> int:
                     p.expert_tensor_parallel_size * p.expert_model_parallel_size)
 
 
-def check_layout(cfg, world: int, hf) -> None:
-    """train.py's checks of the layout and the model, in its order (preflight.check_packing,
-    preflight.check_model_config, config.validate_parallel). Raises config.ConfigError."""
-    preflight.check_packing(cfg)
-    preflight.check_model_config(cfg, hf)
-    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
-
-
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
     """Build the first and the last rank of `cfg`'s layout on the meta device (other ranks differ at most
     in where the distributed optimizer's padding falls) and count. Raises config.ConfigError."""
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     world = world or default_world(cfg)
-    check_layout(cfg, world, hf)
+    preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
+    preflight.check_model_config(cfg, hf)
+    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
     bf16 = cfg.model.params_dtype == "bfloat16"
     rows: list[RankPlan] = []
     counts = None
