@@ -287,7 +287,7 @@ def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     lay = shared_prompt_varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
     return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
-              lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
+                        lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
 class ThdDotProductAttention(nn.Module):

@@ -9,7 +9,8 @@
 (`language_model`: Mamba-2 `M`, attention `*`, MoE `E`, MLP `-` layers). The forward encodes each image once,
 puts the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters
 for SP and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with
-CUDA, else local_spec.py's (cpu_compat.select_kernels). Run `python omni_model.py assets/tiny-omni` for a smoke run."""
+CUDA, else local_spec.py's (cpu_compat.select_kernels); build_model installs the megatron-core patches
+(cpu_compat.apply). Run `python omni_model.py assets/tiny-omni` for a smoke run."""
 
 from __future__ import annotations
 
