@@ -55,7 +55,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
 
 class LocalNorm(nn.Module):
     """Non-TE norm in fp32 whose parameters are tagged `sequence_parallel` (megatron all-reduces their
-    gradients over TP); megatron's torch_norm refuses sequence parallelism."""
+    gradients over TP)."""
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50 (refuses sequence parallelism)
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__()
@@ -76,6 +77,7 @@ _COLUMN_PARALLEL_ARGS = frozenset(inspect.signature(ColumnParallelLinear.__init_
 class LocalNormColumnParallelLinear(ColumnParallelLinear):
     """Pre-norm + ColumnParallelLinear with TELayerNormColumnParallelLinear's parameter
     names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`); the norm runs before the SP all-gather."""
+    # SHIM(megatron-core 0.19.2): megatron/core/extensions/transformer_engine.py:1122 (TE-only)
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config,
@@ -294,6 +296,7 @@ class ThdDotProductAttention(nn.Module):
     """Core attention over THD-packed sequences (megatron's non-TE one refuses packing).
     query [s, b, heads, d] or [t, heads, d] (THD); each key attends within its sequence, causally if the mask is. Under
     CP, K/V are all-gathered and the masks use global positions. attention="varlen": one `varlen_attention` call."""
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/dot_product_attention.py:153 (no THD)
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
