@@ -1,12 +1,6 @@
-"""The one distributed initialisation: torch.distributed and megatron-core's parallel state, for training under
-torchrun and for tools that build a model in one process (export, bench.py, tests).
+"""torch.distributed and megatron-core's parallel state, set up once (`init_distributed`), and the run's seeds.
 
-    ctx = init_distributed(cfg, local_device(), num_experts)   # train.py: the layout of cfg.parallel
-    init_distributed(device=torch.device("cpu"))               # a tool: a world of one
-
-Without torchrun the world is one rank on a free local port. Other modules read the process groups from
-megatron-core's `parallel_state` or from `Ctx`. Tests: tests/test_train.py, tests/test_checkpoint.py -k export.
-"""
+    ctx = init_distributed(cfg, local_device(), num_experts)   # train.py; a tool: init_distributed()"""
 
 from __future__ import annotations
 
@@ -26,8 +20,7 @@ import config as config_mod
 
 @dataclass
 class Ctx:
-    """What every step needs: the config, the step's device and the data/tensor/context-parallel groups, sizes and
-    ranks of this process (read from megatron-core's parallel state by `Ctx.current`)."""
+    """This process's config, device and data / tensor / context-parallel groups, sizes and ranks."""
 
     cfg: Any  # config.Config
     device: torch.device
@@ -41,28 +34,16 @@ class Ctx:
 
     @classmethod
     def current(cls, cfg, device: torch.device) -> Ctx:
-        """The Ctx of the initialised parallel state (after `init_distributed`)."""
         from megatron.core import parallel_state as ps
 
-        return cls(
-            cfg=cfg,
-            device=device,
-            dp=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_group=ps.get_data_parallel_group(),
-            tp_group=ps.get_tensor_model_parallel_group(),
-            cp=ps.get_context_parallel_world_size(),
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_group=ps.get_context_parallel_group(),
-        )
+        return cls(cfg=cfg, device=device, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                   dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                   cp_group=ps.get_context_parallel_group())
 
 
 def local_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK 0 outside torchrun), else the CPU.
-
-    Raises:
-        config.ConfigError: LOCAL_RANK names no CUDA device of this node (more ranks per node than GPUs).
-    """
+    """cuda:LOCAL_RANK when CUDA is available, else the CPU (ConfigError: LOCAL_RANK has no GPU)."""
     if torch.cuda.is_available():
         local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         if local_rank >= count:
@@ -74,27 +55,21 @@ def local_device() -> torch.device:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reported free a moment ago (another process may still take it first)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def group_rank_size(group) -> tuple[int, int]:
-    """(this process's rank in `group`, the group's size); (0, 1) for None (no process group: a world of one)."""
+    """(rank in `group`, its size); (0, 1) for None."""
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None) -> Ctx:
-    """torch.distributed and megatron-core's parallel state for `cfg.parallel` (all sizes 1 when `cfg` is None)
-    on `device` (None: the CPU); returns this process's `Ctx`. nccl for CUDA, gloo otherwise; cpu_compat's stand-ins are
-    applied first. Idempotent. A parallel state created here seeds megatron's RNG tracker with 0.
-
-    Raises:
-        config.ConfigError: (with `cfg`) config.validate_parallel's rules, before any process group exists.
-    """
+    """Process group (nccl on CUDA, else gloo; outside torchrun a world of one) and megatron-core's
+    parallel state for `cfg.parallel` (sizes 1 without cfg); idempotent. ConfigError: config.validate_parallel."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -129,7 +104,7 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
 
 
 def seed_everything(seed: int) -> None:
-    """Python, numpy, torch and megatron-core's model-parallel RNG tracker (dropout is off; kept for any randomness)."""
+    """Seed Python, numpy, torch and megatron-core's RNG tracker."""
     from megatron.core import tensor_parallel
 
     random.seed(seed)
@@ -138,23 +113,16 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-# The values of the environment variables that deterministic mode needs (set by `set_deterministic` when unset).
+# Environment that deterministic mode needs (set by `set_deterministic` when unset; docs/DESIGN.md).
 DETERMINISTIC_ENV = {
-    "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),  # cuBLAS's reproducible workspaces (CUDA docs, "Results
-    # reproducibility"); torch's deterministic mode needs one of them
-    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),  # Transformer Engine's attention; megatron-core's deterministic_mode
-    # refuses to build TE attention without it
-    "MAMBA_DETERMINISTIC": ("1",),  # mamba-ssm's Triton kernels: one fixed config each (no autotuning, whose choice
-    # can vary between runs) and deterministic backward accumulation; read when mamba_ssm is imported
+    "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),  # cuBLAS's reproducible workspaces
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),  # Transformer Engine's attention
+    "MAMBA_DETERMINISTIC": ("1",),  # mamba-ssm's Triton kernels: no autotuning, deterministic backward
 }
 
 
 def check_deterministic_env(enabled: bool) -> None:
-    """Refuse an environment that contradicts `model.deterministic_mode = true` (before any work).
-
-    Raises:
-        config.ConfigError: a variable of DETERMINISTIC_ENV is set to a value deterministic mode cannot run with.
-    """
+    """ConfigError when deterministic mode is on and a DETERMINISTIC_ENV variable disagrees."""
     if not enabled:
         return
     for name, good in DETERMINISTIC_ENV.items():
@@ -167,14 +135,8 @@ def check_deterministic_env(enabled: bool) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """With `enabled` (model.deterministic_mode): set the unset variables of DETERMINISTIC_ENV (call before
-    `init_distributed`: before the first CUDA matmul) and `torch.use_deterministic_algorithms(True, warn_only=True)`,
-    which mamba-ssm's Triton kernels read too. mamba-ssm fixes its autotuning when imported: imported already without
-    MAMBA_DETERMINISTIC exported, one note on stderr says to export it.
-
-    Raises:
-        config.ConfigError: `check_deterministic_env`.
-    """
+    """Set the unset DETERMINISTIC_ENV variables and torch's deterministic algorithms (warn_only);
+    call before the first CUDA work."""
     if not enabled:
         return
     check_deterministic_env(enabled)
@@ -189,7 +151,7 @@ def set_deterministic(enabled: bool) -> None:
 
 
 def destroy_distributed() -> None:
-    """Wait for every rank, then tear down megatron-core's parallel state and the process group (no-op without one)."""
+    """Barrier, then tear down the parallel state and the process group."""
     if dist.is_initialized():
         from megatron.core import parallel_state
 

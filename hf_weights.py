@@ -1,18 +1,10 @@
-"""HF import / export of the Omni model: the exact map between megatron-core's parameters and the hub checkpoint.
+"""HF import / export of the Omni model: the exact map between megatron-core's tensors and the hub checkpoint.
 
-    model = omni_model.build_model("assets/tiny-omni", cfg.model, cfg.parallel)
     report = load_hf_weights(model, "assets/tiny-omni")   # each rank reads only its TP / EP slices
-    export_hf(model, "out/", "assets/tiny-omni")           # exact inverse; untouched keys written back unchanged
+    export_hf(model, "out/", "assets/tiny-omni")           # the exact inverse; untouched keys copied back
 
-`hf_param_map(model)` says, for every megatron-core tensor, which rows or columns of which HF tensors make up each
-rank's local shard (`ParamMap` of `Segment`s, split over TP or EP, or replicated). Loading reads those slices with
-safetensors' get_slice; export all-gathers the shards over their groups and lays them back. Checkpoint keys of
-components this project does not train (audio, RADIO's input conditioner and summary heads, video embedder) are
-counted, kept aside and copied back unchanged on export (`UNTOUCHED_PREFIXES`).
-
-The key names are the hub checkpoint's (`language_model.backbone.layers.<i>.mixer.*`,
-`vision_model.radio_model.model.*`, `mlp1.*` for the projector), as in assets/tiny-omni.
-"""
+`hf_param_map(model)` gives, for every megatron-core tensor, the rows or columns of HF tensors that make each rank's
+shard (`ParamMap` of `Segment`s); keys of components not trained here are kept aside (`UNTOUCHED_PREFIXES`)."""
 
 from __future__ import annotations
 
@@ -47,8 +39,8 @@ class Segment:
 
 @dataclass
 class ParamMap:
-    """How one megatron-core tensor is made of HF tensors: along `dim`, the local tensor of rank r of `group`
-    ("tp", "ep", or None for replicated) is the concatenation of `segments(r, size)`."""
+    """How one megatron-core tensor is made of HF tensors: along `dim`, rank r of `group` ("tp", "ep" or None)
+    holds the concatenation of `segments(r, size)`."""
 
     dim: int
     group: str | None
@@ -64,7 +56,7 @@ def _whole(key: str, n: int) -> ParamMap:
 
 
 def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
-    """Concatenated components (key, offset, size), each split evenly over TP (Mamba in_proj z|x|B|C|dt, conv x|B|C)."""
+    """Concatenated components (key, offset, size), each split evenly over TP (Mamba in_proj, conv)."""
     return ParamMap(dim, "tp", lambda r, s: [Segment(k, off + r * n // s, n // s) for k, off, n in parts])
 
 
@@ -80,11 +72,7 @@ def _rows(segments: list[Segment], start: int, length: int) -> list[Segment]:
 
 
 def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
-    """megatron-core name -> ParamMap for every parameter (and the router expert-bias buffer) of `model`.
-
-    Keys are the hub checkpoint's names (the tables below). Raises ValueError for a megatron tensor without an HF
-    source.
-    """
+    """megatron-core name -> ParamMap for every parameter and router expert-bias buffer of `model`."""
     hf, t, v = model.hf, model.hf.text, model.hf.vision
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     di, gn, nh = t.mamba_num_heads * t.mamba_head_dim, t.n_groups * t.ssm_state_size, t.mamba_num_heads
@@ -213,15 +201,13 @@ UNTOUCHED_PREFIXES = (
 
 
 def has_safetensors(hf_dir: str | os.PathLike) -> bool:
-    """True when `hf_dir` holds the weights HFReader reads: model.safetensors.index.json or at least one
-    *.safetensors file."""
+    """True when `hf_dir` holds model.safetensors.index.json or a *.safetensors file."""
     d = Path(hf_dir)
     return (d / "model.safetensors.index.json").is_file() or any(d.glob("*.safetensors"))
 
 
 class HFReader:
-    """Lazy access to a safetensors checkpoint (single file or sharded with model.safetensors.index.json); reads
-    only the requested slices (safetensors get_slice)."""
+    """Lazy reads of a (sharded) safetensors checkpoint, only the requested slices."""
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = Path(hf_dir)
@@ -278,14 +264,9 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
-    """Copy the HF checkpoint's tensors into `model` (this rank's TP / EP slices only, read with get_slice).
-
-    Returns a report: {"params": n megatron tensors loaded, "hf_keys": n checkpoint keys used by the model,
-    "untouched": {prefix: count} of keys kept aside (audio, input conditioner, ...)}; the untouched key names are also
-    stored on `model.hf_untouched_keys` for export.
-    Raises: ValueError listing checkpoint keys that are neither mapped nor a known untouched component, or a shape
-    mismatch (named). KeyError for a missing checkpoint key.
-    """
+    """Copy this rank's TP / EP slices of the checkpoint into `model`. Returns {"params", "hf_keys",
+    "untouched": {prefix: count}}; the untouched key names go to `model.hf_untouched_keys` for export. Raises ValueError
+    for an unknown checkpoint key or a shape mismatch, KeyError for a missing key."""
     reader = HFReader(hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
@@ -316,15 +297,9 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
 
 
 def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
-    """Write `model` as a complete HF Omni checkpoint in the source's key names, files and dtypes (collective: every
-    rank calls it; global rank 0 writes).
-
-    TP / EP shards are all-gathered over their groups and laid back into the HF tensors (the exact inverse of
-    load_hf_weights); keys the model does not hold (audio, input conditioner, ...) are copied from `src_hf_dir`
-    unchanged; config.json, tokenizer and processor files are copied. The safetensors files get the mode of a file
-    created with open() (0666 minus the umask, usually 0644). Returns {"keys": n, "files": n} on rank 0,
-    None elsewhere. Import -> export is bit-identical when the parameters are unchanged.
-    """
+    """Write `model` as a complete HF checkpoint in the source's keys, files and dtypes (collective; rank 0
+    writes): shards all-gathered over their groups, untouched keys and non-weight files copied from `src_hf_dir`, files
+    of mode 0666 minus the umask. Returns {"keys", "files"} on rank 0, else None. Import -> export is bit-identical."""
     src = HFReader(src_hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
@@ -389,19 +364,9 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 if __name__ == "__main__":
-    from omni_model import build_model, smoke_cli
+    from omni_model import smoke_run
 
-    hf_dir = smoke_cli(
-        "python hf_weights.py",
-        "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is one), "
-        "load its weights, print the load report and the logits' shape for 16 random tokens.",
-    )
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import config as config_mod
-    from distributed import init_distributed, local_device
-
-    init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
-    model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
-    print(load_hf_weights(model, hf_dir))
-    ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
-    print("logits", tuple(model({"input_ids": ids}).shape))
+    smoke_run("python hf_weights.py",
+              "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is "
+              "one), load its weights, print the load report and the logits' shape for 16 random tokens.",
+              load_weights=True)

@@ -1,20 +1,9 @@
-"""The local (non-Transformer-Engine) spec: the modules and layer specs used on CPU and on GPUs without Transformer
-Engine (cpu_compat.select_kernels decides; omni_model.build_model picks the spec).
+"""The local (non-Transformer-Engine) spec, used on the CPU and on GPUs without TE.
 
-megatron-core's own non-TE modules (ColumnParallelLinear, RowParallelLinear, SelfAttention, MLP, the MoE layer,
-MambaMixer) plus the project modules that stand in for Transformer Engine ones:
-- `LocalNorm`: RMSNorm / LayerNorm in fp32 (as transformers' NemotronH RMSNorm), usable under sequence parallelism.
-- `LocalNormColumnParallelLinear`: the non-TE twin of `TELayerNormColumnParallelLinear`, with the same parameter
-  names, so a checkpoint is the same whichever spec built the model.
-- `ThdDotProductAttention`: THD `cu_seqlens` attention within each sequence (causal or not) through torch's SDPA per
-  sequence, or on CUDA in bf16/fp16 through ONE call of torch's varlen FlashAttention (`varlen_attention`); context
-  parallelism by all-gathering K/V; the shared-prompt layout (`shared_prompt_attention`, when
-  cpu_compat.SHARED_PROMPT_SEGMENTS is set by the model's forward).
-- `GroupedExperts`: megatron-core's SequentialMLP (same parameters and checkpoint keys) computed with one torch grouped
-  GEMM per projection instead of a loop over the experts.
-The specs take what differs per model as arguments (the Mamba mixer class and its parameters, the expert count), so
-this module imports only megatron-core, torch, pack and cpu_compat (the per-forward layout state).
-"""
+- `LocalNorm`, `LocalNormColumnParallelLinear`: fp32 norms, alone or before a column-parallel linear (TE's names).
+- `GroupedExperts`: SequentialMLP with one grouped GEMM per projection.
+- `ThdDotProductAttention`: THD-packed core attention (SDPA per sequence or one varlen call), CP, shared prompt.
+- `local_hybrid_stack_spec`, `local_vit_layer_spec`: the specs built of these modules."""
 
 from __future__ import annotations
 
@@ -54,7 +43,7 @@ from pack import cp_partition_index, shared_prompt_spans
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
-    """RMSNorm / LayerNorm over the last dim, computed in fp32 and cast back (as transformers' NemotronH RMSNorm)."""
+    """RMSNorm / LayerNorm over the last dim in fp32, cast back to x's dtype."""
     shape = (x.shape[-1],)
     xf = x.float()
     if kind == "RMSNorm":
@@ -65,11 +54,9 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
 
 
 class LocalNorm(nn.Module):
-    """Non-TE norm (RMSNorm or LayerNorm after `config.normalization`), usable under sequence parallelism: its
-    parameters are tagged `sequence_parallel` so megatron all-reduces their gradients over TP.
-
-    SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50 (megatron's non-TE norm refuses sequence
-    parallelism; this one computes in fp32 and casts back, as the TE norm and transformers' NemotronH RMSNorm do)."""
+    """Non-TE norm in fp32 whose parameters are tagged `sequence_parallel` (megatron all-reduces their
+    gradients over TP)."""
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/torch_norm.py:50 (refuses sequence parallelism)
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__()
@@ -88,31 +75,23 @@ _COLUMN_PARALLEL_ARGS = frozenset(inspect.signature(ColumnParallelLinear.__init_
 
 
 class LocalNormColumnParallelLinear(ColumnParallelLinear):
-    """Pre-norm + ColumnParallelLinear: the non-TE equivalent of TELayerNormColumnParallelLinear, with the same
-    parameter names (`layer_norm_weight`, `layer_norm_bias` for LayerNorm, `weight`, `bias`). The norm runs on the
-    local sequence shard before the linear's sequence-parallel all-gather (it is per token). Keyword arguments that
-    ColumnParallelLinear does not take (TE-only ones a spec may pass) are dropped.
-
-    SHIM(megatron-core 0.19.2): megatron/core/extensions/transformer_engine.py:1122 (the fused norm + linear exists
-    only as a Transformer Engine module; megatron-core has no non-TE one).
-    """
+    """Pre-norm + ColumnParallelLinear with TELayerNormColumnParallelLinear's parameter
+    names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`); the norm runs before the SP all-gather."""
+    # SHIM(megatron-core 0.19.2): megatron/core/extensions/transformer_engine.py:1122 (TE-only)
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config,
                          **{k: v for k, v in kwargs.items() if k in _COLUMN_PARALLEL_ARGS})
         self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
         self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
-        norm_params = [self.layer_norm_weight]
-        if self.norm_kind == "LayerNorm":
-            self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
-            norm_params.append(self.layer_norm_bias)
-        else:
-            self.layer_norm_bias = None
-        for p in norm_params:
-            p.sequence_parallel = bool(config.sequence_parallel)
+        self.layer_norm_bias = nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype)) \
+            if self.norm_kind == "LayerNorm" else None
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        """input_ [s, b, input_size] (this rank's sequence shard under SP) -> (output, bias) as ColumnParallelLinear."""
+        """input_ [s, b, input_size] -> (output, bias), as ColumnParallelLinear."""
         x = _norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps, self.norm_kind)
         return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
 
@@ -122,14 +101,9 @@ class LocalNormColumnParallelLinear(ColumnParallelLinear):
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM, a [T, K] row-major x b [E, K, N] -> [T, N]: rows offs[e-1]:offs[e] of `a` times b[e]
-    (offs: int32 [E], cumulative, offs[-1] = T; empty groups allowed). `torch.nn.functional.grouped_mm` (torch >=
-    2.10), else `torch._grouped_mm`. The output's gradient is made contiguous (a tensor hook, a no-op when it already
-    is): torch's CUTLASS kernel (aten/src/ATen/native/cuda/GroupMMCommon.cuh, prepare_grouped_gemm_data) needs group
-    sizes that are multiples of 16 bytes and non-zero only when the weight-gradient GEMM gets a column-major output
-    gradient; with a row-major `a`, a column-major `b` and a contiguous gradient every group size runs, zero included
-    (so groups are not padded; checked on an H200 with torch 2.11)."""
-    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    """a [T, K] x b [E, K, N] -> [T, N], rows offs[e-1]:offs[e] times b[e] (offs int32 [E], cumulative).
+    The hook makes the output's gradient contiguous, so every group size runs, zero included (docs/DESIGN.md)."""
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
     out = fn(a, b, offs=offs)
     if out.requires_grad:
         out.register_hook(torch.Tensor.contiguous)
@@ -137,24 +111,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 class GroupedExperts(SequentialMLP):
-    """megatron-core's SequentialMLP computed with one grouped GEMM per projection (`grouped_mm`) instead of a Python
-    loop over the experts: the local spec's routed experts on CUDA (cpu_compat.Kernels.experts = "grouped").
-
-    The parameters, their names (`local_experts.N.linear_fc1.weight`, `...linear_fc2.weight`), `state_dict`,
-    `sharded_state_dict` (per-expert keys) and hf_weights' key map are SequentialMLP's: a checkpoint saved with either
-    module loads into the other. The forward is SequentialMLP's arithmetic per token (MLP.forward's unfused path:
-    fc1, the activation - gated or not -, the routing probabilities `permuted_probs` multiplied in and cast back to the
-    activation's dtype, fc2), so on the CPU (torch's grouped GEMM there is a loop of matmuls) it equals SequentialMLP
-    bit for bit, forward and backward (tests/test_experts.py).
-
-    Cost: each forward stacks the per-expert weights into [E, out, in] (torch.stack: a copy of the layer's expert
-    weights, 2·E·hidden·moe_ffn elements; for Nemotron-3-Nano ≈ 1.3e9 per layer, ~2.6 GB in bf16) and the backward
-    splits the stacked gradient back per expert; bench.py --gpu --profile measures it.
-
-    Supported: expert tensor parallelism 1 (build_model's requirement), no linear biases, no FP8/FP4, megatron's
-    unfused activation (no `bias_activation_fusion`, no TE activation), no MoE latent projection. Other settings raise
-    ValueError at construction (SequentialMLP supports them).
-    """
+    """SequentialMLP (same parameters and checkpoint keys) with one grouped GEMM per projection;
+    bit-equal to it on the CPU (tests/test_experts.py). Stacks the expert weights per forward (2·E·hidden·ffn)."""
 
     def __init__(self, num_local_experts: int, config, submodules, pg_collection=None, name: str | None = None):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
@@ -164,13 +122,10 @@ class GroupedExperts(SequentialMLP):
                        "bias_activation_fusion": c.bias_activation_fusion,
                        "use_te_activation_func": c.use_te_activation_func,
                        "moe_latent_size": c.moe_latent_size is not None}
-        if any(unsupported.values()):
-            raise ValueError(f"GroupedExperts does not support {[k for k, v in unsupported.items() if v]}; "
-                             "use SequentialMLP (cpu_compat.Kernels.experts = 'sequential')")
+        assert not any(unsupported.values()), [k for k, v in unsupported.items() if v]
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """fc1's output h [T, ffn (x2 gated)] through the activation, times probs [T], in h's dtype: the unfused path
-        of megatron/core/transformer/mlp.py MLP.forward (megatron-core 0.19.2)."""
+        """h [T, ffn (x2 gated)] -> activation(h) · probs [T] in h's dtype (megatron's MLP.forward)."""
         c = self.config
         if c.gated_linear_unit:
             x_glu, x_linear = torch.chunk(h, 2, dim=-1)
@@ -184,8 +139,8 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
-        """permuted_local_hidden_states [T, hidden], the tokens sorted by local expert; tokens_per_expert int [E] (any
-        device); permuted_probs [T]. Returns (output [T, hidden] in the input's dtype, None), as SequentialMLP."""
+        """x [T, hidden] sorted by local expert, tokens_per_expert int [E], probs [T] ->
+        (out [T, hidden], None)."""
         x, probs = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward
             assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
@@ -204,19 +159,11 @@ class GroupedExperts(SequentialMLP):
 
 
 def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[int, int, int, int, int]]:
-    """Contiguous runs of this rank's queries, each within one sequence of the packed row.
-
-    cu: cumulative (padded) sequence lengths as ints; total: packed length (all CP ranks); positions past cu[-1]
-    form one more sequence (trailing padding, CP = 1 only). Without CP a run is a whole sequence; under CP a
-    sequence of padded length L gives two runs of L/(2·CP) queries, chunks cp_rank and 2·CP−1−cp_rank (the layout of
-    pack.cp_partition_index, so local query order matches it). Returns (local query start, query count, sequence
-    start, sequence end, query offset within the sequence) per run, in local order.
-    Raises ValueError when CP > 1 and the row extends past cu[-1].
-    """
+    """This rank's runs of queries within one sequence: (local start, count, sequence start, sequence end,
+    offset in the sequence). Under CP a sequence gives chunks cp_rank and 2·CP−1−cp_rank (pack.cp_partition_index)."""
     bounds = list(zip(cu[:-1], cu[1:], strict=True))
     if total > cu[-1]:
-        if cp > 1:
-            raise ValueError(f"under CP the packed length {total} must equal cu_seqlens_padded[-1] = {cu[-1]}")
+        assert cp == 1, (total, cu[-1])
         bounds.append((cu[-1], total))
     runs, local = [], 0
     for start, end in bounds:
@@ -231,46 +178,24 @@ def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[
 
 
 def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
-    """bool [n_q, n_kv], True where query j may attend key i: i <= n_kv - n_q + j, the causal mask aligned bottom-right
-    (TE's "causal_bottom_right"; the last query sees every key). For n_q == n_kv it is the plain causal mask."""
+    """bool [n_q, n_kv]: query j sees keys 0 .. n_kv - n_q + j (TE's causal_bottom_right)."""
     return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
 
 
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal self-attention of a shared-prompt THD row (pack.pack_shared; ThdDotProductAttention's path when
-    cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
-    rejected tokens attend to the whole prompt and causally to earlier rejected tokens, never to the chosen segment.
-
-    Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
-    the keys [prompt | rejected] with a bottom-right causal mask [r, k + r] (query j sees keys 0 .. k + j). Tokens
-    after the last pair (bin padding) attend causally among themselves. The Transformer Engine path is ONE
-    variable-length call of the same masks (`shared_prompt_varlen_layout`, `shared_prompt_varlen_attention`: keys and
-    values gathered into [prompt | chosen], [prompt | rejected] per pair, mask type padding_causal_bottom_right).
-
-    Args:
-        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs; GQA: heads is a
-            multiple of groups, group j serves heads j*heads/groups ...).
-        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
-        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
-    Returns:
-        [T, heads * d] in query's dtype (megatron's core-attention output layout).
-    Raises:
-        ValueError: bad offsets (`pack.shared_prompt_spans`) or heads not a multiple of groups.
-    """
+    """Shared-prompt THD row (pack.pack_shared): [prompt | chosen] causal, rejected queries
+    against [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
+    key/value [T, groups, d], segment offsets int [3P+1] -> [T, heads * d]."""
     T, h, d = query.shape
-    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
-        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
-                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
+    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
     rep = h // key.shape[1]
     q = query.permute(1, 0, 2)  # [h, T, d]
     k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
     v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    # Views by torch.split, not slices: the backward of a split is one concatenation, where every slice's backward
-    # writes a zero-filled full-row gradient (O(pairs · T) per layer, the largest overhead in the shared-prompt
-    # layout's CPU profile).
+    # torch.split views, not slices: a split's backward is one concatenation, not a zero-filled row per slice.
     # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
     end = spans[-1][3] if spans else 0
     runs = [n for a, c0, r0, e in spans for n in (r0 - a, e - r0)] + [T - end]
@@ -301,25 +226,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> dict:
-    """The shared-prompt THD row as ONE variable-length attention call (the Transformer Engine path of
-    `shared_prompt_attention`): query sequences per pair [prompt | chosen] then [rejected], then the bin's trailing
-    padding as a sequence of its own; key/value sequences [prompt | chosen], [prompt | rejected] (the prompt's keys and
-    values gathered twice), then the padding. Every sequence takes a causal mask aligned bottom-right (TE's
-    attn_mask_type "padding_causal_bottom_right"): query j of a sequence with n_q queries and n_kv keys sees keys
-    0 .. n_kv - n_q + j, which is plain causal where n_q == n_kv ([prompt | chosen], padding) and "all of the prompt,
-    then causal" for the rejected queries. Empty query sequences (an empty response) are left out.
-
-    The query sequences are the row in its own order, so the call's output is already in row order (no scatter).
-
-    Args:
-        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
-        total_tokens: T, the row length (tokens after the last pair form the padding sequence).
-    Returns:
-        dict with kv_index (int64 [T_kv], the row position of every key/value token, on the offsets' device),
-        cu_seqlens_q / cu_seqlens_kv (int32 [S+1], same device), max_seqlen_q / max_seqlen_kv (int).
-    Raises:
-        ValueError: bad offsets (`pack.shared_prompt_spans`).
-    """
+    """The shared-prompt row as one varlen call: per pair the queries [prompt | chosen],
+    [rejected] against keys [prompt | chosen], [prompt | rejected], then the tail. Returns kv_index int64 [T_kv],
+    cu_seqlens_q / cu_seqlens_kv int32 [S+1], max_seqlen_q / max_seqlen_kv."""
     spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
     q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
     for a, c0, r0, e in spans:
@@ -342,51 +251,7 @@ def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_t
             "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
 
 
-def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, scale: float | None = None,
-                dropout_p: float = 0.0) -> torch.Tensor:
-    """Reference variable-length attention with bottom-right-aligned causal masks (TE's qkv_format "thd" with
-    attn_mask_type "padding_causal_bottom_right"): torch SDPA once per sequence, query j of a sequence of n_q queries
-    and n_kv keys sees keys 0 .. n_kv - n_q + j. The CPU backend of `shared_prompt_varlen_attention`.
-
-    Args:
-        query: [T_q, heads, d]; key, value: [T_kv, groups, d] (heads a multiple of groups).
-        cu_seqlens_q, cu_seqlens_kv: int [S+1] cumulative lengths (equal counts S, n_q <= n_kv per sequence, the last
-            entries equal T_q and T_kv); max_seqlen_q / max_seqlen_kv: unused (TE's signature).
-        scale: softmax scale (default 1/sqrt(d)); dropout_p: attention dropout.
-    Returns:
-        [T_q, heads * d] in query's dtype.
-    Raises:
-        ValueError: offsets that do not cover the tensors, or a sequence with more queries than keys.
-    """
-    cq, ckv = [int(v) for v in cu_seqlens_q.tolist()], [int(v) for v in cu_seqlens_kv.tolist()]
-    lq = [b - a for a, b in zip(cq[:-1], cq[1:], strict=True)]
-    lkv = [b - a for a, b in zip(ckv[:-1], ckv[1:], strict=True)]
-    if len(lq) != len(lkv) or cq[-1] != query.shape[0] or ckv[-1] != key.shape[0] or \
-            any(n < m for m, n in zip(lq, lkv, strict=True)):
-        raise ValueError(f"cu_seqlens_q {cq} / cu_seqlens_kv {ckv} do not describe query [{query.shape[0]}] and "
-                         f"key [{key.shape[0]}] sequences with n_q <= n_kv")
-    h, d = query.shape[1], query.shape[2]
-    rep = h // key.shape[1]
-    q = query.permute(1, 0, 2)
-    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    outs = []
-    for qs, ks, vs in zip(q.split(lq, dim=1), k.split(lkv, dim=1), v.split(lkv, dim=1), strict=True):
-        n_q, n_kv = qs.shape[1], ks.shape[1]
-        if n_q == 0:
-            continue
-        mask = None
-        if n_kv != n_q:
-            mask = bottom_right_causal_mask(n_q, n_kv, q.device)
-        outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, dropout_p=dropout_p,
-                                                   is_causal=mask is None, scale=scale)[0])  # 4-D: fused kernels
-    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
-    return out.permute(1, 0, 2).reshape(query.shape[0], h * d)
-
-
-# Devices whose THD attention ThdDotProductAttention(attention="varlen") sends to `varlen_attention` (torch's
-# FlashAttention: CUDA). The CPU tests add "cpu" with a stand-in varlen_attn.
+# Devices whose THD attention goes to `varlen_attention` (the CPU tests add "cpu" with a stand-in varlen_attn).
 VARLEN_DEVICE_TYPES = frozenset({"cuda"})
 
 
@@ -398,22 +263,9 @@ def _parameter_names(fn) -> frozenset[str]:
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, causal: bool = True,
                      scale: float | None = None) -> torch.Tensor:
-    """Attention of packed variable-length sequences in ONE call of torch's `torch.nn.attention.varlen.varlen_attn`
-    (FlashAttention-2: CUDA sm80+, bf16/fp16; cpu_compat.have_varlen_attn): the same masks as `varlen_sdpa`, causal
-    aligned bottom-right (query j of a sequence of n_q queries and n_kv keys sees keys 0 .. n_kv - n_q + j:
-    FlashAttention's convention, plain causal where n_q == n_kv) or none.
+    """`varlen_sdpa` in one call of torch's varlen_attn (FlashAttention-2: CUDA, bf16/fp16). Causal
+    is window_size=(-1, 0) from torch 2.11, GQA enable_gqa from torch 2.12 (else K/V heads repeated)."""
 
-    The arguments follow the installed signature: causal as window_size=(-1, 0) where it has `window_size` (torch >=
-    2.11), else is_causal=True; GQA by enable_gqa=True where it has `enable_gqa` (torch >= 2.12), else the K/V heads
-    repeated (torch 2.11's call refuses fewer K/V heads than query heads).
-
-    Args:
-        query: [T_q, heads, d]; key, value: [T_kv, groups, d] (heads a multiple of groups).
-        cu_seqlens_q, cu_seqlens_kv: int32 [S+1] cumulative lengths on the tensors' device; max_seqlen_q,
-            max_seqlen_kv: the longest sequence (int). scale: softmax scale (default 1/sqrt(d)).
-    Returns:
-        [T_q, heads * d] in query's dtype (also the `attention_fn` of `shared_prompt_varlen_attention`).
-    """
     from torch.nn.attention.varlen import varlen_attn
 
     names = _parameter_names(varlen_attn)
@@ -430,63 +282,21 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn=None) -> torch.Tensor:
-    """`shared_prompt_attention` as one variable-length attention call (`shared_prompt_varlen_layout`): the keys and
-    values are gathered into [prompt | chosen], [prompt | rejected] per pair (+ the padding), the queries stay in row
-    order, and `attention_fn` runs every sequence with a bottom-right-aligned causal mask.
-
-    The backend is the argument: on a GPU with Transformer Engine, omni_model's TE attention module passes a call of
-    transformer_engine.pytorch.DotProductAttention.forward (qkv_format "thd", attn_mask_type
-    "padding_causal_bottom_right"); the local spec's varlen backend passes `varlen_attention` (torch's varlen
-    FlashAttention); the default is `varlen_sdpa` (torch, any device), against which the tests check the layout.
-    tests/test_gpu.py checks both GPU backends against `shared_prompt_attention`.
-
-    Args:
-        query: [T, heads, d]; key, value: [T, groups, d] (megatron's THD core-attention inputs).
-        segment_cu_seqlens_padded: int [3P+1] (`pack.PackedBatch.segment_cu_seqlens_padded`).
-        attention_fn: callable (query [T, heads, d], key [T_kv, groups, d], value, cu_seqlens_q, cu_seqlens_kv,
-            max_seqlen_q, max_seqlen_kv) -> [T, heads * d]; default `varlen_sdpa` (scale 1/sqrt(d), no dropout).
-    Returns:
-        [T, heads * d] in row order, as `shared_prompt_attention` (equal up to rounding).
-    Raises:
-        ValueError: bad offsets, or query / key / value shapes that do not match.
-    """
+                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn) -> torch.Tensor:
+    """`shared_prompt_attention` as one call of attention_fn (`varlen_attention`, or TE's in omni_model; the tests'
+    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `shared_prompt_varlen_layout`."""
     T, h, _ = query.shape
-    if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
-        raise ValueError(f"query [T, heads, d] {tuple(query.shape)} and key/value [T, groups, d] "
-                         f"{tuple(key.shape)}/{tuple(value.shape)} do not match")
+    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     lay = shared_prompt_varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
-    fn = attention_fn or varlen_sdpa
-    return fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
-              lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
+    return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
+                        lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
 class ThdDotProductAttention(nn.Module):
-    """Core attention (softmax(QK^T * scale) V) for the local spec that honours THD packing and context parallelism.
-
-    Inputs as megatron's SelfAttention hands them to core attention: BSHD-style `[s, b, heads, d]`, or with THD
-    `packed_seq_params` `[t, heads, d]`. Keys attend only within their own sequence (segments from
-    `cu_seqlens_q_padded`, else `cu_seqlens_q`), and only to earlier-or-equal positions when the mask type is causal.
-    Under CP (`config.context_parallel_size > 1`) each rank holds the load-balanced slice of every sequence; K and V
-    are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
-    GQA: K/V groups are repeated to the query heads.
-
-    Shared-prompt layout (cpu_compat.SHARED_PROMPT_SEGMENTS set, THD): `shared_prompt_attention` over the segments
-    (rejected tokens see the prompt, never the chosen response).
-
-    attention="varlen" (cpu_compat.Kernels.attention, on CUDA): a THD call in bf16/fp16 without context parallelism
-    or dropout runs every sequence of the row in ONE `varlen_attention` call (torch's varlen FlashAttention; the
-    shared-prompt layout through `shared_prompt_varlen_attention`, keys gathered per sequence); anything else (fp32,
-    CP, dropout, BSHD) stays on the SDPA path below, the reference (tests/test_gpu.py compares the two on CUDA).
-
-    Cost: torch's scaled_dot_product_attention once per contiguous run of queries within one sequence (a whole
-    sequence without CP, two chunks per sequence under CP), so work and memory grow with Σ L_i², never with the
-    square of the packed row. A run that starts at offset o > 0 of its sequence (CP) sees keys [0, o + len) under a
-    bottom-right-aligned causal mask of [len, o + len]. The TE spec is the production path.
-
-    SHIM(megatron-core 0.19.2): megatron/core/transformer/dot_product_attention.py:153 (megatron's non-TE
-    DotProductAttention asserts "Packed sequence is not supported by DotProductAttention").
-    """
+    """Core attention over THD-packed sequences (megatron's non-TE one refuses packing).
+    query [s, b, heads, d] or [t, heads, d] (THD); each key attends within its sequence, causally if the mask is. Under
+    CP, K/V are all-gathered and the masks use global positions. attention="varlen": one `varlen_attention` call."""
+    # SHIM(megatron-core 0.19.2): megatron/core/transformer/dot_product_attention.py:153 (no THD)
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -501,35 +311,27 @@ class ThdDotProductAttention(nn.Module):
         self.cp_group = getattr(pg_collection, "cp", None)
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _varlen(self, query: torch.Tensor, thd: bool) -> bool:
-        """True when this call runs `varlen_attention`: the varlen backend, THD, a non-empty bf16/fp16 CUDA query, no
-        context parallelism, no attention dropout in training (FlashAttention-2's domain; the rest stays SDPA)."""
+        """True for the varlen backend: THD, bf16/fp16 CUDA, no CP, no training dropout."""
         return (self.attention == "varlen" and thd and query.device.type in VARLEN_DEVICE_TYPES and query.shape[0] > 0
                 and query.dtype in (torch.bfloat16, torch.float16) and self.config.context_parallel_size == 1
                 and not (self.training and self.dropout > 0))
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        """query [s, b, heads, d] (or [t, heads, d] with THD packed_seq_params), key/value with query groups.
-
-        attention_mask: megatron's bool [b, 1, s, s_total], True where attention is not allowed (non-THD only).
-        Returns [s, b, heads·d] (or [t, heads·d]) in the input dtype.
-        Raises ValueError for an attention_bias, or under CP for a row longer than cu_seqlens_padded[-1].
-        """
-        if attention_bias is not None:
-            raise ValueError("ThdDotProductAttention does not take an attention_bias")
+        """query [s, b, heads, d] or [t, heads, d]; attention_mask True where not allowed
+        (non-THD). Returns [s, b, heads·d] or [t, heads·d]."""
+        assert attention_bias is None
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
         varlen = self._varlen(query, thd)
-        if segments is not None and thd:  # shared-prompt row (CP is refused at start: pack.validate_packing_config)
-            if not causal or self.config.context_parallel_size > 1:
-                raise ValueError("the shared-prompt layout needs causal attention without context parallelism")
+        if segments is not None and thd:  # shared-prompt row (CP refused at start: pack.validate_packing_config)
+            assert causal and self.config.context_parallel_size == 1
             if varlen:
                 return shared_prompt_varlen_attention(query, key, value, segments,
                                                       attention_fn=partial(varlen_attention, scale=self.scale))
@@ -581,8 +383,7 @@ class ThdDotProductAttention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         dropout = self.dropout if self.training else 0.0
         outs = []
-        # Without CP every run is a whole sequence and the runs tile the row: take them as torch.split views (one
-        # concatenation in backward) rather than slices (a zero-filled full-row gradient per slice and tensor).
+        # Without CP the runs tile the row: torch.split views (one concatenation in backward, not a row per slice)
         parts = None
         if cp == 1 and sum(n for _, n, _, _, _ in runs) == s_total:
             lens = [n for _, n, _, _, _ in runs]
@@ -614,98 +415,45 @@ class ThdDotProductAttention(nn.Module):
 # Layer specs
 
 
-def _core_attention_spec(attention: str):
-    """ThdDotProductAttention with `attention` ("sdpa" or "varlen", cpu_compat.Kernels.attention).
-    Raises ValueError for another name."""
-    if attention not in ("sdpa", "varlen"):
-        raise ValueError(f"attention {attention!r}: 'sdpa' or 'varlen'")
-    return ThdDotProductAttention if attention == "sdpa" else \
+def _self_attention(mask_type: AttnMaskType, attention: str) -> ModuleSpec:
+    """Norm-fused qkv, ThdDotProductAttention with `attention` ("sdpa" or "varlen"), RowParallelLinear."""
+    assert attention in ("sdpa", "varlen"), attention
+    core = ThdDotProductAttention if attention == "sdpa" else \
         ModuleSpec(module=ThdDotProductAttention, params={"attention": attention})
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": mask_type}, submodules=SelfAttentionSubmodules(
+        linear_qkv=LocalNormColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear))
 
 
 def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "sequential",
                             attention: str = "sdpa") -> ModuleSpec:
-    """HybridStack spec of megatron-core's non-TE modules plus this module's norm-linear and THD attention.
-
-    Args: mamba_mixer: the MambaMixer class of every `M` layer (omni_model.OmniMambaMixer); mamba_params: its keyword
-        arguments (conv kernel, chunk size, dt settings); num_experts: routed experts of every `E` layer (>= 1);
-        experts: "sequential" (megatron-core's SequentialMLP) or "grouped" (`GroupedExperts`); attention: "sdpa" or
-        "varlen" (ThdDotProductAttention's backend) - cpu_compat.Kernels' fields.
-    Raises ValueError for another experts or attention name.
-    """
+    """HybridStack spec of megatron-core's non-TE modules and this module's. experts:
+    "sequential" | "grouped"; attention: "sdpa" | "varlen" (cpu_compat.Kernels)."""
     norm_linear = LocalNormColumnParallelLinear
-    moe = get_moe_module_spec(use_te=False, num_experts=num_experts,
-                              moe_grouped_gemm=False)
-    if experts not in ("sequential", "grouped"):
-        raise ValueError(f"experts {experts!r}: 'sequential' or 'grouped'")
+    moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    assert experts in ("sequential", "grouped"), experts
     if experts == "grouped":  # the same submodules (parameter names), the grouped forward
         seq = moe.keywords["submodules"].experts  # moe: partial(MoELayer, submodules=MoESubmodules(...))
         assert seq.func is SequentialMLP, seq
         moe.keywords["submodules"].experts = partial(GroupedExperts, *seq.args, **seq.keywords)
-    core_attention = _core_attention_spec(attention)
-    return ModuleSpec(
-        module=HybridStack,
-        submodules=HybridStackSubmodules(
-            mamba_layer=ModuleSpec(
-                module=MambaLayer,
-                submodules=MambaLayerSubmodules(
-                    mixer=ModuleSpec(
-                        module=mamba_mixer,
-                        params=mamba_params,
-                        submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear),
-                    ),
-                    mamba_bda=get_bias_dropout_add,
-                ),
-            ),
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    self_attention=ModuleSpec(
-                        module=SelfAttention,
-                        params={"attn_mask_type": AttnMaskType.causal},
-                        submodules=SelfAttentionSubmodules(
-                            linear_qkv=norm_linear, core_attention=core_attention, linear_proj=RowParallelLinear,
-                        ),
-                    ),
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
-            mlp_layer=ModuleSpec(
-                module=MLPLayer,
-                submodules=TransformerLayerSubmodules(
-                    mlp=partial(MLP.as_mlp_submodule,
-                                submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear)),
-                    mlp_bda=get_bias_dropout_add,
-                ),
-            ),
-            moe_layer=ModuleSpec(
-                module=MoETransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=get_bias_dropout_add),
-            ),
-        ),
-    )
-
+    bda = get_bias_dropout_add
+    mixer = ModuleSpec(module=mamba_mixer, params=mamba_params,
+                       submodules=MambaMixerSubmodules(in_proj=norm_linear, out_proj=RowParallelLinear))
+    mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=RowParallelLinear))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=mixer, mamba_bda=bda)),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            self_attention=_self_attention(AttnMaskType.causal, attention), self_attn_bda=bda)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(mlp=mlp, mlp_bda=bda)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=LocalNorm, mlp=moe, mlp_bda=bda)),
+    ))
 
 
 def local_vit_layer_spec(attention: str = "sdpa") -> ModuleSpec:
-    """Pre-LN ViT layer of non-TE modules (LayerNorm fused into qkv / fc1 like TE's ViT spec), non-causal THD
-    attention (each image attends only to itself) with `attention` ("sdpa" or "varlen", cpu_compat.Kernels')."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=LocalNormColumnParallelLinear, core_attention=_core_attention_spec(attention),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=LocalNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-
+    """Pre-LN ViT layer of non-TE modules, non-causal THD attention (each image to itself)."""
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=_self_attention(AttnMaskType.no_mask, attention), self_attn_bda=get_bias_dropout_add,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=LocalNormColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add,
+    ))

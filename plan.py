@@ -3,41 +3,9 @@
     python plan.py configs/nano.toml model.hf_path=assets/nano-omni-config           # 8 ranks (TP 8, EP 8)
     python plan.py configs/nano.toml model.hf_path=/ckpt/Nemotron-3-Nano-Omni-... --gpus 16   # two nodes: DP 2
 
-From the checkpoint's config.json alone, one process builds what train.py builds on each distinct rank of the layout
-(the policy and the frozen reference with omni_model.build_model, megatron DDP and the distributed optimizer with
-train.build_optimizer), every tensor on the `meta` device inside a fake process group of the run's world size
-(torch's "fake" backend: collectives are no-ops, no model memory is touched). It prints the global parameter counts,
-a table per distinct rank (parameters; bytes of weights, fp32 main gradients, optimizer state, reference,
-activations at packing.max_tokens_per_bin, the fused log-prob chunk; the total against 80 GB and 141 GB GPUs), the
-verdict and the largest packing.max_tokens_per_bin that fits each GPU. A bad layout is the one-line ConfigError that
-train.py gives (the same checks: config.validate_parallel, preflight.check_model_config, preflight.check_packing).
-
-Activations (`activation_bytes`) count what autograd keeps for the backward of the kernels this project runs on a
-GPU without Transformer Engine or mamba-ssm (the measured path: `spec local; attention varlen; experts grouped; mamba
-torch`); per token of a rank (T/CP tokens; TP shards the feature dims, sequence parallelism the sequence), b bytes
-per parameter-dtype element, h hidden, SP = TP with sequence parallelism else 1:
-  Mamba      2h/SP (norm in, out) + the Mamba mixer body as mamba_torch saves it, MEASURED with autograd's
-             saved-tensor hooks at the rank's head count (`mamba_body_bytes_per_token`) + d_inner/TP (out_proj input)
-  attention  2h/SP + (q + 2 kv)/TP (qkv output) + q/TP (flash-attention output) elements, + 4 bytes x heads/TP (lse)
-  MoE        2h/SP + k(2h + 2f)/SP (permuted input, fc1 output, activation, fc2 output of the k routed copies) +
-             2 f_shared/TP (shared expert) elements + 3 x 4 bytes x E/SP (router logits, scores, top-k in fp32);
-             plus, per layer and independent of T, the stacked expert weights that GroupedExperts keeps (2 E_local h f)
-  dense MLP  2h/SP + 2 f/TP elements
-  head       3h/SP (final norm in, out; output-layer input) + V/TP (the logits, whose gradient is written in place)
-The attention and MLP terms are Korthikanti et al. 2022 (arXiv 2205.05198, section 4) without dropout masks and
-with flash attention (no s x s scores); the Mamba and MoE terms follow the same accounting of the tensors that
-megatron-core's modules and mamba_torch save. Recomputation (model.recompute): "none" and "selective" (megatron
-recomputes only the core attention, which flash attention already keeps to q, k, v, out) keep every layer's terms;
-"full" keeps each layer's input (h/SP) and recomputes one layer at a time. The backward of a layer holds its
-activations and their gradients at once: the largest layer's activations count once more (twice under "full":
-recomputed, then their gradients). The fused log-prob chunk is 2 x chunk x V/TP fp32 (mpo_loss.token_logprobs;
-bench.py measures it).
-Image tokens (--image-tokens, per bin) add the RADIO ViT's activations: 4 patches per token, Korthikanti's
-34 h_v bytes per patch and layer at 16 bits (h_v b per patch and layer under "full").
-tests/test_plan.py compares the formula with the recorded H200 benchmark (docs/PERFORMANCE.md, "First GPU numbers").
-
-Run `python plan.py -h` for the options.
-"""
+`make_plan` builds what train.py builds on each distinct rank on the `meta` device in torch's "fake" process group
+and counts weights, gradients, optimizer state and reference; `activation_model` adds a bin's activations;
+`format_plan` prints the table against 80 GB and 141 GB GPUs and the largest packing.max_tokens_per_bin that fits."""
 
 from __future__ import annotations
 
@@ -71,9 +39,8 @@ GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 
 class _MetaAllocations(torch.overrides.TorchFunctionMode):
-    """Every tensor factory call makes a meta tensor, an explicit `device=` included (megatron DDP allocates its
-    buffers on the current device); paused by `_plain` around torch.distributed's object collectives, which read
-    their sizes back with .item()."""
+    """Every tensor factory call makes a meta tensor, an explicit `device=` included; paused by
+    `_plain` around torch.distributed's object collectives."""
 
     paused = False
 
@@ -97,10 +64,8 @@ def _plain(fn):
 
 @contextlib.contextmanager
 def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
-    """This process as `rank` of a fake world of `world` ranks: torch's "fake" process group, then megatron-core's
-    parallel state from distributed.init_distributed (train.py's layout checks and groups); torn down on exit. A
-    world this process already had (a tool's or a test's world of one) is torn down first and made anew afterwards
-    (distributed.init_distributed's world of one: objects holding its old groups must not be used after)."""
+    """This process as `rank` of a fake world of `world` ranks (torch's "fake" process group, then
+    distributed.init_distributed); torn down on exit, and a world this process had is made anew afterwards."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -136,8 +101,7 @@ def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
 
 
 def build_rank(cfg):
-    """(policy, reference, ddp, optimizer) of this rank as train.main builds them, on the meta device (inside
-    `fake_rank`); no weights are read (hf_weights.load_hf_weights is skipped: the shapes are the same)."""
+    """(policy, reference, ddp, optimizer) as train.main builds them, on the meta device, without weights."""
     import train
 
     with _MetaAllocations():
@@ -161,9 +125,8 @@ def _routed(model) -> set[int]:
 
 
 def global_counts(model, hf) -> dict[str, int]:
-    """Global parameter counts {component: n, "total", "active"} from one rank's shards: TP-split parameters times TP,
-    routed-expert parameters times EP (ETP is 1). "active" = monitor.active_params (the LM parameters a token's
-    forward multiplies with: no input embedding, top_k / n_routed of the routed experts)."""
+    """Global parameter counts {component, "total", "active"} from one rank: TP-split parameters times
+    TP, routed experts times EP; "active" = monitor.active_params."""
     from megatron.core import parallel_state
 
     import monitor
@@ -181,8 +144,7 @@ def global_counts(model, hf) -> dict[str, int]:
 
 
 def rank_params(model, hf) -> tuple[int, int]:
-    """(parameters on this rank, their share a token multiplies with: every non-routed parameter and top_k / n_routed
-    of the rank's routed experts)."""
+    """(parameters on this rank, the share a token multiplies with: top_k / n_routed of the routed experts)."""
     routed = _routed(model)
     total = sum(p.numel() for p in model.parameters())
     n_exp = getattr(hf.text, "n_routed_experts", 0) or 0
@@ -192,15 +154,13 @@ def rank_params(model, hf) -> tuple[int, int]:
 
 
 def _model_bytes(model) -> int:
-    """Bytes of the parameters and of the router's fp32 expert-bias buffers."""
     tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
-    """(fp32 master copies, Adam's two fp32 moments) of this rank: the main parameters megatron-core's optimizer
-    holds (with the distributed optimizer, this DP rank's shard of each gradient bucket; its fp32 copies of 16-bit
-    parameters, or views of fp32 ones), and exp_avg + exp_avg_sq of the same shapes (created at the first step)."""
+    """(fp32 master copies, Adam's two fp32 moments) of this rank's main parameters (its DP shard with
+    the distributed optimizer)."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
     main = sum(p.numel() for o in optimizers for g in o.optimizer.param_groups for p in g["params"])
     return (4 * main if bf16 else 0), 2 * 4 * main
@@ -211,9 +171,8 @@ def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
 
 
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
-    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined (the Mamba mixer after in_proj: conv, SSD
-    scan, gated norm) keeps for backward at this rank's share of the heads (TP), measured with autograd's
-    saved-tensor hooks at two token counts on the CPU (its inputs included: the in_proj output); the slope."""
+    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for
+    backward at this rank's heads, measured with saved-tensor hooks at two token counts (the slope)."""
     import mamba_torch
 
     t = hf.text
@@ -245,7 +204,8 @@ def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[in
 
 @dataclass
 class ActivationModel:
-    """Per-rank activation bytes as a function of the tokens of one bin (module docstring); built once per layout."""
+    """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute),
+    the largest layer once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
 
     per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
     per_layer: dict[str, float]  # T-independent bytes per layer of each kind (the grouped experts' stacked weights)
@@ -261,8 +221,7 @@ class ActivationModel:
         return self.per_token[kind] * tokens + self.per_layer.get(kind, 0.0)
 
     def __call__(self, bin_tokens: int, image_tokens: int = 0) -> float:
-        """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images), the log-prob
-        chunk included."""
+        """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images)."""
         s = bin_tokens / self.cp
         largest = max(self.layer(k, s) for k in set(self.pattern))
         if self.recompute == "full":
@@ -273,7 +232,8 @@ class ActivationModel:
 
 
 def activation_model(cfg, hf) -> ActivationModel:
-    """The activation formula of the module docstring for `cfg`'s layout and model."""
+    """The activation model of `cfg`'s layout (Korthikanti et al. 2022, section 4; the Mamba and MoE
+    terms by the same accounting of what megatron-core's modules and mamba_torch save)."""
     t, v = hf.text, hf.vision
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     sp = tp if cfg.parallel.sequence_parallel else 1
@@ -287,15 +247,21 @@ def activation_model(cfg, hf) -> ActivationModel:
     n_exp = getattr(t, "n_routed_experts", 0) or 0
     k, f = t.num_experts_per_tok, t.moe_intermediate_size
     f_shared = t.moe_shared_expert_intermediate_size or 0
+    # Bytes per rank-token (T/CP tokens; TP shards features, SP the sequence) of one layer of each kind.
     per_token = {
+        # norm in / out + the mixer body as mamba_torch saves it (measured) + out_proj's input
         "M": 2 * h / sp * b + mamba_body_bytes_per_token(hf, tp, dtype) + di / tp * b,
+        # norm in / out + qkv output + flash-attention output, + fp32 log-sum-exp per head
         "*": (2 * h / sp + (q + 2 * kv) / tp + q / tp) * b + 4 * t.num_attention_heads / tp,
+        # norm in / out + k routed copies of (input, fc1 out, activation, fc2 out) + shared expert, + fp32 router
+        # logits, scores and top-k
         "E": (2 * h / sp + k * (2 * h + 2 * f) / sp + 2 * f_shared / tp) * b + 3 * 4 * n_exp / sp,
-        "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,
-        "head": (3 * h / sp + t.vocab_size / tp) * b,
+        "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,  # norm in / out + fc1 out, activation
+        "head": (3 * h / sp + t.vocab_size / tp) * b,  # final norm in / out, output-layer input, logits
     }
-    per_layer = {"E": 2 * (n_exp // ep) * h * f * b} if n_exp else {}
+    per_layer = {"E": 2 * (n_exp // ep) * h * f * b} if n_exp else {}  # GroupedExperts' stacked weights
     vh, vlayers = v.hidden_size, v.num_hidden_layers
+    # ViT: 4 patches per image token, Korthikanti's 34 h_v bytes per patch and layer at 16 bits (h_v b under "full")
     vit = 4 * vlayers * vh * (b if cfg.model.recompute == "full" else 34 * b / 2)
     return ActivationModel(per_token=per_token, per_layer=per_layer, pattern=hf.pattern, recompute=cfg.model.recompute,
                            cp=cp, input_bytes=h / sp * b, vit_per_image_token=vit,
@@ -308,7 +274,7 @@ def activation_model(cfg, hf) -> ActivationModel:
 
 @dataclass
 class RankPlan:
-    """One distinct rank's parameters and bytes (the table's row)."""
+    """One distinct rank's parameters and bytes (a row of the table)."""
 
     ranks: list[int]
     params: int
@@ -325,8 +291,7 @@ class RankPlan:
         return self.weights + self.grads + self.master + self.moments + self.reference
 
     def total(self, activations: float) -> float:
-        """Peak bytes: the policy's pass (activations) or, with reference.offload, the reference's own visit."""
-        return self.static() + max(activations, self.reference_offloaded)
+        return self.static() + max(activations, self.reference_offloaded)  # the policy pass or the reference visit
 
 
 @dataclass
@@ -354,29 +319,20 @@ class Plan:
 
 
 def default_world(cfg) -> int:
-    """The smallest world the layout runs on: lcm(TP x CP, ETP x EP) ranks (DP = world / (TP x CP))."""
+    """The smallest world the layout runs on: lcm(TP x CP, ETP x EP)."""
     p = cfg.parallel
     return math.lcm(p.tensor_model_parallel_size * p.context_parallel_size,
                     p.expert_tensor_parallel_size * p.expert_model_parallel_size)
 
 
-def check_layout(cfg, world: int, hf) -> None:
-    """train.py's checks of the layout and the model, in its order (preflight.check_packing, from check_inputs,
-    preflight.check_model_config, then distributed.init_distributed's config.validate_parallel), before anything
-    is built. Raises config.ConfigError."""
-    preflight.check_packing(cfg)
-    preflight.check_model_config(cfg, hf)
-    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
-
-
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
-    """Build every distinct rank of `cfg`'s layout on the meta device and count. Distinct ranks: TP, EP and CP shards
-    have equal shapes (megatron-core requires even splits), and the distributed optimizer pads each bucket so that
-    every DP rank holds the same number of elements; the first and the last rank are built (they differ, if any
-    two do, only in where the padding falls) and identical rows are merged. Raises config.ConfigError."""
+    """Build the first and the last rank of `cfg`'s layout on the meta device (other ranks differ at most
+    in where the distributed optimizer's padding falls) and count. Raises config.ConfigError."""
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     world = world or default_world(cfg)
-    check_layout(cfg, world, hf)
+    preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
+    preflight.check_model_config(cfg, hf)
+    config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
     bf16 = cfg.model.params_dtype == "bfloat16"
     rows: list[RankPlan] = []
     counts = None
@@ -420,7 +376,7 @@ def _gib(n: float) -> str:
 
 
 def format_plan(plan: Plan, cfg) -> str:
-    """The printed plan: global counts, the per-rank table (GiB), the verdict and the largest bin per GPU size."""
+    """The printed plan: global counts, the per-rank table (GiB), the verdict and the largest bin per GPU."""
     c, p = plan.counts, cfg.parallel
     dp = plan.world // (p.tensor_model_parallel_size * p.context_parallel_size)
     act = plan.activations(plan.bin_tokens, plan.image_tokens)
