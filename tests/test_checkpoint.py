@@ -259,20 +259,15 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     step = _step_with_config(run, 2)
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
-    for out, message in [
-        (run, f"export directory {run} is the run directory of the checkpoint it exports (its config.json would be "
-              "overwritten); choose another OUT_DIR, e.g. a new directory inside it"),
-        (step, f"export directory {step} is the checkpoint it exports (step_2) or inside it; choose another OUT_DIR"),
-        (step / "hf", f"export directory {step / 'hf'} is the checkpoint it exports (step_2) or inside it; choose "
-                      "another OUT_DIR"),
-    ]:  # fmt: skip
+    for out, what in [(run, "the run directory of the checkpoint"), (step, "the checkpoint it exports (step_2)"),
+                      (step / "hf", "the checkpoint it exports (step_2)")]:  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError) as e:
             checkpoint.check_export_dir(out, step)
-        assert str(e.value) == message
+        assert str(e.value).startswith(f"export directory {out} is {what}")
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
-    held = f"^export directory {other} holds a training run " r"\(config.json, step_7\); the export would overwrite"
+    held = f"^export directory {other} is a directory that holds a training run " r"\(config.json, step_7\)"
     with pytest.raises(checkpoint.CheckpointError, match=held):
         checkpoint.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
@@ -308,18 +303,13 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     for name in ("e", "d", "c", "b", "a"):
         (busy / name).write_text("")
     (busy / "sub").mkdir()
-    for out, message in [
-        (a_file, f"export directory {a_file} is an existing file, not a directory; choose another OUT_DIR"),
-        (unrelated, f"export directory {unrelated} is not empty (config.json) and not an earlier export (no "
-                    "omni_mpo_export.json); the export would overwrite files there: choose a new or empty OUT_DIR"),
-        (busy, f"export directory {busy} is not empty (a, b, c, ... (6 entries)) and not an earlier export (no "
-               "omni_mpo_export.json); the export would overwrite files there: choose a new or empty OUT_DIR"),
-    ]:  # fmt: skip
+    for out, what in [(a_file, "an existing file"), (unrelated, "not empty (config.json) and not an earlier export"),
+                      (busy, "not empty (a, b, c, ... (6 entries)) and not an earlier export")]:  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError) as e:
             checkpoint.check_export_dir(out, step)
-        assert str(e.value) == message
+        assert str(e.value).startswith(f"export directory {out} is {what}")
         assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
-        assert capsys.readouterr().err == f"error: {message}\n"
+        assert capsys.readouterr().err == f"error: {e.value}\n"
     assert a_file.read_text() == "mine" and (unrelated / "config.json").read_text() == '{"mine": 1}'
     assert sorted(p.name for p in unrelated.iterdir()) == ["config.json"] and len(list(busy.iterdir())) == 6
     empty = tmp_path / "empty"
@@ -349,10 +339,7 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
         for out in (src, tmp_path / "link", tmp_path / "x" / ".." / "src", "src"):
             with pytest.raises(checkpoint.CheckpointError) as e:
                 checkpoint.export(run, out)
-            assert str(e.value) == (
-                f"export directory {out} is the run's model.hf_path ({hf_path}: the source of its reference weights "
-                "and of every resume); choose another OUT_DIR"
-            )
+            assert str(e.value).startswith(f"export directory {out} is the run's model.hf_path ({hf_path}")
         checkpoint.check_export_dir(tmp_path / "other", step, hf_path)
         checkpoint.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
         shutil.rmtree(run)
@@ -494,19 +481,15 @@ def test_truncated_shard_is_named(bf16_segment, tmp_path):
     need = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(1000)
+    damaged = f"checkpoint {broken.name} ({broken}) is damaged: model_optim/{shard.name} has 1000 bytes, .metadata " \
+              f"needs {need}; move {broken} away"  # fmt: skip
     proc = _cli("checkpoint.py", "export", str(broken), str(tmp_path / "hf"))
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {broken / 'model_optim'}: damaged checkpoint: {shard} has 1000 bytes, its metadata needs {need}; "
-        "copy the step again or resume from another step_<N>"
-    )
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {damaged}")
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={broken.parent}", "model.params_dtype=bfloat16",
                 f"mpo.stop_after_step={int(latest.name[5:]) + 1}")  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: CheckpointError: {broken / 'model_optim'}: damaged checkpoint: {shard} has 1000 bytes, its metadata "
-        f"needs {need}; copy the step again or resume from another step_<N>"
-    )
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: CheckpointError: {damaged}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -728,9 +711,8 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     (step / "model_optim" / "metadata.json").write_text("[]")  # QA: JSON of another shape, a traceback after the build
     with pytest.raises(checkpoint.CheckpointError) as e:
         _check_complete(step, 1)
-    assert str(e.value) == message.replace("missing {}", "model_optim/metadata.json cannot be read (ValueError: not "
-                                           "megatron-core's dist_checkpointing config (a JSON object with "
-                                           "sharded_backend): [])").format(step, step, step)
+    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/metadata.json cannot be read "
+                                   "(ValueError: ")
     step = damaged("garbled")
     (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(checkpoint.CheckpointError) as e:
@@ -749,7 +731,6 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     assert str(e.value) == message.format(step, "rng/rank_00000.pt, rng/rank_00001.pt", step, step)
     _check_complete(step, None)
     _check_complete(one_step, 1)  # the intact one passes
-    assert checkpoint.missing_files(one_step, 1) == []
     # end to end: the resume is refused in one line before the models load any state
     step = damaged("e2e", f"model_optim/{shards[-1]}")
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={step.parent}", "mpo.max_num_steps=2",
@@ -768,7 +749,7 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: CheckpointError: {rng}: damaged RNG state file (") and "weights_only" not in last
-    assert last.endswith(f"; copy the step again or move {step} away to resume from the previous one")
+    assert last.endswith(f"; move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint")
 
 
 def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
