@@ -1118,18 +1118,18 @@ def fla_refusal(device: torch.device) -> str | None:
 
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
-    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm) or, without the compiled
+    with CUDA, mamba-ssm's Triton kernel when it imports (mamba_ssm_importable) or, without the compiled
     package, from its sources ("mamba-ssm-src", mamba_triton.load_mamba_ssm_triton), and fla-core's Triton simple-GLA
     kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
-    import cpu_compat
+    import kernel_selection
     import mamba_torch
     import mamba_triton
 
     kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
-    if device.type == "cuda" and cpu_compat.have_mamba_ssm():
+    if device.type == "cuda" and kernel_selection.mamba_ssm_importable():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
@@ -1479,7 +1479,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     default 1 with `quick`, else 5), with `profile` "profile" (profile_step; before the scans, whose Triton compilation
     from a cold cache is the slowest part), and "scan" (scan_bench). Without CUDA (and no explicit `device`), a skip
     record. `device`/`shape` let a CPU test run it at a tiny shape."""
-    import cpu_compat
+    import kernel_selection
 
     out = {} if out is None else out
     if device is None:
@@ -1490,7 +1490,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     device = torch.device(device)
     if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan
         shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
-    kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
+    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda")
     out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     timed = timed or (1 if quick else 5)
     sections = [("step", mpo_step_bench, (device, shape, timed))]
@@ -1713,9 +1713,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile and --timed-steps are the GPU item's: use them with --gpu (or an --only that names gpu)")
     if args.timed_steps is not None and args.timed_steps < 1:
         ap.error(f"--timed-steps {args.timed_steps}: at least 1")
-    import cpu_compat
+    import kernel_selection
 
-    print(cpu_compat.select_kernels().line(), file=sys.stderr, flush=True)
+    print(kernel_selection.select_kernels().line(), file=sys.stderr, flush=True)
     flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")
     flags += f" --timed-steps {args.timed_steps}" if args.timed_steps else ""
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),

@@ -167,7 +167,7 @@ class PackingConfig:
     # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
     # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that span.
     # "auto" (the default) = on where it runs the code checked exact against separate rows, off elsewhere, decided at
-    # start by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line:
+    # start by pack.resolve_shared_prompt from the kernels (select_kernels) and printed on the `world` line:
     # on with the local spec and mamba_torch (the CPU path, checked by tests/test_shared_prompt_model.py, and a GPU
     # without Transformer Engine or mamba-ssm: the same torch code, tests/test_gpu.py item 7); off with the Transformer
     # Engine spec or mamba-ssm's kernels (their shared-prompt calls, omni_model.shared_prompt_te_attention and
@@ -586,7 +586,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 # Known-harmless library messages kept off the console by `quiet_known_warnings` (checked on megatron-core 0.19.2,
 # transformers 5.23, torch 2.14): Python warnings by message start, and records of the named loggers by message start.
 KNOWN_WARNINGS = (
-    "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (cpu_compat)
+    "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (megatron_patches)
     "Apex is not installed",
     "absl.logging is not installed",
     "full scope is deprecated",  # megatron's TransformerConfig default cuda_graph_scope
@@ -596,7 +596,7 @@ KNOWN_WARNINGS = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Mismatch dtype between input and weight",  # bf16 input to an fp32-computed norm on CPU
     # megatron's hybrid_layer_specs builds its TE spec when imported (omni_model imports it at the top); without
-    # Transformer Engine that spec is never used (cpu_compat.select_kernels picks the local spec)
+    # Transformer Engine that spec is never used (kernel_selection.select_kernels picks the local spec)
     "Only transformer-engine>=1.7.0 supports MoE experts",
     "The argument order of load has been changed",  # torch.distributed.checkpoint, called by megatron's loader
     "Please use DTensor instead and we are deprecating ShardedTensor",  # megatron dist_checkpointing on torch 2.14

@@ -89,7 +89,7 @@ def group_rank_size(group) -> tuple[int, int]:
 
 def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None) -> Ctx:
     """torch.distributed and megatron-core's parallel state for `cfg.parallel` (all sizes 1 when `cfg` is None)
-    on `device` (None: the CPU); returns this process's `Ctx`. nccl for CUDA, gloo otherwise; cpu_compat's stand-ins are
+    on `device` (None: the CPU); returns this process's `Ctx`. nccl for CUDA, gloo otherwise; the CPU patches are
     applied first. Idempotent. A parallel state created here seeds megatron's RNG tracker with 0.
 
     Raises:
@@ -98,12 +98,12 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    import cpu_compat
+    import megatron_patches
 
     device = torch.device("cpu") if device is None else torch.device(device)
     if cfg is not None:
         config_mod.validate_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), num_experts)
-    cpu_compat.apply()
+    megatron_patches.apply()
     if not dist.is_initialized():
         init = (
             {}

@@ -1,5 +1,5 @@
 """The local (non-Transformer-Engine) spec: the modules and layer specs used on CPU and on GPUs without Transformer
-Engine (cpu_compat.select_kernels decides; omni_model.build_model picks the spec).
+Engine (kernel_selection.select_kernels decides; omni_model.build_model picks the spec).
 
 megatron-core's own non-TE modules (ColumnParallelLinear, RowParallelLinear, SelfAttention, MLP, the MoE layer,
 MambaMixer) plus the project modules that stand in for Transformer Engine ones:
@@ -9,11 +9,11 @@ MambaMixer) plus the project modules that stand in for Transformer Engine ones:
 - `ThdDotProductAttention`: THD `cu_seqlens` attention within each sequence (causal or not) through torch's SDPA per
   sequence, or on CUDA in bf16/fp16 through ONE call of torch's varlen FlashAttention (`varlen_attention`); context
   parallelism by all-gathering K/V; the shared-prompt layout (`shared_prompt_attention`, when
-  cpu_compat.SHARED_PROMPT_SEGMENTS is set by the model's forward).
+  megatron_patches.SHARED_PROMPT_SEGMENTS is set by the model's forward).
 - `GroupedExperts`: megatron-core's SequentialMLP (same parameters and checkpoint keys) computed with one torch grouped
   GEMM per projection instead of a loop over the experts.
 The specs take what differs per model as arguments (the Mamba mixer class and its parameters, the expert count), so
-this module imports only megatron-core, torch, pack and cpu_compat (the per-forward layout state).
+this module imports only megatron-core, torch, pack and megatron_patches (the per-forward layout state).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import nn
 
-import cpu_compat
+import megatron_patches
 from pack import cp_partition_index, shared_prompt_spans
 
 # ======================================================================================================================
@@ -138,7 +138,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 class GroupedExperts(SequentialMLP):
     """megatron-core's SequentialMLP computed with one grouped GEMM per projection (`grouped_mm`) instead of a Python
-    loop over the experts: the local spec's routed experts on CUDA (cpu_compat.Kernels.experts = "grouped").
+    loop over the experts: the local spec's routed experts on CUDA (kernel_selection.Kernels.experts = "grouped").
 
     The parameters, their names (`local_experts.N.linear_fc1.weight`, `...linear_fc2.weight`), `state_dict`,
     `sharded_state_dict` (per-expert keys) and hf_weights' key map are SequentialMLP's: a checkpoint saved with either
@@ -166,7 +166,7 @@ class GroupedExperts(SequentialMLP):
                        "moe_latent_size": c.moe_latent_size is not None}
         if any(unsupported.values()):
             raise ValueError(f"GroupedExperts does not support {[k for k, v in unsupported.items() if v]}; "
-                             "use SequentialMLP (cpu_compat.Kernels.experts = 'sequential')")
+                             "use SequentialMLP (kernel_selection.Kernels.experts = 'sequential')")
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """fc1's output h [T, ffn (x2 gated)] through the activation, times probs [T], in h's dtype: the unfused path
@@ -240,7 +240,7 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
     """Causal self-attention of a shared-prompt THD row (pack.pack_shared; ThdDotProductAttention's path when
-    cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
+    megatron_patches.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
     rejected tokens attend to the whole prompt and causally to earlier rejected tokens, never to the chosen segment.
 
     Two torch SDPA calls per pair, no [T, T] mask: [prompt | chosen] with is_causal, and the rejected queries against
@@ -399,7 +399,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, causal: bool = True,
                      scale: float | None = None) -> torch.Tensor:
     """Attention of packed variable-length sequences in ONE call of torch's `torch.nn.attention.varlen.varlen_attn`
-    (FlashAttention-2: CUDA sm80+, bf16/fp16; cpu_compat.have_varlen_attn): the same masks as `varlen_sdpa`, causal
+    (FlashAttention-2: CUDA sm80+, bf16/fp16; have_varlen_attn): the same masks as `varlen_sdpa`, causal
     aligned bottom-right (query j of a sequence of n_q queries and n_kv keys sees keys 0 .. n_kv - n_q + j:
     FlashAttention's convention, plain causal where n_q == n_kv) or none.
 
@@ -471,10 +471,10 @@ class ThdDotProductAttention(nn.Module):
     are all-gathered over the CP group (gradient: reduce-scatter) and the causal mask uses the global positions.
     GQA: K/V groups are repeated to the query heads.
 
-    Shared-prompt layout (cpu_compat.SHARED_PROMPT_SEGMENTS set, THD): `shared_prompt_attention` over the segments
+    Shared-prompt layout (megatron_patches.SHARED_PROMPT_SEGMENTS set, THD): `shared_prompt_attention` over the segments
     (rejected tokens see the prompt, never the chosen response).
 
-    attention="varlen" (cpu_compat.Kernels.attention, on CUDA): a THD call in bf16/fp16 without context parallelism
+    attention="varlen" (Kernels.attention, on CUDA): a THD call in bf16/fp16 without context parallelism
     or dropout runs every sequence of the row in ONE `varlen_attention` call (torch's varlen FlashAttention; the
     shared-prompt layout through `shared_prompt_varlen_attention`, keys gathered per sequence); anything else (fp32,
     CP, dropout, BSHD) stays on the SDPA path below, the reference (tests/test_gpu.py compares the two on CUDA).
@@ -525,7 +525,7 @@ class ThdDotProductAttention(nn.Module):
             raise ValueError("ThdDotProductAttention does not take an attention_bias")
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+        segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
         varlen = self._varlen(query, thd)
         if segments is not None and thd:  # shared-prompt row (CP is refused at start: pack.validate_packing_config)
             if not causal or self.config.context_parallel_size > 1:
@@ -615,7 +615,7 @@ class ThdDotProductAttention(nn.Module):
 
 
 def _core_attention_spec(attention: str):
-    """ThdDotProductAttention with `attention` ("sdpa" or "varlen", cpu_compat.Kernels.attention).
+    """ThdDotProductAttention with `attention` ("sdpa" or "varlen", kernel_selection.Kernels.attention).
     Raises ValueError for another name."""
     if attention not in ("sdpa", "varlen"):
         raise ValueError(f"attention {attention!r}: 'sdpa' or 'varlen'")
@@ -630,7 +630,7 @@ def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: 
     Args: mamba_mixer: the MambaMixer class of every `M` layer (omni_model.OmniMambaMixer); mamba_params: its keyword
         arguments (conv kernel, chunk size, dt settings); num_experts: routed experts of every `E` layer (>= 1);
         experts: "sequential" (megatron-core's SequentialMLP) or "grouped" (`GroupedExperts`); attention: "sdpa" or
-        "varlen" (ThdDotProductAttention's backend) - cpu_compat.Kernels' fields.
+        "varlen" (ThdDotProductAttention's backend) - kernel_selection.Kernels' fields.
     Raises ValueError for another experts or attention name.
     """
     norm_linear = LocalNormColumnParallelLinear
@@ -690,7 +690,7 @@ def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: 
 
 def local_vit_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     """Pre-LN ViT layer of non-TE modules (LayerNorm fused into qkv / fc1 like TE's ViT spec), non-causal THD
-    attention (each image attends only to itself) with `attention` ("sdpa" or "varlen", cpu_compat.Kernels')."""
+    attention (each image attends only to itself) with `attention` ("sdpa" or "varlen", kernel_selection.Kernels')."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

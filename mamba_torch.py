@@ -1,7 +1,7 @@
 """Pure-torch Mamba-2 path: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
 
 Drop-in equivalents of the mamba-ssm / causal-conv1d kernels that megatron-core's MambaMixer calls (same names,
-argument order and keywords), so the mixer runs unchanged on a CPU (cpu_compat.install_torch_mamba wires them in):
+argument order and keywords), so the mixer runs unchanged on a CPU (kernel_selection.install_torch_mamba wires them in):
 
 * `causal_conv1d_fn`                  ~ causal_conv1d.causal_conv1d_fn
 * `mamba_chunk_scan_combined`         ~ mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined

@@ -1,5 +1,5 @@
 """Mamba-2 training kernels in pure Triton, for a CUDA machine without compiled mamba-ssm / causal-conv1d: the
-`mamba triton` kernel set of cpu_compat.select_kernels.
+`mamba triton` kernel set of kernel_selection.select_kernels.
 
 * scan and gated norm: mamba-ssm's `mamba_chunk_scan_combined` (chunked SSD; packed sequences by seq_idx) and
   `rmsnorm_fn`, imported from mamba-ssm's sources by `load_mamba_ssm_triton`. mamba-ssm builds without CUDA
@@ -11,7 +11,7 @@
   mamba_torch.causal_conv1d_fn's arguments.
 
 `kernels()` returns them as the conv_fn / scan_fn / norm_fn of mamba_torch's composed functions
-(`mamba_split_conv1d_scan_combined`, `mamba_split_conv1d_scan_shared_prompt`); cpu_compat.install_triton_mamba wires
+(`mamba_split_conv1d_scan_combined`, `mamba_split_conv1d_scan_shared_prompt`); kernel_selection.install_triton_mamba wires
 them into megatron-core's MambaMixer. The CPU proof runs them in Triton's interpreter against mamba_torch
 (tests/test_mamba_ssm_interpret.py); the GPU one is tests/test_gpu.py.
 """

@@ -6,10 +6,10 @@
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
 
 HF import / export is hf_weights.py; the non-TE modules and specs are local_spec.py; every megatron-core workaround
-(including the four this model needs on every platform, cpu_compat.MODEL_SHIMS: the Mamba scan hook - time-step
+(including the four this model needs on every platform, megatron_patches.MODEL_SHIMS: the Mamba scan hook - time-step
 clamp and shared-prompt scan -, activation recomputation in the forward's context, the MoE routers' padding mask and
 their evaluation mode on a row without real tokens) is
-cpu_compat.py, installed by cpu_compat.apply() (build_model calls it). megatron-core is imported at the top: it imports
+megatron_patches.py, installed by its apply() (build_model calls it). megatron-core is imported at the top: it imports
 on CPU before any shim is applied (the shims patch names megatron looks up at call time).
 
 What is built:
@@ -25,21 +25,21 @@ What is built:
   when transformer_engine imports and CUDA is used, else local_spec.py's (megatron-core's non-TE modules plus
   `LocalNormColumnParallelLinear`, with TE's parameter names so a checkpoint does not depend on the spec, and
   `ThdDotProductAttention`, torch SDPA per packed sequence or torch's varlen FlashAttention, and the routed experts
-  as megatron-core's `SequentialMLP` or `GroupedExperts`, chosen by cpu_compat.select_kernels). Both use
+  as megatron-core's `SequentialMLP` or `GroupedExperts`, chosen by kernel_selection.select_kernels). Both use
   `OmniMambaMixer` for the `M` layers.
 - Mamba runs megatron-core's own `MambaMixer`: with mamba-ssm's fused kernels when mamba-ssm and causal-conv1d import
   and CUDA is used, else through the project's pure-torch stand-in (mamba_torch.py, on the model's device, installed by
-  cpu_compat.apply(); the choice is cpu_compat.select_kernels()).
+  megatron_patches.apply(); the choice is kernel_selection.select_kernels()).
 
 Forward (vision once per pair): every image of the microbatch is encoded once; the `<image>` positions of each sequence
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
 share one encoding. Then: embed the full packed sequence, replace `<image>` positions, take this rank's context-parallel
 slice (pack.cp_partition_index layout), scatter for sequence parallelism, run the hybrid stack.
 Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; no CP): the sequences are the pair spans
-[prompt | chosen | rejected] (one media slot each); the forward sets cpu_compat.SHARED_PROMPT_SEGMENTS to the batch's
+[prompt | chosen | rejected] (one media slot each); the forward sets megatron_patches.SHARED_PROMPT_SEGMENTS to the
 segment_cu_seqlens_padded around the language model, so the core attention (local spec: ThdDotProductAttention ->
 local_spec.shared_prompt_attention; TE spec: `shared_prompt_te_attention`, one TE varlen call, not yet run on a GPU)
-and the Mamba layers (mamba_torch.mamba_split_conv1d_scan_shared_prompt, through cpu_compat's Mamba hook) keep each
+and the Mamba layers (mamba_torch.mamba_split_conv1d_scan_shared_prompt, through megatron_patches' Mamba hook) keep each
 rejected response off the chosen one; the routers' padding mask is per span.
 
 Run `python omni_model.py assets/tiny-omni` for a one-rank smoke run that prints the logits' shape.
@@ -75,8 +75,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
-import cpu_compat
+import kernel_selection
 import mamba_triton
+import megatron_patches
 from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import (
     cp_partition_index,
@@ -294,7 +295,7 @@ def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
 class OmniMambaMixer(MambaMixer):
     """megatron-core MambaMixer plus the reference's time-step clamp: transformers clamps softplus(dt + dt_bias) to
     >= time_step_min (NemotronHMamba2Mixer.time_step_limit), megatron-core does not. The mixer sets
-    `cpu_compat.MAMBA_DT_LIMIT` around its training scan, which cpu_compat's dt-limit shim forwards to the fused scan
+    `megatron_patches.MAMBA_DT_LIMIT` around its training scan, which the dt-limit patch forwards to the fused scan
     as `dt_limit`. `dt_clamp_min=None` keeps megatron-core's (0, inf)."""
 
     def __init__(self, *args, dt_clamp_min: float | None = None, **kwargs):
@@ -302,11 +303,11 @@ class OmniMambaMixer(MambaMixer):
         self.dt_limit = None if dt_clamp_min is None else (float(dt_clamp_min), float("inf"))
 
     def _ssm_training(self, zxBCdt, packed_seq_params=None):
-        token = cpu_compat.MAMBA_DT_LIMIT.set(self.dt_limit)
+        token = megatron_patches.MAMBA_DT_LIMIT.set(self.dt_limit)
         try:
             return super()._ssm_training(zxBCdt, packed_seq_params)
         finally:
-            cpu_compat.MAMBA_DT_LIMIT.reset(token)
+            megatron_patches.MAMBA_DT_LIMIT.reset(token)
 
 
 def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
@@ -338,7 +339,7 @@ def shared_prompt_te_attention(base: type) -> type:
     """A subclass of `base` (megatron-core's TEDotProductAttention, itself a transformer_engine.pytorch
     DotProductAttention) that also runs the shared-prompt layout (pack.pack_shared; `packing.shared_prompt`).
 
-    While cpu_compat.SHARED_PROMPT_SEGMENTS is set (OmniModel.forward, language model only) a THD forward becomes ONE
+    While SHARED_PROMPT_SEGMENTS is set (OmniModel.forward, language model only) a THD forward becomes ONE
     variable-length Transformer Engine call of local_spec.shared_prompt_varlen_attention: queries in row order, the
     keys/values gathered into [prompt | chosen], [prompt | rejected] per pair, `cu_seqlens_q` / `cu_seqlens_kv` (and
     the same as `*_padded`: no tokens between sequences), `max_seqlen_q` / `max_seqlen_kv`, qkv_format "thd" and
@@ -367,7 +368,7 @@ def shared_prompt_te_attention(base: type) -> type:
                     packed_seq_params=None, **kwargs):
             """As `base.forward`; with the shared-prompt layout: query [t, heads, d], key/value [t, groups, d]
             -> [t, heads * d] in row order."""
-            segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+            segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
             if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
@@ -402,8 +403,8 @@ def shared_prompt_te_attention(base: type) -> type:
 
 def have_transformer_engine() -> bool:
     """True when the TE specs are used: transformer_engine's torch extension imports and CUDA is used
-    (cpu_compat.select_kernels)."""
-    return cpu_compat.select_kernels().spec == "te"
+    (kernel_selection.select_kernels)."""
+    return kernel_selection.select_kernels().spec == "te"
 
 
 # ======================================================================================================================
@@ -648,15 +649,15 @@ class OmniModel(nn.Module):
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
+        token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
         try:
-            with cpu_compat.routers_without_statistics(no_real_token and self.training):
+            with megatron_patches.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:
             mamba_triton.CONV_OFFSETS.reset(conv)
-            cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+            megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
         return logits[0]
 
     def _conv_offsets(self, psp, cu_pad: torch.Tensor, device):
@@ -692,19 +693,19 @@ def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None,
-                kernels: cpu_compat.Kernels | None = None) -> OmniModel:
+                kernels: kernel_selection.Kernels | None = None) -> OmniModel:
     """Build the Omni model on this rank (megatron-core parallel_state must be initialised with the sizes in
     `parallel_cfg`). Weights are megatron-core's initialisation until `load_hf_weights`.
 
     Args: hf_dir: checkpoint directory (config.json). model_cfg: config.ModelConfig. parallel_cfg:
         config.ParallelConfig. use_te: force the TE (True) or local (False) spec; default: TE when it imports with CUDA.
-        kernels: the local spec's experts and attention (cpu_compat.Kernels); default
-        cpu_compat.select_kernels(te=use_te), the start-up line's choice.
+        kernels: the local spec's experts and attention (kernel_selection.Kernels); default
+        kernel_selection.select_kernels(te=use_te), the start-up line's choice.
     Raises: ValueError for unsupported checkpoint settings or sizes that do not divide (named in the message).
     """
-    cpu_compat.apply()
+    megatron_patches.apply()
     if parallel_cfg.context_parallel_size > 1:
-        cpu_compat.install_mamba_cp_thd_indices(cp_partition_index)
+        megatron_patches.install_mamba_cp_thd_indices(cp_partition_index)
     hf = read_hf_config(hf_dir)
     if use_te is None:
         use_te = have_transformer_engine()
@@ -721,7 +722,7 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
     if "E" in hf.pattern and parallel_cfg.expert_tensor_parallel_size != 1:
         raise ValueError(f"expert_tensor_parallel_size = {parallel_cfg.expert_tensor_parallel_size}: only 1 "
                          "(experts whole on their EP rank) is supported")
-    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, cpu_compat.select_kernels(te=use_te) if kernels is None
+    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernel_selection.select_kernels(te=use_te) if kernels is None
                       else kernels)
     cast_params_to(model, _dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():

@@ -435,7 +435,7 @@ def resolve_shared_prompt(cfg, kernels) -> str:
 
     Args:
         cfg: the Config (its `packing.shared_prompt` is rewritten when "auto"; `parallel` is read).
-        kernels: cpu_compat.Kernels of this process (cpu_compat.select_kernels()); its `spec` and `mamba` are read.
+        kernels: kernel_selection.Kernels of this process (select_kernels()); its `spec` and `mamba` are read.
 
     Returns: the layout for the start-up `world` line: "shared prompt" / "separate rows", with "(auto)" or
         "(auto: <why not>)" when "auto" chose it.
@@ -465,7 +465,7 @@ def shared_prompt_on(packing) -> bool:
     Raises: ValueError: it is still "auto" (a config that did not go through `resolve_shared_prompt`)."""
     if not isinstance(packing.shared_prompt, bool):
         raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
-                         "pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels()); call it before planning")
+                         "pack.resolve_shared_prompt(cfg, kernel_selection.select_kernels()); call it before planning")
     return packing.shared_prompt
 
 
