@@ -1116,11 +1116,53 @@ def fla_refusal(device: torch.device) -> str | None:
     return None
 
 
+def mamba_chunk_scan_via_simple_gla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    gla=None,
+) -> torch.Tensor:
+    """mamba_torch.mamba_chunk_scan_combined's forward as a simple-GLA recurrence (one scalar decay per head): q = C,
+    k = B (groups repeated over their heads), v = dt·x, log-decay g = dt·A, scale 1, then + D·x and · silu(z).
+    gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) returns o_t = q_t · S_t,
+    S_t = exp(g_t) S_{t-1} + k_t^T v_t (e.g. fla-core's `chunk_simple_gla`); chunk_size is unused. Packed rows
+    (seq_idx) need batch 1. Returns out [batch, seqlen, nheads, headdim] in x.dtype."""
+    import mamba_torch
+
+    b, seqlen, h, p = x.shape
+    r = h // B.shape[2]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtf = mamba_torch._processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    cu = None
+    if seq_idx is not None:
+        if b != 1:
+            raise ValueError(f"packed sequences (seq_idx) need batch 1, got {b}")
+        counts = torch.unique_consecutive(seq_idx[0], return_counts=True)[1]
+        cu = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    q, k = C.repeat_interleave(r, dim=2), B.repeat_interleave(r, dim=2)
+    v = (x.to(cdt) * dtf[..., None]).to(x.dtype)
+    o = gla(q, k, v, dtf * A.to(cdt), cu).to(cdt)
+    if D is not None:
+        o = o + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+    if z is not None:
+        o = o * torch.nn.functional.silu(z.to(cdt))
+    return o.to(x.dtype)
+
+
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
     with CUDA, mamba-ssm's Triton kernel when it imports (mamba_ssm_importable) or, without the compiled
     package, from its sources ("mamba-ssm-src", mamba_triton.load_mamba_ssm_triton), and fla-core's Triton simple-GLA
-    kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
+    kernel through mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
@@ -1144,7 +1186,7 @@ def mamba_scan_kernels(device: torch.device) -> dict:
             def gla(q, k, v, g, cu):
                 return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
 
-            kernels["fla"] = functools.partial(mamba_torch.mamba_chunk_scan_via_simple_gla, gla=gla)
+            kernels["fla"] = functools.partial(mamba_chunk_scan_via_simple_gla, gla=gla)
     return kernels
 
 
