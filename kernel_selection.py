@@ -147,14 +147,9 @@ def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
             from megatron.core import parallel_state
 
             tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True),
-                prefix,
-                {"weight": 0},
-                sharded_offsets,
-                tp_group=tp_group,
-                dp_cp_group=metadata["dp_cp_group"],
-            )
+            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                       {"weight": 0}, sharded_offsets, tp_group=tp_group,
+                                                       dp_cp_group=metadata["dp_cp_group"])
 
     orig_check = mamba_mixer._check_mamba_sequence_packing_support
 

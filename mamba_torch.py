@@ -18,18 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "causal_conv1d_fn",
-    "mamba_chunk_scan_combined",
-    "mamba_split_conv1d_scan_combined",
-    "rmsnorm_fn",
-    "RMSNormGated",
-    "seq_idx_from_cu_seqlens",
-    "shared_prompt_seq_idx",
-    "causal_conv1d_shared_prompt",
-    "mamba_chunk_scan_shared_prompt",
-    "mamba_split_conv1d_scan_shared_prompt",
-]
+__all__ = ["causal_conv1d_fn", "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "rmsnorm_fn",
+           "RMSNormGated", "seq_idx_from_cu_seqlens", "shared_prompt_seq_idx", "causal_conv1d_shared_prompt",
+           "mamba_chunk_scan_shared_prompt", "mamba_split_conv1d_scan_shared_prompt"]
 
 _NO_LIMIT = (0.0, float("inf"))
 

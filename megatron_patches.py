@@ -55,11 +55,6 @@ ROUTERS_WITHOUT_STATISTICS: contextvars.ContextVar = contextvars.ContextVar("omn
                                                                             default=False)
 
 
-def needed() -> bool:
-    """True when the CPU-only patches are needed: no usable CUDA device in this process."""
-    return not torch.cuda.is_available()
-
-
 def shims_for(k: Kernels) -> tuple[str, ...]:
     """Names of the patches `apply` installs for the kernels `k`, before MODEL_SHIMS."""
     names = ("_stub_paged_stash_without_triton",)
@@ -99,7 +94,7 @@ def apply(force: bool = False) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Process-level settings
+# Process-level settings, streams and RNG
 
 
 def _disable_dynamo() -> None:
@@ -197,10 +192,6 @@ def _patch_cuda_streams() -> None:
     torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.synchronize = lambda device=None: None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# RNG
 
 
 def _install_cpu_rng_tracker() -> None:
@@ -359,14 +350,9 @@ def _cpu_device(device):
     return device
 
 
-_CUDA_TYPE = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-    torch.float64: "torch.cuda.DoubleTensor",
-    torch.int64: "torch.cuda.LongTensor",
-    torch.int32: "torch.cuda.IntTensor",
-}
+_CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+              torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
+              torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor"}
 
 
 class CudaToCpuMode(TorchFunctionMode):
@@ -396,7 +382,7 @@ class CudaToCpuMode(TorchFunctionMode):
 
 def cuda_to_cpu():
     """`CudaToCpuMode` where the CPU patches are in use, else a null context."""
-    return CudaToCpuMode() if needed() or _APPLIED else contextlib.nullcontext()
+    return CudaToCpuMode() if _APPLIED or not torch.cuda.is_available() else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
