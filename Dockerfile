@@ -34,7 +34,7 @@ for name in ("torch", "torchvision", "triton", "transformer_engine", "transforme
 PY
 
 FROM base AS deps
-# must equal cpu_compat.MEGATRON_CORE_VERSION_CHECKED (the release check below and cpu_compat.apply() refuse others)
+# must equal megatron_patches.MEGATRON_CORE_VERSION_CHECKED (the release check below and megatron_patches.apply() refuse others)
 ARG MEGATRON_CORE_VERSION=0.19.2
 ARG CAUSAL_CONV1D_VERSION=1.7.0
 ARG MAMBA_SSM_VERSION=2.3.2.post1
@@ -71,8 +71,8 @@ import megatron.core
 from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 from megatron.core.ssm.mamba_mixer import MambaMixer
 import transformers, safetensors, torchvision, wandb, PIL
-import cpu_compat
-cpu_compat.check_megatron_core_version()  # MEGATRON_CORE_VERSION must be the release cpu_compat's shims were checked on
+import megatron_patches
+megatron_patches.check_megatron_core_version()  # MEGATRON_CORE_VERSION must be the release megatron_patches was checked on
 import omni_model  # megatron-core imports at the top of the model file, before any shim is applied
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "| transformer-engine", md.version("transformer_engine"),
       "| megatron-core", megatron.core.__version__, "| mamba-ssm", md.version("mamba_ssm"),

@@ -1185,20 +1185,62 @@ def fla_refusal(device: torch.device) -> str | None:
     return None
 
 
+def mamba_chunk_scan_via_simple_gla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    gla=None,
+) -> torch.Tensor:
+    """mamba_torch.mamba_chunk_scan_combined's forward as a simple-GLA recurrence (one scalar decay per head): q = C,
+    k = B (groups repeated over their heads), v = dt·x, log-decay g = dt·A, scale 1, then + D·x and · silu(z).
+    gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) returns o_t = q_t · S_t,
+    S_t = exp(g_t) S_{t-1} + k_t^T v_t (e.g. fla-core's `chunk_simple_gla`); chunk_size is unused. Packed rows
+    (seq_idx) need batch 1. Returns out [batch, seqlen, nheads, headdim] in x.dtype."""
+    import mamba_torch
+
+    b, seqlen, h, p = x.shape
+    r = h // B.shape[2]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtf = mamba_torch._processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    cu = None
+    if seq_idx is not None:
+        if b != 1:
+            raise ValueError(f"packed sequences (seq_idx) need batch 1, got {b}")
+        counts = torch.unique_consecutive(seq_idx[0], return_counts=True)[1]
+        cu = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    q, k = C.repeat_interleave(r, dim=2), B.repeat_interleave(r, dim=2)
+    v = (x.to(cdt) * dtf[..., None]).to(x.dtype)
+    o = gla(q, k, v, dtf * A.to(cdt), cu).to(cdt)
+    if D is not None:
+        o = o + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+    if z is not None:
+        o = o * torch.nn.functional.silu(z.to(cdt))
+    return o.to(x.dtype)
+
+
 def mamba_scan_kernels(device: torch.device) -> dict:
     """The Mamba-2 chunked-scan implementations usable here: {name: mamba_chunk_scan_combined}. mamba_torch always;
-    with CUDA, mamba-ssm's Triton kernel when it imports (cpu_compat.have_mamba_ssm) or, without the compiled
+    with CUDA, mamba-ssm's Triton kernel when it imports (mamba_ssm_importable) or, without the compiled
     package, from its sources ("mamba-ssm-src", mamba_triton.load_mamba_ssm_triton), and fla-core's Triton simple-GLA
-    kernel through mamba_torch.mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
+    kernel through mamba_chunk_scan_via_simple_gla when `fla` imports (the portable candidate of issue
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
-    import cpu_compat
+    import kernel_selection
     import mamba_torch
     import mamba_triton
 
     kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
-    if device.type == "cuda" and cpu_compat.have_mamba_ssm():
+    if device.type == "cuda" and kernel_selection.mamba_ssm_importable():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         kernels["mamba-ssm"] = mamba_chunk_scan_combined
@@ -1213,7 +1255,7 @@ def mamba_scan_kernels(device: torch.device) -> dict:
             def gla(q, k, v, g, cu):
                 return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
 
-            kernels["fla"] = functools.partial(mamba_torch.mamba_chunk_scan_via_simple_gla, gla=gla)
+            kernels["fla"] = functools.partial(mamba_chunk_scan_via_simple_gla, gla=gla)
     return kernels
 
 
@@ -1548,7 +1590,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     default 1 with `quick`, else 5), with `profile` "profile" (profile_step; before the scans, whose Triton compilation
     from a cold cache is the slowest part), and "scan" (scan_bench). Without CUDA (and no explicit `device`), a skip
     record. `device`/`shape` let a CPU test run it at a tiny shape."""
-    import cpu_compat
+    import kernel_selection
 
     out = {} if out is None else out
     if device is None:
@@ -1559,7 +1601,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     device = torch.device(device)
     if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan
         shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
-    kernels = cpu_compat.select_kernels(cuda=device.type == "cuda")
+    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda")
     out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     timed = timed or (1 if quick else 5)
     sections = [("step", mpo_step_bench, (device, shape, timed))]
@@ -1782,9 +1824,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile and --timed-steps are the GPU item's: use them with --gpu (or an --only that names gpu)")
     if args.timed_steps is not None and args.timed_steps < 1:
         ap.error(f"--timed-steps {args.timed_steps}: at least 1")
-    import cpu_compat
+    import kernel_selection
 
-    print(cpu_compat.select_kernels().line(), file=sys.stderr, flush=True)
+    print(kernel_selection.select_kernels().line(), file=sys.stderr, flush=True)
     flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")
     flags += f" --timed-steps {args.timed_steps}" if args.timed_steps else ""
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),

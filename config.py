@@ -475,7 +475,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 # Known-harmless library messages kept off the console by `quiet_known_warnings`, matched by their start.
 KNOWN_WARNINGS = (
-    "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (cpu_compat)
+    "Transformer Engine and Apex are not installed",  # megatron on CPU: torch fallbacks (megatron_patches)
     "Apex is not installed",
     "absl.logging is not installed",
     "full scope is deprecated",  # megatron's TransformerConfig default cuda_graph_scope

@@ -73,12 +73,12 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    import cpu_compat
+    import megatron_patches
 
     device = torch.device("cpu") if device is None else torch.device(device)
     if cfg is not None:
         config_mod.validate_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), num_experts)
-    cpu_compat.apply()
+    megatron_patches.apply()
     if not dist.is_initialized():
         init = (
             {}

@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import nn
 
-import cpu_compat
+import megatron_patches
 from pack import cp_partition_index, shared_prompt_spans
 
 # ======================================================================================================================
@@ -328,7 +328,7 @@ class ThdDotProductAttention(nn.Module):
         assert attention_bias is None
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+        segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
         varlen = self._varlen(query, thd)
         if segments is not None and thd:  # shared-prompt row (CP refused at start: pack.validate_packing_config)
             assert causal and self.config.context_parallel_size == 1
@@ -427,7 +427,7 @@ def _self_attention(mask_type: AttnMaskType, attention: str) -> ModuleSpec:
 def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "sequential",
                             attention: str = "sdpa") -> ModuleSpec:
     """HybridStack spec of megatron-core's non-TE modules and this module's. experts:
-    "sequential" | "grouped"; attention: "sdpa" | "varlen" (cpu_compat.Kernels)."""
+    "sequential" | "grouped"; attention: "sdpa" | "varlen" (kernel_selection.Kernels)."""
     norm_linear = LocalNormColumnParallelLinear
     moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
     assert experts in ("sequential", "grouped"), experts

@@ -1,38 +1,16 @@
-"""Pure-torch Mamba-2 path: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
+"""Pure-torch Mamba-2: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
 
-Drop-in equivalents of the mamba-ssm / causal-conv1d kernels that megatron-core's MambaMixer calls (same names,
-argument order and keywords), so the mixer runs unchanged on a CPU (cpu_compat.install_torch_mamba wires them in):
+Drop-in equivalents (same names, arguments and keywords) of the kernels megatron-core's MambaMixer calls, so the mixer
+runs on any device (kernel_selection.install_torch_mamba): `causal_conv1d_fn` (causal-conv1d's), and
+`mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, `rmsnorm_fn` / `RMSNormGated` (mamba-ssm's). Packed
+rows: `seq_idx` [batch, seqlen] (non-decreasing) or `cu_seqlens` [num_seqs + 1] for batch 1; sequences never interact.
 
-* `causal_conv1d_fn`                  ~ causal_conv1d.causal_conv1d_fn
-* `mamba_chunk_scan_combined`         ~ mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined
-* `mamba_split_conv1d_scan_combined`  ~ mamba_ssm.ops.triton.ssd_combined.mamba_split_conv1d_scan_combined
-* `rmsnorm_fn`, `RMSNormGated`        ~ mamba_ssm.ops.triton.layernorm_gated.{rmsnorm_fn, RMSNorm}
-
-Packed sequences: the conv (`causal_conv1d_fn`) takes `seq_idx` [batch, seqlen] int; the scans
-(`mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`) take `seq_idx` or `cu_seqlens` [num_seqs + 1] for a
-batch of one row. A packed row holds several sequences; tokens with different seq_idx never interact: the conv does
-not see the previous sequence's tokens and the SSM state is zero at each sequence start. seq_idx must be
-non-decreasing along a row (as megatron's PackedSeqParams builds it). The norms (`rmsnorm_fn`, `RMSNormGated`) are
-per token and take neither.
-
-The scan is the SSD block decomposition of Mamba-2 (Dao & Gu 2024, "Transformers are SSMs", §6): within a chunk of
-Q tokens the output is a masked quadratic form, between chunks a recurrence over chunk-end states, so memory is
-O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurrence it computes, per head h:
-
-    dt_t  = clamp(softplus(dt_t + dt_bias_h), *dt_limit)           (softplus / clamp as the caller asks)
-    h_t   = exp(dt_t · A_h) · h_{t-1} + dt_t · x_t ⊗ B_t           (h_{-1} = initial_states; 0 at sequence starts)
-    y_t   = h_t · C_t + D_h · x_t,   then y_t · silu(z_t) if z is given
-
-Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
-The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
-
-Shared-prompt rows (`packing.shared_prompt`; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
-`mamba_split_conv1d_scan_shared_prompt` (built from `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt`)
-runs the rejected response from the prompt's SSM state and conv window, equal to running [prompt | chosen] and
-[prompt | rejected] as separate sequences. It wraps a packed conv and a packed scan (these torch ones, or the GPU
-kernels of causal-conv1d / mamba-ssm passed as conv_fn / scan_fn) with exact linear corrections; see the section.
-
-Tests: `pytest tests/test_mamba_torch.py` (shared-prompt rows: `pytest tests/test_shared_prompt.py`).
+The scan is Mamba-2's SSD block decomposition (Dao & Gu 2024, "Transformers are SSMs", §6), per head h:
+    dt_t = clamp(softplus(dt_t + dt_bias_h), *dt_limit)
+    h_t  = exp(dt_t · A_h) · h_{t-1} + dt_t · x_t ⊗ B_t          (zero at each sequence start)
+    y_t  = h_t · C_t + D_h · x_t,   then · silu(z_t) if z is given
+computed in float32 (float64 for float64 inputs), returned in x's dtype. `mamba_split_conv1d_scan_shared_prompt` runs
+a shared-prompt row: each rejected response continues the prompt's conv window and SSM state.
 """
 
 from __future__ import annotations
@@ -40,18 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "causal_conv1d_fn",
-    "mamba_chunk_scan_combined",
-    "mamba_split_conv1d_scan_combined",
-    "rmsnorm_fn",
-    "RMSNormGated",
-    "seq_idx_from_cu_seqlens",
-    "shared_prompt_seq_idx",
-    "causal_conv1d_shared_prompt",
-    "mamba_chunk_scan_shared_prompt",
-    "mamba_split_conv1d_scan_shared_prompt",
-]
+__all__ = ["causal_conv1d_fn", "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "rmsnorm_fn",
+           "RMSNormGated", "seq_idx_from_cu_seqlens", "shared_prompt_seq_idx", "causal_conv1d_shared_prompt",
+           "mamba_chunk_scan_shared_prompt", "mamba_split_conv1d_scan_shared_prompt"]
 
 _NO_LIMIT = (0.0, float("inf"))
 
@@ -62,8 +31,7 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _processed_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
                   cdt: torch.dtype) -> torch.Tensor:
-    """The time step the scan uses, in `cdt`: clamp(softplus(dt + dt_bias), *dt_limit) (each step only when asked;
-    softplus with torch's threshold 20, as the kernels)."""
+    """clamp(softplus(dt + dt_bias), *dt_limit) in `cdt`, each step only when asked."""
     dtf = dt.to(cdt)
     if dt_bias is not None:
         dtf = dtf + dt_bias.to(cdt)
@@ -75,10 +43,7 @@ def _processed_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: b
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """[num_seqs + 1] cumulative lengths (starting at 0) → seq_idx [1, seqlen] int32: pack.token_sequence_ids (the one
-    token -> sequence rule; tokens at or beyond cu_seqlens[-1], the padding, get index num_seqs) in the kernel's layout.
-    Raises ValueError if cu_seqlens does not start at 0, decreases, or ends beyond seqlen.
-    """
+    """cu_seqlens [num_seqs + 1] → seq_idx [1, seqlen] int32 (pack.token_sequence_ids; padding gets num_seqs)."""
     from pack import token_sequence_ids
 
     return token_sequence_ids(cu_seqlens.flatten(), seqlen).to(torch.int32).unsqueeze(0)
@@ -118,19 +83,9 @@ def causal_conv1d_fn(
 ):
     """Causal depthwise conv1d: out[b, d, t] = act(bias[d] + Σ_k weight[d, k] · x[b, d, t - (W-1) + k]).
 
-    Args:
-        x: [batch, dim, seqlen].
-        weight: [dim, W]; bias: [dim] or None.
-        seq_idx: [batch, seqlen] int or None; taps reaching a token of another sequence read 0.
-        initial_states: [batch, dim, W-1], the inputs before t=0 (not with seq_idx, as in causal-conv1d).
-        return_final_states: also return the last W-1 inputs [batch, dim, W-1] (written into final_states_out
-            when given).
-        activation: None, "silu" or "swish".
-    Returns:
-        out [batch, dim, seqlen] in x.dtype (computed in float32/float64), or (out, final_states).
-    Raises:
-        ValueError: bad activation, shapes, or initial_states together with seq_idx.
-    """
+    x [batch, dim, seqlen]; weight [dim, W]; bias [dim] or None; seq_idx [batch, seqlen] (taps reaching another sequence
+    read 0); initial_states [batch, dim, W-1] (not with seq_idx); activation None, "silu" or "swish". Returns out in
+    x.dtype, or (out, the last W-1 inputs [batch, dim, W-1]) with return_final_states."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     batch, dim, seqlen = x.shape
@@ -185,15 +140,8 @@ def _pad_len(t: torch.Tensor, pad: int, dim: int = 1, value: float = 0.0) -> tor
 
 
 def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=None):
-    """Core SSD scan. x [b,l,h,p], dt [b,l,h] (already softplus/clamped), A [h], B/C [b,l,g,n], all in one float dtype.
-
-    Returns y [b,l,h,p] (no D, no z), final state [b,h,p,n] (the state after the last token), and, when
-    state_positions (list of int, batch 0) is given, the states after those tokens [len, h, p, n].
-
-    Layout: heads lead ([b, h, chunk, token, ...], head i = group i // r, r = h // g), so every contraction is a
-    batched matmul over contiguous blocks with no permuted copy of the [.., Q, Q] weights; dt multiplies x once
-    ([l, h, p]) rather than the [.., Q, Q] weights, and the decay is built in place (one [b, h, nc, Q, Q] buffer).
-    """
+    """Core SSD scan: x [b,l,h,p], dt [b,l,h] (processed), A [h], B/C [b,l,g,n], one float dtype. Returns y
+    [b,l,h,p] (no D, no z), the final state [b,h,p,n] and the states after `state_positions` (batch 0) [len,h,p,n]."""
     b, seqlen, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g
@@ -278,9 +226,8 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
 
 
 def _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions):
-    """`mamba_chunk_scan_combined` after its checks, dt already processed (dtf in the compute dtype): returns out
-    [b, l, h, p] in x.dtype ((y + D·x)·silu(z)), the final state [b, h, p, n] and the states after the tokens
-    `positions` (list of int, batch 0; None: none) [len, h, p, n], both in the compute dtype."""
+    """`mamba_chunk_scan_combined` after its checks, on a processed dt: (out, final state, states after
+    `positions`)."""
     cdt = dtf.dtype
     xf = x.to(cdt)
     y, final, states = _ssd(xf, dtf, A.to(cdt), B.to(cdt), C.to(cdt), chunk_size, seq_idx, initial_states,
@@ -312,30 +259,12 @@ def mamba_chunk_scan_combined(
     return_varlen_states: bool = False,
     state_dtype: torch.dtype | None = None,
 ):
-    """Mamba-2 SSD scan over chunks (semantics of mamba_ssm's mamba_chunk_scan_combined).
+    """Mamba-2 SSD scan (mamba_ssm's mamba_chunk_scan_combined).
 
-    Args:
-        x: [batch, seqlen, nheads, headdim]. dt: [batch, seqlen, nheads]. A: [nheads] (negative).
-        B, C: [batch, seqlen, ngroups, dstate]; nheads must be a multiple of ngroups (head i uses group i // ratio).
-        chunk_size: tokens per chunk (any seqlen; the last chunk is padded internally).
-        D: [nheads] or [nheads, headdim] skip, or None. z: [batch, seqlen, nheads, headdim] gate, or None.
-        dt_bias: [nheads] or None, added to dt before the softplus.
-        initial_states: [batch, nheads, headdim, dstate], the state before the first token (continued by the row's
-            first sequence when seq_idx is given).
-        seq_idx: [batch, seqlen] int, non-decreasing; the state resets where it changes.
-        cu_seqlens: [num_seqs + 1] (batch 1) used for seq_idx when seq_idx is None, and for return_varlen_states.
-        dt_softplus: apply softplus to dt + dt_bias. dt_limit: (min, max) clamp of the processed dt; the default
-            (0, inf) means no clamp, as in mamba-ssm.
-        return_final_states: also return the state after the last token [batch, nheads, headdim, dstate].
-        return_varlen_states: also return the state after each sequence [num_seqs, nheads, headdim, dstate]
-            (needs cu_seqlens).
-        state_dtype: dtype of the returned states (default float32, or float64 for float64 inputs).
-    Returns:
-        out [batch, seqlen, nheads, headdim] in x.dtype: (y + D·x) · silu(z); then the requested states, in the
-        order (out, final_states, varlen_states).
-    Raises:
-        ValueError on inconsistent shapes or seq_idx/cu_seqlens.
-    """
+    x [batch, seqlen, nheads, headdim]; dt [batch, seqlen, nheads]; A [nheads]; B, C [batch, seqlen, ngroups, dstate]
+    (head i uses group i // (nheads // ngroups)); D [nheads] or [nheads, headdim]; z like x; dt_bias [nheads];
+    initial_states [batch, nheads, headdim, dstate]; dt_limit (0, inf) means no clamp. Returns out in x.dtype, then
+    the final state and the state after each sequence of cu_seqlens when asked (in state_dtype, default float32)."""
     batch, seqlen, nheads, headdim = x.shape
     if B.shape[:2] != (batch, seqlen) or B.shape != C.shape or nheads % B.shape[2] != 0:
         raise ValueError(f"B/C must be [batch, seqlen, ngroups | nheads, dstate]; x {tuple(x.shape)}, "
@@ -364,51 +293,6 @@ def mamba_chunk_scan_combined(
     return out if len(result) == 1 else tuple(result)
 
 
-def mamba_chunk_scan_via_simple_gla(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = _NO_LIMIT,
-    gla=None,
-) -> torch.Tensor:
-    """`mamba_chunk_scan_combined`'s forward as a simple-GLA recurrence (Mamba-2's SSD has one scalar decay per head):
-    q = C, k = B (groups repeated over their heads), v = dt·x, log-decay g = dt·A, scale 1, then + D·x and · silu(z).
-
-    For evaluating a portable kernel of that recurrence, e.g. fla-core's Triton `chunk_simple_gla`:
-        gla = lambda q, k, v, g, cu: chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
-    gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) must return
-    o_t = q_t · S_t with S_t = exp(g_t) S_{t-1} + k_t^T v_t, S = 0 at each sequence start. (chunk_size is unused:
-    the kernel picks its own.) Packed rows need batch 1 (the sequences from seq_idx's runs).
-    Returns out [batch, seqlen, nheads, headdim] in x.dtype. Raises ValueError for batch > 1 with seq_idx.
-    """
-    b, seqlen, h, p = x.shape
-    r = h // B.shape[2]
-    cdt = _compute_dtype(x)
-    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
-    cu = None
-    if seq_idx is not None:
-        if b != 1:
-            raise ValueError(f"packed sequences (seq_idx) need batch 1, got {b}")
-        counts = torch.unique_consecutive(seq_idx[0], return_counts=True)[1]
-        cu = F.pad(torch.cumsum(counts, 0), (1, 0))
-    q, k = C.repeat_interleave(r, dim=2), B.repeat_interleave(r, dim=2)
-    v = (x.to(cdt) * dtf[..., None]).to(x.dtype)
-    o = gla(q, k, v, dtf * A.to(cdt), cu).to(cdt)
-    if D is not None:
-        o = o + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
-    if z is not None:
-        o = o * F.silu(z.to(cdt))
-    return o.to(x.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated grouped RMSNorm
 
@@ -422,13 +306,8 @@ def rmsnorm_fn(
     group_size: int | None = None,
     norm_before_gate: bool = True,
 ) -> torch.Tensor:
-    """Gated RMSNorm over groups of the last dim (mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn semantics).
-
-    norm_before_gate=False (Nemotron-H): out = RMSNorm_g(x · silu(z)) · weight; True: RMSNorm_g(x) · weight · silu(z).
-    RMSNorm_g divides each group of `group_size` channels by sqrt(mean(square) + eps). Computed in float32
-    (float64 for float64 input); returns x.dtype. x, z: [..., dim]; weight, bias: [dim].
-    Raises ValueError if dim is not a multiple of group_size.
-    """
+    """Gated RMSNorm over groups of `group_size` channels (mamba_ssm's layernorm_gated.rmsnorm_fn): RMSNorm_g(x ·
+    silu(z)) · weight when norm_before_gate is False (Nemotron-H), else RMSNorm_g(x) · weight · silu(z)."""
     dim = x.shape[-1]
     group_size = dim if group_size is None else group_size
     if dim % group_size != 0:
@@ -448,7 +327,7 @@ def rmsnorm_fn(
 
 
 class RMSNormGated(torch.nn.Module):
-    """Gated grouped RMSNorm module with mamba_ssm's layernorm_gated.RMSNorm constructor and `weight` parameter."""
+    """Gated grouped RMSNorm module with mamba_ssm's layernorm_gated.RMSNorm constructor."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
@@ -497,25 +376,12 @@ def mamba_split_conv1d_scan_combined(
     scan_fn=None,
     norm_fn=None,
 ):
-    """Mamba-2 mixer body after in_proj (mamba_ssm's mamba_split_conv1d_scan_combined semantics).
+    """Mamba-2 mixer body after in_proj (mamba_ssm's mamba_split_conv1d_scan_combined).
 
-    zxbcdt [batch, seqlen, 2·d_nonssm + 2·dim + 2·ngroups·dstate + nheads] splits into
-    [zx0 | z (dim) | xBC (dim + 2·ngroups·dstate) | dt (nheads)]; xBC goes through the causal conv (+ activation)
-    and splits into x, B, C; the scan runs with dt_softplus and dt_bias. Without rmsnorm_weight the output is
-    (y + D·x)·silu(z); with it, the gated grouped RMSNorm (group dim // ngroups, eps rmsnorm_eps) of y + D·x with
-    gate z. A non-empty zx0 prepends silu(zx0[:half])·zx0[half:]. outproj_weight [out_dim, out] applies a final linear.
-
-    Args (shapes): conv1d_weight [dim + 2·ngroups·dstate, W]; conv1d_bias [same]; dt_bias, A [nheads];
-        D [nheads] (then headdim is required) or [nheads, headdim]; initial_states [batch, nheads, headdim, dstate];
-        seq_idx [batch, seqlen] or cu_seqlens [num_seqs + 1] (batch 1) for packed rows.
-        conv_fn / scan_fn / norm_fn: the kernels, with the signatures of this module's causal_conv1d_fn,
-            mamba_chunk_scan_combined and rmsnorm_fn (default: those; mamba_triton.kernels() on a GPU without the
-            compiled packages). state_dtype is passed to the scan only when set.
-    Returns:
-        out [batch, seqlen, out] in zxbcdt.dtype, or (out, final_states) with return_final_states.
-    Raises:
-        ValueError on inconsistent shapes.
-    """
+    zxbcdt [batch, seqlen, 2·d_nonssm + 2·dim + 2·ngroups·dstate + nheads] splits into [zx0 | z | xBC | dt]; xBC goes
+    through the causal conv and splits into x, B, C for the scan; then the gated norm (with rmsnorm_weight) or the gate,
+    the swiglu of zx0 and out_proj. conv_fn / scan_fn / norm_fn: the kernels (default this module's; mamba_triton's on a
+    GPU without compiled mamba-ssm). Returns out [batch, seqlen, out], or (out, final_states)."""
     batch, seqlen, total = zxbcdt.shape
     nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
@@ -539,7 +405,7 @@ def mamba_split_conv1d_scan_combined(
 
 
 def _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
-    """(nheads, headdim, dim, dstate, d_nonssm) of a fused mixer call; ValueError on inconsistent shapes."""
+    """(nheads, headdim, dim, dstate, d_nonssm) of a fused mixer call."""
     total = zxbcdt.shape[-1]
     if D.dim() == 1:
         if headdim is None:
@@ -562,7 +428,7 @@ def _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
 
 def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, norm_before_gate, outproj_weight,
                 outproj_bias, norm_fn):
-    """Gated grouped RMSNorm (when rmsnorm_weight is given), the swiglu prefix of zx0, the output projection."""
+    """The gated norm (or nothing), the swiglu prefix of zx0 and the output projection."""
     if rmsnorm_weight is not None:
         y = norm_fn(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,
                     norm_before_gate=norm_before_gate)
@@ -575,28 +441,17 @@ def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shared-prompt pairs (`packing.shared_prompt`): one packed row holds [prompt | chosen | rejected] per pair; the chosen
-# sequence is prompt + chosen, the rejected sequence prompt + rejected (the rejected tokens never see the chosen ones).
-#
-# Mamba-2 is linear in its state, so the rejected segment's outputs split exactly into (a) a scan that starts the
-# rejected segment from a zero state and (b) the prompt's final state h_P carried into it:
+# Shared-prompt rows: per pair [prompt | chosen | rejected]; the sequences are prompt + chosen and prompt + rejected.
+# Mamba-2 is linear in its state, so a rejected token's output is (a) the packed scan restarted at the rejected
+# segment plus (b) the prompt's final state h_P carried into it:
 #     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
-# (a) is the ordinary packed scan with seq_idx restarting at every rejected segment ([prompt | chosen] stays one
-# sequence, so prompt and chosen need no correction), i.e. mamba-ssm's fused `mamba_chunk_scan_combined` on a GPU;
-# (b) is computed in torch per pair: h_P (with a kernel that returns no mid-sequence state, e.g. mamba-ssm's, an einsum
-# over the prompt, O(prompt·heads·headdim·dstate); this module's scan returns it from the chunk-start state it holds,
-# O(chunk)), then its read-out over the rejected tokens (O(rejected·heads·headdim·dstate)); autograd carries the
-# rejected response's gradient into the prompt through h_P. The causal conv works the same way: the packed
-# conv with one seq_idx per pair (causal-conv1d's kernel on a GPU) reads the chosen segment's last d_conv-1 inputs at
-# the start of the rejected segment; a correction of at most (d_conv-1)·d_conv/2 taps per pair swaps them for the
-# prompt's last inputs, before the activation.
+# The conv likewise: the packed conv per pair span, then the first W-1 rejected taps swapped to the prompt's inputs.
 
 
 def shared_prompt_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int,
                           split_rejected: bool) -> torch.Tensor:
-    """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span (`split_rejected=False`, for the conv),
-    or one id for [prompt | chosen] and one for [rejected] (`split_rejected=True`, for the scan); tokens after the last
-    pair get an id of their own. Raises ValueError for bad offsets (see pack.shared_prompt_spans)."""
+    """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span, or with split_rejected one for
+    [prompt | chosen] and one for [rejected]."""
     from pack import shared_prompt_spans
 
     spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
@@ -614,21 +469,9 @@ def causal_conv1d_shared_prompt(
     activation: str | None = None,
     conv_fn=None,
 ) -> torch.Tensor:
-    """Causal depthwise conv1d of a shared-prompt row: each pair's rejected segment sees the prompt's last W-1 inputs
-    before its own (as if it followed the prompt directly), never the chosen segment's.
-
-    Args:
-        x: [1, dim, seqlen]; weight [dim, W]; bias [dim] or None; activation None / "silu" / "swish".
-        segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded).
-        conv_fn: the packed causal conv to correct, `causal_conv1d_fn`'s signature (default: this module's; on a GPU
-            causal_conv1d.causal_conv1d_fn with a channel-last x).
-    Returns:
-        [1, dim, seqlen] in x.dtype (the correction terms are computed in float32/float64 and added to the packed
-        conv's output in its dtype: exact for float32/float64; for bf16 one more rounding on the first W-1 rejected
-        tokens of each pair).
-    Raises:
-        ValueError: batch > 1, bad activation or offsets.
-    """
+    """Causal conv1d of a shared-prompt row: each rejected segment sees the prompt's last W-1 inputs, never the chosen
+    segment's. x [1, dim, seqlen]; segment_cu_seqlens_padded int [3P+1]; conv_fn: the packed conv to correct. Returns
+    [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
     from pack import shared_prompt_spans
 
     if x.shape[0] != 1:
@@ -682,23 +525,9 @@ def mamba_chunk_scan_shared_prompt(
     dt_limit: tuple[float, float] = _NO_LIMIT,
     scan_fn=None,
 ) -> torch.Tensor:
-    """Mamba-2 SSD scan of a shared-prompt row: prompt and chosen tokens as the sequence [prompt | chosen], rejected
-    tokens as the continuation of the prompt's final state (SSM state only; the conv is `causal_conv1d_shared_prompt`).
-
-    Args: as `mamba_chunk_scan_combined` (x [1, seqlen, nheads, headdim], dt [1, seqlen, nheads], A [nheads],
-        B/C [1, seqlen, ngroups, dstate], D, z, dt_bias, dt_softplus, dt_limit), plus
-        segment_cu_seqlens_padded: int [3P+1] segment offsets (pack.PackedBatch.segment_cu_seqlens_padded);
-        scan_fn: the packed scan, `mamba_chunk_scan_combined`'s signature, called with the processed dt, D, z and
-            seq_idx (on a GPU mamba_ssm's). None: this module's scan, which also returns the state after each
-            prompt, so h_P is not summed over the prompt again.
-    Returns:
-        out [1, seqlen, nheads, headdim] in x.dtype: (y + D·x)·silu(z). The prompt-state term of the rejected rows is
-        computed in float32/float64 and added to the scan's output in its dtype (exact for float32/float64; one more
-        rounding for bf16). Extra work and memory per pair: O(rejected tokens) plus O(prompt tokens) with a scan_fn
-        (O(chunk) without), never a full-row copy.
-    Raises:
-        ValueError: batch > 1, inconsistent shapes or offsets.
-    """
+    """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
+    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segment_cu_seqlens_padded int [3P+1];
+    scan_fn: the packed scan (None: this module's, which also returns the prompt states). Returns out in x.dtype."""
     from pack import shared_prompt_spans
 
     batch, seqlen, nheads, headdim = x.shape
@@ -716,18 +545,15 @@ def mamba_chunk_scan_shared_prompt(
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
     # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
     if scan_fn is None:
-        # This module's scan also returns the state after each prompt's last token (the [prompt | chosen] sequence's
-        # state there: O(chunk) per pair from the chunk-start state it holds anyway), so h_P below is not recomputed
-        # from the whole prompt.
+        # this module's scan also returns h_P (the state after each prompt), so it is not summed over the prompt again
         out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [spans[i][1] - 1 for i in corrected])
     else:
         out, h_ps = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), None
     g = B.shape[2]
     r = nheads // g
     Af = A.to(cdt)
-    # Per pair, on its own segments (no [seqlen, nheads, dstate] copy of B or C): heads as [group, head in group]. The
-    # segments are torch.split views, whose backward is one concatenation per tensor, not a zero-filled full-row
-    # gradient per slice (O(pairs · seqlen) per layer, in the shared-prompt layout's CPU profile).
+    # Per pair, on torch.split views of its segments (their backward is one concatenation per tensor, not a
+    # zero-filled full-row gradient per slice); heads as [group, head in group].
     end = spans[-1][3] if spans else 0
     segs = [n for a, c0, r0, e in spans for n in (c0 - a, r0 - c0, e - r0)] + [seqlen - end]
     xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))
@@ -780,20 +606,8 @@ def mamba_split_conv1d_scan_shared_prompt(
     scan_fn=None,
     norm_fn=None,
 ) -> torch.Tensor:
-    """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1): the same split, conv, scan, gated norm
-    and projections, with `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt` in place of the packed
-    conv and scan, so each pair's rejected response continues the prompt (conv window and SSM state), not the chosen
-    response. conv_fn / scan_fn / norm_fn select the kernels (defaults: this module's torch ones; on a GPU
-    causal_conv1d_fn, mamba_ssm's mamba_chunk_scan_combined and layernorm_gated.rmsnorm_fn, same signatures).
-
-    Args: as `mamba_split_conv1d_scan_combined` (no initial_states / final states), plus segment_cu_seqlens_padded
-        int [3P+1] (pack.PackedBatch.segment_cu_seqlens_padded). The keywords megatron-core's MambaMixer passes are
-        taken, so the call can replace the fused one as is: seq_idx [1, seqlen], when given, must be the pair spans'
-        (what megatron builds from cu_seqlens_padded of the spans), i.e. shared_prompt_seq_idx(.., False);
-        state_dtype is unused (no state is returned).
-    Returns: out [1, seqlen, out] in zxbcdt.dtype.
-    Raises: ValueError on inconsistent shapes, batch > 1, bad offsets, or a seq_idx that is not the pair spans'.
-    """
+    """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1), with the shared-prompt conv and scan; it
+    takes megatron's keywords, so it can replace the fused call: seq_idx, when given, must be the pair spans'."""
     batch, seqlen, total = zxbcdt.shape
     if seq_idx is not None:
         spans = shared_prompt_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False).to(seq_idx.device)

@@ -9,8 +9,8 @@
 (`language_model`: Mamba-2 `M`, attention `*`, MoE `E`, MLP `-` layers). The forward encodes each image once,
 puts the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters
 for SP and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with
-CUDA, else local_spec.py's (cpu_compat.select_kernels); build_model installs the megatron-core patches
-(cpu_compat.apply). Run `python omni_model.py assets/tiny-omni` for a smoke run."""
+CUDA, else local_spec.py's (kernel_selection.select_kernels); build_model installs the megatron-core patches
+(megatron_patches.apply). Run `python omni_model.py assets/tiny-omni` for a smoke run."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
-import cpu_compat
+import kernel_selection
 import mamba_triton
+import megatron_patches
 from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import (
     cp_partition_index,
@@ -203,18 +204,18 @@ def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
 
 class OmniMambaMixer(MambaMixer):
     """MambaMixer with transformers' time-step clamp softplus(dt + dt_bias) >= time_step_min
-    (NemotronHMamba2Mixer.time_step_limit), passed to the scan through cpu_compat.MAMBA_DT_LIMIT."""
+    (NemotronHMamba2Mixer.time_step_limit), passed to the scan through megatron_patches.MAMBA_DT_LIMIT."""
 
     def __init__(self, *args, dt_clamp_min: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.dt_limit = None if dt_clamp_min is None else (float(dt_clamp_min), float("inf"))
 
     def _ssm_training(self, zxBCdt, packed_seq_params=None):
-        token = cpu_compat.MAMBA_DT_LIMIT.set(self.dt_limit)
+        token = megatron_patches.MAMBA_DT_LIMIT.set(self.dt_limit)
         try:
             return super()._ssm_training(zxBCdt, packed_seq_params)
         finally:
-            cpu_compat.MAMBA_DT_LIMIT.reset(token)
+            megatron_patches.MAMBA_DT_LIMIT.reset(token)
 
 
 def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
@@ -237,7 +238,7 @@ def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
 
 def shared_prompt_te_attention(base: type) -> type:
     """A subclass of `base` (megatron's TEDotProductAttention) that runs a shared-prompt THD forward
-    (cpu_compat.SHARED_PROMPT_SEGMENTS set) as ONE TE varlen call of local_spec.shared_prompt_varlen_attention
+    (megatron_patches.SHARED_PROMPT_SEGMENTS set) as ONE TE varlen call of local_spec.shared_prompt_varlen_attention
     (attn_mask_type "padding_causal_bottom_right", attention_type "cross" during the call: docs/DESIGN.md); any
     other forward is `base`'s. Checked against a TE stand-in (tests/test_shared_prompt_te.py) and tests/test_gpu.py."""
     from local_spec import shared_prompt_varlen_attention
@@ -246,7 +247,7 @@ def shared_prompt_te_attention(base: type) -> type:
         def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                     packed_seq_params=None, **kwargs):
             """As `base.forward`; shared prompt: query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
-            segments = cpu_compat.SHARED_PROMPT_SEGMENTS.get()
+            segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
             if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
@@ -277,8 +278,8 @@ def shared_prompt_te_attention(base: type) -> type:
 
 
 def have_transformer_engine() -> bool:
-    """True when the TE spec is used (cpu_compat.select_kernels)."""
-    return cpu_compat.select_kernels().spec == "te"
+    """True when the TE spec is used (kernel_selection.select_kernels)."""
+    return kernel_selection.select_kernels().spec == "te"
 
 
 # ======================================================================================================================
@@ -482,15 +483,15 @@ class OmniModel(nn.Module):
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
+        token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
         try:
-            with cpu_compat.routers_without_statistics(no_real_token and self.training):
+            with megatron_patches.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:
             mamba_triton.CONV_OFFSETS.reset(conv)
-            cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+            megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
         return logits[0]
 
     def _conv_offsets(self, psp, cu_pad: torch.Tensor, device):
@@ -513,13 +514,13 @@ def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None,
-                kernels: cpu_compat.Kernels | None = None) -> OmniModel:
+                kernels: kernel_selection.Kernels | None = None) -> OmniModel:
     """The Omni model on this rank (parallel_state initialised with `parallel_cfg`'s sizes), with
     megatron-core's initialisation until `load_hf_weights`. use_te: force the TE / local spec (default: TE when it
-    imports with CUDA); kernels: the local spec's (default cpu_compat.select_kernels)."""
-    cpu_compat.apply()
+    imports with CUDA); kernels: the local spec's (default kernel_selection.select_kernels)."""
+    megatron_patches.apply()
     if parallel_cfg.context_parallel_size > 1:
-        cpu_compat.install_mamba_cp_thd_indices(cp_partition_index)
+        megatron_patches.install_mamba_cp_thd_indices(cp_partition_index)
     hf = read_hf_config(hf_dir)
     if use_te is None:
         use_te = have_transformer_engine()
@@ -530,7 +531,7 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size,
         p.expert_tensor_parallel_size)
     assert "E" not in hf.pattern or p.expert_tensor_parallel_size == 1  # preflight.check_model_config
-    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, cpu_compat.select_kernels(te=use_te) if kernels is None
+    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernel_selection.select_kernels(te=use_te) if kernels is None
                       else kernels)
     cast_params_to(model, _dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():

@@ -244,7 +244,7 @@ def plan_bins(
 
 def resolve_shared_prompt(cfg, kernels) -> str:
     """Resolve `packing.shared_prompt = "auto"` in place (true with the local spec, mamba_torch and no CP);
-    return the layout's description for the `world` line. kernels: cpu_compat.Kernels.
+    return the layout's description for the `world` line. kernels: kernel_selection.Kernels.
     """
     pk = cfg.packing
     if pk.shared_prompt != "auto":
@@ -269,7 +269,7 @@ def shared_prompt_on(packing) -> bool:
     """`packing.shared_prompt` as resolved at start; ValueError while it is still "auto"."""
     if not isinstance(packing.shared_prompt, bool):
         raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
-                         "pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels()); call it before planning")
+                         "pack.resolve_shared_prompt(cfg, kernel_selection.select_kernels()); call it before planning")
     return packing.shared_prompt
 
 

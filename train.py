@@ -82,9 +82,10 @@ import checkpoint  # noqa: E402
 import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
-import cpu_compat  # noqa: E402
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
+import kernel_selection  # noqa: E402
+import megatron_patches  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
 import mmpr_rows  # noqa: E402
@@ -102,7 +103,7 @@ from distributed import Ctx  # noqa: E402
 def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
-    kernels = cpu_compat.select_kernels()
+    kernels = kernel_selection.select_kernels()
     pair_layout = pack.resolve_shared_prompt(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
@@ -329,7 +330,7 @@ def build_optimizer(policy, cfg):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
@@ -355,7 +356,7 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
         "wandb_run_id": None,
     }
     if saved is not None:
-        with cpu_compat.cuda_to_cpu():
+        with megatron_patches.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)
         run.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates",
                                                    "wandb_run_id")})  # fmt: skip
@@ -594,7 +595,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         _, grad_norm, _ = optimizer.step()
     if not math.isfinite(grad_norm):  # finite gradients whose squares overflowed the norm (fp32: |g| > ~1e19)
         raise DivergedError(f"the gradient norm is {grad_norm} (finite gradients, whose norm overflowed)")

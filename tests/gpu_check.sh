@@ -4,7 +4,7 @@
 # 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a
 #    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
-# 2. prints the kernel selection (cpu_compat.select_kernels);
+# 2. prints the kernel selection (kernel_selection.select_kernels);
 # 3. runs tests/test_gpu.py's in-process checks (<= 150 s), the Triton Mamba kernels against mamba_torch (<= 180 s:
 #    mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9), `bench.py --gpu
 #    --profile` at the full shape (16 pairs, 4 per bin; 2 timed steps; <= 150 s; results to $OMNI_OUT, default
@@ -103,7 +103,7 @@ case "$deps" in
   ok*) row "dependencies" ok $((SECONDS - t0)) "${deps#ok }" ;;
   *) row "dependencies" FAIL $((SECONDS - t0)) "$deps (add the wheels to $WHEELS)" ;;
 esac
-kernels=$("$PY" -c "import cpu_compat; print(cpu_compat.select_kernels().line())" 2>"$OUT/kernels.log" | tail -1)
+kernels=$("$PY" -c "import kernel_selection; print(kernel_selection.select_kernels().line())" 2>"$OUT/kernels.log" | tail -1)
 row "kernel selection" "$([ -n "$kernels" ] && echo ok || echo FAIL)" 0 "${kernels:-see $OUT/kernels.log}"
 
 # -- 2. tests/test_gpu.py: the in-process checks first, then the train.py launches (each part its own time limit, so a

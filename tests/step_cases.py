@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOML = ROOT / "configs" / "tiny.toml"
 
-# The modules whose code runs inside a step on the step's device (cpu_compat's CPU-only shims are not on a GPU path).
+# The modules whose code runs inside a step on the step's device (the CPU-only patches are not on a GPU path).
 PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "omni_model.py",
                                                   "mamba_torch.py", "checkpoint.py"))
 # ... and, for host reads (`DeviceAudit.reads`), also the modules the forward calls into
@@ -149,11 +149,11 @@ class DeviceAudit(TorchFunctionMode):
 def tiny_config(*overrides: str):
     """configs/tiny.toml with `overrides`, `packing.shared_prompt = "auto"` resolved as train.main does."""
     import config as config_mod
-    import cpu_compat
+    import kernel_selection
     import pack
 
     cfg = config_mod.load_config(str(TINY_TOML), list(overrides))
-    pack.resolve_shared_prompt(cfg, cpu_compat.select_kernels())
+    pack.resolve_shared_prompt(cfg, kernel_selection.select_kernels())
     return cfg
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import config as config_mod
-import cpu_compat
 import distributed
+import megatron_patches
 import train
 
 pytestmark = pytest.mark.slow  # 8 tiny runs: about 6 minutes on 2 busy cores
@@ -59,7 +59,7 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, dopt_key])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):

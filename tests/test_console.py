@@ -120,12 +120,13 @@ def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
     """QA5: reference.offload = true on the CPU was silently ignored; the layout lines now say so."""
     from types import SimpleNamespace
 
-    import cpu_compat
+    import kernel_selection
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.offload={str(offload).lower()}"])
     ctx = SimpleNamespace(cfg=cfg, dp=2, device=torch.device("cpu"))
-    monitor.print_layout(ctx, 2, cpu_compat.select_kernels(), "shared prompt (auto)")
-    lines = [cpu_compat.select_kernels().line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu; pairs: shared prompt (auto)"]
+    kernels = kernel_selection.select_kernels()
+    monitor.print_layout(ctx, 2, kernels, "shared prompt (auto)")
+    lines = [kernels.line(), "world 2: TP 1 CP 1 DP 2 EP 1 on cpu; pairs: shared prompt (auto)"]
     if offload:
         lines.append("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
     assert capsys.readouterr().out.splitlines() == lines

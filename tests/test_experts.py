@@ -18,9 +18,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omni_model_cases import TINY, logits_and_grads, make_pair_batch  # noqa: E402
 
-import cpu_compat  # noqa: E402
+import kernel_selection  # noqa: E402
+import megatron_patches  # noqa: E402
 
-cpu_compat.apply()
+megatron_patches.apply()
 
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -133,7 +134,7 @@ def test_tiny_model_with_grouped_experts_equals_sequential():
 
     models = {}
     for experts in ("sequential", "grouped"):
-        kernels = cpu_compat.Kernels("local", "torch", "cpu", attention="sdpa", experts=experts)
+        kernels = kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts=experts)
         m = om.build_model(TINY, ModelConfig(), ParallelConfig(), kernels=kernels)
         hf_weights.load_hf_weights(m, TINY)
         models[experts] = m.train()

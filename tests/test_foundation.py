@@ -492,13 +492,13 @@ def test_input_conditioner_keys_transformers_ignores_repeat_the_processor_statis
     assert torch.equal(std.flatten(), torch.tensor(ip.image_std, dtype=torch.float32))
 
 
-def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
+def test_dockerfile_agrees_with_requirements_slurm_and_megatron_patches():
     """The image cannot be built here (no Docker engine): what can drift is checked as text. The Dockerfile's own
     grep drops exactly the torch and torchvision pins of requirements.txt (the container's stay); its megatron-core is
-    the release cpu_compat was checked on and requirements.txt pins; its wandb is train.sbatch's WANDB_PIN_VERSION."""
+    the release the patches were checked on and requirements.txt pins; its wandb is train.sbatch's WANDB_PIN_VERSION."""
     import re
 
-    import cpu_compat
+    import megatron_patches
 
     docker = (ROOT / "Dockerfile").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", docker, flags=re.M))
@@ -507,7 +507,7 @@ def test_dockerfile_agrees_with_requirements_slurm_and_cpu_compat():
                           check=True).stdout.splitlines()  # fmt: skip
     reqs = (ROOT / "requirements.txt").read_text().splitlines()
     assert sorted(set(reqs) - set(kept)) == ["torch==2.14.1", "torchvision==0.29.1"]
-    assert args["MEGATRON_CORE_VERSION"] == cpu_compat.MEGATRON_CORE_VERSION_CHECKED
+    assert args["MEGATRON_CORE_VERSION"] == megatron_patches.MEGATRON_CORE_VERSION_CHECKED
     assert f"megatron-core=={args['MEGATRON_CORE_VERSION']}" in reqs
     sbatch = (ROOT / "slurm" / "train.sbatch").read_text()
     assert f"WANDB_PIN_VERSION=${{WANDB_PIN_VERSION-{args['WANDB_VERSION']}}}" in sbatch

@@ -16,7 +16,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    issue 16) against local_spec.shared_prompt_attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
 7. The shared-prompt layout on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
-   kernels (cpu_compat._shared_prompt_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
+   kernels (kernel_selection.shared_prompt_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
    `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
@@ -63,9 +63,9 @@ def _finite(rows: list[dict]) -> bool:
 
 
 def _specs() -> list:
-    import cpu_compat
+    import kernel_selection
 
-    te = pytest.param("te", marks=pytest.mark.skipif(not cpu_compat.have_transformer_engine(),
+    te = pytest.param("te", marks=pytest.mark.skipif(not kernel_selection.te_importable(),
                                                        reason="transformer_engine does not import here"))
     return ["local", te]
 
@@ -158,12 +158,12 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path)
     # fallback set, reads its seq_idx check and conv correction)
     import re
 
-    import cpu_compat
+    import kernel_selection
 
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
     assert sites == ["monitor.py reduce_metrics: TensorBase.tolist", "train.py check_finite: TensorBase.tolist",
                      "train.py count_global_pairs: TensorBase.item"], sites
-    if cpu_compat.select_kernels().mamba != "torch":
+    if kernel_selection.select_kernels().mamba != "torch":
         assert not any(r.startswith("mamba_torch.py") for r in audit.reads), audit.reads
 
 
@@ -229,7 +229,7 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
 # 6. Shared-prompt attention through Transformer Engine (issue 16; never run on a GPU before this check)
 
 
-@pytest.mark.skipif(not __import__("cpu_compat").have_transformer_engine(),
+@pytest.mark.skipif(not __import__("kernel_selection").te_importable(),
                     reason="transformer_engine does not import here")
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)],
                          ids=["bf16", "fp16", "fp32"])
@@ -244,8 +244,8 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     from megatron.core.transformer.enums import AttnMaskType
     from test_shared_prompt_te import SPANS, row_offsets
 
-    import cpu_compat
     import local_spec
+    import megatron_patches
     import omni_model
 
     dev = torch.device("cuda", 0)
@@ -263,11 +263,11 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     cu = torch.tensor([0, int(seg[-1]), T], dtype=torch.int32, device=dev)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=T, max_seqlen_kv=T)
-    token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(seg.to(dev))
+    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(seg.to(dev))
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
     (out.float() * weight).sum().backward()
     q2, k2, v2 = (t.to(dev).requires_grad_(True) for t in leaves)
     want = local_spec.shared_prompt_attention(q2, k2, v2, seg.to(dev))
@@ -283,24 +283,24 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
 
 def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     """mamba_torch.mamba_split_conv1d_scan_shared_prompt with causal-conv1d's conv, mamba-ssm's scan and gated norm
-    (what cpu_compat's Mamba hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
+    (what the Mamba scan hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
     of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
     prompt, padding): output and the gradients of every input (max difference relative to the largest value).
     Without the compiled packages: the `mamba triton` set (fla-core's conv, mamba-ssm's Triton scan and norm from its
     sources, mamba_triton.kernels()); with mamba-ssm's sources alone, its scan and norm and mamba_torch's conv."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
-    import cpu_compat
+    import kernel_selection
     import mamba_torch
     import mamba_triton
 
-    if cpu_compat.have_mamba_ssm():
+    if kernel_selection.mamba_ssm_importable():
         from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
 
-        kernels = cpu_compat._shared_prompt_kernels(mamba_split_conv1d_scan_combined)
+        kernels = kernel_selection.shared_prompt_kernels(mamba_split_conv1d_scan_combined)
         assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
-    elif cpu_compat.have_mamba_triton():
-        kernels = cpu_compat._shared_prompt_kernels(mamba_triton.mamba_split_conv1d_scan_combined)
+    elif kernel_selection.mamba_triton_importable():
+        kernels = kernel_selection.shared_prompt_kernels(mamba_triton.mamba_split_conv1d_scan_combined)
         assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
     elif (kernels := mamba_triton.load_mamba_ssm_triton()) is None:
         pytest.skip("mamba-ssm + causal-conv1d do not import here and no mamba-ssm sources (OMNI_MAMBA_SSM_SRC)")
@@ -418,7 +418,7 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
 # ----------------------------------------------------------------------------------------------------------------------
 # 9. The `mamba triton` set on CUDA against mamba_torch (issue 33; on the CPU: Triton's interpreter)
 
-_triton_set = pytest.mark.skipif(not __import__("cpu_compat").have_mamba_triton(),
+_triton_set = pytest.mark.skipif(not __import__("kernel_selection").mamba_triton_importable(),
                                  reason="the `mamba triton` set does not import here (mamba-ssm's sources via "
                                         "OMNI_MAMBA_SSM_SRC or its CUDA-less install, and fla-core)")
 
@@ -500,14 +500,15 @@ def test_fla_conv_equals_mamba_torch_on_cuda(dtype):
 @_triton_set
 def test_the_kernel_line_names_the_triton_mamba_set():
     """Without the compiled mamba-ssm / causal-conv1d, a machine where the set imports trains on it (train.py's
-    `kernels:` line, and the mixer's fused function is mamba_triton's after cpu_compat.apply())."""
-    import cpu_compat
+    `kernels:` line, and the mixer's fused function is mamba_triton's after megatron_patches.apply())."""
+    import kernel_selection
     import mamba_triton
+    import megatron_patches
 
-    if cpu_compat.have_mamba_ssm():
+    if kernel_selection.mamba_ssm_importable():
         pytest.skip("the compiled mamba-ssm imports here: it is chosen over the Triton set")
-    assert cpu_compat.select_kernels().mamba == "triton"
-    cpu_compat.apply()
+    assert kernel_selection.select_kernels().mamba == "triton"
+    megatron_patches.apply()
     from megatron.core.ssm import mamba_mixer
 
     assert getattr(mamba_mixer.mamba_split_conv1d_scan_combined, "__wrapped__", None) is \

@@ -110,7 +110,7 @@ def test_triton_mixer_body_equals_mamba_torch(mamba_ssm_src):
 @pytest.mark.slow
 def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_path):
     """The tiny Omni built with the `mamba triton` set (megatron's MambaMixer calling mamba_triton through
-    cpu_compat's hook, its gated norm on mamba-ssm's rmsnorm_fn, the conv offsets from the batch: no read back) and
+    megatron_patches' hook, its gated norm on mamba-ssm's rmsnorm_fn, the conv offsets from the batch: no read back) and
     with mamba_torch, each in its own process, on one packed pair with images and padding in training mode: the
     logits and every parameter gradient."""
     import torch

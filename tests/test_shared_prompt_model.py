@@ -85,7 +85,7 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
     pairs = make_pairs()
     good = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     no_segments = SimpleNamespace(SHARED_PROMPT_SEGMENTS=SimpleNamespace(get=lambda: None))
-    monkeypatch.setattr(local_spec, "cpu_compat", no_segments)
+    monkeypatch.setattr(local_spec, "megatron_patches", no_segments)
     bad = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     rejected = torch.tensor([False, True] * 4)
     assert (good - bad)[rejected].abs().min() > 100 * TOL
@@ -190,7 +190,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     the start-up checks (auto with CP is separate rows, not the ConfigError of an explicit true)."""
     from step_cases import TINY_TOML
 
-    import cpu_compat
+    import kernel_selection
     import pack
     import preflight
 
@@ -198,7 +198,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     assert cfg.packing.shared_prompt == "auto"
     with pytest.raises(ValueError, match="resolved at start by pack.resolve_shared_prompt"):
         pack.shared_prompt_on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
-    kernels = cpu_compat.Kernels(spec=spec, mamba=mamba, device="cuda")
+    kernels = kernel_selection.Kernels(spec=spec, mamba=mamba, device="cuda")
     assert pack.resolve_shared_prompt(cfg, kernels) == layout
     assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
@@ -233,7 +233,7 @@ def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value, tm
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_shared_layout_with_activation_recompute_equals_separate_rows(tiny, recompute):
     """Recomputation re-runs layers during backward, after OmniModel.forward has reset the shared-prompt segments:
-    the recomputed attention and Mamba layers must still see them (cpu_compat._recompute_in_forward_context), or the
+    the recomputed attention and Mamba layers must still see them (_recompute_in_forward_context), or the
     rejected rows' gradients come from plain causal spans (a gradient 0.09 off on the tiny model before the fix)."""
     from step_cases import tiny_config
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-import cpu_compat
 import local_spec
+import megatron_patches
 import omni_model
 
 F64 = torch.float64
@@ -170,7 +170,7 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
     # without the layout: megatron's forward, TE not called directly
     out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     assert module.megatron_calls == 1 and module.te_calls == [] and torch.equal(out, torch.zeros(T, 64))
-    token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(seg)
+    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(seg)
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
         with pytest.raises(AssertionError):
@@ -181,7 +181,7 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
         with pytest.raises(AssertionError):
             module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
     assert module.megatron_calls == 1 and len(module.te_calls) == 1
     call = module.te_calls[0]
     lay = local_spec.shared_prompt_varlen_layout(seg, T)

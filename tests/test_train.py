@@ -39,8 +39,8 @@ import pytest
 import torch
 
 import config as config_mod
-import cpu_compat
 import distributed
+import megatron_patches
 import monitor
 import pack
 import preflight
@@ -752,7 +752,7 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)

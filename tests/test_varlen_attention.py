@@ -21,8 +21,8 @@ import torch.nn.attention.varlen as torch_varlen
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-import cpu_compat
 import local_spec
+import megatron_patches
 
 
 def _stand_in(signature: str, calls: list):
@@ -53,7 +53,7 @@ def _stand_in(signature: str, calls: list):
         assert tuple(window_size) in ((-1, -1), (-1, 0)), window_size
         return tuple(window_size) == (-1, 0)
 
-    if signature == "2.10":  # is_causal; 2.10 itself had no scale (cpu_compat.have_varlen_attn refuses it)
+    if signature == "2.10":  # is_causal; 2.10 itself had no scale (kernel_selection.have_varlen_attn refuses it)
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None,
                         scale=None):
             return compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal, False)
@@ -79,11 +79,11 @@ def _attention(kind: str, causal: bool, groups: int = 2, dropout: float = 0.0, c
 
 def _run(module, leaves, psp, weight, segments=None):
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    token = cpu_compat.SHARED_PROMPT_SEGMENTS.set(segments)
+    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(segments)
     try:
         out = module(q, k, v, packed_seq_params=psp)
     finally:
-        cpu_compat.SHARED_PROMPT_SEGMENTS.reset(token)
+        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
     (out.float() * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 

@@ -1,4 +1,4 @@
-"""2-rank check of the MoE alltoall dispatcher with EP = 2 on CPU (run by tests/test_cpu_compat.py through the
+"""2-rank check of the MoE alltoall dispatcher with EP = 2 on CPU (run by tests/test_megatron_patches.py through the
 `torchrun` fixture): the split-size shim only matters when tokens cross ranks.
 
 A megatron-core MoE layer (4 experts, top-2, hidden 16) with known weights, 2 experts per rank; each rank compares its
@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_cpu_compat.small_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_megatron_patches.small_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, first
 
-import cpu_compat  # noqa: E402
+import megatron_patches  # noqa: E402
 
-cpu_compat.apply()
+megatron_patches.apply()
 
 import report  # noqa: E402  (tests/dist/report.py, beside this file)
 import torch  # noqa: E402
@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from test_cpu_compat import small_config  # noqa: E402  (the in-process tests' layer config)
+from test_megatron_patches import small_config  # noqa: E402  (the in-process tests' layer config)
 
 
 def main() -> None:

@@ -101,9 +101,9 @@ def main() -> None:
     import torch.distributed as dist
     from omni_model_cases import make_pair_batch
 
-    import cpu_compat
+    import megatron_patches
 
-    cpu_compat.apply()
+    megatron_patches.apply()
     dist.init_process_group("gloo")
     batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
     ref, ref_grads = run_layout(1, 1, 1, False, batch)

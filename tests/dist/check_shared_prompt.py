@@ -74,9 +74,9 @@ def main() -> None:
     import report
     import torch.distributed as dist
 
-    import cpu_compat
+    import megatron_patches
 
-    cpu_compat.apply()
+    megatron_patches.apply()
     dist.init_process_group("gloo")
     result = {}
     for name, (tp, dp) in {"tp2_sp": (2, 1), "dp2": (1, 2)}.items():

@@ -130,26 +130,26 @@ def mixer() -> tuple[str, dict]:
 
 def model(kernels: str, out: str) -> tuple[str, dict]:
     """The tiny Omni (its 2 Mamba layers through megatron's MambaMixer) on one packed pair with images and padding,
-    built with the `mamba triton` set (kernels "triton": cpu_compat.install_triton_mamba before cpu_compat.apply, which
+    built with the `mamba triton` set (kernels "triton": install_triton_mamba before megatron_patches.apply, which
     then keeps it) or mamba_torch's ("torch"): saves the logits and every parameter gradient (omni_model_cases'
     weighting) to `out` for the test to compare; {} as "worst"."""
     from omni_model_cases import TINY, logits_and_grads, make_pair_batch
 
-    import cpu_compat
     import distributed
     import hf_weights
+    import kernel_selection
     import mamba_triton
     import omni_model
     from config import ModelConfig, ParallelConfig
 
     if kernels == "triton":
-        cpu_compat.install_triton_mamba()
+        kernel_selection.install_triton_mamba()
     distributed.init_distributed()
     from megatron.core.ssm import mamba_mixer
 
-    fused = mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__  # under cpu_compat's Mamba scan hook
+    fused = mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__  # under megatron_patches' Mamba scan hook
     assert (fused is mamba_triton.mamba_split_conv1d_scan_combined) == (kernels == "triton"), fused
-    m = omni_model.build_model(TINY, ModelConfig(), ParallelConfig(), kernels=cpu_compat.Kernels(
+    m = omni_model.build_model(TINY, ModelConfig(), ParallelConfig(), kernels=kernel_selection.Kernels(
         "local", kernels, "cpu", attention="sdpa", experts="sequential"))
     hits = []  # per conv call: were its offsets the batch's (OmniModel.forward's CONV_OFFSETS), not read back?
     offsets = mamba_triton._offsets
@@ -170,7 +170,7 @@ def model(kernels: str, out: str) -> tuple[str, dict]:
 def shared_prompt() -> tuple[str, dict]:
     """mamba_torch.mamba_split_conv1d_scan_shared_prompt with the `mamba triton` set (fla-core's conv as conv_fn,
     mamba-ssm's scan as scan_fn: the prompt state h_P is then summed over the prompt, its gated RMSNorm as norm_fn), as
-    cpu_compat's Mamba hook passes them on a GPU, vs the same function with mamba_torch's kernels (whose equality with
+    the Mamba scan hook passes them on a GPU, vs the same function with mamba_torch's kernels (whose equality with
     separate rows tests/test_shared_prompt.py checks): a row of 4 pairs (prompts not multiples of the chunk, a chosen
     segment shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets

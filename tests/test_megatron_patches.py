@@ -1,7 +1,6 @@
-"""Tests of the megatron-core CPU shims (cpu_compat.py): each shim with the smallest check that shows it works, plus
-megatron's MambaMixer on the torch Mamba-2 path against transformers' NemotronHMamba2Mixer with the same weights.
-
-Runs in-process on a gloo world of size 1 (TP = EP = 1). Run: `pytest tests/test_cpu_compat.py`.
+"""Tests of kernel_selection.py and megatron_patches.py: the kernel choice per capability, each patch with the smallest
+check that shows it works, and megatron's MambaMixer on the torch Mamba-2 path against transformers'
+NemotronHMamba2Mixer with the same weights. In-process on a gloo world of size 1 (TP = EP = 1).
 """
 
 from __future__ import annotations
@@ -13,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cpu_compat
+import kernel_selection
+import megatron_patches
 
-cpu_compat.apply()
+megatron_patches.apply()
 
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel import (  # noqa: E402
@@ -45,9 +45,13 @@ def small_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
+def _shim(name):
+    return getattr(megatron_patches, name, None) or getattr(kernel_selection, name)
+
+
 def test_apply_is_idempotent_and_guarded():
-    assert cpu_compat.needed() and not torch.cuda.is_available()
-    assert cpu_compat.apply() is True and cpu_compat.apply() is True
+    assert not torch.cuda.is_available()
+    assert megatron_patches.apply() is True and megatron_patches.apply() is True
     assert torch.cuda.current_device() == "cpu"
     assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
 
@@ -55,14 +59,11 @@ def test_apply_is_idempotent_and_guarded():
 
 def test_apply_refuses_another_megatron_core_version(monkeypatch):
     """The checked version is read: the installed one passes, any other fails apply() with one line naming both."""
-    assert cpu_compat.check_megatron_core_version() == cpu_compat.MEGATRON_CORE_VERSION_CHECKED == "0.19.2"
-    monkeypatch.setattr(cpu_compat.metadata, "version", lambda name: {"megatron-core": "0.20.0"}[name])
+    assert megatron_patches.check_megatron_core_version() == megatron_patches.MEGATRON_CORE_VERSION_CHECKED == "0.19.2"
+    monkeypatch.setattr(megatron_patches.metadata, "version", lambda name: {"megatron-core": "0.20.0"}[name])
     with pytest.raises(RuntimeError) as err:
-        cpu_compat.apply()  # already applied in this process: the check still runs first
-    assert str(err.value) == (
-        "megatron-core 0.20.0 is installed but cpu_compat's shims were checked on megatron-core 0.19.2; re-check "
-        "every SHIM marker, then update cpu_compat.MEGATRON_CORE_VERSION_CHECKED (or install megatron-core 0.19.2)")
-    assert "\n" not in str(err.value)
+        megatron_patches.apply()  # already applied in this process: the check still runs first
+    assert "0.20.0" in str(err.value) and "0.19.2" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_every_shim_names_an_upstream_line_that_exists():
@@ -77,25 +78,25 @@ def test_every_shim_names_an_upstream_line_that_exists():
     import local_spec
 
     site = Path(megatron.core.__file__).parents[2]
-    names = ("_stub_paged_stash_without_triton", *cpu_compat.CPU_ONLY_SHIMS, *cpu_compat.LOCAL_SPEC_SHIMS,
-             *cpu_compat.TORCH_MAMBA_SHIMS, *cpu_compat.TRITON_MAMBA_SHIMS, *cpu_compat.MODEL_SHIMS,
+    names = ("_stub_paged_stash_without_triton", *megatron_patches.CPU_ONLY_SHIMS, *megatron_patches.LOCAL_SPEC_SHIMS,
+             *megatron_patches.TORCH_MAMBA_SHIMS, *megatron_patches.TRITON_MAMBA_SHIMS, *megatron_patches.MODEL_SHIMS,
              "install_mamba_cp_thd_indices")
-    objects = [getattr(cpu_compat, n) for n in names] + [cpu_compat.CudaToCpuMode,
-                                                         local_spec.LocalNorm,
-                                                         local_spec.LocalNormColumnParallelLinear,
-                                                         local_spec.ThdDotProductAttention,
-                                                         checkpoint._restore_adam_steps,  # outside cpu_compat.py
-                                                         checkpoint._use_in_process_write_queue]
+    objects = [_shim(n) for n in names] + [megatron_patches.CudaToCpuMode,
+                                           local_spec.LocalNorm,
+                                           local_spec.LocalNormColumnParallelLinear,
+                                           local_spec.ThdDotProductAttention,
+                                           checkpoint._restore_adam_steps,  # outside megatron_patches.py
+                                           checkpoint._use_in_process_write_queue]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
         found = marker.findall(inspect.getsource(obj))
         assert found, f"{obj.__name__} has no SHIM marker"
         for version, path, line in found:
-            assert version == cpu_compat.MEGATRON_CORE_VERSION_CHECKED, (obj.__name__, version)
+            assert version == megatron_patches.MEGATRON_CORE_VERSION_CHECKED, (obj.__name__, version)
             lines = (site / path).read_text().splitlines()
             assert int(line) <= len(lines) and lines[int(line) - 1].strip(), (obj.__name__, path, line)
     # the model shims are installed by apply() on every platform
-    assert set(cpu_compat.MODEL_SHIMS) <= cpu_compat._INSTALLED
+    assert set(megatron_patches.MODEL_SHIMS) <= megatron_patches._INSTALLED
 
 
 def test_kernel_selection_by_capability():
@@ -104,23 +105,23 @@ def test_kernel_selection_by_capability():
     from itertools import product
 
     def sel(**kw):
-        return cpu_compat.select_kernels(**{"mamba_triton": False, **kw})
+        return kernel_selection.select_kernels(**{"mamba_triton": False, **kw})
 
     for te, ms, cuda, gm, va, mt in product((True, False), repeat=6):
         k = sel(te=te, mamba_ssm=ms, cuda=cuda, grouped_mm=gm, varlen_attn=va, mamba_triton=mt)
         local = not (te and cuda)
-        assert k == cpu_compat.Kernels(spec="local" if local else "te",
-                                       mamba=("mamba-ssm" if ms else "triton" if mt else "torch") if cuda else "torch",
-                                       device="cuda" if cuda else "cpu",
-                                       attention=("varlen" if va and cuda else "sdpa") if local else "te",
-                                       experts=("grouped" if gm and cuda else "sequential") if local else "te"), \
+        assert k == kernel_selection.Kernels(
+            spec="local" if local else "te", device="cuda" if cuda else "cpu",
+            mamba=("mamba-ssm" if ms else "triton" if mt else "torch") if cuda else "torch",
+            attention=("varlen" if va and cuda else "sdpa") if local else "te",
+            experts=("grouped" if gm and cuda else "sequential") if local else "te"), \
             (te, ms, cuda, gm, va, mt)
-        names = cpu_compat.shims_for(k)
-        assert all(callable(getattr(cpu_compat, n)) for n in names)
+        names = megatron_patches.shims_for(k)
+        assert all(callable(_shim(n)) for n in names)
         # CUDA-only workarounds only without CUDA; the TE final-norm swap whenever the local spec is used; the torch
         # Mamba whenever mamba-ssm's kernels are not used
-        assert (set(cpu_compat.CPU_ONLY_SHIMS) <= set(names)) == (not cuda)
-        assert bool(set(cpu_compat.CPU_ONLY_SHIMS) & set(names)) == (not cuda)
+        assert (set(megatron_patches.CPU_ONLY_SHIMS) <= set(names)) == (not cuda)
+        assert bool(set(megatron_patches.CPU_ONLY_SHIMS) & set(names)) == (not cuda)
         assert ("_patch_hybrid_final_norm" in names) == (k.spec == "local")
         assert ("install_torch_mamba" in names) == (k.mamba == "torch")
         assert ("install_triton_mamba" in names) == (k.mamba == "triton")
@@ -130,25 +131,25 @@ def test_kernel_selection_by_capability():
     assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba torch; device cuda"
     assert sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=True, varlen_attn=True).line() == \
         "kernels: spec te; attention te; experts te; mamba mamba-ssm; device cuda"
-    assert cpu_compat.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
-                                       "_patch_hybrid_final_norm", "install_torch_mamba")
+    assert megatron_patches.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
+                                             "_patch_hybrid_final_norm", "install_torch_mamba")
     # with mamba-ssm's sources and fla-core there (the pip-install GPU path of issue 33): the Triton Mamba set
     k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True, mamba_triton=True)
     assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba triton; device cuda"
-    assert cpu_compat.shims_for(k)[-1] == "install_triton_mamba"
-    assert cpu_compat.shims_for(sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=False, varlen_attn=False)) == \
+    assert megatron_patches.shims_for(k)[-1] == "install_triton_mamba"
+    assert megatron_patches.shims_for(sel(te=True, mamba_ssm=True, cuda=True, grouped_mm=False, varlen_attn=False)) == \
         ("_stub_paged_stash_without_triton",)
-    assert not cpu_compat.have_grouped_mm() and not cpu_compat.have_varlen_attn()  # no CUDA here
+    assert not kernel_selection.have_grouped_mm() and not kernel_selection.have_varlen_attn()  # no CUDA here
     # this machine: probed, and every shim the CPU path always had is installed (CPU behaviour unchanged)
-    here = cpu_compat.select_kernels()
-    assert here == cpu_compat.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
+    here = kernel_selection.select_kernels()
+    assert here == kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
     assert here.line() == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
-    assert not omni_model.have_transformer_engine()
-    assert set(cpu_compat.shims_for(here)) == {
+    assert not omni_model.have_transformer_engine() and not kernel_selection.te_importable()
+    assert set(megatron_patches.shims_for(here)) == {
         "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
         "_install_cpu_rng_tracker", "_patch_causal_masks", "_patch_torch_norm_sequence_parallel",
         "_patch_hybrid_final_norm", "_patch_moe_split_sizes", "_patch_clip_grads", "install_torch_mamba"}
-    assert set(cpu_compat.shims_for(here)) <= cpu_compat._INSTALLED
+    assert set(megatron_patches.shims_for(here)) <= megatron_patches._INSTALLED
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -260,7 +261,7 @@ def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
     gen = torch.Generator().manual_seed(0)
     W0, b0, x = torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen), torch.randn(5, 8, generator=gen)
     clip = 0.05
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         model = DistributedDataParallel(
             cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
             _Net(cfg),
@@ -277,7 +278,7 @@ def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
     opt.zero_grad()
     model(x).pow(2).sum().backward()
     model.finish_grad_sync()
-    with cpu_compat.cuda_to_cpu():
+    with megatron_patches.cuda_to_cpu():
         ok, grad_norm, _ = opt.step()
 
     ref = torch.nn.Linear(8, 6)
@@ -308,7 +309,7 @@ def _mixers(time_step_min=0.01, **config_overrides):
     cfg = small_config(hidden_size=hidden, mamba_state_dim=state, mamba_head_dim=headdim, mamba_num_groups=groups,
                        mamba_num_heads=heads, **config_overrides)
     # megatron's MambaMixer with the project's time-step clamp switch (off until `dt_limit` is set)
-    cpu_compat.install_mamba_scan_hook()
+    megatron_patches.install_mamba_scan_hook()
     submodules = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
     ours = omni_model.OmniMambaMixer(cfg, submodules, d_model=hidden, chunk_size=chunk,
                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
