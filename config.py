@@ -164,10 +164,10 @@ class PackingConfig:
     # training and validation pairs (never sampled, so no step is left empty; counted in the start notes and the
     # `dropped_oversized` metric)
     drop_oversized_pairs: bool = False
-    # Shared-prompt pair layout (pack.pack_shared): each pair is one THD span [prompt | chosen | rejected], its prompt
+    # Shared-prompt pair layout (shared_prompt.pack): each pair is one THD span [prompt | chosen | rejected], its prompt
     # (and image tokens) computed once by the language model (~1.6x fewer tokens on MMPR); bins are sized on that span.
     # "auto" (the default) = on where it runs the code checked exact against separate rows, off elsewhere, decided at
-    # start by pack.resolve_shared_prompt from the kernels (cpu_compat.select_kernels) and printed on the `world` line:
+    # start by shared_prompt.resolve from the kernels (cpu_compat.select_kernels) and printed on the `world` line:
     # on with the local spec and mamba_torch (the CPU path, checked by tests/test_shared_prompt_model.py, and a GPU
     # without Transformer Engine or mamba-ssm: the same torch code, tests/test_gpu.py item 7); off with the Transformer
     # Engine spec or mamba-ssm's kernels (their shared-prompt calls, omni_model.shared_prompt_te_attention and

@@ -671,7 +671,7 @@ def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
 
 
-# The shared-prompt layout of the language-model forward running now (pack.pack_shared): the batch's
+# The shared-prompt layout of the language-model forward running now (shared_prompt.pack): the batch's
 # segment_cu_seqlens_padded (int32 [3P+1], on the batch's device), set by omni_model.OmniModel.forward around the
 # language model only (never the ViT); read by install_mamba_scan_hook's wrapper (Mamba layers),
 # local_spec.ThdDotProductAttention and omni_model.shared_prompt_te_attention (attention layers). None: the

@@ -47,7 +47,8 @@ from megatron.core.transformer.transformer_layer import (
 from torch import nn
 
 import cpu_compat
-from pack import cp_partition_index, shared_prompt_spans
+from pack import cp_partition_index
+from shared_prompt import spans as shared_prompt_spans
 
 # ======================================================================================================================
 # Modules with Transformer Engine's parameter names
@@ -239,7 +240,7 @@ def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal self-attention of a shared-prompt THD row (pack.pack_shared; ThdDotProductAttention's path when
+    """Causal self-attention of a shared-prompt THD row (shared_prompt.pack; ThdDotProductAttention's path when
     cpu_compat.SHARED_PROMPT_SEGMENTS is set): prompt and chosen tokens attend causally within [prompt | chosen];
     rejected tokens attend to the whole prompt and causally to earlier rejected tokens, never to the chosen segment.
 
@@ -257,7 +258,7 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     Returns:
         [T, heads * d] in query's dtype (megatron's core-attention output layout).
     Raises:
-        ValueError: bad offsets (`pack.shared_prompt_spans`) or heads not a multiple of groups.
+        ValueError: bad offsets (`shared_prompt.spans`) or heads not a multiple of groups.
     """
     T, h, d = query.shape
     if key.shape[0] != T or key.shape != value.shape or h % key.shape[1]:
@@ -318,7 +319,7 @@ def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_t
         dict with kv_index (int64 [T_kv], the row position of every key/value token, on the offsets' device),
         cu_seqlens_q / cu_seqlens_kv (int32 [S+1], same device), max_seqlen_q / max_seqlen_kv (int).
     Raises:
-        ValueError: bad offsets (`pack.shared_prompt_spans`).
+        ValueError: bad offsets (`shared_prompt.spans`).
     """
     spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
     q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys

@@ -26,7 +26,7 @@ O(T·Q) per head rather than O(T²), with no Python loop over tokens. The recurr
 Intermediates are float32 (float64 when the inputs are float64); outputs take the dtype of x, like the kernels.
 The time-step floor of transformers' reference (`dt_limit`) is switched per mixer by omni_model's `OmniMambaMixer`.
 
-Shared-prompt rows (`packing.shared_prompt`; pack.pack_shared: per pair [prompt | chosen | rejected] in one packed row):
+Shared-prompt rows (`packing.shared_prompt`; shared_prompt.pack: per pair [prompt | chosen | rejected] in one row):
 `mamba_split_conv1d_scan_shared_prompt` (built from `causal_conv1d_shared_prompt` and `mamba_chunk_scan_shared_prompt`)
 runs the rejected response from the prompt's SSM state and conv window, equal to running [prompt | chosen] and
 [prompt | rejected] as separate sequences. It wraps a packed conv and a packed scan (these torch ones, or the GPU
@@ -596,8 +596,8 @@ def shared_prompt_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int,
                           split_rejected: bool) -> torch.Tensor:
     """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span (`split_rejected=False`, for the conv),
     or one id for [prompt | chosen] and one for [rejected] (`split_rejected=True`, for the scan); tokens after the last
-    pair get an id of their own. Raises ValueError for bad offsets (see pack.shared_prompt_spans)."""
-    from pack import shared_prompt_spans
+    pair get an id of their own. Raises ValueError for bad offsets (see shared_prompt.spans)."""
+    from shared_prompt import spans as shared_prompt_spans
 
     spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
     cuts = [0]
@@ -629,7 +629,7 @@ def causal_conv1d_shared_prompt(
     Raises:
         ValueError: batch > 1, bad activation or offsets.
     """
-    from pack import shared_prompt_spans
+    from shared_prompt import spans as shared_prompt_spans
 
     if x.shape[0] != 1:
         raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
@@ -699,7 +699,7 @@ def mamba_chunk_scan_shared_prompt(
     Raises:
         ValueError: batch > 1, inconsistent shapes or offsets.
     """
-    from pack import shared_prompt_spans
+    from shared_prompt import spans as shared_prompt_spans
 
     batch, seqlen, nheads, headdim = x.shape
     if batch != 1:

@@ -641,8 +641,8 @@ class PairIndex:
         return {int(i): (c[i], r[i]) for i in ids}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (pack.pack_shared's
-        k = pack.shared_prefix_length is at least this: the last prompt token starts both responses), the
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once per pair (shared_prompt.pack's
+        k = shared_prompt.prefix_length is at least this: the last prompt token starts both responses), the
         `shared_lengths` of pack.plan_bins / plan_step; sizes planned with it are upper bounds of the packed spans."""
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}

@@ -30,8 +30,8 @@ The pipeline for one packed microbatch (THD: one row of T tokens holding S seque
     loss, metrics, (reward_sum, reward_count) = mpo_loss(pol, ref, n, pair_index, is_chosen, sample_mask,
                                                          cfg.mpo, reward_shift, num_global_pairs)
 
-Shared-prompt layout (`pack.pack_shared`, `packing.shared_prompt`: each pair one THD span [prompt | chosen |
-rejected]): only the token -> sequence map changes. Use `pack.response_sequence_ids(batch.segment_cu_seqlens_padded,
+Shared-prompt layout (`shared_prompt.pack`, `packing.shared_prompt`: each pair one THD span [prompt | chosen |
+rejected]): only the token -> sequence map changes. Use `shared_prompt.response_sequence_ids(segment_cu_seqlens_padded,
 T)` (chosen segment of pair i -> 2i, rejected -> 2i+1, prompt tokens -> dropped) in place of `token_sequence_ids`
 (both: `PackedBatch.loss_seq_ids()`), and S = batch.num_responses
 (2P) in place of batch.num_sequences (P spans there). pair_index, is_chosen and sample_mask are per response as in the
@@ -354,7 +354,7 @@ def count_valid_pairs(
     """Valid pairs of one bin (int). train.py sums this over the step's microbatches and all-reduces it over DP to
     get `num_global_pairs` before the first forward. `num_response_tokens` [S] is the per-sequence count of
     loss_mask over the whole (un-CP-sliced) row: `sequence_sums(loss_mask, batch.loss_seq_ids(), S)`
-    (`pack.token_sequence_ids`, or `pack.response_sequence_ids` for the shared-prompt layout, S = 2P)."""
+    (`pack.token_sequence_ids`, or `shared_prompt.response_sequence_ids` for the shared-prompt layout, S = 2P)."""
     return int(valid_pairs(num_response_tokens, pair_index, is_chosen, sample_mask)[2].sum())
 
 

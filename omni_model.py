@@ -35,7 +35,7 @@ Forward (vision once per pair): every image of the microbatch is encoded once; t
 take, in order, the features of that sequence's media slot (`media_index`), so the chosen and rejected rows of a pair
 share one encoding. Then: embed the full packed sequence, replace `<image>` positions, take this rank's context-parallel
 slice (pack.cp_partition_index layout), scatter for sequence parallelism, run the hybrid stack.
-Shared-prompt batches (pack.pack_shared, `packing.shared_prompt`; no CP): the sequences are the pair spans
+Shared-prompt batches (shared_prompt.pack, `packing.shared_prompt`; no CP): the sequences are the pair spans
 [prompt | chosen | rejected] (one media slot each); the forward sets cpu_compat.SHARED_PROMPT_SEGMENTS to the batch's
 segment_cu_seqlens_padded around the language model, so the core attention (local spec: ThdDotProductAttention ->
 local_spec.shared_prompt_attention; TE spec: `shared_prompt_te_attention`, one TE varlen call, not yet run on a GPU)
@@ -336,7 +336,7 @@ def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
 
 def shared_prompt_te_attention(base: type) -> type:
     """A subclass of `base` (megatron-core's TEDotProductAttention, itself a transformer_engine.pytorch
-    DotProductAttention) that also runs the shared-prompt layout (pack.pack_shared; `packing.shared_prompt`).
+    DotProductAttention) that also runs the shared-prompt layout (shared_prompt.pack; `packing.shared_prompt`).
 
     While cpu_compat.SHARED_PROMPT_SEGMENTS is set (OmniModel.forward, language model only) a THD forward becomes ONE
     variable-length Transformer Engine call of local_spec.shared_prompt_varlen_attention: queries in row order, the
@@ -629,7 +629,7 @@ class OmniModel(nn.Module):
         # padding_mask ([1, tokens of this rank], True = padding) reaches every MoE router (expert-bias counts, aux
         # loss, z-loss) on the TE and local specs. It is sliced like the embeddings: CP layout, then this TP rank's
         # contiguous SP chunk (HybridModel, unlike GPTModel, does not scatter it itself).
-        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (pack.pack_shared)
+        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (shared_prompt.pack)
         sample_mask = _get(batch, "sample_mask")
         if segments is not None:
             if cp > 1:
