@@ -1,15 +1,10 @@
-"""Pair-atomic THD sequence packing, context-parallel slicing and data-parallel balancing for MPO.
+"""Pair-atomic THD sequence packing (separate rows), context-parallel slicing and data-parallel balancing for MPO.
 
-A preference pair (chosen + rejected row) is the unit of packing: both rows land in the same microbatch.
-- Planning (pure Python): `plan_step` / `plan_bins` bin a step's pairs first-fit-decreasing, fill the bin count to a
-  multiple of DP and deal the bins to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
-- Packing: `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one [1, T] THD row with `cu_seqlens`,
-  pre-rolled labels, loss mask, position ids and each pair's media once; `thd_packed_seq_params` for megatron-core.
+- Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
+  to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
+- Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core.
 - Context parallelism: `cp_partition_index`, the tokens a CP rank keeps.
-The shared-prompt layout (one [prompt | chosen | rejected] span per pair) is shared_prompt.py; `plan_step` is where
-the planner consults its switch.
-
-Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py, tests/test_shared_prompt.py.
+The shared-prompt layout is shared_prompt.py. Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py.
 """
 
 from __future__ import annotations
@@ -230,8 +225,7 @@ def plan_bins(
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the settings of `packing`; `shared_lengths` only counts with the shared-prompt layout on
-    (`shared_prompt.on`, the planner's one look at the switch)."""
+    """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt.on(packing)`."""
     import shared_prompt
 
     pk = packing
@@ -268,9 +262,8 @@ class PreferencePair:
 
 @dataclass
 class PackedBatch:
-    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens; see the fields.
-    In the shared-prompt layout each pair is one sequence [prompt | chosen | rejected | padding]: the per-sequence
-    fields are per pair, pair_index / is_chosen / sample_mask stay per response [2P].
+    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens. Shared-prompt layout:
+    S = P spans; pair_index / is_chosen / sample_mask stay per response [2P].
     """
 
     input_ids: torch.Tensor  # [1, T] int64, the rows, each padded with pad_token_id to a multiple of divisible_by

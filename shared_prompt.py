@@ -1,13 +1,9 @@
 """The shared-prompt pair layout (`packing.shared_prompt`): each pair is one THD span [prompt | chosen | rejected].
 
-The prompt both rows share is stored and computed once; the chosen segment attends to the prompt, the rejected segment
-to the prompt but not to the chosen one, so every response token sees exactly what it sees as a separate row
-(pack.py's layout). Labels, loss masks and positions are the separate rows', so the loss is the same.
-- Switch: `resolve` ("auto" -> true/false at start), `on` (read by the planner and the loader), `check_parallel`.
-- Planning: `span_sizes` (the bin sizes pack.plan_bins uses when given `shared_lengths`).
-- Packing: `prefix_length` (k tokens stored once), `pack` -> pack.PackedBatch with `segment_cu_seqlens[_padded]`.
-- Offsets: `spans` (each pair's prompt, chosen, rejected, end), `response_sequence_ids` (the loss's token -> response).
-
+The prompt is stored and computed once; the rejected segment attends to the prompt but not to the chosen one, so each
+response token sees what it sees as a separate row, with the same labels, loss mask and positions.
+- Switch: `resolve` ("auto" at start), `on`, `check_parallel`. Planning: `span_sizes`.
+- Packing: `prefix_length`, `pack`. Offsets: `spans`, `response_sequence_ids`.
 Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_shared_prompt.py, tests/test_shared_prompt_model.py.
 """
 
@@ -24,9 +20,7 @@ from pack import IGNORE_INDEX, PackedBatch, PreferencePair, _check_pair, _packed
 
 
 def resolve(cfg, kernels) -> str:
-    """Resolve `packing.shared_prompt = "auto"` in place (true with the local spec, mamba_torch and no CP);
-    return the layout's description for the `world` line. kernels: cpu_compat.Kernels.
-    """
+    """Resolve "auto" in place (true with the local spec, mamba_torch and no CP); returns the `world` line's text."""
     pk = cfg.packing
     if pk.shared_prompt != "auto":
         return "shared prompt" if pk.shared_prompt else "separate rows"
@@ -70,8 +64,7 @@ def check_parallel(cfg) -> None:
 
 def span_sizes(lengths: Mapping[int, tuple[int, int]], shared_lengths: Mapping[int, int], divisible_by: int,
                cost_fn: Callable[[int], float]) -> dict[int, tuple[int, int, float]]:
-    """Pair id -> (padded, real, cost) of its [prompt | chosen | rejected] span of Lc + Lr - shared real tokens;
-    cost: the chosen sequence, the rejected one with the padding, the prompt once."""
+    """Pair id -> (padded tokens, real tokens, cost) of its span, the prompt's `shared` tokens counted once."""
     out = {}
     for pid, (c, r) in lengths.items():
         shared = shared_lengths.get(pid, -1)
@@ -102,9 +95,8 @@ def pack(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack one bin in the shared-prompt layout: per pair [row[:k] | chosen[k:] | rejected[k:] | padding], k =
-    `prefix_length`; labels and masks as the separate rows'. ValueError: k = 0, or `<image>` past the prompt.
-    """
+    """Pack one bin: per pair [row[:k] | chosen[k:] | rejected[k:] | padding], k = `prefix_length`.
+    ValueError: k = 0, or `<image>` past the prompt."""
     assert pairs and divisible_by >= 1
     ids, labels, lmask, pos = [], [], [], []
     cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
