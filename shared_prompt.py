@@ -41,7 +41,7 @@ def resolve(cfg, kernels) -> str:
 
 
 def on(packing) -> bool:
-    """`packing.shared_prompt` as resolved at start; ValueError while it is still "auto"."""
+    """The resolved switch; ValueError while `packing.shared_prompt` is still "auto"."""
     if not isinstance(packing.shared_prompt, bool):
         raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
                          "shared_prompt.resolve(cfg, cpu_compat.select_kernels()); call it before planning")
@@ -151,7 +151,7 @@ def pack(
 
 
 def spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
-    """(prompt, chosen, rejected, end) offsets of every pair; ValueError on malformed offsets."""
+    """(prompt, chosen, rejected, end) offsets of each pair; ValueError if malformed."""
     b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
     if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
         raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
