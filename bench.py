@@ -77,6 +77,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 import pack  # noqa: E402
+import shared_prompt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 TINY = ROOT / "assets" / "tiny-omni"
@@ -707,13 +708,13 @@ def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
 
 def shared_lengths(pairs: dict) -> dict[int, int]:
     """{pair id: tokens stored once in the shared-prompt layout} of `pairs` (pack.PreferencePair), by the packer's
-    own rule (pack.shared_prefix_length): what pack.plan_step takes as `shared_lengths`."""
-    return {i: pack.shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
+    own rule (shared_prompt.prefix_length): what pack.plan_step takes as `shared_lengths`."""
+    return {i: shared_prompt.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
             for i, p in pairs.items()}
 
 
 def bench_shared(quick: bool) -> dict:
-    """Shared-prompt layout (packing.shared_prompt, pack.pack_shared) vs separate rows (pack.pack), same pairs, same
+    """Shared-prompt layout (packing.shared_prompt, shared_prompt.pack) vs separate rows (pack.pack), same pairs, same
     bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
     (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts divided

@@ -36,7 +36,8 @@ from megatron.core.transformer.transformer_layer import (
 from torch import nn
 
 import megatron_patches
-from pack import cp_partition_index, shared_prompt_spans
+from pack import cp_partition_index
+from shared_prompt import spans as shared_prompt_spans
 
 # ======================================================================================================================
 # Modules with Transformer Engine's parameter names
@@ -185,7 +186,7 @@ def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
                             dropout_p: float = 0.0) -> torch.Tensor:
-    """Shared-prompt THD row (pack.pack_shared): [prompt | chosen] causal, rejected queries
+    """Shared-prompt THD row (shared_prompt.pack): [prompt | chosen] causal, rejected queries
     against [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
     key/value [T, groups, d], segment offsets int [3P+1] -> [T, heads * d]."""
     T, h, d = query.shape

@@ -452,7 +452,7 @@ def shared_prompt_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int,
                           split_rejected: bool) -> torch.Tensor:
     """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span, or with split_rejected one for
     [prompt | chosen] and one for [rejected]."""
-    from pack import shared_prompt_spans
+    from shared_prompt import spans as shared_prompt_spans
 
     spans = shared_prompt_spans(segment_cu_seqlens_padded, seqlen)
     cuts = [0]
@@ -472,7 +472,7 @@ def causal_conv1d_shared_prompt(
     """Causal conv1d of a shared-prompt row: each rejected segment sees the prompt's last W-1 inputs, never the chosen
     segment's. x [1, dim, seqlen]; segment_cu_seqlens_padded int [3P+1]; conv_fn: the packed conv to correct. Returns
     [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
-    from pack import shared_prompt_spans
+    from shared_prompt import spans as shared_prompt_spans
 
     if x.shape[0] != 1:
         raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
@@ -528,7 +528,7 @@ def mamba_chunk_scan_shared_prompt(
     """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
     prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segment_cu_seqlens_padded int [3P+1];
     scan_fn: the packed scan (None: this module's, which also returns the prompt states). Returns out in x.dtype."""
-    from pack import shared_prompt_spans
+    from shared_prompt import spans as shared_prompt_spans
 
     batch, seqlen, nheads, headdim = x.shape
     if batch != 1:

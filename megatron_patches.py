@@ -48,7 +48,7 @@ _INSTALLED: set[str] = set()
 # so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context).
 # The time-step clamp (min, max) of the Mamba mixer running now (OmniMambaMixer); None: megatron's (0, inf).
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
-# segment_cu_seqlens_padded (int32 [3P+1]) of a shared-prompt batch (pack.pack_shared); None: separate rows.
+# segment_cu_seqlens_padded (int32 [3P+1]) of a shared-prompt batch (shared_prompt.pack); None: separate rows.
 SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
 # True while the row holds no real token (a dummy bin): the MoE routers run as in evaluation.
 ROUTERS_WITHOUT_STATISTICS: contextvars.ContextVar = contextvars.ContextVar("omni_routers_without_statistics",

@@ -450,7 +450,7 @@ class MetricsLog:
 
 def print_layout(ctx, world: int, kernels, pair_layout: str) -> None:
     """The kernels line (`kernels`: Kernels) and the parallel layout line (rank 0) ending in the pair layout
-    (pack.resolve_shared_prompt's description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting
+    (shared_prompt.resolve's description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting
     is ignored."""
     p = ctx.cfg.parallel
     print(kernels.line())

@@ -466,7 +466,7 @@ class OmniModel(nn.Module):
         psp = thd_packed_seq_params(cu, cu_pad, max_seqlen, host=(cu_h.tolist(), cu_pad_h.tolist()))
         # Padding and weight-0 tokens leave the routers' statistics: megatron's padding_mask [1, rank tokens], True =
         # padding, sliced like the embeddings (CP layout, then this rank's SP chunk: HybridModel does not scatter it).
-        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (pack.pack_shared)
+        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (shared_prompt.pack)
         sample_mask = _get(batch, "sample_mask")
         if segments is not None:
             assert cp == 1  # pack.validate_packing_config

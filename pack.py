@@ -1,14 +1,10 @@
-"""Pair-atomic THD sequence packing, context-parallel slicing and data-parallel balancing for MPO.
+"""Pair-atomic THD sequence packing (separate rows), context-parallel slicing and data-parallel balancing for MPO.
 
-A preference pair (chosen + rejected row) is the unit of packing: both rows land in the same microbatch.
-- Planning (pure Python): `plan_step` / `plan_bins` bin a step's pairs first-fit-decreasing, fill the bin count to a
-  multiple of DP and deal the bins to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
-- Packing: `pack(pairs, divisible_by, image_token_id)` -> `PackedBatch`, one [1, T] THD row with `cu_seqlens`,
-  pre-rolled labels, loss mask, position ids and each pair's media once; `thd_packed_seq_params` for megatron-core.
+- Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
+  to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
+- Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core.
 - Context parallelism: `cp_partition_index`, the tokens a CP rank keeps.
-- Shared-prompt layout (`packing.shared_prompt`): `pack_shared`, one [prompt | chosen | rejected] span per pair.
-
-Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py, tests/test_shared_prompt.py.
+The shared-prompt layout is shared_prompt.py. Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py.
 """
 
 from __future__ import annotations
@@ -49,15 +45,12 @@ def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel
 
 
 def validate_packing_config(cfg) -> None:
-    """ValueError for packing.shared_prompt = true with CP > 1 or a `validate_divisibility` failure."""
+    """ValueError for a `validate_divisibility` failure or `shared_prompt.check_parallel`'s."""
+    import shared_prompt
+
     assert cfg.packing.pair_grouping_key == "pair_index"  # config's Literal type
+    shared_prompt.check_parallel(cfg)
     p = cfg.parallel
-    if getattr(cfg.packing, "shared_prompt", False) is True and p.context_parallel_size > 1:
-        raise ValueError(
-            f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = "
-            f"{p.context_parallel_size} yet; set packing.shared_prompt = \"auto\" (separate rows with CP) or false, "
-            "or context_parallel_size = 1"
-        )
     validate_divisibility(
         cfg.packing.make_sequence_length_divisible_by,
         p.tensor_model_parallel_size,
@@ -105,23 +98,21 @@ def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int
     return pc + pr, lens[0] + lens[1], cost_fn(pc) + cost_fn(pr)
 
 
-def _shared_pair_sizes(
-    lens: tuple[int, int], shared: int, divisible_by: int, cost_fn: Callable[[int], float]
-) -> tuple[int, int, float]:
-    """(padded, real, cost) of a [prompt | chosen | rejected] span of Lc + Lr - shared real tokens."""
-    real = lens[0] + lens[1] - shared
-    padded = padded_length(real, divisible_by)
-    return padded, real, cost_fn(lens[0]) + cost_fn(lens[1] + padded - real) - cost_fn(shared)
+def _sizes(lengths: Mapping[int, tuple[int, int]], divisible_by: int, cost_fn: Callable[[int], float],
+           shared_lengths: Mapping[int, int] | None) -> dict[int, tuple[int, int, float]]:
+    """Pair id -> (padded tokens, real tokens, cost): two rows, or one span with `shared_lengths`."""
+    if shared_lengths is not None:
+        import shared_prompt
+
+        return shared_prompt.span_sizes(lengths, shared_lengths, divisible_by, cost_fn)
+    return {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
 
 
 def pair_bin_tokens(
     lengths: Mapping[int, tuple[int, int]], divisible_by: int, shared_lengths: Mapping[int, int] | None = None
 ) -> dict[int, int]:
     """Pair id -> tokens it takes in a bin (separate rows, or a span with `shared_lengths`)."""
-    no_cost = float  # the cost model plays no part in the size
-    if shared_lengths is None:
-        return {p: _pair_sizes(tuple(lens), divisible_by, no_cost)[0] for p, lens in lengths.items()}
-    return {p: _shared_pair_sizes(tuple(n), shared_lengths[p], divisible_by, no_cost)[0] for p, n in lengths.items()}
+    return {pid: v[0] for pid, v in _sizes(lengths, divisible_by, float, shared_lengths).items()}  # float: no cost
 
 
 def first_fit_decreasing(
@@ -196,25 +187,15 @@ def plan_bins(
     """
     assert min(max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by) >= 1  # config.validate
     assert all(len(lens) == 2 and min(lens) >= 1 for lens in lengths.values())
-    if shared_lengths is None:
-        info = {pid: _pair_sizes(tuple(lens), divisible_by, sequence_cost) for pid, lens in lengths.items()}
-    else:
-        assert all(0 <= shared_lengths.get(pid, -1) < min(lens) for pid, lens in lengths.items())
-        info = {pid: _shared_pair_sizes(tuple(lens), shared_lengths[pid], divisible_by, sequence_cost)
-                for pid, lens in lengths.items()}
+    info = _sizes(lengths, divisible_by, sequence_cost, shared_lengths)
     dropped = []
     for pid in sorted(info):
         if info[pid][0] > max_tokens_per_bin:
             if not drop_oversized:
-                c, r = lengths[pid]
-                how = (f"chosen {c} -> {padded_length(c, divisible_by)}, rejected {r} -> "
-                       f"{padded_length(r, divisible_by)}" if shared_lengths is None else
-                       f"chosen {c} + rejected {r} - shared prompt {shared_lengths[pid]} = {info[pid][1]} -> "
-                       f"{info[pid][0]}")
                 raise ValueError(
-                    f"pair {pid} needs {info[pid][0]} tokens ({how} after padding to a multiple of {divisible_by})"
-                    f" but packing.max_tokens_per_bin = {max_tokens_per_bin}; raise the limit, shorten "
-                    "data.max_seq_length, or set packing.drop_oversized_pairs = true"
+                    f"pair {pid} needs {info[pid][0]} tokens ({info[pid][1]} real, padded to multiples of "
+                    f"{divisible_by}) but packing.max_tokens_per_bin = {max_tokens_per_bin}; raise the limit, "
+                    "shorten data.max_seq_length, or set packing.drop_oversized_pairs = true"
                 )
             dropped.append(pid)
     dropped_set = set(dropped)
@@ -242,42 +223,13 @@ def plan_bins(
     return Plan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
 
 
-def resolve_shared_prompt(cfg, kernels) -> str:
-    """Resolve `packing.shared_prompt = "auto"` in place (true with the local spec, mamba_torch and no CP);
-    return the layout's description for the `world` line. kernels: kernel_selection.Kernels.
-    """
-    pk = cfg.packing
-    if pk.shared_prompt != "auto":
-        return "shared prompt" if pk.shared_prompt else "separate rows"
-    cp = cfg.parallel.context_parallel_size
-    why = []
-    if cp > 1:
-        why.append(f"the shared-prompt layout is not supported with parallel.context_parallel_size = {cp}")
-    if kernels.spec == "te":
-        why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
-    if kernels.mamba in ("mamba-ssm", "triton"):
-        which = {"mamba-ssm": "mamba-ssm's kernels", "triton": "the Triton Mamba kernels"}[kernels.mamba]
-        why.append(f"{which} in the shared-prompt scan have not run on a GPU yet")
-    pk.shared_prompt = not why
-    if not why:
-        return "shared prompt (auto)"
-    opt_in = "" if cp > 1 else "; packing.shared_prompt=true turns it on"
-    return f"separate rows (auto: {'; '.join(why)}{opt_in})"
-
-
-def shared_prompt_on(packing) -> bool:
-    """`packing.shared_prompt` as resolved at start; ValueError while it is still "auto"."""
-    if not isinstance(packing.shared_prompt, bool):
-        raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
-                         "pack.resolve_shared_prompt(cfg, kernel_selection.select_kernels()); call it before planning")
-    return packing.shared_prompt
-
-
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the settings of `packing`; `shared_lengths` only counts with packing.shared_prompt on."""
+    """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt.on(packing)`."""
+    import shared_prompt
+
     pk = packing
-    shared = shared_prompt_on(pk)
+    shared = shared_prompt.on(pk)
     assert shared_lengths is not None or not shared
     return plan_bins(
         lengths,
@@ -310,9 +262,8 @@ class PreferencePair:
 
 @dataclass
 class PackedBatch:
-    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens; see the fields.
-    In the shared-prompt layout each pair is one sequence [prompt | chosen | rejected | padding]: the per-sequence
-    fields are per pair, pair_index / is_chosen / sample_mask stay per response [2P].
+    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens. Shared-prompt layout:
+    S = P spans; pair_index / is_chosen / sample_mask stay per response [2P].
     """
 
     input_ids: torch.Tensor  # [1, T] int64, the rows, each padded with pad_token_id to a multiple of divisible_by
@@ -355,6 +306,8 @@ class PackedBatch:
         """int64 [T]: each token's response index in pair_index (S on prompts and padding past the last)."""
         T = self.input_ids.shape[1]
         if self.shared_prompt:
+            from shared_prompt import response_sequence_ids
+
             return response_sequence_ids(self.segment_cu_seqlens_padded, T)
         return token_sequence_ids(self.cu_seqlens_padded, T, check=False)
 
@@ -387,7 +340,7 @@ def _check_pair(p: PreferencePair, image_token_id: int) -> None:
 def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
                   cu_pad: list[int], pair_index: list[int], is_chosen: list[bool], dummy: bool,
                   media_index: torch.Tensor, **segments: torch.Tensor) -> PackedBatch:
-    """The PackedBatch of `pack` / `pack_shared` from its token pieces, offsets and pair metadata."""
+    """The PackedBatch of `pack` / `shared_prompt.pack` from its token pieces, offsets and pair metadata."""
     ids, labels, lmask, pos = (torch.cat(t) for t in token_parts)
     cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int64)
@@ -543,96 +496,3 @@ def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: i
         torch.cumsum(reps, 0) - reps, reps
     )
     return torch.repeat_interleave(starts, reps) + offsets
-
-
-# ======================================================================================================================
-# Shared-prompt layout: [prompt | chosen | rejected] per pair, the prompt stored and computed once
-
-
-def shared_prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
-                         rejected_loss_mask: torch.Tensor) -> int:
-    """k = m - 1, m the rows' common prefix outside both response masks (row[k] starts each response)."""
-    n = min(chosen_ids.numel(), rejected_ids.numel())
-    same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
-    m = int(same.long().cumprod(0).sum())
-    return max(m - 1, 0)
-
-
-def pack_shared(
-    pairs: Sequence[PreferencePair],
-    divisible_by: int,
-    image_token_id: int,
-    pad_token_id: int = 0,
-    dummy: bool = False,
-) -> PackedBatch:
-    """Pack one bin in the shared-prompt layout: per pair [row[:k] | chosen[k:] | rejected[k:] | padding], k =
-    `shared_prefix_length`; labels and masks as the separate rows'. ValueError: k = 0, or `<image>` past the prompt.
-    """
-    assert pairs and divisible_by >= 1
-    ids, labels, lmask, pos = [], [], [], []
-    cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
-    pair_index, is_chosen = [], []
-    for p in pairs:
-        _check_pair(p, image_token_id)
-        k = shared_prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
-        if k < 1:
-            raise ValueError(f"pair {p.pair_index}: the chosen and rejected rows share no prompt token "
-                             "(shared_prefix_length 0); use the separate-rows layout for such data")
-        n_img = int(p.image_token_counts.sum())
-        if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
-            raise ValueError(f"pair {p.pair_index}: {n_img} <image> tokens expected inside the shared prompt "
-                             f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
-        row_c, row_r = p.chosen_ids, p.rejected_ids
-        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into segments.
-        parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
-        for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
-            n = row.numel()
-            lab = torch.full((n - k,), IGNORE_INDEX, dtype=torch.int64)
-            lab[: n - k - 1] = row[k + 1:]
-            msk = torch.zeros(n - k, dtype=torch.bool)
-            msk[: n - k - 1] = rmask[k + 1:]
-            parts.append((row[k:], lab, msk, torch.arange(k, n)))
-        real = sum(t[0].numel() for t in parts)
-        n_pad = padded_length(real, divisible_by) - real
-        last = row_r.numel()
-        parts.append((torch.full((n_pad,), pad_token_id, dtype=torch.int64),
-                      torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64),
-                      torch.zeros(n_pad, dtype=torch.bool), torch.arange(last, last + n_pad)))
-        for a, b, c, d in parts:
-            ids.append(a)
-            labels.append(b)
-            lmask.append(c)
-            pos.append(d)
-        lens = [t[0].numel() for t in parts[:3]]
-        for j, n in enumerate(lens):
-            seg.append(seg[-1] + n)
-            seg_pad.append(seg_pad[-1] + n + (n_pad if j == 2 else 0))
-        cu.append(cu[-1] + real)
-        cu_pad.append(cu_pad[-1] + real + n_pad)
-        pair_index += [-1 if dummy else p.pair_index] * 2
-        is_chosen += [True, False]
-    return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
-                         media_index=torch.arange(len(pairs), dtype=torch.int64),
-                         segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
-                         segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
-
-
-def shared_prompt_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
-    """(prompt, chosen, rejected, end) offsets of every pair; ValueError on malformed offsets."""
-    b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
-    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
-        raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
-                         f"{total_tokens}; got {b}")
-    return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
-
-
-def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
-    n = 2 * len(spans)
-    b = segment_cu_seqlens_padded.long()
-    lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
-    role = torch.arange(lengths.numel(), device=b.device)
-    ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
-    ids[-1] = n
-    return torch.repeat_interleave(ids, lengths, output_size=total_tokens)

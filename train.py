@@ -18,8 +18,8 @@ loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`
        LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
 
 Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
-`load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
-pair's prompt once; in the data loader's processes) and moves the whole
+`load_bins` builds each packed microbatch on the CPU (pack.pack, or shared_prompt.pack with `packing.shared_prompt`:
+each pair's prompt once; in the data loader's processes) and moves the whole
 `PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
 with `device=ctx.device`. The batch keeps its CPU copy (`PackedBatch.host`): host numbers (offsets, image grids and
 positions, the pair layout) are read there, the few index tensors made from them go to the device from pinned memory
@@ -94,6 +94,7 @@ import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
 import pack  # noqa: E402
 import preflight  # noqa: E402
+import shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
 # ======================================================================================================================
@@ -104,7 +105,7 @@ def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = kernel_selection.select_kernels()
-    pair_layout = pack.resolve_shared_prompt(cfg, kernels)  # packing.shared_prompt = "auto"
+    pair_layout = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
@@ -492,9 +493,9 @@ def plan_and_select(index: mmpr_index.PairIndex, ctx: Ctx, pair_ids: list[int]) 
 
 def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
     """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count): pack.pack, or
-    pack.pack_shared with `packing.shared_prompt`."""
+    shared_prompt.pack with `packing.shared_prompt`."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
-    pack_fn = pack.pack_shared if pack.shared_prompt_on(ctx.cfg.packing) else pack.pack
+    pack_fn = shared_prompt.pack if shared_prompt.on(ctx.cfg.packing) else pack.pack
     return [
         pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
         for b in plan.ranks[ctx.dp_rank]

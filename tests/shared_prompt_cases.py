@@ -54,15 +54,16 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 
 
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
-    """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared), then what train.train_step does
+    """Pack `bins` (lists of pairs) in one layout (pack.pack or shared_prompt.pack), then what train.train_step does
     before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
     forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
     bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad})
     and tokens (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
+    import shared_prompt
     import train
 
-    fn = pack.pack_shared if shared else pack.pack
+    fn = shared_prompt.pack if shared else pack.pack
     batches = [fn(b, divisible_by, IMAGE) for b in bins]
     for b in batches:
         assert b.shared_prompt == shared

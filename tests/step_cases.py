@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_TOML = ROOT / "configs" / "tiny.toml"
 
 # The modules whose code runs inside a step on the step's device (the CPU-only patches are not on a GPU path).
-PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "omni_model.py",
-                                                  "mamba_torch.py", "checkpoint.py"))
+PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "shared_prompt.py",
+                                                  "omni_model.py", "mamba_torch.py", "checkpoint.py"))
 # ... and, for host reads (`DeviceAudit.reads`), also the modules the forward calls into
 READ_FILES = PROJECT_FILES | frozenset(str(ROOT / f) for f in ("local_spec.py", "mamba_triton.py", "monitor.py"))
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -150,10 +150,10 @@ def tiny_config(*overrides: str):
     """configs/tiny.toml with `overrides`, `packing.shared_prompt = "auto"` resolved as train.main does."""
     import config as config_mod
     import kernel_selection
-    import pack
+    import shared_prompt
 
     cfg = config_mod.load_config(str(TINY_TOML), list(overrides))
-    pack.resolve_shared_prompt(cfg, kernel_selection.select_kernels())
+    shared_prompt.resolve(cfg, kernel_selection.select_kernels())
     return cfg
 
 

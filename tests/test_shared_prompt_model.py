@@ -1,9 +1,9 @@
 """The shared-prompt layout wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
-separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared) through train.py's own functions
-(count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob sums,
-every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
+separate-rows layout (pack.pack) and the shared-prompt layout (shared_prompt.pack) through train.py's own
+functions (count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob
+sums, every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
 pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
 with activation recomputation (full, selective), and in a 2-rank launch (TP = 2 with sequence parallelism, DP = 2).
 Also: the one training step of tests/step_cases.py with the switch on (ln 2 / 2 ln 2, the device rule, bins sized by
@@ -191,18 +191,18 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     from step_cases import TINY_TOML
 
     import kernel_selection
-    import pack
     import preflight
+    import shared_prompt
 
     cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}"])  # "auto", unresolved
     assert cfg.packing.shared_prompt == "auto"
-    with pytest.raises(ValueError, match="resolved at start by pack.resolve_shared_prompt"):
-        pack.shared_prompt_on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
+    with pytest.raises(ValueError, match="resolved at start by shared_prompt.resolve"):
+        shared_prompt.on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
     kernels = kernel_selection.Kernels(spec=spec, mamba=mamba, device="cuda")
-    assert pack.resolve_shared_prompt(cfg, kernels) == layout
-    assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
+    assert shared_prompt.resolve(cfg, kernels) == layout
+    assert cfg.packing.shared_prompt is want and shared_prompt.on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
-    assert pack.resolve_shared_prompt(cfg, kernels) == ("shared prompt" if want else "separate rows")  # now explicit
+    assert shared_prompt.resolve(cfg, kernels) == ("shared prompt" if want else "separate rows")  # now explicit
     preflight.check_packing(cfg)  # no error, CP included: auto chose separate rows there
 
 
