@@ -3,43 +3,17 @@
     torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
     torchrun --nproc-per-node 8 train.py configs/nano.toml \
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
-    # one 8-GPU node; model.hf_path: a local directory holding the HF checkpoint (train.py reads no hub id)
 
-Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
-chosen/rejected rows (two forward passes, no generation); mpo_loss.py turns the per-sequence log-ratios into the MPO
-loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`train_step` below):
+Offline preference training: the frozen reference and the policy score the same chosen/rejected rows of every packed
+microbatch, and mpo_loss.py turns the per-sequence log-ratios into w_p·DPO + w_q·BCO + w_g·SFT. One optimizer step
+(`train_step`): take `policy.train_global_batch_size` pairs, plan and load this DP rank's bins (`plan_and_select`,
+`load_bins`), count the step's valid pairs over all ranks (`count_global_pairs`, the loss's denominator), reference
+forward, policy forward + backward per microbatch, DP gradient sum, `check_finite`, Adam and LR-scheduler step, then
+the BCO reward shift δ. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md, "train.py").
 
-    1. take `policy.train_global_batch_size` pairs (mmpr_data sampler, the same on every rank)
-    2. plan bins (pack.plan_step; a pair is never split) and load this data-parallel rank's bins
-    3. count the step's valid pairs over all ranks: the denominator of every loss term (mpo_loss's contract)
-    4. reference forward of every microbatch (no grad; with `reference.offload` the reference visits the GPU once)
-    5. per microbatch: policy forward -> fused MPO loss -> backward (`policy_forward_backward`; gradients accumulate)
-    6. gradient reduction over DP (a sum, by mpo_loss's denominator contract), optimizer step,
-       LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
-
-Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
-`load_bins` builds each packed microbatch on the CPU (pack.pack, or pack.pack_shared with `packing.shared_prompt`: each
-pair's prompt once; in the data loader's processes) and moves the whole
-`PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
-with `device=ctx.device`. The batch keeps its CPU copy (`PackedBatch.host`): host numbers (offsets, image grids and
-positions, the pair layout) are read there, the few index tensors made from them go to the device from pinned memory
-(`pack.to_device`), and the step reads the device three times: the pair count before the first forward (the loss's
-denominator), the finiteness flags before the update, and the metrics and δ's statistics once after it. The
-exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
-its passes), checkpoint files and the HF export (written from CPU copies), RNG states (CPU byte tensors).
-tests/test_train.py::test_train_step_keeps_one_device checks both with a recording TorchFunctionMode.
-
-Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
-`mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
-pre-timeout signal) / SIGINT (Ctrl-C) / SIGHUP: it finishes the current step, saves a checkpoint and exits 0. A run
-directory with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
-`<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
-`<checkpoint.dir>/config.json`.
-
-Layout: `main(cfg)` first, in sections; then the set-up helpers, the run state and one step. The checks before any
-work are in preflight.py, the process groups (`Ctx`) in distributed.py, metrics, console and signals in monitor.py.
-
-Tests: `pytest tests/test_train.py`.
+`main(cfg)` runs it in sections: config, distributed init, data, model, optimizer, resume, loop, teardown. Validation
+runs every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or on a stop signal
+(monitor.StopSignal: finish the step, save, exit 0). Tests: `pytest tests/test_train.py`.
 """
 
 from __future__ import annotations
@@ -52,19 +26,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-# One CUDA hardware work queue per device, set before CUDA starts (the driver reads it when it creates the context;
-# a value the user set wins). megatron-core's TP/SP linears (tensor_parallel/layers.py) and its DDP bucketing assume
-# it: kernels then run in launch order, so the TP all-gather / reduce-scatter it launches ahead of a GEMM overlaps with
-# that GEMM; otherwise megatron warns at the first step ("... recommended to set the environment variable
-# CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"). Megatron-LM's launch scripts set it the same way. Set here,
-# it covers every launch (torchrun by hand, slurm/train.sbatch, gpu_check.sh); on CPU nothing reads it.
+# one CUDA work queue per device: megatron-core's TP/SP overlap and DDP bucketing assume it (docs/DESIGN.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
 def _interrupted_while_importing(signum, frame) -> None:
-    """Ctrl-C during the imports below (several seconds): one line from rank 0 instead of a KeyboardInterrupt
-    traceback through torch's or megatron-core's import machinery on every rank. `__main__` restores Python's handler
-    once they are done (then train.main's StopSignal takes over)."""
+    """Ctrl-C during the imports below: one line from rank 0 instead of a traceback per rank."""
     if os.environ.get("RANK", "0") == "0":
         print("interrupted while starting: nothing saved", file=sys.stderr, flush=True)
     os._exit(130)
@@ -102,31 +69,30 @@ def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = cpu_compat.select_kernels()
-    pair_layout = pack.resolve_shared_prompt(cfg, kernels)  # packing.shared_prompt = "auto"
+    layout_desc = pack.resolve_shared_prompt(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
-    preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
+    preflight.check_model_config(cfg, hf)
 
-    # -- distributed initialisation, seeds --------------------------------------------------------------------------
+    # -- distributed initialisation, seeds, the run directory -------------------------------------------------------
     distributed.set_deterministic(cfg.model.deterministic_mode)  # before the first CUDA work
     ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None))
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
-        monitor.print_layout(ctx, world, kernels, pair_layout)
+        monitor.print_layout(ctx, world, kernels, layout_desc)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
-    resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
+    resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)
     saved = checkpoint.read_run_state(resume_from) if resume_from else None  # None: a fresh start
     notices = checkpoint.check_resume(saved, cfg) if saved else {}  # refuses another layout, β or LR schedule
-    saved_step = saved.step if saved else 0
     last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
-    if saved_step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
+    if saved and saved.step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
         if rank == 0:
-            print(f"nothing to do: step {saved_step} already reached the stop step {last}")
+            print(f"nothing to do: step {saved.step} already reached the stop step {last}")
         return 0
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
-    log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved_step, rank)
-    stopper = monitor.StopSignal()  # also: under torchrun, a rank whose launcher died stops after its step
+    log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved.step if saved else 0, rank)
+    stopper = monitor.StopSignal()
     monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -142,8 +108,6 @@ def main(cfg) -> int:
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
     run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run["wandb_run_id"] = log.run_id
-
-    # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
     plan = functools.partial(plan_and_select, data.train_split.index, ctx)
     gbs, workers = cfg.policy.train_global_batch_size, cfg.data.num_workers
     loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, gbs, plan, workers))
@@ -152,61 +116,47 @@ def main(cfg) -> int:
             print("interrupted before the first step: nothing saved", file=sys.stderr)
         log.finish()
         return 130
-    bar = monitor.progress_bar(cfg, run["step"], rank)
-    t_start, steps_done = time.perf_counter(), 0
-    ddp.train()
-    saved_step = run["step"]  # the step of the latest checkpoint (0: none yet)
-    while True:
-        t0 = time.perf_counter()
-        step_data, error = None, None
-        try:
-            step_data = next(loader)
-        except mmpr_data.DataError as e:  # e.g. an image changed since the index was built, on any one rank
-            error = e
-        error = agreed_error(error, ctx)  # every rank stops with the same error, none waits in a collective
-        if error is not None:
-            if run["step"] > saved_step:  # keep the finished steps: fix the data, then resume from here
-                save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-                saved_step = run["step"]
-            raise mmpr_data.DataError(f"{error} (before step {run['step'] + 1}; {last_saved(saved_step, cfg)})")
-        batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-        try:
-            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
-        except DivergedError as e:
-            first = resume_from if steps_done == 0 else None
-            raise DivergedError(diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
-        advance_run_state(run, step_data, metrics, new_shift)
-        steps_done += 1
-        tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
-        metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
-        # oversized pairs are dropped at start (preflight.check_splits, the same size rule as the plans): a step's
-        # plan never drops one, so the count is the split's
-        metrics.update(dropped_oversized=data.train_split.dropped_oversized,
-                       consumed_pairs=run["consumed_pairs"],
-                       eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]))
-        step = run["step"]
-        log.log(step, metrics)
-        monitor.print_step(bar, step, cfg, metrics, rank)
 
-        at_end = step >= cfg.mpo.max_num_steps
-        if data.val_split is not None and (
-            (cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end)
-        ):
-            try:
-                vm = validate(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
-            except mmpr_data.DataError as e:  # on every rank (validate agrees on it): keep the finished steps
+    # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
+    bar, t_start, start = monitor.progress_bar(cfg, run["step"], rank), time.perf_counter(), run["step"]
+    saved_step = start  # the step of the latest checkpoint (0: none yet)
+    ddp.train()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            step_data = agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
+            batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
+            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+            advance_run_state(run, step_data, metrics, new_shift)
+            step = run["step"]
+            tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
+            metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
+            metrics.update(dropped_oversized=data.train_split.dropped_oversized, consumed_pairs=run["consumed_pairs"],
+                           eta_s=(time.perf_counter() - t_start) / (step - start) * (last - step))
+            log.log(step, metrics)
+            monitor.print_step(bar, step, cfg, metrics, rank)
+            at_end = step >= cfg.mpo.max_num_steps
+            if data.val_split is not None and validation_due(cfg, step, at_end):
+                vm = run_validation(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+                log.log(step, vm, split="validation")
+                monitor.print_validation(step, vm, rank)
+            stop = stopper.should_stop(ctx.device)
+            segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
+            if at_end or segment_end or stop or (cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0):
                 save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-                raise mmpr_data.DataError(f"{e}; {last_saved(step, cfg)}") from None
-            log.log(step, vm, split="validation")
-            monitor.print_validation(step, vm, rank)
-        stop = stopper.should_stop(ctx.device)
-        segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
-        periodic = cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0
-        if at_end or segment_end or stop or periodic:
+                saved_step = step
+            if at_end or segment_end or stop:
+                break
+    except mmpr_data.DataError as e:  # raised on every rank (`agreed`): keep the finished steps, then stop
+        if run["step"] > saved_step:
             save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-            saved_step = step
-        if at_end or segment_end or stop:
-            break
+            saved_step = run["step"]
+        raise mmpr_data.DataError(f"{e} (before step {run['step'] + 1}; {last_saved(saved_step, cfg)})") from None
+    except RuntimeError as e:
+        if not diverged(e):
+            raise
+        first = resume_from if run["step"] == start else None  # the first step after a resume: its state is suspect
+        raise DivergedError(diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     if rank == 0:
@@ -235,8 +185,7 @@ class Data:
 
 
 def load_data(cfg, hf, rank: int) -> Data:
-    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
-    (mmpr_data.DataWarning) among them as plain lines, once."""
+    """Load and check the splits (preflight.check_splits); rank 0 prints the data lines and warnings, once."""
     processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
     with mmpr_data.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
@@ -254,9 +203,8 @@ def load_data(cfg, hf, rank: int) -> Data:
 
 
 def build_policy_and_reference(cfg, ctx: Ctx):
-    """The policy and the frozen reference, both from model.hf_path's weights; with `reference.offload` (GPU) the
-    reference waits on the CPU between its passes. The reference is built first, so that with offload it has left the
-    GPU before the policy is built (one model on the GPU at a time). Returns (policy, reference)."""
+    """(policy, frozen reference), both from model.hf_path's weights. The reference is built first, so that with
+    `reference.offload` it has left the GPU before the policy is built."""
 
     def build():
         model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
@@ -270,16 +218,11 @@ def build_policy_and_reference(cfg, ctx: Ctx):
 
 
 def build_scheduler(optimizer, cfg):
-    """megatron-core's OptimizerParamScheduler for `cfg`: linear warmup from scheduler.lr_warmup_init to optimizer.lr
-    over scheduler.lr_warmup_steps, then `lr_decay_style` to optimizer.min_lr at mpo.max_num_steps.
-
-    The horizon is always mpo.max_num_steps, never mpo.stop_after_step, so the segments of a chained run follow one
-    schedule. Megatron's convention: the lr of schedule step n (n = 0, 1, ...) is used by optimizer step n + 1.
-    Raises config.ConfigError when the schedule breaks config.validate_schedule.
-    """
+    """megatron-core's OptimizerParamScheduler: linear warmup from scheduler.lr_warmup_init to optimizer.lr over
+    scheduler.lr_warmup_steps, then `lr_decay_style` to optimizer.min_lr at mpo.max_num_steps (never stop_after_step:
+    the segments of a chained run follow one schedule). The lr of schedule step n is used by optimizer step n + 1."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config_mod.validate_schedule(cfg)
     s, o, horizon = cfg.scheduler, cfg.optimizer, cfg.mpo.max_num_steps
     return OptimizerParamScheduler(
         optimizer,
@@ -298,12 +241,9 @@ def build_scheduler(optimizer, cfg):
 
 
 def build_optimizer(policy, cfg):
-    """megatron-core DDP around the policy, its Adam (distributed optimizer by default; bf16 params keep fp32 master
-    weights) and the LR scheduler. Returns (ddp, optimizer, scheduler).
-
-    The DDP sums gradients over data (and context) parallel ranks instead of averaging them (mpo_loss's denominator
-    contract), megatron's `calculate_per_token_loss` regime. Gradient buffers are fp32.
-    """
+    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (fp32 gradient buffers, summed over DP and CP:
+    mpo_loss's denominator contract), its Adam (distributed by default; bf16 params keep fp32 master weights) and the
+    LR scheduler."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -334,16 +274,13 @@ def build_optimizer(policy, cfg):
 
 
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
-    """The run state: fresh (step 0, δ = mpo.reward_shift; `saved` None) or loaded with the model, optimizer, scheduler
-    and sampler from `saved` (checkpoint.RunState); then writes the resolved config (rank 0; after a successful
-    resume, so a refused config never replaces the run's). `notices`, the changed settings checkpoint.check_resume
-    allowed, get one `resume:` line (saved -> now), and the saved config of the resumed step N is kept as
-    `config.step_<N>.json`; training data changed since step N with the same pair count (the sampler's index
-    fingerprint) prints one `resume:` line too.
+    """The run state, fresh (`saved` None) or loaded with the model, optimizer, scheduler and sampler from `saved`
+    (checkpoint.RunState); then rank 0 writes the resolved config. `notices` (checkpoint.check_resume's allowed
+    changes) and changed training data get one `resume:` line each.
 
-    Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
-    next step), reward_shift_num_updates (how many optimizer steps moved δ, i.e. had bco/reward_count > 0: a recorded
-    diagnostic that training itself does not read), wandb_run_id; `save_checkpoint` writes them to run_state.json.
+    Keys (save_checkpoint writes them to run_state.json): step, consumed_pairs, sampler (its state after the last
+    finished step), reward_shift (δ for the next step), reward_shift_num_updates (steps with bco/reward_count > 0),
+    wandb_run_id.
     """
     run = {
         "step": 0,
@@ -372,7 +309,7 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
                     f"up to {saved.step}: config.step_{saved.step}.json"
                 )
     run["sampler"] = sampler.state_dict()
-    if rank == 0:
+    if rank == 0:  # after a successful resume: a refused config never replaces the run's
         print(f"config: {monitor.write_resolved_config(cfg, (saved.step, saved.config) if notices else None)}")
     return run
 
@@ -396,6 +333,33 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
         print(f"saved {path}")
 
 
+def validation_due(cfg, step: int, at_end: bool) -> bool:
+    """Whether validation runs after `step`: every mpo.val_period steps, and at the end with mpo.val_at_end."""
+    return bool((cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end))
+
+
+# ======================================================================================================================
+# Errors that stop the run: bad data on one rank, a non-finite step
+
+
+def agreed(load, ctx: Ctx):
+    """`load()` on every rank (collective over the world): its result, or, when any rank's load raised a DataError,
+    the error of the lowest failing rank raised on every rank (so that none waits in a collective for a rank that
+    stopped). One int all-reduce; the errors travel (pickled) only when some rank failed."""
+    result, error = None, None
+    try:
+        result = load()
+    except mmpr_data.DataError as e:  # e.g. an image changed since the index was built
+        error = e
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return result
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    raise next(e for e in errors if e is not None)
+
+
 def last_saved(saved_step: int, cfg) -> str:
     """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
     if saved_step <= 0:
@@ -403,78 +367,49 @@ def last_saved(saved_step: int, cfg) -> str:
     return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
 
 
-def diverged_message(e: DivergedError, step: int, resumed_from, saved_step: int, cfg) -> str:
-    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
-    None otherwise) the saved state is suspect (a file damaged where no checksum covers it), not the LR: the way out
-    is the previous checkpoint. Otherwise the run diverged: a lower optimizer.lr."""
-    if resumed_from is not None:
-        return (
-            f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
-            "non-finite values (a damaged file that no checksum caught, e.g. in a checkpoint saved before checksums "
-            f"were written; or a run that was already diverging: check its logged loss); "
-            f"{checkpoint.move_away(resumed_from)}"
-        )
-    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
-                                           if saved_step else "")  # fmt: skip
-    return (
-        f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
-        "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
-        "saved LR schedule); if the LR is already small, look at extreme loss settings (a very large "
-        "mpo.reference_policy_kl_penalty or mpo.reward_shift)"
-    )
-
-
-def agreed_error(error: Exception | None, ctx: Ctx) -> Exception | None:
-    """Collective over the world: None when no rank has an error, else the error of the lowest failing rank, the same
-    exception on every rank. A bad pair is loaded by one DP rank only; raised there alone, the other ranks would wait
-    in the step's first collective until the failing rank's exit broke it ("Connection closed by peer" tracebacks),
-    and global rank 0, which prints the error line, might not be the failing rank.
-
-    One int all-reduce per call on the step's device; the error objects travel (pickled) only when some rank failed.
-    """
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
-    dist.all_reduce(flag)
-    if int(flag.item()) == 0:
-        return None
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next(e for e in errors if e is not None)
-
-
 class DivergedError(RuntimeError):
-    """The loss or the gradients of a step are not finite: the optimizer step is not taken (train.py reports it in one
-    line, naming the step and the latest checkpoint)."""
+    """The loss or the gradients of a step are not finite: the optimizer step is not taken."""
 
 
-def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
-    """Collective over the world, before the optimizer step: the step's losses and metrics (`local`, this rank's sums)
-    and δ's reward sum are finite, and so is every gradient in megatron DDP's buffers (one isfinite pass over them).
-    A NaN or inf anywhere would otherwise go into the weights, the Adam moments and δ, and from there into every
-    later step and checkpoint (megatron-core checks gradients only under a loss scaler, i.e. fp16, or with its DDP's
-    check_for_nan_in_grad, which raises from inside the gradient reduction).
+NOT_FINITE = "the loss or the gradients are not finite (NaN or inf); the weights were not updated"
 
-    `local` and `reward_sum` are floats or 0-d tensors on the step's device: the check runs there, and its two flags
-    are the one value read back before the update.
 
-    Raises:
-        DivergedError: on every rank when any rank found a non-finite value (what: loss, gradients or both).
-    """
+def diverged(e: RuntimeError) -> bool:
+    """Whether `e` is a non-finite step: a DivergedError or check_finite's failed assertion."""
+    return isinstance(e, DivergedError) or str(e) == NOT_FINITE
+
+
+def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
+    """Collective over the world, before the optimizer step: one device-side assertion that the step's losses and
+    metrics (`local`, this rank's sums), δ's reward sum and every gradient in megatron DDP's buffers are finite on
+    every rank. It fails with RuntimeError(NOT_FINITE): at once on the CPU, as a device-side assert on a GPU."""
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device).reshape(())
                           for v in (*local.values(), reward_sum)])
-    flags = torch.zeros(2, dtype=torch.long, device=ctx.device)
-    flags[0] = (~torch.isfinite(values)).any()  # on the device, like the gradients' flag
+    bad = torch.zeros(1, dtype=torch.long, device=ctx.device)
+    bad |= (~torch.isfinite(values)).any()
     chunk = 1 << 26  # isfinite's bool temporary: 64 MiB at most, not one byte per gradient element of the buffer
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         if buffer.grad_data is not None:
             flat = buffer.grad_data.view(-1)
             for i in range(0, flat.numel(), chunk):
-                flags[1] |= (~torch.isfinite(flat[i : i + chunk])).any()  # on the device: one sync, below
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_bad, grad_bad = (bool(f) for f in flags.tolist())
-    if loss_bad or grad_bad:
-        what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", grad_bad)) if bad)
-        raise DivergedError(f"{what} {'is' if what == 'the loss' else 'are'} not finite (NaN or inf); the weights "
-                            "were not updated")
+                bad |= (~torch.isfinite(flat[i : i + chunk])).any()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # on every rank: a shard's NaN stops them all
+    torch._assert_async(bad[0] == 0, NOT_FINITE)
+
+
+def diverged_message(e: RuntimeError, step: int, resumed_from, saved_step: int, cfg) -> str:
+    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
+    None otherwise) the saved state is suspect, and the way out is the previous checkpoint; otherwise the run
+    diverged: a lower optimizer.lr."""
+    if resumed_from is not None:
+        return (f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
+                "non-finite values (a damaged file that no checksum caught, or a run that was already diverging: "
+                f"check its logged loss); {checkpoint.move_away(resumed_from)}")
+    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
+                                           if saved_step else "")  # fmt: skip
+    return (f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr in another "
+            "checkpoint.dir, from model.hf_path or from an export of a good step; if the LR is already small, look at "
+            "extreme loss settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)")
 
 
 # ======================================================================================================================
@@ -482,15 +417,14 @@ def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
 
 
 def plan_and_select(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
-    """Plan a step's bins over all DP ranks (pack.plan_step) and select the pairs this DP rank loads: (plan, pair ids)
-    (mmpr_data.StepLoader's plan_fn, with `index` and `ctx` bound)."""
+    """(plan of the step's bins over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
 def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
-    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count): pack.pack, or
-    pack.pack_shared with `packing.shared_prompt`."""
+    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count), packed on the CPU
+    (pack.pack, or pack.pack_shared with `packing.shared_prompt`) and moved to the step's device once."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
     pack_fn = pack.pack_shared if pack.shared_prompt_on(ctx.cfg.packing) else pack.pack
     return [
@@ -573,9 +507,9 @@ def policy_forward_backward(
 
 
 def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
-    """One optimizer step over this rank's microbatches (steps 3-6 of the module docstring: pair count, reference
-    forward, policy forward + backward, gradient reduction, optimizer and scheduler step, δ update). Returns (metrics
-    of the step over all DP ranks, the new reward shift δ)."""
+    """One optimizer step over this rank's microbatches: pair count, reference forward, policy forward + backward,
+    gradient reduction, finiteness check, optimizer and scheduler step, δ update. Returns (metrics of the step over
+    all DP ranks, the new reward shift δ). The device is read twice: the pair count and the metrics after the update."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -583,9 +517,8 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     optimizer.zero_grad()
     num_global_pairs = count_global_pairs(batches, ctx)
     ref = reference_logprobs(reference, batches, ctx)
-    # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
-    # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here). A 0-d scale: set_loss_scale copies it
-    # into the class-level tensor, which megatron's backward creates 0-d when it runs first.
+    # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
+    # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
     local, r_sum, r_count = policy_forward_backward(
         batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True, read=False
@@ -613,10 +546,10 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     return metrics, new_shift
 
 
-def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
-    """The MPO losses and metrics on (up to mpo.val_batches batches of) the validation split; no gradient, δ fixed.
-
-    Batches of mpo.val_global_batch_size pairs in split order; the metrics are pair-weighted means over batches."""
+def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float,
+                   ids: dict) -> dict:
+    """The MPO losses and metrics on up to mpo.val_batches batches of mpo.val_global_batch_size pairs of the
+    validation split, in split order; no gradient, δ fixed. Metrics are pair-weighted means over batches."""
     cfg = ctx.cfg
     policy.eval()
     n = cfg.mpo.val_global_batch_size
@@ -625,14 +558,7 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
     pairs_seen = 0
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
-        pairs, error = {}, None
-        try:
-            pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
-        except mmpr_data.DataError as e:
-            error = e
-        error = agreed_error(error, ctx)  # as in training: every rank stops with it
-        if error is not None:
-            raise mmpr_data.DataError(f"{error} (validation)")
+        pairs = agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs(reference, batches, ctx)
@@ -659,9 +585,7 @@ if __name__ == "__main__":
     try:
         code = main(config_mod.load_config(path, overrides))
     except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError,
-            monitor.MetricsError) as e:
-        # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
-        # torchrun) would only bury it.
+            monitor.MetricsError) as e:  # a bad setting, input or run directory: one line says what to change
         monitor.report_error(e)
         if monitor.global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
             time.sleep(5)
