@@ -145,6 +145,50 @@ def report_error(e: Exception) -> str:
     return msg
 
 
+def exit_in_one_line(run, known: tuple):
+    """`run()`'s exit code; an error of a `known` type (a bad setting, input or run directory), a lost peer
+    (`lost_peer`) or a Ctrl-C before the loop exits with one line on stderr instead of a traceback per rank."""
+    try:
+        return run()
+    except known as e:
+        report_error(e)
+        if global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
+            time.sleep(5)
+        sys.exit(1)
+    except RuntimeError as e:
+        reason = lost_peer(e)
+        if reason is None:  # a bug: its traceback
+            raise
+        # each rank that saw it says so (rank 0 may be the one gone)
+        print(f"error: rank {global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler: nothing to save yet
+        if global_rank() == 0:
+            print("interrupted before the first step: nothing saved", file=sys.stderr)
+        sys.exit(130)
+
+
+def last_saved(saved_step: int, cfg) -> str:
+    """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
+    if saved_step <= 0:
+        return "no checkpoint was saved"
+    return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
+
+
+def diverged_message(e: Exception, step: int, resumed_from, saved_step: int, cfg) -> str:
+    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
+    None otherwise) the saved state is suspect: the way out is the previous checkpoint; otherwise a lower LR."""
+    if resumed_from is not None:
+        return (f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
+                "non-finite values (a damaged file that no checksum caught, or a run that was already diverging: "
+                f"check its logged loss); {checkpoint.move_away(resumed_from)}")
+    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
+                                           if saved_step else "")  # fmt: skip
+    return (f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr in another "
+            "checkpoint.dir, from model.hf_path or from an export of a good step; if the LR is already small, look at "
+            "extreme loss settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)")
+
+
 def lost_peer(e: BaseException) -> str | None:
     """The one-line reason when `e` is this rank's view of another process of the job dying (a gloo connection closed
     or reset: a rank killed by `kill -9` or the OOM killer; a DataLoader worker killed), else None. train.py prints it
@@ -477,6 +521,22 @@ def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
         print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")
     for note in notes:
         print(note)
+
+
+def print_resume(saved, notices: dict, data_changed: str | None, rank: int) -> None:
+    """The resume lines (rank 0): the resumed step, changed training data, the changed settings (`notices`:
+    checkpoint.check_resume's {key: (saved, now)})."""
+    if rank != 0:
+        return
+    print(f"resumed from {saved.path} (step {saved.step}, reward_shift {saved.reward_shift!r})")
+    if data_changed:
+        print(f"resume: the training data changed since step {saved.step} ({data_changed})")
+    if notices:
+        note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
+                "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
+        changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
+        print(f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
+              f"up to {saved.step}: config.step_{saved.step}.json")
 
 
 def progress_bar(cfg, step: int, rank: int):

@@ -4,16 +4,12 @@
     torchrun --nproc-per-node 8 train.py configs/nano.toml \
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
-Offline preference training: the frozen reference and the policy score the same chosen/rejected rows of every packed
-microbatch, and mpo_loss.py turns the per-sequence log-ratios into w_p·DPO + w_q·BCO + w_g·SFT. One optimizer step
-(`train_step`): take `policy.train_global_batch_size` pairs, plan and load this DP rank's bins (`plan_and_select`,
-`load_bins`), count the step's valid pairs over all ranks (`count_global_pairs`, the loss's denominator), reference
-forward, policy forward + backward per microbatch, DP gradient sum, `check_finite`, Adam and LR-scheduler step, then
-the BCO reward shift δ. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md, "train.py").
-
-`main(cfg)` runs it in sections: config, distributed init, data, model, optimizer, resume, loop, teardown. Validation
-runs every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or on a stop signal
-(monitor.StopSignal: finish the step, save, exit 0). Tests: `pytest tests/test_train.py`.
+`main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
+One optimizer step (`train_step`): plan and load this DP rank's bins (`plan_and_select`, `load_bins`), count the
+step's valid pairs over all ranks (`count_global_pairs`: the loss's denominator), reference forward, policy forward +
+MPO loss (mpo_loss.py: w_p·DPO + w_q·BCO + w_g·SFT) + backward per microbatch, DP gradient sum, `check_finite`, Adam
+and LR-scheduler step, BCO reward shift δ. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md). The job
+stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal (finish the step, save, exit 0).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import copy
 import functools
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,16 +27,13 @@ from dataclasses import dataclass
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
-def _interrupted_while_importing(signum, frame) -> None:
-    """Ctrl-C during the imports below: one line from rank 0 instead of a traceback per rank."""
+def _interrupted_while_importing(signum, frame) -> None:  # Ctrl-C in the imports below: one line, not a traceback
     if os.environ.get("RANK", "0") == "0":
         print("interrupted while starting: nothing saved", file=sys.stderr, flush=True)
     os._exit(130)
 
 
 if __name__ == "__main__":
-    import signal
-
     signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 import torch  # noqa: E402
@@ -109,8 +103,8 @@ def main(cfg) -> int:
     run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run["wandb_run_id"] = log.run_id
     plan = functools.partial(plan_and_select, data.train_split.index, ctx)
-    gbs, workers = cfg.policy.train_global_batch_size, cfg.data.num_workers
-    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, gbs, plan, workers))
+    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, plan,
+                                       cfg.data.num_workers))
     if stopper.interrupted(ctx.device):  # a Ctrl-C while the data and models loaded: stop before any step
         if rank == 0:
             print("interrupted before the first step: nothing saved", file=sys.stderr)
@@ -136,7 +130,8 @@ def main(cfg) -> int:
             log.log(step, metrics)
             monitor.print_step(bar, step, cfg, metrics, rank)
             at_end = step >= cfg.mpo.max_num_steps
-            if data.val_split is not None and validation_due(cfg, step, at_end):
+            if data.val_split is not None and (cfg.mpo.val_period and step % cfg.mpo.val_period == 0
+                                               or at_end and cfg.mpo.val_at_end):
                 vm = run_validation(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
                 log.log(step, vm, split="validation")
                 monitor.print_validation(step, vm, rank)
@@ -150,13 +145,13 @@ def main(cfg) -> int:
     except mmpr_data.DataError as e:  # raised on every rank (`agreed`): keep the finished steps, then stop
         if run["step"] > saved_step:
             save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-            saved_step = run["step"]
-        raise mmpr_data.DataError(f"{e} (before step {run['step'] + 1}; {last_saved(saved_step, cfg)})") from None
+        where = f"before step {run['step'] + 1}; {monitor.last_saved(run['step'], cfg)}"  # saved now or before
+        raise mmpr_data.DataError(f"{e} ({where})") from None
     except RuntimeError as e:
-        if not diverged(e):
+        if not (isinstance(e, DivergedError) or str(e) == NOT_FINITE):  # NOT_FINITE: check_finite's assertion
             raise
         first = resume_from if run["step"] == start else None  # the first step after a resume: its state is suspect
-        raise DivergedError(diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
+        raise DivergedError(monitor.diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     if rank == 0:
@@ -191,15 +186,11 @@ def load_data(cfg, hf, rank: int) -> Data:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, warned + notes, rank)
-    return Data(
-        train_split=train_split,
-        val_split=val_split,
-        train_set=mmpr_data.PairDataset(train_split.index, processor),
-        val_set=mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None,
-        sampler=mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle,
-                                      train_split.index.fingerprint),
-        ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0},
-    )
+    val_set = mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None
+    sampler = mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle,
+                                    train_split.index.fingerprint)
+    return Data(train_split, val_split, mmpr_data.PairDataset(train_split.index, processor), val_set, sampler,
+                ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
 
 
 def build_policy_and_reference(cfg, ctx: Ctx):
@@ -225,89 +216,50 @@ def build_scheduler(optimizer, cfg):
 
     s, o, horizon = cfg.scheduler, cfg.optimizer, cfg.mpo.max_num_steps
     return OptimizerParamScheduler(
-        optimizer,
-        init_lr=s.lr_warmup_init,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=s.lr_warmup_steps,
-        lr_decay_steps=horizon,
-        lr_decay_style=s.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=horizon,
-        wd_incr_style="constant",
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=horizon, lr_decay_style=s.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=horizon, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments: checkpoint.check_resume
-    )
+    )  # fmt: skip
 
 
 def build_optimizer(policy, cfg):
-    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (fp32 gradient buffers, summed over DP and CP:
-    mpo_loss's denominator contract), its Adam (distributed by default; bf16 params keep fp32 master weights) and the
-    LR scheduler."""
+    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (fp32 gradients summed over DP and CP:
+    mpo_loss's denominator contract), its Adam (distributed by default; bf16 params keep fp32 master weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optimizer
     ddp_model_cfg = copy.copy(policy.lm_config)
     ddp_model_cfg.calculate_per_token_loss = True  # DDP: gradient scaling 1 and a SUM reduction
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=o.use_distributed_optimizer
-    )
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                            use_distributed_optimizer=o.use_distributed_optimizer)
     ddp = DistributedDataParallel(ddp_model_cfg, ddp_cfg, policy)
     bf16 = cfg.model.params_dtype == "bfloat16"
     optim_cfg = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-    )
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
+    )  # fmt: skip
     with cpu_compat.cuda_to_cpu():
         optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
 
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
-    """The run state, fresh (`saved` None) or loaded with the model, optimizer, scheduler and sampler from `saved`
-    (checkpoint.RunState); then rank 0 writes the resolved config. `notices` (checkpoint.check_resume's allowed
-    changes) and changed training data get one `resume:` line each.
-
-    Keys (save_checkpoint writes them to run_state.json): step, consumed_pairs, sampler (its state after the last
-    finished step), reward_shift (δ for the next step), reward_shift_num_updates (steps with bco/reward_count > 0),
-    wandb_run_id.
-    """
-    run = {
-        "step": 0,
-        "consumed_pairs": 0,
-        "sampler": None,
-        "reward_shift": cfg.mpo.reward_shift,
-        "reward_shift_num_updates": 0,
-        "wandb_run_id": None,
-    }
+    """The run state (save_checkpoint writes it to run_state.json), fresh (`saved` None) or loaded with the model,
+    optimizer, scheduler and sampler from `saved` (checkpoint.RunState); then rank 0 writes the resolved config.
+    Keys: step, consumed_pairs, sampler (its state after the last finished step), reward_shift (δ for the next step),
+    reward_shift_num_updates (steps with bco/reward_count > 0), wandb_run_id."""
+    run = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
+           "reward_shift_num_updates": 0, "wandb_run_id": None}  # fmt: skip
     if saved is not None:
         with cpu_compat.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)
         run.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates",
                                                    "wandb_run_id")})  # fmt: skip
         data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
-        if rank == 0:
-            print(f"resumed from {saved.path} (step {saved.step}, reward_shift {saved.reward_shift!r})")
-            if data_changed:
-                print(f"resume: the training data changed since step {saved.step} ({data_changed})")
-            if notices:
-                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
-                        "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
-                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
-                print(
-                    f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
-                    f"up to {saved.step}: config.step_{saved.step}.json"
-                )
+        monitor.print_resume(saved, notices, data_changed, rank)
     run["sampler"] = sampler.state_dict()
     if rank == 0:  # after a successful resume: a refused config never replaces the run's
         print(f"config: {monitor.write_resolved_config(cfg, (saved.step, saved.config) if notices else None)}")
@@ -326,16 +278,10 @@ def advance_run_state(run: dict, step_data: mmpr_data.StepData, metrics: dict, n
 def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> None:
     """Checkpoint step run["step"] (collective) with the run state and the resolved config; prints the path."""
     run_state = {k: v for k, v in run.items() if k != "step"} | {"config": config_mod.to_dict(cfg)}
-    path = checkpoint.save(
-        cfg.checkpoint.dir, run["step"], ddp, optimizer, scheduler, run_state, cfg.checkpoint.keep_last
-    )
+    path = checkpoint.save(cfg.checkpoint.dir, run["step"], ddp, optimizer, scheduler, run_state,
+                           cfg.checkpoint.keep_last)
     if rank == 0:
         print(f"saved {path}")
-
-
-def validation_due(cfg, step: int, at_end: bool) -> bool:
-    """Whether validation runs after `step`: every mpo.val_period steps, and at the end with mpo.val_at_end."""
-    return bool((cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end))
 
 
 # ======================================================================================================================
@@ -346,11 +292,10 @@ def agreed(load, ctx: Ctx):
     """`load()` on every rank (collective over the world): its result, or, when any rank's load raised a DataError,
     the error of the lowest failing rank raised on every rank (so that none waits in a collective for a rank that
     stopped). One int all-reduce; the errors travel (pickled) only when some rank failed."""
-    result, error = None, None
     try:
-        result = load()
+        result, error = load(), None
     except mmpr_data.DataError as e:  # e.g. an image changed since the index was built
-        error = e
+        result, error = None, e
     flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
     dist.all_reduce(flag)
     if int(flag.item()) == 0:
@@ -360,23 +305,11 @@ def agreed(load, ctx: Ctx):
     raise next(e for e in errors if e is not None)
 
 
-def last_saved(saved_step: int, cfg) -> str:
-    """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
-    if saved_step <= 0:
-        return "no checkpoint was saved"
-    return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
-
-
 class DivergedError(RuntimeError):
     """The loss or the gradients of a step are not finite: the optimizer step is not taken."""
 
 
 NOT_FINITE = "the loss or the gradients are not finite (NaN or inf); the weights were not updated"
-
-
-def diverged(e: RuntimeError) -> bool:
-    """Whether `e` is a non-finite step: a DivergedError or check_finite's failed assertion."""
-    return isinstance(e, DivergedError) or str(e) == NOT_FINITE
 
 
 def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
@@ -397,21 +330,6 @@ def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
     torch._assert_async(bad[0] == 0, NOT_FINITE)
 
 
-def diverged_message(e: RuntimeError, step: int, resumed_from, saved_step: int, cfg) -> str:
-    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
-    None otherwise) the saved state is suspect, and the way out is the previous checkpoint; otherwise the run
-    diverged: a lower optimizer.lr."""
-    if resumed_from is not None:
-        return (f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
-                "non-finite values (a damaged file that no checksum caught, or a run that was already diverging: "
-                f"check its logged loss); {checkpoint.move_away(resumed_from)}")
-    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
-                                           if saved_step else "")  # fmt: skip
-    return (f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr in another "
-            "checkpoint.dir, from model.hf_path or from an export of a good step; if the LR is already small, look at "
-            "extreme loss settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)")
-
-
 # ======================================================================================================================
 # One microbatch, one step, one validation
 
@@ -427,32 +345,26 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
     (pack.pack, or pack.pack_shared with `packing.shared_prompt`) and moved to the step's device once."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
     pack_fn = pack.pack_shared if pack.shared_prompt_on(ctx.cfg.packing) else pack.pack
-    return [
-        pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
-        for b in plan.ranks[ctx.dp_rank]
-    ]
+    return [pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy)
+            .to(ctx.device) for b in plan.ranks[ctx.dp_rank]]
 
 
 def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward `model` on one packed microbatch, then mpo_loss.packed_sequence_logprobs: per-response log-prob sums
     [S] (fp32) and response-token counts [S], S = batch.num_responses (chosen, rejected per pair) in either layout."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
-    S = batch.num_responses
-    labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = batch.loss_seq_ids()
+    labels, loss_mask, seq_ids = batch.labels[0], batch.loss_mask[0], batch.loss_seq_ids()
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
-    return mpo_loss.packed_sequence_logprobs(  # inplace_backward: the logits are read by nothing else
-        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True, check=False
-    )
+    return mpo_loss.packed_sequence_logprobs(logits, labels, loss_mask, seq_ids, batch.num_responses, ctx.tp_group,
+                                             cp_group, chunk, inplace_backward=True, check=False)  # logits: read once
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward:
-    counted on the batches' host copies (pack.host_view), all-reduced on the step's device and read once (the loss's
-    denominator is a host number)."""
+    counted on the batches' host copies, all-reduced on the step's device and read once."""
     local = 0
     for b in map(pack.host_view, batches):
         num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
@@ -475,30 +387,19 @@ def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> 
     return out
 
 
-def policy_forward_backward(
-    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool,
-    read: bool = True,
-):
-    """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
-    (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
-    (reward_sum, reward_count): Python floats, or with read=False 0-d float64 tensors on the step's device, so that
-    the microbatches run without waiting for the GPU (train_step reads them once, after the optimizer step)."""
+def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int,
+                            backward: bool, read: bool = True):
+    """Policy forward + MPO loss per microbatch, and its backward when `backward` (gradients accumulate in megatron
+    DDP's main_grad buffers). Returns this rank's summed metrics, reward_sum, reward_count: floats, or with read=False
+    0-d float64 tensors on the step's device (no wait for the GPU; train_step reads them after the update)."""
     per_mb = []
     for b, ref in zip(batches, ref_logprobs, strict=True):
         host = pack.host_view(b)  # the pair metadata on the host: mpo_loss matches the pairs there
         with torch.set_grad_enabled(backward):
             logprobs, num_response_tokens = forward_logprobs(policy, b, ctx)
-            loss, metrics, (s, c) = mpo_loss.mpo_loss(
-                logprobs,
-                ref,
-                num_response_tokens,
-                host.pair_index,
-                host.is_chosen,
-                host.sample_mask,
-                ctx.cfg.mpo,
-                reward_shift,
-                num_global_pairs,
-            )
+            loss, metrics, (s, c) = mpo_loss.mpo_loss(logprobs, ref, num_response_tokens, host.pair_index,
+                                                      host.is_chosen, host.sample_mask, ctx.cfg.mpo, reward_shift,
+                                                      num_global_pairs)
         if backward:
             loss.backward()  # megatron DDP accumulates into its main_grad buffers
         per_mb.append({**metrics, "bco/reward_sum": s, "bco/reward_count": c})
@@ -520,9 +421,8 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
-    local, r_sum, r_count = policy_forward_backward(
-        batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True, read=False
-    )
+    local, r_sum, r_count = policy_forward_backward(batches, ref, ddp, ctx, reward_shift, num_global_pairs,
+                                                    backward=True, read=False)
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
@@ -536,13 +436,9 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
                                      ctx.device)
     new_shift = mpo_loss.update_reward_shift(reward_shift, metrics["bco/reward_sum"], metrics["bco/reward_count"],
                                              ctx.cfg.mpo.reward_shift_momentum)
-    metrics.update(
-        lr=lr,
-        grad_norm=float(grad_norm),
-        num_global_pairs=num_global_pairs,
-        reward_shift=new_shift,  # δ after this step's update: the next step's, saved as run_state's reward_shift
-        reward_shift_used=reward_shift,  # δ this step's loss used (the exact float; mpo_loss reports it in fp32)
-    )
+    # reward_shift: δ after this update (the next step's); reward_shift_used: the exact δ this step's loss used
+    metrics.update(lr=lr, grad_norm=float(grad_norm), num_global_pairs=num_global_pairs, reward_shift=new_shift,
+                   reward_shift_used=reward_shift)
     return metrics, new_shift
 
 
@@ -550,12 +446,9 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
                    ids: dict) -> dict:
     """The MPO losses and metrics on up to mpo.val_batches batches of mpo.val_global_batch_size pairs of the
     validation split, in split order; no gradient, δ fixed. Metrics are pair-weighted means over batches."""
-    cfg = ctx.cfg
-    policy.eval()
-    n = cfg.mpo.val_global_batch_size
+    cfg, n, total, pairs_seen = ctx.cfg, ctx.cfg.mpo.val_global_batch_size, {}, 0
     chunks = [val.pair_ids[i : i + n] for i in range(0, len(val.pair_ids), n)][: cfg.mpo.val_batches]
-    total: dict[str, float] = {}
-    pairs_seen = 0
+    policy.eval()
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
         pairs = agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
@@ -580,26 +473,10 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
 # ======================================================================================================================
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt as below
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt from here on
     path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
-    try:
-        code = main(config_mod.load_config(path, overrides))
-    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError,
-            monitor.MetricsError) as e:  # a bad setting, input or run directory: one line says what to change
-        monitor.report_error(e)
-        if monitor.global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
-            time.sleep(5)
-        sys.exit(1)
-    except RuntimeError as e:
-        reason = monitor.lost_peer(e)
-        if reason is None:  # a bug: its traceback
-            raise
-        # another process of the job died: each rank that saw it says so in one line (rank 0 may be the one gone)
-        print(f"error: rank {monitor.global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
-        if monitor.global_rank() == 0:
-            print("interrupted before the first step: nothing saved", file=sys.stderr)
-        sys.exit(130)
+    known = (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError,
+             monitor.MetricsError)  # a bad setting, input or run directory: one line says what to change
+    code = monitor.exit_in_one_line(lambda: main(config_mod.load_config(path, overrides)), known)
     distributed.destroy_distributed()
     sys.exit(code)
