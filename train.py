@@ -5,11 +5,9 @@
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
-One optimizer step (`train_step`): plan and load this DP rank's bins (`plan_and_select`, `load_bins`), count the
-step's valid pairs over all ranks (`count_global_pairs`: the loss's denominator), reference forward, policy forward +
-MPO loss (mpo_loss.py: w_p·DPO + w_q·BCO + w_g·SFT) + backward per microbatch, DP gradient sum, `check_finite`, Adam
-and LR-scheduler step, BCO reward shift δ. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md). The job
-stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal (finish the step, save, exit 0).
+One optimizer step (`train_step`): load this DP rank's bins (`load_bins`), count the step's valid pairs
+(`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP gradient sum,
+`check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -194,8 +192,7 @@ def load_data(cfg, hf, rank: int) -> Data:
 
 
 def build_policy_and_reference(cfg, ctx: Ctx):
-    """(policy, frozen reference), both from model.hf_path's weights. The reference is built first, so that with
-    `reference.offload` it has left the GPU before the policy is built."""
+    """(policy, frozen reference) from model.hf_path; the reference first, off the GPU with `reference.offload`."""
 
     def build():
         model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
@@ -209,9 +206,8 @@ def build_policy_and_reference(cfg, ctx: Ctx):
 
 
 def build_scheduler(optimizer, cfg):
-    """megatron-core's OptimizerParamScheduler: linear warmup from scheduler.lr_warmup_init to optimizer.lr over
-    scheduler.lr_warmup_steps, then `lr_decay_style` to optimizer.min_lr at mpo.max_num_steps (never stop_after_step:
-    the segments of a chained run follow one schedule). The lr of schedule step n is used by optimizer step n + 1."""
+    """megatron-core's OptimizerParamScheduler: warmup from lr_warmup_init to optimizer.lr, then `lr_decay_style` to
+    min_lr at mpo.max_num_steps (the horizon of every segment). Schedule step n's lr is used by optimizer step n + 1."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     s, o, horizon = cfg.scheduler, cfg.optimizer, cfg.mpo.max_num_steps
@@ -247,10 +243,8 @@ def build_optimizer(policy, cfg):
 
 
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
-    """The run state (save_checkpoint writes it to run_state.json), fresh (`saved` None) or loaded with the model,
-    optimizer, scheduler and sampler from `saved` (checkpoint.RunState); then rank 0 writes the resolved config.
-    Keys: step, consumed_pairs, sampler (its state after the last finished step), reward_shift (δ for the next step),
-    reward_shift_num_updates (steps with bco/reward_count > 0), wandb_run_id."""
+    """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
+    sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config."""
     run = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
            "reward_shift_num_updates": 0, "wandb_run_id": None}  # fmt: skip
     if saved is not None:
@@ -289,9 +283,8 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 
 
 def agreed(load, ctx: Ctx):
-    """`load()` on every rank (collective over the world): its result, or, when any rank's load raised a DataError,
-    the error of the lowest failing rank raised on every rank (so that none waits in a collective for a rank that
-    stopped). One int all-reduce; the errors travel (pickled) only when some rank failed."""
+    """`load()` on every rank (collective): its result, or the DataError of the lowest failing rank, raised on every
+    rank, so that none waits in a collective for a rank that stopped."""
     try:
         result, error = load(), None
     except mmpr_data.DataError as e:  # e.g. an image changed since the index was built
@@ -313,9 +306,8 @@ NOT_FINITE = "the loss or the gradients are not finite (NaN or inf); the weights
 
 
 def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
-    """Collective over the world, before the optimizer step: one device-side assertion that the step's losses and
-    metrics (`local`, this rank's sums), δ's reward sum and every gradient in megatron DDP's buffers are finite on
-    every rank. It fails with RuntimeError(NOT_FINITE): at once on the CPU, as a device-side assert on a GPU."""
+    """Collective, before the optimizer step: one device-side assertion that the losses (`local`), δ's reward sum
+    and the gradients are finite on every rank; RuntimeError(NOT_FINITE) on the CPU, a device-side assert on a GPU."""
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device).reshape(())
                           for v in (*local.values(), reward_sum)])
     bad = torch.zeros(1, dtype=torch.long, device=ctx.device)
@@ -341,8 +333,7 @@ def plan_and_select(index: mmpr_data.PairIndex, ctx: Ctx, pair_ids: list[int]) -
 
 
 def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
-    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count), packed on the CPU
-    (pack.pack, or pack.pack_shared with `packing.shared_prompt`) and moved to the step's device once."""
+    """This DP rank's packed microbatches of a plan (pack.pack or pack.pack_shared), moved to the device once."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
     pack_fn = pack.pack_shared if pack.shared_prompt_on(ctx.cfg.packing) else pack.pack
     return [pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy)
@@ -350,8 +341,7 @@ def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_i
 
 
 def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward `model` on one packed microbatch, then mpo_loss.packed_sequence_logprobs: per-response log-prob sums
-    [S] (fp32) and response-token counts [S], S = batch.num_responses (chosen, rejected per pair) in either layout."""
+    """Per-response log-prob sums [S] (fp32) and response-token counts [S] of one microbatch, S = num_responses."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
     labels, loss_mask, seq_ids = batch.labels[0], batch.loss_mask[0], batch.loss_seq_ids()
     if ctx.cp > 1:
@@ -363,8 +353,7 @@ def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Te
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward:
-    counted on the batches' host copies, all-reduced on the step's device and read once."""
+    """The step's valid pairs over all DP ranks (mpo_loss's `num_global_pairs`), counted on the host copies."""
     local = 0
     for b in map(pack.host_view, batches):
         num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
@@ -375,8 +364,7 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
 
 
 def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
-    """Reference log-prob sums [S] of every microbatch (no grad). With `reference.offload` (GPU) the frozen reference
-    lives on the CPU and visits the GPU once per step, for these passes only."""
+    """Reference log-prob sums [S] of every microbatch (no grad; with `reference.offload` it visits the GPU here)."""
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
@@ -408,9 +396,8 @@ def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shif
 
 
 def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
-    """One optimizer step over this rank's microbatches: pair count, reference forward, policy forward + backward,
-    gradient reduction, finiteness check, optimizer and scheduler step, δ update. Returns (metrics of the step over
-    all DP ranks, the new reward shift δ). The device is read twice: the pair count and the metrics after the update."""
+    """One optimizer step over this rank's microbatches; returns (the step's metrics over all DP ranks, the new δ).
+    The device is read twice: the pair count and the metrics after the update."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
