@@ -8,6 +8,8 @@
 One optimizer step (`train_step`): load this DP rank's bins (`load_bins`), count the step's valid pairs
 (`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP gradient sum,
 `check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md).
+Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal
+(save, exit 0) and resumes from its run directory. Tests: `pytest tests/test_train.py`.
 """
 
 from __future__ import annotations
