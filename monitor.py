@@ -1,10 +1,6 @@
-"""What a training run reports and listens to: the per-step metrics (DP reduction, metrics.jsonl, Weights & Biases,
-the console line, MFU) and the stop signals; also the one-line error report and the resolved config file.
-
-Everything here runs on the side of train.py's loop and changes no number the step computes. Rank 0 writes; the
-collective parts (`reduce_metrics`, `StopSignal.should_stop`) run on every rank.
-
-Tests: `pytest tests/test_train.py tests/test_console.py`.
+"""What a training run reports and listens to, beside train.py's loop: stop signals (`StopSignal`), one-line errors
+(`exit_in_one_line`), step metrics (`reduce_metrics`, `speed_metrics`, `MetricsLog`: metrics.jsonl and W&B), the
+console lines and the resolved config file. Tests: `pytest tests/test_train.py tests/test_console.py`.
 """
 
 from __future__ import annotations
@@ -34,18 +30,8 @@ import mpo_loss
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (Slurm sends USR1 before the time limit) / SIGINT (Ctrl-C) / SIGHUP (a closed
-    terminal, a dropped ssh); the loop finishes the step, saves, exits 0. Under torchrun a Ctrl-C reaches every rank
-    twice (the terminal's and torchrun's forward); repeats are ignored, so a second Ctrl-C does not abort the save
-    (Ctrl-\\, SIGQUIT, still kills at once).
-
-    Under torchrun (TORCHELASTIC_RUN_ID or LOCAL_RANK set) a rank whose launcher is gone stops the same way after the
-    current step: `kill -9` of torchrun, the OOM killer, a signal torchrun does not handle (SIGUSR1 kills it). The
-    ranks run in sessions of their own and would otherwise train on as orphans that a restarted run collides with.
-
-    `should_stop()` is collective: the flag is all-reduced (MAX) so that every rank stops after the same step even
-    when the signal reaches the ranks at different times.
-    """
+    """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
+    finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
 
     SIGNALS = tuple(sorted(mmpr_data.STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (its data workers ignore them)
 
@@ -59,14 +45,11 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-        # Ignore repeats at the OS level: under Slurm a rank can get USR1 twice (step-wide delivery and the launcher's
-        # forward), and a repeat arriving while the interpreter shuts down would take the default action and kill the
-        # rank (exit -10), failing a job that had already saved.
+        # repeats ignored by the OS: a second USR1 (Slurm sends two) during shutdown would kill a rank that saved
         signal.signal(signum, signal.SIG_IGN)
 
     def launcher_gone(self) -> bool:
-        """Whether this rank's torchrun is gone (this process was re-parented); the first time, LOCAL_RANK 0 prints
-        one notice line on stderr (one per node: every rank there lost the same launcher)."""
+        """Whether this rank's torchrun is gone (re-parented); LOCAL_RANK 0 says so once on stderr."""
         if self.launcher is None or os.getppid() == self.launcher:
             return False
         if self.received is None and os.environ.get("LOCAL_RANK", "0") == "0":
@@ -76,14 +59,11 @@ class StopSignal:
         return True
 
     def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank received one of the signals or lost its launcher (collective: every rank calls it after
-        the same step)."""
+        """Whether any rank received a stop signal or lost its launcher (collective, after every step)."""
         return self._any_rank(self.launcher_gone() or self.received is not None, device)
 
     def interrupted(self, device: torch.device) -> bool:
-        """Whether any rank received a Ctrl-C (SIGINT) so far (collective). train.py asks before the first step: a
-        Ctrl-C while the data and models load ends the run there (exit 130, nothing trained, nothing saved), where
-        SIGTERM / SIGUSR1 / SIGHUP (a scheduler's grace period) still get their step and save."""
+        """Whether any rank received a Ctrl-C so far (collective; train.py asks once, before the first step)."""
         return self._any_rank(self.received == signal.SIGINT, device)
 
     @staticmethod
@@ -95,9 +75,8 @@ class StopSignal:
 
 
 class Console:
-    """A rank's sys.stdout / sys.stderr: a write or flush that finds the console gone (EIO: a hung-up terminal; EPIPE:
-    a closed pipe, e.g. `| tee` ended by the same hang-up) points the file descriptor at /dev/null and goes on, so the
-    rank still finishes its step and saves when the stop signal comes (`install()` wraps both streams once)."""
+    """sys.stdout / sys.stderr surviving a console gone (EIO, EPIPE): writes then go to /dev/null, so the rank still
+    saves at its stop signal."""
 
     GONE = (errno.EIO, errno.EPIPE)
 
@@ -132,10 +111,8 @@ class Console:
 
 
 def report_error(e: Exception) -> str:
-    """The one-line message of a known bad input (ConfigError / DataError / CheckpointError), printed to stderr by
-    global rank 0 only (every rank usually hits the same check). Under torchrun every rank also writes it to its
-    TORCHELASTIC_ERROR_FILE, so torchrun's failure report ends with this line ("Root Cause ... traceback : error: ...")
-    instead of a pointer to its documentation. Returns the message."""
+    """Print `error: <type>: <message>` on stderr (global rank 0) and write it to TORCHELASTIC_ERROR_FILE (every
+    rank), so torchrun's failure report ends with it. Returns the line."""
     msg = f"error: {type(e).__name__}: {e}"
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
@@ -146,10 +123,51 @@ def report_error(e: Exception) -> str:
     return msg
 
 
+def exit_in_one_line(run, known: tuple):
+    """`run()`'s exit code; a `known` error, a lost peer or an early Ctrl-C exits with one line, not tracebacks."""
+    try:
+        return run()
+    except known as e:
+        report_error(e)
+        if global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
+            time.sleep(5)
+        sys.exit(1)
+    except RuntimeError as e:
+        reason = lost_peer(e)
+        if reason is None:  # a bug: its traceback
+            raise
+        # each rank that saw it says so (rank 0 may be the one gone)
+        print(f"error: rank {global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler: nothing to save yet
+        if global_rank() == 0:
+            print("interrupted before the first step: nothing saved", file=sys.stderr)
+        sys.exit(130)
+
+
+def last_saved(saved_step: int, cfg) -> str:
+    """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
+    if saved_step <= 0:
+        return "no checkpoint was saved"
+    return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
+
+
+def diverged_message(e: Exception, step: int, resumed_from, saved_step: int, cfg) -> str:
+    """The line of a non-finite step: after a resume (`resumed_from`) the previous checkpoint, else a lower LR."""
+    if resumed_from is not None:
+        return (f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
+                "non-finite values (a damaged file that no checksum caught, or a run that was already diverging: "
+                f"check its logged loss); {checkpoint.move_away(resumed_from)}")
+    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
+                                           if saved_step else "")  # fmt: skip
+    return (f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr in another "
+            "checkpoint.dir, from model.hf_path or from an export of a good step; if the LR is already small, look at "
+            "extreme loss settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)")
+
+
 def lost_peer(e: BaseException) -> str | None:
-    """The one-line reason when `e` is this rank's view of another process of the job dying (a gloo connection closed
-    or reset: a rank killed by `kill -9` or the OOM killer; a DataLoader worker killed), else None. train.py prints it
-    as one line: this rank's traceback would show only where it waited."""
+    """The one-line reason when `e` is this rank's view of another process dying (a gloo connection closed or reset,
+    a DataLoader worker killed), else None."""
     msg = str(e).strip()
     gloo = re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg)
     if gloo:
@@ -168,14 +186,8 @@ RESOLVED_CONFIG_FILE = "config.json"
 
 
 def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path:
-    """Write the resolved config (defaults + TOML + overrides, as config.to_dict) to `<checkpoint.dir>/config.json`
-    (rank 0; replaced by every segment of a chained run, whose checkpoints keep their own copy in run_state.json);
-    returns its path.
-
-    `previous` = (N, the config saved with the resumed step_<N>), given when a resume changes loss settings
-    (train.resume): that config is first written to `config.step_<N>.json`, so the run directory keeps the settings
-    steps up to N ran with after step_<N> is pruned.
-    """
+    """Write the resolved config to `<checkpoint.dir>/config.json` (returns its path); with `previous` = (N, the
+    config of step_<N>), that one to `config.step_<N>.json` first."""
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     if previous is not None:
@@ -190,12 +202,8 @@ def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path
 
 
 def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
-    """Combine one rank's summed step metrics (mpo_loss.combine_metrics: floats, or 0-d tensors on `device`) over the
-    data-parallel `group`, in one all-reduce and one read of the device.
-
-    "mean" and "count" metrics (mpo_loss.METRIC_REDUCTION) are summed (mpo_loss's denominator contract), "constant"
-    ones are kept. "count" metrics (num_valid_pairs) come back as ints. Keys must be the same on every rank.
-    """
+    """One rank's summed step metrics (floats or 0-d tensors) over the DP `group`, one all-reduce and one read:
+    "mean" and "count" ones (mpo_loss.METRIC_REDUCTION) summed, counts as ints, "constant" ones kept."""
     keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
     kept = [k for k in local if k not in keys]
 
@@ -215,19 +223,15 @@ def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.
 
 
 def global_tokens(batches, dp_group, device: torch.device) -> int:
-    """Tokens the language model computes in the step (the `tokens` metric): the packed sequences' real tokens
-    (cu_seqlens[-1]: sequence and bin padding excluded) of this rank's microbatches (pack.PackedBatch), summed over the
-    DP ranks. Separate rows count every prompt twice (chosen and rejected row); the shared-prompt layout
-    (`packing.shared_prompt`) once per pair, so the same pairs give fewer tokens: tokens/s measures work done, pairs/s
-    (`pairs_per_s`) throughput."""
+    """Tokens the language model computes in the step (cu_seqlens[-1] of this rank's microbatches: no padding),
+    summed over DP. The shared-prompt layout counts a prompt once, separate rows twice."""
     tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
     dist.all_reduce(tokens, group=dp_group)
     return int(tokens.item())
 
 
 def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
-    """A step's throughput metrics: tokens (global tokens the language model computed, global_tokens: each
-    prompt once with packing.shared_prompt), step_time (s), pairs_per_s, tokens_per_s and mfu (`mfu`)."""
+    """A step's throughput metrics: tokens (`global_tokens`), step_time (s), pairs_per_s, tokens_per_s, mfu."""
     return {
         "tokens": tokens,
         "step_time": seconds,
@@ -238,17 +242,8 @@ def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world:
 
 
 def active_params(model, hf) -> int:
-    """Language-model parameters with matmul FLOPs per token (global over TP/EP): the N of `mfu`.
-
-    Counts `model.language_model` only (the RADIO ViT and the projector run on image patches, not on every LM token,
-    so they are left out) and leaves out the input embedding table (a lookup, no matmul FLOPs) unless it is tied to the
-    output layer. It keeps the output layer (the LM head matmul), every other dense parameter (Mamba, attention,
-    norms, routers, the dense MLPs and the shared expert whole) and `num_experts_per_tok / n_routed_experts` of the
-    routed experts' parameters (those under each MoE layer's `experts`). This rank's share is scaled to the global
-    count: tensor-parallel parameters by TP, routed-expert parameters by EP (and by expert-TP when split). Buffers
-    (the router's expert bias) are not parameters and not counted. Returns the count as an int; tests/test_omni_model.py
-    checks it against transformers' model of the same checkpoint.
-    """
+    """The N of `mfu`: language-model parameters with matmul FLOPs per token, global over TP/EP (no input embedding
+    unless tied; routed experts times top_k / n_routed; no ViT or projector)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -274,14 +269,8 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 
 
 def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
-    """Model FLOPs utilisation: (6·N·tokens for the policy fwd+bwd + 2·N·tokens for the reference fwd) /
-    (seconds · world · peak bf16 FLOPs of the GPU). None on CPU or an unknown GPU.
-
-    N = `n_active` (`active_params`): the language model's parameters with matmul FLOPs per token - output layer and
-    every dense parameter, shared expert whole, top_k / n_routed of the routed experts - without the input embedding
-    table (a lookup) and without the vision tower and projector. Ignores attention's quadratic term and the vision
-    tower's and projector's FLOPs on image patches (the hybrid LM is mostly Mamba and MoE layers, linear in tokens;
-    pack.py's cost model)."""
+    """Model FLOPs utilisation: 8·N·tokens (policy fwd+bwd, reference fwd) / (seconds · world · peak bf16 FLOPs),
+    N = `active_params`; None on CPU or an unknown GPU."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()
@@ -290,7 +279,7 @@ def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
 
 
 def wandb_failed(cfg, e: Exception) -> str:
-    """The one-line message for a wandb.init that failed (`e`, a wandb.errors.Error): what failed and the remedy."""
+    """The one-line message for a failed wandb.init (`e`, a wandb.errors.Error), with the remedy."""
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     return (
         f"logging.wandb = {cfg.logging.wandb!r}: wandb.init failed ({type(e).__name__}: {first}); on a machine "
@@ -300,8 +289,7 @@ def wandb_failed(cfg, e: Exception) -> str:
 
 
 def _row_step(row: str) -> float:
-    """The "step" of one metrics.jsonl row; -inf (kept by any resume) for a row that is not a JSON object with an
-    integer step (a hand-edited file): a resume never drops what it cannot read."""
+    """The "step" of one metrics.jsonl row; -inf (kept by any resume) for a row without an integer step."""
     try:
         step = json.loads(row)["step"]
     except (ValueError, KeyError, TypeError, IndexError):
@@ -314,25 +302,9 @@ class MetricsError(RuntimeError):
 
 
 class MetricsLog:
-    """`<checkpoint.dir>/metrics.jsonl` (one object per step, "step" first) and Weights & Biases, on global rank 0.
-
-    An existing metrics.jsonl is never restarted silently: a fresh start (resumed_step 0) moves it to
-    `metrics.<n>.jsonl` (the first free n), a resume drops its rows after `resumed_step` (a segment that stopped
-    before saving); both print a `metrics:` line. Both happen at the first `log` call, not at construction: a start
-    refused later (a changed setting, a damaged checkpoint, bad data, a failed first step) leaves the file as it was.
-
-    W&B: mode `logging.wandb` (online / offline / disabled; WANDB_MODE overrides it, config.apply_wandb_mode_env),
-    project WANDB_PROJECT else `logging.wandb_project`, WANDB_ENTITY and WANDB_NAME honoured; the run id is kept in
-    the checkpoint and reused with resume="allow" so the segments of a chained run continue one curve. WANDB_API_KEY
-    is read by wandb itself, never printed or written.
-
-    Collective under torch.distributed (every rank constructs it): rank 0's outcome is broadcast, so a failure there
-    stops every rank at once instead of leaving the others in the next collective.
-
-    Raises:
-        config.ConfigError: wandb.init failed (no network, a timeout, a rejected key: any wandb.errors.Error), with the
-            remedy (`wandb_failed`); on every rank.
-    """
+    """`<checkpoint.dir>/metrics.jsonl` (one object per step) and Weights & Biases, written by rank 0. At the first
+    `log` an earlier file moves to `metrics.<n>.jsonl` (fresh start) or loses its rows after `resumed_step`.
+    Collective: a failed wandb.init is a ConfigError on every rank."""
 
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
@@ -378,8 +350,7 @@ class MetricsLog:
         return None
 
     def _tidy(self, resumed_step: int) -> None:
-        """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside (fresh start) or drop its rows after
-        `resumed_step` (a resume), printing one `metrics:` line when it does either."""
+        """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside or drop its rows after the resume."""
         # surrogateescape: bytes that are not UTF-8 (a damaged or hand-edited file) are kept as they are
         text = self.path.read_text(errors="surrogateescape") if self.path.exists() else ""
         rows = [r for r in text.splitlines() if r.strip()]
@@ -411,13 +382,8 @@ class MetricsLog:
                       f"{rows[-1][:80]!r}")
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
-        """Rank 0: append {"step", "split", **metrics} to metrics.jsonl (tidied first at the first call) and log the
-        numeric metrics to W&B as `<split>/<name>` at `step`. Collective (every rank calls it): rank 0's outcome is
-        broadcast.
-
-        Raises:
-            MetricsError: on every rank, when rank 0 cannot write metrics.jsonl (the OSError, the free space).
-        """
+        """Rank 0: append {"step", "split", **metrics} to metrics.jsonl and log the numbers to W&B as `<split>/<name>`.
+        Collective: a MetricsError on every rank when rank 0 cannot write the file."""
         failed = None
         if self.rank == 0:
             try:
@@ -448,24 +414,20 @@ class MetricsLog:
 # Console lines (rank 0)
 
 
-def print_layout(ctx, world: int, kernels, pair_layout: str) -> None:
-    """The kernels line (`kernels`: Kernels) and the parallel layout line (rank 0) ending in the pair layout
-    (shared_prompt.resolve's description, e.g. "pairs: shared prompt (auto)"), and a note when a GPU-only setting
-    is ignored."""
+def print_layout(ctx, world: int, kernels, layout_desc: str) -> None:
+    """The kernels line and the parallel layout line ending in `layout_desc` (shared_prompt.resolve's)."""
     p = ctx.cfg.parallel
     print(kernels.line())
     print(
         f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
-        f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {pair_layout}"
+        f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {layout_desc}"
     )
     if ctx.cfg.reference.offload and ctx.device.type != "cuda":
         print("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, whether the training index came from its cache (`index cached`) or
-    was built now (`index built` / `rebuilt`, after an unreadable cache / `not cached`, with the cache off), rows
-    dropped by reason (mmpr_index.summary_drops), the split notes."""
+    """The data lines (rank 0): pairs per split, the index's cache status, rows dropped by reason, the notes."""
     if rank != 0:
         return
     status = train_split.index.cache_status.split(":")[0]
@@ -480,6 +442,21 @@ def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
         print(note)
 
 
+def print_resume(saved, notices: dict, data_changed: str | None, rank: int) -> None:
+    """The resume lines (rank 0): the step, changed data, changed settings (`notices`: {key: (saved, now)})."""
+    if rank != 0:
+        return
+    print(f"resumed from {saved.path} (step {saved.step}, reward_shift {saved.reward_shift!r})")
+    if data_changed:
+        print(f"resume: the training data changed since step {saved.step} ({data_changed})")
+    if notices:
+        note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
+                "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
+        changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
+        print(f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
+              f"up to {saved.step}: config.step_{saved.step}.json")
+
+
 def progress_bar(cfg, step: int, rank: int):
     """A tqdm bar over mpo.max_num_steps starting at `step` on rank 0 when stdout is a terminal, else None."""
     if rank != 0 or not sys.stdout.isatty():
@@ -490,7 +467,7 @@ def progress_bar(cfg, step: int, rank: int):
 
 
 def print_step(bar, step: int, cfg, metrics: dict, rank: int) -> None:
-    """The console line every logging.log_period steps (rank 0; through the bar when there is one); advances the bar."""
+    """The console line every logging.log_period steps (rank 0, through the bar if any); advances the bar."""
     if rank == 0 and step % cfg.logging.log_period == 0:
         (bar.write if bar else print)(format_line(step, cfg, metrics))
     if bar:

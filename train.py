@@ -3,43 +3,13 @@
     torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
     torchrun --nproc-per-node 8 train.py configs/nano.toml \
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
-    # one 8-GPU node; model.hf_path: a local directory holding the HF checkpoint (train.py reads no hub id)
 
-Offline preference training: for every packed microbatch the frozen reference model and the policy score the same
-chosen/rejected rows (two forward passes, no generation); mpo_loss.py turns the per-sequence log-ratios into the MPO
-loss (w_p·DPO + w_q·BCO + w_g·SFT). What one optimizer step does, in order (`train_step` below):
-
-    1. take `policy.train_global_batch_size` pairs (mmpr_data sampler, the same on every rank)
-    2. plan bins (pack.plan_step; a pair is never split) and load this data-parallel rank's bins
-    3. count the step's valid pairs over all ranks: the denominator of every loss term (mpo_loss's contract)
-    4. reference forward of every microbatch (no grad; with `reference.offload` the reference visits the GPU once)
-    5. per microbatch: policy forward -> fused MPO loss -> backward (`policy_forward_backward`; gradients accumulate)
-    6. gradient reduction over DP (a sum, by mpo_loss's denominator contract), optimizer step,
-       LR-scheduler step, then the BCO reward shift δ from the step's global statistics (used from the next step on)
-
-Device rule: every tensor a step touches lives on the step's device (`Ctx.device`: cuda:LOCAL_RANK, or the CPU).
-`load_bins` builds each packed microbatch on the CPU (pack.pack, or shared_prompt.pack with `packing.shared_prompt`:
-each pair's prompt once; in the data loader's processes) and moves the whole
-`PackedBatch` once (`PackedBatch.to`); from there on every tensor is made on the device of the tensor it derives from or
-with `device=ctx.device`. The batch keeps its CPU copy (`PackedBatch.host`): host numbers (offsets, image grids and
-positions, the pair layout) are read there, the few index tensors made from them go to the device from pinned memory
-(`pack.to_device`), and the step reads the device three times: the pair count before the first forward (the loss's
-denominator), the finiteness flags before the update, and the metrics and δ's statistics once after it. The
-exceptions are by design and off the step's path: the offloaded reference's weights (`reference.offload`: CPU between
-its passes), checkpoint files and the HF export (written from CPU copies), RNG states (CPU byte tensors).
-tests/test_train.py::test_train_step_keeps_one_device checks both with a recording TorchFunctionMode.
-
-Validation runs every `mpo.val_period` steps and at the end (same losses, no gradient, δ untouched). The job stops at
-`mpo.max_num_steps`, at `mpo.stop_after_step` (a segment of a chained run) or on SIGTERM / SIGUSR1 (Slurm's
-pre-timeout signal) / SIGINT (Ctrl-C) / SIGHUP: it finishes the current step, saves a checkpoint and exits 0. A run
-directory with a complete checkpoint resumes automatically (checkpoint.py). Metrics: one line per step on rank 0,
-`<checkpoint.dir>/metrics.jsonl` and Weights & Biases (`logging.wandb`); the resolved config goes to
-`<checkpoint.dir>/config.json`.
-
-Layout: `main(cfg)` first, in sections; then the set-up helpers, the run state and one step. The checks before any
-work are in preflight.py, the process groups (`Ctx`) in distributed.py, metrics, console and signals in monitor.py.
-
-Tests: `pytest tests/test_train.py`.
+`main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
+One optimizer step (`train_step`): load this DP rank's bins (`load_bins`), count the step's valid pairs
+(`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP gradient sum,
+`check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md).
+Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal
+(save, exit 0) and resumes from its run directory. Tests: `pytest tests/test_train.py`.
 """
 
 from __future__ import annotations
@@ -48,31 +18,22 @@ import copy
 import functools
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
 
-# One CUDA hardware work queue per device, set before CUDA starts (the driver reads it when it creates the context;
-# a value the user set wins). megatron-core's TP/SP linears (tensor_parallel/layers.py) and its DDP bucketing assume
-# it: kernels then run in launch order, so the TP all-gather / reduce-scatter it launches ahead of a GEMM overlaps with
-# that GEMM; otherwise megatron warns at the first step ("... recommended to set the environment variable
-# CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"). Megatron-LM's launch scripts set it the same way. Set here,
-# it covers every launch (torchrun by hand, slurm/train.sbatch, gpu_check.sh); on CPU nothing reads it.
+# one CUDA work queue per device: megatron-core's TP/SP overlap and DDP bucketing assume it (docs/DESIGN.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
-def _interrupted_while_importing(signum, frame) -> None:
-    """Ctrl-C during the imports below (several seconds): one line from rank 0 instead of a KeyboardInterrupt
-    traceback through torch's or megatron-core's import machinery on every rank. `__main__` restores Python's handler
-    once they are done (then train.main's StopSignal takes over)."""
+def _interrupted_while_importing(signum, frame) -> None:  # Ctrl-C in the imports below: one line, not a traceback
     if os.environ.get("RANK", "0") == "0":
         print("interrupted while starting: nothing saved", file=sys.stderr, flush=True)
     os._exit(130)
 
 
 if __name__ == "__main__":
-    import signal
-
     signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 import torch  # noqa: E402
@@ -105,31 +66,30 @@ def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = kernel_selection.select_kernels()
-    pair_layout = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
+    layout_desc = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
-    preflight.check_model_config(cfg, hf)  # megatron-core's constraints, before any process group, data or model
+    preflight.check_model_config(cfg, hf)
 
-    # -- distributed initialisation, seeds --------------------------------------------------------------------------
+    # -- distributed initialisation, seeds, the run directory -------------------------------------------------------
     distributed.set_deterministic(cfg.model.deterministic_mode)  # before the first CUDA work
     ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None))
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
-        monitor.print_layout(ctx, world, kernels, pair_layout)
+        monitor.print_layout(ctx, world, kernels, layout_desc)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
-    resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)  # refuses before heavy work
+    resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)
     saved = checkpoint.read_run_state(resume_from) if resume_from else None  # None: a fresh start
     notices = checkpoint.check_resume(saved, cfg) if saved else {}  # refuses another layout, β or LR schedule
-    saved_step = saved.step if saved else 0
     last = cfg.mpo.stop_after_step or cfg.mpo.max_num_steps
-    if saved_step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
+    if saved and saved.step >= last:  # a finished run (or segment): nothing is built, no W&B run is opened
         if rank == 0:
-            print(f"nothing to do: step {saved_step} already reached the stop step {last}")
+            print(f"nothing to do: step {saved.step} already reached the stop step {last}")
         return 0
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
-    log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved_step, rank)
-    stopper = monitor.StopSignal()  # also: under torchrun, a rank whose launcher died stops after its step
+    log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved.step if saved else 0, rank)
+    stopper = monitor.StopSignal()
     monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -145,71 +105,56 @@ def main(cfg) -> int:
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
     run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run["wandb_run_id"] = log.run_id
-
-    # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
     plan = functools.partial(plan_and_select, data.train_split.index, ctx)
-    gbs, workers = cfg.policy.train_global_batch_size, cfg.data.num_workers
-    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, gbs, plan, workers))
+    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, plan,
+                                       cfg.data.num_workers))
     if stopper.interrupted(ctx.device):  # a Ctrl-C while the data and models loaded: stop before any step
         if rank == 0:
             print("interrupted before the first step: nothing saved", file=sys.stderr)
         log.finish()
         return 130
-    bar = monitor.progress_bar(cfg, run["step"], rank)
-    t_start, steps_done = time.perf_counter(), 0
-    ddp.train()
-    saved_step = run["step"]  # the step of the latest checkpoint (0: none yet)
-    while True:
-        t0 = time.perf_counter()
-        step_data, error = None, None
-        try:
-            step_data = next(loader)
-        except mmpr_data.DataError as e:  # e.g. an image changed since the index was built, on any one rank
-            error = e
-        error = agreed_error(error, ctx)  # every rank stops with the same error, none waits in a collective
-        if error is not None:
-            if run["step"] > saved_step:  # keep the finished steps: fix the data, then resume from here
-                save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-                saved_step = run["step"]
-            raise mmpr_data.DataError(f"{error} (before step {run['step'] + 1}; {last_saved(saved_step, cfg)})")
-        batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-        try:
-            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
-        except DivergedError as e:
-            first = resume_from if steps_done == 0 else None
-            raise DivergedError(diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
-        advance_run_state(run, step_data, metrics, new_shift)
-        steps_done += 1
-        tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
-        metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
-        # oversized pairs are dropped at start (preflight.check_splits, the same size rule as the plans): a step's
-        # plan never drops one, so the count is the split's
-        metrics.update(dropped_oversized=data.train_split.dropped_oversized,
-                       consumed_pairs=run["consumed_pairs"],
-                       eta_s=(time.perf_counter() - t_start) / steps_done * (last - run["step"]))
-        step = run["step"]
-        log.log(step, metrics)
-        monitor.print_step(bar, step, cfg, metrics, rank)
 
-        at_end = step >= cfg.mpo.max_num_steps
-        if data.val_split is not None and (
-            (cfg.mpo.val_period and step % cfg.mpo.val_period == 0) or (at_end and cfg.mpo.val_at_end)
-        ):
-            try:
-                vm = validate(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
-            except mmpr_data.DataError as e:  # on every rank (validate agrees on it): keep the finished steps
+    # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
+    bar, t_start, start = monitor.progress_bar(cfg, run["step"], rank), time.perf_counter(), run["step"]
+    saved_step = start  # the step of the latest checkpoint (0: none yet)
+    ddp.train()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            step_data = agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
+            batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
+            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+            advance_run_state(run, step_data, metrics, new_shift)
+            step = run["step"]
+            tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
+            metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
+            metrics.update(dropped_oversized=data.train_split.dropped_oversized, consumed_pairs=run["consumed_pairs"],
+                           eta_s=(time.perf_counter() - t_start) / (step - start) * (last - step))
+            log.log(step, metrics)
+            monitor.print_step(bar, step, cfg, metrics, rank)
+            at_end = step >= cfg.mpo.max_num_steps
+            if data.val_split is not None and (cfg.mpo.val_period and step % cfg.mpo.val_period == 0
+                                               or at_end and cfg.mpo.val_at_end):
+                vm = run_validation(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+                log.log(step, vm, split="validation")
+                monitor.print_validation(step, vm, rank)
+            stop = stopper.should_stop(ctx.device)
+            segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
+            if at_end or segment_end or stop or (cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0):
                 save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-                raise mmpr_data.DataError(f"{e}; {last_saved(step, cfg)}") from None
-            log.log(step, vm, split="validation")
-            monitor.print_validation(step, vm, rank)
-        stop = stopper.should_stop(ctx.device)
-        segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
-        periodic = cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0
-        if at_end or segment_end or stop or periodic:
+                saved_step = step
+            if at_end or segment_end or stop:
+                break
+    except mmpr_rows.DataError as e:  # raised on every rank (`agreed`): keep the finished steps, then stop
+        if run["step"] > saved_step:
             save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-            saved_step = step
-        if at_end or segment_end or stop:
-            break
+        where = f"before step {run['step'] + 1}; {monitor.last_saved(run['step'], cfg)}"  # saved now or before
+        raise mmpr_rows.DataError(f"{e} ({where})") from None
+    except RuntimeError as e:
+        if not (isinstance(e, DivergedError) or str(e) == NOT_FINITE):  # NOT_FINITE: check_finite's assertion
+            raise
+        first = resume_from if run["step"] == start else None  # the first step after a resume: its state is suspect
+        raise DivergedError(monitor.diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     if rank == 0:
@@ -238,28 +183,21 @@ class Data:
 
 
 def load_data(cfg, hf, rank: int) -> Data:
-    """Load and check the splits (preflight.check_splits) and print the data lines (rank 0), the data warnings
-    (mmpr_rows.DataWarning) among them as plain lines, once."""
+    """Load and check the splits (preflight.check_splits); rank 0 prints the data lines and warnings, once."""
     processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
     with mmpr_rows.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, warned + notes, rank)
-    return Data(
-        train_split=train_split,
-        val_split=val_split,
-        train_set=mmpr_data.PairDataset(train_split.index, processor),
-        val_set=mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None,
-        sampler=mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle,
-                                      train_split.index.fingerprint),
-        ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0},
-    )
+    val_set = mmpr_data.PairDataset(val_split.index, processor) if val_split is not None else None
+    sampler = mmpr_data.PairSampler(train_split.pair_ids, cfg.data.train.seed, cfg.data.train.shuffle,
+                                    train_split.index.fingerprint)
+    return Data(train_split, val_split, mmpr_data.PairDataset(train_split.index, processor), val_set, sampler,
+                ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
 
 
 def build_policy_and_reference(cfg, ctx: Ctx):
-    """The policy and the frozen reference, both from model.hf_path's weights; with `reference.offload` (GPU) the
-    reference waits on the CPU between its passes. The reference is built first, so that with offload it has left the
-    GPU before the policy is built (one model on the GPU at a time). Returns (policy, reference)."""
+    """(policy, frozen reference) from model.hf_path; the reference first, off the GPU with `reference.offload`."""
 
     def build():
         model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
@@ -273,109 +211,56 @@ def build_policy_and_reference(cfg, ctx: Ctx):
 
 
 def build_scheduler(optimizer, cfg):
-    """megatron-core's OptimizerParamScheduler for `cfg`: linear warmup from scheduler.lr_warmup_init to optimizer.lr
-    over scheduler.lr_warmup_steps, then `lr_decay_style` to optimizer.min_lr at mpo.max_num_steps.
-
-    The horizon is always mpo.max_num_steps, never mpo.stop_after_step, so the segments of a chained run follow one
-    schedule. Megatron's convention: the lr of schedule step n (n = 0, 1, ...) is used by optimizer step n + 1.
-    Raises config.ConfigError when the schedule breaks config.validate_schedule.
-    """
+    """megatron-core's OptimizerParamScheduler: warmup from lr_warmup_init to optimizer.lr, then `lr_decay_style` to
+    min_lr at mpo.max_num_steps (the horizon of every segment). Schedule step n's lr is used by optimizer step n + 1."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config_mod.validate_schedule(cfg)
     s, o, horizon = cfg.scheduler, cfg.optimizer, cfg.mpo.max_num_steps
     return OptimizerParamScheduler(
-        optimizer,
-        init_lr=s.lr_warmup_init,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=s.lr_warmup_steps,
-        lr_decay_steps=horizon,
-        lr_decay_style=s.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=horizon,
-        wd_incr_style="constant",
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=horizon, lr_decay_style=s.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=horizon, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,  # a schedule change between segments: checkpoint.check_resume
-    )
+    )  # fmt: skip
 
 
 def build_optimizer(policy, cfg):
-    """megatron-core DDP around the policy, its Adam (distributed optimizer by default; bf16 params keep fp32 master
-    weights) and the LR scheduler. Returns (ddp, optimizer, scheduler).
-
-    The DDP sums gradients over data (and context) parallel ranks instead of averaging them (mpo_loss's denominator
-    contract), megatron's `calculate_per_token_loss` regime. Gradient buffers are fp32.
-    """
+    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (fp32 gradients summed over DP and CP:
+    mpo_loss's denominator contract), its Adam (distributed by default; bf16 params keep fp32 master weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optimizer
     ddp_model_cfg = copy.copy(policy.lm_config)
     ddp_model_cfg.calculate_per_token_loss = True  # DDP: gradient scaling 1 and a SUM reduction
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=o.use_distributed_optimizer
-    )
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                            use_distributed_optimizer=o.use_distributed_optimizer)
     ddp = DistributedDataParallel(ddp_model_cfg, ddp_cfg, policy)
     bf16 = cfg.model.params_dtype == "bfloat16"
     optim_cfg = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-    )
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
+    )  # fmt: skip
     with megatron_patches.cuda_to_cpu():
         optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
 
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
-    """The run state: fresh (step 0, δ = mpo.reward_shift; `saved` None) or loaded with the model, optimizer, scheduler
-    and sampler from `saved` (checkpoint.RunState); then writes the resolved config (rank 0; after a successful
-    resume, so a refused config never replaces the run's). `notices`, the changed settings checkpoint.check_resume
-    allowed, get one `resume:` line (saved -> now), and the saved config of the resumed step N is kept as
-    `config.step_<N>.json`; training data changed since step N with the same pair count (the sampler's index
-    fingerprint) prints one `resume:` line too.
-
-    Keys: step, consumed_pairs, sampler (the sampler's state after the last finished step), reward_shift (δ for the
-    next step), reward_shift_num_updates (how many optimizer steps moved δ, i.e. had bco/reward_count > 0: a recorded
-    diagnostic that training itself does not read), wandb_run_id; `save_checkpoint` writes them to run_state.json.
-    """
-    run = {
-        "step": 0,
-        "consumed_pairs": 0,
-        "sampler": None,
-        "reward_shift": cfg.mpo.reward_shift,
-        "reward_shift_num_updates": 0,
-        "wandb_run_id": None,
-    }
+    """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
+    sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config."""
+    run = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
+           "reward_shift_num_updates": 0, "wandb_run_id": None}  # fmt: skip
     if saved is not None:
         with megatron_patches.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)
         run.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates",
                                                    "wandb_run_id")})  # fmt: skip
         data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
-        if rank == 0:
-            print(f"resumed from {saved.path} (step {saved.step}, reward_shift {saved.reward_shift!r})")
-            if data_changed:
-                print(f"resume: the training data changed since step {saved.step} ({data_changed})")
-            if notices:
-                note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
-                        "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
-                changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
-                print(
-                    f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
-                    f"up to {saved.step}: config.step_{saved.step}.json"
-                )
+        monitor.print_resume(saved, notices, data_changed, rank)
     run["sampler"] = sampler.state_dict()
-    if rank == 0:
+    if rank == 0:  # after a successful resume: a refused config never replaces the run's
         print(f"config: {monitor.write_resolved_config(cfg, (saved.step, saved.config) if notices else None)}")
     return run
 
@@ -392,92 +277,54 @@ def advance_run_state(run: dict, step_data: mmpr_data.StepData, metrics: dict, n
 def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> None:
     """Checkpoint step run["step"] (collective) with the run state and the resolved config; prints the path."""
     run_state = {k: v for k, v in run.items() if k != "step"} | {"config": config_mod.to_dict(cfg)}
-    path = checkpoint.save(
-        cfg.checkpoint.dir, run["step"], ddp, optimizer, scheduler, run_state, cfg.checkpoint.keep_last
-    )
+    path = checkpoint.save(cfg.checkpoint.dir, run["step"], ddp, optimizer, scheduler, run_state,
+                           cfg.checkpoint.keep_last)
     if rank == 0:
         print(f"saved {path}")
 
 
-def last_saved(saved_step: int, cfg) -> str:
-    """`the latest checkpoint is <dir>/step_N` or `no checkpoint was saved`, for an error that stops the run."""
-    if saved_step <= 0:
-        return "no checkpoint was saved"
-    return f"the latest checkpoint is {checkpoint.step_dir(cfg.checkpoint.dir, saved_step)}"
+# ======================================================================================================================
+# Errors that stop the run: bad data on one rank, a non-finite step
 
 
-def diverged_message(e: DivergedError, step: int, resumed_from, saved_step: int, cfg) -> str:
-    """The one line of a non-finite step `step`. At the first step after resuming from `resumed_from` (a step_<N>;
-    None otherwise) the saved state is suspect (a file damaged where no checksum covers it), not the LR: the way out
-    is the previous checkpoint. Otherwise the run diverged: a lower optimizer.lr."""
-    if resumed_from is not None:
-        return (
-            f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
-            "non-finite values (a damaged file that no checksum caught, e.g. in a checkpoint saved before checksums "
-            f"were written; or a run that was already diverging: check its logged loss); "
-            f"{checkpoint.move_away(resumed_from)}"
-        )
-    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
-                                           if saved_step else "")  # fmt: skip
-    return (
-        f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr "
-        "in another checkpoint.dir, from model.hf_path or from an export of a good step (a resume keeps the "
-        "saved LR schedule); if the LR is already small, look at extreme loss settings (a very large "
-        "mpo.reference_policy_kl_penalty or mpo.reward_shift)"
-    )
-
-
-def agreed_error(error: Exception | None, ctx: Ctx) -> Exception | None:
-    """Collective over the world: None when no rank has an error, else the error of the lowest failing rank, the same
-    exception on every rank. A bad pair is loaded by one DP rank only; raised there alone, the other ranks would wait
-    in the step's first collective until the failing rank's exit broke it ("Connection closed by peer" tracebacks),
-    and global rank 0, which prints the error line, might not be the failing rank.
-
-    One int all-reduce per call on the step's device; the error objects travel (pickled) only when some rank failed.
-    """
+def agreed(load, ctx: Ctx):
+    """`load()` on every rank (collective): its result, or the DataError of the lowest failing rank, raised on every
+    rank, so that none waits in a collective for a rank that stopped."""
+    try:
+        result, error = load(), None
+    except mmpr_rows.DataError as e:  # e.g. an image changed since the index was built
+        result, error = None, e
     flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
     dist.all_reduce(flag)
     if int(flag.item()) == 0:
-        return None
+        return result
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    return next(e for e in errors if e is not None)
+    raise next(e for e in errors if e is not None)
 
 
 class DivergedError(RuntimeError):
-    """The loss or the gradients of a step are not finite: the optimizer step is not taken (train.py reports it in one
-    line, naming the step and the latest checkpoint)."""
+    """The loss or the gradients of a step are not finite: the optimizer step is not taken."""
 
 
-def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
-    """Collective over the world, before the optimizer step: the step's losses and metrics (`local`, this rank's sums)
-    and δ's reward sum are finite, and so is every gradient in megatron DDP's buffers (one isfinite pass over them).
-    A NaN or inf anywhere would otherwise go into the weights, the Adam moments and δ, and from there into every
-    later step and checkpoint (megatron-core checks gradients only under a loss scaler, i.e. fp16, or with its DDP's
-    check_for_nan_in_grad, which raises from inside the gradient reduction).
+NOT_FINITE = "the loss or the gradients are not finite (NaN or inf); the weights were not updated"
 
-    `local` and `reward_sum` are floats or 0-d tensors on the step's device: the check runs there, and its two flags
-    are the one value read back before the update.
 
-    Raises:
-        DivergedError: on every rank when any rank found a non-finite value (what: loss, gradients or both).
-    """
+def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
+    """Collective, before the optimizer step: one device-side assertion that the losses (`local`), δ's reward sum
+    and the gradients are finite on every rank; RuntimeError(NOT_FINITE) on the CPU, a device-side assert on a GPU."""
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device).reshape(())
                           for v in (*local.values(), reward_sum)])
-    flags = torch.zeros(2, dtype=torch.long, device=ctx.device)
-    flags[0] = (~torch.isfinite(values)).any()  # on the device, like the gradients' flag
+    bad = torch.zeros(1, dtype=torch.long, device=ctx.device)
+    bad |= (~torch.isfinite(values)).any()
     chunk = 1 << 26  # isfinite's bool temporary: 64 MiB at most, not one byte per gradient element of the buffer
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         if buffer.grad_data is not None:
             flat = buffer.grad_data.view(-1)
             for i in range(0, flat.numel(), chunk):
-                flags[1] |= (~torch.isfinite(flat[i : i + chunk])).any()  # on the device: one sync, below
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_bad, grad_bad = (bool(f) for f in flags.tolist())
-    if loss_bad or grad_bad:
-        what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", grad_bad)) if bad)
-        raise DivergedError(f"{what} {'is' if what == 'the loss' else 'are'} not finite (NaN or inf); the weights "
-                            "were not updated")
+                bad |= (~torch.isfinite(flat[i : i + chunk])).any()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # on every rank: a shard's NaN stops them all
+    torch._assert_async(bad[0] == 0, NOT_FINITE)
 
 
 # ======================================================================================================================
@@ -485,43 +332,33 @@ def check_finite(ddp, local: dict, reward_sum: float, ctx: Ctx) -> None:
 
 
 def plan_and_select(index: mmpr_index.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
-    """Plan a step's bins over all DP ranks (pack.plan_step) and select the pairs this DP rank loads: (plan, pair ids)
-    (mmpr_data.StepLoader's plan_fn, with `index` and `ctx` bound)."""
+    """(plan of the step's bins over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
 def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
-    """This DP rank's packed microbatches of a plan (dummy bins keep every rank at the same count): pack.pack, or
-    shared_prompt.pack with `packing.shared_prompt`."""
+    """This DP rank's packed microbatches of a plan (pack.pack or shared_prompt.pack), moved to the device once."""
     divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
     pack_fn = shared_prompt.pack if shared_prompt.on(ctx.cfg.packing) else pack.pack
-    return [
-        pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy).to(ctx.device)
-        for b in plan.ranks[ctx.dp_rank]
-    ]
+    return [pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy)
+            .to(ctx.device) for b in plan.ranks[ctx.dp_rank]]
 
 
 def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward `model` on one packed microbatch, then mpo_loss.packed_sequence_logprobs: per-response log-prob sums
-    [S] (fp32) and response-token counts [S], S = batch.num_responses (chosen, rejected per pair) in either layout."""
+    """Per-response log-prob sums [S] (fp32) and response-token counts [S] of one microbatch, S = num_responses."""
     logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
-    S = batch.num_responses
-    labels, loss_mask = batch.labels[0], batch.loss_mask[0]
-    seq_ids = batch.loss_seq_ids()
+    labels, loss_mask, seq_ids = batch.labels[0], batch.loss_mask[0], batch.loss_seq_ids()
     if ctx.cp > 1:
         index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
         labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
     cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
-    return mpo_loss.packed_sequence_logprobs(  # inplace_backward: the logits are read by nothing else
-        logits, labels, loss_mask, seq_ids, S, ctx.tp_group, cp_group, chunk, inplace_backward=True, check=False
-    )
+    return mpo_loss.packed_sequence_logprobs(logits, labels, loss_mask, seq_ids, batch.num_responses, ctx.tp_group,
+                                             cp_group, chunk, inplace_backward=True, check=False)  # logits: read once
 
 
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """Valid pairs of the step over all microbatches and DP ranks (mpo_loss's `num_global_pairs`), before any forward:
-    counted on the batches' host copies (pack.host_view), all-reduced on the step's device and read once (the loss's
-    denominator is a host number)."""
+    """The step's valid pairs over all DP ranks (mpo_loss's `num_global_pairs`), counted on the host copies."""
     local = 0
     for b in map(pack.host_view, batches):
         num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
@@ -532,8 +369,7 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
 
 
 def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
-    """Reference log-prob sums [S] of every microbatch (no grad). With `reference.offload` (GPU) the frozen reference
-    lives on the CPU and visits the GPU once per step, for these passes only."""
+    """Reference log-prob sums [S] of every microbatch (no grad; with `reference.offload` it visits the GPU here)."""
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
@@ -544,30 +380,19 @@ def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> 
     return out
 
 
-def policy_forward_backward(
-    batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int, backward: bool,
-    read: bool = True,
-):
-    """Policy forward + fused MPO loss over the microbatches, and the backward of each loss when `backward`
-    (gradients accumulate in megatron DDP's main_grad buffers); returns this rank's summed metrics and δ's statistics
-    (reward_sum, reward_count): Python floats, or with read=False 0-d float64 tensors on the step's device, so that
-    the microbatches run without waiting for the GPU (train_step reads them once, after the optimizer step)."""
+def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int,
+                            backward: bool, read: bool = True):
+    """Policy forward + MPO loss per microbatch, and its backward when `backward` (gradients accumulate in megatron
+    DDP's main_grad buffers). Returns this rank's summed metrics, reward_sum, reward_count: floats, or with read=False
+    0-d float64 tensors on the step's device (no wait for the GPU; train_step reads them after the update)."""
     per_mb = []
     for b, ref in zip(batches, ref_logprobs, strict=True):
         host = pack.host_view(b)  # the pair metadata on the host: mpo_loss matches the pairs there
         with torch.set_grad_enabled(backward):
             logprobs, num_response_tokens = forward_logprobs(policy, b, ctx)
-            loss, metrics, (s, c) = mpo_loss.mpo_loss(
-                logprobs,
-                ref,
-                num_response_tokens,
-                host.pair_index,
-                host.is_chosen,
-                host.sample_mask,
-                ctx.cfg.mpo,
-                reward_shift,
-                num_global_pairs,
-            )
+            loss, metrics, (s, c) = mpo_loss.mpo_loss(logprobs, ref, num_response_tokens, host.pair_index,
+                                                      host.is_chosen, host.sample_mask, ctx.cfg.mpo, reward_shift,
+                                                      num_global_pairs)
         if backward:
             loss.backward()  # megatron DDP accumulates into its main_grad buffers
         per_mb.append({**metrics, "bco/reward_sum": s, "bco/reward_count": c})
@@ -576,9 +401,8 @@ def policy_forward_backward(
 
 
 def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
-    """One optimizer step over this rank's microbatches (steps 3-6 of the module docstring: pair count, reference
-    forward, policy forward + backward, gradient reduction, optimizer and scheduler step, δ update). Returns (metrics
-    of the step over all DP ranks, the new reward shift δ)."""
+    """One optimizer step over this rank's microbatches; returns (the step's metrics over all DP ranks, the new δ).
+    The device is read twice: the pair count and the metrics after the update."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -586,13 +410,11 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     optimizer.zero_grad()
     num_global_pairs = count_global_pairs(batches, ctx)
     ref = reference_logprobs(reference, batches, ctx)
-    # MoE auxiliary loss as megatron-core's schedules scale it: a mean over microbatches, DP and CP ranks (our DP
-    # reduction sums, so the 1/(DP·CP) of megatron's averaging DDP goes here). A 0-d scale: set_loss_scale copies it
-    # into the class-level tensor, which megatron's backward creates 0-d when it runs first.
+    # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
+    # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
-    local, r_sum, r_count = policy_forward_backward(
-        batches, ref, ddp, ctx, reward_shift, num_global_pairs, backward=True, read=False
-    )
+    local, r_sum, r_count = policy_forward_backward(batches, ref, ddp, ctx, reward_shift, num_global_pairs,
+                                                    backward=True, read=False)
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
@@ -606,36 +428,22 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
                                      ctx.device)
     new_shift = mpo_loss.update_reward_shift(reward_shift, metrics["bco/reward_sum"], metrics["bco/reward_count"],
                                              ctx.cfg.mpo.reward_shift_momentum)
-    metrics.update(
-        lr=lr,
-        grad_norm=float(grad_norm),
-        num_global_pairs=num_global_pairs,
-        reward_shift=new_shift,  # δ after this step's update: the next step's, saved as run_state's reward_shift
-        reward_shift_used=reward_shift,  # δ this step's loss used (the exact float; mpo_loss reports it in fp32)
-    )
+    # reward_shift: δ after this update (the next step's); reward_shift_used: the exact δ this step's loss used
+    metrics.update(lr=lr, grad_norm=float(grad_norm), num_global_pairs=num_global_pairs, reward_shift=new_shift,
+                   reward_shift_used=reward_shift)
     return metrics, new_shift
 
 
-def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float, ids: dict) -> dict:
-    """The MPO losses and metrics on (up to mpo.val_batches batches of) the validation split; no gradient, δ fixed.
-
-    Batches of mpo.val_global_batch_size pairs in split order; the metrics are pair-weighted means over batches."""
-    cfg = ctx.cfg
-    policy.eval()
-    n = cfg.mpo.val_global_batch_size
+def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward_shift: float,
+                   ids: dict) -> dict:
+    """The MPO losses and metrics on up to mpo.val_batches batches of mpo.val_global_batch_size pairs of the
+    validation split, in split order; no gradient, δ fixed. Metrics are pair-weighted means over batches."""
+    cfg, n, total, pairs_seen = ctx.cfg, ctx.cfg.mpo.val_global_batch_size, {}, 0
     chunks = [val.pair_ids[i : i + n] for i in range(0, len(val.pair_ids), n)][: cfg.mpo.val_batches]
-    total: dict[str, float] = {}
-    pairs_seen = 0
+    policy.eval()
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
-        pairs, error = {}, None
-        try:
-            pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
-        except mmpr_data.DataError as e:
-            error = e
-        error = agreed_error(error, ctx)  # as in training: every rank stops with it
-        if error is not None:
-            raise mmpr_data.DataError(f"{error} (validation)")
+        pairs = agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs(reference, batches, ctx)
@@ -657,28 +465,10 @@ def validate(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, reward
 # ======================================================================================================================
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt as below
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt from here on
     path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
-    try:
-        code = main(config_mod.load_config(path, overrides))
-    except (config_mod.ConfigError, mmpr_data.DataError, checkpoint.CheckpointError, DivergedError,
-            monitor.MetricsError) as e:
-        # A bad setting, input or run directory: the message says what to change; a traceback (one per rank under
-        # torchrun) would only bury it.
-        monitor.report_error(e)
-        if monitor.global_rank() != 0:  # the same check fails on every rank: let rank 0 print before torchrun stops it
-            time.sleep(5)
-        sys.exit(1)
-    except RuntimeError as e:
-        reason = monitor.lost_peer(e)
-        if reason is None:  # a bug: its traceback
-            raise
-        # another process of the job died: each rank that saw it says so in one line (rank 0 may be the one gone)
-        print(f"error: rank {monitor.global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop installed its handler: nothing to save yet
-        if monitor.global_rank() == 0:
-            print("interrupted before the first step: nothing saved", file=sys.stderr)
-        sys.exit(130)
+    known = (config_mod.ConfigError, mmpr_rows.DataError, checkpoint.CheckpointError, DivergedError,
+             monitor.MetricsError)  # a bad setting, input or run directory: one line says what to change
+    code = monitor.exit_in_one_line(lambda: main(config_mod.load_config(path, overrides)), known)
     distributed.destroy_distributed()
     sys.exit(code)

