@@ -21,7 +21,9 @@ import bench
 import mamba_torch as mt
 import mpo_loss
 import pack
+import preflight
 import shared_prompt
+from config import ConfigError
 
 F64 = torch.float64
 IMG = 99
@@ -466,11 +468,11 @@ def test_shared_prompt_with_context_parallelism_is_a_config_error():
                                     shared_prompt=shared),
             parallel=SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=cp, sequence_parallel=False))
 
-    pack.validate_packing_config(cfg(True, 1))
-    pack.validate_packing_config(cfg(False, 2))
-    with pytest.raises(ValueError, match="packing.shared_prompt = true is not supported with "
-                                         "parallel.context_parallel_size = 2 yet"):
-        pack.validate_packing_config(cfg(True, 2))
+    preflight.check_packing(cfg(True, 1))
+    preflight.check_packing(cfg(False, 2))
+    with pytest.raises(ConfigError, match="packing.shared_prompt") as e:
+        preflight.check_packing(cfg(True, 2))
+    assert "parallel.context_parallel_size" in str(e.value)
 
 
 def test_head_shards_compute_their_heads_alone():
