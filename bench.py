@@ -1452,10 +1452,10 @@ def profile_regions(policy, optimizer):
         if isinstance(m, (TransformerLayer, MambaLayer)):
             for name in ("input_layernorm", "pre_mlp_layernorm", "norm"):
                 on_module(getattr(m, name, None), "layer norms")
-    for name in ("causal_conv1d_fn", "causal_conv1d_shared_prompt"):
-        on_call(mamba_torch, name, "Mamba conv")
-    for name in ("mamba_chunk_scan_combined", "mamba_chunk_scan_shared_prompt"):
-        on_call(mamba_torch, name, "Mamba scan")
+    for owner, name in ((mamba_torch, "causal_conv1d_fn"), (shared_prompt, "causal_conv1d")):
+        on_call(owner, name, "Mamba conv")
+    for owner, name in ((mamba_torch, "mamba_chunk_scan_combined"), (shared_prompt, "mamba_chunk_scan")):
+        on_call(owner, name, "Mamba scan")
     # the `mamba triton` set: its conv by name, its scan in the kernels dict mamba_triton.kernels() hands out
     on_call(mamba_triton, "causal_conv1d_fn", "Mamba conv")
     try:

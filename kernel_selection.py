@@ -90,23 +90,6 @@ def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: 
                    experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "sequential")
 
 
-def shared_prompt_kernels(fn) -> dict:
-    """The conv_fn / scan_fn / norm_fn of mamba_torch.mamba_split_conv1d_scan_shared_prompt that match the fused
-    Mamba function `fn` megatron calls."""
-    import mamba_torch
-    import mamba_triton
-
-    if fn is mamba_torch.mamba_split_conv1d_scan_combined:
-        return {}
-    if fn is mamba_triton.mamba_split_conv1d_scan_combined:
-        return mamba_triton.kernels()
-    from causal_conv1d import causal_conv1d_fn
-    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    return {"conv_fn": causal_conv1d_fn, "scan_fn": mamba_chunk_scan_combined, "norm_fn": rmsnorm_fn}
-
-
 def install_torch_mamba() -> None:
     # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
     # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_torch's kernels.

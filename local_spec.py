@@ -2,7 +2,8 @@
 
 - `LocalNorm`, `LocalNormColumnParallelLinear`: fp32 norms, alone or before a column-parallel linear (TE's names).
 - `GroupedExperts`: SequentialMLP with one grouped GEMM per projection.
-- `ThdDotProductAttention`: THD-packed core attention (SDPA per sequence or one varlen call), CP, shared prompt.
+- `ThdDotProductAttention`: THD-packed core attention (SDPA per sequence or one varlen call), CP; a shared-prompt
+  row goes to shared_prompt.attention.
 - `local_hybrid_stack_spec`, `local_vit_layer_spec`: the specs built of these modules."""
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import nn
 
-import megatron_patches
+import shared_prompt
 from pack import cp_partition_index
-from shared_prompt import spans as shared_prompt_spans
 
 # ======================================================================================================================
 # Modules with Transformer Engine's parameter names
@@ -183,75 +183,6 @@ def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
     return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
 
 
-def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            segment_cu_seqlens_padded: torch.Tensor, scale: float | None = None,
-                            dropout_p: float = 0.0) -> torch.Tensor:
-    """Shared-prompt THD row (shared_prompt.pack): [prompt | chosen] causal, rejected queries
-    against [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
-    key/value [T, groups, d], segment offsets int [3P+1] -> [T, heads * d]."""
-    T, h, d = query.shape
-    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, T)
-    rep = h // key.shape[1]
-    q = query.permute(1, 0, 2)  # [h, T, d]
-    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
-    # torch.split views, not slices: a split's backward is one concatenation, not a zero-filled row per slice.
-    # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
-    end = spans[-1][3] if spans else 0
-    runs = [n for a, c0, r0, e in spans for n in (r0 - a, e - r0)] + [T - end]
-    segs = [n for a, c0, r0, e in spans for n in (c0 - a, r0 - c0, e - r0)] + [T - end]
-    q_runs = q.split(runs, dim=1)
-    k_runs, v_runs = k.split(runs, dim=1), v.split(runs, dim=1)
-    k_segs, v_segs = k.split(segs, dim=1), v.split(segs, dim=1)
-    outs = []
-
-    def sdpa(qs, ks, vs, mask=None):  # as [1, h, n, d]: torch's fused kernels (flash, memory-efficient) take 4-D only
-        return torch.nn.functional.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
-                                                                dropout_p=dropout_p, is_causal=mask is None,
-                                                                scale=scale)[0]
-
-    for i, (a, c0, r0, e) in enumerate(spans):
-        if r0 > a:
-            outs.append(sdpa(q_runs[2 * i], k_runs[2 * i], v_runs[2 * i]))
-        if e > r0:
-            n_p, n_r = c0 - a, e - r0
-            keys = torch.cat([k_segs[3 * i], k_segs[3 * i + 2]], dim=1)
-            vals = torch.cat([v_segs[3 * i], v_segs[3 * i + 2]], dim=1)
-            mask = bottom_right_causal_mask(n_r, n_p + n_r, q.device)
-            outs.append(sdpa(q_runs[2 * i + 1], keys, vals, mask))
-    if end < T:
-        outs.append(sdpa(q_runs[-1], k_runs[-1], v_runs[-1]))
-    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
-    return out.permute(1, 0, 2).reshape(T, h * d)
-
-
-def shared_prompt_varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> dict:
-    """The shared-prompt row as one varlen call: per pair the queries [prompt | chosen],
-    [rejected] against keys [prompt | chosen], [prompt | rejected], then the tail. Returns kv_index int64 [T_kv],
-    cu_seqlens_q / cu_seqlens_kv int32 [S+1], max_seqlen_q / max_seqlen_kv."""
-    spans = shared_prompt_spans(segment_cu_seqlens_padded, total_tokens)
-    q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
-    for a, c0, r0, e in spans:
-        if r0 > a:
-            q_lens.append(r0 - a)
-            kv_parts.append([(a, r0)])
-        if e > r0:
-            q_lens.append(e - r0)
-            kv_parts.append([(a, c0), (r0, e)])
-    end = spans[-1][3] if spans else 0
-    if end < total_tokens:
-        q_lens.append(total_tokens - end)
-        kv_parts.append([(end, total_tokens)])
-    kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
-    device = segment_cu_seqlens_padded.device
-    ranges = [torch.arange(lo, hi, device=device) for parts in kv_parts for lo, hi in parts]
-    cu = [torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (q_lens, kv_lens)]
-    return {"kv_index": torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device=device),
-            "cu_seqlens_q": cu[0], "cu_seqlens_kv": cu[1],
-            "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
-
-
 # Devices whose THD attention goes to `varlen_attention` (the CPU tests add "cpu" with a stand-in varlen_attn).
 VARLEN_DEVICE_TYPES = frozenset({"cuda"})
 
@@ -280,17 +211,6 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key, value = key.repeat_interleave(h // g, dim=1), value.repeat_interleave(h // g, dim=1)
     out = varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **kw)
     return out.reshape(query.shape[0], h * query.shape[2])
-
-
-def shared_prompt_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                   segment_cu_seqlens_padded: torch.Tensor, attention_fn) -> torch.Tensor:
-    """`shared_prompt_attention` as one call of attention_fn (`varlen_attention`, or TE's in omni_model; the tests'
-    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `shared_prompt_varlen_layout`."""
-    T, h, _ = query.shape
-    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    lay = shared_prompt_varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
-    return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
-                        lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
 class ThdDotProductAttention(nn.Module):
@@ -329,14 +249,14 @@ class ThdDotProductAttention(nn.Module):
         assert attention_bias is None
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
+        segments = shared_prompt.SEGMENTS.get()
         varlen = self._varlen(query, thd)
-        if segments is not None and thd:  # shared-prompt row (CP refused at start: pack.validate_packing_config)
+        if segments is not None and thd:  # a shared-prompt row (CP refused at start: preflight.check_packing)
             assert causal and self.config.context_parallel_size == 1
             if varlen:
-                return shared_prompt_varlen_attention(query, key, value, segments,
-                                                      attention_fn=partial(varlen_attention, scale=self.scale))
-            return shared_prompt_attention(query, key, value, segments, scale=self.scale,
+                return shared_prompt.varlen_attention(query, key, value, segments,
+                                                      partial(varlen_attention, scale=self.scale))
+            return shared_prompt.attention(query, key, value, segments, scale=self.scale,
                                            dropout_p=self.dropout if self.training else 0.0)
         if varlen:  # one call over the row's sequences (those of _query_runs without CP: whole, in row order)
             cu = packed_seq_params.cu_seqlens_q_padded

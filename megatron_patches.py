@@ -27,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import kernel_selection
+import shared_prompt
 from kernel_selection import Kernels, select_kernels
 
 MEGATRON_CORE_VERSION_CHECKED = "0.19.2"  # every SHIM marker names a line of this release
@@ -45,11 +46,10 @@ _APPLIED = False
 _INSTALLED: set[str] = set()
 
 # Per-forward state, set by omni_model around the language model and read by the patched layers (context variables,
-# so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context).
+# so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context); the layout's
+# is shared_prompt.SEGMENTS.
 # The time-step clamp (min, max) of the Mamba mixer running now (OmniMambaMixer); None: megatron's (0, inf).
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
-# segment_cu_seqlens_padded (int32 [3P+1]) of a shared-prompt batch (shared_prompt.pack); None: separate rows.
-SHARED_PROMPT_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
 # True while the row holds no real token (a dummy bin): the MoE routers run as in evaluation.
 ROUTERS_WITHOUT_STATISTICS: contextvars.ContextVar = contextvars.ContextVar("omni_routers_without_statistics",
                                                                             default=False)
@@ -391,7 +391,7 @@ def cuda_to_cpu():
 
 def install_mamba_scan_hook() -> None:
     """Wrap the fused Mamba scan megatron calls: pass MAMBA_DT_LIMIT as `dt_limit`, and run
-    mamba_torch.mamba_split_conv1d_scan_shared_prompt while SHARED_PROMPT_SEGMENTS is set.
+    shared_prompt.mamba_split_conv1d_scan while shared_prompt.SEGMENTS is set.
 
     SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:755
     """
@@ -405,12 +405,10 @@ def install_mamba_scan_hook() -> None:
         limit = MAMBA_DT_LIMIT.get()
         if limit is not None and "dt_limit" not in kwargs:
             kwargs["dt_limit"] = limit
-        segments = SHARED_PROMPT_SEGMENTS.get()
+        segments = shared_prompt.SEGMENTS.get()
         if segments is not None:
-            import mamba_torch
-
-            return mamba_torch.mamba_split_conv1d_scan_shared_prompt(
-                *args, segment_cu_seqlens_padded=segments, **kwargs, **kernel_selection.shared_prompt_kernels(fn))
+            return shared_prompt.mamba_split_conv1d_scan(*args, segment_cu_seqlens_padded=segments, **kwargs,
+                                                         **shared_prompt.mamba_kernels(fn))
         return fn(*args, **kwargs)
 
     omni_mamba_scan._omni_scan_hook = True
@@ -420,7 +418,7 @@ def install_mamba_scan_hook() -> None:
 
 def _recompute_in_forward_context() -> None:
     # SHIM(megatron-core 0.19.2): megatron/core/tensor_parallel/random.py:591
-    # CheckpointFunction recomputes in backward, after the forward reset the context variables above (and on a GPU in
+    # CheckpointFunction recomputes in backward, after the forward reset the context variables (and on a GPU in
     # autograd's thread): run the forward and its recomputation in a copy of the caller's context.
     from megatron.core.tensor_parallel.random import CheckpointFunction
 

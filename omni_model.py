@@ -38,13 +38,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.tensor_parallel import RowParallelLinear, scatter_to_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
 import kernel_selection
 import mamba_triton
 import megatron_patches
+import shared_prompt
 from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import (
     cp_partition_index,
@@ -226,55 +226,14 @@ def _mamba_params(hf: OmniHFConfig, model_cfg) -> dict:
 
 
 def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
-    """megatron-core's TE `hybrid_stack_spec` with OmniMambaMixer and `shared_prompt_te_attention`."""
+    """megatron-core's TE `hybrid_stack_spec` with OmniMambaMixer and `shared_prompt.te_attention`."""
     spec = copy.deepcopy(hybrid_stack_spec)
     mixer = spec.submodules.mamba_layer.submodules.mixer
     mixer.module = OmniMambaMixer
     mixer.params = {**(mixer.params or {}), **_mamba_params(hf, model_cfg)}
     attention = spec.submodules.attention_layer.submodules.self_attention.submodules
-    attention.core_attention = shared_prompt_te_attention(attention.core_attention)
+    attention.core_attention = shared_prompt.te_attention(attention.core_attention)
     return spec
-
-
-def shared_prompt_te_attention(base: type) -> type:
-    """A subclass of `base` (megatron's TEDotProductAttention) that runs a shared-prompt THD forward
-    (megatron_patches.SHARED_PROMPT_SEGMENTS set) as ONE TE varlen call of local_spec.shared_prompt_varlen_attention
-    (attn_mask_type "padding_causal_bottom_right", attention_type "cross" during the call: docs/DESIGN.md); any
-    other forward is `base`'s. Checked against a TE stand-in (tests/test_shared_prompt_te.py) and tests/test_gpu.py."""
-    from local_spec import shared_prompt_varlen_attention
-
-    class SharedPromptTEDotProductAttention(base):
-        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
-                    packed_seq_params=None, **kwargs):
-            """As `base.forward`; shared prompt: query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
-            segments = megatron_patches.SHARED_PROMPT_SEGMENTS.get()
-            if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-                return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
-            assert attention_bias is None and self.config.context_parallel_size == 1  # CP: pack.validate_packing_config
-            assert attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal), attn_mask_type
-            te_forward = super(base, self).forward  # transformer_engine.pytorch.DotProductAttention.forward
-
-            def attend(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
-                return te_forward(q, k, v, None, qkv_format="thd", cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q,
-                                  cu_seqlens_kv_padded=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                                  max_seqlen_kv=max_seqlen_kv, attn_mask_type="padding_causal_bottom_right")
-
-            # fewer queries than keys: TE's cross-attention masks (docs/DESIGN.md)
-            modules = [self] + [m for m in (getattr(self, n, None) for n in
-                                            ("flash_attention", "fused_attention", "unfused_attention"))
-                                if m is not None]
-            saved = [m.attention_type for m in modules]
-            for m in modules:
-                m.attention_type = "cross"
-            try:
-                return shared_prompt_varlen_attention(query, key, value, segments, attend)
-            finally:
-                for m, kind in zip(modules, saved, strict=True):
-                    m.attention_type = kind
-
-    return SharedPromptTEDotProductAttention
 
 
 def have_transformer_engine() -> bool:
@@ -466,32 +425,27 @@ class OmniModel(nn.Module):
         psp = thd_packed_seq_params(cu, cu_pad, max_seqlen, host=(cu_h.tolist(), cu_pad_h.tolist()))
         # Padding and weight-0 tokens leave the routers' statistics: megatron's padding_mask [1, rank tokens], True =
         # padding, sliced like the embeddings (CP layout, then this rank's SP chunk: HybridModel does not scatter it).
-        segments = _get(batch, "segment_cu_seqlens_padded")  # the shared-prompt layout (shared_prompt.pack)
-        sample_mask = _get(batch, "sample_mask")
+        sample_mask, sample_mask_h = _get(batch, "sample_mask"), _get(host, "sample_mask")
+        segments = _get(batch, "segment_cu_seqlens_padded")  # a shared-prompt row (shared_prompt.pack)
         if segments is not None:
-            assert cp == 1  # pack.validate_packing_config
+            assert cp == 1  # preflight.check_packing
             segments = segments.to(device)
-            if sample_mask is not None:  # per response [2P] -> per pair span [P] (both rows of a pair share it)
-                sample_mask = sample_mask.view(-1, 2).amax(dim=1)
+            sample_mask, sample_mask_h = map(shared_prompt.span_sample_mask, (sample_mask, sample_mask_h))
         pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
-        sample_mask_h = _get(host, "sample_mask")
-        if segments is not None and sample_mask_h is not None:
-            sample_mask_h = sample_mask_h.view(-1, 2).amax(dim=1)
         no_real_token = bool(routing_padding_mask(cu_h, cu_pad_h, T, sample_mask_h).all())  # on the host
         if cp > 1:
             pad = pad[index]
         if self.lm_config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-        token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(segments)  # the Mamba and attention layers read it
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
         try:
-            with megatron_patches.routers_without_statistics(no_real_token and self.training):
+            with (shared_prompt.active(segments),  # the Mamba and attention layers read them; None: separate rows
+                  megatron_patches.routers_without_statistics(no_real_token and self.training)):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:
             mamba_triton.CONV_OFFSETS.reset(conv)
-            megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
         return logits[0]
 
     def _conv_offsets(self, psp, cu_pad: torch.Tensor, device):

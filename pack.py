@@ -22,43 +22,6 @@ IGNORE_INDEX = -100  # label of positions that predict nothing (sequence ends, p
 ATTENTION_QUADRATIC_TOKENS = 145_000.0
 
 
-# ======================================================================================================================
-# Validation
-
-
-def validate_divisibility(divisible_by: int, tp: int, cp: int, sequence_parallel: bool) -> None:
-    """ValueError unless `divisible_by` is a multiple of 2*CP, times TP under sequence parallelism (NeMo-RL's rule)."""
-    assert divisible_by >= 1  # config.validate
-    need = 1
-    why = []
-    if cp > 1:
-        need *= 2 * cp
-        why.append(f"2*CP = {2 * cp} (context parallelism cuts each sequence into 2*CP chunks)")
-    if sequence_parallel and tp > 1:
-        need *= tp
-        why.append(f"TP = {tp} (sequence parallelism splits each rank's tokens over TP)")
-    if divisible_by % need != 0:
-        raise ValueError(
-            f"packing.make_sequence_length_divisible_by = {divisible_by} must be a multiple of {need} "
-            f"for TP = {tp}, CP = {cp}, sequence_parallel = {sequence_parallel}: " + " times ".join(why)
-        )
-
-
-def validate_packing_config(cfg) -> None:
-    """ValueError for a `validate_divisibility` failure or `shared_prompt.check_parallel`'s."""
-    import shared_prompt
-
-    assert cfg.packing.pair_grouping_key == "pair_index"  # config's Literal type
-    shared_prompt.check_parallel(cfg)
-    p = cfg.parallel
-    validate_divisibility(
-        cfg.packing.make_sequence_length_divisible_by,
-        p.tensor_model_parallel_size,
-        p.context_parallel_size,
-        p.sequence_parallel,
-    )
-
-
 def padded_length(length: int, divisible_by: int) -> int:
     """`length` rounded up to a multiple of `divisible_by` (tokens)."""
     return -(-length // divisible_by) * divisible_by

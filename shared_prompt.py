@@ -2,17 +2,35 @@
 
 The prompt is stored and computed once; the rejected segment attends to the prompt but not to the chosen one, so each
 response token sees what it sees as a separate row, with the same labels, loss mask and positions.
-- Switch: `resolve` ("auto" at start), `on`, `check_parallel`. Planning: `span_sizes`.
-- Packing: `prefix_length`, `pack`. Offsets: `spans`, `response_sequence_ids`.
-Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_shared_prompt.py, tests/test_shared_prompt_model.py.
+- Switch: `resolve` ("auto" at start), `on`; at run time `SEGMENTS`, set by OmniModel.forward through `active`.
+- Pack side: `span_sizes` (planning), `prefix_length`, `pack`; offsets `spans`, `response_sequence_ids`.
+- Model side: `attention` / `varlen_attention` (local spec), `te_attention` (TE spec); the Mamba-2 conv and scan
+  `causal_conv1d`, `mamba_chunk_scan`, `mamba_split_conv1d_scan` on the kernels of `mamba_kernels` (megatron_patches'
+  scan hook calls them).
+Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_shared_prompt.py, tests/test_shared_prompt_model.py,
+tests/test_shared_prompt_te.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from mamba_torch import (
+    _NO_LIMIT,
+    _compute_dtype,
+    _mixer_dims,
+    _mixer_tail,
+    _processed_dt,
+    _scan,
+    causal_conv1d_fn,
+    rmsnorm_fn,
+    seq_idx_from_cu_seqlens,
+)
 from pack import IGNORE_INDEX, PackedBatch, PreferencePair, _check_pair, _packed_batch, padded_length
 
 # ======================================================================================================================
@@ -48,14 +66,24 @@ def on(packing) -> bool:
     return packing.shared_prompt
 
 
-def check_parallel(cfg) -> None:
-    """ValueError for packing.shared_prompt = true with CP > 1."""
-    cp = cfg.parallel.context_parallel_size
-    if getattr(cfg.packing, "shared_prompt", False) is True and cp > 1:
-        raise ValueError(
-            f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = {cp} yet; set "
-            "packing.shared_prompt = \"auto\" (separate rows with CP) or false, or context_parallel_size = 1"
-        )
+# segment_cu_seqlens_padded (int32 [3P+1]) of the shared-prompt row running now; None: separate rows. A context
+# variable, so activation recomputation sees it too (megatron_patches._recompute_in_forward_context).
+SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
+
+
+@contextlib.contextmanager
+def active(segments: torch.Tensor | None):
+    """`SEGMENTS` = segments inside the block (OmniModel.forward, around the language model)."""
+    token = SEGMENTS.set(segments)
+    try:
+        yield
+    finally:
+        SEGMENTS.reset(token)
+
+
+def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Per response [2P] -> per pair span [P] (the routers see one sequence per span; both rows share it)."""
+    return None if sample_mask is None else sample_mask.view(-1, 2).amax(dim=1)
 
 
 # ======================================================================================================================
@@ -168,3 +196,331 @@ def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens:
     ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
     ids[-1] = n
     return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
+
+
+# ######################################################################################################################
+# Model side: the layers of a shared-prompt row (read `SEGMENTS`; the separate-rows code never sees the layout)
+
+# ======================================================================================================================
+# Attention
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_cu_seqlens_padded: torch.Tensor,
+              scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of a shared-prompt row (`pack`): [prompt | chosen] causal, rejected queries against
+    [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
+    key/value [T, groups, d], segment offsets int [3P+1] -> [T, heads * d]."""
+    from local_spec import bottom_right_causal_mask
+
+    T, h, d = query.shape
+    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
+    bounds = spans(segment_cu_seqlens_padded, T)
+    rep = h // key.shape[1]
+    q = query.permute(1, 0, 2)  # [h, T, d]
+    k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
+    # torch.split views, not slices: a split's backward is one concatenation, not a zero-filled row per slice.
+    # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
+    end = bounds[-1][3] if bounds else 0
+    runs = [n for a, c0, r0, e in bounds for n in (r0 - a, e - r0)] + [T - end]
+    segs = [n for a, c0, r0, e in bounds for n in (c0 - a, r0 - c0, e - r0)] + [T - end]
+    q_runs = q.split(runs, dim=1)
+    k_runs, v_runs = k.split(runs, dim=1), v.split(runs, dim=1)
+    k_segs, v_segs = k.split(segs, dim=1), v.split(segs, dim=1)
+    outs = []
+
+    def sdpa(qs, ks, vs, mask=None):  # as [1, h, n, d]: torch's fused kernels (flash, memory-efficient) take 4-D only
+        return torch.nn.functional.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                                                dropout_p=dropout_p, is_causal=mask is None,
+                                                                scale=scale)[0]
+
+    for i, (a, c0, r0, e) in enumerate(bounds):
+        if r0 > a:
+            outs.append(sdpa(q_runs[2 * i], k_runs[2 * i], v_runs[2 * i]))
+        if e > r0:
+            n_p, n_r = c0 - a, e - r0
+            keys = torch.cat([k_segs[3 * i], k_segs[3 * i + 2]], dim=1)
+            vals = torch.cat([v_segs[3 * i], v_segs[3 * i + 2]], dim=1)
+            mask = bottom_right_causal_mask(n_r, n_p + n_r, q.device)
+            outs.append(sdpa(q_runs[2 * i + 1], keys, vals, mask))
+    if end < T:
+        outs.append(sdpa(q_runs[-1], k_runs[-1], v_runs[-1]))
+    out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)
+    return out.permute(1, 0, 2).reshape(T, h * d)
+
+
+def varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> dict:
+    """The shared-prompt row as one varlen call: per pair the queries [prompt | chosen],
+    [rejected] against keys [prompt | chosen], [prompt | rejected], then the tail. Returns kv_index int64 [T_kv],
+    cu_seqlens_q / cu_seqlens_kv int32 [S+1], max_seqlen_q / max_seqlen_kv."""
+    bounds = spans(segment_cu_seqlens_padded, total_tokens)
+    q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
+    for a, c0, r0, e in bounds:
+        if r0 > a:
+            q_lens.append(r0 - a)
+            kv_parts.append([(a, r0)])
+        if e > r0:
+            q_lens.append(e - r0)
+            kv_parts.append([(a, c0), (r0, e)])
+    end = bounds[-1][3] if bounds else 0
+    if end < total_tokens:
+        q_lens.append(total_tokens - end)
+        kv_parts.append([(end, total_tokens)])
+    kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
+    device = segment_cu_seqlens_padded.device
+    ranges = [torch.arange(lo, hi, device=device) for parts in kv_parts for lo, hi in parts]
+    cu = [torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (q_lens, kv_lens)]
+    return {"kv_index": torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device=device),
+            "cu_seqlens_q": cu[0], "cu_seqlens_kv": cu[1],
+            "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     segment_cu_seqlens_padded: torch.Tensor, attention_fn) -> torch.Tensor:
+    """`attention` as one call of attention_fn (local_spec.varlen_attention, or TE's in `te_attention`; the tests'
+    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `varlen_layout`."""
+    T, h, _ = query.shape
+    assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
+    lay = varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
+    return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
+                        lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
+
+
+def te_attention(base: type) -> type:
+    """A subclass of `base` (megatron's TEDotProductAttention) that runs a shared-prompt THD forward (`SEGMENTS` set)
+    as ONE TE varlen call of `varlen_attention` (attn_mask_type "padding_causal_bottom_right", attention_type "cross"
+    during the call: docs/DESIGN.md); any other forward is `base`'s. Checked against a TE stand-in
+    (tests/test_shared_prompt_te.py) and tests/test_gpu.py."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SharedPromptTEDotProductAttention(base):
+        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            """As `base.forward`; shared prompt: query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
+            segments = SEGMENTS.get()
+            if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+            assert attention_bias is None and self.config.context_parallel_size == 1  # CP: preflight.check_packing
+            assert attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal), attn_mask_type
+            te_forward = super(base, self).forward  # transformer_engine.pytorch.DotProductAttention.forward
+
+            def attend(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+                return te_forward(q, k, v, None, qkv_format="thd", cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q,
+                                  cu_seqlens_kv_padded=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_kv=max_seqlen_kv, attn_mask_type="padding_causal_bottom_right")
+
+            # fewer queries than keys: TE's cross-attention masks (docs/DESIGN.md)
+            modules = [self] + [m for m in (getattr(self, n, None) for n in
+                                            ("flash_attention", "fused_attention", "unfused_attention"))
+                                if m is not None]
+            saved = [m.attention_type for m in modules]
+            for m in modules:
+                m.attention_type = "cross"
+            try:
+                return varlen_attention(query, key, value, segments, attend)
+            finally:
+                for m, kind in zip(modules, saved, strict=True):
+                    m.attention_type = kind
+
+    return SharedPromptTEDotProductAttention
+
+
+# ======================================================================================================================
+# Mamba-2: per pair [prompt | chosen | rejected], the sequences are prompt + chosen and prompt + rejected.
+# Mamba-2 is linear in its state, so a rejected token's output is (a) the packed scan restarted at the rejected
+# segment plus (b) the prompt's final state h_P carried into it:
+#     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
+# The conv likewise: the packed conv per pair span, then the first W-1 rejected taps swapped to the prompt's inputs.
+
+
+def span_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int, split_rejected: bool) -> torch.Tensor:
+    """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span, or with split_rejected one for
+    [prompt | chosen] and one for [rejected]."""
+    bounds = spans(segment_cu_seqlens_padded, seqlen)
+    cuts = [0]
+    for _, _, r0, e in bounds:
+        cuts += [r0, e] if split_rejected else [e]
+    return seq_idx_from_cu_seqlens(torch.tensor(cuts, device=segment_cu_seqlens_padded.device), seqlen)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    segment_cu_seqlens_padded: torch.Tensor,
+    activation: str | None = None,
+    conv_fn=None,
+) -> torch.Tensor:
+    """Causal conv1d of a shared-prompt row: each rejected segment sees the prompt's last W-1 inputs, never the chosen
+    segment's. x [1, dim, seqlen]; segment_cu_seqlens_padded int [3P+1]; conv_fn: the packed conv to correct. Returns
+    [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    conv_fn = conv_fn or causal_conv1d_fn
+    seqlen, width = x.shape[-1], weight.shape[1]
+    cdt = _compute_dtype(x)
+    seq_idx = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False)
+    out = conv_fn(x, weight, bias, seq_idx=seq_idx, activation=None)
+    # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
+    # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
+    # position before the pair start a reads 0 in both.
+    ts, adds, subs, taps = [], [], [], []
+    for a, c0, r0, e in spans(segment_cu_seqlens_padded, seqlen):
+        if r0 == c0:
+            continue
+        for j in range(min(width - 1, e - r0)):
+            for s in range(j + 1, width):
+                ts.append(r0 + j)
+                adds.append(c0 + j - s if c0 + j - s >= a else -1)
+                subs.append(r0 + j - s if r0 + j - s >= a else -1)
+                taps.append(width - 1 - s)
+    if ts:
+        dev = x.device
+        t, add, sub, tap = (torch.tensor(v, device=dev) for v in (ts, adds, subs, taps))
+        # only the few columns the taps read are gathered, in one gather (its backward is one full-row gradient, not
+        # one per gather); index -1 reads 0
+        both = torch.cat([add, sub])
+        x_add, x_sub = (x[0][:, both.clamp_min(0)].to(cdt) * (both >= 0)).split(add.numel(), dim=1)
+        terms = (x_add - x_sub) * weight.to(cdt)[:, tap]  # [dim, n]
+        out = out.index_add(2, t, terms.to(out.dtype)[None])
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype)
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    segment_cu_seqlens_padded: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    scan_fn=None,
+) -> torch.Tensor:
+    """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
+    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segment_cu_seqlens_padded int [3P+1];
+    scan_fn: the packed scan (None: this module's, which also returns the prompt states). Returns out in x.dtype."""
+    batch, seqlen, nheads, headdim = x.shape
+    if batch != 1:
+        raise ValueError(f"a shared-prompt row is one packed row; got batch {batch}")
+    if B.shape[:2] != (1, seqlen) or B.shape != C.shape or nheads % B.shape[2] or dt.shape != (1, seqlen, nheads):
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)}, "
+                         f"C {tuple(C.shape)}")
+    cdt = _compute_dtype(x)
+    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    seq_idx = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
+    bounds = spans(segment_cu_seqlens_padded, seqlen)
+    # pairs whose rejected response continues a prompt (an empty prompt or rejected response needs no correction)
+    corrected = [i for i, (a, c0, r0, e) in enumerate(bounds) if c0 > a and e > r0]
+    # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
+    # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
+    if scan_fn is None:
+        # this module's scan also returns h_P (the state after each prompt), so it is not summed over the prompt again
+        out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [bounds[i][1] - 1 for i in corrected])
+    else:
+        out, h_ps = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), None
+    g = B.shape[2]
+    r = nheads // g
+    Af = A.to(cdt)
+    # Per pair, on torch.split views of its segments (their backward is one concatenation per tensor, not a
+    # zero-filled full-row gradient per slice); heads as [group, head in group].
+    end = bounds[-1][3] if bounds else 0
+    segs = [n for a, c0, r0, e in bounds for n in (c0 - a, r0 - c0, e - r0)] + [seqlen - end]
+    xs, dts, Bs, Cs = (t[0].split(segs) for t in (x, dtf, B, C))
+    zs = z[0].split(segs) if z is not None else None
+    rows, corrs = [], []
+    for j, i in enumerate(corrected):
+        a, c0, r0, e = bounds[i]
+        if h_ps is not None:
+            h_p = h_ps[j].view(g, r, headdim, -1)  # state after the prompt, from the scan
+        else:
+            dt_p = dts[3 * i]
+            cum_p = torch.cumsum(dt_p * Af, dim=0)  # [k, h] log-decay from the prompt start, inclusive
+            w = torch.exp(cum_p[-1:] - cum_p) * dt_p  # weight of token s in the state after the prompt
+            x_p = xs[3 * i].to(cdt).view(c0 - a, g, r, headdim)
+            h_p = torch.einsum("sgr,sgrp,sgn->grpn", w.view(c0 - a, g, r), x_p, Bs[3 * i].to(cdt))
+        dt_r = dts[3 * i + 2]
+        cum_r = torch.cumsum(dt_r * Af, dim=0)  # [n_r, h]
+        read = torch.einsum("tgn,grpn->tgrp", Cs[3 * i + 2].to(cdt), h_p).reshape(e - r0, nheads, headdim)
+        corr = torch.exp(cum_r)[..., None] * read
+        if zs is not None:
+            corr = corr * F.silu(zs[3 * i + 2].to(cdt))
+        corrs.append(corr)
+        rows.append(torch.arange(r0, e, device=x.device))
+    if corrs:
+        out = out.index_add(1, torch.cat(rows), torch.cat(corrs).to(out.dtype)[None])
+    return out
+
+
+def mamba_split_conv1d_scan(
+    zxbcdt: torch.Tensor,
+    conv1d_weight: torch.Tensor,
+    conv1d_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    segment_cu_seqlens_padded: torch.Tensor,
+    dt_limit: tuple[float, float] = _NO_LIMIT,
+    activation: str = "silu",
+    rmsnorm_weight: torch.Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: torch.Tensor | None = None,
+    outproj_bias: torch.Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    conv_fn=None,
+    scan_fn=None,
+    norm_fn=None,
+) -> torch.Tensor:
+    """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1), with the shared-prompt conv and scan; it
+    takes megatron's keywords, so it can replace the fused call: seq_idx, when given, must be the pair spans'."""
+    batch, seqlen, total = zxbcdt.shape
+    if seq_idx is not None:
+        want = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False).to(seq_idx.device)
+        if seq_idx.shape != want.shape or not torch.equal(seq_idx.to(want.dtype), want):
+            raise ValueError("seq_idx does not separate the pair spans of segment_cu_seqlens_padded (pass the pair "
+                             "spans as cu_seqlens_padded of the PackedSeqParams)")
+    nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
+    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segment_cu_seqlens_padded,
+                                      activation=activation, conv_fn=conv_fn).transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    y = mamba_chunk_scan(
+        x.reshape(batch, seqlen, nheads, headdim), dt, A, B.reshape(batch, seqlen, ngroups, dstate),
+        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, segment_cu_seqlens_padded, D=D,
+        z=None if rmsnorm_weight is not None else z.reshape(batch, seqlen, nheads, headdim), dt_bias=dt_bias,
+        dt_softplus=True, dt_limit=dt_limit, scan_fn=scan_fn,
+    )
+    return _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
+                       norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
+
+
+def mamba_kernels(fn) -> dict:
+    """The conv_fn / scan_fn / norm_fn of `mamba_split_conv1d_scan` that match the fused Mamba function `fn`
+    megatron calls (megatron_patches.install_mamba_scan_hook)."""
+    import mamba_torch
+    import mamba_triton
+
+    if fn is mamba_torch.mamba_split_conv1d_scan_combined:
+        return {}
+    if fn is mamba_triton.mamba_split_conv1d_scan_combined:
+        return mamba_triton.kernels()
+    import causal_conv1d as cc
+    from mamba_ssm.ops.triton import layernorm_gated, ssd_combined
+
+    return {"conv_fn": cc.causal_conv1d_fn, "scan_fn": ssd_combined.mamba_chunk_scan_combined,
+            "norm_fn": layernorm_gated.rmsnorm_fn}

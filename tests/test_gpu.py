@@ -12,11 +12,11 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 5. Every available Mamba-2 kernel against mamba_torch on packed sequences (output and the gradients of x, dt, B, C, z;
    max relative difference <= 1e-2 in bf16, <= 5e-3 in fp32: the issue's measured 7.2e-3 / 2.6e-3 with headroom), and
    mamba_torch on CUDA against mamba_torch on the CPU in fp32 (<= 1e-4).
-6. With Transformer Engine: the shared-prompt attention as one TE varlen call (omni_model.shared_prompt_te_attention,
-   issue 16) against local_spec.shared_prompt_attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
+6. With Transformer Engine: the shared-prompt attention as one TE varlen call (shared_prompt.te_attention,
+   issue 16) against shared_prompt.attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
 7. The shared-prompt layout on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
-   kernels (kernel_selection.shared_prompt_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
+   kernels (shared_prompt.mamba_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
    `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
@@ -234,8 +234,8 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)],
                          ids=["bf16", "fp16", "fp32"])
 def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
-    """omni_model.shared_prompt_te_attention(megatron's TEDotProductAttention): one TE varlen call with
-    padding_causal_bottom_right masks equals local_spec.shared_prompt_attention (fp32 on the same inputs), outputs and
+    """shared_prompt.te_attention(megatron's TEDotProductAttention): one TE varlen call with
+    padding_causal_bottom_right masks equals shared_prompt.attention (fp32 on the same inputs), outputs and
     the gradients of q, k, v (max difference relative to the largest value). fp32 runs TE's unfused backend (flash
     and fused attention take 16-bit inputs only), whose masks depend on the cross-attention type set for the call."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -244,16 +244,14 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     from megatron.core.transformer.enums import AttnMaskType
     from test_shared_prompt_te import SPANS, row_offsets
 
-    import local_spec
-    import megatron_patches
-    import omni_model
+    import shared_prompt
 
     dev = torch.device("cuda", 0)
     heads, groups, d = 8, 2, 64
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
                             kv_channels=d, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                             fp16=dtype == torch.float16)
-    module = omni_model.shared_prompt_te_attention(TEDotProductAttention)(
+    module = shared_prompt.te_attention(TEDotProductAttention)(
         config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").to(dev)
     seg, T = row_offsets([(p * 37, c * 29, r * 31, pad) for p, c, r, pad in SPANS], tail=40)  # hundreds of tokens
     gen = torch.Generator().manual_seed(5)
@@ -263,14 +261,14 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     cu = torch.tensor([0, int(seg[-1]), T], dtype=torch.int32, device=dev)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=T, max_seqlen_kv=T)
-    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(seg.to(dev))
+    token = shared_prompt.SEGMENTS.set(seg.to(dev))
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
+        shared_prompt.SEGMENTS.reset(token)
     (out.float() * weight).sum().backward()
     q2, k2, v2 = (t.to(dev).requires_grad_(True) for t in leaves)
-    want = local_spec.shared_prompt_attention(q2, k2, v2, seg.to(dev))
+    want = shared_prompt.attention(q2, k2, v2, seg.to(dev))
     (want * weight).sum().backward()
     worst = {"out": _rel(out, want), **{n: _rel(a.grad, b.grad) for n, a, b in
                                           (("dq", q, q2), ("dk", k, k2), ("dv", v, v2))}}
@@ -282,7 +280,7 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
 
 
 def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
-    """mamba_torch.mamba_split_conv1d_scan_shared_prompt with causal-conv1d's conv, mamba-ssm's scan and gated norm
+    """shared_prompt.mamba_split_conv1d_scan with causal-conv1d's conv, mamba-ssm's scan and gated norm
     (what the Mamba scan hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
     of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
     prompt, padding): output and the gradients of every input (max difference relative to the largest value).
@@ -291,16 +289,16 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
     import kernel_selection
-    import mamba_torch
     import mamba_triton
+    import shared_prompt
 
     if kernel_selection.mamba_ssm_importable():
         from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
 
-        kernels = kernel_selection.shared_prompt_kernels(mamba_split_conv1d_scan_combined)
+        kernels = shared_prompt.mamba_kernels(mamba_split_conv1d_scan_combined)
         assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
     elif kernel_selection.mamba_triton_importable():
-        kernels = kernel_selection.shared_prompt_kernels(mamba_triton.mamba_split_conv1d_scan_combined)
+        kernels = shared_prompt.mamba_kernels(mamba_triton.mamba_split_conv1d_scan_combined)
         assert set(kernels) == {"conv_fn", "scan_fn", "norm_fn"}
     elif (kernels := mamba_triton.load_mamba_ssm_triton()) is None:
         pytest.skip("mamba-ssm + causal-conv1d do not import here and no mamba-ssm sources (OMNI_MAMBA_SSM_SRC)")
@@ -312,7 +310,7 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     results = []
     for chosen in (kernels, {}):
         a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
-        out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
+        out = shared_prompt.mamba_split_conv1d_scan(
             **a, chunk_size=64, segment_cu_seqlens_padded=seg.to(dev), **kw, **chosen)
         (out.float() * weight.to(dev)).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})

@@ -4,6 +4,7 @@ Run: `pytest tests/test_pack.py` (CPU, a few seconds).
 """
 
 import random
+from types import SimpleNamespace
 
 import oracles
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 import bench
 import pack
+import preflight
 from config import ConfigError, load_config
 
 IMG = 99  # <image> token id used by the tests; ordinary tokens are drawn from 100..999
@@ -176,16 +178,19 @@ def test_oversized_pair_error_names_pair_sizes_and_limit():
 
 
 def test_divisibility_rule():
-    pack.validate_divisibility(8, tp=1, cp=1, sequence_parallel=False)
-    pack.validate_divisibility(8, tp=4, cp=2, sequence_parallel=False)  # SP off: TP does not matter
-    pack.validate_divisibility(16, tp=4, cp=2, sequence_parallel=True)  # 2*CP*TP = 16
-    pack.validate_divisibility(4, tp=4, cp=1, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"multiple of 16 for TP = 4, CP = 2, sequence_parallel = True"):
-        pack.validate_divisibility(8, tp=4, cp=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"multiple of 8 .*2\*CP = 8"):
-        pack.validate_divisibility(4, tp=1, cp=4, sequence_parallel=False)
-    with pytest.raises(ValueError, match=r"multiple of 2 .*TP = 2"):
-        pack.validate_divisibility(3, tp=2, cp=1, sequence_parallel=True)
+    """preflight.check_packing: make_sequence_length_divisible_by is a multiple of 2*CP (CP > 1), times TP under SP."""
+    def cfg(divisible_by, tp, cp, sp):
+        return SimpleNamespace(packing=SimpleNamespace(make_sequence_length_divisible_by=divisible_by,
+                                                       shared_prompt=False),
+                               parallel=SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                        sequence_parallel=sp))
+
+    for ok in ((8, 1, 1, False), (8, 4, 2, False), (16, 4, 2, True), (4, 4, 1, True)):  # SP off: TP does not matter
+        preflight.check_packing(cfg(*ok))
+    for bad, need in (((8, 4, 2, True), 16), ((4, 1, 4, False), 8), ((3, 2, 1, True), 2)):
+        with pytest.raises(ConfigError, match="packing.make_sequence_length_divisible_by") as e:
+            preflight.check_packing(cfg(*bad))
+        assert f"multiple of {need}" in str(e.value)
     with pytest.raises(ConfigError, match="make_sequence_length_divisible_by"):  # config.validate's rule
         load_config(None, ["packing.make_sequence_length_divisible_by=0"])
 
@@ -200,8 +205,8 @@ def test_config_entry_points():
     plan = pack.plan_step({0: (20, 20), 1: (60, 2)}, cfg.packing, dp_size=1)
     assert plan.dropped == [1] and real_pairs(plan) == [0]
     cfg = load_config(None, ["parallel.context_parallel_size=8"])  # default divisible_by 8 < 2*CP = 16
-    with pytest.raises(ValueError, match="multiple of 16"):
-        pack.validate_packing_config(cfg)
+    with pytest.raises(ConfigError, match="packing.make_sequence_length_divisible_by"):
+        preflight.check_packing(cfg)
     with pytest.raises(ConfigError, match="pair_grouping_key"):  # config's Literal type
         load_config(None, ["packing.pair_grouping_key=prompt"])
 

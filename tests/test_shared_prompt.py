@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import bench
-import local_spec
 import mamba_torch as mt
 import mpo_loss
 import pack
+import preflight
 import shared_prompt
+from config import ConfigError
 
 F64 = torch.float64
 IMG = 99
@@ -93,7 +94,7 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic
     )
     weight = torch.randn(1, T, h, p, generator=gen, dtype=F64)
     shared = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
-    out = mt.mamba_chunk_scan_shared_prompt(
+    out = shared_prompt.mamba_chunk_scan(
         shared["x"], shared["dt"], shared["A"], shared["B"], shared["C"], chunk_size, seg, D=shared["D"],
         z=shared["z"], dt_bias=shared["dt_bias"], dt_softplus=True,
         scan_fn=mt.mamba_chunk_scan_combined if generic else None)
@@ -117,7 +118,7 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic
     # The prompt's state matters: a plain packed scan that restarts at each rejected segment differs there.
     plain = mt.mamba_chunk_scan_combined(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size, D=leaves["D"], z=leaves["z"],
-        dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=mt.shared_prompt_seq_idx(seg, T, split_rejected=True))
+        dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=shared_prompt.span_seq_idx(seg, T, split_rejected=True))
     assert (plain[0] - expected).abs().max() > 1e-3
 
 
@@ -136,12 +137,12 @@ def test_conv_rejected_sees_the_prompt_window():
     x = torch.randn(1, 6, T, generator=gen, dtype=F64)
     w = torch.randn(6, 4, generator=gen, dtype=F64)
     b = torch.randn(6, generator=gen, dtype=F64)
-    out = mt.causal_conv1d_shared_prompt(x, w, b, seg, activation="silu")
+    out = shared_prompt.causal_conv1d(x, w, b, seg, activation="silu")
     for idx, dest in separate_rows(seg, T):
         y = F.silu(explicit_conv(x[0][:, idx], w, b))[:, idx.numel() - dest.numel():]
         assert (out[0][:, dest] - y).abs().max() < 1e-13
     with pytest.raises(ValueError, match="3P\\+1 offsets"):
-        mt.causal_conv1d_shared_prompt(x, w, b, seg[:-1], activation="silu")
+        shared_prompt.causal_conv1d(x, w, b, seg[:-1], activation="silu")
 
 
 def mixer_tensors(T, h=4, p=2, g=2, n=3, width=4, seed=4):
@@ -168,7 +169,7 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(1, T, 5, generator=gen, dtype=F64)
     a = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
-    out = mt.mamba_split_conv1d_scan_shared_prompt(**a, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    out = shared_prompt.mamba_split_conv1d_scan(**a, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
     (out * weight).sum().backward()
     b = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
     loss = 0.0
@@ -182,12 +183,12 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
     # megatron-core's keywords: the pair spans' seq_idx (from cu_seqlens_padded of the spans) is accepted, another not
     spans = torch.tensor([0] + [int(e) for *_, e in shared_prompt.spans(seg, T)], dtype=torch.int32)
-    same = mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+    same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
                                                     seq_idx=mt.seq_idx_from_cu_seqlens(spans, T),
                                                     state_dtype=torch.float32)
     assert torch.equal(same, out.detach())
     with pytest.raises(ValueError, match="seq_idx does not separate the pair spans"):
-        mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+        shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
                                                  seq_idx=mt.seq_idx_from_cu_seqlens(seg, T))
 
 
@@ -196,9 +197,9 @@ def test_mixer_bf16_agrees_with_float64():
     existing packed mixer in bf16 is (its error is bf16 rounding, not a layout error)."""
     seg, T = row_offsets(SPANS)
     tensors, kw = mixer_tensors(T)
-    exact = mt.mamba_split_conv1d_scan_shared_prompt(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
     low = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
-    shared = mt.mamba_split_conv1d_scan_shared_prompt(**low, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    shared = shared_prompt.mamba_split_conv1d_scan(**low, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
     assert shared.dtype == torch.bfloat16 and bool(torch.isfinite(shared).all())
     err_shared = (shared.double() - exact).abs().max()
     err_sep = 0.0
@@ -232,7 +233,7 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
               torch.randn(T, groups, d, generator=gen, dtype=F64)]
     weight = torch.randn(T, heads * d, generator=gen, dtype=F64)
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    out = local_spec.shared_prompt_attention(q, k, v, seg, scale=0.3)
+    out = shared_prompt.attention(q, k, v, seg, scale=0.3)
     assert out.shape == (T, heads * d)
     (out * weight).sum().backward()
     q2, k2, v2 = (t.clone().requires_grad_(True) for t in leaves)
@@ -248,8 +249,8 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
     a, c0, r0, e = shared_prompt.spans(seg, T)[0]
     k3 = leaves[1].clone()
     k3[c0:r0] += 5.0
-    out3 = local_spec.shared_prompt_attention(leaves[0], k3, leaves[2], seg, scale=0.3)
-    base = local_spec.shared_prompt_attention(*leaves, seg, scale=0.3)
+    out3 = shared_prompt.attention(leaves[0], k3, leaves[2], seg, scale=0.3)
+    base = shared_prompt.attention(*leaves, seg, scale=0.3)
     assert torch.equal(out3[r0:e], base[r0:e]) and (out3[c0:r0] - base[c0:r0]).abs().max() > 1e-3
 
 
@@ -409,7 +410,7 @@ def toy_logits(params, kw, dims, batch):
                                   "outproj_weight")}
     zx = (h @ params["in_proj"].T)[None]
     if batch.shared_prompt:
-        h = h + mt.mamba_split_conv1d_scan_shared_prompt(zx, **mix, chunk_size=4,
+        h = h + shared_prompt.mamba_split_conv1d_scan(zx, **mix, chunk_size=4,
                                                          segment_cu_seqlens_padded=batch.segment_cu_seqlens_padded,
                                                          **kw)[0]
     else:
@@ -419,7 +420,7 @@ def toy_logits(params, kw, dims, batch):
     k = (h @ params["wk"].T).view(T, groups, d)
     v = (h @ params["wv"].T).view(T, groups, d)
     if batch.shared_prompt:
-        o = local_spec.shared_prompt_attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
+        o = shared_prompt.attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
     else:
         cu = batch.cu_seqlens_padded.tolist()
         o = torch.cat([explicit_attention(q[a:b], k[a:b], v[a:b], 0.5) for a, b in zip(cu[:-1], cu[1:], strict=True)])
@@ -467,11 +468,11 @@ def test_shared_prompt_with_context_parallelism_is_a_config_error():
                                     shared_prompt=shared),
             parallel=SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=cp, sequence_parallel=False))
 
-    pack.validate_packing_config(cfg(True, 1))
-    pack.validate_packing_config(cfg(False, 2))
-    with pytest.raises(ValueError, match="packing.shared_prompt = true is not supported with "
-                                         "parallel.context_parallel_size = 2 yet"):
-        pack.validate_packing_config(cfg(True, 2))
+    preflight.check_packing(cfg(True, 1))
+    preflight.check_packing(cfg(False, 2))
+    with pytest.raises(ConfigError, match="packing.shared_prompt") as e:
+        preflight.check_packing(cfg(True, 2))
+    assert "parallel.context_parallel_size" in str(e.value)
 
 
 def test_head_shards_compute_their_heads_alone():
@@ -484,14 +485,14 @@ def test_head_shards_compute_their_heads_alone():
     dt = torch.randn(1, T, h, generator=gen, dtype=F64)
     A, D = -torch.rand(h, generator=gen, dtype=F64) - 0.2, torch.randn(h, generator=gen, dtype=F64)
     B, C = torch.randn(1, T, g, n, generator=gen, dtype=F64), torch.randn(1, T, g, n, generator=gen, dtype=F64)
-    full = mt.mamba_chunk_scan_shared_prompt(x, dt, A, B, C, 4, seg, D=D, z=z, dt_softplus=True)
+    full = shared_prompt.mamba_chunk_scan(x, dt, A, B, C, 4, seg, D=D, z=z, dt_softplus=True)
     for r in range(2):
         hs, gs = slice(2 * r, 2 * r + 2), slice(r, r + 1)
-        part = mt.mamba_chunk_scan_shared_prompt(x[:, :, hs], dt[:, :, hs], A[hs], B[:, :, gs], C[:, :, gs], 4, seg,
+        part = shared_prompt.mamba_chunk_scan(x[:, :, hs], dt[:, :, hs], A[hs], B[:, :, gs], C[:, :, gs], 4, seg,
                                                  D=D[hs], z=z[:, :, hs], dt_softplus=True)
         assert (part - full[:, :, hs]).abs().max() < 1e-13
     q, k, v = (torch.randn(T, m, 5, generator=gen, dtype=F64) for m in (8, 2, 2))
-    full = local_spec.shared_prompt_attention(q, k, v, seg).view(T, 8, 5)
+    full = shared_prompt.attention(q, k, v, seg).view(T, 8, 5)
     for r in range(2):
-        part = local_spec.shared_prompt_attention(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], v[:, r:r + 1], seg)
+        part = shared_prompt.attention(q[:, 4 * r:4 * r + 4], k[:, r:r + 1], v[:, r:r + 1], seg)
         assert (part.view(T, 4, 5) - full[:, 4 * r:4 * r + 4]).abs().max() < 1e-13

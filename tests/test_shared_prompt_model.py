@@ -84,8 +84,8 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
     model, ctx = tiny
     pairs = make_pairs()
     good = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
-    no_segments = SimpleNamespace(SHARED_PROMPT_SEGMENTS=SimpleNamespace(get=lambda: None))
-    monkeypatch.setattr(local_spec, "megatron_patches", no_segments)
+    no_segments = SimpleNamespace(SEGMENTS=SimpleNamespace(get=lambda: None))
+    monkeypatch.setattr(local_spec, "shared_prompt", no_segments)
     bad = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     rejected = torch.tensor([False, True] * 4)
     assert (good - bad)[rejected].abs().min() > 100 * TOL
@@ -163,7 +163,7 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
     with pytest.raises(config_mod.ConfigError, match="packing.shared_prompt = true is not supported with "
                                                      "parallel.context_parallel_size = 2"):
         preflight.check_inputs(cfg)
-    # The Transformer Engine spec takes the layout (omni_model.shared_prompt_te_attention): no error at start.
+    # The Transformer Engine spec takes the layout (shared_prompt.te_attention): no error at start.
     cfg = tiny_config("packing.shared_prompt=true")
     monkeypatch.setattr(omni_model, "have_transformer_engine", lambda: True)
     hf = omni_model.read_hf_config(TINY)

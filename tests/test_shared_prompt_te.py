@@ -1,8 +1,8 @@
 """The shared-prompt attention as one variable-length call (issue 16, the Transformer Engine path) on CPU.
 
-local_spec.shared_prompt_varlen_layout turns a shared-prompt THD row into query / key-value sequences with
-bottom-right causal masks; local_spec.shared_prompt_varlen_attention runs them through a backend callable;
-omni_model.shared_prompt_te_attention calls Transformer Engine's DotProductAttention.forward with that argument set.
+shared_prompt.varlen_layout turns a shared-prompt THD row into query / key-value sequences with
+bottom-right causal masks; shared_prompt.varlen_attention runs them through a backend callable;
+shared_prompt.te_attention calls Transformer Engine's DotProductAttention.forward with that argument set.
 TE does not import here (no CUDA), so the module is checked against a stand-in base class that records the call and
 computes it with the reference backend (`varlen_sdpa`, here); tests/test_gpu.py compares the real TE call with the
 local attention on a GPU.
@@ -22,8 +22,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
 import local_spec
-import megatron_patches
-import omni_model
+import shared_prompt
 
 F64 = torch.float64
 
@@ -74,17 +73,17 @@ def row_offsets(spans, tail=0):
 def test_layout_closed_form():
     # pair 0: prompt 0..1, chosen 2, rejected 3..5; pair 1: prompt 6..8, no chosen, rejected 9; tail 10..11
     seg = torch.tensor([0, 2, 3, 6, 9, 9, 10], dtype=torch.int32)
-    lay = local_spec.shared_prompt_varlen_layout(seg, 12)
+    lay = shared_prompt.varlen_layout(seg, 12)
     assert lay["kv_index"].tolist() == [0, 1, 2, 0, 1, 3, 4, 5, 6, 7, 8, 6, 7, 8, 9, 10, 11]
     assert lay["cu_seqlens_q"].tolist() == [0, 3, 6, 9, 10, 12]  # the row in order: no scatter back
     assert lay["cu_seqlens_kv"].tolist() == [0, 3, 8, 11, 15, 17]
     assert (lay["max_seqlen_q"], lay["max_seqlen_kv"]) == (3, 5)
     assert lay["cu_seqlens_q"].dtype == lay["cu_seqlens_kv"].dtype == torch.int32
     # an empty rejected response is no sequence at all; no tail when the pairs fill the row
-    lay = local_spec.shared_prompt_varlen_layout(torch.tensor([0, 2, 4, 4]), 4)
+    lay = shared_prompt.varlen_layout(torch.tensor([0, 2, 4, 4]), 4)
     assert lay["cu_seqlens_q"].tolist() == [0, 4] and lay["cu_seqlens_kv"].tolist() == [0, 4]
     with pytest.raises(ValueError, match="segment_cu_seqlens_padded must hold 3P\\+1 offsets"):
-        local_spec.shared_prompt_varlen_layout(torch.tensor([0, 2, 4]), 4)
+        shared_prompt.varlen_layout(torch.tensor([0, 2, 4]), 4)
 
 
 def test_reference_backend_masks_bottom_right():
@@ -112,10 +111,10 @@ def test_varlen_call_equals_local_shared_prompt_attention(dtype, tol, heads, gro
     leaves = [torch.randn(T, n, d, generator=gen, dtype=dtype) for n in (heads, groups, groups)]
     weight = torch.randn(T, heads * d, generator=gen, dtype=dtype)
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    want = local_spec.shared_prompt_attention(q, k, v, seg, scale=0.3)
+    want = shared_prompt.attention(q, k, v, seg, scale=0.3)
     (want * weight).sum().backward()
     q2, k2, v2 = (t.clone().requires_grad_(True) for t in leaves)
-    got = local_spec.shared_prompt_varlen_attention(q2, k2, v2, seg, partial(varlen_sdpa, scale=0.3))
+    got = shared_prompt.varlen_attention(q2, k2, v2, seg, partial(varlen_sdpa, scale=0.3))
     (got * weight).sum().backward()
     assert got.shape == (T, heads * d) and got.dtype == dtype
     assert (got - want).abs().max() < tol
@@ -158,7 +157,7 @@ class FakeMegatronTEDotProductAttention(FakeTEDotProductAttention):
 
 
 def test_te_module_calls_te_forward_with_the_varlen_arguments():
-    cls = omni_model.shared_prompt_te_attention(FakeMegatronTEDotProductAttention)
+    cls = shared_prompt.te_attention(FakeMegatronTEDotProductAttention)
     assert issubclass(cls, FakeMegatronTEDotProductAttention)
     module = cls(SimpleNamespace(context_parallel_size=1))
     seg, T = row_offsets(SPANS, tail=3)
@@ -170,7 +169,7 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
     # without the layout: megatron's forward, TE not called directly
     out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     assert module.megatron_calls == 1 and module.te_calls == [] and torch.equal(out, torch.zeros(T, 64))
-    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(seg)
+    token = shared_prompt.SEGMENTS.set(seg)
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
         with pytest.raises(AssertionError):
@@ -181,10 +180,10 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
         with pytest.raises(AssertionError):
             module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
+        shared_prompt.SEGMENTS.reset(token)
     assert module.megatron_calls == 1 and len(module.te_calls) == 1
     call = module.te_calls[0]
-    lay = local_spec.shared_prompt_varlen_layout(seg, T)
+    lay = shared_prompt.varlen_layout(seg, T)
     assert set(call) == {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                          "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "attention_mask", "q_tokens", "kv_tokens",
                          "attention_types"}
@@ -196,5 +195,5 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
         assert torch.equal(call[name], lay[name]) and torch.equal(call[f"{name}_padded"], lay[name])
     assert (call["max_seqlen_q"], call["max_seqlen_kv"]) == (lay["max_seqlen_q"], lay["max_seqlen_kv"])
     assert (call["q_tokens"], call["kv_tokens"]) == (T, lay["kv_index"].numel())
-    want = local_spec.shared_prompt_attention(q, k, v, seg)
+    want = shared_prompt.attention(q, k, v, seg)
     assert (out - want).abs().max() < 1e-5

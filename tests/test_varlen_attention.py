@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
 import local_spec
-import megatron_patches
+import shared_prompt
 
 
 def _stand_in(signature: str, calls: list):
@@ -79,11 +79,11 @@ def _attention(kind: str, causal: bool, groups: int = 2, dropout: float = 0.0, c
 
 def _run(module, leaves, psp, weight, segments=None):
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    token = megatron_patches.SHARED_PROMPT_SEGMENTS.set(segments)
+    token = shared_prompt.SEGMENTS.set(segments)
     try:
         out = module(q, k, v, packed_seq_params=psp)
     finally:
-        megatron_patches.SHARED_PROMPT_SEGMENTS.reset(token)
+        shared_prompt.SEGMENTS.reset(token)
     (out.float() * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -146,7 +146,7 @@ def test_varlen_backend_takes_the_host_offsets_of_the_packed_seq_params(monkeypa
 def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
     """The shared-prompt row (tests/test_shared_prompt_te.SPANS: empty responses, padding, a bin tail) through ONE
     varlen call of gathered keys ([prompt | chosen], [prompt | rejected] per pair, bottom-right causal) equals
-    local_spec.shared_prompt_attention (the SDPA path), fp32 rounding apart, outputs and q/k/v gradients."""
+    shared_prompt.attention (the SDPA path), fp32 rounding apart, outputs and q/k/v gradients."""
     from test_shared_prompt_te import SPANS, row_offsets
 
     calls = []
@@ -162,7 +162,7 @@ def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
                           cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32))
     want = _run(_attention("sdpa", True), leaves, psp, weight, segments=seg)
     got = _run(_attention("varlen", True), leaves, psp, weight, segments=seg)
-    lay = local_spec.shared_prompt_varlen_layout(seg, T)
+    lay = shared_prompt.varlen_layout(seg, T)
     assert len(calls) == 1 and calls[0]["causal"] and calls[0]["cu_q"] == lay["cu_seqlens_q"].tolist()
     assert calls[0]["cu_k"] == lay["cu_seqlens_kv"].tolist() and calls[0]["max_k"] == lay["max_seqlen_kv"]
     for a, b in zip(got, want, strict=True):  # fp32: the softmax sums in another order (bound: ~10 ulp of 1)

@@ -168,7 +168,7 @@ def model(kernels: str, out: str) -> tuple[str, dict]:
 
 
 def shared_prompt() -> tuple[str, dict]:
-    """mamba_torch.mamba_split_conv1d_scan_shared_prompt with the `mamba triton` set (fla-core's conv as conv_fn,
+    """shared_prompt.mamba_split_conv1d_scan with the `mamba triton` set (fla-core's conv as conv_fn,
     mamba-ssm's scan as scan_fn: the prompt state h_P is then summed over the prompt, its gated RMSNorm as norm_fn), as
     the Mamba scan hook passes them on a GPU, vs the same function with mamba_torch's kernels (whose equality with
     separate rows tests/test_shared_prompt.py checks): a row of 4 pairs (prompts not multiples of the chunk, a chosen
@@ -186,7 +186,7 @@ def shared_prompt() -> tuple[str, dict]:
     results = []
     for chosen in (kernels, {}):
         a = {k: v.float().requires_grad_(True) for k, v in tensors.items()}
-        out = mamba_torch.mamba_split_conv1d_scan_shared_prompt(
+        out = shared_prompt.mamba_split_conv1d_scan(
             **a, chunk_size=32, segment_cu_seqlens_padded=seg, **kw, **chosen)
         (out * weight).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
