@@ -147,7 +147,7 @@ class DeviceAudit(TorchFunctionMode):
 
 
 def tiny_config(*overrides: str):
-    """configs/tiny.toml with `overrides`, `packing.shared_prompt = "auto"` resolved as train.main does."""
+    """configs/tiny.toml with `overrides`, `packing.shared_prompt` resolved as train.main does ("auto" included)."""
     import config as config_mod
     import kernel_selection
     import shared_prompt

@@ -357,7 +357,7 @@ def loss_change(tmp_path_factory):
     run = tmp_path_factory.mktemp("loss_change")
     short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
              "mpo.val_at_end=false"]  # fmt: skip
-    # the first segment in separate rows (what "auto" chose before it was the default), resumed in the shared layout
+    # the first segment in separate rows (tiny.toml's), resumed in the shared layout ("auto" on the CPU)
     first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1",
                  "packing.shared_prompt=false")  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -365,7 +365,8 @@ def loss_change(tmp_path_factory):
     beta = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.reference_policy_kl_penalty=0.1",
                 "packing.shared_prompt=false")  # fmt: skip
     config_after_beta = (run / "config.json").read_text()
-    second = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.bco_loss_weight=0.5")  # auto
+    second = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.bco_loss_weight=0.5",
+                  "packing.shared_prompt=auto")  # fmt: skip
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return SimpleNamespace(dir=run, config_1=config_1, beta=beta, config_after_beta=config_after_beta, second=second)
 

@@ -189,7 +189,7 @@ def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
     assert proc.stderr == "", proc.stderr[-3000:]
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == [
         "kernels:", "world", "data:", "config:", "step", "step", "saved", "stopped"], proc.stdout  # fmt: skip
-    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: shared prompt (auto)\n" in proc.stdout
+    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: separate rows\n" in proc.stdout
 
 
 @pytest.mark.parametrize("value, shown", [(0.3851, " mfu 38.5% "), (2.3e-6, " mfu 0.00023% "), (None, None)])

@@ -194,7 +194,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     import preflight
     import shared_prompt
 
-    cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}"])  # "auto", unresolved
+    cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}", "packing.shared_prompt=auto"])
     assert cfg.packing.shared_prompt == "auto"
     with pytest.raises(ValueError, match="resolved at start by shared_prompt.resolve"):
         shared_prompt.on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)

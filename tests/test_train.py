@@ -4,8 +4,8 @@ resume across a segment stop, a killed save, SIGUSR1, TP = 2 / DP = 2 = TP = 1 /
 Launches are shared between tests (module fixtures, through the torchrun fixture of tests/conftest.py); each costs
 ~10 s of start-up on 2 cores:
     readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
-             (packing.shared_prompt = "auto": the shared-prompt layout on the CPU)
-    separate the README command in the separate-rows layout (packing.shared_prompt=false)
+             (separate rows: tiny.toml's packing.shared_prompt = false)
+    shared   the README command with packing.shared_prompt=auto (the shared-prompt layout on the CPU)
     bias_off both layouts with model.moe_router_bias_update_rate=0: the same training, step for step
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
@@ -13,7 +13,7 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
     padding  2 steps on 1 rank at padding multiples 8 and 64, and on DP = 2 (states compared, expert bias included)
     frozen   1 rank, lr 0 and bias update rate 0, 7 steps of 4 on 27 pairs (an epoch boundary inside step 7)
-The readme and separate runs are also golden traces: every metric of every step against recorded numbers (1e-6).
+The readme and shared runs are also golden traces: every metric of every step against recorded numbers (1e-6).
 Unit tests (schedule, metric reduction, metrics.jsonl truncation, W&B mode and failure, the data-changed resume line)
 run in-process; a failed wandb.init on 2 ranks (tests/dist/check_wandb_failure.py) and a finished run's "nothing to
 do" (`python train.py`, no model built) are short launches of their own, as are the stops with DataLoader workers
@@ -768,9 +768,9 @@ def readme(train_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def separate(train_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("separate")
-    proc = train_run(2, run_dir, "packing.shared_prompt=false")
+def shared(train_run, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("shared")
+    proc = train_run(2, run_dir, "packing.shared_prompt=auto")
     return SimpleNamespace(dir=run_dir, out=proc.stdout, rows=_rows(run_dir), val=_rows(run_dir, "validation"))
 
 
@@ -929,13 +929,13 @@ def test_lr_follows_the_schedule(readme):
 
 
 # The golden traces: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
-# validation row, in both pair layouts. GOLDEN_TRAIN / GOLDEN_VALIDATION: the separate-rows layout
-# (packing.shared_prompt=false), recorded on main before issue 15's redesign (torchrun --standalone --nproc-per-node 2
-# train.py configs/tiny.toml, when separate rows were the default). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the README
-# command itself, whose packing.shared_prompt = "auto" is the shared-prompt layout on the CPU (issue 16), recorded
-# 2026-12-03. Step 1 of both is the same (policy = reference; only `tokens` differs, each prompt computed once); from
-# step 2 on they part by design: each prompt token is routed, and counted for the expert-bias update, once instead of
-# twice (test_both_layouts_train_alike_without_the_expert_bias_update checks the rest is equal). A change of behaviour
+# validation row, in both pair layouts. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate rows
+# (tiny.toml's packing.shared_prompt = false), recorded 2026-12-01 (torchrun --standalone --nproc-per-node 2 train.py
+# configs/tiny.toml). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the same command with packing.shared_prompt=auto, the
+# shared-prompt layout on the CPU (issue 16), recorded 2026-12-03. Step 1 of both is the same (policy = reference;
+# only `tokens` differs, each prompt computed once); from step 2 on they part by design: each prompt token is routed,
+# and counted for the expert-bias update, once instead of twice (test_both_layouts_train_alike_without_the_expert_bias_
+# update checks the rest is equal). A change of behaviour
 # anywhere on the step's path (data order, packing, model, loss, optimizer, schedule, δ update, metric reduction) moves
 # some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15 step 5
 # renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every number is as recorded.
@@ -1129,7 +1129,7 @@ GOLDEN_VALIDATION = {  # the val_at_end row after step 6
     "val_batches": 1,
 }
 
-GOLDEN_SHARED = {  # metrics.jsonl of the README command (shared-prompt layout), recorded 2026-12-03
+GOLDEN_SHARED = {  # metrics.jsonl of the README command with packing.shared_prompt=auto, recorded 2026-12-03
     "step": [1, 2, 3, 4, 5, 6],
     "loss": [
         0.8317766189575195, 0.8316849917173386, 0.8318269997835159, 0.8240531235933304, 0.8098088651895523,
@@ -1219,14 +1219,14 @@ GOLDEN_SHARED_VALIDATION = {  # its val_at_end row after step 6
 
 
 def test_golden_trace_of_the_readme_command(readme):
-    assert "; pairs: shared prompt (auto)\n" in readme.out  # the layout "auto" chose, on the world line
-    assert json.loads((readme.dir / "config.json").read_text())["packing"]["shared_prompt"] is True  # resolved
-    assert golden_mismatches(readme, GOLDEN_SHARED, GOLDEN_SHARED_VALIDATION) == []
+    assert "; pairs: separate rows\n" in readme.out
+    assert golden_mismatches(readme, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
 
 
-def test_golden_trace_of_the_separate_rows_layout(separate):
-    assert "; pairs: separate rows\n" in separate.out
-    assert golden_mismatches(separate, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
+def test_golden_trace_of_the_shared_prompt_layout(shared):
+    assert "; pairs: shared prompt (auto)\n" in shared.out  # the layout "auto" chose, on the world line
+    assert json.loads((shared.dir / "config.json").read_text())["packing"]["shared_prompt"] is True  # resolved
+    assert golden_mismatches(shared, GOLDEN_SHARED, GOLDEN_SHARED_VALIDATION) == []
 
 
 def _other_kernel_sets() -> dict[str, dict[str, str]]:
@@ -1251,7 +1251,7 @@ def test_golden_trace_holds_under_another_cpu_kernel_set(train_run, tmp_path, ke
     assert probe.stdout.split()[-1] == env["ATEN_CPU_CAPABILITY"].upper()  # torch takes the setting
     train_run(2, tmp_path, extra_env=env)
     run = SimpleNamespace(rows=_rows(tmp_path), val=_rows(tmp_path, "validation"))
-    assert golden_mismatches(run, GOLDEN_SHARED, GOLDEN_SHARED_VALIDATION) == []
+    assert golden_mismatches(run, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
 
 
 @pytest.mark.slow
@@ -1262,7 +1262,7 @@ def test_the_golden_trace_catches_a_1e3_change_of_beta_or_lr(train_run, tmp_path
     log-prob sums and rewards from step 4 on."""
     train_run(2, tmp_path, change)
     run = SimpleNamespace(rows=_rows(tmp_path), val=_rows(tmp_path, "validation"))
-    wrong = [w for w in golden_mismatches(run, GOLDEN_SHARED, GOLDEN_SHARED_VALIDATION) if " lr: " not in w]
+    wrong = [w for w in golden_mismatches(run, GOLDEN_TRAIN, GOLDEN_VALIDATION) if " lr: " not in w]
     assert any(" rewards/margin: " in w for w in wrong), wrong
     if change.startswith("mpo."):
         assert any(w.startswith("train step 1 grad_norm: ") for w in wrong), wrong
@@ -1270,10 +1270,10 @@ def test_the_golden_trace_catches_a_1e3_change_of_beta_or_lr(train_run, tmp_path
         assert any(" logprobs/chosen: " in w for w in wrong), wrong
 
 
-def test_step_one_is_the_same_in_both_layouts_with_fewer_tokens(readme, separate):
+def test_step_one_is_the_same_in_both_layouts_with_fewer_tokens(readme, shared):
     """Issue 16's step-1 check on the main job: policy = reference, so every loss term is the closed form in either
     layout and the log-prob sums agree to fp32 rounding; the shared layout computes each prompt once."""
-    shared, sep = readme.rows[0], separate.rows[0]
+    shared, sep = shared.rows[0], readme.rows[0]
     assert shared["preference_loss"] == pytest.approx(math.log(2), abs=2**-24)  # ln 2 in float32: one ulp
     assert shared["bco_loss"] == pytest.approx(2 * math.log(2), abs=2**-23)
     s_max = largest_logprob_sum([sep])
