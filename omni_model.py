@@ -236,7 +236,7 @@ def te_hybrid_stack_spec(hf: OmniHFConfig, model_cfg):
     return spec
 
 
-def have_transformer_engine() -> bool:
+def uses_te_spec() -> bool:
     """True when the TE spec is used (kernel_selection.select_kernels)."""
     return kernel_selection.select_kernels().spec == "te"
 
@@ -477,7 +477,7 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         megatron_patches.install_mamba_cp_thd_indices(cp_partition_index)
     hf = read_hf_config(hf_dir)
     if use_te is None:
-        use_te = have_transformer_engine()
+        use_te = uses_te_spec()
     p = parallel_cfg
     assert (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),

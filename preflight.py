@@ -237,7 +237,7 @@ def check_model_config(cfg, hf) -> None:
             "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
             "nothing to train; unfreeze at least one"
         )
-    use_te = omni_model.have_transformer_engine()
+    use_te = omni_model.uses_te_spec()
     parts = (
         ("language model", functools.partial(omni_model.language_config, use_te=use_te)),
         ("vision encoder", omni_model.vision_config),

@@ -144,7 +144,7 @@ def test_kernel_selection_by_capability():
     here = kernel_selection.select_kernels()
     assert here == kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
     assert here.line() == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
-    assert not omni_model.have_transformer_engine() and not kernel_selection.te_importable()
+    assert not omni_model.uses_te_spec() and not kernel_selection.te_importable()
     assert set(megatron_patches.shims_for(here)) == {
         "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
         "_install_cpu_rng_tracker", "_patch_causal_masks", "_patch_torch_norm_sequence_parallel",

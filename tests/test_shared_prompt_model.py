@@ -165,7 +165,7 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
         preflight.check_inputs(cfg)
     # The Transformer Engine spec takes the layout (shared_prompt.te_attention): no error at start.
     cfg = tiny_config("packing.shared_prompt=true")
-    monkeypatch.setattr(omni_model, "have_transformer_engine", lambda: True)
+    monkeypatch.setattr(omni_model, "uses_te_spec", lambda: True)
     hf = omni_model.read_hf_config(TINY)
     assert preflight.check_model_config(cfg, hf) is None
 
