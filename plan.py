@@ -29,8 +29,7 @@ import omni_model  # noqa: E402
 import preflight  # noqa: E402
 
 GiB = 2**30
-# Usable memory of the two GPU sizes (what torch reports as the device's total capacity): an 80 GB H100 / A100 has
-# 79.1 GiB, a 141 GB H200 139.8 GiB (the recorded H200 run's out-of-memory message, docs/PERFORMANCE.md).
+# Usable memory (torch's total capacity) of an 80 GB H100 / A100 and a 141 GB H200 (docs/PERFORMANCE.md).
 GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 
@@ -39,8 +38,7 @@ GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 
 class _MetaAllocations(torch.overrides.TorchFunctionMode):
-    """Every tensor factory call makes a meta tensor, an explicit `device=` included; paused by
-    `_plain` around torch.distributed's object collectives."""
+    """Every tensor factory call makes a meta tensor (even with `device=`), except inside `_plain`."""
 
     paused = False
 
@@ -159,8 +157,7 @@ def _model_bytes(model) -> int:
 
 
 def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
-    """(fp32 master copies, Adam's two fp32 moments) of this rank's main parameters (its DP shard with
-    the distributed optimizer)."""
+    """(fp32 master copies, Adam's two fp32 moments) in bytes of this rank's main parameters (its DP shard)."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
     main = sum(p.numel() for o in optimizers for g in o.optimizer.param_groups for p in g["params"])
     return (4 * main if bf16 else 0), 2 * 4 * main
@@ -171,8 +168,8 @@ def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
 
 
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
-    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for
-    backward at this rank's heads, measured with saved-tensor hooks at two token counts (the slope)."""
+    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for backward at this rank's heads,
+    measured with saved-tensor hooks at two token counts (the slope)."""
     import mamba_torch
 
     t = hf.text
@@ -204,8 +201,8 @@ def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[in
 
 @dataclass
 class ActivationModel:
-    """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute),
-    the largest layer once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
+    """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute), the largest layer
+    once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
 
     per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
     per_layer: dict[str, float]  # T-independent bytes per layer of each kind (the grouped experts' stacked weights)
@@ -253,8 +250,7 @@ def activation_model(cfg, hf) -> ActivationModel:
         "M": 2 * h / sp * b + mamba_body_bytes_per_token(hf, tp, dtype) + di / tp * b,
         # norm in / out + qkv output + flash-attention output, + fp32 log-sum-exp per head
         "*": (2 * h / sp + (q + 2 * kv) / tp + q / tp) * b + 4 * t.num_attention_heads / tp,
-        # norm in / out + k routed copies of (input, fc1 out, activation, fc2 out) + shared expert, + fp32 router
-        # logits, scores and top-k
+        # norm in / out + k routed copies of (input, fc1 out, act, fc2 out) + shared expert, + fp32 router tensors
         "E": (2 * h / sp + k * (2 * h + 2 * f) / sp + 2 * f_shared / tp) * b + 3 * 4 * n_exp / sp,
         "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,  # norm in / out + fc1 out, activation
         "head": (3 * h / sp + t.vocab_size / tp) * b,  # final norm in / out, output-layer input, logits
@@ -344,16 +340,13 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
             total, active = rank_params(policy, hf)
             master, moments = optimizer_bytes(optimizer, bf16)
             ref = _model_bytes(reference)
-            row = RankPlan(
-                ranks=[rank], params=total, params_active=active,
-                reference_params=sum(p.numel() for p in reference.parameters()),
-                weights=_model_bytes(policy),
-                grads=sum(b.grad_data.numel() * b.grad_data.element_size()
-                          for b in ddp.buffers + ddp.expert_parallel_buffers),
-                master=master, moments=moments,
-                reference=0 if cfg.reference.offload else ref,
-                reference_offloaded=ref if cfg.reference.offload else 0,
-            )
+            grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                        for b in ddp.buffers + ddp.expert_parallel_buffers)
+            row = RankPlan(ranks=[rank], params=total, params_active=active,
+                           reference_params=sum(p.numel() for p in reference.parameters()),
+                           weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
+                           reference=0 if cfg.reference.offload else ref,
+                           reference_offloaded=ref if cfg.reference.offload else 0)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
