@@ -8,6 +8,7 @@ shard (`ParamMap` of `Segment`s); keys of components not trained here are kept a
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -106,10 +107,8 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     def expert(key_fmt: str, j: int) -> ParamMap:
         return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
 
-    names = list(_model_tensors(model))
-    for name in names:
-        m = re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
+    for name in _model_tensors(model):
+        if m := re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name):
             i, rest = int(m.group(1)), m.group(2)
             p = f"{lm}layers.{i}."
             kind = hf.pattern[i]
@@ -137,10 +136,9 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "mlp.router.expert_bias": _whole(p + "mixer.gate.e_score_correction_bias", n_exp),
             }
             if kind == "E":
-                sh = t.moe_shared_expert_intermediate_size
-                table["mlp.shared_experts.linear_fc1.weight"] = _split(p + "mixer.shared_experts.up_proj.weight", sh)
-                table["mlp.shared_experts.linear_fc2.weight"] = _split(p + "mixer.shared_experts.down_proj.weight", sh,
-                                                                       dim=1)
+                sh, se = t.moe_shared_expert_intermediate_size, p + "mixer.shared_experts."
+                table["mlp.shared_experts.linear_fc1.weight"] = _split(se + "up_proj.weight", sh)
+                table["mlp.shared_experts.linear_fc2.weight"] = _split(se + "down_proj.weight", sh, dim=1)
             e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest) or \
                 re.match(r"mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
             if e:
@@ -148,13 +146,8 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 proj = "up_proj" if fc == "1" else "down_proj"
                 maps[name] = expert(p + "mixer.experts.{e}." + proj + ".weight", j)
                 continue
-            if rest not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[rest]
-            continue
-        m = re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            p = f"{vm}blocks.{m.group(1)}."
+        elif m := re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name):
+            p, rest = f"{vm}blocks.{m.group(1)}.", m.group(2)
             table = {
                 "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm1.weight", vh),
                 "self_attention.linear_qkv.layer_norm_bias": _whole(p + "norm1.bias", vh),
@@ -169,24 +162,23 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "mlp.linear_fc2.weight": _split(p + "mlp.fc2.weight", vffn, dim=1),
                 "mlp.linear_fc2.bias": _whole(p + "mlp.fc2.bias", vh),
             }
-            if m.group(2) not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[m.group(2)]
-            continue
-        table = {
-            "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
-            "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
-            "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
-            "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
-            "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
-            "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
-            "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
-            "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
-            "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size, dim=1),
-        }
-        if name not in table:
+        else:
+            rest = name
+            table = {
+                "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
+                "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
+                "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
+                "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
+                "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
+                "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
+                "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
+                "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
+                "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size,
+                                                                      dim=1),
+            }
+        if rest not in table:
             raise ValueError(f"no HF mapping for megatron parameter {name}")
-        maps[name] = table[name]
+        maps[name] = table[rest]
     return maps
 
 
@@ -238,10 +230,9 @@ class HFReader:
 
     def read(self, key: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         sl = self._handle(key).get_slice(key)
-        shape = sl.get_shape()
         if length is None:
             return sl[:]
-        idx = [slice(None)] * len(shape)
+        idx = [slice(None)] * len(sl.get_shape())
         idx[dim] = slice(start, start + length)
         return sl[tuple(idx)]
 
@@ -264,9 +255,9 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
-    """Copy this rank's TP / EP slices of the checkpoint into `model`. Returns {"params", "hf_keys",
-    "untouched": {prefix: count}}; the untouched key names go to `model.hf_untouched_keys` for export. Raises ValueError
-    for an unknown checkpoint key or a shape mismatch, KeyError for a missing key."""
+    """Copy this rank's TP / EP slices of the checkpoint into `model`. Returns {"params", "hf_keys", "untouched":
+    {prefix: count}}; the untouched key names go to `model.hf_untouched_keys` for export. Raises ValueError for an
+    unknown checkpoint key or a shape mismatch, KeyError for a missing key."""
     reader = HFReader(hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
@@ -288,18 +279,15 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
     if unknown:
         raise ValueError(f"{hf_dir}: {len(unknown)} checkpoint keys have no place in the model and are not a known "
                          f"untrained component: {unknown[:10]}")
-    counts: dict[str, int] = {}
-    for k in untouched:
-        prefix = next(p for p in UNTOUCHED_PREFIXES if k.startswith(p))
-        counts[prefix] = counts.get(prefix, 0) + 1
+    counts = dict(collections.Counter(next(p for p in UNTOUCHED_PREFIXES if k.startswith(p)) for k in untouched))
     model.hf_untouched_keys = untouched
     return {"params": len(maps), "hf_keys": len(used), "untouched": counts}
 
 
 def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
-    """Write `model` as a complete HF checkpoint in the source's keys, files and dtypes (collective; rank 0
-    writes): shards all-gathered over their groups, untouched keys and non-weight files copied from `src_hf_dir`, files
-    of mode 0666 minus the umask. Returns {"keys", "files"} on rank 0, else None. Import -> export is bit-identical."""
+    """Write `model` as a complete HF checkpoint in the source's keys, files and dtypes (collective; rank 0 writes):
+    shards all-gathered over their groups, untouched keys and non-weight files copied from `src_hf_dir`, files of mode
+    0666 minus the umask. Returns {"keys", "files"} on rank 0, else None. Import -> export is bit-identical."""
     src = HFReader(src_hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
