@@ -75,7 +75,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(value):
+def from_rank0(value):
     """Rank 0's `value` on every rank."""
     out = [value]
     if _world() > 1:
@@ -120,7 +120,7 @@ def move_away(path: str | Path) -> str:
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The highest complete `step_<N>` in `ckpt_dir`, or None; rank 0's answer on every rank."""
     found = list_checkpoints(ckpt_dir) if _rank() == 0 else []
-    path = _broadcast(str(found[-1][1]) if found else None)
+    path = from_rank0(str(found[-1][1]) if found else None)
     return Path(path) if path is not None else None
 
 
@@ -195,7 +195,7 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
             remove_unfinished_saves(root)
         except OSError as e:
             error = f"checkpoint.dir = {root}: cannot remove an unfinished save: {e}"
-    if (error := _broadcast(error)) is not None:
+    if (error := from_rank0(error)) is not None:
         raise CheckpointError(error)
 
 
@@ -263,8 +263,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _inner_optimizers(optimizer) -> list:
-    """The megatron optimizers inside a ChainedOptimizer (or [optimizer])."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))  # a ChainedOptimizer's, or [optimizer]
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -528,9 +527,8 @@ def read_run_state(path: str | Path) -> RunState:
                     checksums=raw.get("checksums"))  # fmt: skip
 
 
-# What a resume does when the config changes a saved setting (`check_resume`): refuse it for the reason given, or
-# NOTICE: the new value applies from the next step (train.resume prints it and keeps the saved config as
-# config.step_<N>.json). Settings not listed may change silently; the DP size is no setting.
+# A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
+# step (the saved config is kept as config.step_<N>.json). Settings not listed may change silently.
 LAYOUT = "the saved optimizer state loads only with the saved layout (it reshards over DP only)"
 REWARD_UNITS = "δ is an EMA of the BCO rewards β·L in the saved units"
 SCHEDULE = "the segments of a run follow one LR / weight-decay schedule"
@@ -568,11 +566,9 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
             changed[key] = (a, b)
     if refused := [k for k in changed if RESUME_RULES[k] != NOTICE]:
         why = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_RULES[k]}" for k in refused)
-        raise CheckpointError(
-            f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, or export the "
-            f"policy (python checkpoint.py export {saved.path.parent} OUT) and start a new run in another "
-            "checkpoint.dir with model.hf_path=OUT"
-        )
+        raise CheckpointError(f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, "
+                              f"or export the policy (python checkpoint.py export {saved.path.parent} OUT) and start a "
+                              "new run in another checkpoint.dir with model.hf_path=OUT")
     return {k: v for k, v in changed.items() if RESUME_RULES[k] == NOTICE}
 
 
@@ -625,7 +621,7 @@ def _checksum_mismatches(state: RunState, world_size: int | None) -> list[str]:
 def check_complete(state: RunState, world_size: int | None) -> None:
     """Refuse a damaged checkpoint (`_damage`, then the checksums) on every rank, before any collective load."""
     path = state.path
-    damage = _broadcast(_damage(path, world_size) if _rank() == 0 else None)
+    damage = from_rank0(_damage(path, world_size) if _rank() == 0 else None)
     if damage is None and (bad := _checksum_mismatches(state, world_size)):
         damage = f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not match the checksum saved with it"
     if damage is not None:

@@ -290,15 +290,6 @@ def _row_step(row: str) -> float:
     return step if isinstance(step, int) and not isinstance(step, bool) else -math.inf
 
 
-def _from_rank0(value):
-    """Rank 0's `value` on every rank (a broadcast when distributed)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [value]
-        dist.broadcast_object_list(outcome, src=0)
-        return outcome[0]
-    return value
-
-
 class MetricsError(RuntimeError):
     """metrics.jsonl cannot be written (a full disk, a quota): one line naming the file and the free space."""
 
@@ -318,7 +309,7 @@ class MetricsLog:
                 failed = self._start(cfg)
             except Exception as e:  # told to the other ranks first, then raised as it is
                 failed, error = f"rank 0 could not start the metrics log: {type(e).__name__}: {e}", e
-        failed = _from_rank0(failed)  # every rank learns rank 0's outcome: none waits on a rank 0 that stopped
+        failed = checkpoint.from_rank0(failed)  # no rank waits on a rank 0 that stopped
         if error is not None:
             raise error
         if failed:
@@ -385,7 +376,7 @@ class MetricsLog:
                           "make room, then resume from the latest checkpoint")  # fmt: skip
             if failed is None and self.run is not None:
                 self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-        if failed := _from_rank0(failed):
+        if failed := checkpoint.from_rank0(failed):
             raise MetricsError(failed)
 
     def finish(self) -> None:
