@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -92,10 +93,6 @@ class PairIndex:
     cache_status: str = "disabled"
     cache_dir: str = ""
 
-    _SAVED = ("meta_path", "fingerprint", "subsets", "annotation_files", "image_roots", "image_paths", "subset_id",
-              "line", "offset", "prompt_len", "chosen_len", "rejected_len", "image_tokens", "image_start", "num_images",
-              "image_path_id", "image_grid_hw", "image_token_counts", "stats", "build_seconds")
-
     def __len__(self) -> int:
         return int(self.line.numel())
 
@@ -106,8 +103,7 @@ class PairIndex:
         return {int(i): (c[i], r[i]) for i in ids}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """{pair_id: prompt tokens - 1}: what the shared-prompt layout stores once per pair at least (the last prompt
-        token starts both responses): the `shared_lengths` of pack.plan_bins / plan_step."""
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once (pack.plan_bins')."""
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
@@ -122,7 +118,8 @@ class PairIndex:
         return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
 
     def state(self) -> dict:
-        return {k: getattr(self, k) for k in self._SAVED}
+        """The fields the cache saves: all but cache_status and cache_dir."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("cache_")}
 
 
 # ======================================================================================================================
@@ -142,10 +139,8 @@ def load_processor(model_dir: str | Path, key: str):
     """The model's transformers processor (chat template, tokenizer, image processor). Raises DataError naming the
     setting `key` (`model.hf_path`, `--model`) when `model_dir` has no config.json or no processor."""
     if not (Path(model_dir) / "config.json").is_file():
-        raise DataError(
-            f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
-            f"chat template and processor; relative paths are relative to {os.getcwd()})"
-        )
+        raise DataError(f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
+                        f"chat template and processor; relative paths are relative to {os.getcwd()})")
     from transformers import AutoProcessor
 
     try:
@@ -355,8 +350,7 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
 
 
 def _write_cache(folder: Path, index: PairIndex) -> None:
-    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX); a cache that
-    cannot be written is a logged warning (the index is used uncached)."""
+    """Write index.pt + index.json to a temporary folder renamed into place; a failure is only logged."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -401,12 +395,9 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
-    """The validated, cached index of the pairs of meta-recipe `meta_path` (see the module docstring).
-
-    `data` is the config's data section (cfg.data); `max_samples` keeps the first N valid pairs in file order (after
-    repeat_time; default data.train.max_samples, 0 = all). Under torch.distributed global rank 0 builds and writes the
-    cache while the others wait on a gloo group (INDEX_BUILD_TIMEOUT), then read it. Raises DataError: a bad
-    meta-recipe, no valid pair, or with data.strict the first dropped row."""
+    """The validated, cached index of meta-recipe `meta_path` for `data` (cfg.data); `max_samples`: the first N valid
+    pairs in file order after repeat_time (default data.train.max_samples, 0 = all). Under torch.distributed rank 0
+    builds the cache while the others wait. DataError: a bad meta-recipe, no valid pair, a dropped row with strict."""
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -456,7 +447,6 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                             f"drops: {summary_drops(index)}")
         empty = [name for name, st in index.stats.items() if st["rows_read"] == 0 and "not_read" not in st]
         hint = f"; no rows in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
-        # recomputed from the stats (not read from them): a cached index from before this hint gets it too
         for name, ann in zip(index.subsets, index.annotation_files, strict=True):
             if (not_jsonl := not_jsonl_hint(ann, index.stats.get(name, {}))) is not None:
                 hint += f"; {not_jsonl}"
@@ -596,23 +586,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "report (rows, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
     ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
-    ap.add_argument("--max-samples", type=int, default=0,
-                    help="keep the first N valid pairs (0 = all; default: %(default)s)")
-    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length,
-                    help="most tokens per row, expanded image tokens included; longer rows are dropped as too_long "
-                         "(default: %(default)s, as the config's data.max_seq_length)")
-    ap.add_argument("--max-images-per-row", type=int, default=Config().data.train.max_images_per_row,
-                    help="rows with more images are dropped as too_many_images (default: %(default)s, as the "
-                         "config's data.train.max_images_per_row)")
-    ap.add_argument("--seed", type=int, default=Config().data.train.seed,
-                    help="seed of a fractional repeat_time's row sample (default: %(default)s, as the config's "
-                         "data.train.seed; it changes the index, and so its cache, only for such a subset)")
+    d = Config().data
+    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (default 0 = all)")
+    ap.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
+                    help="data.max_seq_length: longer rows are dropped as too_long (default %(default)s)")
+    ap.add_argument("--max-images-per-row", type=int, default=d.train.max_images_per_row,
+                    help="data.train.max_images_per_row: more is too_many_images (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=d.train.seed,
+                    help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
-                    help="base of relative root/annotation paths (default: the meta file's grandparent, then its "
-                         "folder)")
+                    help="data.train.data_root (default: the meta file's grandparent, then its folder)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process (default: "
-                         "%(default)s = min(8, CPUs))")
+                    help="processes checking rows; < 2 = in-process (default %(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
@@ -623,12 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     processor = load_processor(args.model, "--model")
-    data = Config().data
-    data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
-    data.train.data_root, data.train.seed = args.data_root, args.seed
-    data.train.max_images_per_row = args.max_images_per_row
+    d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
+    d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
     with data_warnings([]) as warned:
-        index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
+        index = build_index(args.meta, processor, d, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:
         print(f"warning: {cli_text(str(note))}", file=sys.stderr)
     rep = report(index)
