@@ -36,10 +36,7 @@ class ConfigError(ValueError):
     """A configuration problem found before the run starts; the message names the key and the allowed values."""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The tree: units in the comments; names follow NeMo-RL's MPO recipe (reference_policy_kl_penalty, bco_loss_weight).
-
-
+# ---- The tree (units in the comments; names as NeMo-RL's MPO recipe: reference_policy_kl_penalty, ...) ----------
 @dataclass
 class ModelConfig:
     hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the cwd
@@ -189,10 +186,7 @@ PATH_KEYS = ("model.hf_path", "data.train.data_path", "data.train.data_root", "d
              "checkpoint.dir")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Loading and overriding
-
-
+# ---- Loading and overriding ----------
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))

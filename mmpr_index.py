@@ -57,10 +57,7 @@ CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
 
-# ======================================================================================================================
-# The index
-
-
+# ---- The index ----------
 @dataclass
 class PairIndex:
     """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
@@ -122,10 +119,7 @@ class PairIndex:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("cache_")}
 
 
-# ======================================================================================================================
-# Fingerprint and cache folder
-
-
+# ---- Fingerprint and cache folder ----------
 def _cache_root() -> Path:
     """HF datasets' cache folder: $HF_DATASETS_CACHE, else $HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
     if os.environ.get("HF_DATASETS_CACHE"):
@@ -177,10 +171,7 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
     return h.hexdigest()
 
 
-# ======================================================================================================================
-# Build, cache, load
-
-
+# ---- Build, cache, load ----------
 def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
     """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some rows are invalid_json and its first
     line opens a JSON array (a `json.dump(rows, indent=...)` export), or all rows are."""
@@ -462,10 +453,7 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
     return dict(total)
 
 
-# ======================================================================================================================
-# Splits
-
-
+# ---- Splits ----------
 def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
     """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed); repeats of
     one row (repeat_time > 1) go to the same side."""
@@ -515,10 +503,7 @@ def load_splits(processor, data) -> tuple[Split, Split | None]:
     return Split(train, list(range(len(train)))), None
 
 
-# ======================================================================================================================
-# Report
-
-
+# ---- Report ----------
 def _percentiles(x: torch.Tensor) -> dict[str, float]:
     if x.numel() == 0:
         return {}

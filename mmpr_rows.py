@@ -100,10 +100,7 @@ class _Drop(Exception):
         self.reason, self.detail = reason, detail
 
 
-# ======================================================================================================================
-# Meta-recipe
-
-
+# ---- Meta-recipe ----------
 @dataclass(frozen=True)
 class Subset:
     """One meta-recipe entry with its paths resolved."""
@@ -219,10 +216,7 @@ def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[
     return list(range(n)) * whole + sorted(rng.sample(range(n), extra))
 
 
-# ======================================================================================================================
-# Images
-
-
+# ---- Images ----------
 def load_image(path: str | Path):
     """An image decoded as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto white
     (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits."""
@@ -292,10 +286,7 @@ def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
     return grids
 
 
-# ======================================================================================================================
-# Text: validation, chat-template rendering, tokenisation
-
-
+# ---- Text: validation, chat-template rendering, tokenisation ----------
 def _as_str(row: dict, *keys: str) -> str | None:
     k = next((k for k in keys if k in row), None)
     return row[k] if k is not None and isinstance(row[k], str) else None
@@ -468,10 +459,7 @@ class TextRenderer:
         return ids, [True] * (end + 1) + [False] * (len(ids) - end - 1)
 
 
-# ======================================================================================================================
-# Checking the rows of an annotation file (mmpr_index.build_index)
-
-
+# ---- Checking the rows of an annotation file (mmpr_index.build_index) ----------
 # What the checking processes share, set by `begin_row_checks` before they fork (so nothing is pickled).
 _CHUNK_CTX: dict[str, Any] = {}
 CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early

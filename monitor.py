@@ -25,10 +25,8 @@ import mmpr_index
 import mmpr_rows
 import mpo_loss
 
-# ======================================================================================================================
-# Signals and errors
 
-
+# ---- Signals and errors ----------
 class StopSignal:
     """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
     finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
@@ -197,10 +195,7 @@ def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path
     return path
 
 
-# ======================================================================================================================
-# Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B
-
-
+# ---- Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B ----------
 def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
     """One rank's summed step metrics (floats or 0-d tensors) over the DP `group`, one all-reduce and one read:
     "mean" and "count" ones (mpo_loss.METRIC_REDUCTION) summed, counts as ints, "constant" ones kept."""
@@ -384,10 +379,7 @@ class MetricsLog:
             self.run.finish()
 
 
-# ======================================================================================================================
-# Console lines (rank 0)
-
-
+# ---- Console lines (rank 0) ----------
 def print_layout(ctx, world: int, kernels, layout_desc: str) -> None:
     """The kernels line and the parallel layout line ending in `layout_desc` (shared_prompt.resolve's)."""
     p = ctx.cfg.parallel

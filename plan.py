@@ -33,10 +33,7 @@ GiB = 2**30
 GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 
-# ======================================================================================================================
-# One rank on the meta device
-
-
+# ---- One rank on the meta device ----------
 class _MetaAllocations(torch.overrides.TorchFunctionMode):
     """Every tensor factory call makes a meta tensor (even with `device=`), except inside `_plain`."""
 
@@ -109,10 +106,7 @@ def build_rank(cfg):
     return policy, reference, ddp, optimizer
 
 
-# ======================================================================================================================
-# Counting
-
-
+# ---- Counting ----------
 COMPONENTS = ("language_model", "vision_model", "vision_projection")
 
 
@@ -163,10 +157,7 @@ def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
     return (4 * main if bf16 else 0), 2 * 4 * main
 
 
-# ======================================================================================================================
-# Activations
-
-
+# ---- Activations ----------
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
     """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for backward at this rank's heads,
     measured with saved-tensor hooks at two token counts (the slope)."""
@@ -264,10 +255,7 @@ def activation_model(cfg, hf) -> ActivationModel:
                            chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
 
 
-# ======================================================================================================================
-# The plan
-
-
+# ---- The plan ----------
 @dataclass
 class RankPlan:
     """One distinct rank's parameters and bytes (a row of the table)."""
@@ -356,10 +344,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
                 bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens)
 
 
-# ======================================================================================================================
-# The report
-
-
+# ---- The report ----------
 def _b(n: float) -> str:
     return f"{n / 1e9:.2f}B"
 
