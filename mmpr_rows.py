@@ -290,7 +290,7 @@ def _as_str(row: dict, *keys: str) -> str | None:
 
 
 def check_reasoning(name: str, response: str) -> None:
-    """Raise _Drop unless `response` has no reasoning block or one at its start (a lone `</think>`: prompt-opened)."""
+    """_Drop unless `response` has no reasoning block or one at its start (a lone `</think>`: the prompt opened it)."""
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
         raise _Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
