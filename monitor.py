@@ -43,7 +43,6 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-        # repeats ignored by the OS: a second USR1 (Slurm sends two) during shutdown would kill a rank that saved
         signal.signal(signum, signal.SIG_IGN)
 
     def launcher_gone(self) -> bool:
@@ -73,8 +72,7 @@ class StopSignal:
 
 
 class Console:
-    """sys.stdout / sys.stderr surviving a console gone (EIO, EPIPE): writes then go to /dev/null, so the rank still
-    saves at its stop signal."""
+    """sys.stdout / stderr that survive a lost console (EIO, EPIPE) by writing to /dev/null: the rank still saves."""
 
     GONE = (errno.EIO, errno.EPIPE)
 
@@ -109,8 +107,7 @@ class Console:
 
 
 def report_error(e: Exception) -> str:
-    """Print `error: <type>: <message>` on stderr (global rank 0) and write it to TORCHELASTIC_ERROR_FILE (every
-    rank), so torchrun's failure report ends with it. Returns the line."""
+    """Print `error: <type>: <message>` (rank 0) and write it to TORCHELASTIC_ERROR_FILE (every rank); returns it."""
     msg = f"error: {type(e).__name__}: {e}"
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
@@ -164,8 +161,7 @@ def diverged_message(e: Exception, step: int, resumed_from, saved_step: int, cfg
 
 
 def lost_peer(e: BaseException) -> str | None:
-    """The one-line reason when `e` is this rank's view of another process dying (a gloo connection closed or reset,
-    a DataLoader worker killed), else None."""
+    """Why `e` says another process died (a gloo connection closed or reset, a DataLoader worker killed), else None."""
     msg = str(e).strip()
     gloo = re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg)
     if gloo:
@@ -184,8 +180,7 @@ RESOLVED_CONFIG_FILE = "config.json"
 
 
 def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path:
-    """Write the resolved config to `<checkpoint.dir>/config.json` (returns its path); with `previous` = (N, the
-    config of step_<N>), that one to `config.step_<N>.json` first."""
+    """Write <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json; its path."""
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     if previous is not None:
@@ -218,8 +213,7 @@ def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.
 
 
 def global_tokens(batches, dp_group, device: torch.device) -> int:
-    """Tokens the language model computes in the step (cu_seqlens[-1] of this rank's microbatches: no padding),
-    summed over DP. The shared-prompt layout counts a prompt once, separate rows twice."""
+    """Tokens the LM computes in the step (cu_seqlens[-1] of this rank's microbatches, no padding), summed over DP."""
     tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
     dist.all_reduce(tokens, group=dp_group)
     return int(tokens.item())
@@ -355,8 +349,7 @@ class MetricsLog:
                       f"{rows[-1][:80]!r}")
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
-        """Rank 0: append {"step", "split", **metrics} to metrics.jsonl and log the numbers to W&B as `<split>/<name>`.
-        Collective: a MetricsError on every rank when rank 0 cannot write the file."""
+        """Rank 0 appends {"step", "split", **metrics} to metrics.jsonl and W&B (`<split>/<name>`); collective."""
         failed = None
         if self.rank == 0:
             try:
