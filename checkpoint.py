@@ -187,8 +187,7 @@ def _take_lock(root: Path) -> str | None:
 
 
 def lock_run_dir(ckpt_dir: str | Path) -> None:
-    """Claim `ckpt_dir` for this run (collective): rank 0 takes a `flock` on `<ckpt_dir>/.lock`, held until the
-    process exits, and calls `remove_unfinished_saves`. CheckpointError when another process holds it."""
+    """Claim `ckpt_dir` (collective): rank 0 flocks <ckpt_dir>/.lock until exit, then `remove_unfinished_saves`."""
     root, error = Path(ckpt_dir), None
     if _rank() == 0 and (error := _take_lock(root)) is None:
         try:
@@ -573,8 +572,7 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
 
 
 def _damage(path: Path, world_size: int | None) -> str | None:
-    """Why checkpoint `path` cannot load, or None: its metadata unreadable, a file missing (the RNG files with
-    `world_size`), a shard shorter than .metadata says."""
+    """Why `path` cannot load, or None: bad metadata, a missing file (RNG ones with `world_size`), a short shard."""
     from torch.distributed.checkpoint import FileSystemReader
 
     shards, need, name = path / MODEL_OPTIM_DIR, {}, f"{MODEL_OPTIM_DIR}/{MEGATRON_METADATA_FILE}"
@@ -629,8 +627,7 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 
 
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
-    """Restore checkpoint `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective) and
-    return its RunState. The RNG states are restored at the saved world size only."""
+    """Restore `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective); RNG at one world."""
     from megatron.core import dist_checkpointing
 
     state = ckpt if isinstance(ckpt, RunState) else read_run_state(ckpt)
@@ -715,8 +712,7 @@ def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path)
 
 
 def export(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of `ckpt` (a run directory's latest step, or a step_<N>) as an HF checkpoint in `out_dir`,
-    built at TP = CP = EP = 1 in one process, via `<OUT_DIR>.tmp`."""
+    """Write the policy of `ckpt` (a run's latest step, or a step_<N>) as an HF checkpoint via `<OUT_DIR>.tmp`."""
     import config as config_mod
     import distributed
     import hf_weights

@@ -130,8 +130,7 @@ def _cache_root() -> Path:
 
 
 def load_processor(model_dir: str | Path, key: str):
-    """The model's transformers processor (chat template, tokenizer, image processor). Raises DataError naming the
-    setting `key` (`model.hf_path`, `--model`) when `model_dir` has no config.json or no processor."""
+    """The model's transformers processor; DataError naming `key` when `model_dir` has none or no config.json."""
     if not (Path(model_dir) / "config.json").is_file():
         raise DataError(f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
                         f"chat template and processor; relative paths are relative to {os.getcwd()})")
@@ -158,8 +157,7 @@ def processor_identity(processor) -> str:
 
 
 def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processor, settings: dict) -> str:
-    """sha256 of the meta file's content, each annotation file's path, size and mtime, each image root's mtime, the
-    processor identity, the settings that change the index and CACHE_VERSION."""
+    """sha256 of the meta file, each annotation's path, size and mtime, each root's mtime, the processor, `settings`."""
     h = hashlib.sha256()
     h.update(Path(meta_path).read_bytes())
     for s in subsets:
@@ -484,8 +482,7 @@ class Split:
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
-    """(train, validation or None) of `data` (cfg.data): validation from data.validation.data_path when set, else
-    data.train.split_validation_size pairs of the train index."""
+    """(train, validation or None): from data.validation.data_path, else data.train.split_validation_size pairs."""
     train = build_index(data.train.data_path, processor, data)
     if data.validation.data_path:
         if data.train.split_validation_size:
@@ -514,8 +511,7 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def report(index: PairIndex) -> dict:
-    """Per subset and in total: rows read, valid, pairs, drops by reason (with examples) and token-length
-    percentiles (prompt, image tokens, chosen row, rejected row), JSON-serialisable."""
+    """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
                 (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
@@ -551,7 +547,6 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-# The config keys that the data checks name, as this command line spells them (`cli_text`).
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
              "data.train.seed": "--seed"}
