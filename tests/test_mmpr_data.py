@@ -1110,7 +1110,7 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
 
 def _same(a: mi.PairIndex, b: mi.PairIndex) -> bool:
     return all(torch.equal(getattr(a, k), getattr(b, k)) if isinstance(getattr(a, k), torch.Tensor)
-               else getattr(a, k) == getattr(b, k) for k in mi.PairIndex._SAVED if k != "build_seconds")
+               else getattr(a, k) == getattr(b, k) for k in a.state() if k != "build_seconds")
 
 
 def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
