@@ -88,9 +88,8 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     maps: dict[str, ParamMap] = {}
 
     def qkv(layer: int, groups: int) -> ParamMap:
-        # megatron's fused rows, per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
-        # row blocks (whole groups when TP divides the groups; with fewer groups than TP, part of one group, which
-        # megatron's attention all-gathers: attention.py's get_query_key_value_tensors)
+        # megatron's fused rows per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
+        # row blocks (with fewer groups than TP, part of one group: megatron's attention all-gathers it)
         p = f"{lm}layers.{layer}.mixer."
         rows = [seg for g in range(groups) for seg in (Segment(p + "q_proj.weight", g * hpg * head_dim, hpg * head_dim),
                                                          Segment(p + "k_proj.weight", g * head_dim, head_dim),
@@ -255,9 +254,8 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
-    """Copy this rank's TP / EP slices of the checkpoint into `model`. Returns {"params", "hf_keys", "untouched":
-    {prefix: count}}; the untouched key names go to `model.hf_untouched_keys` for export. Raises ValueError for an
-    unknown checkpoint key or a shape mismatch, KeyError for a missing key."""
+    """Copy this rank's TP / EP slices of the checkpoint into `model` (untouched keys: `model.hf_untouched_keys`).
+    Returns {"params", "hf_keys", "untouched": {prefix: count}}; ValueError for an unknown key or a wrong shape."""
     reader = HFReader(hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)

@@ -59,8 +59,7 @@ def _plain(fn):
 
 @contextlib.contextmanager
 def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
-    """This process as `rank` of a fake world of `world` ranks (torch's "fake" process group, then
-    distributed.init_distributed); torn down on exit, and a world this process had is made anew afterwards."""
+    """This process as `rank` of `world` in torch's "fake" process group (then init_distributed); restored on exit."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -117,8 +116,7 @@ def _routed(model) -> set[int]:
 
 
 def global_counts(model, hf) -> dict[str, int]:
-    """Global parameter counts {component, "total", "active"} from one rank: TP-split parameters times
-    TP, routed experts times EP; "active" = monitor.active_params."""
+    """Global parameter counts {component, "total", "active"} from one rank: TP splits times TP, experts times EP."""
     from megatron.core import parallel_state
 
     import monitor
@@ -220,8 +218,7 @@ class ActivationModel:
 
 
 def activation_model(cfg, hf) -> ActivationModel:
-    """The activation model of `cfg`'s layout (Korthikanti et al. 2022, section 4; the Mamba and MoE
-    terms by the same accounting of what megatron-core's modules and mamba_torch save)."""
+    """The activation model of `cfg`'s layout (Korthikanti et al. 2022, section 4; Mamba and MoE terms likewise)."""
     t, v = hf.text, hf.vision
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     sp = tp if cfg.parallel.sequence_parallel else 1
@@ -310,8 +307,7 @@ def default_world(cfg) -> int:
 
 
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
-    """Build the first and the last rank of `cfg`'s layout on the meta device (other ranks differ at most
-    in where the distributed optimizer's padding falls) and count. Raises config.ConfigError."""
+    """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding)."""
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     world = world or default_world(cfg)
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
