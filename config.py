@@ -262,9 +262,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             if not math.isfinite(number):  # TOML and float() accept nan / inf; no field means them
                 raise ConfigError(f"{where}: {key} = {value!r} must be a finite number")
             return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp is str and isinstance(value, str):
+        return value
     raise ConfigError(f"{where}: {key} = {value!r} has the wrong type; expected {_type_name(tp)}")
 
 

@@ -182,13 +182,10 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
 
 
 # Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
-UNTOUCHED_PREFIXES = (
-    "sound_encoder.",
-    "sound_projection.",
-    "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
-    "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
-    "vision_model.radio_model.model.patch_generator.video_embedder.",  # video tubelets (images only here)
-)
+UNTOUCHED_PREFIXES = ("sound_encoder.", "sound_projection.",
+                      "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
+                      "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
+                      "vision_model.radio_model.model.patch_generator.video_embedder.")  # video tubelets
 
 
 def has_safetensors(hf_dir: str | os.PathLike) -> bool:

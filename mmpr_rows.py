@@ -262,8 +262,7 @@ def image_patch_budget(image_processor, n_images: int) -> int:
 
 def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
                 paths: Sequence[str] = ()) -> list[tuple[int, int]]:
-    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together
-    (transformers' `get_patch_grid_size` with `image_patch_budget`), without resizing them."""
+    """Patch grids (gh, gw) of images of `sizes` [(h, w) px] processed together (transformers' get_patch_grid_size)."""
     from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
 
     ip = image_processor
@@ -533,8 +532,7 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
 
 def checked_rows(pool, workers: int, root: str, path: Path,
                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
-    """Every non-blank row of annotation file `path` checked, in file order: (line, byte offset, lengths or (drop
-    reason, detail)). `pool`: a fork-context ProcessPoolExecutor of `workers`, or None (in-process)."""
+    """(line, byte offset, lengths or (drop reason, detail)) of each row of `path` in order; `pool`: forked or None."""
     if pool is None:
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)

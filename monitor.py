@@ -284,9 +284,8 @@ class MetricsError(RuntimeError):
 
 
 class MetricsLog:
-    """`<checkpoint.dir>/metrics.jsonl` (one object per step) and Weights & Biases, written by rank 0. At the first
-    `log` an earlier file moves to `metrics.<n>.jsonl` (fresh start) or loses its rows after `resumed_step`.
-    Collective: a failed wandb.init is a ConfigError on every rank."""
+    """`<checkpoint.dir>/metrics.jsonl` (one object per step) and W&B, written by rank 0; the first `log` moves an
+    earlier file to `metrics.<n>.jsonl` or drops its rows after `resumed_step`. A failed wandb.init: ConfigError."""
 
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
