@@ -82,8 +82,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     ep = model.lm_config.expert_model_parallel_size
     local_experts = n_exp // ep if n_exp else 0
     vh, vheads = v.hidden_size, v.num_attention_heads
-    vd = vh // vheads
-    vffn = int(vh * v.mlp_ratio)
+    vd, vffn = vh // vheads, int(vh * v.mlp_ratio)
     lm, vm = "language_model.backbone.", "vision_model.radio_model.model."
     maps: dict[str, ParamMap] = {}
 
@@ -109,8 +108,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     for name in _model_tensors(model):
         if m := re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name):
             i, rest = int(m.group(1)), m.group(2)
-            p = f"{lm}layers.{i}."
-            kind = hf.pattern[i]
+            p, kind = f"{lm}layers.{i}.", hf.pattern[i]
             inp, cw, cb = p + "mixer.in_proj.weight", p + "mixer.conv1d.weight", p + "mixer.conv1d.bias"
             table = {
                 "mixer.in_proj.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
@@ -205,9 +203,8 @@ class HFReader:
         elif not has_safetensors(self.dir):
             raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
             self.weight_map = {}
-            for f in files:
+            for f in sorted(self.dir.glob("*.safetensors")):
                 with safe_open(f, "pt") as h:
                     self.weight_map.update({k: f.name for k in h.keys()})
         self._handles: dict[str, Any] = {}
@@ -306,8 +303,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
                     out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
                 dst = out[s.key]
                 n = dst.shape[pm.dim] if s.length is None else s.length
-                piece = shard.narrow(pm.dim, off, n)
-                target = dst.narrow(pm.dim, s.start, n)
+                piece, target = shard.narrow(pm.dim, off, n), dst.narrow(pm.dim, s.start, n)
                 if piece.shape != target.shape:
                     raise ValueError(f"export {name}: piece {tuple(piece.shape)} does not fit {s.key} "
                                      f"rows {s.start}:{s.start + n} {tuple(target.shape)}")

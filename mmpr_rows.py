@@ -379,9 +379,8 @@ class TextRenderer:
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
     def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
-        """(prompt, chosen, rejected) rendered by the chat template: the prompt is the generation prompt the rendered
-        conversation starts with (up to `<|im_start|>assistant\\n` when only one side reasons), each response the
-        rest (`... <|im_end|>\\n`)."""
+        """(prompt, chosen, rejected) rendered by the chat template: the generation prompt both start with (up to
+        `<|im_start|>assistant\\n` when only one side reasons), then each response (`... <|im_end|>\\n`)."""
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):

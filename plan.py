@@ -390,10 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python plan.py", description=__doc__.split("\n")[0])
     ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/nano.toml")
     ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[], help="overrides (config.py)")
-    ap.add_argument("--gpus", type=int, default=None,
-                    help="the world size (default: the smallest the layout runs on, lcm(TP x CP, EP))")
-    ap.add_argument("--image-tokens", type=int, default=0,
-                    help="image tokens per bin (adds the ViT's activations; default 0: text)")
+    ap.add_argument("--gpus", type=int, help="the world size (default: the smallest the layout runs on)")
+    ap.add_argument("--image-tokens", type=int, default=0, help="image tokens per bin (default 0)")
     args = ap.parse_args(argv)
     try:
         cfg = config_mod.load_config(args.config, args.overrides)
