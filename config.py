@@ -347,8 +347,7 @@ def get_dotted(obj: Any, dotted: str) -> Any:
 
 def apply_wandb_mode_env(cfg: Config) -> None:
     """WANDB_MODE (online / offline / disabled), when set, overrides logging.wandb (the machine decides)."""
-    mode = os.environ.get("WANDB_MODE", "").strip()
-    if not mode:
+    if not (mode := os.environ.get("WANDB_MODE", "").strip()):
         return
     if mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"WANDB_MODE = {mode!r} (it overrides logging.wandb): choose one of online, offline, "

@@ -267,8 +267,7 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
     untouched = sorted(k for k in reader.weight_map if k not in used)
-    unknown = [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]
-    if unknown:
+    if unknown := [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]:
         raise ValueError(f"{hf_dir}: {len(unknown)} checkpoint keys have no place in the model and are not a known "
                          f"untrained component: {unknown[:10]}")
     counts = dict(collections.Counter(next(p for p in UNTOUCHED_PREFIXES if k.startswith(p)) for k in untouched))
@@ -314,8 +313,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
         return None
     for key in getattr(model, "hf_untouched_keys", None) or [k for k in src.weight_map if k not in out]:
         out[key] = src.full(key)
-    missing = [k for k in src.weight_map if k not in out]
-    if missing:
+    if missing := [k for k in src.weight_map if k not in out]:
         raise ValueError(f"export would drop {len(missing)} source keys: {missing[:10]}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

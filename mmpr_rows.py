@@ -369,8 +369,7 @@ class TextRenderer:
 
     def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
         """`<image_N>` (N = 1..n, each once) -> `<image>`, the images in placeholder order."""
-        numbers = [int(m) for m in NUMBERED_IMAGE.findall(question)]
-        if not numbers:
+        if not (numbers := [int(m) for m in NUMBERED_IMAGE.findall(question)]):
             return question, images
         if self.image_token in question or sorted(numbers) != list(range(1, len(images) + 1)):
             mixed = f" and {self.image_token}" if self.image_token in question else ""
@@ -384,8 +383,7 @@ class TextRenderer:
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
-            mark = next((m for m in self._marks if not any(m in t for t in texts)), "")
-            if not mark:
+            if not (mark := next((m for m in self._marks if not any(m in t for t in texts)), "")):
                 raise _Drop("template_rewrites_text", "no free character left to hide /think from the template")
 
         def hide(text: str, keep_think_end: bool) -> str:

@@ -128,8 +128,7 @@ def exit_in_one_line(run, known: tuple):
             time.sleep(5)
         sys.exit(1)
     except RuntimeError as e:
-        reason = lost_peer(e)
-        if reason is None:  # a bug: its traceback
+        if (reason := lost_peer(e)) is None:  # a bug: its traceback
             raise
         # each rank that saw it says so (rank 0 may be the one gone)
         print(f"error: rank {global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
@@ -163,8 +162,7 @@ def diverged_message(e: Exception, step: int, resumed_from, saved_step: int, cfg
 def lost_peer(e: BaseException) -> str | None:
     """Why `e` says another process died (a gloo connection closed or reset, a DataLoader worker killed), else None."""
     msg = str(e).strip()
-    gloo = re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg)
-    if gloo:
+    if gloo := re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg):
         return f"{gloo.group(1)} (another rank died or stopped: its lines and torchrun's report say why)"
     if msg.startswith("DataLoader worker (pid"):
         return msg.splitlines()[0]
