@@ -199,8 +199,7 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
 
 
 def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
-    """Clean up after a run killed inside `save` (call holding the lock): rename `step_<N>.old` back to a missing
-    `step_<N>`, then remove every `step_<N>.tmp` and `.old`; returns the removed directories."""
+    """After a run killed in `save` (lock held): `step_<N>.old` back to a missing step_<N>, then remove .tmp / .old."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []

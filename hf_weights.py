@@ -40,8 +40,7 @@ class Segment:
 
 @dataclass
 class ParamMap:
-    """How one megatron-core tensor is made of HF tensors: along `dim`, rank r of `group` ("tp", "ep" or None)
-    holds the concatenation of `segments(r, size)`."""
+    """A megatron-core tensor from HF tensors: rank r of `group` ("tp", "ep", None) holds segments(r, size) on `dim`."""
 
     dim: int
     group: str | None
@@ -276,9 +275,8 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
 
 
 def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
-    """Write `model` as a complete HF checkpoint in the source's keys, files and dtypes (collective; rank 0 writes):
-    shards all-gathered over their groups, untouched keys and non-weight files copied from `src_hf_dir`, files of mode
-    0666 minus the umask. Returns {"keys", "files"} on rank 0, else None. Import -> export is bit-identical."""
+    """Write `model` as an HF checkpoint in `src_hf_dir`'s keys, files and dtypes, its untouched keys and other files
+    copied (collective; rank 0 writes, mode 0666 - umask). Returns {"keys", "files"} on rank 0, else None."""
     src = HFReader(src_hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)

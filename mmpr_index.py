@@ -384,9 +384,8 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
-    """The validated, cached index of meta-recipe `meta_path` for `data` (cfg.data); `max_samples`: the first N valid
-    pairs in file order after repeat_time (default data.train.max_samples, 0 = all). Under torch.distributed rank 0
-    builds the cache while the others wait. DataError: a bad meta-recipe, no valid pair, a dropped row with strict."""
+    """The validated, cached index of `meta_path` for `data` (cfg.data), built by rank 0 while others wait;
+    `max_samples`: the first N valid pairs (default data.train.max_samples, 0 = all). DataError: bad meta, no pair."""
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -453,8 +452,7 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
 
 # ---- Splits ----------
 def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed); repeats of
-    one row (repeat_time > 1) go to the same side."""
+    """(train ids, validation ids): `size` (< 1: a fraction, else a count) random pairs; repeats stay together."""
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
         groups[key].append(i)

@@ -251,8 +251,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 
 
 def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
-    """Model FLOPs utilisation: 8·N·tokens (policy fwd+bwd, reference fwd) / (seconds · world · peak bf16 FLOPs),
-    N = `active_params`; None on CPU or an unknown GPU."""
+    """MFU: 8·N·tokens (policy fwd+bwd, ref fwd) / (seconds · world · peak bf16), N = `active_params`; None on CPU."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()

@@ -157,8 +157,7 @@ def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
 
 # ---- Activations ----------
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
-    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for backward at this rank's heads,
-    measured with saved-tensor hooks at two token counts (the slope)."""
+    """Bytes per token mamba_torch's scan saves for backward at this rank's heads (saved-tensor hooks, a slope)."""
     import mamba_torch
 
     t = hf.text
