@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -370,11 +371,9 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
             warnings.warn(f"MMPR index cache {folder} is corrupt or partial ({type(e).__name__}: {e}); rebuilding",
                           DataWarning, stacklevel=3)
             aside = folder.parent / f".{folder.name}.corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
+            with contextlib.suppress(OSError):  # another rank moved it already
                 os.rename(folder, aside)
                 shutil.rmtree(aside, ignore_errors=True)
-            except OSError:
-                pass  # another rank moved it already
     index = _build(meta_path, subsets, processor, data, max_samples, fingerprint)
     if write:
         _write_cache(folder, index)

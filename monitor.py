@@ -109,8 +109,7 @@ class Console:
 def report_error(e: Exception) -> str:
     """Print `error: <type>: <message>` (rank 0) and write it to TORCHELASTIC_ERROR_FILE (every rank); returns it."""
     msg = f"error: {type(e).__name__}: {e}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's ProcessFailure format
         data = {"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}
         Path(error_file).write_text(json.dumps(data))
     if global_rank() == 0:
