@@ -772,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True, metavar="export")
     ex = sub.add_parser("export", help="write a checkpoint's policy as an HF checkpoint", description="Write the "
                         "policy of a checkpoint as an HF checkpoint, from the directory the training ran in.")
-    ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step) or a step_<N>")
+    ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
+                    "step_<N>")
     ex.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory, or an earlier export (it holds "
                     f"{EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the run's model.hf_path")
     args = ap.parse_args(argv)
