@@ -75,7 +75,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(value):
+def from_rank0(value):
     """Rank 0's `value` on every rank."""
     out = [value]
     if _world() > 1:
@@ -120,7 +120,7 @@ def move_away(path: str | Path) -> str:
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The highest complete `step_<N>` in `ckpt_dir`, or None; rank 0's answer on every rank."""
     found = list_checkpoints(ckpt_dir) if _rank() == 0 else []
-    path = _broadcast(str(found[-1][1]) if found else None)
+    path = from_rank0(str(found[-1][1]) if found else None)
     return Path(path) if path is not None else None
 
 
@@ -187,21 +187,19 @@ def _take_lock(root: Path) -> str | None:
 
 
 def lock_run_dir(ckpt_dir: str | Path) -> None:
-    """Claim `ckpt_dir` for this run (collective): rank 0 takes a `flock` on `<ckpt_dir>/.lock`, held until the
-    process exits, and calls `remove_unfinished_saves`. CheckpointError when another process holds it."""
+    """Claim `ckpt_dir` (collective): rank 0 flocks <ckpt_dir>/.lock until exit, then `remove_unfinished_saves`."""
     root, error = Path(ckpt_dir), None
     if _rank() == 0 and (error := _take_lock(root)) is None:
         try:
             remove_unfinished_saves(root)
         except OSError as e:
             error = f"checkpoint.dir = {root}: cannot remove an unfinished save: {e}"
-    if (error := _broadcast(error)) is not None:
+    if (error := from_rank0(error)) is not None:
         raise CheckpointError(error)
 
 
 def remove_unfinished_saves(ckpt_dir: str | Path) -> list[Path]:
-    """Clean up after a run killed inside `save` (call holding the lock): rename `step_<N>.old` back to a missing
-    `step_<N>`, then remove every `step_<N>.tmp` and `.old`; returns the removed directories."""
+    """After a run killed in `save` (lock held): `step_<N>.old` back to a missing step_<N>, then remove .tmp / .old."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
@@ -263,8 +261,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _inner_optimizers(optimizer) -> list:
-    """The megatron optimizers inside a ChainedOptimizer (or [optimizer])."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))  # a ChainedOptimizer's, or [optimizer]
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -528,9 +525,8 @@ def read_run_state(path: str | Path) -> RunState:
                     checksums=raw.get("checksums"))  # fmt: skip
 
 
-# What a resume does when the config changes a saved setting (`check_resume`): refuse it for the reason given, or
-# NOTICE: the new value applies from the next step (train.resume prints it and keeps the saved config as
-# config.step_<N>.json). Settings not listed may change silently; the DP size is no setting.
+# A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
+# step (the saved config is kept as config.step_<N>.json). Settings not listed may change silently.
 LAYOUT = "the saved optimizer state loads only with the saved layout (it reshards over DP only)"
 REWARD_UNITS = "δ is an EMA of the BCO rewards β·L in the saved units"
 SCHEDULE = "the segments of a run follow one LR / weight-decay schedule"
@@ -568,17 +564,14 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
             changed[key] = (a, b)
     if refused := [k for k in changed if RESUME_RULES[k] != NOTICE]:
         why = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_RULES[k]}" for k in refused)
-        raise CheckpointError(
-            f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, or export the "
-            f"policy (python checkpoint.py export {saved.path.parent} OUT) and start a new run in another "
-            "checkpoint.dir with model.hf_path=OUT"
-        )
+        raise CheckpointError(f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, "
+                              f"or export the policy (python checkpoint.py export {saved.path.parent} OUT) and start a "
+                              "new run in another checkpoint.dir with model.hf_path=OUT")
     return {k: v for k, v in changed.items() if RESUME_RULES[k] == NOTICE}
 
 
 def _damage(path: Path, world_size: int | None) -> str | None:
-    """Why checkpoint `path` cannot load, or None: its metadata unreadable, a file missing (the RNG files with
-    `world_size`), a shard shorter than .metadata says."""
+    """Why `path` cannot load, or None: bad metadata, a missing file (RNG ones with `world_size`), a short shard."""
     from torch.distributed.checkpoint import FileSystemReader
 
     shards, need, name = path / MODEL_OPTIM_DIR, {}, f"{MODEL_OPTIM_DIR}/{MEGATRON_METADATA_FILE}"
@@ -625,7 +618,7 @@ def _checksum_mismatches(state: RunState, world_size: int | None) -> list[str]:
 def check_complete(state: RunState, world_size: int | None) -> None:
     """Refuse a damaged checkpoint (`_damage`, then the checksums) on every rank, before any collective load."""
     path = state.path
-    damage = _broadcast(_damage(path, world_size) if _rank() == 0 else None)
+    damage = from_rank0(_damage(path, world_size) if _rank() == 0 else None)
     if damage is None and (bad := _checksum_mismatches(state, world_size)):
         damage = f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not match the checksum saved with it"
     if damage is not None:
@@ -633,8 +626,7 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 
 
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
-    """Restore checkpoint `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective) and
-    return its RunState. The RNG states are restored at the saved world size only."""
+    """Restore `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective); RNG at one world."""
     from megatron.core import dist_checkpointing
 
     state = ckpt if isinstance(ckpt, RunState) else read_run_state(ckpt)
@@ -719,8 +711,7 @@ def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path)
 
 
 def export(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of `ckpt` (a run directory's latest step, or a step_<N>) as an HF checkpoint in `out_dir`,
-    built at TP = CP = EP = 1 in one process, via `<OUT_DIR>.tmp`."""
+    """Write the policy of `ckpt` (a run's latest step, or a step_<N>) as an HF checkpoint via `<OUT_DIR>.tmp`."""
     import config as config_mod
     import distributed
     import hf_weights
@@ -782,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="write a checkpoint's policy as an HF checkpoint", description="Write the "
                         "policy of a checkpoint as an HF checkpoint, from the directory the training ran in.")
     ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
-                    "step_<N>")  # fmt: skip
+                    "step_<N>")
     ex.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory, or an earlier export (it holds "
                     f"{EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the run's model.hf_path")
     args = ap.parse_args(argv)

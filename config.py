@@ -36,10 +36,7 @@ class ConfigError(ValueError):
     """A configuration problem found before the run starts; the message names the key and the allowed values."""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The tree: units in the comments; names follow NeMo-RL's MPO recipe (reference_policy_kl_penalty, bco_loss_weight).
-
-
+# ---- The tree (units in the comments; names as NeMo-RL's MPO recipe: reference_policy_kl_penalty, ...) ----------
 @dataclass
 class ModelConfig:
     hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the cwd
@@ -189,10 +186,7 @@ PATH_KEYS = ("model.hf_path", "data.train.data_path", "data.train.data_root", "d
              "checkpoint.dir")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Loading and overriding
-
-
+# ---- Loading and overriding ----------
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -268,9 +262,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             if not math.isfinite(number):  # TOML and float() accept nan / inf; no field means them
                 raise ConfigError(f"{where}: {key} = {value!r} must be a finite number")
             return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp is str and isinstance(value, str):
+        return value
     raise ConfigError(f"{where}: {key} = {value!r} has the wrong type; expected {_type_name(tp)}")
 
 
@@ -311,10 +304,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             held = f"it holds {', '.join(tomls)}" if tomls else "it holds no .toml file"
             raise ConfigError(f"config file {str(path)!r} is a directory, not a TOML file ({held}); name the file")
         if not Path(path).is_file():
-            raise ConfigError(
-                f"config file {str(path)!r} not found (relative paths are relative to the working "
-                f"directory {os.getcwd()}; the shipped configs are in configs/)"
-            )
+            raise ConfigError(f"config file {str(path)!r} not found (relative paths are relative to the working "
+                              f"directory {os.getcwd()}; the shipped configs are in configs/)")
         try:
             text = Path(path).read_text()
         except (OSError, UnicodeDecodeError) as e:
@@ -342,10 +333,8 @@ def expand_user_paths(cfg: Config) -> None:
         expanded = os.path.expanduser(value)
         if expanded.startswith("~"):
             user = expanded.split("/", 1)[0]
-            raise ConfigError(
-                f"{key} = {value!r}: {user!r} cannot be expanded (no such user or no home directory known); write the "
-                f"path out, or ./{value} for a directory named {user!r}"
-            )
+            raise ConfigError(f"{key} = {value!r}: {user!r} cannot be expanded (no such user or no home directory "
+                              f"known); write the path out, or ./{value} for a directory named {user!r}")
         setattr(obj, name, expanded)
 
 
@@ -358,8 +347,7 @@ def get_dotted(obj: Any, dotted: str) -> Any:
 
 def apply_wandb_mode_env(cfg: Config) -> None:
     """WANDB_MODE (online / offline / disabled), when set, overrides logging.wandb (the machine decides)."""
-    mode = os.environ.get("WANDB_MODE", "").strip()
-    if not mode:
+    if not (mode := os.environ.get("WANDB_MODE", "").strip()):
         return
     if mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"WANDB_MODE = {mode!r} (it overrides logging.wandb): choose one of online, offline, "
@@ -438,8 +426,7 @@ def validate_schedule(cfg: Config) -> None:
 
 
 def validate_parallel(cfg: Config, world_size: int, num_experts: int | None = None) -> int:
-    """The layout against the world size (TP * CP * DP; ETP * EP divides it; EP divides the experts; DP divides the
-    global batch); returns DP."""
+    """Check TP * CP * DP = world, ETP * EP | world, EP | experts, DP | global batch; returns DP."""
     p = cfg.parallel
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
     if world_size % (tp * cp) != 0:
@@ -488,13 +475,10 @@ KNOWN_WARNINGS = (
     "The argument order of load has been changed",  # torch.distributed.checkpoint, called by megatron's loader
     "Please use DTensor instead and we are deprecating ShardedTensor",  # megatron dist_checkpointing on torch 2.14
     "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
-    # megatron's expert linears under SP: experts are not TP-sharded here (ETP = 1); the other layers keep SP
-    "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
-    # MAMBA_DETERMINISTIC=1 (model.deterministic_mode): the Triton Mamba kernels take one fixed config each
-    "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",
+    "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",  # expert linears (ETP = 1) under SP
+    "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",  # model.deterministic_mode's Triton Mamba kernels
     "Deterministic mode: upgrade to Triton >= 3.4.0",
-    # fla-core, imported by megatron-core when installed, on a machine without a GPU
-    "Triton is not supported on current platform, roll back to CPU",
+    "Triton is not supported on current platform, roll back to CPU",  # fla-core on a machine without a GPU
 )
 KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the console (a str or a tuple of str)
     "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec",
@@ -502,16 +486,14 @@ KNOWN_LOG_RECORDS = {  # logger name -> the start of its records to keep off the
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
     "transformers.configuration_utils": "You are using a model of type",  # the Omni processor's sub-configs
     "torch.utils.cpp_extension": "No CUDA runtime is found",
-    # a failed save's writer error (checkpoint.save reports it as one CheckpointError line)
-    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("Local worker ",
-                                                                     "An error is caught while starting worker "),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async":  # a failed save: checkpoint.save's one line
+        ("Local worker ", "An error is caught while starting worker "),
 }
 SHOW_WARNINGS_ENV = "OMNI_MPO_SHOW_WARNINGS"
 
 
 def quiet_known_warnings() -> bool:
-    """Filter KNOWN_WARNINGS and KNOWN_LOG_RECORDS (call before megatron-core is imported); returns False and changes
-    nothing when OMNI_MPO_SHOW_WARNINGS is set (not 0)."""
+    """Filter KNOWN_WARNINGS / KNOWN_LOG_RECORDS (before megatron-core is imported); False if OMNI_MPO_SHOW_WARNINGS."""
     import logging
     import warnings
 
@@ -537,8 +519,7 @@ def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str,
 
 
 def exit_cli(main) -> None:
-    """`sys.exit(main())`; a reader that leaves early (`... | head`) ends it quietly with status 1 (Python docs,
-    "Note on SIGPIPE")."""
+    """`sys.exit(main())`; a reader that leaves early (`| head`) ends it quietly, status 1 (Python's SIGPIPE note)."""
     try:
         code = main()
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's shutdown
@@ -550,11 +531,8 @@ def exit_cli(main) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python config.py CONFIG.toml [section.key=value ...]`: the resolved config as JSON, or one `error:` line."""
-    path, overrides = parse_cli(
-        argv, "python config.py", "Print the resolved run configuration (defaults < TOML file < overrides) as JSON, "
-        "checked as train.py checks it before any work (the paths it names are checked by train.py's preflight, not "
-        "here).",
-    )  # fmt: skip
+    path, overrides = parse_cli(argv, "python config.py", "Print the resolved run configuration (defaults < TOML "
+                                "< overrides) as JSON, checked as train.py checks it (paths: by train.py's preflight).")
     try:
         print(json.dumps(to_dict(load_config(path, overrides)), indent=2))
     except ConfigError as e:

@@ -8,6 +8,7 @@ shard (`ParamMap` of `Segment`s); keys of components not trained here are kept a
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -39,8 +40,7 @@ class Segment:
 
 @dataclass
 class ParamMap:
-    """How one megatron-core tensor is made of HF tensors: along `dim`, rank r of `group` ("tp", "ep" or None)
-    holds the concatenation of `segments(r, size)`."""
+    """A megatron-core tensor from HF tensors: rank r of `group` ("tp", "ep", None) holds segments(r, size) on `dim`."""
 
     dim: int
     group: str | None
@@ -81,15 +81,13 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     ep = model.lm_config.expert_model_parallel_size
     local_experts = n_exp // ep if n_exp else 0
     vh, vheads = v.hidden_size, v.num_attention_heads
-    vd = vh // vheads
-    vffn = int(vh * v.mlp_ratio)
+    vd, vffn = vh // vheads, int(vh * v.mlp_ratio)
     lm, vm = "language_model.backbone.", "vision_model.radio_model.model."
     maps: dict[str, ParamMap] = {}
 
     def qkv(layer: int, groups: int) -> ParamMap:
-        # megatron's fused rows, per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
-        # row blocks (whole groups when TP divides the groups; with fewer groups than TP, part of one group, which
-        # megatron's attention all-gathers: attention.py's get_query_key_value_tensors)
+        # megatron's fused rows per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
+        # row blocks (with fewer groups than TP, part of one group: megatron's attention all-gathers it)
         p = f"{lm}layers.{layer}.mixer."
         rows = [seg for g in range(groups) for seg in (Segment(p + "q_proj.weight", g * hpg * head_dim, hpg * head_dim),
                                                          Segment(p + "k_proj.weight", g * head_dim, head_dim),
@@ -106,13 +104,10 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     def expert(key_fmt: str, j: int) -> ParamMap:
         return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
 
-    names = list(_model_tensors(model))
-    for name in names:
-        m = re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
+    for name in _model_tensors(model):
+        if m := re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name):
             i, rest = int(m.group(1)), m.group(2)
-            p = f"{lm}layers.{i}."
-            kind = hf.pattern[i]
+            p, kind = f"{lm}layers.{i}.", hf.pattern[i]
             inp, cw, cb = p + "mixer.in_proj.weight", p + "mixer.conv1d.weight", p + "mixer.conv1d.bias"
             table = {
                 "mixer.in_proj.layer_norm_weight": _whole(p + "norm.weight", t.hidden_size),
@@ -137,10 +132,9 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "mlp.router.expert_bias": _whole(p + "mixer.gate.e_score_correction_bias", n_exp),
             }
             if kind == "E":
-                sh = t.moe_shared_expert_intermediate_size
-                table["mlp.shared_experts.linear_fc1.weight"] = _split(p + "mixer.shared_experts.up_proj.weight", sh)
-                table["mlp.shared_experts.linear_fc2.weight"] = _split(p + "mixer.shared_experts.down_proj.weight", sh,
-                                                                       dim=1)
+                sh, se = t.moe_shared_expert_intermediate_size, p + "mixer.shared_experts."
+                table["mlp.shared_experts.linear_fc1.weight"] = _split(se + "up_proj.weight", sh)
+                table["mlp.shared_experts.linear_fc2.weight"] = _split(se + "down_proj.weight", sh, dim=1)
             e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest) or \
                 re.match(r"mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
             if e:
@@ -148,13 +142,8 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 proj = "up_proj" if fc == "1" else "down_proj"
                 maps[name] = expert(p + "mixer.experts.{e}." + proj + ".weight", j)
                 continue
-            if rest not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[rest]
-            continue
-        m = re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            p = f"{vm}blocks.{m.group(1)}."
+        elif m := re.match(r"vision_model\.decoder\.layers\.(\d+)\.(.+)$", name):
+            p, rest = f"{vm}blocks.{m.group(1)}.", m.group(2)
             table = {
                 "self_attention.linear_qkv.layer_norm_weight": _whole(p + "norm1.weight", vh),
                 "self_attention.linear_qkv.layer_norm_bias": _whole(p + "norm1.bias", vh),
@@ -169,35 +158,31 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "mlp.linear_fc2.weight": _split(p + "mlp.fc2.weight", vffn, dim=1),
                 "mlp.linear_fc2.bias": _whole(p + "mlp.fc2.bias", vh),
             }
-            if m.group(2) not in table:
-                raise ValueError(f"no HF mapping for megatron parameter {name}")
-            maps[name] = table[m.group(2)]
-            continue
-        table = {
-            "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
-            "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
-            "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
-            "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
-            "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
-            "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
-            "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
-            "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
-            "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size, dim=1),
-        }
-        if name not in table:
+        else:
+            rest = name
+            table = {
+                "language_model.embedding.word_embeddings.weight": _split(f"{lm}embeddings.weight", t.vocab_size),
+                "language_model.output_layer.weight": _split("language_model.lm_head.weight", t.vocab_size),
+                "language_model.decoder.final_norm.weight": _whole(f"{lm}norm_f.weight", t.hidden_size),
+                "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
+                "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
+                "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
+                "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
+                "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
+                "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size,
+                                                                      dim=1),
+            }
+        if rest not in table:
             raise ValueError(f"no HF mapping for megatron parameter {name}")
-        maps[name] = table[name]
+        maps[name] = table[rest]
     return maps
 
 
 # Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
-UNTOUCHED_PREFIXES = (
-    "sound_encoder.",
-    "sound_projection.",
-    "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
-    "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
-    "vision_model.radio_model.model.patch_generator.video_embedder.",  # video tubelets (images only here)
-)
+UNTOUCHED_PREFIXES = ("sound_encoder.", "sound_projection.",
+                      "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
+                      "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
+                      "vision_model.radio_model.model.patch_generator.video_embedder.")  # video tubelets
 
 
 def has_safetensors(hf_dir: str | os.PathLike) -> bool:
@@ -217,9 +202,8 @@ class HFReader:
         elif not has_safetensors(self.dir):
             raise FileNotFoundError(f"{self.dir}: no model.safetensors.index.json and no *.safetensors")
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
             self.weight_map = {}
-            for f in files:
+            for f in sorted(self.dir.glob("*.safetensors")):
                 with safe_open(f, "pt") as h:
                     self.weight_map.update({k: f.name for k in h.keys()})
         self._handles: dict[str, Any] = {}
@@ -238,10 +222,9 @@ class HFReader:
 
     def read(self, key: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         sl = self._handle(key).get_slice(key)
-        shape = sl.get_shape()
         if length is None:
             return sl[:]
-        idx = [slice(None)] * len(shape)
+        idx = [slice(None)] * len(sl.get_shape())
         idx[dim] = slice(start, start + length)
         return sl[tuple(idx)]
 
@@ -264,9 +247,8 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
-    """Copy this rank's TP / EP slices of the checkpoint into `model`. Returns {"params", "hf_keys",
-    "untouched": {prefix: count}}; the untouched key names go to `model.hf_untouched_keys` for export. Raises ValueError
-    for an unknown checkpoint key or a shape mismatch, KeyError for a missing key."""
+    """Copy this rank's TP / EP slices of the checkpoint into `model` (untouched keys: `model.hf_untouched_keys`).
+    Returns {"params", "hf_keys", "untouched": {prefix: count}}; ValueError for an unknown key or a wrong shape."""
     reader = HFReader(hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
@@ -284,22 +266,17 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
     untouched = sorted(k for k in reader.weight_map if k not in used)
-    unknown = [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]
-    if unknown:
+    if unknown := [k for k in untouched if not k.startswith(UNTOUCHED_PREFIXES)]:
         raise ValueError(f"{hf_dir}: {len(unknown)} checkpoint keys have no place in the model and are not a known "
                          f"untrained component: {unknown[:10]}")
-    counts: dict[str, int] = {}
-    for k in untouched:
-        prefix = next(p for p in UNTOUCHED_PREFIXES if k.startswith(p))
-        counts[prefix] = counts.get(prefix, 0) + 1
+    counts = dict(collections.Counter(next(p for p in UNTOUCHED_PREFIXES if k.startswith(p)) for k in untouched))
     model.hf_untouched_keys = untouched
     return {"params": len(maps), "hf_keys": len(used), "untouched": counts}
 
 
 def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
-    """Write `model` as a complete HF checkpoint in the source's keys, files and dtypes (collective; rank 0
-    writes): shards all-gathered over their groups, untouched keys and non-weight files copied from `src_hf_dir`, files
-    of mode 0666 minus the umask. Returns {"keys", "files"} on rank 0, else None. Import -> export is bit-identical."""
+    """Write `model` as an HF checkpoint in `src_hf_dir`'s keys, files and dtypes, its untouched keys and other files
+    copied (collective; rank 0 writes, mode 0666 - umask). Returns {"keys", "files"} on rank 0, else None."""
     src = HFReader(src_hf_dir)
     maps = hf_param_map(model)
     tensors = _model_tensors(model)
@@ -323,8 +300,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
                     out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
                 dst = out[s.key]
                 n = dst.shape[pm.dim] if s.length is None else s.length
-                piece = shard.narrow(pm.dim, off, n)
-                target = dst.narrow(pm.dim, s.start, n)
+                piece, target = shard.narrow(pm.dim, off, n), dst.narrow(pm.dim, s.start, n)
                 if piece.shape != target.shape:
                     raise ValueError(f"export {name}: piece {tuple(piece.shape)} does not fit {s.key} "
                                      f"rows {s.start}:{s.start + n} {tuple(target.shape)}")
@@ -335,8 +311,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
         return None
     for key in getattr(model, "hf_untouched_keys", None) or [k for k in src.weight_map if k not in out]:
         out[key] = src.full(key)
-    missing = [k for k in src.weight_map if k not in out]
-    if missing:
+    if missing := [k for k in src.weight_map if k not in out]:
         raise ValueError(f"export would drop {len(missing)} source keys: {missing[:10]}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

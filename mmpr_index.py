@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,10 +58,7 @@ CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
 
-# ======================================================================================================================
-# The index
-
-
+# ---- The index ----------
 @dataclass
 class PairIndex:
     """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
@@ -92,10 +91,6 @@ class PairIndex:
     cache_status: str = "disabled"
     cache_dir: str = ""
 
-    _SAVED = ("meta_path", "fingerprint", "subsets", "annotation_files", "image_roots", "image_paths", "subset_id",
-              "line", "offset", "prompt_len", "chosen_len", "rejected_len", "image_tokens", "image_start", "num_images",
-              "image_path_id", "image_grid_hw", "image_token_counts", "stats", "build_seconds")
-
     def __len__(self) -> int:
         return int(self.line.numel())
 
@@ -106,8 +101,7 @@ class PairIndex:
         return {int(i): (c[i], r[i]) for i in ids}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """{pair_id: prompt tokens - 1}: what the shared-prompt layout stores once per pair at least (the last prompt
-        token starts both responses): the `shared_lengths` of pack.plan_bins / plan_step."""
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once (pack.plan_bins')."""
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
@@ -122,13 +116,11 @@ class PairIndex:
         return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
 
     def state(self) -> dict:
-        return {k: getattr(self, k) for k in self._SAVED}
+        """The fields the cache saves: all but cache_status and cache_dir."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("cache_")}
 
 
-# ======================================================================================================================
-# Fingerprint and cache folder
-
-
+# ---- Fingerprint and cache folder ----------
 def _cache_root() -> Path:
     """HF datasets' cache folder: $HF_DATASETS_CACHE, else $HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
     if os.environ.get("HF_DATASETS_CACHE"):
@@ -139,13 +131,10 @@ def _cache_root() -> Path:
 
 
 def load_processor(model_dir: str | Path, key: str):
-    """The model's transformers processor (chat template, tokenizer, image processor). Raises DataError naming the
-    setting `key` (`model.hf_path`, `--model`) when `model_dir` has no config.json or no processor."""
+    """The model's transformers processor; DataError naming `key` when `model_dir` has none or no config.json."""
     if not (Path(model_dir) / "config.json").is_file():
-        raise DataError(
-            f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
-            f"chat template and processor; relative paths are relative to {os.getcwd()})"
-        )
+        raise DataError(f"{key} {str(model_dir)!r}: no config.json there (a local model directory with the tokenizer, "
+                        f"chat template and processor; relative paths are relative to {os.getcwd()})")
     from transformers import AutoProcessor
 
     try:
@@ -169,8 +158,7 @@ def processor_identity(processor) -> str:
 
 
 def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processor, settings: dict) -> str:
-    """sha256 of the meta file's content, each annotation file's path, size and mtime, each image root's mtime, the
-    processor identity, the settings that change the index and CACHE_VERSION."""
+    """sha256 of the meta file, each annotation's path, size and mtime, each root's mtime, the processor, `settings`."""
     h = hashlib.sha256()
     h.update(Path(meta_path).read_bytes())
     for s in subsets:
@@ -182,10 +170,7 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
     return h.hexdigest()
 
 
-# ======================================================================================================================
-# Build, cache, load
-
-
+# ---- Build, cache, load ----------
 def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
     """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some rows are invalid_json and its first
     line opens a JSON array (a `json.dump(rows, indent=...)` export), or all rows are."""
@@ -355,8 +340,7 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
 
 
 def _write_cache(folder: Path, index: PairIndex) -> None:
-    """Write index.pt + index.json into a temporary folder, then rename it into place (atomic on POSIX); a cache that
-    cannot be written is a logged warning (the index is used uncached)."""
+    """Write index.pt + index.json to a temporary folder renamed into place; a failure is only logged."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -387,11 +371,9 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
             warnings.warn(f"MMPR index cache {folder} is corrupt or partial ({type(e).__name__}: {e}); rebuilding",
                           DataWarning, stacklevel=3)
             aside = folder.parent / f".{folder.name}.corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
+            with contextlib.suppress(OSError):  # another rank moved it already
                 os.rename(folder, aside)
                 shutil.rmtree(aside, ignore_errors=True)
-            except OSError:
-                pass  # another rank moved it already
     index = _build(meta_path, subsets, processor, data, max_samples, fingerprint)
     if write:
         _write_cache(folder, index)
@@ -401,12 +383,8 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
                 use_cache: bool = True) -> PairIndex:
-    """The validated, cached index of the pairs of meta-recipe `meta_path` (see the module docstring).
-
-    `data` is the config's data section (cfg.data); `max_samples` keeps the first N valid pairs in file order (after
-    repeat_time; default data.train.max_samples, 0 = all). Under torch.distributed global rank 0 builds and writes the
-    cache while the others wait on a gloo group (INDEX_BUILD_TIMEOUT), then read it. Raises DataError: a bad
-    meta-recipe, no valid pair, or with data.strict the first dropped row."""
+    """The validated, cached index of `meta_path` for `data` (cfg.data), built by rank 0 while others wait;
+    `max_samples`: the first N valid pairs (default data.train.max_samples, 0 = all). DataError: bad meta, no pair."""
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
@@ -456,7 +434,6 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
                             f"drops: {summary_drops(index)}")
         empty = [name for name, st in index.stats.items() if st["rows_read"] == 0 and "not_read" not in st]
         hint = f"; no rows in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
-        # recomputed from the stats (not read from them): a cached index from before this hint gets it too
         for name, ann in zip(index.subsets, index.annotation_files, strict=True):
             if (not_jsonl := not_jsonl_hint(ann, index.stats.get(name, {}))) is not None:
                 hint += f"; {not_jsonl}"
@@ -472,13 +449,9 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
     return dict(total)
 
 
-# ======================================================================================================================
-# Splits
-
-
+# ---- Splits ----------
 def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids): `size` a fraction (< 1) or a pair count (>= 1) taken at random (seed); repeats of
-    one row (repeat_time > 1) go to the same side."""
+    """(train ids, validation ids): `size` (< 1: a fraction, else a count) random pairs; repeats stay together."""
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
         groups[key].append(i)
@@ -506,8 +479,7 @@ class Split:
 
 
 def load_splits(processor, data) -> tuple[Split, Split | None]:
-    """(train, validation or None) of `data` (cfg.data): validation from data.validation.data_path when set, else
-    data.train.split_validation_size pairs of the train index."""
+    """(train, validation or None): from data.validation.data_path, else data.train.split_validation_size pairs."""
     train = build_index(data.train.data_path, processor, data)
     if data.validation.data_path:
         if data.train.split_validation_size:
@@ -525,10 +497,7 @@ def load_splits(processor, data) -> tuple[Split, Split | None]:
     return Split(train, list(range(len(train)))), None
 
 
-# ======================================================================================================================
-# Report
-
-
+# ---- Report ----------
 def _percentiles(x: torch.Tensor) -> dict[str, float]:
     if x.numel() == 0:
         return {}
@@ -539,8 +508,7 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def report(index: PairIndex) -> dict:
-    """Per subset and in total: rows read, valid, pairs, drops by reason (with examples) and token-length
-    percentiles (prompt, image tokens, chosen row, rejected row), JSON-serialisable."""
+    """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
                 (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
@@ -576,7 +544,6 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-# The config keys that the data checks name, as this command line spells them (`cli_text`).
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
              "data.train.seed": "--seed"}
@@ -596,23 +563,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "report (rows, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
     ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
-    ap.add_argument("--max-samples", type=int, default=0,
-                    help="keep the first N valid pairs (0 = all; default: %(default)s)")
-    ap.add_argument("--max-seq-length", type=int, default=Config().data.max_seq_length,
-                    help="most tokens per row, expanded image tokens included; longer rows are dropped as too_long "
-                         "(default: %(default)s, as the config's data.max_seq_length)")
-    ap.add_argument("--max-images-per-row", type=int, default=Config().data.train.max_images_per_row,
-                    help="rows with more images are dropped as too_many_images (default: %(default)s, as the "
-                         "config's data.train.max_images_per_row)")
-    ap.add_argument("--seed", type=int, default=Config().data.train.seed,
-                    help="seed of a fractional repeat_time's row sample (default: %(default)s, as the config's "
-                         "data.train.seed; it changes the index, and so its cache, only for such a subset)")
+    d = Config().data
+    ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (default 0 = all)")
+    ap.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
+                    help="data.max_seq_length: longer rows are dropped as too_long (default %(default)s)")
+    ap.add_argument("--max-images-per-row", type=int, default=d.train.max_images_per_row,
+                    help="data.train.max_images_per_row: more is too_many_images (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=d.train.seed,
+                    help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
-                    help="base of relative root/annotation paths (default: the meta file's grandparent, then its "
-                         "folder)")
+                    help="data.train.data_root (default: the meta file's grandparent, then its folder)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes checking rows (render, tokenise, decode images); < 2 = in-process (default: "
-                         "%(default)s = min(8, CPUs))")
+                    help="processes checking rows; < 2 = in-process (default %(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
@@ -623,12 +585,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     processor = load_processor(args.model, "--model")
-    data = Config().data
-    data.max_seq_length, data.num_workers = args.max_seq_length, args.num_workers
-    data.train.data_root, data.train.seed = args.data_root, args.seed
-    data.train.max_images_per_row = args.max_images_per_row
+    d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
+    d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
     with data_warnings([]) as warned:
-        index = build_index(args.meta, processor, data, max_samples=args.max_samples, use_cache=not args.no_cache)
+        index = build_index(args.meta, processor, d, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:
         print(f"warning: {cli_text(str(note))}", file=sys.stderr)
     rep = report(index)

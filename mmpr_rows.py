@@ -58,8 +58,7 @@ REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may co
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
-# Keys a meta-recipe subset may hold: the ones read here and the other keys InternVL's dataset builders read (no
-# effect here: the Omni processor decides the tiling). Any other key warns (a typo such as repeat_times).
+# A subset's keys: those read here and InternVL's other ones (no effect here); any other key warns (e.g. repeat_times).
 META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
              "dynamic_image_size", "max_num_image", "min_num_image", "is_chinese", "sampling_method")
 
@@ -100,10 +99,7 @@ class _Drop(Exception):
         self.reason, self.detail = reason, detail
 
 
-# ======================================================================================================================
-# Meta-recipe
-
-
+# ---- Meta-recipe ----------
 @dataclass(frozen=True)
 class Subset:
     """One meta-recipe entry with its paths resolved."""
@@ -148,8 +144,7 @@ def _is_row(value: Any) -> bool:
 
 
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
-    """The meta-recipe JSON {subset: {annotation, root, repeat_time, length, ...}} as `Subset`s in file order, paths
-    resolved; `data_augment: true` and unknown keys warn (DataWarning)."""
+    """The meta-recipe JSON {subset: {annotation, root, repeat_time, ...}} as `Subset`s in file order, resolved."""
     if not str(meta_path).strip():
         raise DataError("the meta-recipe path is empty")
     meta_path = Path(meta_path)
@@ -219,10 +214,7 @@ def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[
     return list(range(n)) * whole + sorted(rng.sample(range(n), extra))
 
 
-# ======================================================================================================================
-# Images
-
-
+# ---- Images ----------
 def load_image(path: str | Path):
     """An image decoded as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto white
     (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits."""
@@ -258,9 +250,8 @@ def load_image(path: str | Path):
 
 
 def image_patch_budget(image_processor, n_images: int) -> int:
-    """Most 16-px patches per image when `n_images` images are processed in one call: transformers'
-    NemotronH_Omni_Reasoning_V3ImageProcessor rule clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min,
-    max), m = 1/downsample_ratio."""
+    """Most 16-px patches per image when `n_images` images are processed in one call (transformers' Omni image
+    processor): clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min, max), m = 1/downsample_ratio."""
     ip = image_processor
     merge = round(1 / ip.downsample_ratio)
     budget = max((ip.max_model_len - 4) * merge**2, ip.min_num_patches * n_images)
@@ -271,8 +262,7 @@ def image_patch_budget(image_processor, n_images: int) -> int:
 
 def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
                 paths: Sequence[str] = ()) -> list[tuple[int, int]]:
-    """Patch grids (gh, gw) the image processor gives images of `sizes` [(height, width) px] processed together
-    (transformers' `get_patch_grid_size` with `image_patch_budget`), without resizing them."""
+    """Patch grids (gh, gw) of images of `sizes` [(h, w) px] processed together (transformers' get_patch_grid_size)."""
     from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
 
     ip = image_processor
@@ -292,18 +282,14 @@ def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
     return grids
 
 
-# ======================================================================================================================
-# Text: validation, chat-template rendering, tokenisation
-
-
+# ---- Text: validation, chat-template rendering, tokenisation ----------
 def _as_str(row: dict, *keys: str) -> str | None:
     k = next((k for k in keys if k in row), None)
     return row[k] if k is not None and isinstance(row[k], str) else None
 
 
 def check_reasoning(name: str, response: str) -> None:
-    """Raise _Drop unless `response` has no reasoning block or one at its start (`</think>` alone: the generation
-    prompt opened it)."""
+    """_Drop unless `response` has no reasoning block or one at its start (a lone `</think>`: the prompt opened it)."""
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
         raise _Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
@@ -321,9 +307,8 @@ class TextRenderer:
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.video_token = getattr(processor, "video_token", None) or "<video>"
         specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
-        # a special-token string in the data would be tokenised as that token (an extra <image> takes an image feature)
         self.forbidden = sorted(specials - set(REASONING_TOKENS) - {self.image_token}, key=len, reverse=True)
-        # characters absent from the template, to stand in for the '/' of a directive while the template renders
+        # characters absent from the template, to stand in for a directive's '/' while the template renders
         template = str(processor.chat_template)
         self._marks = [chr(c) for c in range(0xE000, 0xF900) if chr(c) not in template][:64]
 
@@ -384,8 +369,7 @@ class TextRenderer:
 
     def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
         """`<image_N>` (N = 1..n, each once) -> `<image>`, the images in placeholder order."""
-        numbers = [int(m) for m in NUMBERED_IMAGE.findall(question)]
-        if not numbers:
+        if not (numbers := [int(m) for m in NUMBERED_IMAGE.findall(question)]):
             return question, images
         if self.image_token in question or sorted(numbers) != list(range(1, len(images) + 1)):
             mixed = f" and {self.image_token}" if self.image_token in question else ""
@@ -394,18 +378,15 @@ class TextRenderer:
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
     def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
-        """(prompt, chosen, rejected) rendered by the chat template: the prompt is the generation prompt the rendered
-        conversation starts with (up to `<|im_start|>assistant\\n` when only one side reasons), each response the
-        rest (`... <|im_end|>\\n`)."""
+        """(prompt, chosen, rejected) rendered by the chat template: the generation prompt both start with (up to
+        `<|im_start|>assistant\\n` when only one side reasons), then each response (`... <|im_end|>\\n`)."""
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
-            mark = next((m for m in self._marks if not any(m in t for t in texts)), "")
-            if not mark:
+            if not (mark := next((m for m in self._marks if not any(m in t for t in texts)), "")):
                 raise _Drop("template_rewrites_text", "no free character left to hide /think from the template")
 
         def hide(text: str, keep_think_end: bool) -> str:
-            # "/no_think" does not contain "/think": the order does not matter
             for d in TEMPLATE_DIRECTIVES if mark != "/" else ():
                 text = (re.sub(f"(?<!<){re.escape(d)}", mark + d[1:], text) if keep_think_end
                         else text.replace(d, mark + d[1:]))
@@ -456,8 +437,7 @@ class TextRenderer:
         return prompt, out[0][1], out[1][1]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no BOS, as the Omni processor)."""
-        # verbose=False: no model_max_length warning; a row's length is checked against data.max_seq_length
+        """Token ids of `text` (no BOS, as the Omni processor; no model_max_length warning)."""
         return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def response_ids(self, response: str) -> tuple[list[int], list[bool]]:
@@ -468,10 +448,7 @@ class TextRenderer:
         return ids, [True] * (end + 1) + [False] * (len(ids) - end - 1)
 
 
-# ======================================================================================================================
-# Checking the rows of an annotation file (mmpr_index.build_index)
-
-
+# ---- Checking the rows of an annotation file (mmpr_index.build_index) ----------
 # What the checking processes share, set by `begin_row_checks` before they fork (so nothing is pickled).
 _CHUNK_CTX: dict[str, Any] = {}
 CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
@@ -513,8 +490,7 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise _Drop("invalid_json", str(e)) from None
-            system, question, chosen, rejected, imgs = text.parse(row, Path(root) if root else None, max_images,
-                                                                  subset)
+            system, question, chosen, rejected, imgs = text.parse(row, Path(root) if root else None, max_images, subset)
             sizes = [_probe(p) for p in imgs]
             if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
                 raise _Drop(*bad)
@@ -526,7 +502,7 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
                 raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
-            # the row's content as trained (not its JSON formatting): mmpr_index notes rows that repeat another
+            # the row's content as trained, not its JSON text: mmpr_index notes rows that repeat another
             digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs]).encode(),
                                      digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
@@ -553,8 +529,7 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
 
 def checked_rows(pool, workers: int, root: str, path: Path,
                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
-    """Every non-blank row of annotation file `path` checked, in file order: (line, byte offset, lengths or (drop
-    reason, detail)). `pool`: a fork-context ProcessPoolExecutor of `workers`, or None (in-process)."""
+    """(line, byte offset, lengths or (drop reason, detail)) of each row of `path` in order; `pool`: forked or None."""
     if pool is None:
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)

@@ -25,10 +25,8 @@ import mmpr_index
 import mmpr_rows
 import mpo_loss
 
-# ======================================================================================================================
-# Signals and errors
 
-
+# ---- Signals and errors ----------
 class StopSignal:
     """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
     finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
@@ -45,7 +43,6 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-        # repeats ignored by the OS: a second USR1 (Slurm sends two) during shutdown would kill a rank that saved
         signal.signal(signum, signal.SIG_IGN)
 
     def launcher_gone(self) -> bool:
@@ -75,8 +72,7 @@ class StopSignal:
 
 
 class Console:
-    """sys.stdout / sys.stderr surviving a console gone (EIO, EPIPE): writes then go to /dev/null, so the rank still
-    saves at its stop signal."""
+    """sys.stdout / stderr that survive a lost console (EIO, EPIPE) by writing to /dev/null: the rank still saves."""
 
     GONE = (errno.EIO, errno.EPIPE)
 
@@ -111,11 +107,9 @@ class Console:
 
 
 def report_error(e: Exception) -> str:
-    """Print `error: <type>: <message>` on stderr (global rank 0) and write it to TORCHELASTIC_ERROR_FILE (every
-    rank), so torchrun's failure report ends with it. Returns the line."""
+    """Print `error: <type>: <message>` (rank 0) and write it to TORCHELASTIC_ERROR_FILE (every rank); returns it."""
     msg = f"error: {type(e).__name__}: {e}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torchrun's format (torch.distributed.elastic ProcessFailure): message + timestamp
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's ProcessFailure format
         data = {"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}
         Path(error_file).write_text(json.dumps(data))
     if global_rank() == 0:
@@ -133,8 +127,7 @@ def exit_in_one_line(run, known: tuple):
             time.sleep(5)
         sys.exit(1)
     except RuntimeError as e:
-        reason = lost_peer(e)
-        if reason is None:  # a bug: its traceback
+        if (reason := lost_peer(e)) is None:  # a bug: its traceback
             raise
         # each rank that saw it says so (rank 0 may be the one gone)
         print(f"error: rank {global_rank()}: {type(e).__name__}: {reason}", file=sys.stderr, flush=True)
@@ -158,19 +151,17 @@ def diverged_message(e: Exception, step: int, resumed_from, saved_step: int, cfg
         return (f"step {step}: {e}: the first step after resuming from {resumed_from}, so its saved state gives "
                 "non-finite values (a damaged file that no checksum caught, or a run that was already diverging: "
                 f"check its logged loss); {checkpoint.move_away(resumed_from)}")
-    saved = last_saved(saved_step, cfg) + (", whose weights may already be far off: check its logged loss"
-                                           if saved_step else "")  # fmt: skip
+    far_off = ", whose weights may already be far off: check its logged loss" if saved_step else ""
+    saved = last_saved(saved_step, cfg) + far_off
     return (f"step {step}: {e}: the run diverged ({saved}); start a new run with a lower optimizer.lr in another "
             "checkpoint.dir, from model.hf_path or from an export of a good step; if the LR is already small, look at "
             "extreme loss settings (a very large mpo.reference_policy_kl_penalty or mpo.reward_shift)")
 
 
 def lost_peer(e: BaseException) -> str | None:
-    """The one-line reason when `e` is this rank's view of another process dying (a gloo connection closed or reset,
-    a DataLoader worker killed), else None."""
+    """Why `e` says another process died (a gloo connection closed or reset, a DataLoader worker killed), else None."""
     msg = str(e).strip()
-    gloo = re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg)
-    if gloo:
+    if gloo := re.match(r"\[[^\]]*gloo/transport/[^\]]*\] (.+?)(?:\. |\.?$)", msg):
         return f"{gloo.group(1)} (another rank died or stopped: its lines and torchrun's report say why)"
     if msg.startswith("DataLoader worker (pid"):
         return msg.splitlines()[0]
@@ -186,8 +177,7 @@ RESOLVED_CONFIG_FILE = "config.json"
 
 
 def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path:
-    """Write the resolved config to `<checkpoint.dir>/config.json` (returns its path); with `previous` = (N, the
-    config of step_<N>), that one to `config.step_<N>.json` first."""
+    """Write <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json; its path."""
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     if previous is not None:
@@ -197,10 +187,7 @@ def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path
     return path
 
 
-# ======================================================================================================================
-# Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B
-
-
+# ---- Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B ----------
 def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
     """One rank's summed step metrics (floats or 0-d tensors) over the DP `group`, one all-reduce and one read:
     "mean" and "count" ones (mpo_loss.METRIC_REDUCTION) summed, counts as ints, "constant" ones kept."""
@@ -223,8 +210,7 @@ def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.
 
 
 def global_tokens(batches, dp_group, device: torch.device) -> int:
-    """Tokens the language model computes in the step (cu_seqlens[-1] of this rank's microbatches: no padding),
-    summed over DP. The shared-prompt layout counts a prompt once, separate rows twice."""
+    """Tokens the LM computes in the step (cu_seqlens[-1] of this rank's microbatches, no padding), summed over DP."""
     tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
     dist.all_reduce(tokens, group=dp_group)
     return int(tokens.item())
@@ -232,13 +218,8 @@ def global_tokens(batches, dp_group, device: torch.device) -> int:
 
 def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
     """A step's throughput metrics: tokens (`global_tokens`), step_time (s), pairs_per_s, tokens_per_s, mfu."""
-    return {
-        "tokens": tokens,
-        "step_time": seconds,
-        "pairs_per_s": pairs / seconds,
-        "tokens_per_s": tokens / seconds,
-        "mfu": mfu(tokens, seconds, n_active, world),
-    }
+    return {"tokens": tokens, "step_time": seconds, "pairs_per_s": pairs / seconds, "tokens_per_s": tokens / seconds,
+            "mfu": mfu(tokens, seconds, n_active, world)}
 
 
 def active_params(model, hf) -> int:
@@ -269,8 +250,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 
 
 def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
-    """Model FLOPs utilisation: 8·N·tokens (policy fwd+bwd, reference fwd) / (seconds · world · peak bf16 FLOPs),
-    N = `active_params`; None on CPU or an unknown GPU."""
+    """MFU: 8·N·tokens (policy fwd+bwd, ref fwd) / (seconds · world · peak bf16), N = `active_params`; None on CPU."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()
@@ -281,11 +261,9 @@ def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
 def wandb_failed(cfg, e: Exception) -> str:
     """The one-line message for a failed wandb.init (`e`, a wandb.errors.Error), with the remedy."""
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return (
-        f"logging.wandb = {cfg.logging.wandb!r}: wandb.init failed ({type(e).__name__}: {first}); on a machine "
-        f"without access to W&B use logging.wandb=offline (or WANDB_MODE=offline), then upload the run later with "
-        f"`wandb sync {Path(cfg.checkpoint.dir) / 'wandb'}/offline-run-*`"
-    )
+    return (f"logging.wandb = {cfg.logging.wandb!r}: wandb.init failed ({type(e).__name__}: {first}); on a machine "
+            f"without access to W&B use logging.wandb=offline (or WANDB_MODE=offline), then upload the run later with "
+            f"`wandb sync {Path(cfg.checkpoint.dir) / 'wandb'}/offline-run-*`")
 
 
 def _row_step(row: str) -> float:
@@ -302,9 +280,8 @@ class MetricsError(RuntimeError):
 
 
 class MetricsLog:
-    """`<checkpoint.dir>/metrics.jsonl` (one object per step) and Weights & Biases, written by rank 0. At the first
-    `log` an earlier file moves to `metrics.<n>.jsonl` (fresh start) or loses its rows after `resumed_step`.
-    Collective: a failed wandb.init is a ConfigError on every rank."""
+    """`<checkpoint.dir>/metrics.jsonl` (one object per step) and W&B, written by rank 0; the first `log` moves an
+    earlier file to `metrics.<n>.jsonl` or drops its rows after `resumed_step`. A failed wandb.init: ConfigError."""
 
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
@@ -316,12 +293,7 @@ class MetricsLog:
                 failed = self._start(cfg)
             except Exception as e:  # told to the other ranks first, then raised as it is
                 failed, error = f"rank 0 could not start the metrics log: {type(e).__name__}: {e}", e
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # only rank 0 writes and talks to W&B: every rank learns the outcome here, so none waits forever in a
-            # later collective for a rank 0 that has stopped
-            outcome = [failed]
-            dist.broadcast_object_list(outcome, src=0)
-            failed = outcome[0]
+        failed = checkpoint.from_rank0(failed)  # no rank waits on a rank 0 that stopped
         if error is not None:
             raise error
         if failed:
@@ -334,16 +306,11 @@ class MetricsLog:
             import wandb
 
             try:
-                self.run = wandb.init(
-                    project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
-                    entity=os.environ.get("WANDB_ENTITY") or None,
-                    name=os.environ.get("WANDB_NAME") or None,
-                    id=self.run_id or os.environ.get("WANDB_RUN_ID") or None,
-                    resume="allow",
-                    mode=cfg.logging.wandb,
-                    dir=str(self.path.parent),
-                    config=config_mod.to_dict(cfg),
-                )
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.logging.wandb_project,
+                                      entity=os.environ.get("WANDB_ENTITY") or None,
+                                      name=os.environ.get("WANDB_NAME") or None,
+                                      id=self.run_id or os.environ.get("WANDB_RUN_ID") or None, resume="allow",
+                                      mode=cfg.logging.wandb, dir=str(self.path.parent), config=config_mod.to_dict(cfg))
             except wandb.errors.Error as e:  # CommError (no network, a timeout, a rejected key), UsageError, ...
                 return wandb_failed(cfg, e)
             self.run_id = self.run.id
@@ -354,36 +321,30 @@ class MetricsLog:
         # surrogateescape: bytes that are not UTF-8 (a damaged or hand-edited file) are kept as they are
         text = self.path.read_text(errors="surrogateescape") if self.path.exists() else ""
         rows = [r for r in text.splitlines() if r.strip()]
-        # a last row without its newline that is not JSON: a write cut off (kill -9, a full disk); appending to it
-        # would merge the next row into it
+        # a last row without its newline that is not JSON: a cut-off write, which the next row would merge into
         torn = bool(rows) and not text.endswith("\n") and _row_step(rows[-1]) == -math.inf
         if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
             n = 1
             while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
                 n += 1
             self.path.rename(old)
-            print(
-                f"metrics: {self.path} held {mmpr_rows.plural(len(rows), 'row')} of an earlier run without a "
-                f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}"
-            )
+            print(f"metrics: {self.path} held {mmpr_rows.plural(len(rows), 'row')} of an earlier run without a "
+                  f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}")
         elif rows:  # rows after the resumed step belong to a segment that died before saving
             keep = [r for r in rows[: len(rows) - torn] if _row_step(r) <= resumed_step]
             after = len(rows) - torn - len(keep)
             if after or torn or not text.endswith("\n"):
                 self.path.write_text("".join(r + "\n" for r in keep), errors="surrogateescape")
             if after:
-                print(
-                    f"metrics: dropped {mmpr_rows.plural(after, 'row')} after step {resumed_step} from {self.path} "
-                    "(logged after the checkpoint this run resumes from: a segment that stopped before saving them, or "
-                    "a later checkpoint moved away)"
-                )
+                print(f"metrics: dropped {mmpr_rows.plural(after, 'row')} after step {resumed_step} from {self.path} "
+                      "(logged after the checkpoint this run resumes from: a segment that stopped before saving them, "
+                      "or a later checkpoint moved away)")
             if torn:
                 print(f"metrics: dropped the cut-off last row of {self.path} (a write that did not finish): "
                       f"{rows[-1][:80]!r}")
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
-        """Rank 0: append {"step", "split", **metrics} to metrics.jsonl and log the numbers to W&B as `<split>/<name>`.
-        Collective: a MetricsError on every rank when rank 0 cannot write the file."""
+        """Rank 0 appends {"step", "split", **metrics} to metrics.jsonl and W&B (`<split>/<name>`); collective."""
         failed = None
         if self.rank == 0:
             try:
@@ -398,11 +359,7 @@ class MetricsLog:
                           "make room, then resume from the latest checkpoint")  # fmt: skip
             if failed is None and self.run is not None:
                 self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            outcome = [failed]
-            dist.broadcast_object_list(outcome, src=0)
-            failed = outcome[0]
-        if failed:
+        if failed := checkpoint.from_rank0(failed):
             raise MetricsError(failed)
 
     def finish(self) -> None:
@@ -410,18 +367,13 @@ class MetricsLog:
             self.run.finish()
 
 
-# ======================================================================================================================
-# Console lines (rank 0)
-
-
+# ---- Console lines (rank 0) ----------
 def print_layout(ctx, world: int, kernels, layout_desc: str) -> None:
     """The kernels line and the parallel layout line ending in `layout_desc` (shared_prompt.resolve's)."""
     p = ctx.cfg.parallel
     print(kernels.line())
-    print(
-        f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
-        f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {layout_desc}"
-    )
+    print(f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
+          f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {layout_desc}")
     if ctx.cfg.reference.offload and ctx.device.type != "cuda":
         print("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
 
@@ -432,10 +384,8 @@ def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
         return
     status = train_split.index.cache_status.split(":")[0]
     status = {"hit": "cached", "disabled": "not cached"}.get(status, status)
-    print(
-        f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-        f"validation pairs (index {status}), dropped rows {mmpr_index.summary_drops(train_split.index)}"
-    )
+    print(f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
+          f"validation pairs (index {status}), dropped rows {mmpr_index.summary_drops(train_split.index)}")
     if val_split is not None and val_split.index is not train_split.index:
         print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")
     for note in notes:
@@ -480,12 +430,10 @@ def format_line(step: int, cfg, m: dict) -> str:
     speed = f"{m['pairs_per_s']:.2f} pairs/s {m['tokens_per_s']:.0f} tok/s"
     if m.get("mfu") is not None:
         speed += f" mfu {100 * m['mfu']:.3g}%"  # significant digits: a tiny model's MFU is far below 0.1%
-    return (
-        f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
-        f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
-        f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
-        f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}"
-    )
+    return (f"step {step}/{mx} | loss {m['loss']:.4f} (pref {m['preference_loss']:.4f} bco {m['bco_loss']:.4f} "
+            f"sft {m['sft_loss']:.4f}) | acc {m['accuracy']:.3f} margin {m['rewards/margin']:.4f} | "
+            f"δ {m['reward_shift']:.3e} | lr {m['lr']:.3e} | gnorm {m['grad_norm']:.3f} | {speed} | "
+            f"{m['step_time']:.2f} s/step | eta {_duration(m['eta_s'])}")
 
 
 def _duration(seconds: float) -> str:
@@ -497,7 +445,5 @@ def _duration(seconds: float) -> str:
 def print_validation(step: int, vm: dict, rank: int) -> None:
     """The console line of a validation (rank 0)."""
     if rank == 0:
-        print(
-            f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
-            f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)"
-        )
+        print(f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
+              f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)")

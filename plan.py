@@ -29,18 +29,13 @@ import omni_model  # noqa: E402
 import preflight  # noqa: E402
 
 GiB = 2**30
-# Usable memory of the two GPU sizes (what torch reports as the device's total capacity): an 80 GB H100 / A100 has
-# 79.1 GiB, a 141 GB H200 139.8 GiB (the recorded H200 run's out-of-memory message, docs/PERFORMANCE.md).
+# Usable memory (torch's total capacity) of an 80 GB H100 / A100 and a 141 GB H200 (docs/PERFORMANCE.md).
 GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
 
 
-# ======================================================================================================================
-# One rank on the meta device
-
-
+# ---- One rank on the meta device ----------
 class _MetaAllocations(torch.overrides.TorchFunctionMode):
-    """Every tensor factory call makes a meta tensor, an explicit `device=` included; paused by
-    `_plain` around torch.distributed's object collectives."""
+    """Every tensor factory call makes a meta tensor (even with `device=`), except inside `_plain`."""
 
     paused = False
 
@@ -64,8 +59,7 @@ def _plain(fn):
 
 @contextlib.contextmanager
 def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
-    """This process as `rank` of a fake world of `world` ranks (torch's "fake" process group, then
-    distributed.init_distributed); torn down on exit, and a world this process had is made anew afterwards."""
+    """This process as `rank` of `world` in torch's "fake" process group (then init_distributed); restored on exit."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -111,10 +105,7 @@ def build_rank(cfg):
     return policy, reference, ddp, optimizer
 
 
-# ======================================================================================================================
-# Counting
-
-
+# ---- Counting ----------
 COMPONENTS = ("language_model", "vision_model", "vision_projection")
 
 
@@ -125,8 +116,7 @@ def _routed(model) -> set[int]:
 
 
 def global_counts(model, hf) -> dict[str, int]:
-    """Global parameter counts {component, "total", "active"} from one rank: TP-split parameters times
-    TP, routed experts times EP; "active" = monitor.active_params."""
+    """Global parameter counts {component, "total", "active"} from one rank: TP splits times TP, experts times EP."""
     from megatron.core import parallel_state
 
     import monitor
@@ -159,20 +149,15 @@ def _model_bytes(model) -> int:
 
 
 def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
-    """(fp32 master copies, Adam's two fp32 moments) of this rank's main parameters (its DP shard with
-    the distributed optimizer)."""
+    """(fp32 master copies, Adam's two fp32 moments) in bytes of this rank's main parameters (its DP shard)."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
     main = sum(p.numel() for o in optimizers for g in o.optimizer.param_groups for p in g["params"])
     return (4 * main if bf16 else 0), 2 * 4 * main
 
 
-# ======================================================================================================================
-# Activations
-
-
+# ---- Activations ----------
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
-    """Bytes per token that mamba_torch.mamba_split_conv1d_scan_combined keeps for
-    backward at this rank's heads, measured with saved-tensor hooks at two token counts (the slope)."""
+    """Bytes per token mamba_torch's scan saves for backward at this rank's heads (saved-tensor hooks, a slope)."""
     import mamba_torch
 
     t = hf.text
@@ -204,8 +189,8 @@ def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[in
 
 @dataclass
 class ActivationModel:
-    """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute),
-    the largest layer once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
+    """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute), the largest layer
+    once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
 
     per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
     per_layer: dict[str, float]  # T-independent bytes per layer of each kind (the grouped experts' stacked weights)
@@ -232,8 +217,7 @@ class ActivationModel:
 
 
 def activation_model(cfg, hf) -> ActivationModel:
-    """The activation model of `cfg`'s layout (Korthikanti et al. 2022, section 4; the Mamba and MoE
-    terms by the same accounting of what megatron-core's modules and mamba_torch save)."""
+    """The activation model of `cfg`'s layout (Korthikanti et al. 2022, section 4; Mamba and MoE terms likewise)."""
     t, v = hf.text, hf.vision
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     sp = tp if cfg.parallel.sequence_parallel else 1
@@ -253,8 +237,7 @@ def activation_model(cfg, hf) -> ActivationModel:
         "M": 2 * h / sp * b + mamba_body_bytes_per_token(hf, tp, dtype) + di / tp * b,
         # norm in / out + qkv output + flash-attention output, + fp32 log-sum-exp per head
         "*": (2 * h / sp + (q + 2 * kv) / tp + q / tp) * b + 4 * t.num_attention_heads / tp,
-        # norm in / out + k routed copies of (input, fc1 out, activation, fc2 out) + shared expert, + fp32 router
-        # logits, scores and top-k
+        # norm in / out + k routed copies of (input, fc1 out, act, fc2 out) + shared expert, + fp32 router tensors
         "E": (2 * h / sp + k * (2 * h + 2 * f) / sp + 2 * f_shared / tp) * b + 3 * 4 * n_exp / sp,
         "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,  # norm in / out + fc1 out, activation
         "head": (3 * h / sp + t.vocab_size / tp) * b,  # final norm in / out, output-layer input, logits
@@ -268,10 +251,7 @@ def activation_model(cfg, hf) -> ActivationModel:
                            chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
 
 
-# ======================================================================================================================
-# The plan
-
-
+# ---- The plan ----------
 @dataclass
 class RankPlan:
     """One distinct rank's parameters and bytes (a row of the table)."""
@@ -326,8 +306,7 @@ def default_world(cfg) -> int:
 
 
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
-    """Build the first and the last rank of `cfg`'s layout on the meta device (other ranks differ at most
-    in where the distributed optimizer's padding falls) and count. Raises config.ConfigError."""
+    """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding)."""
     hf = omni_model.read_hf_config(cfg.model.hf_path)
     world = world or default_world(cfg)
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
@@ -344,16 +323,13 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
             total, active = rank_params(policy, hf)
             master, moments = optimizer_bytes(optimizer, bf16)
             ref = _model_bytes(reference)
-            row = RankPlan(
-                ranks=[rank], params=total, params_active=active,
-                reference_params=sum(p.numel() for p in reference.parameters()),
-                weights=_model_bytes(policy),
-                grads=sum(b.grad_data.numel() * b.grad_data.element_size()
-                          for b in ddp.buffers + ddp.expert_parallel_buffers),
-                master=master, moments=moments,
-                reference=0 if cfg.reference.offload else ref,
-                reference_offloaded=ref if cfg.reference.offload else 0,
-            )
+            grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                        for b in ddp.buffers + ddp.expert_parallel_buffers)
+            row = RankPlan(ranks=[rank], params=total, params_active=active,
+                           reference_params=sum(p.numel() for p in reference.parameters()),
+                           weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
+                           reference=0 if cfg.reference.offload else ref,
+                           reference_offloaded=ref if cfg.reference.offload else 0)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
@@ -363,10 +339,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
                 bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens)
 
 
-# ======================================================================================================================
-# The report
-
-
+# ---- The report ----------
 def _b(n: float) -> str:
     return f"{n / 1e9:.2f}B"
 
@@ -416,10 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python plan.py", description=__doc__.split("\n")[0])
     ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/nano.toml")
     ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[], help="overrides (config.py)")
-    ap.add_argument("--gpus", type=int, default=None,
-                    help="the world size (default: the smallest the layout runs on, lcm(TP x CP, EP))")
-    ap.add_argument("--image-tokens", type=int, default=0,
-                    help="image tokens per bin (adds the ViT's activations; default 0: text)")
+    ap.add_argument("--gpus", type=int, help="the world size (default: the smallest the layout runs on)")
+    ap.add_argument("--image-tokens", type=int, default=0, help="image tokens per bin (default 0)")
     args = ap.parse_args(argv)
     try:
         cfg = config_mod.load_config(args.config, args.overrides)
