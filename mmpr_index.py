@@ -96,9 +96,9 @@ class PairIndex:
 
     def lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
         """{pair_id: (chosen tokens, rejected tokens)}: the input of pack.plan_bins / plan_step."""
-        ids = range(len(self)) if pair_ids is None else pair_ids
-        c, r = self.chosen_len.tolist(), self.rejected_len.tolist()
-        return {int(i): (c[i], r[i]) for i in ids}
+        ids = list(range(len(self))) if pair_ids is None else [int(i) for i in pair_ids]
+        c, r = self.chosen_len[ids].tolist(), self.rejected_len[ids].tolist()
+        return {i: (a, b) for i, a, b in zip(ids, c, r, strict=True)}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
         """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once (pack.plan_bins')."""

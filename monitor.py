@@ -1,5 +1,5 @@
 """What a training run reports and listens to, beside train.py's loop: stop signals (`StopSignal`), one-line errors
-(`exit_in_one_line`), step metrics (`reduce_metrics`, `speed_metrics`, `MetricsLog`: metrics.jsonl and W&B), the
+(`exit_in_one_line`), step metrics (`speed_metrics`, `MetricsLog`: metrics.jsonl and W&B), the
 console lines and the resolved config file. Tests: `pytest tests/test_train.py tests/test_console.py`.
 """
 
@@ -23,7 +23,7 @@ import config as config_mod
 import mmpr_data
 import mmpr_index
 import mmpr_rows
-import mpo_loss
+import pack
 
 
 # ---- Signals and errors ----------
@@ -188,30 +188,9 @@ def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path
 
 
 # ---- Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B ----------
-def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
-    """One rank's summed step metrics (floats or 0-d tensors) over the DP `group`, one all-reduce and one read:
-    "mean" and "count" ones (mpo_loss.METRIC_REDUCTION) summed, counts as ints, "constant" ones kept."""
-    keys = sorted(k for k in local if mpo_loss.METRIC_REDUCTION.get(k, "mean") != "constant")
-    kept = [k for k in local if k not in keys]
-
-    def stacked(names):
-        return torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device).reshape(()) for k in names]) \
-            if names else torch.zeros(0, dtype=torch.float64, device=device)
-
-    vals = stacked(keys)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(vals, group=group)
-    values = dict(zip(keys + kept, torch.cat([vals, stacked(kept)]).tolist(), strict=True))
-    out = {k: values[k] for k in local}  # the caller's key order
-    for k in keys:
-        if mpo_loss.METRIC_REDUCTION.get(k) == "count":
-            out[k] = round(out[k])  # a sum of whole numbers (float64: exact)
-    return out
-
-
 def global_tokens(batches, dp_group, device: torch.device) -> int:
     """Tokens the LM computes in the step (cu_seqlens[-1] of this rank's microbatches, no padding), summed over DP."""
-    tokens = torch.tensor([sum(int(b.cu_seqlens[-1]) for b in batches)], device=device)
+    tokens = torch.tensor([sum(int(pack.host_view(b).cu_seqlens[-1]) for b in batches)], device=device)
     dist.all_reduce(tokens, group=dp_group)
     return int(tokens.item())
 
@@ -446,4 +425,4 @@ def print_validation(step: int, vm: dict, rank: int) -> None:
     """The console line of a validation (rank 0)."""
     if rank == 0:
         print(f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
-              f"margin {vm['rewards/margin']:.4f} ({vm['val_batches']} batches)")
+              f"margin {vm['rewards/margin']:.4f} ({mmpr_rows.plural(vm['val_batches'], 'batch')})")

@@ -334,6 +334,27 @@ def combine_metrics(per_microbatch: Iterable[Mapping[str, torch.Tensor | float]]
     return dict(zip(out, torch.stack(list(out.values())).tolist(), strict=True))
 
 
+def reduce_metrics(local: dict[str, float | torch.Tensor], group, device: torch.device) -> dict[str, float]:
+    """One rank's summed step metrics (floats or 0-d tensors) over the DP `group`, one all-reduce and one read:
+    "mean" and "count" ones (METRIC_REDUCTION) summed, counts as ints, "constant" ones kept."""
+    keys = sorted(k for k in local if METRIC_REDUCTION.get(k, "mean") != "constant")
+    kept = [k for k in local if k not in keys]
+
+    def stacked(names):
+        return torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device).reshape(()) for k in names]) \
+            if names else torch.zeros(0, dtype=torch.float64, device=device)
+
+    vals = stacked(keys)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(vals, group=group)
+    values = dict(zip(keys + kept, torch.cat([vals, stacked(kept)]).tolist(), strict=True))
+    out = {k: values[k] for k in local}  # the caller's key order
+    for k in keys:
+        if METRIC_REDUCTION.get(k) == "count":
+            out[k] = round(out[k])  # a sum of whole numbers (float64: exact)
+    return out
+
+
 def update_reward_shift(
     shift: float, reward_sum: float | torch.Tensor, reward_count: float | torch.Tensor, momentum: float
 ) -> float:

@@ -413,7 +413,7 @@ class OmniModel(nn.Module):
             positions, rows = self._image_rows(host, ids_h, cu_pad_h, feats)
             if rows is not None:
                 positions = to_device(positions, device)
-                emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype)[:, None][:, 0])
+                emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))
 
         cp = parallel_state.get_context_parallel_world_size()
         if cp > 1:

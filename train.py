@@ -5,11 +5,12 @@
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
-One optimizer step (`train_step`): load this DP rank's bins (`load_bins`), count the step's valid pairs
-(`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP gradient sum,
-`check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md).
-Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal
-(save, exit 0) and resumes from its run directory. Tests: `pytest tests/test_train.py`.
+One optimizer step (the loop's body): load this DP rank's bins (`load_bins`), then `train_step`: count the step's
+valid pairs (`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP
+gradient sum, `check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device`
+(docs/DESIGN.md). Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`,
+`mpo.stop_after_step` or a stop signal (save, exit 0) and resumes from its run directory.
+Tests: `pytest tests/test_train.py`.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def main(cfg) -> int:
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
     run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run["wandb_run_id"] = log.run_id
-    plan = functools.partial(plan_and_select, data.train_split.index, ctx)
-    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, plan,
+    planner = functools.partial(plan_and_select, data.train_split.index, ctx)
+    loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, planner,
                                        cfg.data.num_workers))
     if stopper.interrupted(ctx.device):  # a Ctrl-C while the data and models loaded: stop before any step
         if rank == 0:
@@ -424,7 +425,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
         raise DivergedError(f"the gradient norm is {grad_norm} (finite gradients, whose norm overflowed)")
     scheduler.step(increment=1)
     # the step's one read of its metrics, after the update: δ's statistics ride in the same all-reduce
-    metrics = monitor.reduce_metrics({**local, "bco/reward_sum": r_sum, "bco/reward_count": r_count}, ctx.dp_group,
+    metrics = mpo_loss.reduce_metrics({**local, "bco/reward_sum": r_sum, "bco/reward_count": r_count}, ctx.dp_group,
                                      ctx.device)
     new_shift = mpo_loss.update_reward_shift(reward_shift, metrics["bco/reward_sum"], metrics["bco/reward_count"],
                                              ctx.cfg.mpo.reward_shift_momentum)
@@ -448,12 +449,12 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
-        m = monitor.reduce_metrics(local, ctx.dp_group, ctx.device)
+        m = mpo_loss.reduce_metrics(local, ctx.dp_group, ctx.device)
         for k, v in m.items():
             if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean":
                 total[k] = total.get(k, 0.0) + v * num_global_pairs
             elif mpo_loss.METRIC_REDUCTION.get(k) == "count":
-                total[k] = total.get(k, 0) + v  # an int (monitor.reduce_metrics)
+                total[k] = total.get(k, 0) + v  # an int (mpo_loss.reduce_metrics)
         pairs_seen += num_global_pairs
     policy.train()
     mean = {k for k in total if mpo_loss.METRIC_REDUCTION.get(k, "mean") == "mean"}

@@ -4,7 +4,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 1. CUDA fp32 parity with transformers (text; image+text; logits max-abs <= 1e-4) for each spec that imports (local
    always; Transformer Engine's when it imports, <= 5e-3 relative to the largest logit: TE's fp32 GEMMs run in TF32).
 2. The tiny main job on one GPU (`torchrun --nproc-per-node 1 train.py configs/tiny.toml`; items 2-4 in separate
-   rows, `packing.shared_prompt=false`, since "auto" takes the shared layout on the local spec), 4 steps: step-1
+   rows, tiny.toml's `packing.shared_prompt=false`, kept explicit), 4 steps: step-1
    preference loss ln 2 and BCO loss 2 ln 2 within 1e-4, every logged number finite, and no tensor off the step's
    device (tests/step_cases.DeviceAudit around one in-process step, the CPU test's audit).
 3. 2 steps, then resume for 2 more = the 4 straight steps (losses, δ, grad norm within 1e-6).
@@ -120,8 +120,7 @@ def runs(train_run, tmp_path_factory):  # noqa: F811  (train_run: test_train's f
     # log-prob sums is nondeterministic, so policy and reference could differ by fp32 ulps at step 1 and the accuracy
     # of a tie flip between the runs
     det = "model.deterministic_mode=true"
-    # separate rows (packing.shared_prompt = "auto" takes the shared layout on the local spec with mamba_torch): the
-    # shared run below is compared with the straight run
+    # separate rows (tiny.toml's setting, kept explicit): the shared run below is compared with the straight run
     four.append("packing.shared_prompt=false")
     straight, seg, bf16 = (tmp_path_factory.mktemp(n) for n in ("straight", "segments", "bf16"))
     out = train_run(1, straight, *four, det).stdout
@@ -161,7 +160,7 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path)
     import kernel_selection
 
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
-    assert sites == ["monitor.py reduce_metrics: TensorBase.tolist",
+    assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
                      "train.py count_global_pairs: TensorBase.item"], sites
     if kernel_selection.select_kernels().mamba != "torch":
         assert not any(r.startswith("mamba_torch.py") for r in audit.reads), audit.reads

@@ -87,8 +87,10 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     (each rank's value is already divided by the global pair count), "constant" ones (δ) kept, in one all-reduce."""
     import torch.distributed as dist
 
+    import mpo_loss
+
     m = {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}
-    assert monitor.reduce_metrics(m, None, torch.device("cpu")) == m
+    assert mpo_loss.reduce_metrics(m, None, torch.device("cpu")) == m
     other_rank = {"loss": 0.125, "num_valid_pairs": 1.0, "reward_shift_used": 0.25}
     calls = []
 
@@ -98,8 +100,8 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: {"one": 1, "two": 2}[group])
-    assert monitor.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
-    got = monitor.reduce_metrics(m, "two", torch.device("cpu"))
+    assert mpo_loss.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
+    got = mpo_loss.reduce_metrics(m, "two", torch.device("cpu"))
     assert got == {"loss": 0.625, "num_valid_pairs": 4, "reward_shift_used": 0.25}
     assert type(got["num_valid_pairs"]) is int  # a count, like num_global_pairs (QA 13: it was 4.0)
     assert calls == [(torch.float64, "two")]
@@ -1590,7 +1592,7 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads})
     assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
                      "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
-                     "monitor.py reduce_metrics: TensorBase.tolist",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist",
                      "train.py count_global_pairs: TensorBase.item"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     # golden numbers: identical policy and reference
