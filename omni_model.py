@@ -257,7 +257,8 @@ class OmniModel(nn.Module):
     `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full row on every CP rank);
     optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
     image_grid_hw int64 [N_images, 2], media_index int64 [S] with media_image_offsets int64 [M+1], sample_mask [S]
-    (weight-0 sequences leave the routers' statistics), segment_cu_seqlens_padded int32 [3P+1] (shared prompt).
+    ([2P] per response in the shared layout; weight-0 sequences leave the routers' statistics),
+    segment_cu_seqlens_padded int32 [3P+1] (shared prompt).
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
     Raises ValueError when the `<image>` tokens and the image features do not match."""
 
