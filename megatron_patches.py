@@ -407,7 +407,7 @@ def install_mamba_scan_hook() -> None:
             kwargs["dt_limit"] = limit
         segments = shared_prompt.SEGMENTS.get()
         if segments is not None:
-            return shared_prompt.mamba_split_conv1d_scan(*args, segment_cu_seqlens_padded=segments, **kwargs,
+            return shared_prompt.mamba_split_conv1d_scan(*args, segments=segments, **kwargs,
                                                          **shared_prompt.mamba_kernels(fn))
         return fn(*args, **kwargs)
 

@@ -310,7 +310,7 @@ def mpo_loss(
             "nll/chosen": mean(nll_c),
             "bco/reward_mean": mean(q_c + q_r) / 2,
             "num_valid_pairs": num_local.to(policy_logprobs.dtype),
-            "reward_shift_used": torch.tensor(delta, dtype=policy_logprobs.dtype, device=device),
+            "reward_shift_used": torch.full((), delta, dtype=policy_logprobs.dtype, device=device),
         }
         metrics = {k: v.detach() for k, v in metrics.items()}
         reward_sum = torch.where(valid, q_c + q_r, zero).sum().detach()

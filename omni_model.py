@@ -427,10 +427,10 @@ class OmniModel(nn.Module):
         # Padding and weight-0 tokens leave the routers' statistics: megatron's padding_mask [1, rank tokens], True =
         # padding, sliced like the embeddings (CP layout, then this rank's SP chunk: HybridModel does not scatter it).
         sample_mask, sample_mask_h = _get(batch, "sample_mask"), _get(host, "sample_mask")
-        segments = _get(batch, "segment_cu_seqlens_padded")  # a shared-prompt row (shared_prompt.pack)
+        segments = _get(host, "segment_cu_seqlens_padded")  # a shared-prompt row (shared_prompt.pack)
         if segments is not None:
             assert cp == 1  # preflight.check_packing
-            segments = segments.to(device)
+            segments = shared_prompt.Segments(segments, T, device, seq_idx=psp.seq_idx)
             sample_mask, sample_mask_h = map(shared_prompt.span_sample_mask, (sample_mask, sample_mask_h))
         pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
         no_real_token = bool(routing_padding_mask(cu_h, cu_pad_h, T, sample_mask_h).all())  # on the host

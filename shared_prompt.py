@@ -31,7 +31,7 @@ from mamba_torch import (
     rmsnorm_fn,
     seq_idx_from_cu_seqlens,
 )
-from pack import IGNORE_INDEX, PackedBatch, PreferencePair, _check_pair, _packed_batch, padded_length
+from pack import IGNORE_INDEX, PackedBatch, PreferencePair, _check_pair, _packed_batch, padded_length, to_device
 
 # ======================================================================================================================
 # The switch
@@ -66,13 +66,13 @@ def on(packing) -> bool:
     return packing.shared_prompt
 
 
-# segment_cu_seqlens_padded (int32 [3P+1]) of the shared-prompt row running now; None: separate rows. A context
-# variable, so activation recomputation sees it too (megatron_patches._recompute_in_forward_context).
+# The `Segments` of the shared-prompt row running now; None: separate rows. A context variable, so activation
+# recomputation sees it too (megatron_patches._recompute_in_forward_context).
 SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
 
 
 @contextlib.contextmanager
-def active(segments: torch.Tensor | None):
+def active(segments: Segments | None):
     """`SEGMENTS` = segments inside the block (OmniModel.forward, around the language model)."""
     token = SEGMENTS.set(segments)
     try:
@@ -187,10 +187,94 @@ def spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tu
     return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
 
 
+class Segments:
+    """A shared-prompt row's offsets for its layers: `bounds` (`spans`, host ints) and the index tensors the layers
+    need, each made on the host once per forward and moved to `device` without a host synchronisation
+    (pack.to_device). seq_idx: the pair spans' seq_idx [1, T] when it is on the device already (PackedSeqParams')."""
+
+    def __init__(self, segment_cu_seqlens_padded: torch.Tensor, total_tokens: int, device,
+                 seq_idx: torch.Tensor | None = None):
+        self.bounds = spans(segment_cu_seqlens_padded, total_tokens)
+        self.total_tokens, self.device = total_tokens, torch.device(device)
+        assert seq_idx is None or (seq_idx.shape == (1, total_tokens) and seq_idx.dtype == torch.int32), seq_idx
+        self._made = {} if seq_idx is None else {("seq_idx", False): seq_idx}
+
+    def _make(self, key, build: Callable[[], dict | torch.Tensor | None]):
+        if key not in self._made:
+            out = build()
+            move = lambda v: to_device(v, self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            self._made[key] = {k: move(v) for k, v in out.items()} if isinstance(out, dict) else move(out)
+        return self._made[key]
+
+    def seq_idx(self, split_rejected: bool) -> torch.Tensor:
+        """int32 [1, T]: one id per pair span, or with split_rejected one for [prompt | chosen] and one for
+        [rejected]."""
+        cuts = [0] + [c for _, _, r0, e in self.bounds for c in ((r0, e) if split_rejected else (e,))]
+        return self._make(("seq_idx", split_rejected), lambda: seq_idx_from_cu_seqlens(
+            torch.tensor(cuts, device="cpu"), self.total_tokens))
+
+    def varlen_layout(self) -> dict:
+        """The row as one varlen call: per pair the queries [prompt | chosen], [rejected] against keys
+        [prompt | chosen], [prompt | rejected], then the tail. kv_index int64 [T_kv], cu_seqlens_q / cu_seqlens_kv
+        int32 [S+1], max_seqlen_q / max_seqlen_kv."""
+        return self._make("varlen", self._varlen_layout)
+
+    def _varlen_layout(self) -> dict:
+        T, q_lens, kv_parts = self.total_tokens, [], []  # kv_parts: per sequence, the row ranges of its keys
+        for a, c0, r0, e in self.bounds:
+            if r0 > a:
+                q_lens.append(r0 - a)
+                kv_parts.append([(a, r0)])
+            if e > r0:
+                q_lens.append(e - r0)
+                kv_parts.append([(a, c0), (r0, e)])
+        end = self.bounds[-1][3] if self.bounds else 0
+        if end < T:
+            q_lens.append(T - end)
+            kv_parts.append([(end, T)])
+        kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
+        ranges = [torch.arange(lo, hi, device="cpu") for parts in kv_parts for lo, hi in parts]
+        cu = [torch.tensor([0] + lens, device="cpu").cumsum(0).to(torch.int32) for lens in (q_lens, kv_lens)]
+        return {"kv_index": torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device="cpu"),
+                "cu_seqlens_q": cu[0], "cu_seqlens_kv": cu[1],
+                "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
+
+    def conv_taps(self, width: int) -> dict | None:
+        """The conv taps a rejected segment reads from the chosen one instead of the prompt (`causal_conv1d`): per
+        tap its row t, the position it must read (add) and the one the packed conv read (sub; -1: before the pair,
+        0), its weight column tap; int64 [n] each. None: no tap to correct."""
+        return self._make(("conv", width), lambda: self._conv_taps(width))
+
+    def _conv_taps(self, width: int) -> dict | None:
+        # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
+        # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
+        # position before the pair start a reads 0 in both.
+        taps = {"t": [], "add": [], "sub": [], "tap": []}
+        for a, c0, r0, e in self.bounds:
+            if r0 == c0:
+                continue
+            for j in range(min(width - 1, e - r0)):
+                for s in range(j + 1, width):
+                    taps["t"].append(r0 + j)
+                    taps["add"].append(c0 + j - s if c0 + j - s >= a else -1)
+                    taps["sub"].append(r0 + j - s if r0 + j - s >= a else -1)
+                    taps["tap"].append(width - 1 - s)
+        return {k: torch.tensor(v, device="cpu") for k, v in taps.items()} if taps["t"] else None
+
+
+def _segments(segments: Segments | torch.Tensor, total_tokens: int, device) -> Segments:
+    """`segments` as Segments (offsets int [3P+1] are read on the host: tests and the reference paths)."""
+    if isinstance(segments, Segments):
+        assert segments.total_tokens == total_tokens and segments.device == torch.device(device), \
+            (segments.total_tokens, total_tokens, segments.device, device)
+        return segments
+    return Segments(segments, total_tokens, device)
+
+
 def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
-    n = 2 * len(spans(segment_cu_seqlens_padded, total_tokens))
     b = segment_cu_seqlens_padded.long()
+    n = 2 * ((b.numel() - 1) // 3)
     lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
     role = torch.arange(lengths.numel(), device=b.device)
     ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
@@ -205,16 +289,16 @@ def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens:
 # Attention
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_cu_seqlens_padded: torch.Tensor,
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments | torch.Tensor,
               scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of a shared-prompt row (`pack`): [prompt | chosen] causal, rejected queries against
     [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
-    key/value [T, groups, d], segment offsets int [3P+1] -> [T, heads * d]."""
+    key/value [T, groups, d], segments: `Segments` or the offsets int [3P+1] -> [T, heads * d]."""
     from local_spec import bottom_right_causal_mask
 
     T, h, d = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    bounds = spans(segment_cu_seqlens_padded, T)
+    bounds = _segments(segments, T, query.device).bounds
     rep = h // key.shape[1]
     q = query.permute(1, 0, 2)  # [h, T, d]
     k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
@@ -249,39 +333,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
     return out.permute(1, 0, 2).reshape(T, h * d)
 
 
-def varlen_layout(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> dict:
-    """The shared-prompt row as one varlen call: per pair the queries [prompt | chosen],
-    [rejected] against keys [prompt | chosen], [prompt | rejected], then the tail. Returns kv_index int64 [T_kv],
-    cu_seqlens_q / cu_seqlens_kv int32 [S+1], max_seqlen_q / max_seqlen_kv."""
-    bounds = spans(segment_cu_seqlens_padded, total_tokens)
-    q_lens, kv_parts = [], []  # kv_parts: per sequence, the row ranges of its keys
-    for a, c0, r0, e in bounds:
-        if r0 > a:
-            q_lens.append(r0 - a)
-            kv_parts.append([(a, r0)])
-        if e > r0:
-            q_lens.append(e - r0)
-            kv_parts.append([(a, c0), (r0, e)])
-    end = bounds[-1][3] if bounds else 0
-    if end < total_tokens:
-        q_lens.append(total_tokens - end)
-        kv_parts.append([(end, total_tokens)])
-    kv_lens = [sum(hi - lo for lo, hi in parts) for parts in kv_parts]
-    device = segment_cu_seqlens_padded.device
-    ranges = [torch.arange(lo, hi, device=device) for parts in kv_parts for lo, hi in parts]
-    cu = [torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (q_lens, kv_lens)]
-    return {"kv_index": torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64, device=device),
-            "cu_seqlens_q": cu[0], "cu_seqlens_kv": cu[1],
-            "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
+def varlen_layout(segments: Segments | torch.Tensor, total_tokens: int) -> dict:
+    """`Segments.varlen_layout` of offsets int [3P+1] (on their device), or of `segments`."""
+    device = segments.device
+    return _segments(segments, total_tokens, device).varlen_layout()
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     segment_cu_seqlens_padded: torch.Tensor, attention_fn) -> torch.Tensor:
+                     segments: Segments | torch.Tensor, attention_fn) -> torch.Tensor:
     """`attention` as one call of attention_fn (local_spec.varlen_attention, or TE's in `te_attention`; the tests'
     reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `varlen_layout`."""
     T, h, _ = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    lay = varlen_layout(segment_cu_seqlens_padded.to(query.device), T)
+    lay = _segments(segments, T, query.device).varlen_layout()
     return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
                         lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
@@ -335,27 +399,22 @@ def te_attention(base: type) -> type:
 # The conv likewise: the packed conv per pair span, then the first W-1 rejected taps swapped to the prompt's inputs.
 
 
-def span_seq_idx(segment_cu_seqlens_padded: torch.Tensor, seqlen: int, split_rejected: bool) -> torch.Tensor:
-    """seq_idx [1, seqlen] int32 of a shared-prompt row: one id per pair span, or with split_rejected one for
-    [prompt | chosen] and one for [rejected]."""
-    bounds = spans(segment_cu_seqlens_padded, seqlen)
-    cuts = [0]
-    for _, _, r0, e in bounds:
-        cuts += [r0, e] if split_rejected else [e]
-    return seq_idx_from_cu_seqlens(torch.tensor(cuts, device=segment_cu_seqlens_padded.device), seqlen)
+def span_seq_idx(segments: Segments | torch.Tensor, seqlen: int, split_rejected: bool) -> torch.Tensor:
+    """`Segments.seq_idx` of offsets int [3P+1] (on their device), or of `segments`."""
+    return _segments(segments, seqlen, segments.device).seq_idx(split_rejected)
 
 
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    segment_cu_seqlens_padded: torch.Tensor,
+    segments: Segments | torch.Tensor,
     activation: str | None = None,
     conv_fn=None,
 ) -> torch.Tensor:
     """Causal conv1d of a shared-prompt row: each rejected segment sees the prompt's last W-1 inputs, never the chosen
-    segment's. x [1, dim, seqlen]; segment_cu_seqlens_padded int [3P+1]; conv_fn: the packed conv to correct. Returns
-    [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
+    segment's. x [1, dim, seqlen]; segments: `Segments` or the offsets int [3P+1]; conv_fn: the packed conv to
+    correct. Returns [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
     if x.shape[0] != 1:
         raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
     if activation not in (None, "silu", "swish"):
@@ -363,30 +422,16 @@ def causal_conv1d(
     conv_fn = conv_fn or causal_conv1d_fn
     seqlen, width = x.shape[-1], weight.shape[1]
     cdt = _compute_dtype(x)
-    seq_idx = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False)
-    out = conv_fn(x, weight, bias, seq_idx=seq_idx, activation=None)
-    # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
-    # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
-    # position before the pair start a reads 0 in both.
-    ts, adds, subs, taps = [], [], [], []
-    for a, c0, r0, e in spans(segment_cu_seqlens_padded, seqlen):
-        if r0 == c0:
-            continue
-        for j in range(min(width - 1, e - r0)):
-            for s in range(j + 1, width):
-                ts.append(r0 + j)
-                adds.append(c0 + j - s if c0 + j - s >= a else -1)
-                subs.append(r0 + j - s if r0 + j - s >= a else -1)
-                taps.append(width - 1 - s)
-    if ts:
-        dev = x.device
-        t, add, sub, tap = (torch.tensor(v, device=dev) for v in (ts, adds, subs, taps))
+    segments = _segments(segments, seqlen, x.device)
+    out = conv_fn(x, weight, bias, seq_idx=segments.seq_idx(split_rejected=False), activation=None)
+    taps = segments.conv_taps(width)
+    if taps is not None:
         # only the few columns the taps read are gathered, in one gather (its backward is one full-row gradient, not
         # one per gather); index -1 reads 0
-        both = torch.cat([add, sub])
-        x_add, x_sub = (x[0][:, both.clamp_min(0)].to(cdt) * (both >= 0)).split(add.numel(), dim=1)
-        terms = (x_add - x_sub) * weight.to(cdt)[:, tap]  # [dim, n]
-        out = out.index_add(2, t, terms.to(out.dtype)[None])
+        both = torch.cat([taps["add"], taps["sub"]])
+        x_add, x_sub = (x[0][:, both.clamp_min(0)].to(cdt) * (both >= 0)).split(taps["add"].numel(), dim=1)
+        terms = (x_add - x_sub) * weight.to(cdt)[:, taps["tap"]]  # [dim, n]
+        out = out.index_add(2, taps["t"], terms.to(out.dtype)[None])
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype)
@@ -399,7 +444,7 @@ def mamba_chunk_scan(
     B: torch.Tensor,
     C: torch.Tensor,
     chunk_size: int,
-    segment_cu_seqlens_padded: torch.Tensor,
+    segments: Segments | torch.Tensor,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -408,7 +453,7 @@ def mamba_chunk_scan(
     scan_fn=None,
 ) -> torch.Tensor:
     """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
-    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segment_cu_seqlens_padded int [3P+1];
+    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segments (as `causal_conv1d`);
     scan_fn: the packed scan (None: this module's, which also returns the prompt states). Returns out in x.dtype."""
     batch, seqlen, nheads, headdim = x.shape
     if batch != 1:
@@ -418,8 +463,8 @@ def mamba_chunk_scan(
                          f"C {tuple(C.shape)}")
     cdt = _compute_dtype(x)
     dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
-    seq_idx = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=True)
-    bounds = spans(segment_cu_seqlens_padded, seqlen)
+    segments = _segments(segments, seqlen, x.device)
+    seq_idx, bounds = segments.seq_idx(split_rejected=True), segments.bounds
     # pairs whose rejected response continues a prompt (an empty prompt or rejected response needs no correction)
     corrected = [i for i, (a, c0, r0, e) in enumerate(bounds) if c0 > a and e > r0]
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
@@ -470,7 +515,7 @@ def mamba_split_conv1d_scan(
     A: torch.Tensor,
     D: torch.Tensor,
     chunk_size: int,
-    segment_cu_seqlens_padded: torch.Tensor,
+    segments: Segments | torch.Tensor,
     dt_limit: tuple[float, float] = _NO_LIMIT,
     activation: str = "silu",
     rmsnorm_weight: torch.Tensor | None = None,
@@ -487,21 +532,23 @@ def mamba_split_conv1d_scan(
     norm_fn=None,
 ) -> torch.Tensor:
     """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1), with the shared-prompt conv and scan; it
-    takes megatron's keywords, so it can replace the fused call: seq_idx, when given, must be the pair spans'."""
+    takes megatron's keywords, so it can replace the fused call: seq_idx, when given, must be the pair spans' (checked
+    on the device unless it is the one `segments` holds)."""
     batch, seqlen, total = zxbcdt.shape
-    if seq_idx is not None:
-        want = span_seq_idx(segment_cu_seqlens_padded, seqlen, split_rejected=False).to(seq_idx.device)
-        if seq_idx.shape != want.shape or not torch.equal(seq_idx.to(want.dtype), want):
-            raise ValueError("seq_idx does not separate the pair spans of segment_cu_seqlens_padded (pass the pair "
-                             "spans as cu_seqlens_padded of the PackedSeqParams)")
+    segments = _segments(segments, seqlen, zxbcdt.device)
+    want = segments.seq_idx(split_rejected=False)
+    if seq_idx is not None and seq_idx is not want and (
+            seq_idx.shape != want.shape or not torch.equal(seq_idx.to(want.dtype), want)):
+        raise ValueError("seq_idx does not separate the pair spans of segments (pass the pair spans as "
+                         "cu_seqlens_padded of the PackedSeqParams)")
     nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segment_cu_seqlens_padded,
-                                      activation=activation, conv_fn=conv_fn).transpose(1, 2)
+    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segments, activation=activation,
+                        conv_fn=conv_fn).transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     y = mamba_chunk_scan(
         x.reshape(batch, seqlen, nheads, headdim), dt, A, B.reshape(batch, seqlen, ngroups, dstate),
-        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, segment_cu_seqlens_padded, D=D,
+        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, segments, D=D,
         z=None if rmsnorm_weight is not None else z.reshape(batch, seqlen, nheads, headdim), dt_bias=dt_bias,
         dt_softplus=True, dt_limit=dt_limit, scan_fn=scan_fn,
     )

@@ -364,7 +364,7 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     for b in map(pack.host_view, batches):
         num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
         local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
-    n = torch.tensor([local], dtype=torch.long, device=ctx.device)
+    n = torch.full((1,), local, dtype=torch.long, device=ctx.device)
     dist.all_reduce(n, group=ctx.dp_group)
     return int(n.item())
 
@@ -413,7 +413,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     ref = reference_logprobs(reference, batches, ctx)
     # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
     local, r_sum, r_count = policy_forward_backward(batches, ref, ddp, ctx, reward_shift, num_global_pairs,
                                                     backward=True, read=False)
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads

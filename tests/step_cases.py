@@ -32,7 +32,9 @@ MOVES = {torch.Tensor.cpu: "Tensor.cpu", torch.Tensor.cuda: "Tensor.cuda", torch
 T = torch.Tensor
 READS = frozenset({T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, T.numpy, T.cpu, torch.nonzero,
                    T.nonzero, torch.unique, T.unique, torch.bincount, T.bincount, torch.masked_select,
-                   T.masked_select})
+                   T.masked_select, torch.equal, T.equal})
+# Factories that copy host data to their device: torch's blocking copy waits for the device (pack.to_device does not)
+COPIES = frozenset({torch.tensor, torch.as_tensor})
 
 
 def _same(a: torch.device, b: torch.device) -> bool:
@@ -69,7 +71,8 @@ class DeviceAudit(TorchFunctionMode):
     computed from those (and from factory results, e.g. an arange on a host tensor's device) are host tensors: they
     may be on the CPU and be read; `pack.to_device` moves what the device needs. `reads` records (file:line
     function: what) every read of a tensor that is not a host tensor (READS, a boolean-mask index, a
-    repeat_interleave sized by its data) by the project's code: on a GPU each is a host synchronisation.
+    repeat_interleave sized by its data) and every COPIES call onto the step's device by the project's code: on a
+    GPU each is a host synchronisation.
     """
 
     def __init__(self, device, extra_files=(), host=()):
@@ -122,7 +125,8 @@ class DeviceAudit(TorchFunctionMode):
         if host and not moved:
             self._mark(tree_flatten(out)[0])
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-        if not host and self._is_read(func, args, kwargs, tensors):
+        copy = func in COPIES and not explicit_cpu and not isinstance(args[0] if args else None, torch.Tensor)
+        if copy or (not host and self._is_read(func, args, kwargs, tensors)):
             reader = self._caller(READ_FILES | self.files)
             if reader is not None:
                 self.reads.append(f"{reader}: {name}")

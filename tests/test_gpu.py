@@ -141,11 +141,12 @@ def test_tiny_main_job_trains_four_steps_on_one_gpu(runs):
     assert "device cuda" in runs.out and "kernels: spec" in runs.out
 
 
-def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path):
+@pytest.mark.parametrize("shared_prompt", ["false", "true"])
+def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path, shared_prompt):
     from step_cases import DeviceAudit, tiny_step
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
-    s = tiny_step("cuda:0")
+    s = tiny_step("cuda:0", f"packing.shared_prompt={shared_prompt}")
     audit = DeviceAudit("cuda:0", host=s["batches"])
     with audit:
         metrics, _ = s["run"](s["batches"], 0.0)
@@ -154,7 +155,8 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path)
     # the project's code reads the GPU twice per step (the pair count before the first forward, the metrics after
     # the update; the finiteness check is a device-side assertion; megatron-core's own reads, e.g. its MoE
     # dispatcher's split sizes, are not counted here); with the `mamba triton` set none in the Mamba layers
-    # (mamba_torch, the fallback set, reads its seq_idx check and conv correction)
+    # (mamba_torch, the fallback set, reads its seq_idx check and conv correction); in either layout (the
+    # shared-prompt layers' index tensors: shared_prompt.Segments)
     import re
 
     import kernel_selection
@@ -310,7 +312,7 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     for chosen in (kernels, {}):
         a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
         out = shared_prompt.mamba_split_conv1d_scan(
-            **a, chunk_size=64, segment_cu_seqlens_padded=seg.to(dev), **kw, **chosen)
+            **a, chunk_size=64, segments=seg.to(dev), **kw, **chosen)
         (out.float() * weight.to(dev)).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}

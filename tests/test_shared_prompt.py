@@ -169,7 +169,7 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(1, T, 5, generator=gen, dtype=F64)
     a = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
-    out = shared_prompt.mamba_split_conv1d_scan(**a, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    out = shared_prompt.mamba_split_conv1d_scan(**a, chunk_size=4, segments=seg, **kw)
     (out * weight).sum().backward()
     b = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
     loss = 0.0
@@ -183,12 +183,12 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
     # megatron-core's keywords: the pair spans' seq_idx (from cu_seqlens_padded of the spans) is accepted, another not
     spans = torch.tensor([0] + [int(e) for *_, e in shared_prompt.spans(seg, T)], dtype=torch.int32)
-    same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+    same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw,
                                                     seq_idx=mt.seq_idx_from_cu_seqlens(spans, T),
                                                     state_dtype=torch.float32)
     assert torch.equal(same, out.detach())
-    with pytest.raises(ValueError, match="seq_idx does not separate the pair spans"):
-        shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw,
+    with pytest.raises(ValueError, match="seq_idx"):
+        shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw,
                                                  seq_idx=mt.seq_idx_from_cu_seqlens(seg, T))
 
 
@@ -197,9 +197,9 @@ def test_mixer_bf16_agrees_with_float64():
     existing packed mixer in bf16 is (its error is bf16 rounding, not a layout error)."""
     seg, T = row_offsets(SPANS)
     tensors, kw = mixer_tensors(T)
-    exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw)
     low = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
-    shared = shared_prompt.mamba_split_conv1d_scan(**low, chunk_size=4, segment_cu_seqlens_padded=seg, **kw)
+    shared = shared_prompt.mamba_split_conv1d_scan(**low, chunk_size=4, segments=seg, **kw)
     assert shared.dtype == torch.bfloat16 and bool(torch.isfinite(shared).all())
     err_shared = (shared.double() - exact).abs().max()
     err_sep = 0.0
@@ -411,7 +411,7 @@ def toy_logits(params, kw, dims, batch):
     zx = (h @ params["in_proj"].T)[None]
     if batch.shared_prompt:
         h = h + shared_prompt.mamba_split_conv1d_scan(zx, **mix, chunk_size=4,
-                                                         segment_cu_seqlens_padded=batch.segment_cu_seqlens_padded,
+                                                         segments=batch.segment_cu_seqlens_padded,
                                                          **kw)[0]
     else:
         seq_idx = mt.seq_idx_from_cu_seqlens(batch.cu_seqlens_padded, T)

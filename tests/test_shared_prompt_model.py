@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -123,10 +124,16 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     # the planner's sizes (prompt - 1 stored once, PairIndex.shared_lengths) are the packed spans' sizes
     planned = [b.tokens for b in s["plan"].ranks[0]]
     assert [b.input_ids.shape[1] for b in s["batches"]] == planned
-    audit = DeviceAudit("cpu")
+    audit = DeviceAudit("cpu", host=s["batches"])
     with audit:
         metrics, _ = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000 and audit.violations == []
+    # the layers' index tensors come from the host offsets (shared_prompt.Segments, made once per forward): the
+    # project reads the device as in separate rows (tests/test_train.py), plus mamba_torch's (the CPU set's) own
+    sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
+    assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
+                     "train.py count_global_pairs: TensorBase.item"], sites
+    assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
     assert train.count_global_pairs(s["batches"], s["ctx"]) == 4

@@ -186,7 +186,7 @@ def shared_prompt() -> tuple[str, dict]:
     results = []
     for chosen in (kernels, {}):
         a = {k: v.float().requires_grad_(True) for k, v in tensors.items()}
-        out = mamba_split_conv1d_scan(**a, chunk_size=32, segment_cu_seqlens_padded=seg, **kw, **chosen)
+        out = mamba_split_conv1d_scan(**a, chunk_size=32, segments=seg, **kw, **chosen)
         (out * weight).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
     return kernels["scan_fn"].__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
