@@ -128,12 +128,16 @@ def mixer() -> tuple[str, dict]:
     return mamba_triton.mamba_split_conv1d_scan_combined.__module__, worst
 
 
-def model(kernels: str, out: str) -> tuple[str, dict]:
-    """The tiny Omni (its 2 Mamba layers through megatron's MambaMixer) on one packed pair with images and padding,
-    built with the `mamba triton` set (kernels "triton": install_triton_mamba before megatron_patches.apply, which
-    then keeps it) or mamba_torch's ("torch"): saves the logits and every parameter gradient (omni_model_cases'
-    weighting) to `out` for the test to compare; {} as "worst"."""
+def model(kernels: str, out: str, layout: str = "separate") -> tuple[str, dict]:
+    """The tiny Omni (its 2 Mamba layers through megatron's MambaMixer) on one packed pair with images and padding
+    (layout "separate"), or on the 4 pairs of shared_prompt_cases as one shared-prompt row ("shared"), built with the
+    `mamba triton` set (kernels "triton": install_triton_mamba before megatron_patches.apply, which then keeps it) or
+    mamba_torch's ("torch"): saves the logits and every parameter gradient (omni_model_cases' weighting) to `out` for
+    the test to compare; {} as "worst"."""
     from omni_model_cases import TINY, logits_and_grads, make_pair_batch
+    from shared_prompt_cases import IMAGE, make_pairs
+
+    import shared_prompt as sp
 
     import distributed
     import hf_weights
@@ -161,7 +165,9 @@ def model(kernels: str, out: str) -> tuple[str, dict]:
 
     mamba_triton._offsets = recorded
     hf_weights.load_hf_weights(m, TINY)
-    logits, grads = logits_and_grads(m.train(), make_pair_batch(seed=5, lens=(19, 27), divisible_by=8))
+    batch = (make_pair_batch(seed=5, lens=(19, 27), divisible_by=8) if layout == "separate" else
+             sp.pack(make_pairs(), divisible_by=8, image_token_id=IMAGE))
+    logits, grads = logits_and_grads(m.train(), batch)
     extra = {"conv_offsets_from_the_batch": torch.tensor([len(hits) > 0 and all(hits)])} if kernels == "triton" else {}
     torch.save({"logits": logits, **grads, **extra}, out)
     return fused.__module__, {}
