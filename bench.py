@@ -42,7 +42,8 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              tokens/s, pairs/s, MFU, peak memory, step-1 losses and their deviation from the ln 2 closed form next to
              the noise floor measured in the same run (asserted on the CPU only: GPU kernels are not deterministic);
              the Mamba-2 scan fwd+bwd of every available kernel at T = 16384 (first call, with Triton autotuning,
-             reported apart); with --profile, torch.profiler's device time of one step by region (profile_step).
+             reported apart); with --profile, torch.profiler's device time of one step by region (profile_step);
+             with --ablation, the step with each fast kernel swapped back to its fallback (kernel_ablation).
 
 Timings on a shared CPU are noisy: read ratios from one run, not absolute times. Memory and value equalities are exact.
 Errors: an equality that does not hold raises AssertionError naming the item and both values. Each item (and each
@@ -1572,6 +1573,114 @@ def profile_step(device, shape: dict) -> dict:
     return attribute_profile(prof.events(), device.type == "cuda")
 
 
+# The kernels of the kernel line that have a portable fallback to swap in at run time: kernel -> (selected, fallback).
+FALLBACKS = {"attention": ("varlen", "sdpa"), "experts": ("grouped", "sequential"), "mamba": (("triton", "mamba-ssm"),
+                                                                                              "torch")}
+
+
+def fallbacks(kernels) -> dict[str, str]:
+    """{kernel: "selected -> fallback"} for the entries of `kernels` (kernel_selection.Kernels) that `fallback` can
+    swap back at run time (the local spec's varlen attention and grouped experts, a Triton or mamba-ssm Mamba set)."""
+    out = {}
+    for name, (fast, slow) in FALLBACKS.items():
+        have = getattr(kernels, name)
+        if have in (fast if isinstance(fast, tuple) else (fast,)):
+            out[name] = f"{have} -> {slow}"
+    return out
+
+
+@contextlib.contextmanager
+def fallback(models, which: str):
+    """Run `models` with one kernel swapped for its portable fallback: "attention" -> one SDPA call per sequence
+    (local_spec.ThdDotProductAttention.attention = "sdpa"), "experts" -> SequentialMLP's loop over the experts
+    (GroupedExperts has SequentialMLP's parameters), "mamba" -> mamba_torch's fused mixer body under megatron_patches'
+    scan hook (megatron's MambaMixer looks it up at each call)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    import local_spec
+    import mamba_torch
+    import megatron_patches
+
+    mods = [m for model in models for m in model.modules()]
+    if which == "attention":
+        attn = [m for m in mods if isinstance(m, local_spec.ThdDotProductAttention)]
+        saved = [m.attention for m in attn]
+        for m in attn:
+            m.attention = "sdpa"
+        try:
+            yield
+        finally:
+            for m, a in zip(attn, saved, strict=True):
+                m.attention = a
+    elif which == "experts":
+        experts = [m for m in mods if isinstance(m, local_spec.GroupedExperts)]
+        for m in experts:
+            m.forward = functools.partial(SequentialMLP.forward, m)
+        try:
+            yield
+        finally:
+            for m in experts:
+                del m.forward
+    elif which == "mamba":
+        from megatron.core.ssm import mamba_mixer
+
+        hooked = mamba_mixer.mamba_split_conv1d_scan_combined
+        mamba_mixer.mamba_split_conv1d_scan_combined = mamba_torch.mamba_split_conv1d_scan_combined
+        megatron_patches.install_mamba_scan_hook()  # the dt limit and the shared-prompt branch, as for any set
+        try:
+            yield
+        finally:
+            mamba_mixer.mamba_split_conv1d_scan_combined = hooked
+    else:
+        raise ValueError(f"no fallback for {which!r}; one of {sorted(FALLBACKS)}")
+
+
+def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) -> dict:
+    """The step of mpo_step_bench (ours, separate rows) on one built system with the kernel line's set, then with each
+    of its fast kernels swapped for its portable fallback (`fallback`), one at a time: per variant the step seconds
+    (min of `timed` steps after one warm-up step), tokens/s and MFU, and the fallback's step time over the set's
+    ("slowdown"). `out` (run_section's entry) is filled and written as each variant ends."""
+    import kernel_selection
+    import monitor
+    import train
+
+    device = torch.device(device)
+    out = {} if out is None else out
+    setup = _step_setup(device, shape)
+    cfg, pairs, ids = setup["cfg"], setup["pairs"], setup["ids"]
+    tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
+    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda")
+    out.update(kernels=kernels.line(), tokens=tokens, fallbacks=fallbacks(kernels))
+    ddp, reference, optimizer, scheduler, ctx, policy = _ours_system(device, cfg, setup["ckpt"])
+    n_active = monitor.active_params(policy, setup["hf"])
+    plan = pack.plan_step(setup["lengths"], cfg.packing, 1)
+    state = {"shift": cfg.mpo.reward_shift}
+
+    def step() -> float:
+        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        _sync(device)
+        t = time.perf_counter()
+        state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx, state["shift"])[1]
+        _sync(device)
+        return time.perf_counter() - t
+
+    try:
+        for variant in ["selected", *out["fallbacks"]]:
+            with fallback([policy, reference], variant) if variant != "selected" else contextlib.nullcontext():
+                step()  # warm-up: Triton compilation, allocations
+                s = min(step() for _ in range(timed))
+            out[variant] = {"step_s": s, "tokens_per_s": tokens / s,
+                            "mfu": monitor.mfu(tokens, s, n_active, 1) if device.type == "cuda" else None}
+            if variant != "selected":
+                out[variant]["slowdown"] = s / out["selected"]["step_s"]
+            print(f"[bench] gpu ablation {variant} {json.dumps(out[variant])}", file=sys.stderr, flush=True)
+            if "write" in _STATE:
+                _STATE["write"]()
+    finally:
+        _drop_system(ddp)
+    return out
+
+
 def profile_table(p: dict) -> str:
     """profile_step's result as a Markdown table: region | time (ms) | share of the regions' total."""
     unit = "device time (CUDA)" if p["unit"] == "cuda" else "CPU time"
@@ -1585,7 +1694,7 @@ def profile_table(p: dict) -> str:
 
 
 def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool = False, timed: int | None = None,
-              out: dict | None = None) -> dict:
+              out: dict | None = None, ablation: bool = False) -> dict:
     """Item 6 on a CUDA device, in sections recorded in `out` (main passes its results entry) as each ends, a failing
     one as {"error": ...} without stopping the next (run_section): "step" (mpo_step_bench, `timed` steps after step 1:
     default 1 with `quick`, else 5), with `profile` "profile" (profile_step; before the scans, whose Triton compilation
@@ -1608,6 +1717,9 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     sections = [("step", mpo_step_bench, (device, shape, timed))]
     if profile:
         sections.append(("profile", profile_step, (device, shape)))
+    if ablation:
+        sections.append(("ablation", functools.partial(kernel_ablation, out=out.setdefault("ablation", {})),
+                         (device, shape, timed)))
     sections.append(("scan", scan_bench, (device, shape, timed)))
     for key, fn, args in sections:
         run_section(out, key, fn, *args)
@@ -1724,12 +1836,34 @@ def table(res: dict) -> str:
             rows.append(("MPO step (GPU item)", "failed", st["error"][:100], "", ""))
         else:
             rows += gpu_step_rows(st)
+        if "ablation" in g:
+            rows += ablation_rows(g["ablation"])
         sc = g.get("scan", {"error": "not recorded"})
         rows += [("Mamba-2 scans", "failed", sc["error"][:100], "", "")] if "error" in sc else scan_rows(sc)
     head = ("item", "metric", "ours", "baseline", "ratio")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def ablation_rows(ab: dict) -> list[tuple[str, ...]]:
+    """The table rows of kernel_ablation's result: per fallback the step time and MFU against the kernel line's set
+    (the variants that ended; the error, if any)."""
+    def mfu(r):
+        return f" (MFU {100 * r['mfu']:.1f}%)" if r.get("mfu") is not None else ""
+
+    rows = [("kernel ablation", "failed", ab["error"][:100], "", "")] if "error" in ab else []
+    sel = ab.get("selected")
+    for name, swap in ab.get("fallbacks", {}).items():
+        if sel is not None and name in ab:
+            r = ab[name]
+            rows.append((f"kernel ablation: {name} {swap}", f"step time ({ab['tokens']} tokens)",
+                         f"{sel['step_s'] * 1e3:.0f} ms{mfu(sel)}", f"{r['step_s'] * 1e3:.0f} ms{mfu(r)}",
+                         f"{r['slowdown']:.2f}x the time"))
+    if sel is not None and not ab.get("fallbacks"):
+        rows.append(("kernel ablation", "step time", f"{sel['step_s'] * 1e3:.0f} ms{mfu(sel)}", "",
+                     "no fast kernel on the kernel line"))
+    return rows
 
 
 def gpu_step_rows(st: dict) -> list[tuple[str, ...]]:
@@ -1776,6 +1910,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bench_gpu_results.json (results/bench_gpu_results.json with --quick) unless --json is given")
     ap.add_argument("--profile", action="store_true", help="with the GPU item: torch.profiler over one MPO step, a "
                     "table of device time by region (profile_step; CPU time when --only gpu runs on the CPU)")
+    ap.add_argument("--ablation", action="store_true", help="with the GPU item: the step again with each fast "
+                    "kernel of the kernel line swapped for its portable fallback (kernel_ablation)")
     ap.add_argument("--timed-steps", type=int, metavar="N", help="GPU item: timed steps after step 1 and timed "
                     "scans per kernel (default 1 with --quick, else 5)")
     ap.add_argument("--json", help="where to write the results (default: bench_results.json for a full run of every "
@@ -1821,14 +1957,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(ITEMS))
     if unknown:
         ap.error(f"unknown item(s) {unknown}; choose from {list(ITEMS)}")
-    if (args.profile or args.timed_steps) and "gpu" not in names:
-        ap.error("--profile and --timed-steps are the GPU item's: use them with --gpu (or an --only that names gpu)")
+    if (args.profile or args.ablation or args.timed_steps) and "gpu" not in names:
+        ap.error("--profile, --ablation and --timed-steps are the GPU item's: use them with --gpu (or an --only that "
+                 "names gpu)")
     if args.timed_steps is not None and args.timed_steps < 1:
         ap.error(f"--timed-steps {args.timed_steps}: at least 1")
     import kernel_selection
 
     print(kernel_selection.select_kernels().line(), file=sys.stderr, flush=True)
     flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")
+    flags += " --ablation" if args.ablation else ""
     flags += f" --timed-steps {args.timed_steps}" if args.timed_steps else ""
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
                  "command": "python bench.py" + flags}
@@ -1843,7 +1981,7 @@ def main(argv: list[str] | None = None) -> int:
             fn = ITEMS[name]
             if name == "gpu":  # its sections (step, scans, profile) are written as each ends
                 fn = functools.partial(bench_gpu, profile=args.profile, timed=args.timed_steps,
-                                       out=res.setdefault("gpu", {}))
+                                       out=res.setdefault("gpu", {}), ablation=args.ablation)
             if not run_section(res, name, fn, args.quick):
                 failed.append(name)
             failed += [f"{name}.{k}" for k, v in res[name].items() if isinstance(v, dict) and "error" in v]

@@ -448,3 +448,73 @@ def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
     names = {e.name for e in prof.events()}
     assert bench.REGION_PREFIX + "Mamba scan" in names
     assert kernels["scan_fn"] is scan and mamba_triton.causal_conv1d_fn is conv
+
+
+def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch):
+    """bench.py --gpu --ablation's swaps on the CPU: the tiny Omni built with grouped experts and the varlen attention
+    setting runs SequentialMLP's loop under fallback "experts" (grouped_mm is not called), one SDPA call per sequence
+    under "attention", mamba_torch's mixer body under "mamba"; each is undone after its block. Then kernel_ablation
+    at the tiny shape with the experts swap: a row per variant, the slowdown the ratio of their step times."""
+    from megatron.core.ssm import mamba_mixer
+
+    import bench
+    import distributed
+    import hf_weights
+    import kernel_selection
+    import local_spec
+    import mamba_torch
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    distributed.init_distributed()
+    K = kernel_selection.Kernels
+    assert bench.fallbacks(K("local", "triton", "cuda", attention="varlen", experts="grouped")) == {
+        "attention": "varlen -> sdpa", "experts": "grouped -> sequential", "mamba": "triton -> torch"}
+    te = K("te", "mamba-ssm", "cuda", attention="te", experts="te")
+    assert bench.fallbacks(te) == {"mamba": "mamba-ssm -> torch"}
+    assert bench.fallbacks(K("local", "torch", "cpu")) == {}
+
+    tiny = ROOT / "assets" / "tiny-omni"
+    m = om.build_model(tiny, ModelConfig(), ParallelConfig(), kernels=K("local", "torch", "cpu", attention="varlen",
+                                                                         experts="grouped"))
+    hf_weights.load_hf_weights(m, tiny)
+    from omni_model_cases import make_pair_batch
+
+    batch = make_pair_batch(seed=3)
+    calls = []
+    grouped_mm = local_spec.grouped_mm
+    monkeypatch.setattr(local_spec, "grouped_mm", lambda *a: calls.append(1) or grouped_mm(*a))
+    with torch.no_grad():
+        want = m(batch)
+        assert len(calls) == 2 * 2  # 2 MoE layers, 2 projections
+        with bench.fallback([m], "experts"):
+            assert torch.equal(m(batch), want)  # bit-equal on the CPU (tests/test_experts.py)
+        assert len(calls) == 4
+        attn = [a for a in m.modules() if isinstance(a, local_spec.ThdDotProductAttention)]
+        assert attn and {a.attention for a in attn} == {"varlen"}
+        with bench.fallback([m], "attention"):
+            assert {a.attention for a in attn} == {"sdpa"}
+        assert {a.attention for a in attn} == {"varlen"}
+        hooked = mamba_mixer.mamba_split_conv1d_scan_combined
+        with bench.fallback([m], "mamba"):
+            assert mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__ is \
+                mamba_torch.mamba_split_conv1d_scan_combined
+            assert torch.equal(m(batch), want)
+        assert mamba_mixer.mamba_split_conv1d_scan_combined is hooked
+        assert len(calls) == 8  # grouped again after the experts block
+    with pytest.raises(ValueError, match="norm"):
+        with bench.fallback([m], "norm"):
+            pass
+
+    real = kernel_selection.select_kernels
+    monkeypatch.setattr(kernel_selection, "select_kernels",
+                        lambda **kw: K(**{**vars(real(**kw)), "experts": "grouped"}))
+    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"experts": "grouped -> sequential"})
+    out = bench.kernel_ablation("cpu", bench.TINY_GPU_SHAPE, 1)
+    assert out["kernels"].startswith("kernels: spec local; attention sdpa; experts grouped")
+    assert set(out) == {"kernels", "tokens", "fallbacks", "selected", "experts"}
+    assert out["experts"]["slowdown"] == out["experts"]["step_s"] / out["selected"]["step_s"]
+    sel = out["selected"]
+    assert sel["mfu"] is None and sel["tokens_per_s"] == out["tokens"] / sel["step_s"]
+    rows = bench.ablation_rows(out)
+    assert [r[0] for r in rows] == ["kernel ablation: experts grouped -> sequential"]
