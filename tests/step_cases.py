@@ -125,7 +125,8 @@ class DeviceAudit(TorchFunctionMode):
         if host and not moved:
             self._mark(tree_flatten(out)[0])
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-        copy = func in COPIES and not explicit_cpu and not isinstance(args[0] if args else None, torch.Tensor)
+        copy = (func in COPIES and kwargs.get("device") not in (None, "cpu")
+                and not isinstance(args[0] if args else None, torch.Tensor))
         if copy or (not host and self._is_read(func, args, kwargs, tensors)):
             reader = self._caller(READ_FILES | self.files)
             if reader is not None:
