@@ -1605,6 +1605,19 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     assert n_old == train.count_global_pairs(s["batches"], s["ctx"]) == 4
     assert any("_count_pairs_before_issue_12: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
         old.violations
+    # ... and a blocking copy of host data to the step's device, and a comparison read on the host, as reads
+    copies = DeviceAudit("cpu", extra_files=[__file__])
+    with copies:
+        _copy_and_compare(torch.device("cpu"))
+    assert [re.sub(r":\d+ ", " ", r) for r in copies.reads] == [
+        "test_train.py _copy_and_compare: _VariableFunctionsClass.tensor",
+        "test_train.py _copy_and_compare: _VariableFunctionsClass.equal"], copies.reads
+
+
+def _copy_and_compare(device: torch.device) -> bool:
+    offsets = torch.tensor([0, 3, 5], device=device)  # a copy: waits for the device on a GPU
+    host = torch.tensor([0, 3, 5], device="cpu")  # host code: not a read
+    return torch.equal(offsets, offsets + 0) and bool(host[0] == 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
