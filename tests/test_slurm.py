@@ -34,7 +34,10 @@ def _fake_bin(tmp: Path) -> Path:
     if b.exists():  # already made (a test may have replaced one of the fakes)
         return b
     b.mkdir()
-    (b / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 9\necho gpu-017\necho gpu-018\n")
+    (b / "scontrol").write_text(  # show job: the job's TimeLimit when FAKE_TIME_LIMIT is set (as Slurm 22.05 prints it)
+        "#!/bin/sh\n[ \"$1 $2\" = 'show job' ] && [ -n \"$FAKE_TIME_LIMIT\" ] && "
+        "echo \"   RunTime=00:00:00 TimeLimit=$FAKE_TIME_LIMIT TimeMin=N/A\" && exit 0\n"
+        "[ \"$1 $2\" = 'show hostnames' ] || exit 9\necho gpu-017\necho gpu-018\n")
     (b / "sbatch").write_text(
         textwrap.dedent(
             """\
@@ -612,6 +615,21 @@ def test_time_limit_without_room_before_the_signal_is_refused(tmp_path, term):
     assert (f"the time limit {term} (120 s) leaves -480 s before the stop signal B:USR1@600; start-up and one step "
             "need MIN_RUN_BEFORE_SIGNAL=120 s") in r.stderr  # fmt: skip
     assert not (tmp_path / "sbatch.log").exists()
+
+
+@pytest.mark.parametrize("limit, signal, ok", [("00:10:00", None, False), ("00:10:00", "B:USR1@60", True),
+                                               ("UNLIMITED", None, True)])
+def test_a_plain_sbatch_job_checks_its_time_limit_at_start(tmp_path, limit, signal, ok):
+    """`sbatch slurm/train.sbatch` skips the submission checks: the job reads its TimeLimit (scontrol) and refuses to
+    launch when the signal offset (the header's B:USR1@600, or SBATCH_SIGNAL) leaves no time for a step, instead of
+    stopping at once and completing."""
+    env = {**JOB_ENV, "SLURM_NNODES": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "FAKE_TIME_LIMIT": limit}
+    if signal:
+        env["SBATCH_SIGNAL"] = signal
+    r = _run(SBATCH, env, [], tmp_path)
+    assert (r.returncode == 0) == ok, (r.returncode, r.stderr)
+    assert ok == bool(_lines(r.stdout, "torchrun"))
+    assert ok or f"the time limit {limit} (600 s) leaves 0 s before the stop signal B:USR1@600" in r.stderr
 
 
 @pytest.mark.parametrize(
