@@ -14,7 +14,9 @@ the dotted key and the allowed values, before any distributed or model work star
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -514,7 +516,11 @@ def parse_cli(argv: list[str] | None, prog: str, description: str) -> tuple[str,
     ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/tiny.toml")
     ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[],
                     help="overrides, applied in order after the file (every key is documented in config.py)")
-    args = ap.parse_args(argv)
+    if os.environ.get("RANK", "0") == "0":
+        args = ap.parse_args(argv)
+    else:  # under torchrun rank 0 alone prints the usage, an argument error or --help; the others exit with it
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = ap.parse_args(argv)
     return args.config, args.overrides
 
 

@@ -128,8 +128,8 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
     kind = "folder" if want_dir else "file"
     if (wrong := next((c for c in candidates if c.exists()), None)) is not None:
         raise DataError(f"{meta}: {kind} {path!r}: {wrong} is " + ("a file" if want_dir else "a directory"))
-    tried = "\n  ".join(str(c) for c in candidates)
-    raise DataError(f"{meta}: {kind} {path!r} not found; tried:\n  {tried}\n(set data.train.data_root to its base)")
+    tried = ", ".join(str(c) for c in candidates)
+    raise DataError(f"{meta}: {kind} {path!r} not found (tried {tried}; set data.train.data_root to its base)")
 
 
 def _is_row(value: Any) -> bool:

@@ -233,6 +233,20 @@ def test_config_cli_help_and_usage_errors(capsys):
         "error: override 'optimizer.lr=abc': optimizer.lr = 'abc' has the wrong type; expected float\n")
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_rank_0_alone_prints_usage_errors_and_help(monkeypatch, capsys, rank, printed):
+    """Every rank parses the command line: the usage error (and --help) was printed once per rank."""
+    import config
+
+    monkeypatch.setenv("RANK", rank)
+    for argv, code in (([], 2), (["--help"], 0), (["a.toml", "--steps", "3"], 2)):
+        with pytest.raises(SystemExit) as e:
+            config.parse_cli(argv, "train.py", "MPO training")
+        out = capsys.readouterr()
+        assert e.value.code == code and bool(out.out + out.err) == printed, (argv, out)
+    assert config.parse_cli(["a.toml", "x.y=1"], "train.py", "MPO training") == ("a.toml", ["x.y=1"])
+
+
 def test_tilde_in_every_path_field_is_expanded_once_at_load(tmp_path, monkeypatch, capsys):
     """A `~` in checkpoint.dir made a literal `~` directory in the working directory (`rm -rf ~` then removes the
     home), data.train.data_path passed the preflight (which expanded it) and failed in the loader, model.hf_path was
