@@ -1593,15 +1593,16 @@ def fallbacks(kernels) -> dict[str, str]:
 def fallback(models, which: str):
     """Run `models` with one kernel swapped for its portable fallback: "attention" -> one SDPA call per sequence
     (local_spec.ThdDotProductAttention.attention = "sdpa"), "experts" -> SequentialMLP's loop over the experts
-    (GroupedExperts has SequentialMLP's parameters), "mamba" -> mamba_torch's fused mixer body under megatron_patches'
-    scan hook (megatron's MambaMixer looks it up at each call)."""
+    (GroupedExperts has SequentialMLP's parameters), "mamba" -> mamba_torch's conv, scan and gate under
+    megatron_patches' scan hook (megatron's MambaMixer looks the fused call up at each call; its gated RMSNorm,
+    built with the model, stays the set's)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     import local_spec
     import mamba_torch
     import megatron_patches
 
-    mods = [m for model in models for m in model.modules()]
+    mods = list({id(m): m for model in models for m in model.modules()}.values())
     if which == "attention":
         attn = [m for m in mods if isinstance(m, local_spec.ThdDotProductAttention)]
         saved = [m.attention for m in attn]
@@ -1614,20 +1615,24 @@ def fallback(models, which: str):
                 m.attention = a
     elif which == "experts":
         experts = [m for m in mods if isinstance(m, local_spec.GroupedExperts)]
+        saved = [vars(m).get("forward") for m in experts]  # an instance's own forward (a nested block's), or None
         for m in experts:
             m.forward = functools.partial(SequentialMLP.forward, m)
         try:
             yield
         finally:
-            for m in experts:
-                del m.forward
+            for m, f in zip(experts, saved, strict=True):
+                if f is None:
+                    del m.forward
+                else:
+                    m.forward = f
     elif which == "mamba":
         from megatron.core.ssm import mamba_mixer
 
         hooked = mamba_mixer.mamba_split_conv1d_scan_combined
-        mamba_mixer.mamba_split_conv1d_scan_combined = mamba_torch.mamba_split_conv1d_scan_combined
-        megatron_patches.install_mamba_scan_hook()  # the dt limit and the shared-prompt branch, as for any set
         try:
+            mamba_mixer.mamba_split_conv1d_scan_combined = mamba_torch.mamba_split_conv1d_scan_combined
+            megatron_patches.install_mamba_scan_hook()  # the dt limit and the shared-prompt branch, as for any set
             yield
         finally:
             mamba_mixer.mamba_split_conv1d_scan_combined = hooked
@@ -1639,7 +1644,8 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
     """The step of mpo_step_bench (ours, separate rows) on one built system with the kernel line's set, then with each
     of its fast kernels swapped for its portable fallback (`fallback`), one at a time: per variant the step seconds
     (min of `timed` steps after one warm-up step), tokens/s and MFU, and the fallback's step time over the set's
-    ("slowdown"). `out` (run_section's entry) is filled and written as each variant ends."""
+    ("slowdown"); a variant that fails is {"error": ...} and the next one runs. `out` (run_section's entry) is
+    filled and written as each variant ends. Raises when the set's own step fails."""
     import kernel_selection
     import monitor
     import train
@@ -1666,9 +1672,17 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
 
     try:
         for variant in ["selected", *out["fallbacks"]]:
-            with fallback([policy, reference], variant) if variant != "selected" else contextlib.nullcontext():
-                step()  # warm-up: Triton compilation, allocations
-                s = min(step() for _ in range(timed))
+            try:
+                with fallback([policy, reference], variant) if variant != "selected" else contextlib.nullcontext():
+                    step()  # warm-up: Triton compilation, allocations
+                    s = min(step() for _ in range(timed))
+            except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
+                if variant == "selected":
+                    raise
+                traceback.print_exc()
+                out[variant] = error_record(e)
+                _release(device)
+                continue
             out[variant] = {"step_s": s, "tokens_per_s": tokens / s,
                             "mfu": monitor.mfu(tokens, s, n_active, 1) if device.type == "cuda" else None}
             if variant != "selected":
@@ -1678,6 +1692,9 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
                 _STATE["write"]()
     finally:
         _drop_system(ddp)
+    failed = [v for v in out["fallbacks"] if "error" in out[v]]
+    if failed:  # the section fails (exit status 1); run_section keeps the variants recorded above
+        raise RuntimeError(f"kernel ablation: {', '.join(failed)} failed")
     return out
 
 
@@ -1855,7 +1872,9 @@ def ablation_rows(ab: dict) -> list[tuple[str, ...]]:
     rows = [("kernel ablation", "failed", ab["error"][:100], "", "")] if "error" in ab else []
     sel = ab.get("selected")
     for name, swap in ab.get("fallbacks", {}).items():
-        if sel is not None and name in ab:
+        if sel is not None and "error" in ab.get(name, {}):
+            rows.append((f"kernel ablation: {name} {swap}", "failed", ab[name]["error"][:100], "", ""))
+        elif sel is not None and name in ab:
             r = ab[name]
             rows.append((f"kernel ablation: {name} {swap}", f"step time ({ab['tokens']} tokens)",
                          f"{sel['step_s'] * 1e3:.0f} ms{mfu(sel)}", f"{r['step_s'] * 1e3:.0f} ms{mfu(r)}",

@@ -430,7 +430,7 @@ class OmniModel(nn.Module):
         segments = _get(host, "segment_cu_seqlens_padded")  # a shared-prompt row (shared_prompt.pack)
         if segments is not None:
             assert cp == 1  # preflight.check_packing
-            segments = shared_prompt.Segments(segments, T, device, seq_idx=psp.seq_idx)
+            segments = shared_prompt.Segments(segments, T, device, (psp.seq_idx, psp.cu_seqlens_padded_host))
             sample_mask, sample_mask_h = map(shared_prompt.span_sample_mask, (sample_mask, sample_mask_h))
         pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
         no_real_token = bool(routing_padding_mask(cu_h, cu_pad_h, T, sample_mask_h).all())  # on the host

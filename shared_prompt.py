@@ -190,14 +190,22 @@ def spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tu
 class Segments:
     """A shared-prompt row's offsets for its layers: `bounds` (`spans`, host ints) and the index tensors the layers
     need, each made on the host once per forward and moved to `device` without a host synchronisation
-    (pack.to_device). seq_idx: the pair spans' seq_idx [1, T] when it is on the device already (PackedSeqParams')."""
+    (pack.to_device). packed: (seq_idx [1, T] int32 on the device, its host cu_seqlens_padded) of the row's
+    PackedSeqParams, taken as the pair spans' seq_idx; ValueError when those offsets are not the pair spans'."""
 
     def __init__(self, segment_cu_seqlens_padded: torch.Tensor, total_tokens: int, device,
-                 seq_idx: torch.Tensor | None = None):
+                 packed: tuple[torch.Tensor, Sequence[int]] | None = None):
         self.bounds = spans(segment_cu_seqlens_padded, total_tokens)
         self.total_tokens, self.device = total_tokens, torch.device(device)
-        assert seq_idx is None or (seq_idx.shape == (1, total_tokens) and seq_idx.dtype == torch.int32), seq_idx
-        self._made = {} if seq_idx is None else {("seq_idx", False): seq_idx}
+        self._made = {}
+        if packed is not None:
+            seq_idx, offsets = packed
+            if list(offsets) != [0] + [e for *_, e in self.bounds] or not self.bounds or \
+                    self.bounds[-1][3] != total_tokens:
+                raise ValueError(f"cu_seqlens_padded {list(offsets)} are not the pair spans of the shared-prompt "
+                                 f"row {[0] + [e for *_, e in self.bounds]} (T = {total_tokens})")
+            assert seq_idx.shape == (1, total_tokens) and seq_idx.dtype == torch.int32, seq_idx
+            self._made[("seq_idx", False)] = seq_idx
 
     def _make(self, key, build: Callable[[], dict | torch.Tensor | None]):
         if key not in self._made:
@@ -274,6 +282,7 @@ def _segments(segments: Segments | torch.Tensor, total_tokens: int, device) -> S
 def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
     b = segment_cu_seqlens_padded.long()
+    assert b.dim() == 1 and b.numel() % 3 == 1, b.shape  # 3P+1 (the values: `spans`, on the host)
     n = 2 * ((b.numel() - 1) // 3)
     lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
     role = torch.arange(lengths.numel(), device=b.device)

@@ -72,7 +72,8 @@ class DeviceAudit(TorchFunctionMode):
     may be on the CPU and be read; `pack.to_device` moves what the device needs. `reads` records (file:line
     function: what) every read of a tensor that is not a host tensor (READS, a boolean-mask index, a
     repeat_interleave sized by its data) and every COPIES call onto the step's device by the project's code: on a
-    GPU each is a host synchronisation.
+    GPU each is a host synchronisation. Not seen: a blocking `Tensor.to` / `copy_` of host data (on the CPU the
+    audit cannot tell it from a host-to-host one; the project moves host data with pack.to_device).
     """
 
     def __init__(self, device, extra_files=(), host=()):
@@ -125,7 +126,8 @@ class DeviceAudit(TorchFunctionMode):
         if host and not moved:
             self._mark(tree_flatten(out)[0])
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-        copy = (func in COPIES and kwargs.get("device") not in (None, "cpu")
+        target = kwargs.get("device")
+        copy = (func in COPIES and target not in (None, "cpu") and _same(torch.device(target), self.device)
                 and not isinstance(args[0] if args else None, torch.Tensor))
         if copy or (not host and self._is_read(func, args, kwargs, tensors)):
             reader = self._caller(READ_FILES | self.files)

@@ -9,6 +9,7 @@ bench.py, never asserted.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -490,6 +491,11 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
         with bench.fallback([m], "experts"):
             assert torch.equal(m(batch), want)  # bit-equal on the CPU (tests/test_experts.py)
         assert len(calls) == 4
+        with bench.fallback([m, m], "experts"):  # a model twice, and a nested block: each undoes only its own
+            with bench.fallback([m], "experts"):
+                pass
+            m(batch)
+        assert len(calls) == 4
         attn = [a for a in m.modules() if isinstance(a, local_spec.ThdDotProductAttention)]
         assert attn and {a.attention for a in attn} == {"varlen"}
         with bench.fallback([m], "attention"):
@@ -518,3 +524,22 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     assert sel["mfu"] is None and sel["tokens_per_s"] == out["tokens"] / sel["step_s"]
     rows = bench.ablation_rows(out)
     assert [r[0] for r in rows] == ["kernel ablation: experts grouped -> sequential"]
+    # a variant that fails is recorded, the next one still runs, and the section fails naming it
+    swap = bench.fallback
+
+    def failing(models, which):
+        if which == "attention":
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return swap(models, which)
+
+    monkeypatch.setattr(bench, "fallback", failing)
+    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"attention": "varlen -> sdpa",
+                                                             "experts": "grouped -> sequential"})
+    res = {}
+    assert not bench.run_section(res, "ablation", functools.partial(bench.kernel_ablation, out=res.setdefault(
+        "ablation", {})), "cpu", bench.TINY_GPU_SHAPE, 1)
+    ab = res["ablation"]
+    assert ab["error"] == "RuntimeError: kernel ablation: attention failed"
+    assert ab["attention"]["error"].startswith("OutOfMemoryError") and ab["experts"]["step_s"] > 0
+    assert [r[1] for r in bench.ablation_rows(ab)] == ["failed", "failed", "step time (" + str(ab["tokens"])
+                                                       + " tokens)"]

@@ -93,6 +93,26 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
     assert (good - bad)[~rejected].abs().max() <= TOL
 
 
+def test_offsets_that_are_not_the_pair_spans_are_refused(tiny):
+    """The Mamba layers take the PackedSeqParams' seq_idx (from cu_seqlens_padded) as the pair spans' without reading
+    it back: a shared-prompt row whose cu_seqlens_padded are not the pair spans' ends is a ValueError naming them,
+    not a conv over the wrong sequences."""
+    import dataclasses
+
+    from shared_prompt_cases import IMAGE
+
+    import shared_prompt
+
+    model, _ = tiny
+    b = shared_prompt.pack(make_pairs([(13, 0, 22, 3), (6, 0, 17, 30), (19, 0, 9, 14)]), 8, IMAGE)  # text only
+    T = b.input_ids.shape[1]
+    whole = torch.tensor([0, T], dtype=torch.int32)
+    with torch.no_grad():
+        model.eval()(b)
+        with pytest.raises(ValueError, match="cu_seqlens_padded"):
+            model(dataclasses.replace(b, cu_seqlens=whole, cu_seqlens_padded=whole, max_seqlen=T))
+
+
 def test_tp2_and_dp2_shared_layout_equals_separate_rows(torchrun):
     launch = torchrun(DIST_WORKER, timeout=600)
     for rank, result in launch.ranks.items():
