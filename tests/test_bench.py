@@ -261,7 +261,7 @@ def test_a_failing_section_is_recorded_and_the_next_ones_still_run(tmp_path, mon
         seen.update(json.loads(out.read_text()))  # what a time limit here would leave
         raise RuntimeError("CUDA out of memory\nsecond line")
 
-    def gpu(quick, profile, timed, out):  # a GPU item whose step section failed and whose scans ran
+    def gpu(quick, profile, timed, out, ablation):  # a GPU item whose step section failed and whose scans ran
         out.update(step=bench.error_record(ValueError("bad")),
                    scan={"tokens": 512, "dtype": "float32", "torch": {"first_call_s": 2.0, "fwd_bwd_s": 1.0}})
         return out
