@@ -147,7 +147,8 @@ class GroupedExperts(SequentialMLP):
             assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
+        # megatron's dispatcher hands the counts on the CPU (read at its sync point): copied without another wait
+        offs = tokens_per_expert.to(device=x.device, non_blocking=True).cumsum(0).to(torch.int32)
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, ffn, hidden] (x2 ffn gated)
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, hidden, ffn]
         h = grouped_mm(x.contiguous(), w1.transpose(1, 2), offs)

@@ -72,8 +72,9 @@ class DeviceAudit(TorchFunctionMode):
     may be on the CPU and be read; `pack.to_device` moves what the device needs. `reads` records (file:line
     function: what) every read of a tensor that is not a host tensor (READS, a boolean-mask index, a
     repeat_interleave sized by its data) and every COPIES call onto the step's device by the project's code: on a
-    GPU each is a host synchronisation. Not seen: a blocking `Tensor.to` / `copy_` of host data (on the CPU the
-    audit cannot tell it from a host-to-host one; the project moves host data with pack.to_device).
+    GPU each is a host synchronisation; so is a blocking `Tensor.to` of a CPU tensor onto the step's device (on the
+    CPU that is no copy: it shows on a GPU, and on the meta device in the tests; the project moves host data with
+    pack.to_device).
     """
 
     def __init__(self, device, extra_files=(), host=()):
@@ -129,6 +130,9 @@ class DeviceAudit(TorchFunctionMode):
         target = kwargs.get("device")
         copy = (func in COPIES and target not in (None, "cpu") and _same(torch.device(target), self.device)
                 and not isinstance(args[0] if args else None, torch.Tensor))
+        if func is torch.Tensor.to and args[0].device.type == "cpu" and not kwargs.get("non_blocking"):
+            to = _device_arg(args, kwargs)  # a CPU tensor onto the step's device, waiting for it
+            copy = to is not None and _same(to, self.device) and to.type != "cpu"
         if copy or (not host and self._is_read(func, args, kwargs, tensors)):
             reader = self._caller(READ_FILES | self.files)
             if reader is not None:

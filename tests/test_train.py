@@ -1612,6 +1612,17 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     assert [re.sub(r":\d+ ", " ", r) for r in copies.reads] == [
         "test_train.py _copy_and_compare: _VariableFunctionsClass.tensor",
         "test_train.py _copy_and_compare: _VariableFunctionsClass.equal"], copies.reads
+    # a blocking Tensor.to of host data onto the step's device (the meta device stands in for a GPU here)
+    moves = DeviceAudit("meta", extra_files=[__file__], host=s["batches"])
+    with moves:
+        _move(s["batches"][0].host.cu_seqlens, torch.device("meta"))
+    assert [re.sub(r":\d+ ", " ", r) for r in moves.reads] == ["test_train.py _move: TensorBase.to"], moves.reads
+
+
+def _move(host: torch.Tensor, device: torch.device) -> None:
+    host.to(device, non_blocking=True)  # from pinned memory on a GPU (pack.to_device): not a read
+    host.to(device)  # a blocking copy: a read
+    host.to(torch.device("cpu"))  # host to host
 
 
 def _copy_and_compare(device: torch.device) -> bool:
