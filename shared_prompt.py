@@ -217,9 +217,11 @@ class Segments:
     def seq_idx(self, split_rejected: bool) -> torch.Tensor:
         """int32 [1, T]: one id per pair span, or with split_rejected one for [prompt | chosen] and one for
         [rejected]."""
-        cuts = [0] + [c for _, _, r0, e in self.bounds for c in ((r0, e) if split_rejected else (e,))]
-        return self._make(("seq_idx", split_rejected), lambda: seq_idx_from_cu_seqlens(
-            torch.tensor(cuts, device="cpu"), self.total_tokens))
+        def build():
+            cuts = [0] + [c for _, _, r0, e in self.bounds for c in ((r0, e) if split_rejected else (e,))]
+            return seq_idx_from_cu_seqlens(torch.tensor(cuts, device="cpu"), self.total_tokens)
+
+        return self._make(("seq_idx", split_rejected), build)
 
     def varlen_layout(self) -> dict:
         """The row as one varlen call: per pair the queries [prompt | chosen], [rejected] against keys
@@ -342,16 +344,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
     return out.permute(1, 0, 2).reshape(T, h * d)
 
 
-def varlen_layout(segments: Segments | torch.Tensor, total_tokens: int) -> dict:
-    """`Segments.varlen_layout` of offsets int [3P+1] (on their device), or of `segments`."""
-    device = segments.device
-    return _segments(segments, total_tokens, device).varlen_layout()
-
-
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      segments: Segments | torch.Tensor, attention_fn) -> torch.Tensor:
     """`attention` as one call of attention_fn (local_spec.varlen_attention, or TE's in `te_attention`; the tests'
-    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `varlen_layout`."""
+    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `Segments.varlen_layout`."""
     T, h, _ = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     lay = _segments(segments, T, query.device).varlen_layout()
@@ -406,11 +402,6 @@ def te_attention(base: type) -> type:
 # segment plus (b) the prompt's final state h_P carried into it:
 #     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
 # The conv likewise: the packed conv per pair span, then the first W-1 rejected taps swapped to the prompt's inputs.
-
-
-def span_seq_idx(segments: Segments | torch.Tensor, seqlen: int, split_rejected: bool) -> torch.Tensor:
-    """`Segments.seq_idx` of offsets int [3P+1] (on their device), or of `segments`."""
-    return _segments(segments, seqlen, segments.device).seq_idx(split_rejected)
 
 
 def causal_conv1d(

@@ -116,9 +116,10 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic
         assert (shared[k].grad - ref[k].grad).abs().max() < 1e-10, k
 
     # The prompt's state matters: a plain packed scan that restarts at each rejected segment differs there.
+    split = shared_prompt.Segments(seg, T, "cpu").seq_idx(split_rejected=True)
     plain = mt.mamba_chunk_scan_combined(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size, D=leaves["D"], z=leaves["z"],
-        dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=shared_prompt.span_seq_idx(seg, T, split_rejected=True))
+        dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=split)
     assert (plain[0] - expected).abs().max() > 1e-3
 
 

@@ -1,6 +1,6 @@
 """The shared-prompt attention as one variable-length call (issue 16, the Transformer Engine path) on CPU.
 
-shared_prompt.varlen_layout turns a shared-prompt THD row into query / key-value sequences with
+shared_prompt.Segments.varlen_layout turns a shared-prompt THD row into query / key-value sequences with
 bottom-right causal masks; shared_prompt.varlen_attention runs them through a backend callable;
 shared_prompt.te_attention calls Transformer Engine's DotProductAttention.forward with that argument set.
 TE does not import here (no CUDA), so the module is checked against a stand-in base class that records the call and
@@ -73,17 +73,17 @@ def row_offsets(spans, tail=0):
 def test_layout_closed_form():
     # pair 0: prompt 0..1, chosen 2, rejected 3..5; pair 1: prompt 6..8, no chosen, rejected 9; tail 10..11
     seg = torch.tensor([0, 2, 3, 6, 9, 9, 10], dtype=torch.int32)
-    lay = shared_prompt.varlen_layout(seg, 12)
+    lay = shared_prompt.Segments(seg, 12, "cpu").varlen_layout()
     assert lay["kv_index"].tolist() == [0, 1, 2, 0, 1, 3, 4, 5, 6, 7, 8, 6, 7, 8, 9, 10, 11]
     assert lay["cu_seqlens_q"].tolist() == [0, 3, 6, 9, 10, 12]  # the row in order: no scatter back
     assert lay["cu_seqlens_kv"].tolist() == [0, 3, 8, 11, 15, 17]
     assert (lay["max_seqlen_q"], lay["max_seqlen_kv"]) == (3, 5)
     assert lay["cu_seqlens_q"].dtype == lay["cu_seqlens_kv"].dtype == torch.int32
     # an empty rejected response is no sequence at all; no tail when the pairs fill the row
-    lay = shared_prompt.varlen_layout(torch.tensor([0, 2, 4, 4]), 4)
+    lay = shared_prompt.Segments(torch.tensor([0, 2, 4, 4]), 4, "cpu").varlen_layout()
     assert lay["cu_seqlens_q"].tolist() == [0, 4] and lay["cu_seqlens_kv"].tolist() == [0, 4]
     with pytest.raises(ValueError, match="segment_cu_seqlens_padded must hold 3P\\+1 offsets"):
-        shared_prompt.varlen_layout(torch.tensor([0, 2, 4]), 4)
+        shared_prompt.Segments(torch.tensor([0, 2, 4]), 4, "cpu")
 
 
 def test_reference_backend_masks_bottom_right():
@@ -183,7 +183,7 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
         shared_prompt.SEGMENTS.reset(token)
     assert module.megatron_calls == 1 and len(module.te_calls) == 1
     call = module.te_calls[0]
-    lay = shared_prompt.varlen_layout(seg, T)
+    lay = shared_prompt.Segments(seg, T, seg.device).varlen_layout()
     assert set(call) == {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                          "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "attention_mask", "q_tokens", "kv_tokens",
                          "attention_types"}

@@ -162,7 +162,7 @@ def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
                           cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32))
     want = _run(_attention("sdpa", True), leaves, psp, weight, segments=seg)
     got = _run(_attention("varlen", True), leaves, psp, weight, segments=seg)
-    lay = shared_prompt.varlen_layout(seg, T)
+    lay = shared_prompt.Segments(seg, T, seg.device).varlen_layout()
     assert len(calls) == 1 and calls[0]["causal"] and calls[0]["cu_q"] == lay["cu_seqlens_q"].tolist()
     assert calls[0]["cu_k"] == lay["cu_seqlens_kv"].tolist() and calls[0]["max_k"] == lay["max_seqlen_kv"]
     for a, b in zip(got, want, strict=True):  # fp32: the softmax sums in another order (bound: ~10 ulp of 1)
