@@ -1574,8 +1574,15 @@ def profile_step(device, shape: dict) -> dict:
 
 
 # The kernels of the kernel line that have a portable fallback to swap in at run time: kernel -> (selected, fallback).
-FALLBACKS = {"attention": ("varlen", "sdpa"), "experts": ("grouped", "sequential"), "mamba": (("triton", "mamba-ssm"),
+FALLBACKS = {"attention": ("varlen", "sdpa"), "experts": ("grouped", "loop"), "mamba": (("triton", "mamba-ssm"),
                                                                                               "torch")}
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """local_spec.grouped_mm as SequentialMLP computes it: rows offs[e-1]:offs[e] of a [T, K] times b[e] [K, N], one
+    matmul per expert in a Python loop (the counts read on the host, as SequentialMLP does)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    return torch.cat([x @ w for x, w in zip(a.split(counts), b.unbind(0), strict=True)])
 
 
 def fallbacks(kernels) -> dict[str, str]:
@@ -1592,12 +1599,10 @@ def fallbacks(kernels) -> dict[str, str]:
 @contextlib.contextmanager
 def fallback(models, which: str):
     """Run `models` with one kernel swapped for its portable fallback: "attention" -> one SDPA call per sequence
-    (local_spec.ThdDotProductAttention.attention = "sdpa"), "experts" -> SequentialMLP's loop over the experts
-    (GroupedExperts has SequentialMLP's parameters), "mamba" -> mamba_torch's conv, scan and gate under
+    (local_spec.ThdDotProductAttention.attention = "sdpa"), "experts" -> one matmul per expert in a Python loop
+    (`grouped_mm_loop`, SequentialMLP's loop), "mamba" -> mamba_torch's conv, scan and gate under
     megatron_patches' scan hook (megatron's MambaMixer looks the fused call up at each call; its gated RMSNorm,
     built with the model, stays the set's)."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
     import local_spec
     import mamba_torch
     import megatron_patches
@@ -1614,18 +1619,12 @@ def fallback(models, which: str):
             for m, a in zip(attn, saved, strict=True):
                 m.attention = a
     elif which == "experts":
-        experts = [m for m in mods if isinstance(m, local_spec.GroupedExperts)]
-        saved = [vars(m).get("forward") for m in experts]  # an instance's own forward (a nested block's), or None
-        for m in experts:
-            m.forward = functools.partial(SequentialMLP.forward, m)
+        grouped = local_spec.grouped_mm
         try:
+            local_spec.grouped_mm = grouped_mm_loop
             yield
         finally:
-            for m, f in zip(experts, saved, strict=True):
-                if f is None:
-                    del m.forward
-                else:
-                    m.forward = f
+            local_spec.grouped_mm = grouped
     elif which == "mamba":
         from megatron.core.ssm import mamba_mixer
 

@@ -412,7 +412,7 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
-    state = dict(run_state, step=step, world_size=_world())
+    state = dict(run_state, step=step, world_size=_world(), parameter_layout=parameter_layout(model))
     if scheduler is not None:  # megatron's scheduler state, plus the warmup start (init_lr) it does not save
         state["scheduler"] = dict(scheduler.state_dict(), init_lr=scheduler.init_lr)
     json.dumps(state)  # not JSON-serialisable: a TypeError before anything is written
@@ -495,6 +495,7 @@ class RunState:
     config: dict  # the resolved config (config.to_dict) the steps up to `step` ran with
     wandb_run_id: str | None = None
     checksums: dict | None = None  # {"algorithm", "files": {path relative to `path`: hex digest}}
+    parameter_layout: str | None = None  # `parameter_layout` of the saved model (None: saved before it was written)
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -522,7 +523,7 @@ def read_run_state(path: str | Path) -> RunState:
         raise CheckpointError(f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; "
                               f"{move_away(path)}")  # fmt: skip
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
-                    checksums=raw.get("checksums"))  # fmt: skip
+                    checksums=raw.get("checksums"), parameter_layout=raw.get("parameter_layout"))  # fmt: skip
 
 
 # A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
@@ -625,6 +626,15 @@ def check_complete(state: RunState, world_size: int | None) -> None:
         raise CheckpointError(f"checkpoint {path.name} ({path}) is damaged: {damage}; {move_away(path)}")
 
 
+def parameter_layout(model: torch.nn.Module) -> str:
+    """A digest of the trainable parameters' names, shapes and dtypes in order: the distributed optimizer's
+    `dp_reshardable` state is stored in that order, so it loads only into a model with the same digest."""
+    import hashlib
+
+    rows = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in _unwrap(model).named_parameters() if p.requires_grad]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
     """Restore `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective); RNG at one world."""
     from megatron.core import dist_checkpointing
@@ -633,6 +643,14 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
     path, same_world = state.path, state.world_size == _world()
     check_complete(state, state.world_size if same_world else None)
     if optimizer is not None:
+        here = parameter_layout(model)
+        if any(layout != state.parameter_layout for layout in _gather(here)):  # every rank refuses, none waits
+            saved = "saved before layouts were recorded" if state.parameter_layout is None else \
+                f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
+            raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong "
+                                  f"parameters (another spec or expert module). Export the policy (python "
+                                  f"checkpoint.py export {path.parent} OUT) and start a new run with "
+                                  "model.hf_path=OUT")
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()

@@ -104,6 +104,10 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
     def expert(key_fmt: str, j: int) -> ParamMap:
         return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
 
+    def experts(key_fmt: str) -> ParamMap:  # a 3-D weight: this EP rank's experts, stacked (rows, `_model_tensors`)
+        return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)
+                                               for j in range(local_experts)])
+
     for name in _model_tensors(model):
         if m := re.match(r"language_model\.decoder\.layers\.(\d+)\.(.+)$", name):
             i, rest = int(m.group(1)), m.group(2)
@@ -135,6 +139,10 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 sh, se = t.moe_shared_expert_intermediate_size, p + "mixer.shared_experts."
                 table["mlp.shared_experts.linear_fc1.weight"] = _split(se + "up_proj.weight", sh)
                 table["mlp.shared_experts.linear_fc2.weight"] = _split(se + "down_proj.weight", sh, dim=1)
+            if e := re.match(r"mlp\.experts\.weight([12])$", rest):  # local_spec.GroupedExperts
+                maps[name] = experts(p + "mixer.experts.{e}." + ("up_proj" if e.group(1) == "1" else "down_proj")
+                                     + ".weight")
+                continue
             e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest) or \
                 re.match(r"mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
             if e:
@@ -241,7 +249,8 @@ def _group(name: str | None):
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(model.named_parameters())
+    """Name -> tensor; a 3-D expert weight [E, rows, cols] as its [E·rows, cols] view (E HF matrices stacked)."""
+    out = {n: p.flatten(0, 1) if re.search(r"\.experts\.weight[12]$", n) else p for n, p in model.named_parameters()}
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return out
 

@@ -1,7 +1,7 @@
 """Kernel selection by capability: which attention, MoE-expert and Mamba-2 kernels this process uses.
 
 `select_kernels()` probes what imports and runs here and returns a `Kernels`, whose `line()` is the start-up banner,
-e.g. `kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu`. `install_torch_mamba` /
+e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. `install_torch_mamba` /
 `install_triton_mamba` put the chosen Mamba-2 kernels into megatron-core's MambaMixer (megatron_patches.apply).
 """
 
@@ -21,7 +21,9 @@ class Kernels:
     mamba: str  # "mamba-ssm" (its compiled kernels), "triton" (mamba_triton) or "torch" (mamba_torch)
     device: str  # "cuda" or "cpu"
     attention: str = "sdpa"  # "varlen" (torch varlen FlashAttention), "sdpa" (SDPA per sequence) or "te"
-    experts: str = "sequential"  # "grouped" (local_spec.GroupedExperts), "sequential" (SequentialMLP) or "te"
+    # local_spec.GroupedExperts: "grouped" (torch's CUTLASS grouped GEMM) or "grouped-loop" (torch loops over the
+    # experts: CPU, other GPUs); "te" (TEGroupedMLP); "sequential" (megatron's SequentialMLP, the tests' reference)
+    experts: str = "grouped-loop"
 
     def line(self) -> str:
         return (f"kernels: spec {self.spec}; attention {self.attention}; experts {self.experts}; mamba {self.mamba}; "
@@ -87,7 +89,7 @@ def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: 
     mamba = "mamba-ssm" if mamba_ssm and cuda else "triton" if mamba_triton and cuda else "torch"
     return Kernels(spec=spec, mamba=mamba, device="cuda" if cuda else "cpu",
                    attention="te" if spec == "te" else "varlen" if varlen_attn and cuda else "sdpa",
-                   experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "sequential")
+                   experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "grouped-loop")
 
 
 def install_torch_mamba() -> None:

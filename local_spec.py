@@ -1,7 +1,7 @@
 """The local (non-Transformer-Engine) spec, used on the CPU and on GPUs without TE.
 
 - `LocalNorm`, `LocalNormColumnParallelLinear`: fp32 norms, alone or before a column-parallel linear (TE's names).
-- `GroupedExperts`: SequentialMLP with one grouped GEMM per projection.
+- `GroupedExperts`: the routed experts as 3-D weights, one grouped GEMM per projection.
 - `ThdDotProductAttention`: THD-packed core attention (SDPA per sequence or one varlen call), CP; a shared-prompt
   row goes to shared_prompt.attention.
 - `local_hybrid_stack_spec`, `local_vit_layer_spec`: the specs built of these modules."""
@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -24,9 +25,12 @@ from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
@@ -111,19 +115,54 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
-class GroupedExperts(SequentialMLP):
-    """SequentialMLP (same parameters and checkpoint keys) with one grouped GEMM per projection;
-    bit-equal to it on the CPU (tests/test_experts.py). Stacks the expert weights per forward (2·E·hidden·ffn)."""
+class GroupedExperts(MegatronModule):
+    """The routed experts as two 3-D weights, one grouped GEMM per projection (`grouped_mm`).
+    weight1 [E, ffn (x2 gated), hidden] and weight2 [E, hidden, ffn]: expert e's matrices are SequentialMLP's
+    local_experts.e.linear_fc1/fc2.weight, under SequentialMLP's distributed-checkpoint keys (`sharded_state_dict`).
+    Bit-equal to SequentialMLP on the CPU (tests/test_experts.py)."""
 
-    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None, name: str | None = None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name: str | None = None):
+        super().__init__(config=config)
         c = self.config
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         unsupported = {"expert tensor parallel size > 1": self.tp_group.size() > 1,
                        "add_bias_linear": c.add_bias_linear, "fp8 / fp4": bool(c.fp8 or c.fp4),
                        "bias_activation_fusion": c.bias_activation_fusion,
                        "use_te_activation_func": c.use_te_activation_func,
                        "moe_latent_size": c.moe_latent_size is not None}
         assert not any(unsupported.values()), [k for k, v in unsupported.items() if v]
+        ffn, h = c.moe_ffn_hidden_size, c.hidden_size
+        fc1_rows = 2 * ffn if c.gated_linear_unit else ffn
+        device = None if c.use_cpu_initialization else torch.cuda.current_device()
+        self.weight1 = nn.Parameter(torch.empty(num_local_experts, fc1_rows, h, dtype=c.params_dtype, device=device))
+        self.weight2 = nn.Parameter(torch.empty(num_local_experts, h, ffn, dtype=c.params_dtype, device=device))
+        # megatron's expert linears: reduced over expert DP when EP > 1 or ETP != TP; distinct on every TP rank
+        expert_dp = c.expert_model_parallel_size > 1 or c.expert_tensor_parallel_size != c.tensor_model_parallel_size
+        for w, dim in ((self.weight1, 1), (self.weight2, 2)):
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
+            w.allreduce = not expert_dp
+        if c.perform_initialization:  # SequentialMLP's order and RNG: expert by expert, fc1 then fc2
+            for e in range(num_local_experts):
+                for w, init in ((self.weight1, c.init_method), (self.weight2, c.output_layer_init_method)):
+                    if c.use_cpu_initialization:  # as _initialize_affine_weight_cpu: fp32 master, then cast
+                        master = torch.empty(w.shape[1:], dtype=torch.float32)
+                        init(master)
+                        w.data[e].copy_(master)
+                    else:
+                        with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                            init(w.data[e])
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """SequentialMLP's keys: `{prefix}experts.linear_fc{1,2}.weight`, global shape [E_global, rows, cols], this EP
+        rank's experts at rows ep_rank·E of the expert axis; replicated over expert DP."""
+        assert not (metadata or {}).get("singleton_local_shards"), "SequentialMLP's per-expert keys are not built"
+        n = len(sharded_offsets)
+        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+            f"{prefix}experts.linear_fc{fc}.weight", w, *sharded_offsets,
+            (n, self.ep_group.rank(), self.ep_group.size()), replica_id=(0, 0, self.dp_group.rank()),
+            prepend_axis_num=n)
+            for name, fc, w in (("weight1", 1, self.weight1), ("weight2", 2, self.weight2))}
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """h [T, ffn (x2 gated)] -> activation(h) · probs [T] in h's dtype (megatron's MLP.forward)."""
@@ -149,11 +188,9 @@ class GroupedExperts(SequentialMLP):
             probs = torch.ones_like(probs)
         # megatron's dispatcher hands the counts on the CPU (read at its sync point): copied without another wait
         offs = tokens_per_expert.to(device=x.device, non_blocking=True).cumsum(0).to(torch.int32)
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, ffn, hidden] (x2 ffn gated)
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, hidden, ffn]
-        h = grouped_mm(x.contiguous(), w1.transpose(1, 2), offs)
+        h = grouped_mm(x.contiguous(), self.weight1.transpose(1, 2), offs)
         h = self._activation(h, probs)
-        return grouped_mm(h.contiguous(), w2.transpose(1, 2), offs), None
+        return grouped_mm(h.contiguous(), self.weight2.transpose(1, 2), offs), None
 
 
 # ======================================================================================================================
@@ -346,14 +383,14 @@ def _self_attention(mask_type: AttnMaskType, attention: str) -> ModuleSpec:
         linear_qkv=LocalNormColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear))
 
 
-def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "sequential",
+def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "grouped",
                             attention: str = "sdpa") -> ModuleSpec:
-    """HybridStack spec of megatron-core's non-TE modules and this module's. experts:
-    "sequential" | "grouped"; attention: "sdpa" | "varlen" (kernel_selection.Kernels)."""
+    """HybridStack spec of megatron-core's non-TE modules and this module's. experts: "grouped" / "grouped-loop"
+    (GroupedExperts) | "sequential" (SequentialMLP); attention: "sdpa" | "varlen" (kernel_selection.Kernels)."""
     norm_linear = LocalNormColumnParallelLinear
     moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    assert experts in ("sequential", "grouped"), experts
-    if experts == "grouped":  # the same submodules (parameter names), the grouped forward
+    assert experts in ("grouped", "grouped-loop", "sequential"), experts
+    if experts != "sequential":  # SequentialMLP's submodules argument, unused by GroupedExperts
         seq = moe.keywords["submodules"].experts  # moe: partial(MoELayer, submodules=MoESubmodules(...))
         assert seq.func is SequentialMLP, seq
         moe.keywords["submodules"].experts = partial(GroupedExperts, *seq.args, **seq.keywords)

@@ -265,7 +265,7 @@ class OmniModel(nn.Module):
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool, kernels=None):
         super().__init__()
         experts, attention = (kernels.experts, kernels.attention) if kernels is not None and not use_te else \
-            ("sequential", "sdpa")
+            ("grouped-loop", "sdpa")
         self.hf = hf
         self.use_te = use_te
         self.mamba_kernels = kernels.mamba if kernels is not None else "torch"

@@ -193,7 +193,6 @@ class ActivationModel:
     once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
 
     per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
-    per_layer: dict[str, float]  # T-independent bytes per layer of each kind (the grouped experts' stacked weights)
     pattern: str
     recompute: str
     cp: int
@@ -203,7 +202,7 @@ class ActivationModel:
     notes: list[str] = field(default_factory=list)
 
     def layer(self, kind: str, tokens: float) -> float:
-        return self.per_token[kind] * tokens + self.per_layer.get(kind, 0.0)
+        return self.per_token[kind] * tokens
 
     def __call__(self, bin_tokens: int, image_tokens: int = 0) -> float:
         """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images)."""
@@ -221,7 +220,6 @@ def activation_model(cfg, hf) -> ActivationModel:
     t, v = hf.text, hf.vision
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     sp = tp if cfg.parallel.sequence_parallel else 1
-    ep = cfg.parallel.expert_model_parallel_size
     dtype = omni_model._dtype(cfg.model.params_dtype)
     b = torch.finfo(dtype).bits // 8
     h = t.hidden_size
@@ -242,11 +240,10 @@ def activation_model(cfg, hf) -> ActivationModel:
         "-": (2 * h / sp + 2 * t.intermediate_size / tp) * b,  # norm in / out + fc1 out, activation
         "head": (3 * h / sp + t.vocab_size / tp) * b,  # final norm in / out, output-layer input, logits
     }
-    per_layer = {"E": 2 * (n_exp // ep) * h * f * b} if n_exp else {}  # GroupedExperts' stacked weights
     vh, vlayers = v.hidden_size, v.num_hidden_layers
     # ViT: 4 patches per image token, Korthikanti's 34 h_v bytes per patch and layer at 16 bits (h_v b under "full")
     vit = 4 * vlayers * vh * (b if cfg.model.recompute == "full" else 34 * b / 2)
-    return ActivationModel(per_token=per_token, per_layer=per_layer, pattern=hf.pattern, recompute=cfg.model.recompute,
+    return ActivationModel(per_token=per_token, pattern=hf.pattern, recompute=cfg.model.recompute,
                            cp=cp, input_bytes=h / sp * b, vit_per_image_token=vit,
                            chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
 

@@ -155,7 +155,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert 0 < st["tokens_shared"] < st["tokens"] and st["microbatches_shared"] >= 1
     assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])
     assert "shared prompt vs separate rows (ours)" in bench.table({"gpu": r})
-    assert r["kernels"] == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
+    assert r["kernels"] == "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu"
     assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}
     assert r["scan"]["torch"]["fwd_bwd_s"] > 0
 
@@ -453,7 +453,7 @@ def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
 
 def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch):
     """bench.py --gpu --ablation's swaps on the CPU: the tiny Omni built with grouped experts and the varlen attention
-    setting runs SequentialMLP's loop under fallback "experts" (grouped_mm is not called), one SDPA call per sequence
+    setting runs one matmul per expert under fallback "experts" (grouped_mm is not called), one SDPA call per sequence
     under "attention", mamba_torch's mixer body under "mamba"; each is undone after its block. Then kernel_ablation
     at the tiny shape with the experts swap: a row per variant, the slowdown the ratio of their step times."""
     from megatron.core.ssm import mamba_mixer
@@ -470,7 +470,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     distributed.init_distributed()
     K = kernel_selection.Kernels
     assert bench.fallbacks(K("local", "triton", "cuda", attention="varlen", experts="grouped")) == {
-        "attention": "varlen -> sdpa", "experts": "grouped -> sequential", "mamba": "triton -> torch"}
+        "attention": "varlen -> sdpa", "experts": "grouped -> loop", "mamba": "triton -> torch"}
     te = K("te", "mamba-ssm", "cuda", attention="te", experts="te")
     assert bench.fallbacks(te) == {"mamba": "mamba-ssm -> torch"}
     assert bench.fallbacks(K("local", "torch", "cpu")) == {}
@@ -515,7 +515,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     real = kernel_selection.select_kernels
     monkeypatch.setattr(kernel_selection, "select_kernels",
                         lambda **kw: K(**{**vars(real(**kw)), "experts": "grouped"}))
-    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"experts": "grouped -> sequential"})
+    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"experts": "grouped -> loop"})
     out = bench.kernel_ablation("cpu", bench.TINY_GPU_SHAPE, 1)
     assert out["kernels"].startswith("kernels: spec local; attention sdpa; experts grouped")
     assert set(out) == {"kernels", "tokens", "fallbacks", "selected", "experts"}
@@ -523,7 +523,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     sel = out["selected"]
     assert sel["mfu"] is None and sel["tokens_per_s"] == out["tokens"] / sel["step_s"]
     rows = bench.ablation_rows(out)
-    assert [r[0] for r in rows] == ["kernel ablation: experts grouped -> sequential"]
+    assert [r[0] for r in rows] == ["kernel ablation: experts grouped -> loop"]
     # a variant that fails is recorded, the next one still runs, and the section fails naming it
     swap = bench.fallback
 
@@ -534,7 +534,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
 
     monkeypatch.setattr(bench, "fallback", failing)
     monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"attention": "varlen -> sdpa",
-                                                             "experts": "grouped -> sequential"})
+                                                             "experts": "grouped -> loop"})
     res = {}
     assert not bench.run_section(res, "ablation", functools.partial(bench.kernel_ablation, out=res.setdefault(
         "ablation", {})), "cpu", bench.TINY_GPU_SHAPE, 1)

@@ -1051,3 +1051,55 @@ def test_launcher_check_only_under_torchrun(monkeypatch):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
+    """The distributed optimizer's dp_reshardable state is stored in parameter order: a step saved with megatron's
+    SequentialMLP loaded into GroupedExperts' 3-D weights without a complaint, every expert's Adam moments in the
+    wrong places (measured). `load` now refuses a checkpoint whose `parameter_layout` differs, or that has none (saved
+    before it was written), naming the layout; the same layout loads and every moment is restored exactly."""
+    import functools
+
+    import kernel_selection
+    import omni_model as om
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    def system(experts):
+        k = kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts=experts)
+        build = om.build_model
+        om.build_model = functools.partial(build, kernels=k)
+        try:
+            return tiny_step("cpu")
+        finally:
+            om.build_model = build
+
+    def moments(s) -> list[torch.Tensor]:
+        (opt,) = checkpoint._inner_optimizers(s["optimizer"])
+        return [st["exp_avg"].clone() for st in opt.optimizer.state.values()]
+
+    a = system("sequential")
+    a["run"](a["batches"], 0.0)
+    path = checkpoint.save(tmp_path, 1, a["ddp"], a["optimizer"], a["scheduler"], _state(1, {}))
+    saved = checkpoint.read_run_state(path).parameter_layout
+    assert saved == checkpoint.parameter_layout(a["ddp"]) == checkpoint.parameter_layout(a["policy"])
+    b = system("grouped-loop")
+    here = checkpoint.parameter_layout(b["policy"])
+    assert here != saved
+    with pytest.raises(checkpoint.CheckpointError, match=f"parameter layout {saved}, this model's is {here}"):
+        checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
+    checkpoint.load(path, b["policy"])  # the model part alone: SequentialMLP's keys load into the 3-D weights
+    for name, w in b["policy"].named_parameters():
+        if name.endswith(".experts.weight1"):
+            mlp = dict(a["policy"].named_modules())[name.removesuffix(".weight1")]
+            assert torch.equal(w, torch.stack([e.linear_fc1.weight for e in mlp.local_experts]))
+    c = system("sequential")
+    checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
+    want, got = moments(a), moments(c)
+    assert len(want) == len(got) > 0 and all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
+    raw = json.loads((path / checkpoint.RUN_STATE_FILE).read_text())
+    del raw["parameter_layout"]
+    (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="saved before layouts were recorded"):
+        checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])

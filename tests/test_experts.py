@@ -1,7 +1,7 @@
-"""local_spec.GroupedExperts (one grouped GEMM per projection) against megatron-core's SequentialMLP (the loop over
-experts, the reference): the same output and every gradient bit for bit on the CPU (torch's CPU grouped GEMM is a
-loop of matmuls over the same operands), the same parameters and checkpoint keys, and a tiny model built with either
-gives the same logits and gradients.
+"""local_spec.GroupedExperts (3-D expert weights, one grouped GEMM per projection) against megatron-core's
+SequentialMLP (the loop over experts, the reference): the same initial weights, output and every gradient bit for bit
+on the CPU (torch's CPU grouped GEMM is a loop of matmuls over the same operands), checkpoints that load into either,
+and a tiny model built with either gives the same logits and gradients.
 
 Runs in-process on a gloo world of size 1. Run: `pytest tests/test_experts.py`.
 """
@@ -49,37 +49,47 @@ def _config(**overrides) -> TransformerConfig:
 
 
 def _pair(cfg) -> tuple[SequentialMLP, local_spec.GroupedExperts]:
-    """SequentialMLP and GroupedExperts of `cfg` with the same weights (the grouped one loads the other's state)."""
+    """SequentialMLP and GroupedExperts of `cfg`, each built after the same seed (the same weights)."""
     sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(0)
     seq = SequentialMLP(cfg.num_moe_experts, cfg, sub, pg_collection=pgs)
+    torch.manual_seed(0)
     grp = local_spec.GroupedExperts(cfg.num_moe_experts, cfg, sub, pg_collection=pgs)
-    grp.load_state_dict(seq.state_dict())
     return seq, grp
 
 
+def _stacked(seq: SequentialMLP, fc: int, grad: bool = False) -> torch.Tensor:
+    """SequentialMLP's fc`fc` weights (or their gradients) as GroupedExperts' [E, rows, cols]."""
+    ws = [getattr(e, f"linear_fc{fc}").weight for e in seq.local_experts]
+    return torch.stack([w.grad for w in ws] if grad else ws)
+
+
 def _run(module, x, counts, probs, grad_out):
-    """Forward + backward with a contiguous upstream gradient: (output, input grad, probs grad, {param: grad})."""
+    """Forward + backward with a contiguous upstream gradient: (output, input grad, probs grad)."""
     module.zero_grad(set_to_none=True)
     x, probs = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
     out, bias = module(x, counts, probs)
     assert bias is None
     out.backward(grad_out)
-    return out.detach(), x.grad, probs.grad, {n: p.grad for n, p in module.named_parameters()}
+    return out.detach(), x.grad, probs.grad
 
 
-@pytest.mark.parametrize("case", ["squared_relu", "gated_silu", "probs_on_input"])
+CASES = {"squared_relu": {}, "gated_silu": {"gated_linear_unit": True, "activation_func": F.silu},
+         "probs_on_input": {"moe_apply_probs_on_input": True, "moe_router_topk": 1, "moe_router_pre_softmax": True}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("counts", [[5, 0, 7, 2], [0, 9, 0, 0], [0, 0, 0, 0]])
 def test_grouped_experts_equal_sequential_mlp_exactly(case, counts):
-    """fp32, experts with zero tokens (and a rank with no tokens at all): output, input and probs gradients and every
-    parameter gradient equal SequentialMLP's exactly; parameter names, state_dict and sharded_state_dict keys are
-    SequentialMLP's."""
-    overrides = {"squared_relu": {}, "gated_silu": {"gated_linear_unit": True, "activation_func": F.silu},
-                 "probs_on_input": {"moe_apply_probs_on_input": True, "moe_router_topk": 1,
-                                    "moe_router_pre_softmax": True}}[case]
-    cfg = _config(**overrides)
-    torch.manual_seed(0)
+    """fp32, experts with zero tokens (and a rank with no tokens at all): the same initial weights after the same
+    seed; output, input and probs gradients and every expert's weight gradient equal SequentialMLP's exactly."""
+    cfg = _config(**CASES[case])
     seq, grp = _pair(cfg)
+    fc1_rows = 24 if case == "gated_silu" else 12
+    assert grp.weight1.shape == (4, fc1_rows, 16) and grp.weight2.shape == (4, 16, 12)
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+        assert torch.equal(w, _stacked(seq, fc)) and w.abs().sum() > 0
     gen = torch.Generator().manual_seed(1)
     T = sum(counts)
     x = torch.randn(T, 16, generator=gen)
@@ -89,22 +99,52 @@ def test_grouped_experts_equal_sequential_mlp_exactly(case, counts):
     ref = _run(seq, x, tokens_per_expert, probs, grad_out)
     got = _run(grp, x, tokens_per_expert, probs, grad_out)
     assert ref[0].shape == got[0].shape == (T, 16)
-    for a, b in zip(ref[:3], got[:3], strict=True):
+    for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
-    assert ref[3].keys() == got[3].keys() and len(ref[3]) == 2 * cfg.num_moe_experts
-    for n, g in ref[3].items():  # experts without tokens: a zero gradient in both
-        assert torch.equal(g, got[3][n]), n
-    assert all(not ref[3][f"local_experts.{e}.linear_fc{i}.weight"].any() for e, n in enumerate(counts) if not n
-               for i in (1, 2))
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+        assert torch.equal(w.grad, _stacked(seq, fc, grad=True)), fc
+        assert all(not w.grad[e].any() for e, n in enumerate(counts) if not n)  # experts without tokens: zero
     if T:
-        assert ref[0].abs().sum() > 0 and any(g.abs().sum() > 0 for g in ref[3].values())
-    assert list(seq.state_dict()) == list(grp.state_dict())
-    s_ref, s_got = seq.sharded_state_dict(prefix="experts."), grp.sharded_state_dict(prefix="experts.")
-    assert s_ref.keys() == s_got.keys()
-    for k, a in s_ref.items():  # ShardedTensor, or the gated fc1's ShardedTensorFactory: the same key and offsets
-        b = s_got[k]
-        assert type(a) is type(b) and a.key == b.key
-        assert getattr(a, "global_offset", None) == getattr(b, "global_offset", None)
+        assert ref[0].abs().sum() > 0 and grp.weight1.grad.abs().sum() > 0
+
+
+def test_expert_parameters_carry_megatrons_expert_attributes():
+    """The 3-D weights are tagged as megatron tags its expert linears (DDP's expert buffers, grad-norm dedup): at
+    EP = TP = 1 reduced with the dense parameters, tensor-parallel along their output rows."""
+    seq, grp = _pair(_config())
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+        ref = getattr(seq.local_experts[0], f"linear_fc{fc}").weight
+        assert (w.allreduce, w.tensor_model_parallel) == (ref.allreduce, ref.tensor_model_parallel) == (True, True)
+        assert w.partition_dim == ref.partition_dim + 1
+
+
+@pytest.mark.parametrize("case", ["squared_relu", "gated_silu"])
+@pytest.mark.parametrize("saved_by", ["sequential", "grouped"])
+def test_distributed_checkpoints_load_into_either_expert_module(case, saved_by, tmp_path):
+    """SequentialMLP's checkpoint keys: a dist_checkpointing save of one module loads into the other, every expert
+    matrix exactly (`export` reads a checkpoint whichever expert module wrote it). GroupedExperts writes no
+    `_extra_state` (SequentialMLP's linears hold None there), so SequentialMLP loads its weights only."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    cfg = _config(**CASES[case])
+    seq, grp = _pair(cfg)
+    with torch.no_grad():  # distinct weights per module, so a load that does nothing fails
+        for p in seq.parameters():
+            p.add_(1.0)
+    src, dst = (seq, grp) if saved_by == "sequential" else (grp, seq)
+
+    def sharded(m):
+        return {k: v for k, v in m.sharded_state_dict(prefix="mlp.experts.").items()
+                if not isinstance(v, ShardedObject)}  # SequentialMLP's gated fc1: a ShardedTensorFactory
+
+    keys = {m: {sh.key for sh in sharded(m).values()} for m in (seq, grp)}
+    assert keys[seq] == keys[grp] == {"mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"}
+    dist_checkpointing.save(src.sharded_state_dict(prefix="mlp.experts."), str(tmp_path))
+    loaded = dist_checkpointing.load(sharded(dst), str(tmp_path))
+    dst.load_state_dict({k.removeprefix("mlp.experts."): v for k, v in loaded.items()}, strict=dst is grp)
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+        assert torch.equal(w, _stacked(seq, fc)), fc
 
 
 @pytest.mark.parametrize("setting", [{"add_bias_linear": True}, {"bias_activation_fusion": True,
@@ -126,25 +166,30 @@ def test_spec_names_are_checked():
 
 
 def test_tiny_model_with_grouped_experts_equals_sequential():
-    """The tiny Omni model (2 MoE layers, 4 experts, top-2) with GroupedExperts: the same parameter names, logits and
-    every gradient as with SequentialMLP, exactly (fp32, CPU), training mode."""
+    """The tiny Omni model (2 MoE layers, 4 experts, top-2) with GroupedExperts and with SequentialMLP, both loaded
+    from the HF checkpoint: the same logits and every gradient (an expert's as the 3-D weight's slice) exactly (fp32,
+    CPU), training mode."""
     import hf_weights
     import omni_model as om
     from config import ModelConfig, ParallelConfig
 
     models = {}
-    for experts in ("sequential", "grouped"):
+    for experts in ("sequential", "grouped-loop"):
         kernels = kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts=experts)
         m = om.build_model(TINY, ModelConfig(), ParallelConfig(), kernels=kernels)
         hf_weights.load_hf_weights(m, TINY)
         models[experts] = m.train()
-    n_grouped = sum(isinstance(x, local_spec.GroupedExperts) for x in models["grouped"].modules())
+    n_grouped = sum(isinstance(x, local_spec.GroupedExperts) for x in models["grouped-loop"].modules())
     assert n_grouped == 2 and not any(isinstance(x, local_spec.GroupedExperts) for x in models["sequential"].modules())
-    assert list(models["sequential"].state_dict()) == list(models["grouped"].state_dict())
     batch = make_pair_batch(seed=5)
     l1, g1 = logits_and_grads(models["sequential"], batch)
-    l2, g2 = logits_and_grads(models["grouped"], batch)
+    l2, g2 = logits_and_grads(models["grouped-loop"], batch)
     assert torch.equal(l1, l2)
-    assert g1.keys() == g2.keys() and any(".experts.local_experts." in n for n in g1)
-    for n in g1:
-        assert torch.equal(g1[n], g2[n]), n
+    experts = {n: g for n, g in g2.items() if ".experts.weight" in n}
+    assert len(experts) == 4 and g1.keys() - g2.keys() == {
+        n.replace(".weight" + fc, f".local_experts.{e}.linear_fc{fc}.weight") for n in experts for fc in "12"
+        if n.endswith(fc) for e in range(4)}
+    for n, g in g2.items():
+        want = torch.stack([g1[n.replace(".weight" + n[-1], f".local_experts.{e}.linear_fc{n[-1]}.weight")]
+                            for e in range(4)]) if n in experts else g1[n]
+        assert torch.equal(g, want), n

@@ -358,7 +358,9 @@ def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
         ProcessGroupCollection.use_mpu_process_groups()
     seq = SequentialMLP(E, cfg, sub, pg_collection=pgs).to(dev)
     grp = local_spec.GroupedExperts(E, cfg, sub, pg_collection=pgs).to(dev)
-    grp.load_state_dict(seq.state_dict())
+    with torch.no_grad():  # SequentialMLP's weights, stacked
+        for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+            w.copy_(torch.stack([getattr(e, f"linear_fc{fc}").weight for e in seq.local_experts]))
     gen = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 48, (E,), generator=gen)
     counts[::9] = 0
@@ -369,8 +371,10 @@ def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
         xs, ps = x.to(dev, dtype).requires_grad_(True), probs.to(dev).requires_grad_(True)
         out, _ = m(xs, counts, ps)
         (out.float() * w.to(dev)).sum().backward()
-        results.append({"out": out.detach(), "x": xs.grad, "probs": ps.grad,
-                        **{n: p.grad for n, p in m.named_parameters()}})
+        grads = {f"fc{fc}.{e}": w.grad[e] for fc, w in ((1, m.weight1), (2, m.weight2)) for e in range(E)} \
+            if m is grp else {f"fc{fc}.{e}": getattr(x, f"linear_fc{fc}").weight.grad
+                              for e, x in enumerate(seq.local_experts) for fc in (1, 2)}
+        results.append({"out": out.detach(), "x": xs.grad, "probs": ps.grad, **grads})
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1] if results[1][k].abs().max() > 0}
     assert len(worst) == 3 + 2 * int((counts > 0).sum()) and max(worst.values()) <= KERNEL_TOL[dtype], worst
 

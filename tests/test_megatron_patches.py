@@ -114,7 +114,7 @@ def test_kernel_selection_by_capability():
             spec="local" if local else "te", device="cuda" if cuda else "cpu",
             mamba=("mamba-ssm" if ms else "triton" if mt else "torch") if cuda else "torch",
             attention=("varlen" if va and cuda else "sdpa") if local else "te",
-            experts=("grouped" if gm and cuda else "sequential") if local else "te"), \
+            experts=("grouped" if gm and cuda else "grouped-loop") if local else "te"), \
             (te, ms, cuda, gm, va, mt)
         names = megatron_patches.shims_for(k)
         assert all(callable(_shim(n)) for n in names)
@@ -142,8 +142,8 @@ def test_kernel_selection_by_capability():
     assert not kernel_selection.have_grouped_mm() and not kernel_selection.have_varlen_attn()  # no CUDA here
     # this machine: probed, and every shim the CPU path always had is installed (CPU behaviour unchanged)
     here = kernel_selection.select_kernels()
-    assert here == kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts="sequential")
-    assert here.line() == "kernels: spec local; attention sdpa; experts sequential; mamba torch; device cpu"
+    assert here == kernel_selection.Kernels("local", "torch", "cpu", attention="sdpa", experts="grouped-loop")
+    assert here.line() == "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu"
     assert not omni_model.uses_te_spec() and not kernel_selection.te_importable()
     assert set(megatron_patches.shims_for(here)) == {
         "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
