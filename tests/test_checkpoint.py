@@ -633,7 +633,7 @@ def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypa
 
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", broken_state)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+        checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
     assert str(e.value).startswith(f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: TypeError: cannot shard a "
                                    "tensor on cuda:0 with one on cpu (")  # fmt: skip
     err = capsys.readouterr().err.splitlines()
@@ -652,7 +652,7 @@ def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypa
 
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", full_disk)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+        checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
     assert "failed: OSError: [Errno 28] No space left on device (" in str(e.value)
     assert capsys.readouterr().err == ""
 
@@ -925,14 +925,14 @@ def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, 
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", zip_writer_fails)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+        checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
     assert str(e.value) == (f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: OSError: [Errno 28] No space left on "
                             f"device (0 bytes free on {tmp_path}: the file system is full); step_7.tmp was removed, "
                             "the complete checkpoints are untouched")  # fmt: skip
     assert capsys.readouterr().err == "" and not (tmp_path / "step_7.tmp").exists()
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=1 << 40))
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(tmp_path, 7, None, None, None, {"reward_shift": 0.0})
+        checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
     assert f"failed: OSError: torch's file writer failed ({torch_text}) ({1 << 40} bytes free on" in str(e.value)
     assert capsys.readouterr().err == ""
 
@@ -1057,7 +1057,8 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     """The distributed optimizer's dp_reshardable state is stored in parameter order: a step saved with megatron's
     SequentialMLP loaded into GroupedExperts' 3-D weights without a complaint, every expert's Adam moments in the
     wrong places (measured). `load` now refuses a checkpoint whose `parameter_layout` differs, or that has none (saved
-    before it was written), naming the layout; the same layout loads and every moment is restored exactly."""
+    before it was written, with per-expert weights) for a model with GroupedExperts, naming the layout; the same
+    layout loads and every moment is restored exactly, as does a checkpoint without a digest into per-expert weights."""
     import functools
 
     import kernel_selection
@@ -1099,7 +1100,9 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     want, got = moments(a), moments(c)
     assert len(want) == len(got) > 0 and all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
     raw = json.loads((path / checkpoint.RUN_STATE_FILE).read_text())
-    del raw["parameter_layout"]
+    del raw["parameter_layout"]  # as saved before the digest existed: SequentialMLP's layout, which c has
     (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
+    checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
+    assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
     with pytest.raises(checkpoint.CheckpointError, match="saved before layouts were recorded"):
-        checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
+        checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])  # into GroupedExperts: refused

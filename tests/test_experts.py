@@ -108,14 +108,51 @@ def test_grouped_experts_equal_sequential_mlp_exactly(case, counts):
         assert ref[0].abs().sum() > 0 and grp.weight1.grad.abs().sum() > 0
 
 
-def test_expert_parameters_carry_megatrons_expert_attributes():
-    """The 3-D weights are tagged as megatron tags its expert linears (DDP's expert buffers, grad-norm dedup): at
-    EP = TP = 1 reduced with the dense parameters, tensor-parallel along their output rows."""
-    seq, grp = _pair(_config())
+@pytest.mark.parametrize("layout", [{}, {"expert_model_parallel_size": 2},
+                                    {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1}],
+                         ids=["ep1", "ep2", "tp2_etp1"])
+def test_expert_parameters_carry_megatrons_expert_attributes(layout):
+    """The 3-D weights are tagged as megatron tags its expert linears (DDP's expert buffers, grad-norm dedup):
+    reduced with the dense parameters only at EP = 1 with ETP = TP, tensor-parallel along their output rows."""
+    seq, grp = _pair(_config(**layout))
     for fc, w in ((1, grp.weight1), (2, grp.weight2)):
         ref = getattr(seq.local_experts[0], f"linear_fc{fc}").weight
-        assert (w.allreduce, w.tensor_model_parallel) == (ref.allreduce, ref.tensor_model_parallel) == (True, True)
+        want = (not layout, True)
+        assert (w.allreduce, w.tensor_model_parallel) == (ref.allreduce, ref.tensor_model_parallel) == want
         assert w.partition_dim == ref.partition_dim + 1
+
+
+@pytest.mark.parametrize("case", ["squared_relu", "gated_silu"])
+def test_sharded_tensors_of_an_expert_parallel_rank_cover_sequential_mlps_shards(case):
+    """EP rank 1 of 2 (expert-DP rank 3) under a prepended layer offset: GroupedExperts' one ShardedTensor per
+    projection has the global shape, offset and replica id that SequentialMLP's per-expert shards cover (groups
+    stubbed: the offsets are arithmetic of ranks and sizes)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    seq, grp = _pair(_config(**CASES[case]))
+
+    def group(rank, size):
+        return type("G", (), {"rank": lambda self: rank, "size": lambda self: size})()
+
+    for m in (seq, grp):
+        m.ep_group, m.dp_group = group(1, 2), group(3, 4)
+    layer = (0, 5, 7)  # layer 5 of 7
+    shards = {m: [sh for sh in m.sharded_state_dict("mlp.experts.", (layer,)).values() if not isinstance(sh, dict)]
+              for m in (seq, grp)}
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):
+        key = f"mlp.experts.experts.linear_fc{fc}.weight"
+        (mine,) = [sh for sh in shards[grp] if sh.key == key]
+        assert isinstance(mine, ShardedTensor)
+        assert mine.global_shape == (7, 8, *w.shape[1:]) and mine.global_offset == (5, 4, 0, 0)
+        assert mine.replica_id == (0, 0, 3) and mine.data is w
+        theirs = [sh for sh in shards[seq] if getattr(sh, "key", None) == key]
+        assert len(theirs) == 4  # SequentialMLP: one shard (or gated factory) per local expert
+        for e, sh in enumerate(theirs):
+            if isinstance(sh, ShardedTensor):
+                assert sh.global_shape == mine.global_shape and sh.global_offset == (5, 4 + e, 0, 0)
+                assert sh.replica_id == mine.replica_id
+            else:  # the gated fc1's ShardedTensorFactory: the same expert's matrix
+                assert torch.equal(sh.data, w[e])
 
 
 @pytest.mark.parametrize("case", ["squared_relu", "gated_silu"])

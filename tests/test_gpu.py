@@ -337,12 +337,14 @@ def test_shared_prompt_main_job_with_recompute_equals_separate_rows_at_step_1(ru
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
     """local_spec.GroupedExperts (torch's grouped GEMM: CUTLASS on sm90/sm100 in bf16, a loop of matmuls otherwise)
-    against megatron-core's SequentialMLP with the same weights: 128 experts of the Nano's ratio scaled down (hidden
-    256, ffn 192), 3000 tokens in groups that are not multiples of 8, some experts without tokens; output and the
-    gradients of the tokens, the probs and every expert weight (max difference relative to the largest value)."""
+    against megatron-core's SequentialMLP, the same weights after the same seed (GPU initialisation): 128 experts of
+    the Nano's ratio scaled down (hidden 256, ffn 192), 3000 tokens in groups that are not multiples of 8, some
+    experts without tokens; output and the gradients of the tokens, the probs and every expert weight (max difference
+    relative to the largest value)."""
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -356,11 +358,13 @@ def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
                             bf16=dtype == torch.bfloat16, activation_func=lambda x: F.relu(x).square())
     sub, pgs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), \
         ProcessGroupCollection.use_mpu_process_groups()
+    model_parallel_cuda_manual_seed(0)
     seq = SequentialMLP(E, cfg, sub, pg_collection=pgs).to(dev)
+    model_parallel_cuda_manual_seed(0)
     grp = local_spec.GroupedExperts(E, cfg, sub, pg_collection=pgs).to(dev)
-    with torch.no_grad():  # SequentialMLP's weights, stacked
-        for fc, w in ((1, grp.weight1), (2, grp.weight2)):
-            w.copy_(torch.stack([getattr(e, f"linear_fc{fc}").weight for e in seq.local_experts]))
+    for fc, w in ((1, grp.weight1), (2, grp.weight2)):  # initialised on the GPU as SequentialMLP's, expert by expert
+        want = torch.stack([getattr(e, f"linear_fc{fc}").weight for e in seq.local_experts])
+        assert w.is_cuda and torch.equal(w, want), fc
     gen = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 48, (E,), generator=gen)
     counts[::9] = 0
