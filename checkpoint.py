@@ -635,6 +635,29 @@ def parameter_layout(model: torch.nn.Module) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
+def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
+    """Refuse on every rank an optimizer state saved for another `parameter_layout`, or saved before the digest (with
+    per-expert weights) for a model with GroupedExperts' 3-D weights; other checkpoints without it get a notice."""
+    path = state.path
+    if state.parameter_layout is None:
+        import local_spec
+
+        if not any(isinstance(m, local_spec.GroupedExperts) for m in _unwrap(model).modules()):
+            if _rank() == 0:
+                print(f"checkpoint: {path} records no parameter layout (saved before it was written): not verified",
+                      file=sys.stderr)
+            return
+        saved = "saved before layouts were recorded, with per-expert weights"
+    else:
+        here = parameter_layout(model)
+        if all(layout == state.parameter_layout for layout in _gather(here)):
+            return
+        saved = f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
+    raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong parameters "
+                          f"(another spec or expert module). Export the policy (python checkpoint.py export "
+                          f"{path.parent} OUT) and start a new run with model.hf_path=OUT")
+
+
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
     """Restore `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective); RNG at one world."""
     from megatron.core import dist_checkpointing
@@ -643,23 +666,7 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
     path, same_world = state.path, state.world_size == _world()
     check_complete(state, state.world_size if same_world else None)
     if optimizer is not None:
-        here = parameter_layout(model)
-        if state.parameter_layout is None:  # saved before the digest: per-expert matrices where GroupedExperts is 3-D
-            import local_spec
-
-            stale = any(isinstance(m, local_spec.GroupedExperts) for m in _unwrap(model).modules())
-            if not stale and _rank() == 0:
-                print(f"checkpoint: {path} records no parameter layout (saved before it was written): not verified",
-                      file=sys.stderr)
-        else:
-            stale = any(layout != state.parameter_layout for layout in _gather(here))  # every rank alike
-        if stale:
-            saved = "saved before layouts were recorded, with per-expert weights" if state.parameter_layout is None \
-                else f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
-            raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong "
-                                  f"parameters (another spec or expert module). Export the policy (python "
-                                  f"checkpoint.py export {path.parent} OUT) and start a new run with "
-                                  "model.hf_path=OUT")
+        check_parameter_layout(state, model)
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()

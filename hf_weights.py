@@ -47,6 +47,10 @@ class ParamMap:
     segments: Callable[[int, int], list[Segment]]
 
 
+# local_spec.GroupedExperts' 3-D weights [E, rows, cols]: group 1 is the projection (1 up, 2 down)
+EXPERT_WEIGHTS = re.compile(r"\.experts\.weight([12])$")
+
+
 def _split(key: str, n: int, dim: int = 0, group: str | None = "tp") -> ParamMap:
     return ParamMap(dim, group, lambda r, s: [Segment(key, r * n // s, n // s)])
 
@@ -139,7 +143,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 sh, se = t.moe_shared_expert_intermediate_size, p + "mixer.shared_experts."
                 table["mlp.shared_experts.linear_fc1.weight"] = _split(se + "up_proj.weight", sh)
                 table["mlp.shared_experts.linear_fc2.weight"] = _split(se + "down_proj.weight", sh, dim=1)
-            if e := re.match(r"mlp\.experts\.weight([12])$", rest):  # local_spec.GroupedExperts
+            if e := EXPERT_WEIGHTS.search(name):
                 maps[name] = experts(p + "mixer.experts.{e}." + ("up_proj" if e.group(1) == "1" else "down_proj")
                                      + ".weight")
                 continue
@@ -250,7 +254,7 @@ def _group(name: str | None):
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Name -> tensor; a 3-D expert weight [E, rows, cols] as its [E·rows, cols] view (E HF matrices stacked)."""
-    out = {n: p.flatten(0, 1) if re.search(r"\.experts\.weight[12]$", n) else p for n, p in model.named_parameters()}
+    out = {n: p.flatten(0, 1) if EXPERT_WEIGHTS.search(n) else p for n, p in model.named_parameters()}
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return out
 
