@@ -109,13 +109,14 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
                         num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers))
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """model.params_dtype's torch dtype."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _common_config_kwargs(model_cfg, parallel_cfg) -> dict:
     """TransformerConfig settings shared by the language model, the ViT and the projector."""
-    dtype = _dtype(model_cfg.params_dtype)
+    dtype = torch_dtype(model_cfg.params_dtype)
     kw = dict(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
@@ -486,9 +487,10 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size,
         p.expert_tensor_parallel_size)
     assert "E" not in hf.pattern or p.expert_tensor_parallel_size == 1  # preflight.check_model_config
-    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernel_selection.select_kernels(te=use_te) if kernels is None
-                      else kernels)
-    cast_params_to(model, _dtype(model_cfg.params_dtype))
+    if kernels is None:
+        kernels = kernel_selection.select_kernels(te=use_te, dtype=torch_dtype(model_cfg.params_dtype))
+    model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernels)
+    cast_params_to(model, torch_dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -220,7 +220,7 @@ def activation_model(cfg, hf) -> ActivationModel:
     t, v = hf.text, hf.vision
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     sp = tp if cfg.parallel.sequence_parallel else 1
-    dtype = omni_model._dtype(cfg.model.params_dtype)
+    dtype = omni_model.torch_dtype(cfg.model.params_dtype)
     b = torch.finfo(dtype).bits // 8
     h = t.hidden_size
     head_dim = getattr(t, "head_dim", None) or h // t.num_attention_heads

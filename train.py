@@ -66,7 +66,7 @@ from distributed import Ctx  # noqa: E402
 def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
-    kernels = kernel_selection.select_kernels()
+    kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
     layout_desc = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
     preflight.check_inputs(cfg)
     hf = omni_model.read_hf_config(cfg.model.hf_path)
