@@ -857,9 +857,6 @@ NANO_WIDTH_LLM = dict(hidden_size=2688, hybrid_override_pattern="MEM*EM", num_at
                       vocab_size=131072)
 GPU_SHAPE = dict(llm=NANO_WIDTH_LLM, dtype="bfloat16", pairs=16, pairs_per_bin=4, prompt=(600, 2400),
                  response=(100, 700), scan_tokens=16384, scan_sequences=8)
-# The same step at the tiny asset's width (tests/test_bench.py runs it on the CPU).
-TINY_GPU_SHAPE = dict(llm={}, dtype="float32", pairs=8, pairs_per_bin=4, prompt=(20, 60), response=(5, 20),
-                      scan_tokens=512, scan_sequences=4)
 
 
 def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> dict:
@@ -1647,6 +1644,7 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
     filled and written as each variant ends. Raises when the set's own step fails."""
     import kernel_selection
     import monitor
+    import omni_model as om
     import train
 
     device = torch.device(device)
@@ -1654,7 +1652,7 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
     setup = _step_setup(device, shape)
     cfg, pairs, ids = setup["cfg"], setup["pairs"], setup["ids"]
     tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
-    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda")
+    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda", dtype=om.torch_dtype(shape["dtype"]))
     out.update(kernels=kernels.line(), tokens=tokens, fallbacks=fallbacks(kernels))
     ddp, reference, optimizer, scheduler, ctx, policy = _ours_system(device, cfg, setup["ckpt"])
     n_active = monitor.active_params(policy, setup["hf"])
@@ -1717,6 +1715,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     from a cold cache is the slowest part), and "scan" (scan_bench). Without CUDA (and no explicit `device`), a skip
     record. `device`/`shape` let a CPU test run it at a tiny shape."""
     import kernel_selection
+    import omni_model as om
 
     out = {} if out is None else out
     if device is None:
@@ -1727,7 +1726,7 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     device = torch.device(device)
     if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan
         shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
-    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda")
+    kernels = kernel_selection.select_kernels(cuda=device.type == "cuda", dtype=om.torch_dtype(shape["dtype"]))
     out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     timed = timed or (1 if quick else 5)
     sections = [("step", mpo_step_bench, (device, shape, timed))]

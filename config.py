@@ -477,7 +477,6 @@ KNOWN_WARNINGS = (
     "The argument order of load has been changed",  # torch.distributed.checkpoint, called by megatron's loader
     "Please use DTensor instead and we are deprecating ShardedTensor",  # megatron dist_checkpointing on torch 2.14
     "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
-    "`sequence_parallel` is set to `True`, but tensor model parallel size is 1",  # expert linears (ETP = 1) under SP
     "Deterministic mode: set TRITON_CACHE_AUTOTUNING=1",  # model.deterministic_mode's Triton Mamba kernels
     "Deterministic mode: upgrade to Triton >= 3.4.0",
     "Triton is not supported on current platform, roll back to CPU",  # fla-core on a machine without a GPU

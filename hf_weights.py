@@ -31,11 +31,11 @@ from omni_model import OmniModel
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of `length` rows (dim 0) or columns (dim 1) of HF tensor `key`, starting at `start`."""
+    """A run of `length` rows (dim 0) or columns (dim 1) of HF tensor `key`, starting at `start`; None: all of it."""
 
     key: str
     start: int
-    length: int
+    length: int | None
 
 
 @dataclass
@@ -51,8 +51,8 @@ class ParamMap:
 EXPERT_WEIGHTS = re.compile(r"\.experts\.weight([12])$")
 
 
-def _split(key: str, n: int, dim: int = 0, group: str | None = "tp") -> ParamMap:
-    return ParamMap(dim, group, lambda r, s: [Segment(key, r * n // s, n // s)])
+def _split(key: str, n: int, dim: int = 0) -> ParamMap:
+    return ParamMap(dim, "tp", lambda r, s: [Segment(key, r * n // s, n // s)])
 
 
 def _whole(key: str, n: int) -> ParamMap:

@@ -121,7 +121,8 @@ class GroupedExperts(MegatronModule):
     local_experts.e.linear_fc1/fc2.weight, under SequentialMLP's distributed-checkpoint keys (`sharded_state_dict`).
     Bit-equal to SequentialMLP on the CPU (tests/test_experts.py)."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name: str | None = None):
+    def __init__(self, num_local_experts: int, config, submodules=None, *, pg_collection, name: str | None = None):
+        """megatron-core's expert-module signature (MoELayer builds it); submodules and name are unused."""
         super().__init__(config=config)
         c = self.config
         self.num_local_experts = num_local_experts
@@ -383,7 +384,7 @@ def _self_attention(mask_type: AttnMaskType, attention: str) -> ModuleSpec:
         linear_qkv=LocalNormColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear))
 
 
-def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "grouped",
+def local_hybrid_stack_spec(mamba_mixer: type, mamba_params: dict, num_experts: int, experts: str = "grouped-loop",
                             attention: str = "sdpa") -> ModuleSpec:
     """HybridStack spec of megatron-core's non-TE modules and this module's. experts: "grouped" / "grouped-loop"
     (GroupedExperts) | "sequential" (SequentialMLP); attention: "sdpa" | "varlen" (kernel_selection.Kernels)."""

@@ -135,7 +135,7 @@ def _common_config_kwargs(model_cfg, parallel_cfg) -> dict:
 
 
 def language_config(hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool):
-    """TransformerConfig of the hybrid language model; `use_te` turns on grouped-GEMM experts."""
+    """TransformerConfig of the hybrid language model; `use_te`: TE's modules (TEGroupedMLP for the experts)."""
     t = hf.text
     kw = _common_config_kwargs(model_cfg, parallel_cfg)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads

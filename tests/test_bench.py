@@ -21,6 +21,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# bench.GPU_SHAPE's step at the tiny asset's width, run on the CPU
+TINY_GPU_SHAPE = dict(llm={}, dtype="float32", pairs=8, pairs_per_bin=4, prompt=(20, 60), response=(5, 20),
+                      scan_tokens=512, scan_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
         return [m for m in gc.get_objects() if isinstance(m, omni_model.OmniModel)]
 
     before = weakref.WeakSet(models())  # what earlier tests of this process left
-    r = bench.bench_gpu(True, device="cpu", shape=bench.TINY_GPU_SHAPE)
+    r = bench.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE)
     # a finished section's models are freed (bench._drop_system; on a GPU the next section ran out of memory)
     assert [m for m in models() if m not in before] == []
     st = r["step"]
@@ -169,7 +172,7 @@ def test_the_closed_form_is_asserted_on_the_cpu_only():
 
     want = 0.8317766166719343
     assert bench.closed_form_tolerance(torch.device("cuda", 0), bench.GPU_SHAPE, want) is None
-    tol = bench.closed_form_tolerance(torch.device("cpu"), bench.TINY_GPU_SHAPE, want)
+    tol = bench.closed_form_tolerance(torch.device("cpu"), TINY_GPU_SHAPE, want)
     assert bench._check_closed_form("ours", want + 2 * tol, want, None) == pytest.approx(2 * tol)
     assert bench._check_closed_form("ours", want + tol / 2, want, tol) == pytest.approx(tol / 2)
     with pytest.raises(AssertionError):
@@ -182,7 +185,7 @@ def test_profile_regions_cover_the_step_on_the_cpu():
     step's wall time (on the CPU each microsecond of the step's thread is in exactly one event)."""
     import bench
 
-    p = bench.profile_step("cpu", bench.TINY_GPU_SHAPE)
+    p = bench.profile_step("cpu", TINY_GPU_SHAPE)
     assert p["unit"] == "cpu" and p["host_gaps_s"] is None and p["device_busy_s"] is None
     assert list(p["regions_s"]) == list(bench.PROFILE_REGIONS)
     assert all(s > 0 for s in p["regions_s"].values()), p["regions_s"]
@@ -290,7 +293,7 @@ def test_gpu_sections_are_written_as_each_ends(monkeypatch):
     monkeypatch.setattr(bench, "mpo_step_bench", lambda *a: 1 / 0)
     monkeypatch.setattr(bench, "scan_bench", lambda *a: {"torch": {"fwd_bwd_s": 0.5}})
     monkeypatch.setattr(bench, "profile_step", lambda *a: {"unit": "cpu"})
-    assert bench.bench_gpu(True, device="cpu", shape=bench.TINY_GPU_SHAPE, profile=True, out=out) is out
+    assert bench.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE, profile=True, out=out) is out
     assert out["step"]["error"] == "ZeroDivisionError: division by zero"
     assert out["scan"]["torch"] == {"fwd_bwd_s": 0.5} and out["profile"]["unit"] == "cpu"
     assert [sorted(k for k in s if k in ("step", "scan", "profile")) for s in snapshots] == [
@@ -309,7 +312,7 @@ def test_scan_bench_records_a_failing_kernel_and_times_the_others(monkeypatch, c
     monkeypatch.setattr(bench, "mamba_scan_kernels", lambda device: {"torch": mamba_torch.mamba_chunk_scan_combined,
                                                                      "mamba-ssm-src": broken})  # fmt: skip
     monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
-    sc = bench.scan_bench("cpu", bench.TINY_GPU_SHAPE, reps=1)
+    sc = bench.scan_bench("cpu", TINY_GPU_SHAPE, reps=1)
     assert sc["mamba-ssm-src"] == {"error": "RuntimeError: PassManager::run failed"}
     assert sc["torch"]["fwd_bwd_s"] > 0 and sc["mamba_deterministic"] == "1"
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bench] gpu scan ")]
@@ -362,7 +365,7 @@ def test_a_call_after_main_in_the_same_process_gets_a_new_folder(tmp_path, monke
     monkeypatch.setattr(bench, "_STATE", {"tmp": old, "ckpt_policy": old / "policy"})
     assert bench.main(["--quick", "--only", "packing", "--json", str(tmp_path / "r.json")]) == 0
     assert not old.exists() and bench._STATE == {}
-    made = bench._shape_checkpoint(bench.TINY_GPU_SHAPE)
+    made = bench._shape_checkpoint(TINY_GPU_SHAPE)
     try:
         assert made.parent != old and (made / "config.json").is_file()
     finally:
@@ -516,7 +519,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     monkeypatch.setattr(kernel_selection, "select_kernels",
                         lambda **kw: K(**{**vars(real(**kw)), "experts": "grouped"}))
     monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"experts": "grouped -> loop"})
-    out = bench.kernel_ablation("cpu", bench.TINY_GPU_SHAPE, 1)
+    out = bench.kernel_ablation("cpu", TINY_GPU_SHAPE, 1)
     assert out["kernels"].startswith("kernels: spec local; attention sdpa; experts grouped")
     assert set(out) == {"kernels", "tokens", "fallbacks", "selected", "experts"}
     assert out["experts"]["slowdown"] == out["experts"]["step_s"] / out["selected"]["step_s"]
@@ -537,7 +540,7 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
                                                              "experts": "grouped -> loop"})
     res = {}
     assert not bench.run_section(res, "ablation", functools.partial(bench.kernel_ablation, out=res.setdefault(
-        "ablation", {})), "cpu", bench.TINY_GPU_SHAPE, 1)
+        "ablation", {})), "cpu", TINY_GPU_SHAPE, 1)
     ab = res["ablation"]
     assert ab["error"] == "RuntimeError: kernel ablation: attention failed"
     assert ab["attention"]["error"].startswith("OutOfMemoryError") and ab["experts"]["step_s"] > 0
