@@ -497,6 +497,7 @@ class RunState:
     wandb_run_id: str | None = None
     checksums: dict | None = None  # {"algorithm", "files": {path relative to `path`: hex digest}}
     parameter_layout: str | None = None  # `parameter_layout` of the saved model (None: saved before it was written)
+    model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -524,7 +525,8 @@ def read_run_state(path: str | Path) -> RunState:
         raise CheckpointError(f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; "
                               f"{move_away(path)}")  # fmt: skip
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
-                    checksums=raw.get("checksums"), parameter_layout=raw.get("parameter_layout"))  # fmt: skip
+                    checksums=raw.get("checksums"), parameter_layout=raw.get("parameter_layout"),
+                    model_files=raw.get("model_files"))  # fmt: skip
 
 
 # A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
@@ -551,9 +553,20 @@ RESUME_RULES = {
 }  # fmt: skip
 
 
+def model_files(hf_path: str | Path) -> str:
+    """A digest of the names, sizes and modification times of the files in `hf_path`, the folder the frozen reference
+    is read from at every start: a folder rewritten in place (e.g. a new export into it) shows on resume."""
+    import hashlib
+
+    rows = sorted(f"{p.name}:{s.st_size}:{s.st_mtime_ns}" for p in Path(hf_path).iterdir() if p.is_file()
+                  for s in [p.stat()])  # fmt: skip
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     """The changed NOTICE settings of `cfg` against checkpoint `saved`, {key: (saved, now)}; CheckpointError listing
-    every refused change (RESUME_RULES). A key the saved config lacks, or a path to the same file, is no change."""
+    every refused change (RESUME_RULES). A key the saved config lacks, or a path to the same file, is no change; the
+    same model.hf_path with other files (`model_files`) is a change."""
     import config as config_mod
 
     now, changed = config_mod.to_dict(cfg), {}
@@ -564,6 +577,9 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
         a, b = saved.config[section][name], now[section][name]
         if not (key in config_mod.PATH_KEYS and a and b and os.path.realpath(a) == os.path.realpath(b)):
             changed[key] = (a, b)
+    hf_path = cfg.model.hf_path
+    if "model.hf_path" not in changed and saved.model_files and (files := model_files(hf_path)) != saved.model_files:
+        changed["model.hf_path"] = (f"{hf_path} (files {saved.model_files})", f"{hf_path} (files {files})")
     if refused := [k for k in changed if RESUME_RULES[k] != NOTICE]:
         why = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_RULES[k]}" for k in refused)
         raise CheckpointError(f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, "
@@ -655,8 +671,8 @@ def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
             return
         saved = f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
     raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong parameters "
-                          f"(another spec or expert module). Export the policy (python checkpoint.py export "
-                          f"{path.parent} OUT) and start a new run with model.hf_path=OUT")
+                          f"(another spec, expert module or model.hf_path architecture). Export the policy (python "
+                          f"checkpoint.py export {path.parent} OUT) and start a new run with model.hf_path=OUT")
 
 
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
@@ -752,6 +768,8 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     import hf_weights
     import omni_model
 
+    if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
+        raise CheckpointError(f"export runs as one process (python checkpoint.py export), not {world} (torchrun)")
     ckpt = Path(ckpt)
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
@@ -776,17 +794,20 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    # a world of one on the device the model is built on; CUDA_VISIBLE_DEVICES= exports on the CPU
-    distributed.init_distributed(device=distributed.local_device())
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
-    model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
-    _use_in_process_write_queue()
-    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
-    _unwrap(model).load_state_dict(loaded["model"])
     try:
+        # a world of one on the device the model is built on; CUDA_VISIBLE_DEVICES= exports on the CPU
+        distributed.init_distributed(device=distributed.local_device())
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
+        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        _use_in_process_write_queue()
+        loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
+        _unwrap(model).load_state_dict(loaded["model"])
         hf_weights.export_hf(model, staging, cfg.model.hf_path)
     except Exception as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if not (path / RUN_STATE_FILE).is_file() or _damage(path, None):  # e.g. pruned by a running job meanwhile
+            raise CheckpointError(f"{path} was removed or changed while it was exported (a running job keeps only "
+                                  "its checkpoint.keep_last newest steps); export again") from None
         if (failure := write_failure(e, staging.parent)) is None:
             raise
         raise CheckpointError(f"exporting {path} to {out_dir} failed: {type(failure).__name__}: {failure} "

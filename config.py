@@ -52,7 +52,7 @@ class ModelConfig:
     # mcore router balancing; "seq_aux_loss" is refused (a packed THD row is one sequence to megatron-core)
     moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
     moe_router_bias_update_rate: float = 1e-3  # expert-bias step per optimizer step (aux-loss-free); 0 freezes it
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # mcore MoE token dispatcher
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # megatron MoE dispatcher; allgather: EP 1
     deterministic_mode: bool = False  # deterministic GPU kernels (distributed.set_deterministic); bit-exact, slower
 
 
@@ -401,6 +401,10 @@ def validate(cfg: Config) -> None:
     if size >= 1 and size != int(size):
         raise ConfigError(f"data.train.split_validation_size = {size}: a fraction of the pairs (< 1, e.g. 0.015) or a "
                           "whole pair count (>= 1), not both")
+    if cfg.model.moe_token_dispatcher_type == "allgather" and cfg.parallel.expert_model_parallel_size > 1:
+        raise ConfigError("model.moe_token_dispatcher_type = 'allgather' needs parallel.expert_model_parallel_size = "
+                          "1: megatron-core's all-gather over the EP ranks needs equal token counts, and their packed "
+                          "bins differ; use 'alltoall'")
     if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
         raise ConfigError("model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported (megatron-core "
                           "takes a packed row as one sequence); use 'aux_loss' or 'none'")

@@ -252,7 +252,8 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
     """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
     sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config."""
     run = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
-           "reward_shift_num_updates": 0, "wandb_run_id": None}  # fmt: skip
+           "reward_shift_num_updates": 0, "wandb_run_id": None,
+           "model_files": checkpoint.model_files(cfg.model.hf_path)}  # fmt: skip
     if saved is not None:
         with megatron_patches.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)

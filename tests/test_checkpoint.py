@@ -922,6 +922,9 @@ def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, 
     def zip_writer_fails(model, optimizer, is_loading):
         raise RuntimeError(torch_text)
 
+    from megatron.core import dist_checkpointing  # noqa: F401 - its first import logs torch's CUDA_HOME line
+
+    capsys.readouterr()
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", zip_writer_fails)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
     with pytest.raises(checkpoint.CheckpointError) as e:
@@ -969,6 +972,42 @@ def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step
     assert json.loads((out / checkpoint.EXPORT_INFO_FILE).read_text())["complete"] is True
     assert (out / "model.safetensors").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+EXPORT_WHILE_PRUNED = """
+import os, shutil, sys
+sys.path.insert(0, os.getcwd())
+import checkpoint
+from megatron.core import dist_checkpointing
+step, out = sys.argv[1:3]
+real = dist_checkpointing.load
+
+def pruned(sharded, path, *args, **kwargs):  # a running job's checkpoint.keep_last removes the step meanwhile
+    shutil.rmtree(step)
+    return real(sharded, path, *args, **kwargs)
+
+dist_checkpointing.load = pruned
+sys.exit(checkpoint.main(["export", step, out]))
+"""
+
+
+def test_export_of_a_step_pruned_meanwhile_or_under_torchrun_is_one_line(one_step, tmp_path):
+    """Break-it pass: a step pruned by the running job while exported ended in megatron's CheckpointingException with
+    OUT.tmp left behind; `torchrun --nproc-per-node 2 checkpoint.py export` let both processes rename OUT (an export
+    without weights, or none). Both are one line now, and nothing is left."""
+    step = tmp_path / "run" / "step_1"
+    shutil.copytree(one_step, step)
+    out = tmp_path / "hf"
+    proc = _cli("-c", EXPORT_WHILE_PRUNED, str(step), str(out))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {step} was removed or changed while it was exported") and "keep_last" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(one_step), str(out)], cwd=ROOT,
+                          env=dict(os.environ, WORLD_SIZE="2", RANK="0"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: export runs as one process")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(one_step, tmp_path):

@@ -22,12 +22,14 @@ do" (`python train.py`, no model built) are short launches of their own, as are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,6 +224,16 @@ def test_seq_aux_loss_is_refused_with_the_reason():
     """Issue 13.3: megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
     with pytest.raises(config_mod.ConfigError, match="model.moe_router_load_balancing_type = 'seq_aux_loss'"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_router_load_balancing_type=seq_aux_loss"])
+
+
+def test_allgather_dispatcher_is_refused_with_expert_parallelism():
+    """The all-gather dispatcher gathers equal token counts over TP x EP; EP ranks hold different packed bins."""
+    with pytest.raises(config_mod.ConfigError, match="model.moe_token_dispatcher_type"):
+        config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_token_dispatcher_type=allgather",
+                                                                "parallel.expert_model_parallel_size=2"])
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_token_dispatcher_type=allgather",
+                                                                   "parallel.tensor_model_parallel_size=2"])
+    assert cfg.model.moe_token_dispatcher_type == "allgather"
 
 
 def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empty_validation_split():
@@ -692,7 +704,9 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     import mmpr_data
 
     saved_cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
-    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "model.hf_path=/exports/step_4",
+    export = tmp_path / "exports" / "step_4"
+    shutil.copytree(ROOT / "assets" / "tiny-omni", export)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", f"model.hf_path={export}",
                                         "policy.train_global_batch_size=8"])
     sampler = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint="0" * 64)
     state = checkpoint.RunState(tmp_path / "step_4", step=4, world_size=1, consumed_pairs=16, reward_shift=0.0,
@@ -702,7 +716,7 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     train.resume(state, checkpoint.check_resume(state, cfg), None, None, None, sampler, cfg, rank=0)
     notice = [x for x in capsys.readouterr().out.splitlines() if x.startswith("resume:")]
     assert notice == [
-        f"resume: changed settings from step 5 on: model.hf_path {saved_cfg.model.hf_path!r} -> '/exports/step_4' (the "
+        f"resume: changed settings from step 5 on: model.hf_path {saved_cfg.model.hf_path!r} -> '{export}' (the "
         "frozen reference model; the policy continues from the checkpoint), policy.train_global_batch_size "
         f"{saved_cfg.policy.train_global_batch_size} -> 8; the settings of steps up to 4: config.step_4.json"]
     assert json.loads((tmp_path / "config.step_4.json").read_text()) == config_mod.to_dict(saved_cfg)
@@ -710,6 +724,16 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     monkeypatch.chdir(ROOT)  # the saved relative path names the same folder from here: nothing changed (QA)
     train.resume(state, checkpoint.check_resume(state, cfg), None, None, None, sampler, cfg, rank=0)
     assert "resume:" not in capsys.readouterr().out
+    # the same model.hf_path rewritten in place (break-it pass: a new export into the folder a run started from)
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", f"model.hf_path={export}"])
+    files = checkpoint.model_files(export)
+    state = dataclasses.replace(state, config=config_mod.to_dict(cfg), model_files=files)
+    assert checkpoint.check_resume(state, cfg) == {}
+    weights = export / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    now = checkpoint.model_files(export)
+    assert now != files and checkpoint.check_resume(state, cfg) == {
+        "model.hf_path": (f"{export} (files {files})", f"{export} (files {now})")}
 
 
 @pytest.fixture(scope="module")
