@@ -3,7 +3,7 @@
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
         run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums,
-                                      the parameter layout
+                                      the parameter layout, the digest of model.hf_path's files
         rng/rank_<r>.pt               the RNG states of rank r
     <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
     <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
