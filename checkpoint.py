@@ -553,14 +553,18 @@ RESUME_RULES = {
 }  # fmt: skip
 
 
+def _digest(rows: list[str]) -> str:
+    """16 hex digits of the sha256 of `rows`, one per line."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
 def model_files(hf_path: str | Path) -> str:
     """A digest of the names, sizes and modification times of the files in `hf_path`, the folder the frozen reference
     is read from at every start: a folder rewritten in place (e.g. a new export into it) shows on resume."""
-    import hashlib
-
-    rows = sorted(f"{p.name}:{s.st_size}:{s.st_mtime_ns}" for p in Path(hf_path).iterdir() if p.is_file()
-                  for s in [p.stat()])  # fmt: skip
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+    return _digest(sorted(f"{p.name}:{s.st_size}:{s.st_mtime_ns}" for p in Path(hf_path).iterdir() if p.is_file()
+                          for s in [p.stat()]))  # fmt: skip
 
 
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
@@ -646,10 +650,7 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 def parameter_layout(model: torch.nn.Module) -> str:
     """A digest of the trainable parameters' names, shapes and dtypes in order: the distributed optimizer's
     `dp_reshardable` state is stored in that order, so it loads only into a model with the same digest."""
-    import hashlib
-
-    rows = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in _unwrap(model).named_parameters() if p.requires_grad]
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+    return _digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in _unwrap(model).named_parameters() if p.requires_grad])
 
 
 def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:

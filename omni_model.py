@@ -472,14 +472,14 @@ def cast_params_to(model: nn.Module, dtype: torch.dtype) -> list[str]:
 def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool | None = None,
                 kernels: kernel_selection.Kernels | None = None) -> OmniModel:
     """The Omni model on this rank (parallel_state initialised with `parallel_cfg`'s sizes), with
-    megatron-core's initialisation until `load_hf_weights`. use_te: force the TE / local spec (default: TE when it
-    imports with CUDA); kernels: the local spec's (default kernel_selection.select_kernels)."""
+    megatron-core's initialisation until `load_hf_weights`. use_te: force the TE / local spec (default: `kernels`'
+    spec); kernels: default kernel_selection.select_kernels at `model_cfg`'s dtype."""
     megatron_patches.apply()
     if parallel_cfg.context_parallel_size > 1:
         megatron_patches.install_mamba_cp_thd_indices(cp_partition_index)
     hf = read_hf_config(hf_dir)
     if use_te is None:
-        use_te = uses_te_spec()
+        use_te = uses_te_spec() if kernels is None else kernels.spec == "te"
     p = parallel_cfg
     assert (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),

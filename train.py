@@ -97,7 +97,7 @@ def main(cfg) -> int:
     data = load_data(cfg, hf, rank)
 
     # -- policy and frozen reference (same initial weights) ---------------------------------------------------------
-    policy, reference = build_policy_and_reference(cfg, ctx)
+    policy, reference = build_policy_and_reference(cfg, ctx, kernels)
     n_active = monitor.active_params(policy, hf)
 
     # -- optimizer: megatron DDP + (distributed) Adam, LR schedule --------------------------------------------------
@@ -197,11 +197,12 @@ def load_data(cfg, hf, rank: int) -> Data:
                 ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
 
 
-def build_policy_and_reference(cfg, ctx: Ctx):
-    """(policy, frozen reference) from model.hf_path; the reference first, off the GPU with `reference.offload`."""
+def build_policy_and_reference(cfg, ctx: Ctx, kernels: kernel_selection.Kernels):
+    """(policy, frozen reference) from model.hf_path on `kernels` (the printed line); the reference first, off the
+    GPU with `reference.offload`."""
 
     def build():
-        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
         hf_weights.load_hf_weights(model, cfg.model.hf_path)
         return model
 
