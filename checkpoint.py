@@ -98,30 +98,48 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step}"
 
 
+def _step_folders(ckpt_dir: str | Path) -> list[tuple[int, Path, bool]]:
+    """Every `step_<N>` folder in `ckpt_dir`: ascending (step, path, complete: it holds run_state.json and
+    model_optim/). An incomplete one is damaged: a save is renamed from step_<N>.tmp only once complete."""
+    root = Path(ckpt_dir)
+    return sorted((int(m.group(1)), p, (p / RUN_STATE_FILE).is_file() and (p / MODEL_OPTIM_DIR).is_dir())
+                  for p in (root.iterdir() if root.is_dir() else []) if (m := STEP_RE.match(p.name)) and p.is_dir())
+
+
 def list_checkpoints(ckpt_dir: str | Path, report: bool = True) -> list[tuple[int, Path]]:
-    """Complete checkpoints (with run_state.json and model_optim/) in `ckpt_dir`: ascending (step, path)."""
-    root, found = Path(ckpt_dir), []
-    for p in root.iterdir() if root.is_dir() else []:
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / RUN_STATE_FILE).is_file() and (p / MODEL_OPTIM_DIR).is_dir():
-            found.append((int(m.group(1)), p))
-        elif m and p.is_dir() and report:
-            print(f"checkpoint: ignoring {p}: no {RUN_STATE_FILE} or {MODEL_OPTIM_DIR}/ (incomplete)", file=sys.stderr)
-    return sorted(found)
+    """Complete checkpoints in `ckpt_dir`: ascending (step, path); with `report`, one line per damaged folder."""
+    found = []
+    for n, p, complete in _step_folders(ckpt_dir):
+        if complete:
+            found.append((n, p))
+        elif report:
+            print(f"checkpoint: ignoring {p}: no {RUN_STATE_FILE} or {MODEL_OPTIM_DIR}/ (damaged)", file=sys.stderr)
+    return found
 
 
 def move_away(path: str | Path) -> str:
     """The way out of a damaged checkpoint `path`, naming the previous complete checkpoint when there is one."""
     m = STEP_RE.match(Path(path).name)
     older = [p for n, p in list_checkpoints(Path(path).parent, report=False) if m and n < int(m.group(1))]
-    return f"move {path} away (e.g. to {path}.damaged) to resume from the previous checkpoint" + (
-        f", {older[-1]}" if older else "")  # fmt: skip
+    if not older:
+        return f"move {path} away (e.g. to {path}.damaged); with no earlier complete checkpoint the run starts afresh"
+    return f"move {path} away (e.g. to {path}.damaged) to resume from the previous checkpoint, {older[-1]}"
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The highest complete `step_<N>` in `ckpt_dir`, or None; rank 0's answer on every rank."""
-    found = list_checkpoints(ckpt_dir) if _rank() == 0 else []
-    path = from_rank0(str(found[-1][1]) if found else None)
+    """The highest complete `step_<N>` in `ckpt_dir`, or None; rank 0's answer on every rank. A damaged `step_<N>`
+    above it is a CheckpointError (resuming below it, or afresh, would write over it); one below it is reported."""
+    found, error = [], None
+    if _rank() == 0:
+        folders = _step_folders(ckpt_dir)
+        if folders and not folders[-1][2]:
+            bad = folders[-1][1]
+            error = f"{bad} has no {RUN_STATE_FILE} or no {MODEL_OPTIM_DIR}/ (a damaged checkpoint): {move_away(bad)}"
+        else:
+            found = list_checkpoints(ckpt_dir)
+    path, error = from_rank0((str(found[-1][1]) if found else None, error))
+    if error is not None:
+        raise CheckpointError(error)
     return Path(path) if path is not None else None
 
 

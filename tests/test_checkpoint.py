@@ -76,13 +76,35 @@ def test_latest_is_highest_complete_step_and_ignores_tmp(tmp_path, capsys):
     for name in ("step_2", "step_10", "step_9"):
         _fake_ckpt(tmp_path, name)
     _fake_ckpt(tmp_path, "step_12.tmp")  # killed mid-save: has files, but the name says incomplete
-    _fake_ckpt(tmp_path, "step_11", complete=False)  # no run_state.json
+    _fake_ckpt(tmp_path, "step_5", complete=False)  # no run_state.json: damaged, below the latest
     (tmp_path / "metrics.jsonl").write_text("")
     (tmp_path / "step_x").mkdir()
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2, 9, 10]
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step_10"
-    assert "step_11" in capsys.readouterr().err  # the incomplete one is reported, not silently skipped
+    assert "step_5" in capsys.readouterr().err  # the damaged one is reported, not silently skipped
     assert checkpoint.latest_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("missing", [checkpoint.RUN_STATE_FILE, checkpoint.MODEL_OPTIM_DIR])
+def test_a_damaged_newest_step_is_refused_not_taken_for_an_unfinished_save(tmp_path, missing):
+    """Issue 47.1: a step_<N> without run_state.json was skipped as "incomplete": the run resumed from the previous
+    step (or afresh) and its next save of step N wrote over the trained weights. Saves are renamed from step_<N>.tmp
+    when complete, so such a folder is damage: refused, naming it and the previous checkpoint."""
+    _fake_ckpt(tmp_path, "step_1")
+    bad = _fake_ckpt(tmp_path, "step_2")
+    if missing == checkpoint.MODEL_OPTIM_DIR:
+        shutil.rmtree(bad / missing)
+    else:
+        (bad / missing).unlink()
+    for find in (checkpoint.latest_checkpoint, lambda d: checkpoint.resume_path(d, resume=True)):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            find(tmp_path)
+        assert str(e.value).startswith(f"{bad} ") and str(e.value).endswith(f"{tmp_path / 'step_1'}")
+    shutil.rmtree(tmp_path / "step_1")  # the only checkpoint: still refused, never a fresh start over it
+    with pytest.raises(checkpoint.CheckpointError, match="starts afresh"):
+        checkpoint.latest_checkpoint(tmp_path)
+    bad.rename(tmp_path / "step_2.damaged")  # the way out the line names
+    assert checkpoint.latest_checkpoint(tmp_path) is None
 
 
 def test_resume_false_refuses_existing_checkpoint(tmp_path):
@@ -693,8 +715,8 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
             (step / f).unlink()
         return step
 
-    message = ("checkpoint step_1 ({}) is damaged: missing {}; move {} away (e.g. to {}.damaged) to resume from the "
-               "previous checkpoint")  # fmt: skip
+    message = ("checkpoint step_1 ({}) is damaged: missing {}; move {} away (e.g. to {}.damaged); with no earlier "
+               "complete checkpoint the run starts afresh")  # fmt: skip
     step = damaged("meta", "model_optim/.metadata")
     with pytest.raises(checkpoint.CheckpointError) as e:
         _check_complete(step, 1)
@@ -719,7 +741,8 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     with pytest.raises(checkpoint.CheckpointError) as e:
         _check_complete(step, 1)
     assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/.metadata cannot be read (")
-    assert str(e.value).endswith(f"move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint")
+    assert str(e.value).endswith(f"move {step} away (e.g. to {step}.damaged); with no earlier complete checkpoint "
+                                 "the run starts afresh")
     shards = sorted(p.name for p in (one_step / "model_optim").glob("*.distcp"))
     step = damaged("shard", f"model_optim/{shards[0]}")
     with pytest.raises(checkpoint.CheckpointError) as e:
@@ -750,7 +773,8 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: CheckpointError: {rng}: damaged RNG state file (") and "weights_only" not in last
-    assert last.endswith(f"; move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint")
+    assert last.endswith(f"; move {step} away (e.g. to {step}.damaged); with no earlier complete checkpoint the run "
+                         "starts afresh")
 
 
 def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):

@@ -646,6 +646,26 @@ def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_6"]
 
 
+def test_a_step_without_its_run_state_is_refused_and_never_written_over(tmp_path):
+    """Issue 47.1: `rm step_2/run_state.json` made the next run resume from step_1 (or start afresh) and its save of
+    step 2 replace step_2/model_optim. The run now stops before writing anything, naming step_2 and step_1."""
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "step_1" / "model_optim").mkdir(parents=True)
+    (tmp_path / "step_1" / "run_state.json").write_text(json.dumps(_run_state(cfg, 1)))
+    (tmp_path / "step_2" / "model_optim").mkdir(parents=True)
+    (tmp_path / "step_2" / "model_optim" / "__0_0.distcp").write_bytes(b"trained")
+    proc = subprocess.run(
+        [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={tmp_path}"], cwd=ROOT,
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"error: CheckpointError: {tmp_path / 'step_2'} ") and last.endswith(str(tmp_path / "step_1"))
+    assert (tmp_path / "step_2" / "model_optim" / "__0_0.distcp").read_bytes() == b"trained"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_1", "step_2"]  # no metrics, config, wandb
+
+
 def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
     """A resume refused for a changed LR schedule (checkpoint.check_resume) used to be found in checkpoint.load,
     after metrics.jsonl had been trimmed to the resumed step and the models built; it is now refused right after the
