@@ -22,6 +22,7 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import queue
@@ -353,6 +354,19 @@ def _use_in_process_write_queue() -> None:
     writer.finish = recording_finish
 
 
+@contextlib.contextmanager
+def _writer_log_quiet():
+    """megatron-core's checkpoint writer logs a failed write at ERROR level; `save` reports it itself, in one line."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    logger = logging.getLogger(filesystem_async.__name__)
+    level, logger.level = logger.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def free_space(directory: str | Path) -> str:
     """`N bytes free on DIRECTORY`, with `: the file system is full` below FULL_BYTES."""
     try:
@@ -404,21 +418,29 @@ def _own_files(tmp: Path) -> list[str]:
 
 
 def _raise_if_failed(error: BaseException | None, step: int, ckpt_dir, tmp: Path, sums: dict | None = None) -> dict:
-    """Collective: when a rank failed, remove `tmp` and raise one CheckpointError on every rank; else merge `sums`."""
+    """Collective: when a rank failed, remove `tmp` and raise one CheckpointError on every rank; else merge `sums`.
+    A failed write (`write_failure`: a full disk, a quota) is named first; the others' errors follow from it (a peer's
+    failure as seen by megatron or gloo). Only when no rank failed to write, a rank's own error is a bug: it prints
+    its traceback."""
+    written = None
     if error is not None:
-        error = write_failure(error, ckpt_dir) or error
+        written = write_failure(error, ckpt_dir)
+        error = written or error
         while error.__cause__ is not None:
             error = error.__cause__
-    gathered = _gather((None if error is None else f"{type(error).__name__}: {error}", sums or {}))
-    failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
+    gathered = _gather((None if error is None else f"{type(error).__name__}: {error}", written is not None, sums or {}))
+    failed = [(r, m, w) for r, (m, w, _) in enumerate(gathered) if m is not None]
     if not failed:
-        return {k: v for _, rank_sums in gathered for k, v in rank_sums.items()}
+        return {k: v for _, _, rank_sums in gathered for k, v in rank_sums.items()}
+    if error is not None and written is None and not any(w for _, _, w in failed):
+        print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
     free = free_space(ckpt_dir)  # before the .tmp goes: the space the failed save saw
     _barrier()
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    rank, message = next(((r, m) for r, m in failed if not m.startswith("CheckpointException")), failed[0])
+    rank, message, _ = min(failed, key=lambda f: (not f[2], f[1].startswith("CheckpointException"), f[0]))
     who = f"rank {rank}: " if _world() > 1 else ""
     raise CheckpointError(f"saving step {step} to {tmp} failed: {who}{message} ({free}); {tmp.name} was removed, the "
                           "complete checkpoints are untouched")  # fmt: skip
@@ -451,15 +473,13 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
     _WRITE_ERRORS.clear()
     sums: dict[str, str] = {}
     try:
-        dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
+        with _writer_log_quiet():
+            dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
         sums = {name: file_checksum(tmp / name) for name in _own_files(tmp)}  # still in the page cache
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
         error = e
-    error = _WRITE_ERRORS[0] if _WRITE_ERRORS else error  # a writer's own error (megatron logs it only)
-    if error is not None and write_failure(error, ckpt_dir) is None:  # a bug, not a full disk: its traceback
-        print(f"checkpoint: rank {_rank()}: saving step {step} failed with an unexpected error:", file=sys.stderr)
-        traceback.print_exception(error, file=sys.stderr)
+    error = _WRITE_ERRORS[0] if _WRITE_ERRORS else error  # a writer's own error (megatron raises only its summary)
     sums = _raise_if_failed(error, step, ckpt_dir, tmp, sums)
 
     if _rank() == 0:

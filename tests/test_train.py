@@ -661,7 +661,8 @@ def test_a_step_without_its_run_state_is_refused_and_never_written_over(tmp_path
     )  # fmt: skip
     assert proc.returncode == 1
     last = proc.stderr.splitlines()[-1]
-    assert last.startswith(f"error: CheckpointError: {tmp_path / 'step_2'} ") and last.endswith(str(tmp_path / "step_1"))
+    assert last.startswith(f"error: CheckpointError: {tmp_path / 'step_2'} ")
+    assert last.endswith(str(tmp_path / "step_1"))
     assert (tmp_path / "step_2" / "model_optim" / "__0_0.distcp").read_bytes() == b"trained"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_1", "step_2"]  # no metrics, config, wandb
 

@@ -18,7 +18,9 @@ The checkpoints go under WORK_DIR; rank 0 reports the result (tests/dist/report.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -163,14 +165,15 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
         if failing:
             setattr(owner, name, disk_full)
         try:
-            checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
+            with contextlib.redirect_stderr(io.StringIO()) as err:  # the lines a rank prints besides the error
+                checkpoint.save(run_dir, 3, ddp, opt, sched, dict(run_state))
             error = None
         except checkpoint.CheckpointError as e:
             error = str(e)
         finally:
             setattr(owner, name, original)
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, (error, err.getvalue()))
         return errors
 
     res["failed_rank"] = int(distributed_optimizer)
