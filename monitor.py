@@ -176,14 +176,28 @@ def global_rank() -> int:
 RESOLVED_CONFIG_FILE = "config.json"
 
 
-def write_resolved_config(cfg, previous: tuple[int, dict] | None = None) -> Path:
-    """Write <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json; its path."""
+def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = None) -> Path:
+    """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
+    each through a temporary file and a rename (never a partial file). Collective: a failed write (a full disk) is a
+    MetricsError on every rank. Returns the path."""
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files = [(path, config_mod.to_dict(cfg))]
     if previous is not None:
-        step, saved = previous
-        path.with_name(f"config.step_{step}.json").write_text(json.dumps(saved, indent=1) + "\n")
-    path.write_text(json.dumps(config_mod.to_dict(cfg), indent=1) + "\n")
+        files.insert(0, (path.with_name(f"config.step_{previous[0]}.json"), previous[1]))
+    failed = None
+    if rank == 0:
+        for target, content in files:
+            tmp = target.with_name(target.name + ".tmp")
+            try:
+                tmp.write_text(json.dumps(content, indent=1) + "\n")
+                tmp.rename(target)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                failed = (f"cannot write {target}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); "
+                          "make room, then start the run again")  # fmt: skip
+                break
+    if failed := checkpoint.from_rank0(failed):
+        raise MetricsError(failed)
     return path
 
 
@@ -255,7 +269,8 @@ def _row_step(row: str) -> float:
 
 
 class MetricsError(RuntimeError):
-    """metrics.jsonl cannot be written (a full disk, a quota): one line naming the file and the free space."""
+    """metrics.jsonl or config.json cannot be written (a full disk, a quota): one line naming the file and the free
+    space."""
 
 
 class MetricsLog:

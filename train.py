@@ -263,8 +263,10 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
         data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
         monitor.print_resume(saved, notices, data_changed, rank)
     run["sampler"] = sampler.state_dict()
-    if rank == 0:  # after a successful resume: a refused config never replaces the run's
-        print(f"config: {monitor.write_resolved_config(cfg, (saved.step, saved.config) if notices else None)}")
+    # after a successful resume: a refused config never replaces the run's
+    path = monitor.write_resolved_config(cfg, rank, (saved.step, saved.config) if notices else None)
+    if rank == 0:
+        print(f"config: {path}")
     return run
 
 

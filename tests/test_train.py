@@ -23,6 +23,7 @@ do" (`python train.py`, no model built) are short launches of their own, as are 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -755,6 +756,32 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     now = checkpoint.model_files(export)
     assert now != files and checkpoint.check_resume(state, cfg) == {
         "model.hf_path": (f"{export} (files {files})", f"{export} (files {now})")}
+
+
+def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path, monkeypatch):
+    """Issue 47.3: a disk already full when the run starts was a traceback from write_resolved_config and left a 0-byte
+    config.json. Now one MetricsError naming the file and the free space; an earlier config.json is kept whole."""
+    cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "config.json").write_text('{"earlier": 1}\n')
+    real_write = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # the first 4 bytes land, then the disk is full
+        real_write(self, text[:4], *args, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    for previous in (None, (3, {"step": 3})):
+        with pytest.raises(monitor.MetricsError) as e:
+            monitor.write_resolved_config(cfg, 0, previous)
+        target = "config.json" if previous is None else "config.step_3.json"
+        assert str(e.value).startswith(f"cannot write {tmp_path / target}: OSError: [Errno {errno.ENOSPC}]")
+        assert f"bytes free on {tmp_path}" in str(e.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+        assert (tmp_path / "config.json").read_text() == '{"earlier": 1}\n'
+    monkeypatch.undo()
+    assert monitor.write_resolved_config(cfg, 0, (3, {"step": 3})) == tmp_path / "config.json"
+    assert json.loads((tmp_path / "config.json").read_text()) == config_mod.to_dict(cfg)
+    assert json.loads((tmp_path / "config.step_3.json").read_text()) == {"step": 3}
 
 
 @pytest.fixture(scope="module")
