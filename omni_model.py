@@ -75,9 +75,13 @@ class OmniHFConfig:
     num_prefix_tokens: int  # class + register tokens of RADIO, dropped after the ViT
 
 
+MODEL_TYPES = ("NemotronH_Nano_Omni_Reasoning_V3", "nemotron_h_omni")  # config.json's model_type: hub, transformers
+
+
 def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
     """Parse `hf_dir/config.json` with transformers' config classes (hub legacy names or `text_config`).
-    Raises FileNotFoundError without config.json, ValueError naming a setting this implementation does not support."""
+    Raises ValueError naming a setting this implementation does not support (the checks of the file itself:
+    `preflight.read_model_config`)."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
     path = Path(hf_dir) / "config.json"

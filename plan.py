@@ -304,8 +304,8 @@ def default_world(cfg) -> int:
 
 def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
     """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding)."""
-    hf = omni_model.read_hf_config(cfg.model.hf_path)
-    world = world or default_world(cfg)
+    hf = preflight.read_model_config(cfg.model.hf_path)
+    world = default_world(cfg) if world is None else world
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
     preflight.check_model_config(cfg, hf)
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-tokens", type=int, default=0, help="image tokens per bin (default 0)")
     args = ap.parse_args(argv)
     try:
+        for flag, value, least in (("--gpus", args.gpus, 1), ("--image-tokens", args.image_tokens, 0)):
+            if value is not None and value < least:
+                raise config_mod.ConfigError(f"{flag} = {value}: must be at least {least}")
         cfg = config_mod.load_config(args.config, args.overrides)
         plan = make_plan(cfg, args.gpus, args.image_tokens)
     except config_mod.ConfigError as e:

@@ -21,15 +21,11 @@ import pack
 import shared_prompt
 
 
-def check_inputs(cfg) -> None:
-    """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path, the data
-    paths, `check_packing`, `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`."""
-    if not (Path(cfg.model.hf_path) / "config.json").is_file():
-        raise config_mod.ConfigError(
-            f"model.hf_path = {cfg.model.hf_path!r}: no config.json there (a local HF checkpoint directory"
-            f"{_relative_hint(cfg.model.hf_path)})"
-        )
-    check_hf_config(cfg.model.hf_path)
+def check_inputs(cfg) -> omni_model.OmniHFConfig:
+    """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path
+    (`read_model_config`, whose result it returns), the data paths, `check_packing`, `check_run_dir`, `check_wandb`,
+    `distributed.check_deterministic_env`."""
+    hf = read_model_config(cfg.model.hf_path)
     if not hf_weights.has_safetensors(cfg.model.hf_path):  # HFReader's rule, before any rank loads a weight
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: no model.safetensors.index.json and no *.safetensors there (the "
@@ -49,6 +45,7 @@ def check_inputs(cfg) -> None:
     check_run_dir(cfg.checkpoint.dir, cfg.model.hf_path)
     check_wandb(cfg.logging.wandb)
     distributed.check_deterministic_env(cfg.model.deterministic_mode)
+    return hf
 
 
 def _relative_hint(path: str) -> str:
@@ -91,21 +88,36 @@ def check_packing(cfg) -> None:
         )
 
 
-def check_hf_config(hf_path: str) -> None:
-    """`model.hf_path`'s config.json is a Hugging Face model config, not an omni-mpo run's config.json or other."""
+def read_model_config(hf_path: str) -> omni_model.OmniHFConfig:
+    """`model.hf_path`'s config.json (`omni_model.read_hf_config`), or a ConfigError naming the key: no config.json,
+    not an HF model config (an omni-mpo run's config.json among them), another architecture, or an unsupported
+    setting."""
     path = Path(hf_path) / "config.json"
+    if not path.is_file():
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: no config.json there (a local HF checkpoint directory"
+            f"{_relative_hint(hf_path)})"
+        )
     obj = _json_object(path)
-    if _is_hf_config(obj):
-        return
     if obj is not None and {"model", "mpo", "checkpoint"} <= obj.keys():
         raise config_mod.ConfigError(
             f"model.hf_path = {hf_path!r}: its config.json is an omni-mpo run's resolved config, not an HF model: to "
             f"start from a trained policy, export it first (python checkpoint.py export {hf_path} OUT) and set "
             "model.hf_path=OUT"
         )
-    raise config_mod.ConfigError(
-        f"model.hf_path = {hf_path!r}: {path} is not a Hugging Face model config (a JSON object with model_type)"
-    )
+    if not _is_hf_config(obj):
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: {path} is not a Hugging Face model config (a JSON object with model_type)"
+        )
+    if obj.get("model_type") not in omni_model.MODEL_TYPES:
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: {path} has model_type {obj.get('model_type')!r}, not Nemotron-3-Nano-Omni's "
+            f"({' or '.join(map(repr, omni_model.MODEL_TYPES))})"
+        )
+    try:
+        return omni_model.read_hf_config(hf_path)
+    except ValueError as e:  # a setting this implementation does not support
+        raise config_mod.ConfigError(f"model.hf_path = {hf_path!r}: {e}") from None
 
 
 def _checkpoint_around(path: Path) -> Path | None:

@@ -68,8 +68,7 @@ def main(cfg) -> int:
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
     layout_desc = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
-    preflight.check_inputs(cfg)
-    hf = omni_model.read_hf_config(cfg.model.hf_path)
+    hf = preflight.check_inputs(cfg)  # model.hf_path's config.json: preflight.read_model_config
     preflight.check_model_config(cfg, hf)
 
     # -- distributed initialisation, seeds, the run directory -------------------------------------------------------

@@ -202,6 +202,44 @@ def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
     assert err[0] == f"error: ConfigError: {train_error.value}"
 
 
+@pytest.mark.parametrize("content, names", [
+    (None, "no config.json"),  # a missing folder
+    ("{not json", "not a Hugging Face model config"),
+    ('{"foo": 1}', "not a Hugging Face model config"),
+    ('{"model_type": "bert", "architectures": ["BertModel"], "hidden_size": 768}', "'bert'"),
+])
+def test_a_model_folder_that_is_not_an_omni_checkpoint_is_one_line(tmp_path, content, names, capsys):
+    """Issue 47.4: another architecture's config.json was a TypeError deep in omni_model.read_hf_config (train.py and
+    plan.py), invalid JSON or a missing folder a traceback in plan.py; each is one ConfigError naming model.hf_path."""
+    model = tmp_path / "model"
+    if content is not None:
+        model.mkdir()
+        (model / "config.json").write_text(content)
+    assert plan.main([str(ROOT / "configs" / "nano.toml"), f"model.hf_path={model}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: ConfigError: model.hf_path = '{model}': ") and names in err[0]
+
+
+def test_an_unsupported_omni_setting_is_one_config_error_naming_the_key(tmp_path):
+    import preflight
+
+    hub = json.loads((NANO / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hub, "ps_version": "v1"}))
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.read_model_config(str(tmp_path))
+    assert str(e.value).startswith(f"model.hf_path = '{tmp_path}': ") and "ps_version" in str(e.value)
+    assert preflight.read_model_config(str(NANO)).pattern == omni_model.read_hf_config(NANO).pattern
+
+
+@pytest.mark.parametrize("flags, flag", [(["--gpus", "-2"], "--gpus"), (["--gpus", "0"], "--gpus"),
+                                         (["--image-tokens", "-5"], "--image-tokens")])
+def test_plan_flags_out_of_range_are_one_line(flags, flag, capsys):
+    """Issue 47.4: --gpus -2 was torch's AssertionError, --gpus 0 silently the default, --image-tokens -5 accepted."""
+    assert plan.main([*NANO_ARGS, *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: ConfigError: {flag} = ")
+
+
 def test_a_world_of_one_before_the_plan_is_a_world_of_one_after():
     """A process that already has a world (a tool, another test) keeps one: the plan's fake worlds replace it while
     they run, then distributed.init_distributed makes a world of one again."""

@@ -165,7 +165,11 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     assert str(e.value) == (f"model.hf_path = '{tmp_path}': its config.json is an omni-mpo run's resolved config, not "
                             f"an HF model: to start from a trained policy, export it first (python checkpoint.py "
                             f"export {tmp_path} OUT) and set model.hf_path=OUT")
-    (tmp_path / "config.json").write_text('{"model_type": "x"}')  # QA: no weights: hf_weights' FileNotFoundError
+    (tmp_path / "config.json").write_text('{"model_type": "x"}')  # issue 47.4: another architecture
+    with pytest.raises(config_mod.ConfigError) as e:
+        preflight.check_inputs(cfg)
+    assert str(e.value).startswith(f"model.hf_path = '{tmp_path}': ") and "model_type 'x'" in str(e.value)
+    shutil.copy(ROOT / "assets" / "tiny-omni" / "config.json", tmp_path)  # QA: no weights: hf_weights' error
     with pytest.raises(config_mod.ConfigError) as e:
         preflight.check_inputs(cfg)
     assert str(e.value) == (f"model.hf_path = '{tmp_path}': no model.safetensors.index.json and no *.safetensors "
