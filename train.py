@@ -1,7 +1,7 @@
 """MPO training of Nemotron-3-Nano-Omni with torchrun: the whole job, read top to bottom.
 
-    torchrun --nproc-per-node 2 train.py configs/tiny.toml                                  # CPU (gloo), ~1 min
-    torchrun --nproc-per-node 8 train.py configs/nano.toml \
+    torchrun --standalone --nproc-per-node 2 train.py configs/tiny.toml                     # CPU (gloo), ~1 min
+    torchrun --standalone --nproc-per-node 8 train.py configs/nano.toml \
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
@@ -470,7 +470,8 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt from here on
-    path, overrides = config_mod.parse_cli(None, "torchrun --nproc-per-node N train.py", "MPO training (README.md).")
+    path, overrides = config_mod.parse_cli(None, "torchrun --standalone --nproc-per-node N train.py",
+                                           "MPO training (README.md).")
     known = (config_mod.ConfigError, mmpr_rows.DataError, checkpoint.CheckpointError, DivergedError,
              monitor.MetricsError)  # a bad setting, input or run directory: one line says what to change
     code = monitor.exit_in_one_line(lambda: main(config_mod.load_config(path, overrides)), known)

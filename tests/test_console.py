@@ -39,12 +39,12 @@ def test_help_prints_the_usage_and_a_missing_config_is_a_usage_error():
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert " ".join(proc.stdout.split()).startswith(
-        "usage: torchrun --nproc-per-node N train.py [-h] CONFIG.toml [section.key=value ...] MPO training")
+    assert " ".join(proc.stdout.split()).startswith("usage: torchrun --standalone --nproc-per-node N train.py [-h] "
+                                                    "CONFIG.toml [section.key=value ...] MPO training")
     proc = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines()[-1] == (
-        "torchrun --nproc-per-node N train.py: error: the following arguments are required: CONFIG.toml")
+        "torchrun --standalone --nproc-per-node N train.py: error: the following arguments are required: CONFIG.toml")
 
 
 def test_error_under_torchrun_is_printed_once_and_ends_the_report(torchrun):

@@ -762,6 +762,36 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
         "model.hf_path": (f"{export} (files {files})", f"{export} (files {now})")}
 
 
+def test_two_readme_commands_on_one_machine_do_not_wait_on_each_other(tmp_path):
+    """Issue 47.5: two runs of the README's command shared torchrun's default port 29500, so the second waited
+    silently for the whole first run, then said "nothing to do". With --standalone each picks a free port, and the
+    second stops at once on the run directory's lock while the first trains."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    command = next(line.split("&& ", 1)[1] for line in readme.splitlines() if "&& torchrun" in line)
+    argv = shlex.split(command)
+    assert argv[0] == "torchrun" and "--standalone" in argv
+    argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:], f"checkpoint.dir={tmp_path}",
+            "mpo.max_num_steps=1000"]  # the first run outlives the second
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled"}
+    first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "config.json").exists():  # written after the lock is held (train.resume)
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert first.poll() is None  # the second did not wait for the first to end
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 1
+    errors = [x for x in second.stderr.splitlines() if x.startswith("error: ")]
+    assert errors[0].startswith(f"error: CheckpointError: checkpoint.dir = {tmp_path} is in use by another run (pid ")
+
+
 def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path, monkeypatch):
     """Issue 47.3: a disk already full when the run starts was a traceback from write_resolved_config and left a 0-byte
     config.json. Now one MetricsError naming the file and the free space; an earlier config.json is kept whole."""
