@@ -884,6 +884,17 @@ def _peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def _held_memory(device: torch.device, name: str) -> dict:
+    """Beside `_peak_memory`: the caching allocator's peak reserve and the device's used memory (total - free of
+    cudaMemGetInfo: the CUDA context, NCCL and other processes included), bytes; {} on the CPU. plan.py's reserve is
+    calibrated against them."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {f"peak_reserved_bytes_{name}": torch.cuda.max_memory_reserved(device),
+            f"device_used_bytes_{name}": total - free}
+
+
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -1017,11 +1028,12 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     m1 = ours_step()
     dev_ours = _check_closed_form("ours", m1["loss"], want, tol)
     t_ours = timed_steps(ours_step, timed)
-    peak = _peak_memory(device)
+    peak, held = _peak_memory(device), _held_memory(device, "ours")
     _reset_peak(device)
     t_shared = timed_steps(shared_step, timed)
     return dict(loss_ours=m1["loss"], loss_ours_abs_dev=dev_ours, microbatches_ours=len(plan.ranks[0]),
-                n_active=n_active, **noise, step_s_ours=min(t_ours), peak_bytes_ours=peak, loss_shared=loss_shared,
+                n_active=n_active, **noise, step_s_ours=min(t_ours), peak_bytes_ours=peak, **held,
+                loss_shared=loss_shared,
                 loss_shared_abs_dev=dev_shared, microbatches_shared=len(plan_shared.ranks[0]),
                 tokens_shared=tokens_shared, step_s_shared=min(t_shared), peak_bytes_shared=_peak_memory(device))
 

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -25,12 +26,27 @@ import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
+import mmpr_rows  # noqa: E402
 import omni_model  # noqa: E402
 import preflight  # noqa: E402
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 # Usable memory (torch's total capacity) of an 80 GB H100 / A100 and a 141 GB H200 (docs/PERFORMANCE.md).
 GPUS = {"80 GB": 79.1 * GiB, "141 GB": 139.8 * GiB}
+
+# What a GPU holds besides the tensors the plan counts (`Reserve`); docs/DESIGN.md, "The memory plan", says why.
+CUDA_CONTEXT = 0.75 * GiB  # the CUDA context (lazy module loading) with cuBLAS / cuBLASLt workspaces, per process
+NCCL_CHANNELS = 32  # the most channels NCCL opens per communicator (its MAXCHANNELS on Hopper NVLink nodes)
+NCCL_CONNECTIONS = 2  # receive connections per channel: ring and tree
+# per connection, NCCL's three protocol buffers at their defaults: Simple = NCCL_BUFFSIZE (4 MiB, NCCL's environment
+# variable docs); LL128 = 120 x 640 threads x 8 steps x 8 B; LL = 8 x 512 threads x 8 steps x 16 B (NCCL's device.h)
+NCCL_CONNECTION_BYTES = 4 * MiB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+FRAGMENTATION = 0.05  # of the allocated bytes: the caching allocator's unused reserve with expandable segments
+ALLOC_CONF = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF that train.py sets unless the user set it
+MARGIN = 4 * GiB  # the spare after the reserve below which the verdict is "too tight"
+# hub ids whose config.json ships in assets/ (a plan needs no weights): planned from it when model.hf_path is the id
+SHIPPED_CONFIGS = {
+    "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16": Path(__file__).parent / "assets" / "nano-omni-config"}
 
 
 # ---- One rank on the meta device ----------
@@ -271,6 +287,37 @@ class RankPlan:
         return self.static() + max(activations, self.reference_offloaded)  # the policy pass or the reference visit
 
 
+def communicators(cfg, world: int) -> list[str]:
+    """The NCCL communicators of more than one rank that a training step uses on each GPU: the world (barriers,
+    broadcasts), TP (SP gathers, vocab-parallel cross entropy), CP, DP x CP (the gradient sum), EP (token dispatch)
+    and the expert DP group (the experts' gradient sum)."""
+    p = cfg.parallel
+    tp, cp, ep, etp = (p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size,
+                       p.expert_tensor_parallel_size)
+    sizes = {"world": world, "TP": tp, "CP": cp, "DP x CP": world // tp, "EP": ep, "expert DP": world // (ep * etp)}
+    return [name for name, n in sizes.items() if n > 1]
+
+
+@dataclass
+class Reserve:
+    """Bytes a GPU holds besides the counted tensors: the CUDA context, NCCL's buffers and the allocator's slack."""
+
+    context: float
+    nccl: float
+    communicators: list[str]
+    fragmentation: float  # a fraction of the allocated bytes
+
+    def total(self, allocated: float) -> float:
+        return self.context + self.nccl + self.fragmentation * allocated
+
+
+def reserve(cfg, world: int) -> Reserve:
+    """The stated reserve of `cfg`'s layout (module constants; docs/DESIGN.md, "The memory plan")."""
+    comms = communicators(cfg, world)
+    return Reserve(context=CUDA_CONTEXT, nccl=len(comms) * NCCL_CHANNELS * NCCL_CONNECTIONS * NCCL_CONNECTION_BYTES,
+                   communicators=comms, fragmentation=FRAGMENTATION)
+
+
 @dataclass
 class Plan:
     world: int
@@ -279,10 +326,17 @@ class Plan:
     activations: ActivationModel
     bin_tokens: int
     image_tokens: int
+    image_source: str  # where image_tokens comes from
+    reserve: Reserve
+
+    def spare(self, capacity: float, bin_tokens: int | None = None) -> float:
+        """The least bytes left on any rank's GPU of `capacity` after the plan and the reserve (negative: OOM)."""
+        act = self.activations(self.bin_tokens if bin_tokens is None else bin_tokens, self.image_tokens)
+        return min(capacity - r.total(act) - self.reserve.total(r.total(act)) for r in self.ranks)
 
     def fits(self, capacity: float, bin_tokens: int | None = None) -> bool:
-        act = self.activations(self.bin_tokens if bin_tokens is None else bin_tokens, self.image_tokens)
-        return all(r.total(act) <= capacity for r in self.ranks)
+        """At least MARGIN to spare after the reserve."""
+        return self.spare(capacity, bin_tokens) >= MARGIN
 
     def largest_bin(self, capacity: float, multiple: int) -> int:
         """The largest packing.max_tokens_per_bin (a multiple of `multiple`) that fits `capacity`; 0 if none."""
@@ -302,9 +356,35 @@ def default_world(cfg) -> int:
                     p.expert_tensor_parallel_size * p.expert_model_parallel_size)
 
 
-def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
-    """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding)."""
+def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
+    """(image tokens the plan puts in a bin, where the number comes from): the `packing.max_sequences_per_bin` pairs
+    with the most image tokens in the training data's index when data.train.data_path is a file and model.hf_path
+    holds the processor; else that many pairs of one image at the processor's most patches (vision_config.args
+    max_num_patches x downsample_ratio²). At most the bin."""
+    import mmpr_index
+    import mmpr_rows
+
+    k, bin_tokens = cfg.packing.max_sequences_per_bin, cfg.packing.max_tokens_per_bin
+    data_path = cfg.data.train.data_path
+    if Path(data_path).is_file() and (Path(cfg.model.hf_path) / "processor_config.json").is_file():
+        processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
+        with mmpr_rows.data_warnings([]):
+            train_split, _ = mmpr_index.load_splits(processor, cfg.data)
+        per_pair = train_split.index.image_tokens[torch.as_tensor(train_split.pair_ids, dtype=torch.long)]
+        n = int(per_pair.topk(min(k, len(per_pair))).values.sum()) if len(per_pair) else 0
+        return min(n, bin_tokens), f"the {k} pair(s) with the most image tokens in {data_path}"
+    patches = (getattr(hf.vision, "args", None) or {}).get("max_num_patches", 0)
+    n = k * int(patches * 0.25)  # the 2x2 pixel shuffle (omni_model.read_hf_config refuses other ratios)
+    return min(n, bin_tokens), f"{k} pair(s) of one image of {patches} patches (the processor's most; no data index)"
+
+
+def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) -> Plan:
+    """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding);
+    `image_tokens` per bin (None: `image_tokens_per_bin`)."""
     hf = preflight.read_model_config(cfg.model.hf_path)
+    image_source = "--image-tokens"
+    if image_tokens is None:
+        image_tokens, image_source = image_tokens_per_bin(cfg, hf)
     world = default_world(cfg) if world is None else world
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
     preflight.check_model_config(cfg, hf)
@@ -333,21 +413,32 @@ def make_plan(cfg, world: int | None = None, image_tokens: int = 0) -> Plan:
         else:
             rows.append(row)
     return Plan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
-                bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens)
+                bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens, image_source=image_source,
+                reserve=reserve(cfg, world))
 
 
 # ---- The report ----------
 def _b(n: float) -> str:
-    return f"{n / 1e9:.2f}B"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
+def verdict(spare: float) -> str:
+    """The plan's word for `spare` bytes left after the plan and the reserve."""
+    if spare < 0:
+        return f"does NOT fit ({_gib(-spare)} GiB short)"
+    if spare < MARGIN:
+        return f"too tight ({_gib(spare)} GiB to spare, under the {_gib(MARGIN)} GiB margin)"
+    return f"fits, {_gib(spare)} GiB to spare"
+
+
 def format_plan(plan: Plan, cfg) -> str:
-    """The printed plan: global counts, the per-rank table (GiB), the verdict and the largest bin per GPU."""
-    c, p = plan.counts, cfg.parallel
+    """The printed plan: global counts, the per-rank table (GiB), the reserve, the verdict and the largest bin per
+    GPU."""
+    c, p, res = plan.counts, cfg.parallel, plan.reserve
     dp = plan.world // (p.tensor_model_parallel_size * p.context_parallel_size)
     act = plan.activations(plan.bin_tokens, plan.image_tokens)
     lines = [
@@ -356,28 +447,34 @@ def format_plan(plan: Plan, cfg) -> str:
         "(language model without the input embedding: monitor.active_params)",
         f"layout: {plan.world} GPUs = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x DP {dp} "
         f"(EP {p.expert_model_parallel_size}, SP {p.sequence_parallel}); {cfg.model.params_dtype}, recompute "
-        f"{cfg.model.recompute}, reference.offload {cfg.reference.offload}, bins of {plan.bin_tokens} tokens"
-        + (f" ({plan.image_tokens} image tokens)" if plan.image_tokens else "")
-        + f", log-prob chunk {cfg.policy.logprob_chunk_size}",
+        f"{cfg.model.recompute}, reference.offload {cfg.reference.offload}, bins of {plan.bin_tokens} tokens "
+        f"({plan.image_tokens} image tokens: {plan.image_source}), log-prob chunk {cfg.policy.logprob_chunk_size}",
         "",
-        "| ranks | params (policy / reference) | active | weights | grads fp32 | master fp32 | Adam moments "
-        "| reference | activations | total GiB | 80 GB | 141 GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ranks | params (policy / reference) | active | weights | grads | master fp32 | Adam moments | reference "
+        "| activations | total | reserve | 80 GB spare | 141 GB spare |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in plan.ranks:
         total = r.total(act)
         ranks = ", ".join(map(str, r.ranks)) if len(plan.ranks) > 1 else f"all {plan.world}"
-        fit = ["fits" if total <= cap else "OOM" for cap in GPUS.values()]
         ref = _gib(r.reference) if not r.reference_offloaded else f"0 (offload; {_gib(r.reference_offloaded)})"
+        spare = [_gib(cap - total - res.total(total)) for cap in GPUS.values()]
         lines.append(f"| {ranks} | {_b(r.params)} / {_b(r.reference_params)} | {_b(r.params_active)} "
                      f"| {_gib(r.weights)} | {_gib(r.grads)} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
-                     f"| {_gib(act)} | {_gib(total)} | {fit[0]} | {fit[1]} |")
-    lines.append("")
+                     f"| {_gib(act)} | {_gib(total)} | {_gib(res.total(total))} | {spare[0]} | {spare[1]} |")
+    lines += [
+        "",
+        f"GiB per GPU. reserve = CUDA context {res.context / GiB:.2f} + NCCL {res.nccl / GiB:.2f} "
+        f"({len(res.communicators)} communicator(s): {', '.join(res.communicators) or 'none'}; {NCCL_CHANNELS} "
+        f"channels x {NCCL_CONNECTIONS} connections x {NCCL_CONNECTION_BYTES / MiB:.1f} MiB) + allocator slack "
+        f"{FRAGMENTATION:.0%} of the total "
+        f"(PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}); a GPU fits with at least {_gib(MARGIN)} GiB to spare after it.",
+    ]
     multiple = cfg.packing.make_sequence_length_divisible_by
     for name, cap in GPUS.items():
-        verdict = "fits" if plan.fits(cap) else "does NOT fit"
         best = plan.largest_bin(cap, multiple)
-        lines.append(f"{name} GPUs ({_gib(cap)} GiB): {verdict}; the largest packing.max_tokens_per_bin that fits: "
+        lines.append(f"{name} GPUs ({_gib(cap)} GiB): {verdict(plan.spare(cap))}; the largest "
+                     "packing.max_tokens_per_bin that fits: "
                      + (str(best) if best else "none (the weights and optimizer alone do not fit)"))
     return "\n".join(lines)
 
@@ -387,15 +484,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/nano.toml")
     ap.add_argument("overrides", metavar="section.key=value", nargs="*", default=[], help="overrides (config.py)")
     ap.add_argument("--gpus", type=int, help="the world size (default: the smallest the layout runs on)")
-    ap.add_argument("--image-tokens", type=int, default=0, help="image tokens per bin (default 0)")
+    ap.add_argument("--image-tokens", type=int, help="image tokens per bin (default: from the data index, else the "
+                    "processor's largest image per pair)")
     args = ap.parse_args(argv)
     try:
         for flag, value, least in (("--gpus", args.gpus, 1), ("--image-tokens", args.image_tokens, 0)):
             if value is not None and value < least:
                 raise config_mod.ConfigError(f"{flag} = {value}: must be at least {least}")
         cfg = config_mod.load_config(args.config, args.overrides)
+        shipped = SHIPPED_CONFIGS.get(cfg.model.hf_path)
+        if shipped is not None and not (Path(cfg.model.hf_path) / "config.json").is_file():
+            print(f"model.hf_path = {cfg.model.hf_path!r} is a hub id: planning with its config.json shipped in "
+                  f"{shipped.relative_to(Path(__file__).parent)}", file=sys.stderr)
+            cfg.model.hf_path = str(shipped)
         plan = make_plan(cfg, args.gpus, args.image_tokens)
-    except config_mod.ConfigError as e:
+    except (config_mod.ConfigError, mmpr_rows.DataError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(format_plan(plan, cfg))

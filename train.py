@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 # one CUDA work queue per device: megatron-core's TP/SP overlap and DDP bucketing assume it (docs/DESIGN.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & os.environ.keys():  # the user's allocator setting wins
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # less fragmentation: plan.py's reserve
 
 
 def _interrupted_while_importing(signum, frame) -> None:  # Ctrl-C in the imports below: one line, not a traceback

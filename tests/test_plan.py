@@ -8,6 +8,7 @@ Every model here is built on the meta device (plan.fake_rank / plan.build_rank):
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -267,3 +268,66 @@ def test_two_nodes_shard_the_optimizer_over_dp():
     assert first.master + last.master == 4 * first.params
     assert first.moments + last.moments == 2 * 4 * first.params
     assert first.grads >= 4 * first.params
+
+
+def test_reserve_counts_the_communicators_and_the_verdict_keeps_its_margin():
+    """Issue 43.3: the plan said "fits" with 0.6 GiB left and nothing counted for the CUDA context, NCCL's buffers or
+    the allocator. The reserve is stated per GPU; "fits" needs plan.MARGIN to spare after it."""
+    assert plan.communicators(nano_cfg(), 8) == ["world", "TP", "EP"]  # DP = CP = expert DP = 1: no communicator
+    assert plan.communicators(nano_cfg(), 16) == ["world", "TP", "DP x CP", "EP", "expert DP"]
+    connection = 4 * 2**20 + 4_915_200 + 524_288  # NCCL's Simple, LL128 and LL buffers at their defaults
+    res = plan.reserve(nano_cfg(), 8)
+    assert res.nccl == 3 * 32 * 2 * connection
+    assert res.total(10 * plan.GiB) == plan.CUDA_CONTEXT + res.nccl + 0.05 * 10 * plan.GiB
+    p = plan.make_plan(nano_cfg(), 8)
+    (rank,) = p.ranks
+    total = rank.total(p.activations(p.bin_tokens, p.image_tokens))
+    for cap in plan.GPUS.values():
+        assert p.spare(cap) == cap - total - (plan.CUDA_CONTEXT + res.nccl + 0.05 * total)
+        assert p.fits(cap) == (p.spare(cap) >= plan.MARGIN)
+        best = p.largest_bin(cap, 8)
+        assert best == 0 or (p.spare(cap, best) >= plan.MARGIN > p.spare(cap, best + 8))
+    assert plan.verdict(-plan.GiB).startswith("does NOT fit")
+    assert plan.verdict(plan.MARGIN - 1).startswith("too tight")
+    assert plan.verdict(plan.MARGIN).startswith("fits, 4.0 GiB to spare")
+
+
+def test_image_tokens_come_from_the_data_index_else_the_processors_largest_image():
+    """Issue 43.3: the plan counted text alone unless --image-tokens was given."""
+    import mmpr_index
+
+    hf = omni_model.read_hf_config(NANO)
+    n, source = plan.image_tokens_per_bin(nano_cfg(), hf)  # no data index: one 13312-patch image, 2x2 shuffled
+    assert n == 13312 // 4 and "13312 patches" in source
+    assert plan.image_tokens_per_bin(nano_cfg("packing.max_sequences_per_bin=2"), hf)[0] == 2 * 3328
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
+    train_split, _ = mmpr_index.load_splits(mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path"), cfg.data)
+    want = max(int(train_split.index.image_tokens[i]) for i in train_split.pair_ids)
+    n, source = plan.image_tokens_per_bin(cfg, omni_model.read_hf_config(cfg.model.hf_path))
+    assert n == want > 0 and cfg.data.train.data_path in source
+
+
+def test_plan_of_nano_toml_as_shipped_uses_the_shipped_config(capsys):
+    """Issue 43.3: `python plan.py configs/nano.toml` (model.hf_path, the hub id) was a FileNotFoundError traceback."""
+    assert plan.main(["configs/nano.toml"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1].endswith("is a hub id: planning with its config.json shipped in "
+                                         "assets/nano-omni-config")
+    assert out.replace(str(NANO), "assets/nano-omni-config") == GOLDEN.read_text()
+
+
+def test_train_sets_expandable_segments_unless_the_user_chose_an_allocator_setting():
+    """The reserve assumes expandable segments (plan.ALLOC_CONF); a user's PYTORCH_(CUDA_)ALLOC_CONF is kept."""
+    import subprocess
+    import sys
+
+    probe = "import os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    for env, want in (({}, plan.ALLOC_CONF), ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, "backend:native"),
+                      ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, "None")):
+        base = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**base, **env}, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == want
