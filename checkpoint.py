@@ -360,7 +360,8 @@ def _writer_log_quiet():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     logger = logging.getLogger(filesystem_async.__name__)
-    level, logger.level = logger.level, logging.CRITICAL
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
