@@ -118,6 +118,28 @@ def test_grad_reduce_in_fp32_sets_megatron_ddp_gradient_buffers(params_dtype, fp
     assert {p.main_grad.dtype for p in policy.parameters() if p.requires_grad} == {want}
 
 
+@pytest.mark.parametrize("fp32", [True, False])
+def test_bf16_gradient_buffers_get_an_fp32_copy_at_the_optimizer_step(fp32):
+    """megatron-core's optimizer hands each fp32 main parameter `main_grad[shard].float()`
+    (megatron/core/optimizer/distrib_optimizer.py:2782): a view of an fp32 buffer, a new fp32 tensor beside a bf16
+    one, alive until the next step's zero_grad. At DP 1 bf16 buffers hold 2 + 4 bytes per parameter after the step,
+    fp32 ones 4 (docs/PERFORMANCE.md, "Gradient buffers")."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    import checkpoint
+
+    s = tiny_step("cpu", "model.params_dtype=bfloat16", f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}")
+    s["run"](s["batches"], 0.0)
+    storages = {b.grad_data.untyped_storage().data_ptr() for b in s["ddp"].buffers + s["ddp"].expert_parallel_buffers}
+    (opt,) = checkpoint._inner_optimizers(s["optimizer"])
+    grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"]]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+    copies = sum(g.numel() * g.element_size() for g in grads if g.untyped_storage().data_ptr() not in storages)
+    params = sum(p.numel() for p in s["policy"].parameters() if p.requires_grad)
+    assert copies == (0 if fp32 else 4 * params)
+
+
 def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     a, b = _rows(bf16_runs.straight), _rows(bf16_runs.resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
