@@ -49,6 +49,7 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
 OLD_RE = re.compile(r"^step_(\d+)\.old$")  # a checkpoint being replaced by a save of the same step
 SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # model_optim/__<rank>_<i>.distcp: the shard files rank <rank> wrote
+BUCKET_DTYPE_RE = re.compile(r"\.dtype_\((torch\.\w+), torch\.\w+\)\.")  # (param, grad dtype) in an optimizer key
 RUN_STATE_FILE = "run_state.json"
 MODEL_OPTIM_DIR = "model_optim"
 MEGATRON_METADATA_FILE = "metadata.json"  # megatron-core dist_checkpointing's config file in model_optim/
@@ -304,6 +305,30 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
     if optimizer is not None:
         out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return out
+
+
+def _name_grad_dtype(tree, grad_reduce_in_fp32: bool) -> None:
+    """Name, in place, the gradient-buffer dtype in the distributed optimizer's `dp_reshardable` state `tree` as
+    `grad_reduce_in_fp32` makes it (fp32, or the param dtype): in a sharded state dict's keys
+    (`...dtype_(<param dtype>, <grad dtype>)...`) and in a loaded one's per-bucket element counts
+    ({(param dtype, grad dtype): [numel]} per buffer). What the state holds (fp32 master weights, Adam moments) does not
+    depend on the grad dtype, so `load` names the keys as saved, then the counts as this run's.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1894 (and :1236, :2068)"""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def grad(param_dtype):
+        return torch.float32 if grad_reduce_in_fp32 else param_dtype
+
+    def key(m: re.Match) -> str:
+        return f".dtype_({m[1]}, {'torch.float32' if grad_reduce_in_fp32 else m[1]})."
+
+    for k, v in list(tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        if isinstance(v, ShardedBase):
+            v.key = BUCKET_DTYPE_RE.sub(key, v.key)
+        elif k in ("per_bucket_numel", "per_bucket_numel_unpadded") and isinstance(v, list):
+            tree[k] = [{(p, grad(p)): n for (p, _), n in buffer.items()} for buffer in v]
+        elif isinstance(v, (dict, list)):
+            _name_grad_dtype(v, grad_reduce_in_fp32)
 
 
 def _restore_adam_steps(optimizer) -> None:
@@ -588,7 +613,8 @@ RESUME_RULES = {
                      "policy.train_global_batch_size", "mpo.preference_loss_weight", "mpo.bco_loss_weight",
                      "mpo.sft_loss_weight", "mpo.reward_shift_momentum",
                      "mpo.reward_shift",  # a fresh start's δ only: a resume carries the saved δ
-                     "mpo.preference_average_log_probs", "mpo.sft_average_log_probs", "packing.shared_prompt"], NOTICE),
+                     "mpo.preference_average_log_probs", "mpo.sft_average_log_probs", "packing.shared_prompt",
+                     "optimizer.grad_reduce_in_fp32"], NOTICE),  # buffers start at 0 every step (`_name_grad_dtype`)
 }  # fmt: skip
 
 
@@ -728,9 +754,12 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()
     sharded = _sharded_state_dict(model, optimizer, is_loading=True)
+    if optimizer is not None:  # the gradient-buffer dtype as saved (fp32 before the setting existed), then as now
+        _name_grad_dtype(sharded["optimizer"], state.config.get("optimizer", {}).get("grad_reduce_in_fp32", True))
     loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM_DIR))
     _unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
+        _name_grad_dtype(loaded["optimizer"], model.ddp_config.grad_reduce_in_fp32)  # megatron DDP
         with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)

@@ -132,6 +132,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8  # added to sqrt(second moment) in Adam's update denominator (the recipe's and AdamW's)
     clip_grad: float = 1.0  # global gradient-norm clip (0 = off)
     use_distributed_optimizer: bool = True  # megatron-core distributed optimizer (shards optimizer state over DP)
+    # megatron DDP's gradient buffers (summed over microbatches, reduced over DP and CP) in fp32 (true) or in
+    # model.params_dtype (false: bf16 buffers, plus an fp32 copy of this DP rank's gradients at each optimizer step;
+    # measured error and memory: docs/PERFORMANCE.md, "Gradient buffers")
+    grad_reduce_in_fp32: bool = True
 
 
 @dataclass

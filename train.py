@@ -228,15 +228,16 @@ def build_scheduler(optimizer, cfg):
 
 
 def build_optimizer(policy, cfg):
-    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (fp32 gradients summed over DP and CP:
-    mpo_loss's denominator contract), its Adam (distributed by default; bf16 params keep fp32 master weights)."""
+    """(ddp, optimizer, scheduler): megatron-core DDP around the policy (gradients summed over microbatches, DP and
+    CP: mpo_loss's denominator contract; in fp32 or, optimizer.grad_reduce_in_fp32=false, model.params_dtype), its
+    Adam (distributed by default; bf16 params keep fp32 master weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optimizer
     ddp_model_cfg = copy.copy(policy.lm_config)
     ddp_model_cfg.calculate_per_token_loss = True  # DDP: gradient scaling 1 and a SUM reduction
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                                             use_distributed_optimizer=o.use_distributed_optimizer)
     ddp = DistributedDataParallel(ddp_model_cfg, ddp_cfg, policy)
     bf16 = cfg.model.params_dtype == "bfloat16"

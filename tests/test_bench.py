@@ -2,9 +2,10 @@
 
 Run: `pytest tests/test_bench.py` (one `python bench.py --quick` subprocess: 57 s measured on 2 shared CPU cores,
 longer when they are busy; marked slow). Only what holds regardless of machine load is asserted: value equalities
-(log-probs and their gradients, vision once per pair, the step-1 loss against transformers, the cached data index),
-the exact packing arithmetic and the log-prob memory ratio (memory is deterministic). Timing ratios are printed by
-bench.py, never asserted.
+(log-probs and their gradients, vision once per pair, the step-1 loss against transformers, the cached data index,
+megatron DDP's gradient buffers against the measured sums), the exact packing arithmetic, the log-prob memory ratio
+(memory is deterministic) and the gradient buffers' summation bound. Timing ratios are printed by bench.py, never
+asserted.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_item_ran(results):
-    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu"} <= set(results)
+    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads"} <= set(results)
     assert results["quick"] is True and results["command"] == "python bench.py --quick"
 
 
@@ -94,6 +95,20 @@ def test_data_cache(results):
     d = results["data"]
     assert d["rows"] == 34 * 15  # the sample (34 pairs) repeated 15 times in --quick, nothing dropped
     assert d["build_over_load"] > 1
+
+
+def test_gradient_buffers_accumulate_within_the_summation_bound(results):
+    """bf16 vs fp32 gradient buffers (optimizer.grad_reduce_in_fp32; megatron DDP's own buffers equal the measured
+    sums, asserted by bench.py): one microbatch's bf16 gradient lands exactly in either buffer; after n, each error
+    is within recursive summation's bound γ_{n-1}·Σ|g_i| per element (bound_use <= 1), and bf16's is the larger."""
+    g = results["grads"]
+    assert g["counts"] == [1, 4, 8] and g["params"] > 10**5  # --quick
+    errors = {int(n): e for n, e in g["errors"].items()}
+    assert all(v == 0 for d in ("bf16", "fp32") for v in errors[1][d].values())
+    for n in (4, 8):
+        bf16, fp32 = errors[n]["bf16"], errors[n]["fp32"]
+        assert bf16["bound_use"] <= 1 and fp32["bound_use"] <= 1, (n, bf16, fp32)
+        assert bf16["rel_l2"] > fp32["rel_l2"] and bf16["rel_max"] > fp32["rel_max"], (n, bf16, fp32)
 
 
 GPU_SKIP = "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"

@@ -1,9 +1,11 @@
 """bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export (issue 14, point 1).
 
-For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer: the tiny
-run in bf16 for 4 steps with `checkpoint.save_period=2`, then a second run resumed from a copy of its step_2 (2 + 2
-steps). Steps 3-4 of the resumed run, its step-4 weights and every optimizer tensor equal the uninterrupted run's.
-The DP = 2 distributed-optimizer run is exported and loaded by transformers' Omni class.
+For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer, and with
+fp32 and bf16 gradient buffers (`optimizer.grad_reduce_in_fp32`; each on 1 and 2 ranks): the tiny run in bf16 for 4
+steps with `checkpoint.save_period=2`, then a second run resumed from a copy of its step_2 (2 + 2 steps). Steps 3-4 of
+the resumed run, its step-4 weights and every optimizer tensor equal the uninterrupted run's. The DP = 2
+distributed-optimizer run with bf16 gradient buffers is exported and loaded by transformers' Omni class (with fp32
+ones: tests/test_checkpoint.py's bf16 segment).
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
+def _loaded_state(step_dir: Path, dopt: bool, fp32: bool) -> list[tuple[str, torch.Tensor]]:
     """Policy weights (with dtype) and every optimizer tensor after loading `step_dir` into a fresh bf16 tiny policy
-    in this process (a world of one)."""
+    in this process (a world of one), its optimizer built with `dopt` and `fp32` gradient buffers."""
     import checkpoint
     import omni_model
 
     distributed.init_distributed()
-    dopt_key = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
-    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, dopt_key])
+    keys = [f"optimizer.use_distributed_optimizer={str(dopt).lower()}",
+            f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}"]  # fmt: skip
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, *keys])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
     with megatron_patches.cuda_to_cpu():
@@ -69,18 +72,20 @@ def _loaded_state(step_dir: Path, dopt: bool) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[(1, True), (1, False), (2, True), (2, False)],
-                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}")
+# (ranks, distributed optimizer, fp32 gradient buffers): each optimizer and each gradient-buffer dtype on 1 and 2 ranks
+@pytest.fixture(scope="module", params=[(1, True, True), (1, False, False), (2, True, False), (2, False, True)],
+                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}-grad{'fp32' if p[2] else 'bf16'}")
 def bf16_runs(request, torchrun, tmp_path_factory):
-    nproc, dopt = request.param
+    nproc, dopt, fp32 = request.param
     straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
-    opt = f"optimizer.use_distributed_optimizer={str(dopt).lower()}"
-    _run(torchrun, nproc, straight, opt, "checkpoint.save_period=2")
+    opt = [f"optimizer.use_distributed_optimizer={str(dopt).lower()}",
+           f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}"]  # fmt: skip
+    _run(torchrun, nproc, straight, *opt, "checkpoint.save_period=2")
     shutil.copytree(straight / "step_2", resumed / "step_2")
     first_two = (straight / "metrics.jsonl").read_text().splitlines()[:2]
     (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in first_two))
-    _run(torchrun, nproc, resumed, opt, "checkpoint.resume=true")
-    return SimpleNamespace(nproc=nproc, dopt=dopt, straight=straight, resumed=resumed)
+    _run(torchrun, nproc, resumed, *opt, "checkpoint.resume=true")
+    return SimpleNamespace(nproc=nproc, dopt=dopt, fp32=fp32, straight=straight, resumed=resumed)
 
 
 def test_bf16_model_has_one_parameter_dtype():
@@ -95,6 +100,46 @@ def test_bf16_model_has_one_parameter_dtype():
     assert biases and set(biases.values()) == {torch.float32}  # HF keeps e_score_correction_bias in fp32 too
 
 
+@pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("fp32", [True, False])
+def test_grad_reduce_in_fp32_sets_megatron_ddp_gradient_buffers(params_dtype, fp32):
+    """optimizer.grad_reduce_in_fp32 reaches megatron DDP: every gradient buffer and main_grad is fp32 (true) or in
+    the parameters' dtype (false: bf16 in bf16 runs, half the bytes per parameter)."""
+    import omni_model
+
+    distributed.init_distributed()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.params_dtype={params_dtype}",
+                                                                  f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}"])
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    ddp, _, _ = train.build_optimizer(policy, cfg)
+    want = torch.float32 if fp32 else getattr(torch, params_dtype)
+    buffers = ddp.buffers + ddp.expert_parallel_buffers
+    assert buffers and {b.grad_data.dtype for b in buffers} == {want}
+    assert {p.main_grad.dtype for p in policy.parameters() if p.requires_grad} == {want}
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_bf16_gradient_buffers_get_an_fp32_copy_at_the_optimizer_step(fp32):
+    """megatron-core's optimizer hands each fp32 main parameter `main_grad[shard].float()`
+    (megatron/core/optimizer/distrib_optimizer.py:2782): a view of an fp32 buffer, a new fp32 tensor beside a bf16
+    one, alive until the next step's zero_grad. At DP 1 bf16 buffers hold 2 + 4 bytes per parameter after the step,
+    fp32 ones 4 (docs/PERFORMANCE.md, "Gradient buffers")."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    import checkpoint
+
+    s = tiny_step("cpu", "model.params_dtype=bfloat16", f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}")
+    s["run"](s["batches"], 0.0)
+    storages = {b.grad_data.untyped_storage().data_ptr() for b in s["ddp"].buffers + s["ddp"].expert_parallel_buffers}
+    (opt,) = checkpoint._inner_optimizers(s["optimizer"])
+    grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"]]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+    copies = sum(g.numel() * g.element_size() for g in grads if g.untyped_storage().data_ptr() not in storages)
+    params = sum(p.numel() for p in s["policy"].parameters() if p.requires_grad)
+    assert copies == (0 if fp32 else 4 * params)
+
+
 def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     a, b = _rows(bf16_runs.straight), _rows(bf16_runs.resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
@@ -102,8 +147,8 @@ def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     for x, y in zip(a, b, strict=True):
         assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
     assert a[3]["loss"] != a[0]["loss"]  # the steps trained something
-    straight = _loaded_state(bf16_runs.straight / "step_4", bf16_runs.dopt)
-    resumed = _loaded_state(bf16_runs.resumed / "step_4", bf16_runs.dopt)
+    straight = _loaded_state(bf16_runs.straight / "step_4", bf16_runs.dopt, bf16_runs.fp32)
+    resumed = _loaded_state(bf16_runs.resumed / "step_4", bf16_runs.dopt, bf16_runs.fp32)
     assert [k for k, _ in straight] == [k for k, _ in resumed]
     assert sum(k.endswith("exp_avg_sq") for k, _ in straight) > 10
     params = [v for k, v in straight if k.startswith("param")]
@@ -113,7 +158,7 @@ def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     assert {float(v) for k, v in straight if k.endswith(".step")} == {4.0}
 
 
-@pytest.mark.parametrize("bf16_runs", [(2, True)], indirect=True, ids=["n2-dopt1"])
+@pytest.mark.parametrize("bf16_runs", [(2, True, False)], indirect=True, ids=["n2-dopt1-gradbf16"])
 def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     out = tmp_path / "hf"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")

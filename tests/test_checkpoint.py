@@ -225,7 +225,8 @@ def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_res
     """RESUME_RULES: a changed layout (QA 3: it failed deep in dist_checkpointing), β or quality flag (QA3 4: δ is an
     EMA of rewards in the saved units) or LR schedule (chained segments) is refused in one error naming every refused
     key; the loss weights, δ's momentum, the DPO / SFT flags, the layout of pairs and model.hf_path are returned as
-    notices; another DP size (no setting) and a key the saved config lacks are no change."""
+    notices (and the gradient buffers' dtype); another DP size (no setting) and a key the saved config lacks are no
+    change."""
     import config as config_mod
 
     tiny = ROOT / "configs" / "tiny.toml"
@@ -245,12 +246,13 @@ def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_res
     assert "parallel.sequence_parallel" not in msg  # no RESUME_RULES key: SP follows TP here
     notices = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
                "mpo.reward_shift_momentum=0.9", "mpo.preference_average_log_probs=true",
-               "mpo.sft_average_log_probs=false", "model.hf_path=/elsewhere"]  # fmt: skip
+               "mpo.sft_average_log_probs=false", "model.hf_path=/elsewhere",
+               "optimizer.grad_reduce_in_fp32=false"]  # fmt: skip
     assert checkpoint.check_resume(state, config_mod.load_config(tiny, saved + notices)) == {
         "model.hf_path": ("assets/tiny-omni", "/elsewhere"), "mpo.bco_loss_weight": (0.2, 0.5),
         "mpo.sft_loss_weight": (0.0, 0.1), "mpo.reward_shift_momentum": (0.99, 0.9),
         "mpo.preference_average_log_probs": (False, True), "mpo.sft_average_log_probs": (True, False),
-        "packing.shared_prompt": (False, True),
+        "packing.shared_prompt": (False, True), "optimizer.grad_reduce_in_fp32": (True, False),
     }  # fmt: skip
     older = dict(state.config, optimizer={k: v for k, v in state.config["optimizer"].items() if k != "lr"})
     older_state = dataclasses.replace(state, config=older)  # saved before optimizer.lr existed
@@ -458,11 +460,13 @@ def test_resume_with_another_dtype_or_tp_ep_is_one_line_and_another_dp_resumes(b
         assert "Connection closed" not in proc.stderr and "KeyError" not in proc.stderr
     assert (run / "config.json").read_text() == config_before  # a refused resume leaves the run's config
     assert not (run / "step_2").exists()
-    # DP = 2 -> DP = 1 (one process, no launcher): resumes
+    # DP = 2 -> DP = 1 (one process, no launcher), fp32 -> bf16 gradient buffers: resumes, the latter a notice
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", "model.params_dtype=bfloat16",
-                "mpo.stop_after_step=2")  # fmt: skip
+                "mpo.stop_after_step=2", "optimizer.grad_reduce_in_fp32=false")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {run / 'step_1'} (step 1" in proc.stdout and (run / "step_2").is_dir()
+    notice = [x for x in proc.stdout.splitlines() if x.startswith("resume: changed settings")]
+    assert len(notice) == 1 and "optimizer.grad_reduce_in_fp32 True -> False" in notice[0]
 
 
 def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allows(bf16_segment, tmp_path):
@@ -1169,3 +1173,35 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
     with pytest.raises(checkpoint.CheckpointError, match="saved before layouts were recorded"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])  # into GroupedExperts: refused
+
+
+def test_optimizer_state_loads_across_gradient_buffer_dtypes(tmp_path):
+    """megatron names the distributed optimizer's saved buckets by (param dtype, grad dtype): a bf16 checkpoint of fp32
+    gradient buffers failed to load with bf16 ones (KeyError ...dtype_(torch.bfloat16, torch.bfloat16)...), though
+    the state (fp32 master weights, Adam moments) is the same. `load` names the keys as saved: a step saved with
+    either optimizer.grad_reduce_in_fp32 loads with the other, every weight and optimizer tensor bit for bit."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    def state(s) -> list[tuple[str, torch.Tensor]]:
+        (opt,) = checkpoint._inner_optimizers(s["optimizer"])
+        moments = [(f"{i}.{k}", v.clone()) for i, st in enumerate(opt.optimizer.state.values())
+                   for k, v in sorted(st.items())]  # fmt: skip
+        return moments + [(n, p.detach().clone()) for n, p in s["policy"].named_parameters()]
+
+    def equal(a, b) -> bool:
+        same = [k for k, _ in a] == [k for k, _ in b]
+        return same and all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True))
+
+    fp32 = tiny_step("cpu", "model.params_dtype=bfloat16")
+    bf16 = tiny_step("cpu", "model.params_dtype=bfloat16", "optimizer.grad_reduce_in_fp32=false")
+    assert [b.grad_dtype for b in fp32["ddp"].buffers] == [torch.float32]
+    assert [b.grad_dtype for b in bf16["ddp"].buffers] == [torch.bfloat16]
+    for step, (src, dst) in enumerate([(fp32, bf16), (bf16, fp32)], start=1):
+        src["run"](src["batches"], 0.0)
+        config = {"optimizer": {"grad_reduce_in_fp32": src is fp32}}
+        path = checkpoint.save(tmp_path, step, src["ddp"], src["optimizer"], src["scheduler"], _state(step, config))
+        want = state(src)
+        assert not equal(want, state(dst))  # before the load
+        checkpoint.load(path, dst["ddp"], dst["optimizer"], dst["scheduler"])
+        assert sum(k.endswith("exp_avg_sq") for k, _ in want) > 10 and equal(state(dst), want)

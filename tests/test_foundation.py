@@ -31,6 +31,7 @@ def test_nano_recipe_values():
     assert (m.reward_shift_momentum, m.max_num_steps) == (0.99, 7000)
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.scheduler.lr_warmup_steps) == (8e-7, 2e-9, 50)
     assert (cfg.optimizer.adam_beta2, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad) == (0.98, 0.1, 1.0)
+    assert cfg.optimizer.grad_reduce_in_fp32  # not dpo.yaml's bf16 buffers (docs/PERFORMANCE.md, "Gradient buffers")
     assert cfg.policy.train_global_batch_size == 256 and cfg.data.max_seq_length == 8192
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.context_parallel_size) == (8, 8, 1)

@@ -86,6 +86,7 @@ def test_every_shim_names_an_upstream_line_that_exists():
                                            local_spec.LocalNormColumnParallelLinear,
                                            local_spec.ThdDotProductAttention,
                                            checkpoint._restore_adam_steps,  # outside megatron_patches.py
+                                           checkpoint._name_grad_dtype,
                                            checkpoint._use_in_process_write_queue]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
