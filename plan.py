@@ -279,12 +279,14 @@ class RankPlan:
     moments: int
     reference: int  # 0 with reference.offload
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
+    grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
 
     def static(self) -> int:
         return self.weights + self.grads + self.master + self.moments + self.reference
 
     def total(self, activations: float) -> float:
-        return self.static() + max(activations, self.reference_offloaded)  # the policy pass or the reference visit
+        """The peak: the static bytes plus the largest of the policy pass, the reference's visit and the step's copy."""
+        return self.static() + max(activations, self.reference_offloaded, self.grads_copy)
 
 
 def communicators(cfg, world: int) -> list[str]:
@@ -400,13 +402,15 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
             total, active = rank_params(policy, hf)
             master, moments = optimizer_bytes(optimizer, bf16)
             ref = _model_bytes(reference)
-            grads = sum(b.grad_data.numel() * b.grad_data.element_size()
-                        for b in ddp.buffers + ddp.expert_parallel_buffers)
+            buffers = ddp.buffers + ddp.expert_parallel_buffers
+            grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+            fp32_grads = all(b.grad_data.dtype == torch.float32 for b in buffers)
             row = RankPlan(ranks=[rank], params=total, params_active=active,
                            reference_params=sum(p.numel() for p in reference.parameters()),
                            weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
                            reference=0 if cfg.reference.offload else ref,
-                           reference_offloaded=ref if cfg.reference.offload else 0)
+                           reference_offloaded=ref if cfg.reference.offload else 0,
+                           grads_copy=0 if fp32_grads else master)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
@@ -459,8 +463,9 @@ def format_plan(plan: Plan, cfg) -> str:
         ranks = ", ".join(map(str, r.ranks)) if len(plan.ranks) > 1 else f"all {plan.world}"
         ref = _gib(r.reference) if not r.reference_offloaded else f"0 (offload; {_gib(r.reference_offloaded)})"
         spare = [_gib(cap - total - res.total(total)) for cap in GPUS.values()]
+        grads = _gib(r.grads) + (f" (+{_gib(r.grads_copy)} fp32 at the step)" if r.grads_copy else "")
         lines.append(f"| {ranks} | {_b(r.params)} / {_b(r.reference_params)} | {_b(r.params_active)} "
-                     f"| {_gib(r.weights)} | {_gib(r.grads)} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
+                     f"| {_gib(r.weights)} | {grads} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
                      f"| {_gib(act)} | {_gib(total)} | {_gib(res.total(total))} | {spare[0]} | {spare[1]} |")
     lines += [
         "",

@@ -331,3 +331,14 @@ def test_train_sets_expandable_segments_unless_the_user_chose_an_allocator_setti
                               text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == want
+
+
+def test_bf16_gradient_buffers_count_the_fp32_copy_of_the_optimizer_step():
+    """megatron-core's optimizer gives each fp32 main parameter a fresh fp32 copy of its bf16 gradient at the step
+    (docs/PERFORMANCE.md, Gradient buffers): the plan's peak holds it in place of the activations it outlives."""
+    p32 = plan.make_plan(nano_cfg(), 8)
+    p16 = plan.make_plan(nano_cfg("optimizer.grad_reduce_in_fp32=false"), 8)
+    (r32,), (r16,) = p32.ranks, p16.ranks
+    assert r32.grads == 2 * r16.grads and r32.grads_copy == 0 and r16.grads_copy == r16.master == r32.master
+    act = p16.activations(p16.bin_tokens, p16.image_tokens)
+    assert r16.total(act) == r16.static() + max(act, r16.master) == r32.total(act) - r16.grads + r16.master - act
