@@ -724,6 +724,7 @@ def bench_shared(quick: bool) -> dict:
     import dataclasses
 
     import distributed
+    import reference_logprobs
     import train
 
     n_count = 2000 if quick else 10000
@@ -757,7 +758,7 @@ def bench_shared(quick: bool) -> dict:
     def loss(name):  # step-1 loss without an update: the equality check
         c, bs = ctxs[name], batches[name]
         n = train.count_global_pairs(bs, c)
-        ref = train.reference_logprobs(reference, bs, c)
+        ref = reference_logprobs.sums(reference, bs, c)
         return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
 
     loss_sep, loss_shr = loss("separate"), loss("shared")
@@ -968,6 +969,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     import dataclasses
 
     import monitor
+    import reference_logprobs
     import train
 
     cfg, pairs, ids, want = setup["cfg"], setup["pairs"], setup["ids"], setup["want"]
@@ -989,8 +991,8 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     # The noise floor, before any update (policy = reference): a no-grad policy forward leaves the routers' expert-bias
     # counts alone, as the reference's does.
     batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-    ref_a = train.reference_logprobs(reference, batches, ctx)
-    ref_b = train.reference_logprobs(reference, batches, ctx)
+    ref_a = reference_logprobs.sums(reference, batches, ctx)
+    ref_b = reference_logprobs.sums(reference, batches, ctx)
     with torch.no_grad():
         pol = [train.forward_logprobs(ddp, b, ctx)[0] for b in batches]
     noise = dict(noise_ref_repeat_max_abs_diff=_max_abs_diff(ref_a, ref_b),
@@ -1006,7 +1008,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
     batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
     n = train.count_global_pairs(batches, ctx_shared)
-    loss_shared = train.policy_forward_backward(batches, train.reference_logprobs(reference, batches, ctx_shared),
+    loss_shared = train.policy_forward_backward(batches, reference_logprobs.sums(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
     dev_shared = _check_closed_form("shared-prompt", loss_shared, want, tol)
     tokens_shared = sum(int(b.cu_seqlens[-1]) for b in batches)
@@ -1378,7 +1380,7 @@ def profile_regions(policy, optimizer):
     pre_mlp_layernorm and the decoder's final_norm, HybridModel's embedding and output_layer. Calls: mamba_torch's
     causal conv and chunked scan (plain and shared-prompt), the `mamba triton` set's conv and scan, the MoE token
     dispatcher's dispatch_* / token_dispatch and combine_* / token_combine, mpo_loss.packed_sequence_logprobs,
-    train.reference_logprobs (the whole no-grad reference pass: it absorbs every region inside it) and
+    reference_logprobs.sums (the whole no-grad reference pass: it absorbs every region inside it) and
     `optimizer.step`."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mamba_layer import MambaLayer
@@ -1392,7 +1394,7 @@ def profile_regions(policy, optimizer):
     import mamba_torch
     import mamba_triton
     import mpo_loss
-    import train
+    import reference_logprobs
 
     handles, undo, missing = [], [], object()
 
@@ -1463,7 +1465,7 @@ def profile_regions(policy, optimizer):
     if triton_set is not None:
         on_call(_ItemAccess(triton_set), "scan_fn", "Mamba scan")
     on_call(mpo_loss, "packed_sequence_logprobs", "LM head + fused log-probs")
-    on_call(train, "reference_logprobs", "reference forward")
+    on_call(reference_logprobs, "sums", "reference forward")
     on_call(optimizer, "step", "optimizer step")
     try:
         yield
