@@ -114,13 +114,13 @@ def build_reference(cfg, ctx, kernels):
 # The stored values: identity, manifest, shards
 
 
-def identity(cfg, train_index, val_index) -> dict[str, str]:
+def identity(cfg, train_index, val_index) -> dict:
     """What the stored values belong to, by setting: the model's files (checkpoint.model_files), the parameter dtype,
     the Mamba time-step clamp, and each data index's fingerprint (its files, the processor and chat template, and
     the data settings that change tokens: data.max_seq_length, named apart too)."""
     out = {"model.hf_path files": checkpoint.model_files(cfg.model.hf_path),
-           "model.params_dtype": cfg.model.params_dtype, "model.mamba_dt_clamp": str(cfg.model.mamba_dt_clamp),
-           "data.max_seq_length": str(cfg.data.max_seq_length),
+           "model.params_dtype": cfg.model.params_dtype, "model.mamba_dt_clamp": cfg.model.mamba_dt_clamp,
+           "data.max_seq_length": cfg.data.max_seq_length,
            "data index of data.train.data_path": train_index.fingerprint}  # fmt: skip
     if val_index is not None and val_index is not train_index:
         out["data index of data.validation.data_path"] = val_index.fingerprint
@@ -132,7 +132,7 @@ def index_key(index) -> str:
     return index.fingerprint[:16]
 
 
-def check_manifest(folder: Path, ident: dict[str, str], info: dict) -> str | None:
+def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
     """Rank 0: compare `folder`'s manifest with `ident` (written when the folder holds none); the refusal, or None."""
     path = folder / MANIFEST
     if not path.exists():

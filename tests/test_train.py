@@ -8,6 +8,8 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
     shared   the README command with packing.shared_prompt=auto (the shared-prompt layout on the CPU)
     bias_off both layouts with model.moe_router_bias_update_rate=0: the same training, step for step
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
+    precomp  the README command with reference.logprobs=precomputed: stop_after_step=2 (the reference pass, 2 steps),
+             then the rest (no pass, no reference model); every number equals the README run's
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
     tp2      TP = 2 (+ sequence parallel), the learn config, 3 steps
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
@@ -829,6 +831,16 @@ def segments(train_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def precomputed(train_run, tmp_path_factory):
+    """The README command with reference.logprobs=precomputed, in two segments (steps 1-2 after the pass, 3-6)."""
+    run_dir = tmp_path_factory.mktemp("precomputed")
+    first = train_run(2, run_dir, "reference.logprobs=precomputed", "mpo.stop_after_step=2")
+    second = train_run(2, run_dir, "reference.logprobs=precomputed")
+    return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, rows=_rows(run_dir),
+                           val=_rows(run_dir, "validation"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def learn(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
     train_run(2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
@@ -1355,6 +1367,26 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
     s2 = json.loads((segments.dir / "step_4" / "run_state.json").read_text())
     for k in ("reward_shift", "reward_shift_num_updates", "consumed_pairs", "sampler", "scheduler"):
         assert s1[k] == s2[k], k
+
+
+def test_precomputed_reference_logprobs_train_as_the_online_reference_bit_for_bit(readme, precomputed):
+    """Issue 43 item 1: the reference pass scores the same bins (one pair each) with the same forward, so the stored
+    sums are the online ones and every metric of every step, validation included, is the README run's (the golden
+    trace, step 1 at w_p ln 2 + w_q 2 ln 2), across a resume after step 2; the second segment builds no reference."""
+    r = precomputed.rows[0]
+    assert (r["preference_loss"], r["bco_loss"], r["rewards/margin"]) == (pytest.approx(math.log(2), abs=1e-6),
+                                                                          pytest.approx(2 * math.log(2), abs=1e-6), 0.0)
+    assert golden_mismatches(precomputed, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
+    for a, b in zip(readme.rows + readme.val, precomputed.rows + precomputed.val, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {k: v for k, v in b.items()
+                                                                        if k not in TIMING_KEYS}, a["step"]
+    straight, resumed = _loaded_state(readme.dir / "step_6"), _loaded_state(precomputed.dir / "step_6")
+    for (k, a), (_, b) in zip(straight, resumed, strict=True):
+        assert torch.equal(a, b), k
+    assert "reference pass: 34 of 34 pairs to compute" in precomputed.first
+    assert "stopped after step 2 (stop_after_step)" in precomputed.first
+    assert "reference: the log-probs of 34 pairs are stored in" in precomputed.second
+    assert "reference pass" not in precomputed.second
 
 
 # ----------------------------------------------------------------------------------------------------------------------
