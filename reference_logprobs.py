@@ -63,6 +63,14 @@ class Stored:
     sums: torch.Tensor
     tokens: torch.Tensor
 
+    @classmethod
+    def from_scores(cls, folder: Path, num_pairs: int, scores: list) -> Stored:
+        """The values of `score`'s output for pair ids in [0, num_pairs) (what bench.py times without shards)."""
+        table = _Table.empty(num_pairs)
+        for pair_ids, s, n in scores:
+            table.put(pair_ids, s, n)
+        return cls(Path(folder), table.sums, table.tokens)
+
     def lookup(self, batch: pack.PackedBatch, device: torch.device) -> torch.Tensor:
         """Reference sums [S] float32 of one microbatch, on `device` (0 for a dummy bin's rows), from the host copy;
         DataError when a row's stored token count is not the batch's (its tokens changed since the pass)."""
@@ -282,6 +290,24 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     return stored[0], (stored[-1] if data.val_split is not None else None)
 
 
+def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The reference pass's work on this rank's microbatches: per non-dummy bin (its pair ids [P] int64 ascending,
+    sums [P, 2] fp32 and response-token counts [P, 2] int64, chosen then rejected), on the CPU; no gradients."""
+    import train
+
+    out = []
+    for b in batches:
+        with torch.no_grad():
+            s, n = train.forward_logprobs(model, b, ctx)
+        host = pack.host_view(b)
+        if int(host.pair_index[0]) < 0:  # a dummy bin: its pair is scored where it is real
+            continue
+        chosen, rejected, pair_ids = mpo_loss.pair_layout(host.pair_index, host.is_chosen)
+        s, n = s.cpu(), n.cpu()
+        out.append((pair_ids, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
+    return out
+
+
 class _Rounds:
     """A fixed list of rounds of pair ids as the sampler of mmpr_data.StepLoader: `take` gives the next round (past
     the last one the rounds again, which only a DataLoader's read-ahead asks for)."""
@@ -336,16 +362,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
             loader = iter(mmpr_data.StepLoader(dataset, _Rounds(rounds), n_round, plan, cfg.data.num_workers))
             for _ in rounds:
                 step = train.agreed(functools.partial(next, loader), ctx)  # a DataError of one rank stops every rank
-                for b in train.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"]):
-                    with torch.no_grad():
-                        s, n = train.forward_logprobs(model, b, ctx)
-                    host = pack.host_view(b)
-                    if int(host.pair_index[0]) < 0:  # a dummy bin
-                        continue
-                    chosen, rejected, bin_pairs = mpo_loss.pair_layout(host.pair_index, host.is_chosen)
-                    s, n = s.cpu(), n.cpu()
-                    buffer.setdefault(index_key(index), []).append(
-                        (bin_pairs, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
+                batches = train.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
+                buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
                 done += len(step.pair_ids)
                 now = time.perf_counter()
                 if now - last_flush >= SHARD_SECONDS:

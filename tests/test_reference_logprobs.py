@@ -179,8 +179,13 @@ def _bins(tiny, split, pair_ids):
 def test_stored_values_are_the_online_forwards_and_validation_reads_them(tiny):
     train_stored, val_stored = rl.precompute(tiny.cfg, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(None))
     batches = _bins(tiny, tiny.data.train_split, tiny.data.train_split.pair_ids[:4])
-    for got, want in zip(rl.sums(train_stored, batches, tiny.ctx), rl.sums(tiny.model, batches, tiny.ctx),
-                         strict=True):  # fmt: skip
+    from step_cases import DeviceAudit
+
+    audit = DeviceAudit("cpu", extra_files=[rl.__file__], host=[*batches, SimpleNamespace(host=train_stored)])
+    with audit:  # the lookup reads host data only and makes nothing off the step's device
+        looked_up = rl.sums(train_stored, batches, tiny.ctx)
+    assert audit.calls > 10 and audit.violations == [] and audit.reads == [], (audit.violations, audit.reads)
+    for got, want in zip(looked_up, rl.sums(tiny.model, batches, tiny.ctx), strict=True):
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
 
     import train
