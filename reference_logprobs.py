@@ -239,14 +239,15 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[Path]:
 
 
 def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None] | None:
-    """The stored reference sums of the training and the validation split (None: no validation), computing what is
-    missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is kept).
-    CheckpointError when the folder belongs to another run; `data` is train.Data."""
+    """The stored reference sums of the training and the validation split (None: no validation runs), computing what
+    is missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is
+    kept). CheckpointError when the folder belongs to another run; `data` is train.Data."""
     import train
 
     folder, rank = Path(cfg.checkpoint.dir) / FOLDER, dist.get_rank()
     splits = [(data.train_split.index, data.train_set, data.train_split.pair_ids)]
-    if data.val_split is not None:  # the pairs run_validation reads: its first mpo.val_batches batches
+    validates = data.val_split is not None and bool(cfg.mpo.val_period or cfg.mpo.val_at_end)
+    if validates:  # the pairs run_validation reads: its first mpo.val_batches batches
         n = cfg.mpo.val_batches * cfg.mpo.val_global_batch_size
         splits.append((data.val_split.index, data.val_set, data.val_split.pair_ids[:n]))
     ident = identity(cfg, data.train_split.index, data.val_split.index if data.val_split else None)
@@ -260,6 +261,8 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     damaged = load_shards(folder, tables)
     dist.barrier()  # every rank has read the shards before rank 0 moves the damaged ones aside
     if rank == 0:
+        for tmp in folder.glob(".*.tmp"):  # a write a kill interrupted: never a shard, never read
+            tmp.unlink()
         for path, why in damaged:
             path.rename(path.with_name(path.name + ".damaged"))
             print(f"reference: {path} is damaged ({why}): moved to {path.name}.damaged, its pairs are computed again")
@@ -286,8 +289,8 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
                                              f"the reference pass (e.g. pair {missing[0]})")
     if rank == 0 and not todo:
         print(f"reference: the log-probs of {total} pairs are stored in {folder}; no reference model is built")
-    stored = [Stored(folder, t.sums, t.tokens) for t in tables.values()]
-    return stored[0], (stored[-1] if data.val_split is not None else None)
+    stored = {key: Stored(folder, t.sums, t.tokens) for key, t in tables.items()}
+    return stored[index_key(splits[0][0])], (stored[index_key(splits[-1][0])] if validates else None)
 
 
 def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
