@@ -1,14 +1,18 @@
 """Tests of reference_logprobs.py in process: the shards (round trip, a truncated or changed one refused), the
 manifest (a changed setting named), the config rules, MFU's 6·N, and the reference pass on the tiny model in a world of
 one: stopped after its first round and continued without computing a pair twice, a damaged shard computed again, the
-stored values equal to the online forward's bit for bit, and validation reading them. The tiny run in both modes, with
-a resume, is in tests/test_train.py.
+stored values equal to the online forward's bit for bit, and validation reading them; `python train.py` stopped by
+SIGTERM during the pass and started again. The tiny run in both modes, with a resume, is in tests/test_train.py.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,3 +208,28 @@ def test_stored_values_are_the_online_forwards_and_validation_reads_them(tiny):
 
     with pytest.raises(mmpr_rows.DataError, match="response tokens"):
         rl.sums(wrong, _bins(tiny, val, val.pair_ids), tiny.ctx)
+
+
+def test_a_stop_signal_during_the_pass_keeps_its_shards_and_the_next_start_continues(tmp_path):
+    """SIGTERM while the reference loads (`python train.py`, one rank): the pass scores one round, writes it, exits 0
+    without a step; the next start computes only the rest, then trains."""
+    run_dir = tmp_path / "run"
+    settings = ["reference.logprobs=precomputed", "mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1",
+                "mpo.val_at_end=false"]
+    cmd = [sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *settings]
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the data line: the reference model is built next
+        if line.startswith("data: "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "reference pass: stopped after 4 of 30 pairs (signal)" in out and "step 1/" not in out
+    assert [p.name for p in (run_dir / rl.FOLDER).iterdir() if p.suffix == ".shard"] == ["rank00000-000000.shard"]
+    assert not list(run_dir.glob("step_*")) and not (run_dir / "metrics.jsonl").exists()
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"reference pass: 26 of 30 pairs to compute (4 stored in {run_dir / rl.FOLDER})" in again.stdout
+    assert "stopped after step 2 (max_num_steps)" in again.stdout
