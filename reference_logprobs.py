@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import checkpoint
 import mmpr_data
+import mmpr_rows
 import mpo_loss
 import pack
 
@@ -54,7 +55,7 @@ class ShardError(ValueError):
 # The one question the step asks
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Stored:
     """The stored reference sums of one data index, row = pair id: `sums` [N, 2] float64 (chosen, rejected; NaN not
     computed) and `tokens` [N, 2] int64 (their response tokens; -1 not computed)."""
@@ -74,8 +75,6 @@ class Stored:
     def lookup(self, batch: pack.PackedBatch, device: torch.device) -> torch.Tensor:
         """Reference sums [S] float32 of one microbatch, on `device` (0 for a dummy bin's rows), from the host copy;
         DataError when a row's stored token count is not the batch's (its tokens changed since the pass)."""
-        import mmpr_rows
-
         host = pack.host_view(batch)
         real = host.pair_index >= 0
         rows, col = host.pair_index.clamp_min(0), (~host.is_chosen).long()
@@ -219,8 +218,8 @@ class _Table:
         return [p for p in pair_ids if not done[p]]
 
 
-def load_shards(folder: Path, tables: dict[str, _Table]) -> list[Path]:
-    """Every readable shard of `folder` into `tables` (by index key); returns the damaged shards, not read."""
+def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str]]:
+    """Every readable shard of `folder` into `tables` (by index key); returns the damaged ones (path, why), not read."""
     damaged = []
     for path in sorted(folder.glob("*.shard")):
         try:
