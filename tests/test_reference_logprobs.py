@@ -83,6 +83,16 @@ def test_mfu_counts_6n_per_token_without_the_reference_forward(monkeypatch):
     assert online == 8e12 / (8 * 989e12) and stored == pytest.approx(online * 6 / 8, rel=1e-15)
 
 
+def test_the_plan_counts_no_reference_when_its_sums_are_precomputed():
+    import plan
+
+    for mode, held in (("online", True), ("precomputed", False)):
+        cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.logprobs={mode}"])
+        cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+        [row] = plan.make_plan(cfg).ranks
+        assert (row.reference > 0) == held and row.reference_offloaded == 0 and row.reference_params > 0, mode
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The reference pass on the tiny model, a world of one
 
