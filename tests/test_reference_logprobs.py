@@ -202,7 +202,14 @@ def test_stored_values_are_the_online_forwards_and_validation_reads_them(tiny):
     for got, want in zip(looked_up, rl.sums(tiny.model, batches, tiny.ctx), strict=True):
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
 
+    import pack
     import train
+
+    pair = tiny.data.train_set[tiny.data.train_split.pair_ids[0]]  # a DP rank's dummy bin: its copy of a real pair
+    dummy = pack.pack([pair], 8, tiny.data.ids["image"], tiny.data.ids["pad"], dummy=True)
+    [(pair_ids, scored, _)] = rl.score(tiny.model, [dummy, batches[0]], tiny.ctx)  # the dummy scores nothing
+    assert pair_ids.tolist() == [int(batches[0].pair_index[0])] and torch.equal(scored[0], looked_up[0])
+    assert rl.sums(train_stored, [dummy], tiny.ctx)[0].tolist() == [0.0, 0.0]  # sample_mask 0: never in the loss
 
     val = tiny.data.val_split
     online = train.run_validation(tiny.model, tiny.model, val, tiny.data.val_set, tiny.ctx, 0.0, tiny.data.ids)
