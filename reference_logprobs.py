@@ -241,8 +241,6 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     """The stored reference sums of the training and the validation split (None: no validation runs), computing what
     is missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is
     kept). CheckpointError when the folder belongs to another run; `data` is train.Data."""
-    import train
-
     folder, rank = Path(cfg.checkpoint.dir) / FOLDER, dist.get_rank()
     splits = [(data.train_split.index, data.train_set, data.train_split.pair_ids)]
     validates = data.val_split is not None and bool(cfg.mpo.val_period or cfg.mpo.val_at_end)
@@ -270,7 +268,7 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     total = sum(len(ids) for _, _, ids in splits)
     if todo:
         model = build_reference(cfg, ctx, kernels)
-        finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper, train)
+        finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
         del model  # the policy is built next: memory holds no reference from here on
         gc.collect()
         if ctx.device.type == "cuda":
@@ -310,6 +308,11 @@ def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tenso
     return out
 
 
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
 class _Rounds:
     """A fixed list of rounds of pair ids as the sampler of mmpr_data.StepLoader: `take` gives the next round (past
     the last one the rounds again, which only a DataLoader's read-ahead asks for)."""
@@ -325,12 +328,14 @@ class _Rounds:
         return {}
 
 
-def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stopper, train) -> bool:
+def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stopper) -> bool:
     """The reference pass over `todo` ([(index, dataset, pair ids)]; `ids`: train.Data.ids): rounds of
     policy.train_global_batch_size pairs planned over the DP ranks in the pass's bins, forward without gradients, this
     DP rank's values written to its shards as it goes. False when a stop signal ended it (after writing what is done).
     """
     from megatron.core import parallel_state
+
+    import train
 
     r = cfg.reference
     pk = cfg.packing
@@ -373,9 +378,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
                     last_flush = now
                 if rank == 0 and (now - last_print >= PROGRESS_SECONDS or done == to_do):
                     rate = done / (now - t0)
-                    eta = round((to_do - done) / rate)
-                    print(f"reference pass: {done}/{to_do} pairs, {rate:.2f} pairs/s, eta {eta // 60}m{eta % 60:02d}s",
-                          flush=True)
+                    print(f"reference pass: {done}/{to_do} pairs, {rate:.2f} pairs/s, eta "
+                          f"{_duration((to_do - done) / rate)}", flush=True)
                     last_print = now
                 if stopper.should_stop(ctx.device):
                     flush()
