@@ -28,7 +28,9 @@ Items (each a function `bench_<name>(quick) -> dict`, recorded under its name in
              vision once per pair, megatron DDP + Adam) vs transformers' NemotronH_Omni_Reasoning_V3 with the same
              weights doing the conventional step (each pair a padded [2, L] batch, the image once per row, policy and
              reference forwards, log_softmax+gather, torch Adam). Same step-1 loss to 1e-4 and gradient norm to 1e-4
-             relative (asserted); pairs/s, tokens/s and the speed ratio.
+             relative (asserted); pairs/s, tokens/s and the speed ratio. Also, interleaved with them on the same bins:
+             our step with the reference's sums stored (reference.logprobs = "precomputed": no reference forward; the
+             stored sums equal the forward's, asserted) and the reference pass alone (reference_logprobs.score).
 4b. shared   the shared-prompt pair layout (packing.shared_prompt) vs separate rows, same pairs and bin budget:
              LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step,
              small config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the
@@ -597,11 +599,15 @@ def _torch_adam(params, o) -> torch.optim.Adam:
                             weight_decay=o.weight_decay)
 
 
+STORED_REFERENCE_GOAL = 1.25  # issue 43: the step with stored reference sums, pairs/s over the online step (CPU)
+
+
 def bench_train(quick: bool) -> dict:
     """One optimizer step, ours vs the transformers baseline: step-1 loss and gradient norm equal, pairs/s, tokens/s."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
     import distributed
+    import reference_logprobs
     import train
 
     distributed.init_distributed(device=_device())
@@ -624,13 +630,20 @@ def bench_train(quick: bool) -> dict:
     cfg_packed = copy.deepcopy(cfg)
     cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 rows) in one THD microbatch
 
-    def ours_step(plan_cfg=cfg) -> dict:
-        plan = pack.plan_step(lengths, plan_cfg.packing, 1)
-        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        m, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
-                                             state["shift"])
+    def bins(plan_cfg=cfg) -> list[pack.PackedBatch]:
+        return train.load_bins(pack.plan_step(lengths, plan_cfg.packing, 1), pairs, ctx, ids["image"], ids["pad"])
+
+    def ours_step(plan_cfg=cfg, ref=reference) -> dict:
+        batches = bins(plan_cfg)
+        m, state["shift"] = train.train_step(ddp, ref, optimizer, scheduler, batches, ctx, state["shift"])
         m["microbatches"] = len(batches)
         return m
+
+    # reference.logprobs = "precomputed": the reference pass's values of these pairs, then the step that reads them
+    stored = reference_logprobs.Stored.from_scores(_tmp(), max(pairs) + 1,
+                                                   reference_logprobs.score(reference, bins(), ctx))
+    assert all(torch.equal(a, b) for a, b in zip(reference_logprobs.sums(stored, bins(), ctx),
+                                                 reference_logprobs.sums(reference, bins(), ctx), strict=True))
 
     # -- baseline: transformers, conventional padded per-pair step ---------------------------------------------------
     with no_progress_bars():
@@ -664,8 +677,10 @@ def bench_train(quick: bool) -> dict:
     gn_rel = abs(m_ours["grad_norm"] - m_base["grad_norm"]) / max(m_base["grad_norm"], 1e-12)
     assert gn_rel <= LOSS_TOL, f"train: step-1 grad norm ours {m_ours['grad_norm']} vs baseline {m_base['grad_norm']}"
     t = interleaved_times({"ours": ours_step, "ours_8_per_bin": lambda: ours_step(cfg_packed),
-                           "baseline": base_step}, timed)
+                           "baseline": base_step, "ours_stored_reference": lambda: ours_step(ref=stored),
+                           "reference_pass": lambda: reference_logprobs.score(reference, bins(), ctx)}, timed)
     t_ours, t_base, t_packed = t["ours"]["min"], t["baseline"]["min"], t["ours_8_per_bin"]["min"]
+    t_stored, t_pass = t["ours_stored_reference"]["min"], t["reference_pass"]["min"]
     return {"pairs": n_pairs, "tokens": tokens, "microbatches_ours": m_ours["microbatches"],
             "microbatches_baseline": n_pairs, "loss_ours": m_ours["loss"], "loss_baseline": m_base["loss"],
             "loss_abs_diff": loss_diff, "grad_norm_ours": m_ours["grad_norm"],
@@ -675,7 +690,11 @@ def bench_train(quick: bool) -> dict:
             "tokens_per_s_ours": tokens / t_ours, "tokens_per_s_baseline": tokens / t_base,
             "speed_ratio": t_base / t_ours, "step_s_ours_8_per_bin": t_packed,
             "microbatches_ours_8_per_bin": len(pack.plan_step(lengths, cfg_packed.packing, 1).ranks[0]),
-            "speed_ratio_8_per_bin": t_base / t_packed, "timed_steps": timed, "step_s_median": t}
+            "speed_ratio_8_per_bin": t_base / t_packed, "step_s_stored_reference": t_stored,
+            "pairs_per_s_stored_reference": n_pairs / t_stored, "stored_reference_speed_ratio": t_ours / t_stored,
+            "stored_reference_goal": STORED_REFERENCE_GOAL, "pass_s": t_pass, "pairs_per_s_reference_pass":
+            n_pairs / t_pass, "pass_over_step_speed_ratio": t_ours / t_pass, "timed_steps": timed,
+            "step_s_median": t}
 
 
 # ======================================================================================================================
@@ -729,6 +748,7 @@ def bench_shared(quick: bool) -> dict:
     import dataclasses
 
     import distributed
+    import reference_logprobs
     import train
 
     n_count = 2000 if quick else 10000
@@ -762,7 +782,7 @@ def bench_shared(quick: bool) -> dict:
     def loss(name):  # step-1 loss without an update: the equality check
         c, bs = ctxs[name], batches[name]
         n = train.count_global_pairs(bs, c)
-        ref = train.reference_logprobs(reference, bs, c)
+        ref = reference_logprobs.sums(reference, bs, c)
         return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
 
     loss_sep, loss_shr = loss("separate"), loss("shared")
@@ -984,6 +1004,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     import dataclasses
 
     import monitor
+    import reference_logprobs
     import train
 
     cfg, pairs, ids, want = setup["cfg"], setup["pairs"], setup["ids"], setup["want"]
@@ -1005,8 +1026,8 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     # The noise floor, before any update (policy = reference): a no-grad policy forward leaves the routers' expert-bias
     # counts alone, as the reference's does.
     batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-    ref_a = train.reference_logprobs(reference, batches, ctx)
-    ref_b = train.reference_logprobs(reference, batches, ctx)
+    ref_a = reference_logprobs.sums(reference, batches, ctx)
+    ref_b = reference_logprobs.sums(reference, batches, ctx)
     with torch.no_grad():
         pol = [train.forward_logprobs(ddp, b, ctx)[0] for b in batches]
     noise = dict(noise_ref_repeat_max_abs_diff=_max_abs_diff(ref_a, ref_b),
@@ -1022,7 +1043,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
     batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
     n = train.count_global_pairs(batches, ctx_shared)
-    loss_shared = train.policy_forward_backward(batches, train.reference_logprobs(reference, batches, ctx_shared),
+    loss_shared = train.policy_forward_backward(batches, reference_logprobs.sums(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
     dev_shared = _check_closed_form("shared-prompt", loss_shared, want, tol)
     tokens_shared = sum(int(b.cu_seqlens[-1]) for b in batches)
@@ -1395,7 +1416,7 @@ def profile_regions(policy, optimizer):
     pre_mlp_layernorm and the decoder's final_norm, HybridModel's embedding and output_layer. Calls: mamba_torch's
     causal conv and chunked scan (plain and shared-prompt), the `mamba triton` set's conv and scan, the MoE token
     dispatcher's dispatch_* / token_dispatch and combine_* / token_combine, mpo_loss.packed_sequence_logprobs,
-    train.reference_logprobs (the whole no-grad reference pass: it absorbs every region inside it) and
+    reference_logprobs.sums (the whole no-grad reference pass: it absorbs every region inside it) and
     `optimizer.step`."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mamba_layer import MambaLayer
@@ -1409,7 +1430,7 @@ def profile_regions(policy, optimizer):
     import mamba_torch
     import mamba_triton
     import mpo_loss
-    import train
+    import reference_logprobs
 
     handles, undo, missing = [], [], object()
 
@@ -1480,7 +1501,7 @@ def profile_regions(policy, optimizer):
     if triton_set is not None:
         on_call(_ItemAccess(triton_set), "scan_fn", "Mamba scan")
     on_call(mpo_loss, "packed_sequence_logprobs", "LM head + fused log-probs")
-    on_call(train, "reference_logprobs", "reference forward")
+    on_call(reference_logprobs, "sums", "reference forward")
     on_call(optimizer, "step", "optimizer step")
     try:
         yield
@@ -1958,6 +1979,14 @@ def table(res: dict) -> str:
             ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",
              f"diff {t['loss_abs_diff']:.1e}"),
         ]
+        if "pairs_per_s_stored_reference" in t:  # results recorded before issue 43 have no such rows
+            rows += [
+                ("stored reference log-probs vs reference forward", f"MPO step pairs/s ({t['pairs']} pairs, same bins)",
+                 f"{t['pairs_per_s_stored_reference']:.2f}", f"{t['pairs_per_s_ours']:.2f}",
+                 f"{t['stored_reference_speed_ratio']:.2f}x the speed (goal {t['stored_reference_goal']}x)"),
+                ("reference pass vs MPO step", "pairs/s (same bins)", f"{t['pairs_per_s_reference_pass']:.2f}",
+                 f"{t['pairs_per_s_ours']:.2f}", f"{t['pass_over_step_speed_ratio']:.2f}x the speed"),
+            ]
     if "shared" in res:
         sh = res["shared"]
         rows += [

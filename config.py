@@ -111,6 +111,12 @@ class PolicyConfig:
 @dataclass
 class ReferenceConfig:
     offload: bool = False  # keep the frozen reference model on CPU between its forward passes (GPU only; a note on CPU)
+    # where the reference's log-prob sums come from: "online", a frozen reference model's forward in every step;
+    # "precomputed", one reference pass over every training and validation pair at the start of the job, stored in
+    # <checkpoint.dir>/reference_logprobs/ (reference_logprobs.py), and no reference model in training
+    logprobs: Literal["online", "precomputed"] = "online"
+    max_tokens_per_bin: int = 0  # tokens per bin of the reference pass; 0 = packing.max_tokens_per_bin (>= it)
+    max_sequences_per_bin: int = 0  # pairs per bin of the reference pass; 0 = packing.max_sequences_per_bin
 
 
 @dataclass
@@ -397,7 +403,8 @@ def validate(cfg: Config) -> None:
                     "data.train.split_validation_size", "checkpoint.save_period", "checkpoint.keep_last",
                     "mpo.val_period", "scheduler.lr_warmup_steps", "optimizer.lr", "optimizer.min_lr",
                     "optimizer.weight_decay", "optimizer.clip_grad", "scheduler.lr_warmup_init",
-                    "model.moe_router_bias_update_rate")
+                    "model.moe_router_bias_update_rate", "reference.max_tokens_per_bin",
+                    "reference.max_sequences_per_bin")
     for k in non_negative:
         if get_dotted(cfg, k) < 0:
             raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 0")
@@ -412,6 +419,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.moe_router_load_balancing_type == "seq_aux_loss":
         raise ConfigError("model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported (megatron-core "
                           "takes a packed row as one sequence); use 'aux_loss' or 'none'")
+    validate_reference(cfg)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr = {opt.min_lr} must be <= optimizer.lr = {opt.lr}")
     for k in ("adam_beta1", "adam_beta2"):
@@ -421,6 +429,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.adam_eps = {opt.adam_eps} must be > 0 and at least 1.2e-38 (the smallest "
                           "normal float32), e.g. 1e-8")
     validate_schedule(cfg)
+
+
+def validate_reference(cfg: Config) -> None:
+    """The reference section's rules across sections: the pass's bins hold any training bin; offload is online-only."""
+    r, bin_tokens = cfg.reference, cfg.packing.max_tokens_per_bin
+    if r.logprobs == "precomputed" and r.offload:
+        raise ConfigError("reference.offload = true with reference.logprobs = 'precomputed': training holds no "
+                          "reference model to offload (the reference pass holds only the reference); set one of them")
+    if 0 < r.max_tokens_per_bin < bin_tokens:
+        raise ConfigError(f"reference.max_tokens_per_bin = {r.max_tokens_per_bin} must be >= "
+                          f"packing.max_tokens_per_bin = {bin_tokens} (the pass holds no policy, gradients or "
+                          "optimizer state), or 0 for the same")
 
 
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here

@@ -209,10 +209,11 @@ def global_tokens(batches, dp_group, device: torch.device) -> int:
     return int(tokens.item())
 
 
-def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int) -> dict:
+def speed_metrics(tokens: int, seconds: float, pairs: int, n_active: int, world: int,
+                  reference_forward: bool = True) -> dict:
     """A step's throughput metrics: tokens (`global_tokens`), step_time (s), pairs_per_s, tokens_per_s, mfu."""
     return {"tokens": tokens, "step_time": seconds, "pairs_per_s": pairs / seconds, "tokens_per_s": tokens / seconds,
-            "mfu": mfu(tokens, seconds, n_active, world)}
+            "mfu": mfu(tokens, seconds, n_active, world, reference_forward)}
 
 
 def active_params(model, hf) -> int:
@@ -242,13 +243,15 @@ def active_params(model, hf) -> int:
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12}  # dense, per GPU
 
 
-def mfu(tokens: int, seconds: float, n_active: int, world: int) -> float | None:
-    """MFU: 8·N·tokens (policy fwd+bwd, ref fwd) / (seconds · world · peak bf16), N = `active_params`; None on CPU."""
+def mfu(tokens: int, seconds: float, n_active: int, world: int, reference_forward: bool = True) -> float | None:
+    """MFU: 8·N·tokens (policy fwd+bwd, ref fwd; 6·N with reference.logprobs = "precomputed": no reference forward)
+    / (seconds · world · peak bf16), N = `active_params`; None on CPU."""
     if not torch.cuda.is_available() or seconds <= 0:
         return None
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    return None if peak is None else 8.0 * n_active * tokens / (seconds * world * peak)
+    flops_per_token = (8.0 if reference_forward else 6.0) * n_active
+    return None if peak is None else flops_per_token * tokens / (seconds * world * peak)
 
 
 def wandb_failed(cfg, e: Exception) -> str:

@@ -277,7 +277,7 @@ class RankPlan:
     grads: int
     master: int
     moments: int
-    reference: int  # 0 with reference.offload
+    reference: int  # 0 with reference.offload or reference.logprobs = "precomputed"
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
     grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
 
@@ -408,7 +408,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
             row = RankPlan(ranks=[rank], params=total, params_active=active,
                            reference_params=sum(p.numel() for p in reference.parameters()),
                            weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
-                           reference=0 if cfg.reference.offload else ref,
+                           reference=0 if cfg.reference.offload or cfg.reference.logprobs == "precomputed" else ref,
                            reference_offloaded=ref if cfg.reference.offload else 0,
                            grads_copy=0 if fp32_grads else master)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)

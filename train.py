@@ -4,10 +4,11 @@
     torchrun --standalone --nproc-per-node 8 train.py configs/nano.toml \
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
-`main(cfg)` runs the job in sections: config, distributed init, data, model, optimizer, resume, loop, teardown.
-One optimizer step (the loop's body): load this DP rank's bins (`load_bins`), then `train_step`: count the step's
-valid pairs (`count_global_pairs`), reference forward, policy forward + MPO loss + backward per microbatch, DP
-gradient sum, `check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device`
+`main(cfg)` runs the job in sections: config, distributed init, data, reference, policy, optimizer, resume, loop,
+teardown. One optimizer step (the loop's body): load this DP rank's bins (`load_bins`), then `train_step`: count the
+step's valid pairs (`count_global_pairs`), the reference's sums (reference_logprobs.py: its forward, or the values
+its pass stored at start), policy forward + MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam
+and LR step, δ update. Every tensor a step touches lives on `Ctx.device`
 (docs/DESIGN.md). Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`,
 `mpo.stop_after_step` or a stop signal (save, exit 0) and resumes from its run directory.
 Tests: `pytest tests/test_train.py`.
@@ -38,6 +39,7 @@ def _interrupted_while_importing(signum, frame) -> None:  # Ctrl-C in the import
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+    sys.modules.setdefault("train", sys.modules["__main__"])  # reference_logprobs' `import train` finds this module
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -58,6 +60,7 @@ import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
 import pack  # noqa: E402
 import preflight  # noqa: E402
+import reference_logprobs  # noqa: E402
 import shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
@@ -97,8 +100,18 @@ def main(cfg) -> int:
     # -- data -------------------------------------------------------------------------------------------------------
     data = load_data(cfg, hf, rank)
 
-    # -- policy and frozen reference (same initial weights) ---------------------------------------------------------
-    policy, reference = build_policy_and_reference(cfg, ctx, kernels)
+    # -- the frozen reference: a model beside the policy, or its log-probs computed once before it (the pass) -------
+    if cfg.reference.logprobs == "precomputed":  # the pass holds only the reference, freed before the policy is built
+        stored = reference_logprobs.precompute(cfg, ctx, kernels, data, stopper)
+        if stored is None:  # a stop signal during the pass: its shards are kept, the next start continues
+            log.finish()
+            return 0
+        ref_train, ref_val = stored
+    else:
+        ref_train = ref_val = reference_logprobs.build_reference(cfg, ctx, kernels)
+
+    # -- policy (the reference's initial weights) -------------------------------------------------------------------
+    policy = build_from_hf(cfg, kernels)
     n_active = monitor.active_params(policy, hf)
 
     # -- optimizer: megatron DDP + (distributed) Adam, LR schedule --------------------------------------------------
@@ -125,11 +138,12 @@ def main(cfg) -> int:
             t0 = time.perf_counter()
             step_data = agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
             batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-            metrics, new_shift = train_step(ddp, reference, optimizer, scheduler, batches, ctx, run["reward_shift"])
+            metrics, new_shift = train_step(ddp, ref_train, optimizer, scheduler, batches, ctx, run["reward_shift"])
             advance_run_state(run, step_data, metrics, new_shift)
             step = run["step"]
             tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
-            metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world))
+            metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world,
+                                                 reference_forward=cfg.reference.logprobs == "online"))
             metrics.update(dropped_oversized=data.train_split.dropped_oversized, consumed_pairs=run["consumed_pairs"],
                            eta_s=(time.perf_counter() - t_start) / (step - start) * (last - step))
             log.log(step, metrics)
@@ -137,7 +151,7 @@ def main(cfg) -> int:
             at_end = step >= cfg.mpo.max_num_steps
             if data.val_split is not None and (cfg.mpo.val_period and step % cfg.mpo.val_period == 0
                                                or at_end and cfg.mpo.val_at_end):
-                vm = run_validation(ddp, reference, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+                vm = run_validation(ddp, ref_val, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
                 log.log(step, vm, split="validation")
                 monitor.print_validation(step, vm, rank)
             stop = stopper.should_stop(ctx.device)
@@ -198,19 +212,11 @@ def load_data(cfg, hf, rank: int) -> Data:
                 ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
 
 
-def build_policy_and_reference(cfg, ctx: Ctx, kernels: kernel_selection.Kernels):
-    """(policy, frozen reference) from model.hf_path on `kernels` (the printed line); the reference first, off the
-    GPU with `reference.offload`."""
-
-    def build():
-        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
-        hf_weights.load_hf_weights(model, cfg.model.hf_path)
-        return model
-
-    reference = build().eval().requires_grad_(False)
-    if cfg.reference.offload and ctx.device.type == "cuda":
-        reference.to("cpu")
-    return build(), reference
+def build_from_hf(cfg, kernels: kernel_selection.Kernels):
+    """The model of model.hf_path with its weights, on `kernels` (the printed line): the policy, or the reference."""
+    model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
+    hf_weights.load_hf_weights(model, cfg.model.hf_path)
+    return model
 
 
 def build_scheduler(optimizer, cfg):
@@ -375,18 +381,6 @@ def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     return int(n.item())
 
 
-def reference_logprobs(reference, batches: list[pack.PackedBatch], ctx: Ctx) -> list[torch.Tensor]:
-    """Reference log-prob sums [S] of every microbatch (no grad; with `reference.offload` it visits the GPU here)."""
-    offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
-    if offload:
-        reference.to(ctx.device)
-    with torch.no_grad():
-        out = [forward_logprobs(reference, b, ctx)[0] for b in batches]
-    if offload:
-        reference.to("cpu")
-    return out
-
-
 def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int,
                             backward: bool, read: bool = True):
     """Policy forward + MPO loss per microbatch, and its backward when `backward` (gradients accumulate in megatron
@@ -409,14 +403,15 @@ def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shif
 
 def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_shift: float):
     """One optimizer step over this rank's microbatches; returns (the step's metrics over all DP ranks, the new δ).
-    The device is read twice: the pair count and the metrics after the update."""
+    `reference`: the frozen model or the stored sums (reference_logprobs.sums). The device is read twice: the pair
+    count and the metrics after the update."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     num_global_pairs = count_global_pairs(batches, ctx)
-    ref = reference_logprobs(reference, batches, ctx)
+    ref = reference_logprobs.sums(reference, batches, ctx)
     # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1.0 / (len(batches) * ctx.dp * ctx.cp), device=ctx.device))
@@ -453,7 +448,7 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
         pairs = agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
         batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
-        ref = reference_logprobs(reference, batches, ctx)
+        ref = reference_logprobs.sums(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
         m = mpo_loss.reduce_metrics(local, ctx.dp_group, ctx.device)
         for k, v in m.items():

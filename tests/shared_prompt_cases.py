@@ -55,11 +55,12 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
     """Pack `bins` (lists of pairs) in one layout (pack.pack or shared_prompt.pack), then what train.train_step does
-    before its gradient reduction: count_global_pairs, reference_logprobs (the same model, no grad), the policy's
+    before its gradient reduction: count_global_pairs, reference_logprobs.sums (the same model, no grad), the policy's
     forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
     bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad})
     and tokens (packed real tokens, cu_seqlens[-1] summed)."""
     import pack
+    import reference_logprobs
     import shared_prompt
     import train
 
@@ -69,7 +70,7 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
         assert b.shared_prompt == shared
     model.zero_grad(set_to_none=True)
     n_pairs = train.count_global_pairs(batches, ctx)
-    ref = train.reference_logprobs(model, batches, ctx)
+    ref = reference_logprobs.sums(model, batches, ctx)
     logprobs, counts = [], []
     with torch.no_grad():
         for b in batches:

@@ -8,6 +8,9 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
     shared   the README command with packing.shared_prompt=auto (the shared-prompt layout on the CPU)
     bias_off both layouts with model.moe_router_bias_update_rate=0: the same training, step for step
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
+    precomp  the README command with reference.logprobs=precomputed: stop_after_step=2 (the reference pass, 2 steps),
+             then the rest (no pass, no reference model); every number equals the README run's (and the tp2 run's
+             config with it: the pass on TP = 2, the same numbers as tp2)
     learn    DP = 2, lr 1e-3, 20 steps (loss goes down); its first steps are the DP = 2 reference
     tp2      TP = 2 (+ sequence parallel), the learn config, 3 steps
     tp1      `python train.py` (a world of one), the learn config, stopped by SIGUSR1 after step 3 is logged
@@ -911,17 +914,29 @@ def segments(train_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def precomputed(train_run, tmp_path_factory):
+    """The README command with reference.logprobs=precomputed, in two segments (steps 1-2 after the pass, 3-6)."""
+    run_dir = tmp_path_factory.mktemp("precomputed")
+    first = train_run(2, run_dir, "reference.logprobs=precomputed", "mpo.stop_after_step=2")
+    second = train_run(2, run_dir, "reference.logprobs=precomputed")
+    return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, rows=_rows(run_dir),
+                           val=_rows(run_dir, "validation"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def learn(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn")
     train_run(2, run_dir, *LEARN, "checkpoint.save_period=3", "checkpoint.keep_last=0")  # step_3: DP = 2 state
     return SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
 
 
+TP2 = [*LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "mpo.stop_after_step=3"]
+
+
 @pytest.fixture(scope="module")
 def tp2(train_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp2")
-    train_run(2, run_dir, *LEARN, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-              "mpo.stop_after_step=3")  # fmt: skip
+    train_run(2, run_dir, *TP2)
     return _rows(run_dir)
 
 
@@ -1439,6 +1454,26 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
         assert s1[k] == s2[k], k
 
 
+def test_precomputed_reference_logprobs_train_as_the_online_reference_bit_for_bit(readme, precomputed):
+    """Issue 43 item 1: the reference pass scores the same bins (one pair each) with the same forward, so the stored
+    sums are the online ones and every metric of every step, validation included, is the README run's (the golden
+    trace, step 1 at w_p ln 2 + w_q 2 ln 2), across a resume after step 2; the second segment builds no reference."""
+    r = precomputed.rows[0]
+    assert (r["preference_loss"], r["bco_loss"], r["rewards/margin"]) == (pytest.approx(math.log(2), abs=1e-6),
+                                                                          pytest.approx(2 * math.log(2), abs=1e-6), 0.0)
+    assert golden_mismatches(precomputed, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
+    for a, b in zip(readme.rows + readme.val, precomputed.rows + precomputed.val, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {k: v for k, v in b.items()
+                                                                        if k not in TIMING_KEYS}, a["step"]
+    straight, resumed = _loaded_state(readme.dir / "step_6"), _loaded_state(precomputed.dir / "step_6")
+    for (k, a), (_, b) in zip(straight, resumed, strict=True):
+        assert torch.equal(a, b), k
+    assert "reference pass: 34 of 34 pairs to compute" in precomputed.first
+    assert "stopped after step 2 (stop_after_step)" in precomputed.first
+    assert "reference: the log-probs of 34 pairs are stored in" in precomputed.second
+    assert "reference pass" not in precomputed.second
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Learning, parallel layouts, signals
 
@@ -1463,6 +1498,17 @@ def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
     # the state after step 3, the routers' expert bias (a buffer) included: DP = 2 as DP = 1 (issue 13.1)
     _assert_same_state(_loaded_state(tp1_signal.dir / "step_3", *LEARN), _loaded_state(learn.dir / "step_3", *LEARN),
                        "DP=2", atol=PARAM_ATOL_AFTER_3_STEPS)
+
+
+def test_the_reference_pass_runs_on_the_training_layout(train_run, tmp_path, tp2):
+    """TP = 2 with sequence parallelism: the pass scores the step's bins on both TP ranks, TP rank 0 alone writes
+    them, and the 3 steps are the online run's bit for bit."""
+    train_run(2, tmp_path, *TP2, "reference.logprobs=precomputed")
+    for a, b in zip(tp2, _rows(tmp_path), strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {k: v for k, v in b.items()
+                                                                        if k not in TIMING_KEYS}, a["step"]
+    assert sorted(p.name for p in (tmp_path / "reference_logprobs").iterdir()) == ["manifest.json",
+                                                                                    "rank00000-000000.shard"]
 
 
 def _assert_same_state(a: list, b: list, what: str, atol: float = 1e-7) -> None:

@@ -1,0 +1,393 @@
+"""The frozen reference's log-prob sums: a reference model's forward in every step, or computed once and stored.
+
+`reference.logprobs = "online"`: `build_reference` loads a frozen copy of model.hf_path beside the policy and `sums`
+runs it on each microbatch before the policy. `"precomputed"`: `precompute` runs the reference once over every
+training and validation pair at the start of the job (the reference pass: data-parallel on the training layout, no
+gradients, no policy or optimizer in memory, bins of `reference.max_tokens_per_bin`), writes each pair's sums as it
+goes, frees the model, and `sums` looks the values up: training builds no reference model. Either way the step asks
+`sums(reference, batches, ctx)`.
+
+    <checkpoint.dir>/reference_logprobs/
+        manifest.json          what the values belong to (`identity`): another model, data index or dtype is refused
+        rank<r>-<n>.shard      pairs computed by global rank r: one JSON header line (bytes, sha256), then torch.save of
+                               {index key: {"pair_ids" [n] int64, "sums" [n, 2] float64, "tokens" [n, 2] int64}}
+
+Column 0 is the chosen response, 1 the rejected one; `sums` are Σ_t log π_ref over the response tokens (the fp32
+values of the forward, held exactly in float64), `tokens` their count. A shard is written under a temporary name and
+renamed, so a stop or a kill never leaves half of one; a damaged shard is moved aside and its pairs computed again.
+A stop signal during the pass keeps the shards written (the next start continues). Tests:
+tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import hashlib
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import mmpr_data
+import mmpr_rows
+import mpo_loss
+import pack
+
+FOLDER = "reference_logprobs"
+MANIFEST = "manifest.json"
+FORMAT = 1  # the shard and manifest layout above
+SHARD_SECONDS = 60.0  # a rank writes its computed pairs at least this often (wall seconds): what a kill -9 loses
+PROGRESS_SECONDS = 30.0  # rank 0 prints a progress line at most this often
+
+
+class ShardError(ValueError):
+    """A shard that cannot be read back whole: truncated, failing its checksum, or not a shard."""
+
+
+# ======================================================================================================================
+# The one question the step asks
+
+
+@dataclasses.dataclass(eq=False)
+class Stored:
+    """The stored reference sums of one data index, row = pair id: `sums` [N, 2] float64 (chosen, rejected; NaN not
+    computed) and `tokens` [N, 2] int64 (their response tokens; -1 not computed)."""
+
+    folder: Path
+    sums: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def from_scores(cls, folder: Path, num_pairs: int, scores: list) -> Stored:
+        """The values of `score`'s output for pair ids in [0, num_pairs) (what bench.py times without shards)."""
+        table = _Table.empty(num_pairs)
+        for pair_ids, s, n in scores:
+            table.put(pair_ids, s, n)
+        return cls(Path(folder), table.sums, table.tokens)
+
+    def lookup(self, batch: pack.PackedBatch, device: torch.device) -> torch.Tensor:
+        """Reference sums [S] float32 of one microbatch, on `device` (0 for a dummy bin's rows), from the host copy;
+        DataError when a row's stored token count is not the batch's (its tokens changed since the pass)."""
+        host = pack.host_view(batch)
+        real = host.pair_index >= 0
+        rows, col = host.pair_index.clamp_min(0), (~host.is_chosen).long()
+        tokens = mpo_loss.sequence_sums(host.loss_mask[0].long(), host.loss_seq_ids(), host.num_responses)
+        stored = torch.where(real, self.tokens[rows, col], tokens)
+        if not torch.equal(stored, tokens):
+            s = int((stored != tokens).nonzero()[0, 0])
+            raise mmpr_rows.DataError(
+                f"the stored reference log-probs of pair {int(host.pair_index[s])} in {self.folder} cover "
+                f"{int(stored[s])} response tokens, the pair has {int(tokens[s])} now (a file changed since the "
+                "reference pass): remove that folder to compute them again")
+        return pack.to_device(torch.where(real, self.sums[rows, col], 0.0).to(torch.float32), device)
+
+
+def sums(reference, batches: list[pack.PackedBatch], ctx) -> list[torch.Tensor]:
+    """The reference log-prob sums [S] (fp32, on ctx.device) of every microbatch: looked up when `reference` is
+    `Stored`, else the frozen model's forward without gradients (with `reference.offload` it visits the GPU here)."""
+    if isinstance(reference, Stored):
+        return [reference.lookup(b, ctx.device) for b in batches]
+    import train
+
+    offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
+    if offload:
+        reference.to(ctx.device)
+    with torch.no_grad():
+        out = [train.forward_logprobs(reference, b, ctx)[0] for b in batches]
+    if offload:
+        reference.to("cpu")
+    return out
+
+
+def build_reference(cfg, ctx, kernels):
+    """The frozen reference model from model.hf_path on `kernels` (eval, no gradients); on the CPU between its passes
+    with `reference.offload` on a GPU."""
+    import train
+
+    model = train.build_from_hf(cfg, kernels).eval().requires_grad_(False)
+    if cfg.reference.offload and ctx.device.type == "cuda":
+        model.to("cpu")
+    return model
+
+
+# ======================================================================================================================
+# The stored values: identity, manifest, shards
+
+
+def identity(cfg, train_index, val_index) -> dict:
+    """What the stored values belong to, by setting: the model's files (checkpoint.model_files), the parameter dtype,
+    the Mamba time-step clamp, and each data index's fingerprint (its files, the processor and chat template, and
+    the data settings that change tokens: data.max_seq_length, named apart too)."""
+    out = {"model.hf_path files": checkpoint.model_files(cfg.model.hf_path),
+           "model.params_dtype": cfg.model.params_dtype, "model.mamba_dt_clamp": cfg.model.mamba_dt_clamp,
+           "data.max_seq_length": cfg.data.max_seq_length,
+           "data index of data.train.data_path": train_index.fingerprint}  # fmt: skip
+    if val_index is not None and val_index is not train_index:
+        out["data index of data.validation.data_path"] = val_index.fingerprint
+    return out
+
+
+def index_key(index) -> str:
+    """The key of a data index's values in a shard: its fingerprint's first 16 hex digits."""
+    return index.fingerprint[:16]
+
+
+def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
+    """Rank 0: compare `folder`'s manifest with `ident` (written when the folder holds none); the refusal, or None."""
+    path = folder / MANIFEST
+    if not path.exists():
+        if any(folder.glob("*.shard")):
+            return f"{folder} holds shards but no {MANIFEST}: what they belong to is unknown"
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, (json.dumps({"format": FORMAT, "identity": ident, "info": info}, indent=1) + "\n").encode())
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        saved_ident = saved["identity"]
+        assert saved["format"] == FORMAT and isinstance(saved_ident, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        return f"{path} cannot be read ({type(e).__name__}: {e})"
+    differ = [f"{k} {saved_ident.get(k)!r} -> {v!r}" for k, v in ident.items() if saved_ident.get(k) != v]
+    differ += [f"{k} {v!r} -> None" for k, v in saved_ident.items() if k not in ident]
+    return f"{folder} holds the reference log-probs of another run ({'; '.join(differ)})" if differ else None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temporary name in the same folder, renamed once complete (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path: Path, values: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One shard (the module docstring's layout) at `path`, atomically."""
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    payload = buf.getvalue()
+    header = {"format": FORMAT, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    _write_atomic(path, json.dumps(header).encode() + b"\n" + payload)
+
+
+def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The values of the shard at `path`, checked whole against its header; ShardError saying why not."""
+    data = path.read_bytes()
+    head, _, payload = data.partition(b"\n")
+    try:
+        header = json.loads(head)
+        size, digest = int(header["bytes"]), str(header["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise ShardError("no shard header") from None
+    if len(payload) != size:
+        raise ShardError(f"truncated: {len(payload)} of {size} bytes")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise ShardError("its content differs from its checksum")
+    values = torch.load(io.BytesIO(payload), weights_only=True)
+    for v in values.values():
+        n = v["pair_ids"].numel()
+        assert v["sums"].shape == v["tokens"].shape == (n, 2), f"{path}: shapes {v['sums'].shape} for {n} pairs"
+    return values
+
+
+@dataclasses.dataclass
+class _Table:
+    """One data index's values while they are gathered: rows = pair ids (see `Stored`)."""
+
+    sums: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_pairs: int) -> _Table:
+        return cls(torch.full((num_pairs, 2), float("nan"), dtype=torch.float64),
+                   torch.full((num_pairs, 2), -1, dtype=torch.int64))
+
+    def put(self, pair_ids: torch.Tensor, sums: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.sums[pair_ids], self.tokens[pair_ids] = sums.double(), tokens.long()
+
+    def missing(self, pair_ids: list[int]) -> list[int]:
+        done = (self.tokens[:, 0] >= 0).tolist()
+        return [p for p in pair_ids if not done[p]]
+
+
+def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str]]:
+    """Every readable shard of `folder` into `tables` (by index key); returns the damaged ones (path, why), not read."""
+    damaged = []
+    for path in sorted(folder.glob("*.shard")):
+        try:
+            values = read_shard(path)
+        except (ShardError, OSError, RuntimeError, AssertionError) as e:  # RuntimeError, AssertionError: torch.load's
+            damaged.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            continue
+        for key, v in values.items():
+            if key in tables:  # the manifest names the indexes; another index's values are not this run's
+                tables[key].put(v["pair_ids"], v["sums"], v["tokens"])
+    return damaged
+
+
+# ======================================================================================================================
+# The reference pass
+
+
+def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None] | None:
+    """The stored reference sums of the training and the validation split (None: no validation runs), computing what
+    is missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is
+    kept). CheckpointError when the folder belongs to another run; `data` is train.Data."""
+    folder, rank = Path(cfg.checkpoint.dir) / FOLDER, dist.get_rank()
+    splits = [(data.train_split.index, data.train_set, data.train_split.pair_ids)]
+    validates = data.val_split is not None and bool(cfg.mpo.val_period or cfg.mpo.val_at_end)
+    if validates:  # the pairs run_validation reads: its first mpo.val_batches batches
+        n = cfg.mpo.val_batches * cfg.mpo.val_global_batch_size
+        splits.append((data.val_split.index, data.val_set, data.val_split.pair_ids[:n]))
+    ident = identity(cfg, data.train_split.index, data.val_split.index if data.val_split else None)
+    info = {"kernels": kernels.line(), "packing.shared_prompt": cfg.packing.shared_prompt,
+            "parallel": dataclasses.asdict(cfg.parallel)}
+    refused = check_manifest(folder, ident, info) if rank == 0 else None
+    if refused := checkpoint.from_rank0(refused):
+        raise checkpoint.CheckpointError(f"{refused}: remove {folder} to compute them again for this run, or set "
+                                         "reference.logprobs=online")
+    tables = {index_key(index): _Table.empty(len(index)) for index, _, _ in splits}
+    damaged = load_shards(folder, tables)
+    dist.barrier()  # every rank has read the shards before rank 0 moves the damaged ones aside
+    if rank == 0:
+        for tmp in folder.glob(".*.tmp"):  # a write a kill interrupted: never a shard, never read
+            tmp.unlink()
+        for path, why in damaged:
+            path.rename(path.with_name(path.name + ".damaged"))
+            print(f"reference: {path} is damaged ({why}): moved to {path.name}.damaged, its pairs are computed again")
+    todo = [(index, dataset, missing) for index, dataset, ids in splits
+            if (missing := tables[index_key(index)].missing(ids))]
+    total = sum(len(ids) for _, _, ids in splits)
+    if todo:
+        model = build_reference(cfg, ctx, kernels)
+        finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
+        del model  # the policy is built next: memory holds no reference from here on
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not finished:
+            return None
+        tables = {key: _Table.empty(t.sums.shape[0]) for key, t in tables.items()}  # every rank's shards, read back
+        dist.barrier()  # every rank's shards are written
+        if damaged := load_shards(folder, tables):
+            raise checkpoint.CheckpointError(f"{damaged[0][0]} was written by this pass and reads back damaged "
+                                             f"({damaged[0][1]}): the file system does not keep what is written")
+    for index, _, ids in splits:
+        if missing := tables[index_key(index)].missing(ids):
+            raise checkpoint.CheckpointError(f"{folder} lacks the reference log-probs of {len(missing)} pairs after "
+                                             f"the reference pass (e.g. pair {missing[0]})")
+    if rank == 0 and not todo:
+        print(f"reference: the log-probs of {total} pairs are stored in {folder}; no reference model is built")
+    stored = {key: Stored(folder, t.sums, t.tokens) for key, t in tables.items()}
+    return stored[index_key(splits[0][0])], (stored[index_key(splits[-1][0])] if validates else None)
+
+
+def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The reference pass's work on this rank's microbatches: per non-dummy bin (its pair ids [P] int64 ascending,
+    sums [P, 2] fp32 and response-token counts [P, 2] int64, chosen then rejected), on the CPU; no gradients."""
+    import train
+
+    out = []
+    for b in batches:
+        with torch.no_grad():
+            s, n = train.forward_logprobs(model, b, ctx)
+        host = pack.host_view(b)
+        if int(host.pair_index[0]) < 0:  # a dummy bin: its pair is scored where it is real
+            continue
+        chosen, rejected, pair_ids = mpo_loss.pair_layout(host.pair_index, host.is_chosen)
+        s, n = s.cpu(), n.cpu()
+        out.append((pair_ids, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
+    return out
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+class _Rounds:
+    """A fixed list of rounds of pair ids as the sampler of mmpr_data.StepLoader: `take` gives the next round (past
+    the last one the rounds again, which only a DataLoader's read-ahead asks for)."""
+
+    def __init__(self, rounds: list[list[int]]):
+        self.rounds, self.taken = rounds, 0
+
+    def take(self, n: int) -> list[int]:
+        self.taken += 1
+        return self.rounds[(self.taken - 1) % len(self.rounds)]
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stopper) -> bool:
+    """The reference pass over `todo` ([(index, dataset, pair ids)]; `ids`: train.Data.ids): rounds of
+    policy.train_global_batch_size pairs planned over the DP ranks in the pass's bins, forward without gradients, this
+    DP rank's values written to its shards as it goes. False when a stop signal ended it (after writing what is done).
+    """
+    from megatron.core import parallel_state
+
+    import train
+
+    r = cfg.reference
+    pk = cfg.packing
+    packing = dataclasses.replace(pk, max_tokens_per_bin=r.max_tokens_per_bin or pk.max_tokens_per_bin,
+                                  max_sequences_per_bin=r.max_sequences_per_bin or pk.max_sequences_per_bin)
+    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and ctx.cp_rank == 0  # one copy per DP rank
+    rank, n_round = dist.get_rank(), cfg.policy.train_global_batch_size
+    numbers = [int(p.name.split("-")[1].split(".")[0]) for p in folder.glob(f"rank{rank:05d}-*.shard*")]
+    shard = iter(range(max(numbers, default=-1) + 1, 1 << 62))
+    buffer: dict[str, list] = {}
+    to_do = sum(len(p) for _, _, p in todo)
+    if rank == 0:
+        print(f"reference pass: {to_do} of {total} pairs to compute ({total - to_do} stored in {folder}), bins of "
+              f"{packing.max_tokens_per_bin} tokens")
+
+    def flush() -> None:
+        if writer and buffer:
+            values = {k: {"pair_ids": torch.cat([b[0] for b in v]), "sums": torch.cat([b[1] for b in v]),
+                          "tokens": torch.cat([b[2] for b in v])} for k, v in buffer.items()}  # fmt: skip
+            write_shard(folder / f"rank{rank:05d}-{next(shard):06d}.shard", values)
+        buffer.clear()
+
+    done, t0, last_flush, last_print = 0, time.perf_counter(), time.perf_counter(), 0.0
+    try:
+        for index, dataset, pair_ids in todo:
+            def plan(round_ids, index=index):
+                p = pack.plan_step(index.lengths(round_ids), packing, ctx.dp, index.shared_lengths(round_ids))
+                return p, [q for b in p.ranks[ctx.dp_rank] for q in b.pair_ids]
+
+            rounds = [pair_ids[i : i + n_round] for i in range(0, len(pair_ids), n_round)]
+            loader = iter(mmpr_data.StepLoader(dataset, _Rounds(rounds), n_round, plan, cfg.data.num_workers))
+            for _ in rounds:
+                step = train.agreed(functools.partial(next, loader), ctx)  # a DataError of one rank stops every rank
+                batches = train.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
+                buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
+                done += len(step.pair_ids)
+                now = time.perf_counter()
+                if now - last_flush >= SHARD_SECONDS:
+                    flush()
+                    last_flush = now
+                if rank == 0 and (now - last_print >= PROGRESS_SECONDS or done == to_do):
+                    rate = done / (now - t0)
+                    print(f"reference pass: {done}/{to_do} pairs, {rate:.2f} pairs/s, eta "
+                          f"{_duration((to_do - done) / rate)}", flush=True)
+                    last_print = now
+                if stopper.should_stop(ctx.device):
+                    flush()
+                    if rank == 0:
+                        print(f"reference pass: stopped after {done} of {to_do} pairs (signal); stored in {folder}, "
+                              "the next start continues from there", flush=True)
+                    return False
+            del loader  # its DataLoader workers stop here
+    finally:
+        flush()  # what is computed is kept, whatever ends the pass (a DataError, a bug)
+    return True
