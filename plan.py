@@ -214,11 +214,20 @@ class ActivationModel:
     cp: int
     input_bytes: float  # bytes per rank-token of a layer's input (what full recompute keeps)
     vit_per_image_token: float  # bytes per image token of the ViT's activations
+    vit_layer_per_image_token: float  # bytes per image token of one ViT layer's activations (a forward's working set)
     chunk_bytes: int  # the fused log-prob chunk
     notes: list[str] = field(default_factory=list)
 
     def layer(self, kind: str, tokens: float) -> float:
         return self.per_token[kind] * tokens
+
+    def forward_only(self, bin_tokens: int, image_tokens: int = 0) -> float:
+        """Peak activation bytes of a forward without gradients (the reference pass): the residual stream, the
+        largest layer's working set, the head, the ViT and the log-prob chunk; no layer keeps anything for later."""
+        s = bin_tokens / self.cp
+        largest = max(self.layer(k, s) for k in set(self.pattern))
+        vit = self.vit_layer_per_image_token * image_tokens
+        return self.input_bytes * s + largest + self.per_token["head"] * s + vit + self.chunk_bytes
 
     def __call__(self, bin_tokens: int, image_tokens: int = 0) -> float:
         """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images)."""
@@ -258,9 +267,11 @@ def activation_model(cfg, hf) -> ActivationModel:
     }
     vh, vlayers = v.hidden_size, v.num_hidden_layers
     # ViT: 4 patches per image token, Korthikanti's 34 h_v bytes per patch and layer at 16 bits (h_v b under "full")
-    vit = 4 * vlayers * vh * (b if cfg.model.recompute == "full" else 34 * b / 2)
+    vit_layer = 4 * vh * 34 * b / 2
+    vit = 4 * vlayers * vh * b if cfg.model.recompute == "full" else vlayers * vit_layer
     return ActivationModel(per_token=per_token, pattern=hf.pattern, recompute=cfg.model.recompute,
                            cp=cp, input_bytes=h / sp * b, vit_per_image_token=vit,
+                           vit_layer_per_image_token=vit_layer,
                            chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
 
 
@@ -280,6 +291,7 @@ class RankPlan:
     reference: int  # 0 with reference.offload or reference.logprobs = "precomputed"
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
     grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
+    reference_pass: int  # the reference's bytes in the reference pass (reference.logprobs = "precomputed"), else 0
 
     def static(self) -> int:
         return self.weights + self.grads + self.master + self.moments + self.reference
@@ -330,11 +342,19 @@ class Plan:
     image_tokens: int
     image_source: str  # where image_tokens comes from
     reserve: Reserve
+    pass_bin_tokens: int  # the reference pass's bins (reference.max_tokens_per_bin) and their image tokens
+    pass_image_tokens: int
 
     def spare(self, capacity: float, bin_tokens: int | None = None) -> float:
         """The least bytes left on any rank's GPU of `capacity` after the plan and the reserve (negative: OOM)."""
         act = self.activations(self.bin_tokens if bin_tokens is None else bin_tokens, self.image_tokens)
         return min(capacity - r.total(act) - self.reserve.total(r.total(act)) for r in self.ranks)
+
+    def pass_total(self) -> float:
+        """The reference pass's peak bytes on the largest rank (0 without one): the reference and a forward's
+        activations at its bins (`pass_bin_tokens`, `pass_image_tokens`)."""
+        act = self.activations.forward_only(self.pass_bin_tokens, self.pass_image_tokens)
+        return max((r.reference_pass + act if r.reference_pass else 0) for r in self.ranks)
 
     def fits(self, capacity: float, bin_tokens: int | None = None) -> bool:
         """At least MARGIN to spare after the reserve."""
@@ -410,15 +430,19 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
                            weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
                            reference=0 if cfg.reference.offload or cfg.reference.logprobs == "precomputed" else ref,
                            reference_offloaded=ref if cfg.reference.offload else 0,
-                           grads_copy=0 if fp32_grads else master)
+                           grads_copy=0 if fp32_grads else master,
+                           reference_pass=ref if cfg.reference.logprobs == "precomputed" else 0)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
         else:
             rows.append(row)
+    pass_bin = cfg.reference.max_tokens_per_bin or cfg.packing.max_tokens_per_bin
+    pass_pairs = cfg.reference.max_sequences_per_bin or cfg.packing.max_sequences_per_bin
     return Plan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
                 bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens, image_source=image_source,
-                reserve=reserve(cfg, world))
+                reserve=reserve(cfg, world), pass_bin_tokens=pass_bin,
+                pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin))
 
 
 # ---- The report ----------
@@ -461,7 +485,8 @@ def format_plan(plan: Plan, cfg) -> str:
     for r in plan.ranks:
         total = r.total(act)
         ranks = ", ".join(map(str, r.ranks)) if len(plan.ranks) > 1 else f"all {plan.world}"
-        ref = _gib(r.reference) if not r.reference_offloaded else f"0 (offload; {_gib(r.reference_offloaded)})"
+        ref = (f"0 (offload; {_gib(r.reference_offloaded)})" if r.reference_offloaded
+               else "0 (precomputed)" if r.reference_pass else _gib(r.reference))
         spare = [_gib(cap - total - res.total(total)) for cap in GPUS.values()]
         grads = _gib(r.grads) + (f" (+{_gib(r.grads_copy)} fp32 at the step)" if r.grads_copy else "")
         lines.append(f"| {ranks} | {_b(r.params)} / {_b(r.reference_params)} | {_b(r.params_active)} "
@@ -475,12 +500,19 @@ def format_plan(plan: Plan, cfg) -> str:
         f"{FRAGMENTATION:.0%} of the total "
         f"(PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}); a GPU fits with at least {_gib(MARGIN)} GiB to spare after it.",
     ]
+    if pass_total := plan.pass_total():
+        verdicts = "; ".join(f"{name}: {verdict(cap - pass_total - res.total(pass_total))}"
+                             for name, cap in GPUS.items())
+        lines.append(f"The reference pass (reference.logprobs = precomputed; before the policy is built): the "
+                     f"reference and a forward without gradients at bins of {plan.pass_bin_tokens} tokens "
+                     f"({plan.pass_image_tokens} image tokens), {_gib(pass_total)} GiB per GPU + the reserve: "
+                     f"{verdicts}.")
     multiple = cfg.packing.make_sequence_length_divisible_by
     for name, cap in GPUS.items():
         best = plan.largest_bin(cap, multiple)
         lines.append(f"{name} GPUs ({_gib(cap)} GiB): {verdict(plan.spare(cap))}; the largest "
                      "packing.max_tokens_per_bin that fits: "
-                     + (str(best) if best else "none (the weights and optimizer alone do not fit)"))
+                     + (str(best) if best else f"none (no bin leaves {_gib(MARGIN)} GiB to spare)"))
     return "\n".join(lines)
 
 

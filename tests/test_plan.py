@@ -342,3 +342,19 @@ def test_bf16_gradient_buffers_count_the_fp32_copy_of_the_optimizer_step():
     assert r32.grads == 2 * r16.grads and r32.grads_copy == 0 and r16.grads_copy == r16.master == r32.master
     act = p16.activations(p16.bin_tokens, p16.image_tokens)
     assert r16.total(act) == r16.static() + max(act, r16.master) == r32.total(act) - r16.grads + r16.master - act
+
+
+def test_the_reference_pass_is_planned_apart_from_training():
+    """With reference.logprobs = precomputed training holds no reference; the pass at the start holds the reference
+    and a forward's activations without gradients at reference.max_tokens_per_bin, which `forward_only` counts."""
+    online = plan.make_plan(nano_cfg("reference.logprobs=online"), 8)
+    stored = plan.make_plan(nano_cfg("reference.logprobs=precomputed", "reference.max_tokens_per_bin=32768"), 8)
+    (r_on,), (r_st,) = online.ranks, stored.ranks
+    assert r_st.reference == 0 and r_st.reference_pass == r_on.reference == r_on.weights
+    assert online.pass_total() == 0 and stored.pass_bin_tokens == 32768
+    act = stored.activations
+    assert stored.pass_total() == r_on.reference + act.forward_only(32768, stored.pass_image_tokens)
+    for tokens in (4096, 16384, 65536):  # a forward keeps one layer's working set; training keeps every layer's input
+        assert act.forward_only(tokens) < act(tokens)
+    slope = act.forward_only(2 * 16384) - act.forward_only(16384)
+    assert act.forward_only(4 * 16384) - act.forward_only(3 * 16384) == pytest.approx(slope, rel=1e-12)
