@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, help="the world size (default: the smallest the layout runs on)")
     ap.add_argument("--image-tokens", type=int, help="image tokens per bin (default: from the data index, else the "
                     "processor's largest image per pair)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags before or after the overrides
     try:
         for flag, value, least in (("--gpus", args.gpus, 1), ("--image-tokens", args.image_tokens, 0)):
             if value is not None and value < least:
