@@ -884,6 +884,44 @@ GPU_SHAPE = dict(llm=NANO_WIDTH_LLM, dtype="bfloat16", pairs=16, pairs_per_bin=4
                  response=(100, 700), scan_tokens=16384, scan_sequences=8)
 
 
+def gpu_shape_ladder(base: dict = GPU_SHAPE) -> list[dict]:
+    """Shapes of the GPU step, largest first: `base`, then fewer pairs per bin (4, 2, 1: activations), then fewer
+    routed experts (64, 32 of 128, one pair per bin: the weights and optimizer state). Width, depth, vocabulary, top-k
+    and the pairs' lengths stay the Nano's."""
+    out = [{**base, "pairs_per_bin": k} for k in (4, 2, 1) if k <= base["pairs_per_bin"]]
+    return out + [{**base, "pairs_per_bin": 1, "llm": {**base["llm"], "n_routed_experts": e}}
+                  for e in (64, 32) if e < base["llm"]["n_routed_experts"]]
+
+
+def plan_gpu_step(shape: dict, capacity: float) -> dict:
+    """plan.py's numbers for the GPU step of `shape` (one rank: the policy, the reference, megatron's Adam and the
+    largest bin's activations) on a device of `capacity` bytes: planned bytes, reserve, spare and whether it fits
+    (plan.Plan.fits: plan.MARGIN to spare after the reserve)."""
+    import omni_model as om
+    import pack
+    import plan
+
+    ckpt = _shape_checkpoint(shape)
+    cfg = step_config(ckpt, shape)
+    pairs = text_pairs(shape["pairs"], shape["prompt"], shape["response"], om.read_hf_config(ckpt).text.vocab_size)
+    bins = [b.tokens for b in pack.plan_step(pair_lengths(pairs), cfg.packing, 1).ranks[0]]
+    p = plan.make_plan(cfg, 1, image_tokens=0)
+    (rank,) = p.ranks
+    total = rank.total(p.activations(max(bins)))
+    return {"capacity_bytes": capacity, "planned_bytes": total, "reserve_bytes": p.reserve.total(total),
+            "spare_bytes": p.spare(capacity, max(bins)), "largest_bin": max(bins), "fits": p.fits(capacity, max(bins))}
+
+
+def sized_gpu_shape(capacity: float, base: dict = GPU_SHAPE) -> tuple[dict, dict]:
+    """The largest shape of `gpu_shape_ladder(base)` whose step plan.py fits in `capacity` bytes (a device's free
+    memory), with its plan (`plan_gpu_step`); the smallest shape and its plan when none fits."""
+    for shape in gpu_shape_ladder(base):
+        planned = plan_gpu_step(shape, capacity)
+        if planned["fits"]:
+            break
+    return shape, planned
+
+
 def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> dict:
     """n MMPR-like text pairs (pack.PreferencePair, no image): one prompt of U[prompt] tokens shared by the chosen and
     the rejected row, each followed by its own response of U[response] tokens (the loss mask), random token ids."""
@@ -1185,7 +1223,7 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     tokens = sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in pairs.values())
     out = {"device": str(device), "dtype": shape["dtype"], "pairs": shape["pairs"], "tokens": tokens,
            "pattern": hf.pattern, "hidden_size": hf.text.hidden_size, "vocab_size": hf.text.vocab_size,
-           "loss_tolerance": tol}
+           "loss_tolerance": tol, "loss_expected": setup["want"]}
 
     def timed_steps(step, n: int) -> list[float]:
         times = []
@@ -1200,14 +1238,19 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     out.update(_ours_step_bench(device, setup, tol, timed, timed_steps))
     print(f"[bench] gpu step ours {json.dumps(out)}", file=sys.stderr, flush=True)  # kept if the baseline times out
     _release(device)
-    out.update(_baseline_step_bench(device, setup, tol, timed, timed_steps))
+    try:
+        out.update(_baseline_step_bench(device, setup, tol, timed, timed_steps))
+    except torch.cuda.OutOfMemoryError as e:  # transformers' padded step is not planned: recorded, ours stands
+        out["baseline_error"] = f"OutOfMemoryError: {str(e).splitlines()[0]}"
     _release(device)
-    s_o, s_b = out["step_s_ours"], out["step_s_baseline"]
-    out.update(tokens_per_s_ours=tokens / s_o, tokens_per_s_baseline=tokens / s_b, pairs_per_s_ours=len(pairs) / s_o,
-               pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
+    s_o = out["step_s_ours"]
+    out.update(tokens_per_s_ours=tokens / s_o, pairs_per_s_ours=len(pairs) / s_o,
                mfu_ours=monitor.mfu(tokens, s_o, out["n_active"], 1) if device.type == "cuda" else None,
-               mfu_baseline=monitor.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None,
                pairs_per_s_shared=len(pairs) / out["step_s_shared"], shared_speed_ratio=s_o / out["step_s_shared"])
+    if "step_s_baseline" in out:
+        s_b = out["step_s_baseline"]
+        out.update(tokens_per_s_baseline=tokens / s_b, pairs_per_s_baseline=len(pairs) / s_b, speed_ratio=s_b / s_o,
+                   mfu_baseline=monitor.mfu(tokens, s_b, out["n_active"], 1) if device.type == "cuda" else None)
     return out
 
 
@@ -1762,8 +1805,14 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
             return out
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    if shape is None:  # --quick: 8 pairs (two bins of 4), one timed step and one timed scan
-        shape = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
+    if shape is None:  # the largest step plan.py fits in the free memory; --quick: 8 pairs, one timed step and scan
+        base = {**GPU_SHAPE, "pairs": 8} if quick else GPU_SHAPE
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+        shape, out["planned"] = sized_gpu_shape(free, base)
+        out["shape"] = {"pairs": shape["pairs"], "pairs_per_bin": shape["pairs_per_bin"],
+                        "n_routed_experts": shape["llm"]["n_routed_experts"]}
+        print(f"[bench] gpu shape {json.dumps(out['shape'])}, planned {json.dumps(out['planned'])}", file=sys.stderr,
+              flush=True)
     kernels = kernel_selection.select_kernels(cuda=device.type == "cuda", dtype=om.torch_dtype(shape["dtype"]))
     out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     timed = timed or (1 if quick else 5)
@@ -1845,6 +1894,7 @@ def grad_accumulation(counts: tuple[int, ...] = GRAD_COUNTS) -> dict:
 
     import config as config_mod
     import distributed
+    import reference_logprobs
     import train
 
     device, n_max = torch.device("cpu"), max(counts)
@@ -1868,7 +1918,7 @@ def grad_accumulation(counts: tuple[int, ...] = GRAD_COUNTS) -> dict:
         pair = pairs[i % GRAD_PAIRS]
         batch = pack.pack([pair], cfg.packing.make_sequence_length_divisible_by, ids["image"], ids["pad"]).to(device)
         if i % GRAD_PAIRS not in refs:
-            refs[i % GRAD_PAIRS] = train.reference_logprobs(reference, [batch], ctx)
+            refs[i % GRAD_PAIRS] = reference_logprobs.sums(reference, [batch], ctx)
         models = [policy] + [m for m, _ in ddps.values()] * (i < GRAD_DDP_CHECKED)
         for model in models:
             train.policy_forward_backward([batch], refs[i % GRAD_PAIRS], model, ctx, 0.0, n_max, backward=True)
@@ -2058,22 +2108,29 @@ def gpu_step_rows(st: dict) -> list[tuple[str, ...]]:
     their closed form and the noise floor measured beside them."""
     what = f"MPO step {st['pattern']} h{st['hidden_size']} {st['dtype']} vs transformers"
     mfu = f" (MFU {100 * st['mfu_ours']:.1f}%)" if st.get("mfu_ours") is not None else ""
-    peak = (_mib(st["peak_bytes_ours"]), _mib(st["peak_bytes_baseline"])) if st["peak_bytes_ours"] else ("", "")
+
+    def base(key: str, fmt: str) -> str:  # transformers' number, or what stopped its step
+        return format(st[key], fmt) if key in st else "out of memory" if "baseline_error" in st else ""
+
+    peak = ("", "")  # CUDA only
+    if st["peak_bytes_ours"]:
+        peak = (_mib(st["peak_bytes_ours"]),
+                _mib(st["peak_bytes_baseline"]) if "peak_bytes_baseline" in st else base("peak_bytes_baseline", ""))
+    ratio = f"{st['speed_ratio']:.2f}x the speed" if "speed_ratio" in st else ""
     return [
         (what, f"tokens/s ({st['pairs']} pairs, {st['tokens']} tokens)", f"{st['tokens_per_s_ours']:.0f}{mfu}",
-         f"{st['tokens_per_s_baseline']:.0f}", f"{st['speed_ratio']:.2f}x the speed"),
-        (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", f"{st['pairs_per_s_baseline']:.2f}",
-         f"{st['speed_ratio']:.2f}x the speed"),
+         base("tokens_per_s_baseline", ".0f"), ratio),
+        (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", base("pairs_per_s_baseline", ".2f"), ratio),
         (what, "peak memory", *peak, ""),
         ("shared prompt vs separate rows (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
          f"{st['pairs_per_s_shared']:.2f}", f"{st['pairs_per_s_ours']:.2f}",
          f"{st['shared_speed_ratio']:.2f}x the speed"),
-        (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", f"{st['loss_baseline']:.6f}",
+        (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", base("loss_baseline", ".6f"),
          f"want {st['loss_expected']:.6f}"),
         (what, "step-1 loss: abs deviation from want (asserted on the CPU only)", f"{st['loss_ours_abs_dev']:.1e}",
-         f"{st['loss_baseline_abs_dev']:.1e}", f"shared prompt {st['loss_shared_abs_dev']:.1e}"),
+         base("loss_baseline_abs_dev", ".1e"), f"shared prompt {st['loss_shared_abs_dev']:.1e}"),
         (what, "noise floor: max abs diff of log-prob sums, policy vs reference at step 1",
-         f"{st['noise_policy_vs_ref_max_abs_diff']:.1e}", f"{st['noise_baseline_policy_vs_ref_max_abs_diff']:.1e}",
+         f"{st['noise_policy_vs_ref_max_abs_diff']:.1e}", base("noise_baseline_policy_vs_ref_max_abs_diff", ".1e"),
          f"reference twice {st['noise_ref_repeat_max_abs_diff']:.1e} (sums up to {st['logprob_sum_max_abs']:.0f})"),
     ]
 

@@ -180,6 +180,25 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert r["scan"]["torch"]["fwd_bwd_s"] > 0
 
 
+def test_a_baseline_out_of_memory_keeps_our_step_and_says_so(monkeypatch):
+    """Issue 46.1: the GPU step is sized by the plan, transformers' padded step is not: where it runs out of memory
+    (an 80 GB H100) the step section keeps our numbers, records why the baseline's are missing and has no ratio."""
+    import torch
+
+    import bench
+
+    def oom(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB")
+
+    monkeypatch.setattr(bench, "_baseline_step_bench", oom)
+    st = bench.mpo_step_bench("cpu", TINY_GPU_SHAPE, 1)
+    assert st["baseline_error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 3.25 GiB"
+    assert "speed_ratio" not in st and "step_s_baseline" not in st
+    assert st["pairs_per_s_ours"] == st["pairs"] / st["step_s_ours"] and st["shared_speed_ratio"] > 0
+    rows = bench.gpu_step_rows(st)
+    assert rows[1][2:] == (f"{st['pairs_per_s_ours']:.2f}", "out of memory", "")
+
+
 def test_the_closed_form_is_asserted_on_the_cpu_only():
     """CUDA kernels are not deterministic (a bf16 step-1 loss was 4.6e-3 off on an H200): there the deviation is
     recorded, never asserted; on the CPU one beyond the tolerance raises."""

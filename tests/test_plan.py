@@ -174,9 +174,9 @@ def test_plan_predicts_the_recorded_gpu_peak_within_15_percent():
     bins = [sum(sizes[p] for p in b.pair_ids) for b in step.ranks[0]]
     assert len(bins) == recorded["microbatches_ours"] and recorded["pairs"] == shape["pairs"]
     assert 0 <= sum(bins) - recorded["tokens"] < len(lengths) * 2 * cfg.packing.make_sequence_length_divisible_by
-    p = plan.make_plan(cfg, 1)
-    (rank,) = p.ranks
-    predicted = rank.total(p.activations(max(bins)))
+    planned = bench.plan_gpu_step(shape, plan.GPUS["141 GB"])  # what bench.sized_gpu_shape asks
+    assert planned["largest_bin"] == max(bins)
+    predicted = planned["planned_bytes"]
     assert abs(predicted / recorded["peak_bytes_ours"] - 1) < 0.15, (predicted, recorded["peak_bytes_ours"])
 
 
@@ -358,3 +358,23 @@ def test_the_reference_pass_is_planned_apart_from_training():
         assert act.forward_only(tokens) < act(tokens)
     slope = act.forward_only(2 * 16384) - act.forward_only(16384)
     assert act.forward_only(4 * 16384) - act.forward_only(3 * 16384) == pytest.approx(slope, rel=1e-12)
+
+
+def test_the_gpu_benchmark_sizes_its_step_to_the_device():
+    """Issue 46.1: the GPU step at its full shape (about 106 GiB) did not fit an 80 GB H100. bench.sized_gpu_shape
+    takes the largest shape of the ladder that the plan fits in the device's memory: the full one on a 141 GB H200,
+    a smaller one on an 80 GB H100, each within the plan (plan.MARGIN to spare after the reserve)."""
+    import bench
+
+    ladder = bench.gpu_shape_ladder()
+    assert ladder[0] == bench.GPU_SHAPE
+    planned = [bench.plan_gpu_step(shape, plan.GPUS["80 GB"])["planned_bytes"] for shape in ladder]
+    assert planned == sorted(planned, reverse=True)  # each rung plans less memory than the one before
+    for capacity in plan.GPUS.values():
+        shape, got = bench.sized_gpu_shape(capacity)
+        assert got["fits"] and got["capacity_bytes"] == capacity
+        assert got["planned_bytes"] + got["reserve_bytes"] + plan.MARGIN <= capacity
+        before = ladder[: ladder.index(shape)]  # every larger rung does not fit
+        assert not any(bench.plan_gpu_step(s, capacity)["fits"] for s in before)
+    assert bench.sized_gpu_shape(plan.GPUS["141 GB"])[0] == bench.GPU_SHAPE
+    assert bench.sized_gpu_shape(plan.GPUS["80 GB"])[0] != bench.GPU_SHAPE
