@@ -1814,7 +1814,8 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
         print(f"[bench] gpu shape {json.dumps(out['shape'])}, planned {json.dumps(out['planned'])}", file=sys.stderr,
               flush=True)
     kernels = kernel_selection.select_kernels(cuda=device.type == "cuda", dtype=om.torch_dtype(shape["dtype"]))
-    out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    out.update(kernels=kernels.line(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               versions=versions())
     timed = timed or (1 if quick else 5)
     sections = [("step", mpo_step_bench, (device, shape, timed))]
     if profile:
@@ -2144,6 +2145,17 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def versions() -> dict:
+    """The versions a GPU number depends on: torch, its CUDA, Triton (None where absent)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version}
 
 
 def main(argv: list[str] | None = None) -> int:

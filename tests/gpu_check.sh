@@ -7,7 +7,7 @@
 # 2. prints the kernel selection (kernel_selection.select_kernels);
 # 3. runs tests/test_gpu.py's in-process checks (<= 150 s), the Triton Mamba kernels against mamba_torch (<= 180 s:
 #    mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9), `bench.py --gpu
-#    --profile --ablation` at the full shape (16 pairs, 4 per bin; 2 timed steps; <= 200 s; results to $OMNI_OUT, default
+#    --profile --ablation` at the largest shape plan.py fits on the device (2 timed steps; <= 200 s; results to $OMNI_OUT, default
 #    /tmp/omni_gpu_check, never over the committed bench files; each section is written to its JSON as it ends), then
 #    the five train.py launches (<= 240 s: they train on the kernel line's set, `mamba triton` where the sources are);
 #    every limit is cut to what is left of OMNI_GPU_CHECK_SECONDS (default 560: one device call may run 600 s);
@@ -138,7 +138,7 @@ gpu_tests() {  # name, time limit (cut to the budget left), -k expression
 gpu_tests in-process 150 "not ($LAUNCHES or $TRITON)"
 gpu_tests triton-mamba 180 "$TRITON"
 
-# -- 3. bench.py --gpu --profile --ablation (full shape), before the launches: its numbers are the ones no other part
+# -- 3. bench.py --gpu --profile --ablation (sized to the device), before the launches: its numbers are the ones no other part
 # gives (the ablation: the step with each fast kernel swapped back to its portable fallback) ---------------------------
 t0=$SECONDS
 lim=$(limit 200)

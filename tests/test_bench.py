@@ -176,6 +176,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])
     assert "shared prompt vs separate rows (ours)" in bench.table({"gpu": r})
     assert r["kernels"] == "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu"
+    assert r["versions"]["torch"] == torch.__version__ and r["versions"]["cuda"] == torch.version.cuda
     assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}
     assert r["scan"]["torch"]["fwd_bwd_s"] > 0
 
