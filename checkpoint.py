@@ -393,6 +393,22 @@ def _writer_log_quiet():
         logger.setLevel(level)
 
 
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """`data` to `path` through the temporary `.<name>.tmp` beside it, synced and renamed once complete: a reader
+    never sees half of it; on an OSError (a full disk) the temporary file is removed and the error raised."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def free_space(directory: str | Path) -> str:
     """`N bytes free on DIRECTORY`, with `: the file system is full` below FULL_BYTES."""
     try:

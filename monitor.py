@@ -178,7 +178,7 @@ RESOLVED_CONFIG_FILE = "config.json"
 
 def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = None) -> Path:
     """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
-    each through a temporary file and a rename (never a partial file). Collective: a failed write (a full disk) is a
+    each with `checkpoint.write_atomic` (never a partial file). Collective: a failed write (a full disk) is a
     MetricsError on every rank. Returns the path."""
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     files = [(path, config_mod.to_dict(cfg))]
@@ -187,12 +187,9 @@ def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = No
     failed = None
     if rank == 0:
         for target, content in files:
-            tmp = target.with_name(target.name + ".tmp")
             try:
-                tmp.write_text(json.dumps(content, indent=1) + "\n")
-                tmp.rename(target)
+                checkpoint.write_atomic(target, (json.dumps(content, indent=1) + "\n").encode())
             except OSError as e:
-                tmp.unlink(missing_ok=True)
                 failed = (f"cannot write {target}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); "
                           "make room, then start the run again")  # fmt: skip
                 break

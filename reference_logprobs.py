@@ -27,7 +27,6 @@ import gc
 import hashlib
 import io
 import json
-import os
 import time
 from pathlib import Path
 
@@ -146,7 +145,8 @@ def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
         if any(folder.glob("*.shard")):
             return f"{folder} holds shards but no {MANIFEST}: what they belong to is unknown"
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, (json.dumps({"format": FORMAT, "identity": ident, "info": info}, indent=1) + "\n").encode())
+        manifest = {"format": FORMAT, "identity": ident, "info": info}
+        checkpoint.write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
         return None
     try:
         saved = json.loads(path.read_text())
@@ -159,23 +159,13 @@ def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
     return f"{folder} holds the reference log-probs of another run ({'; '.join(differ)})" if differ else None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary name in the same folder, renamed once complete (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path, values: dict[str, dict[str, torch.Tensor]]) -> None:
     """One shard (the module docstring's layout) at `path`, atomically."""
     buf = io.BytesIO()
     torch.save(values, buf)
     payload = buf.getvalue()
     header = {"format": FORMAT, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    _write_atomic(path, json.dumps(header).encode() + b"\n" + payload)
+    checkpoint.write_atomic(path, json.dumps(header).encode() + b"\n" + payload)
 
 
 def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -800,13 +800,10 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path,
     config.json. Now one MetricsError naming the file and the free space; an earlier config.json is kept whole."""
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "config.json").write_text('{"earlier": 1}\n')
-    real_write = Path.write_text
-
-    def full_disk(self, text, *args, **kwargs):  # the first 4 bytes land, then the disk is full
-        real_write(self, text[:4], *args, **kwargs)
+    def full_disk(fd):  # the bytes were written, then the disk is full when they are synced
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     for previous in (None, (3, {"step": 3})):
         with pytest.raises(monitor.MetricsError) as e:
             monitor.write_resolved_config(cfg, 0, previous)
