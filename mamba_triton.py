@@ -1,5 +1,8 @@
 """Mamba-2 kernels in pure Triton for a GPU without compiled mamba-ssm: mamba-ssm's Triton scan and gated norm from
 its sources (`load_mamba_ssm_triton`) and fla-core's Triton conv (`causal_conv1d_fn`), as `kernels()` for mamba_torch.
+The candidate portable scan: Mamba-2's chunked scan as a simple-GLA recurrence (`mamba_chunk_scan_via_simple_gla`,
+for fla-core's `chunk_simple_gla`; `fla_refusal` says where fla-core refuses to run), evaluated by the benchmark and
+tests/test_gpu.py, not used for training.
 """
 
 from __future__ import annotations
@@ -136,3 +139,56 @@ def mamba_split_conv1d_scan_combined(*args, **kwargs):
     import mamba_torch
 
     return mamba_torch.mamba_split_conv1d_scan_combined(*args, **kwargs, **kernels())
+
+
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla-core's chunk_simple_gla does not run on `device`, or None: fla refuses Triton >= 3.4.0 and < 3.7.1 on
+    Hopper (sm90) GPUs itself (a Triton code-generation bug in its gated chunk backward, fla-core issue #640)."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and (3, 4) <= version < (3, 7, 1):
+        return f"fla-core refuses Triton {triton.__version__} on Hopper (needs >= 3.7.1)"
+    return None
+
+
+def mamba_chunk_scan_via_simple_gla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    gla=None,
+) -> torch.Tensor:
+    """mamba_torch.mamba_chunk_scan_combined's forward as a simple-GLA recurrence (one scalar decay per head): q = C,
+    k = B (groups repeated over their heads), v = dt·x, log-decay g = dt·A, scale 1, then + D·x and · silu(z).
+    gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) returns o_t = q_t · S_t,
+    S_t = exp(g_t) S_{t-1} + k_t^T v_t (e.g. fla-core's `chunk_simple_gla`); chunk_size is unused. Packed rows
+    (seq_idx) need batch 1. Returns out [batch, seqlen, nheads, headdim] in x.dtype."""
+    import mamba_torch
+
+    b, seqlen, h, p = x.shape
+    r = h // B.shape[2]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtf = mamba_torch._processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    cu = None
+    if seq_idx is not None:
+        if b != 1:
+            raise ValueError(f"packed sequences (seq_idx) need batch 1, got {b}")
+        counts = torch.unique_consecutive(seq_idx[0], return_counts=True)[1]
+        cu = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    q, k = C.repeat_interleave(r, dim=2), B.repeat_interleave(r, dim=2)
+    v = (x.to(cdt) * dtf[..., None]).to(x.dtype)
+    o = gla(q, k, v, dtf * A.to(cdt), cu).to(cdt)
+    if D is not None:
+        o = o + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+    if z is not None:
+        o = o * torch.nn.functional.silu(z.to(cdt))
+    return o.to(x.dtype)

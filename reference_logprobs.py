@@ -65,7 +65,7 @@ class Stored:
 
     @classmethod
     def from_scores(cls, folder: Path, num_pairs: int, scores: list) -> Stored:
-        """The values of `score`'s output for pair ids in [0, num_pairs) (what bench.py times without shards)."""
+        """The values of `score`'s output for pair ids in [0, num_pairs) (what the benchmark times without shards)."""
         table = _Table.empty(num_pairs)
         for pair_ids, s, n in scores:
             table.put(pair_ids, s, n)

@@ -6,8 +6,8 @@
 #    mamba-ssm sdist there (mamba_ssm-*.tar.gz) is unpacked for its Triton kernels ($OMNI_MAMBA_SSM_SRC);
 # 2. prints the kernel selection (kernel_selection.select_kernels);
 # 3. runs tests/test_gpu.py's in-process checks (<= 150 s), the Triton Mamba kernels against mamba_torch (<= 180 s:
-#    mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9), `bench.py --gpu
-#    --profile --ablation` at the largest shape plan.py fits on the device (2 timed steps; <= 200 s; results to $OMNI_OUT, default
+#    mamba-ssm's and fla-core's Triton kernels compile from a cold cache; items 5, 7 and 9), `python -m bench
+#    --gpu --profile --ablation` at the largest shape plan.py fits on the device (2 timed steps; <= 200 s; results to $OMNI_OUT, default
 #    /tmp/omni_gpu_check, never over the committed bench files; each section is written to its JSON as it ends), then
 #    the five train.py launches (<= 240 s: they train on the kernel line's set, `mamba triton` where the sources are);
 #    every limit is cut to what is left of OMNI_GPU_CHECK_SECONDS (default 560: one device call may run 600 s);
@@ -27,7 +27,7 @@ limit() { local left=$((BUDGET - (SECONDS - START))); [ "$left" -lt 20 ] && left
 export TORCHDYNAMO_DISABLE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 # mamba-ssm's Triton kernels (its sdist, or a compiled mamba-ssm) with one fixed config each: from a cold cache its
 # autotuning compiles ~40 forward and ~100 backward configs per dtype and shape (minutes), more than the time limits
-# below; the benchmark's mamba-ssm scan times are then those of the fixed configs (bench.py records the variable)
+# below; the benchmark's mamba-ssm scan times are then those of the fixed configs (the benchmark records the variable)
 export MAMBA_DETERMINISTIC=${MAMBA_DETERMINISTIC:-1}
 mkdir -p "$OUT"
 declare -a ROWS
@@ -138,18 +138,18 @@ gpu_tests() {  # name, time limit (cut to the budget left), -k expression
 gpu_tests in-process 150 "not ($LAUNCHES or $TRITON)"
 gpu_tests triton-mamba 180 "$TRITON"
 
-# -- 3. bench.py --gpu --profile --ablation (sized to the device), before the launches: its numbers are the ones no other part
+# -- 3. python -m bench --gpu --profile --ablation (sized to the device), before the launches: its numbers are the ones no other part
 # gives (the ablation: the step with each fast kernel swapped back to its portable fallback) ---------------------------
 t0=$SECONDS
 lim=$(limit 200)
-timeout "$lim" "$PY" bench.py --gpu --profile --ablation --timed-steps 2 --json "$OUT/bench_gpu.json" \
+timeout "$lim" "$PY" -m bench --gpu --profile --ablation --timed-steps 2 --json "$OUT/bench_gpu.json" \
   >"$OUT/bench.log" 2>&1
 rc=$?
 note="rc $rc, $OUT/bench_gpu.json"
 [ $rc -eq 124 ] && note="killed at the ${lim}s limit (the sections that ended are in $OUT/bench_gpu.json)"
-failed=$(sed -nE 's/^bench\.py: failed: ([^(]*) \(.*/\1/p' "$OUT/bench.log" | head -1)
+failed=$(sed -nE 's/^bench: failed: ([^(]*) \(.*/\1/p' "$OUT/bench.log" | head -1)
 [ -n "$failed" ] && note="rc $rc, failed sections: $failed (errors in $OUT/bench_gpu.json; see $OUT/bench.log)"
-row "bench.py --gpu --profile --ablation" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "$note"
+row "python -m bench --gpu --profile --ablation" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - t0)) "$note"
 gpu_tests launches 240 "$LAUNCHES"
 
 # -- 4. table ---------------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ printf '%-34s %-6s %7s  %s\n' check result time note
 for r in "${ROWS[@]}"; do echo "$r"; done
 echo
 # the benchmark's tables (its results and the profile's device time by region) from what its JSON holds
-"$PY" bench.py --print "$OUT/bench_gpu.json" 2>/dev/null || grep -E '^\[bench\]' "$OUT/bench.log" \
+"$PY" -m bench --print "$OUT/bench_gpu.json" 2>/dev/null || grep -E '^\[bench\]' "$OUT/bench.log" \
   || tail -5 "$OUT/bench.log"
 [ $FAILED -eq 0 ] || { echo "gpu_check: FAILED (logs in $OUT)"; tail -n 15 "$OUT"/test_gpu_*.log; }
 exit $FAILED

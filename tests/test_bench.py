@@ -1,10 +1,10 @@
-"""bench.py --quick end to end: the equalities every benchmark relies on and the log-prob memory ratio.
+"""`python -m bench --quick` end to end: the equalities every benchmark relies on and the log-prob memory ratio.
 
-Run: `pytest tests/test_bench.py` (one `python bench.py --quick` subprocess: 57 s measured on 2 shared CPU cores,
+Run: `pytest tests/test_bench.py` (one `python -m bench --quick` subprocess: 57 s measured on 2 shared CPU cores,
 longer when they are busy; marked slow). Only what holds regardless of machine load is asserted: value equalities
 (log-probs and their gradients, vision once per pair, the step-1 loss against transformers, the cached data index,
 megatron DDP's gradient buffers against the measured sums), the exact packing arithmetic, the log-prob memory ratio
-(memory is deterministic) and the gradient buffers' summation bound. Timing ratios are printed by bench.py, never
+(memory is deterministic) and the gradient buffers' summation bound. Timing ratios are printed by the benchmark, never
 asserted.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench.GPU_SHAPE's step at the tiny asset's width, run on the CPU
+# gpu.GPU_SHAPE's step at the tiny asset's width, run on the CPU
 TINY_GPU_SHAPE = dict(llm={}, dtype="float32", pairs=8, pairs_per_bin=4, prompt=(20, 60), response=(5, 20),
                       scan_tokens=512, scan_sequences=4)
 
@@ -31,7 +31,7 @@ TINY_GPU_SHAPE = dict(llm={}, dtype="float32", pairs=8, pairs_per_bin=4, prompt=
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "bench_results.json"
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--quick", "--json", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--json", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     print(proc.stdout)
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 
 def test_every_item_ran(results):
     assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads"} <= set(results)
-    assert results["quick"] is True and results["command"] == "python bench.py --quick"
+    assert results["quick"] is True and results["command"] == "python -m bench --quick"
 
 
 def test_logprobs_values_and_memory(results):
@@ -71,13 +71,14 @@ def test_training_step_matches_transformers(results):
     assert t["loss_abs_diff"] <= 1e-4
     assert t["grad_norm_rel_diff"] <= 1e-4
     assert t["loss_ours"] > 0 and t["pairs"] >= 2
-    # issue 43: the stored-sums step and the pass were timed beside it (bench.py asserts their sums equal the forward's)
+    # issue 43: the stored-sums step and the pass were timed beside it (the benchmark asserts their sums equal the
+    # forward's)
     assert t["step_s_stored_reference"] > 0 and t["pass_over_step_speed_ratio"] > 1  # a forward alone beats a step
 
 
 def test_shared_prompt_item(results):
     sh = results["shared"]
-    assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both layouts (asserted by bench.py too)
+    assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both layouts (asserted by the benchmark too)
     # exact arithmetic: each prompt once; the issue's 1.62x on the MMPR-like mix (2,000 pairs in --quick)
     assert sh["count_tokens_shared"] < sh["count_tokens_separate"] and 1.5 < sh["count_token_ratio"] < 1.75
     # the timed step's tokens: separate rows hold each prompt (minus the shared last token) twice
@@ -101,7 +102,7 @@ def test_data_cache(results):
 
 def test_gradient_buffers_accumulate_within_the_summation_bound(results):
     """bf16 vs fp32 gradient buffers (optimizer.grad_reduce_in_fp32; megatron DDP's own buffers equal the measured
-    sums, asserted by bench.py): one microbatch's bf16 gradient lands exactly in either buffer; after n, each error
+    sums, asserted by the benchmark): one microbatch's bf16 gradient lands exactly in either buffer; after n, each error
     is within recursive summation's bound γ_{n-1}·Σ|g_i| per element (bound_use <= 1), and bf16's is the larger."""
     g = results["grads"]
     assert g["counts"] == [1, 4, 8] and g["params"] > 10**5  # --quick
@@ -122,7 +123,7 @@ def test_gpu_skipped_with_a_message(results, tmp_path, monkeypatch, capsys):
     checks it too."""
     import torch
 
-    import bench
+    from bench import cli
 
     if not torch.cuda.is_available():
         assert "no CUDA device" in results["gpu"]["skipped"]
@@ -130,8 +131,8 @@ def test_gpu_skipped_with_a_message(results, tmp_path, monkeypatch, capsys):
     else:
         assert "skipped" not in results["gpu"] and results["gpu"]["step"]["pairs"] == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    assert bench.main(["--quick", "--only", "gpu"]) == 0
+    monkeypatch.setattr(cli, "ROOT", tmp_path)
+    assert cli.main(["--quick", "--only", "gpu"]) == 0
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"gpu: skipped ({GPU_SKIP})"
     assert any(line.startswith("| GPU |") and GPU_SKIP in line for line in out.splitlines()), out
@@ -140,29 +141,29 @@ def test_gpu_skipped_with_a_message(results, tmp_path, monkeypatch, capsys):
 
 
 def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
-    """bench.bench_gpu's code path (the MPO step ours vs transformers, the Mamba scans) at the tiny asset's width on
+    """gpu.bench_gpu's code path (the MPO step ours vs transformers, the Mamba scans) at the tiny asset's width on
     the CPU: both step-1 losses are the closed form of policy = reference, w_p·ln 2 + w_q·2 ln 2."""
     import gc
     import math
     import weakref
 
-    import bench
     import omni_model
+    from bench import cli, gpu, workload
 
     def models():
         gc.collect()
         return [m for m in gc.get_objects() if isinstance(m, omni_model.OmniModel)]
 
     before = weakref.WeakSet(models())  # what earlier tests of this process left
-    r = bench.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE)
-    # a finished section's models are freed (bench._drop_system; on a GPU the next section ran out of memory)
+    r = gpu.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE)
+    # a finished section's models are freed (gpu_step._drop_system; on a GPU the next section ran out of memory)
     assert [m for m in models() if m not in before] == []
     st = r["step"]
     want = 0.8 * math.log(2) + 0.2 * 2 * math.log(2)  # configs/tiny.toml's weights
     assert st["loss_expected"] == pytest.approx(want, abs=1e-12)
     assert st["loss_ours"] == pytest.approx(want, abs=1e-5) and st["loss_baseline"] == pytest.approx(want, abs=1e-5)
     assert st["pairs"] == 8 and st["microbatches_ours"] == 2  # 4 pairs per bin
-    assert st["tokens"] == sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in bench.text_pairs(
+    assert st["tokens"] == sum(p.chosen_ids.numel() + p.rejected_ids.numel() for p in workload.text_pairs(
         8, (20, 60), (5, 20), 1024).values())
     assert st["mfu_ours"] is None and st["peak_bytes_ours"] is None  # CUDA-only numbers
     # asserted on the CPU within a few float32 ulps of the loss; the noise floor is exactly 0 here (deterministic)
@@ -174,7 +175,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert st["loss_shared"] == pytest.approx(want, abs=1e-5)
     assert 0 < st["tokens_shared"] < st["tokens"] and st["microbatches_shared"] >= 1
     assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])
-    assert "shared prompt vs separate rows (ours)" in bench.table({"gpu": r})
+    assert "shared prompt vs separate rows (ours)" in cli.table({"gpu": r})
     assert r["kernels"] == "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu"
     assert r["versions"]["torch"] == torch.__version__ and r["versions"]["cuda"] == torch.version.cuda
     assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}
@@ -186,17 +187,17 @@ def test_a_baseline_out_of_memory_keeps_our_step_and_says_so(monkeypatch):
     (an 80 GB H100) the step section keeps our numbers, records why the baseline's are missing and has no ratio."""
     import torch
 
-    import bench
+    from bench import gpu_step
 
     def oom(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB")
 
-    monkeypatch.setattr(bench, "_baseline_step_bench", oom)
-    st = bench.mpo_step_bench("cpu", TINY_GPU_SHAPE, 1)
+    monkeypatch.setattr(gpu_step, "_baseline_step_bench", oom)
+    st = gpu_step.mpo_step_bench("cpu", TINY_GPU_SHAPE, 1)
     assert st["baseline_error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 3.25 GiB"
     assert "speed_ratio" not in st and "step_s_baseline" not in st
     assert st["pairs_per_s_ours"] == st["pairs"] / st["step_s_ours"] and st["shared_speed_ratio"] > 0
-    rows = bench.gpu_step_rows(st)
+    rows = gpu_step.gpu_step_rows(st)
     assert rows[1][2:] == (f"{st['pairs_per_s_ours']:.2f}", "out of memory", "")
 
 
@@ -205,31 +206,31 @@ def test_the_closed_form_is_asserted_on_the_cpu_only():
     recorded, never asserted; on the CPU one beyond the tolerance raises."""
     import torch
 
-    import bench
+    from bench import gpu, gpu_step
 
     want = 0.8317766166719343
-    assert bench.closed_form_tolerance(torch.device("cuda", 0), bench.GPU_SHAPE, want) is None
-    tol = bench.closed_form_tolerance(torch.device("cpu"), TINY_GPU_SHAPE, want)
-    assert bench._check_closed_form("ours", want + 2 * tol, want, None) == pytest.approx(2 * tol)
-    assert bench._check_closed_form("ours", want + tol / 2, want, tol) == pytest.approx(tol / 2)
+    assert gpu_step.closed_form_tolerance(torch.device("cuda", 0), gpu.GPU_SHAPE, want) is None
+    tol = gpu_step.closed_form_tolerance(torch.device("cpu"), TINY_GPU_SHAPE, want)
+    assert gpu_step._check_closed_form("ours", want + 2 * tol, want, None) == pytest.approx(2 * tol)
+    assert gpu_step._check_closed_form("ours", want + tol / 2, want, tol) == pytest.approx(tol / 2)
     with pytest.raises(AssertionError):
-        bench._check_closed_form("ours", want + 2 * tol, want, tol)
+        gpu_step._check_closed_form("ours", want + 2 * tol, want, tol)
 
 
 def test_profile_regions_cover_the_step_on_the_cpu():
-    """bench.py --gpu --profile's table at the tiny shape on the CPU (CPU time): every region of the table is named in
+    """The `--gpu --profile` table at the tiny shape on the CPU (CPU time): every region of the table is named in
     PROFILE_REGIONS and holds time (every layer kind is in the tiny model), and the regions sum to the profiled
     step's wall time (on the CPU each microsecond of the step's thread is in exactly one event)."""
-    import bench
+    from bench import profiling
 
-    p = bench.profile_step("cpu", TINY_GPU_SHAPE)
+    p = profiling.profile_step("cpu", TINY_GPU_SHAPE)
     assert p["unit"] == "cpu" and p["host_gaps_s"] is None and p["device_busy_s"] is None
-    assert list(p["regions_s"]) == list(bench.PROFILE_REGIONS)
+    assert list(p["regions_s"]) == list(profiling.PROFILE_REGIONS)
     assert all(s > 0 for s in p["regions_s"].values()), p["regions_s"]
     assert p["total_s"] == pytest.approx(sum(p["regions_s"].values()), rel=1e-12)
     assert p["total_s"] == pytest.approx(p["step_wall_s"], rel=1e-6)
-    table = bench.profile_table(p).splitlines()
-    assert [ln.split(" | ")[0].removeprefix("| ") for ln in table[2:-1]] == list(bench.PROFILE_REGIONS)
+    table = profiling.profile_table(p).splitlines()
+    assert [ln.split(" | ")[0].removeprefix("| ") for ln in table[2:-1]] == list(profiling.PROFILE_REGIONS)
 
 
 def test_profile_gives_backward_work_to_the_region_of_its_forward():
@@ -239,22 +240,22 @@ def test_profile_gives_backward_work_to_the_region_of_its_forward():
     the relu and sum and their backward in "other", the AccumulateGrad nodes in "gradient accumulation (DDP)"."""
     import torch
 
-    import bench
+    from bench import profiling
 
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(512, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function(bench.STEP_RANGE):
-            with torch.profiler.record_function(bench.REGION_PREFIX + "dense MLP"):
+        with torch.profiler.record_function(profiling.STEP_RANGE):
+            with torch.profiler.record_function(profiling.REGION_PREFIX + "dense MLP"):
                 y = lin(x)
             y.relu().sum().backward()
     events = prof.events()
-    p = bench.attribute_profile(events, cuda=False)
+    p = profiling.attribute_profile(events, cuda=False)
 
     def subtree(e) -> float:
         return e.self_cpu_time_total + sum(subtree(c) for c in e.cpu_children)
 
-    region = next(e for e in events if e.name == bench.REGION_PREFIX + "dense MLP")
+    region = next(e for e in events if e.name == profiling.REGION_PREFIX + "dense MLP")
     backward = sum(subtree(e) for e in events if e.name.endswith(("function: AddmmBackward0", "function: TBackward0")))
     acc = sum(subtree(e) for e in events if e.name.endswith("evaluate_function: torch::autograd::AccumulateGrad"))
     assert p["regions_s"]["dense MLP"] == pytest.approx((subtree(region) + backward) * 1e-6, rel=1e-9)
@@ -269,30 +270,30 @@ def test_profile_on_cuda_counts_kernel_time_busy_time_and_host_gaps():
 
     from torch.autograd import DeviceType
 
-    import bench
+    from bench import profiling
 
     def event(name, start, end, device=DeviceType.CPU, parent=None, kernel_us=0.0):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
                                is_async=False, thread=1, fwd_thread=0, sequence_nr=-1, cpu_parent=parent,
                                self_device_time_total=kernel_us, self_cpu_time_total=end - start)
 
-    step = event(bench.STEP_RANGE, 0.0, 1000.0)
-    scan = event(bench.REGION_PREFIX + "Mamba scan", 10.0, 20.0, parent=step)
+    step = event(profiling.STEP_RANGE, 0.0, 1000.0)
+    scan = event(profiling.REGION_PREFIX + "Mamba scan", 10.0, 20.0, parent=step)
     op = event("aten::mm", 12.0, 18.0, parent=scan, kernel_us=300.0)  # its kernels: 100-300 and 250-350 (overlap)
     kernels = [event("k1", 100.0, 300.0, DeviceType.CUDA), event("k2", 250.0, 350.0, DeviceType.CUDA),
                event("unlaunched", 500.0, 550.0, DeviceType.CUDA)]
-    p = bench.attribute_profile([step, scan, op, *kernels], cuda=True)
+    p = profiling.attribute_profile([step, scan, op, *kernels], cuda=True)
     assert p["unit"] == "cuda" and p["step_wall_s"] == pytest.approx(1e-3)
     assert p["regions_s"]["Mamba scan"] == pytest.approx(300e-6) and p["regions_s"]["other"] == pytest.approx(50e-6)
     assert p["total_s"] == pytest.approx(350e-6) and p["device_busy_s"] == pytest.approx(300e-6)
     assert p["host_gaps_s"] == pytest.approx(700e-6)
-    assert "| host gaps (step wall 1.00 ms - device busy 0.30 ms) | 0.70 | |" in bench.profile_table(p)
+    assert "| host gaps (step wall 1.00 ms - device busy 0.30 ms) | 0.70 | |" in profiling.profile_table(p)
 
 
 def test_a_failing_section_is_recorded_and_the_next_ones_still_run(tmp_path, monkeypatch, capsys):
-    """bench.py writes each item (and each section of the GPU item) to the JSON as it ends: a time limit keeps what
+    """The benchmark writes each item (and each section of the GPU item) to the JSON as it ends: a time limit keeps what
     ended before it, a failing one is {"error": "Type: message"} while the later ones run, and the exit status is 1."""
-    import bench
+    from bench import cli, common
 
     out = tmp_path / "partial.json"
     seen = {}
@@ -302,13 +303,13 @@ def test_a_failing_section_is_recorded_and_the_next_ones_still_run(tmp_path, mon
         raise RuntimeError("CUDA out of memory\nsecond line")
 
     def gpu(quick, profile, timed, out, ablation):  # a GPU item whose step section failed and whose scans ran
-        out.update(step=bench.error_record(ValueError("bad")),
+        out.update(step=common.error_record(ValueError("bad")),
                    scan={"tokens": 512, "dtype": "float32", "torch": {"first_call_s": 2.0, "fwd_bwd_s": 1.0}})
         return out
 
-    monkeypatch.setitem(bench.ITEMS, "vision", broken)
-    monkeypatch.setattr(bench, "bench_gpu", gpu)
-    assert bench.main(["--quick", "--only", "packing,vision,gpu", "--json", str(out)]) == 1
+    monkeypatch.setitem(cli.ITEMS, "vision", broken)
+    monkeypatch.setattr(cli, "bench_gpu", gpu)
+    assert cli.main(["--quick", "--only", "packing,vision,gpu", "--json", str(out)]) == 1
     assert seen["packing"]["ours"]["tokens"] > 0 and "vision" not in seen  # packing was written when it ended
     written = json.loads(out.read_text())
     assert written["vision"]["error"] == "RuntimeError: CUDA out of memory"
@@ -322,15 +323,15 @@ def test_a_failing_section_is_recorded_and_the_next_ones_still_run(tmp_path, mon
 def test_gpu_sections_are_written_as_each_ends(monkeypatch):
     """bench_gpu's step, profile and scans are separate sections, in that order: the step failing leaves the profile
     and the scans, and the results file is written after each."""
-    import bench
+    from bench import common, gpu
 
     snapshots = []
     out = {}
-    monkeypatch.setitem(bench._STATE, "write", lambda: snapshots.append(json.loads(json.dumps(out))))
-    monkeypatch.setattr(bench, "mpo_step_bench", lambda *a: 1 / 0)
-    monkeypatch.setattr(bench, "scan_bench", lambda *a: {"torch": {"fwd_bwd_s": 0.5}})
-    monkeypatch.setattr(bench, "profile_step", lambda *a: {"unit": "cpu"})
-    assert bench.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE, profile=True, out=out) is out
+    monkeypatch.setitem(common._STATE, "write", lambda: snapshots.append(json.loads(json.dumps(out))))
+    monkeypatch.setattr(gpu, "mpo_step_bench", lambda *a: 1 / 0)
+    monkeypatch.setattr(gpu, "scan_bench", lambda *a: {"torch": {"fwd_bwd_s": 0.5}})
+    monkeypatch.setattr(gpu, "profile_step", lambda *a: {"unit": "cpu"})
+    assert gpu.bench_gpu(True, device="cpu", shape=TINY_GPU_SHAPE, profile=True, out=out) is out
     assert out["step"]["error"] == "ZeroDivisionError: division by zero"
     assert out["scan"]["torch"] == {"fwd_bwd_s": 0.5} and out["profile"]["unit"] == "cpu"
     assert [sorted(k for k in s if k in ("step", "scan", "profile")) for s in snapshots] == [
@@ -338,28 +339,29 @@ def test_gpu_sections_are_written_as_each_ends(monkeypatch):
 
 
 def test_scan_bench_records_a_failing_kernel_and_times_the_others(monkeypatch, capsys):
-    """A kernel that raised (a Triton build error, an out-of-memory) ended bench.py --gpu and lost every number; it is
-    now recorded as an error row while the other kernels are timed, each result printed on stderr as it ends."""
-    import bench
+    """A kernel that raised (a Triton build error, an out-of-memory) ended `python -m bench --gpu` and lost every
+    number; it is now recorded as an error row while the other kernels are timed, each result printed on stderr as it
+    ends."""
     import mamba_torch
+    from bench import scan
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed\nsecond line")
 
-    monkeypatch.setattr(bench, "mamba_scan_kernels", lambda device: {"torch": mamba_torch.mamba_chunk_scan_combined,
+    monkeypatch.setattr(scan, "mamba_scan_kernels", lambda device: {"torch": mamba_torch.mamba_chunk_scan_combined,
                                                                      "mamba-ssm-src": broken})  # fmt: skip
     monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
-    sc = bench.scan_bench("cpu", TINY_GPU_SHAPE, reps=1)
+    sc = scan.scan_bench("cpu", TINY_GPU_SHAPE, reps=1)
     assert sc["mamba-ssm-src"] == {"error": "RuntimeError: PassManager::run failed"}
     assert sc["torch"]["fwd_bwd_s"] > 0 and sc["mamba_deterministic"] == "1"
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bench] gpu scan ")]
     assert [ln.split()[3] for ln in err] == ["torch", "mamba-ssm-src"]
     assert json.loads(err[1].split(" ", 4)[4]) == sc["mamba-ssm-src"]
-    rows = bench.scan_rows(sc)
+    rows = scan.scan_rows(sc)
     assert [r[0] for r in rows] == ["Mamba-2 scan torch, T=512 float32", "Mamba-2 scan mamba-ssm-src, T=512 float32"]
     assert rows[1][1:4] == ("fwd+bwd", "failed", "RuntimeError: PassManager::run failed")
     sc["mamba-ssm-src"] = dict(sc["torch"])  # as if it ran: labelled with mamba-ssm's fixed configs
-    assert bench.scan_rows(sc)[1][0] == "Mamba-2 scan mamba-ssm-src (fixed configs), T=512 float32"
+    assert scan.scan_rows(sc)[1][0] == "Mamba-2 scan mamba-ssm-src (fixed configs), T=512 float32"
 
 
 def test_gpu_flag_without_cuda_is_one_line_and_nonzero(tmp_path):
@@ -368,41 +370,42 @@ def test_gpu_flag_without_cuda_is_one_line_and_nonzero(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the no-CUDA message is not reachable")
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--gpu", "--quick", "--json", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench", "--gpu", "--quick", "--json", str(out)], cwd=ROOT,
                           env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("bench.py --gpu: no CUDA device here (torch.cuda.is_available() "
-                                                    "is False); run it on a GPU machine")
+    assert proc.stderr.strip().splitlines()[-1] == ("python -m bench --gpu: no CUDA device here "
+                                                    "(torch.cuda.is_available() is False); run it on a GPU machine")
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
 def test_quick_and_partial_runs_never_replace_the_full_results(tmp_path, monkeypatch, capsys):
-    import bench
+    from bench import cli, packing
 
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    full = {"quick": False, "date": "2026-01-01", "machine": "m", "command": "python bench.py",
-            "packing": bench.bench_packing(False)}  # fmt: skip
-    (tmp_path / "bench_results.json").write_text(json.dumps(full))
-    assert bench.main(["--quick", "--only", "packing"]) == 0
+    monkeypatch.setattr(cli, "ROOT", tmp_path)
+    full = {"quick": False, "date": "2026-01-01", "machine": "m", "command": "python -m bench",
+            "packing": packing.bench_packing(False)}  # fmt: skip
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(json.dumps(full))
+    assert cli.main(["--quick", "--only", "packing"]) == 0
     assert f"wrote {tmp_path / 'results' / 'bench_results.json'}" in capsys.readouterr().out
-    assert json.loads((tmp_path / "bench_results.json").read_text()) == full  # untouched
+    assert json.loads((tmp_path / "bench" / "results.json").read_text()) == full  # untouched
     assert json.loads((tmp_path / "results" / "bench_results.json").read_text())["quick"] is True
-    assert bench.main(["--print"]) == 0  # no argument: the committed full results
+    assert cli.main(["--print"]) == 0  # no argument: the committed full results
     out = capsys.readouterr().out
-    assert out.startswith("omni-mpo bench (full), 2026-01-01, m: `python bench.py`")
+    assert out.startswith("omni-mpo bench (full), 2026-01-01, m: `python -m bench`")
 
 
 def test_a_call_after_main_in_the_same_process_gets_a_new_folder(tmp_path, monkeypatch):
     """main() removes its temporary folder at the end; a later bench call in the process (a test, a notebook) makes a
     new one instead of writing into the removed one."""
-    import bench
+    from bench import cli, common, gpu_step
 
     old = tmp_path / "old"
     old.mkdir()
-    monkeypatch.setattr(bench, "_STATE", {"tmp": old, "ckpt_policy": old / "policy"})
-    assert bench.main(["--quick", "--only", "packing", "--json", str(tmp_path / "r.json")]) == 0
-    assert not old.exists() and bench._STATE == {}
-    made = bench._shape_checkpoint(TINY_GPU_SHAPE)
+    monkeypatch.setattr(common, "_STATE", {"tmp": old, "ckpt_policy": old / "policy"})
+    assert cli.main(["--quick", "--only", "packing", "--json", str(tmp_path / "r.json")]) == 0
+    assert not old.exists() and common._STATE == {}
+    made = gpu_step._shape_checkpoint(TINY_GPU_SHAPE)
     try:
         assert made.parent != old and (made / "config.json").is_file()
     finally:
@@ -410,61 +413,47 @@ def test_a_call_after_main_in_the_same_process_gets_a_new_folder(tmp_path, monke
 
 
 def test_print_of_a_file_that_is_not_a_results_file_is_one_line(tmp_path, capsys):
-    """`python bench.py --print README.md` ended in a JSONDecodeError traceback; a JSON file of another shape in a
+    """`python -m bench --print README.md` ended in a JSONDecodeError traceback; a JSON file of another shape in a
     KeyError one. Both are one `error:` line and exit 1."""
-    import bench
+    from bench import cli
 
-    assert bench.main(["--print", str(ROOT / "README.md")]) == 1
+    assert cli.main(["--print", str(ROOT / "README.md")]) == 1
     assert capsys.readouterr().err == (
         f"error: {ROOT / 'README.md'}: invalid JSON: Expecting value: line 1 column 1 (char 0)\n")
     other = tmp_path / "other.json"
     other.write_text('{"quick": false}')
-    assert bench.main(["--print", str(other)]) == 1
+    assert cli.main(["--print", str(other)]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == f"error: {other}: not a bench.py results file (KeyError: 'date')\n"
+    assert captured.out == "" and captured.err == f"error: {other}: not a bench results file (KeyError: 'date')\n"
 
 
 def test_only_without_an_item_is_a_usage_error(capsys):
-    """`python bench.py --only ""` ran every item and wrote over the committed bench_results.json; an --only that names
+    """`python -m bench --only ""` ran every item and wrote over the committed bench/results.json; an --only that names
     no item is argparse's usage error (exit 2), before any work."""
-    import bench
+    from bench import cli
 
     for value in ("", " , "):
         with pytest.raises(SystemExit) as e:
-            bench.main(["--only", value])
+            cli.main(["--only", value])
         assert e.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == (
-            f"python bench.py: error: --only {value!r} names no item; choose from {list(bench.ITEMS)}")
-
-
-@pytest.mark.parametrize("capability,triton_version,refused", [((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False),
-                                                               ((8, 0), "3.6.0", False), ((9, 0), "3.3.1", False)])
-def test_fla_is_left_out_where_it_refuses_triton(monkeypatch, capability, triton_version, refused):
-    """fla-core's own guard (Triton >= 3.4.0, < 3.7.1 on Hopper): the scan comparison and benchmark leave it out there
-    with the reason instead of failing on its refusal."""
-    import triton
-
-    import bench
-
-    monkeypatch.setattr(triton, "__version__", triton_version)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert (bench.fla_refusal(torch.device("cuda", 0)) is not None) is refused
+            f"python -m bench: error: --only {value!r} names no item; choose from {list(cli.ITEMS)}")
 
 
 def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd):
-    """Issue 36, point 3: save_pretrained's "Writing model shards" bars landed in bench.py's table output."""
+    """Issue 36, point 3: save_pretrained's "Writing model shards" bars landed in the benchmark's table output."""
     import shutil
 
     from transformers.utils import logging as hf_logging
 
-    import bench
+    from bench import common
 
-    monkeypatch.setattr(bench, "_STATE", {})
+    monkeypatch.setattr(common, "_STATE", {})
     assert hf_logging.is_progress_bar_enabled()
     try:
-        bench.small_checkpoint("policy", seed=1)
+        common.small_checkpoint("policy", seed=1)
     finally:
-        shutil.rmtree(bench._STATE["tmp"], ignore_errors=True)
+        shutil.rmtree(common._STATE["tmp"], ignore_errors=True)
     assert "Writing model shards" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # switched off only inside the block
 
@@ -475,45 +464,45 @@ def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
     both are restored on exit."""
     import types
 
-    import bench
     import mamba_triton
+    from bench import profiling
 
     kernels = {"scan_fn": lambda: "scan", "norm_fn": lambda: "norm"}
     monkeypatch.setattr(mamba_triton, "load_mamba_ssm_triton", lambda: kernels)
     scan, conv = kernels["scan_fn"], mamba_triton.causal_conv1d_fn
     optimizer = types.SimpleNamespace(step=lambda: None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with bench.profile_regions(torch.nn.Linear(1, 1), optimizer):
+        with profiling.profile_regions(torch.nn.Linear(1, 1), optimizer):
             assert kernels["scan_fn"]() == "scan" and kernels["norm_fn"] is not scan
             assert mamba_triton.causal_conv1d_fn is not conv
     names = {e.name for e in prof.events()}
-    assert bench.REGION_PREFIX + "Mamba scan" in names
+    assert profiling.REGION_PREFIX + "Mamba scan" in names
     assert kernels["scan_fn"] is scan and mamba_triton.causal_conv1d_fn is conv
 
 
 def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch):
-    """bench.py --gpu --ablation's swaps on the CPU: the tiny Omni built with grouped experts and the varlen attention
+    """The `--gpu --ablation` swaps on the CPU: the tiny Omni built with grouped experts and the varlen attention
     setting runs one matmul per expert under fallback "experts" (grouped_mm is not called), one SDPA call per sequence
     under "attention", mamba_torch's mixer body under "mamba"; each is undone after its block. Then kernel_ablation
     at the tiny shape with the experts swap: a row per variant, the slowdown the ratio of their step times."""
     from megatron.core.ssm import mamba_mixer
 
-    import bench
     import distributed
     import hf_weights
     import kernel_selection
     import local_spec
     import mamba_torch
     import omni_model as om
+    from bench import ablation, common
     from config import ModelConfig, ParallelConfig
 
     distributed.init_distributed()
     K = kernel_selection.Kernels
-    assert bench.fallbacks(K("local", "triton", "cuda", attention="varlen", experts="grouped")) == {
+    assert ablation.fallbacks(K("local", "triton", "cuda", attention="varlen", experts="grouped")) == {
         "attention": "varlen -> sdpa", "experts": "grouped -> loop", "mamba": "triton -> torch"}
     te = K("te", "mamba-ssm", "cuda", attention="te", experts="te")
-    assert bench.fallbacks(te) == {"mamba": "mamba-ssm -> torch"}
-    assert bench.fallbacks(K("local", "torch", "cpu")) == {}
+    assert ablation.fallbacks(te) == {"mamba": "mamba-ssm -> torch"}
+    assert ablation.fallbacks(K("local", "torch", "cpu")) == {}
 
     tiny = ROOT / "assets" / "tiny-omni"
     m = om.build_model(tiny, ModelConfig(), ParallelConfig(), kernels=K("local", "torch", "cpu", attention="varlen",
@@ -528,58 +517,58 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
     with torch.no_grad():
         want = m(batch)
         assert len(calls) == 2 * 2  # 2 MoE layers, 2 projections
-        with bench.fallback([m], "experts"):
+        with ablation.fallback([m], "experts"):
             assert torch.equal(m(batch), want)  # bit-equal on the CPU (tests/test_experts.py)
         assert len(calls) == 4
-        with bench.fallback([m, m], "experts"):  # a model twice, and a nested block: each undoes only its own
-            with bench.fallback([m], "experts"):
+        with ablation.fallback([m, m], "experts"):  # a model twice, and a nested block: each undoes only its own
+            with ablation.fallback([m], "experts"):
                 pass
             m(batch)
         assert len(calls) == 4
         attn = [a for a in m.modules() if isinstance(a, local_spec.ThdDotProductAttention)]
         assert attn and {a.attention for a in attn} == {"varlen"}
-        with bench.fallback([m], "attention"):
+        with ablation.fallback([m], "attention"):
             assert {a.attention for a in attn} == {"sdpa"}
         assert {a.attention for a in attn} == {"varlen"}
         hooked = mamba_mixer.mamba_split_conv1d_scan_combined
-        with bench.fallback([m], "mamba"):
+        with ablation.fallback([m], "mamba"):
             assert mamba_mixer.mamba_split_conv1d_scan_combined.__wrapped__ is \
                 mamba_torch.mamba_split_conv1d_scan_combined
             assert torch.equal(m(batch), want)
         assert mamba_mixer.mamba_split_conv1d_scan_combined is hooked
         assert len(calls) == 8  # grouped again after the experts block
     with pytest.raises(ValueError, match="norm"):
-        with bench.fallback([m], "norm"):
+        with ablation.fallback([m], "norm"):
             pass
 
     real = kernel_selection.select_kernels
     monkeypatch.setattr(kernel_selection, "select_kernels",
                         lambda **kw: K(**{**vars(real(**kw)), "experts": "grouped"}))
-    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"experts": "grouped -> loop"})
-    out = bench.kernel_ablation("cpu", TINY_GPU_SHAPE, 1)
+    monkeypatch.setattr(ablation, "fallbacks", lambda kernels: {"experts": "grouped -> loop"})
+    out = ablation.kernel_ablation("cpu", TINY_GPU_SHAPE, 1)
     assert out["kernels"].startswith("kernels: spec local; attention sdpa; experts grouped")
     assert set(out) == {"kernels", "tokens", "fallbacks", "selected", "experts"}
     assert out["experts"]["slowdown"] == out["experts"]["step_s"] / out["selected"]["step_s"]
     sel = out["selected"]
     assert sel["mfu"] is None and sel["tokens_per_s"] == out["tokens"] / sel["step_s"]
-    rows = bench.ablation_rows(out)
+    rows = ablation.ablation_rows(out)
     assert [r[0] for r in rows] == ["kernel ablation: experts grouped -> loop"]
     # a variant that fails is recorded, the next one still runs, and the section fails naming it
-    swap = bench.fallback
+    swap = ablation.fallback
 
     def failing(models, which):
         if which == "attention":
             raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
         return swap(models, which)
 
-    monkeypatch.setattr(bench, "fallback", failing)
-    monkeypatch.setattr(bench, "fallbacks", lambda kernels: {"attention": "varlen -> sdpa",
+    monkeypatch.setattr(ablation, "fallback", failing)
+    monkeypatch.setattr(ablation, "fallbacks", lambda kernels: {"attention": "varlen -> sdpa",
                                                              "experts": "grouped -> loop"})
     res = {}
-    assert not bench.run_section(res, "ablation", functools.partial(bench.kernel_ablation, out=res.setdefault(
+    assert not common.run_section(res, "ablation", functools.partial(ablation.kernel_ablation, out=res.setdefault(
         "ablation", {})), "cpu", TINY_GPU_SHAPE, 1)
     ab = res["ablation"]
     assert ab["error"] == "RuntimeError: kernel ablation: attention failed"
     assert ab["attention"]["error"].startswith("OutOfMemoryError") and ab["experts"]["step_s"] > 0
-    assert [r[1] for r in bench.ablation_rows(ab)] == ["failed", "failed", "step time (" + str(ab["tokens"])
+    assert [r[1] for r in ablation.ablation_rows(ab)] == ["failed", "failed", "step time (" + str(ab["tokens"])
                                                        + " tokens)"]

@@ -192,12 +192,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _scan(kernel, device, dtype):
-    import bench
+    from bench.scan import run_scan, scan_inputs
 
     # the comparison: 300 tokens in 3 packed sequences, 8 heads x 16, 2 groups, d_state 16, chunk 64
-    inp = bench.scan_inputs(device, 300, 3, heads=8, head_dim=16, groups=2, d_state=16, dtype=dtype)
+    inp = scan_inputs(device, 300, 3, heads=8, head_dim=16, groups=2, d_state=16, dtype=dtype)
     grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    y, grads = bench.run_scan(kernel, inp, 64, grad_out)
+    y, grads = run_scan(kernel, inp, 64, grad_out)
     return {"y": y.detach(), **{k: v.detach() for k, v in grads.items()}}
 
 
@@ -212,11 +212,11 @@ def test_mamba_torch_on_cuda_matches_the_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_mamba_kernel_matches_mamba_torch(dtype):
-    import bench
     import mamba_torch
+    from bench import scan
 
     dev = torch.device("cuda", 0)
-    kernels = {k: v for k, v in bench.mamba_scan_kernels(dev).items() if k != "torch"}
+    kernels = {k: v for k, v in scan.mamba_scan_kernels(dev).items() if k != "torch"}
     if not kernels:
         pytest.skip("no Mamba-2 kernel besides mamba_torch imports here (mamba-ssm + causal-conv1d missing)")
     want = _scan(mamba_torch.mamba_chunk_scan_combined, dev, dtype)

@@ -1,6 +1,7 @@
 """mamba_triton without a GPU or Triton's interpreter: the loader of mamba-ssm's Triton sources (the shim that skips
-its package __init__), and the conv offsets that fla-core's conv reads. The kernels themselves are compared with
-mamba_torch in Triton's interpreter (tests/test_mamba_ssm_interpret.py) and on CUDA (tests/test_gpu.py).
+its package __init__), the conv offsets that fla-core's conv reads, and where fla-core refuses its simple-GLA kernel.
+The kernels themselves are compared with mamba_torch in Triton's interpreter (tests/test_mamba_ssm_interpret.py) and
+on CUDA (tests/test_gpu.py).
 
 Run: `pytest tests/test_mamba_triton.py`.
 """
@@ -81,3 +82,15 @@ def test_conv_offsets_from_seq_idx_and_from_the_batch():
         assert mamba_triton._offsets(seq_idx.clone())[0].tolist() == cu  # another tensor: derived again
     finally:
         mamba_triton.CONV_OFFSETS.reset(token)
+
+
+@pytest.mark.parametrize("capability,triton_version,refused", [((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False),
+                                                               ((8, 0), "3.6.0", False), ((9, 0), "3.3.1", False)])
+def test_fla_is_left_out_where_it_refuses_triton(monkeypatch, capability, triton_version, refused):
+    """fla-core's own guard (Triton >= 3.4.0, < 3.7.1 on Hopper): the scan comparison and benchmark leave it out there
+    with the reason instead of failing on its refusal."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert (mamba_triton.fla_refusal(torch.device("cuda", 0)) is not None) is refused

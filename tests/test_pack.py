@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import bench
 import pack
 import preflight
+from bench import packing, workload
 from config import ConfigError, load_config
 
 IMG = 99  # <image> token id used by the tests; ordinary tokens are drawn from 100..999
@@ -216,8 +216,8 @@ def test_config_entry_points():
 
 
 def test_synthetic_mmpr_lengths_ranges():
-    lengths = bench.synthetic_mmpr_lengths(512, seed=3)
-    assert lengths == bench.synthetic_mmpr_lengths(512, seed=3)
+    lengths = workload.synthetic_mmpr_lengths(512, seed=3)
+    assert lengths == workload.synthetic_mmpr_lengths(512, seed=3)
     rows = [n for c_r in lengths.values() for n in c_r]
     assert 300 + 50 <= min(rows) and max(rows) <= 3400 + 1500
     assert min(rows) < 700 and max(rows) > 3500  # the mix spans the range
@@ -225,16 +225,16 @@ def test_synthetic_mmpr_lengths_ranges():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_efficiency_and_dp_balance(seed):
-    lengths = bench.synthetic_mmpr_lengths(256, seed=seed)
+    lengths = workload.synthetic_mmpr_lengths(256, seed=seed)
     greedy = pack.plan_bins(lengths, 10240, 1, 8, divisible_by=8)
-    rr = bench.round_robin_ranks(greedy, lengths)
+    rr = packing.round_robin_ranks(greedy, lengths)
     assert not any(b.dummy for r in greedy.ranks for b in r) and greedy.num_microbatches == 32
     assert oracles.packing_efficiency(greedy) >= 0.99
-    assert bench.rank_imbalance(greedy.ranks) <= 1.03
+    assert packing.rank_imbalance(greedy.ranks) <= 1.03
     # the same bins dealt round-robin in data order: clearly worse (about 1.1)
     assert sorted(b.pair_ids for r in rr for b in r) == sorted(b.pair_ids for r in greedy.ranks for b in r)
-    assert bench.rank_imbalance(rr) >= 1.05
-    assert bench.rank_imbalance(greedy.ranks) < bench.rank_imbalance(rr)
+    assert packing.rank_imbalance(rr) >= 1.05
+    assert packing.rank_imbalance(greedy.ranks) < packing.rank_imbalance(rr)
     # multi-pair bins keep the efficiency (THD packs are not padded to the bin)
     multi = pack.plan_bins(lengths, 16384, 4, 8, divisible_by=8)
     assert oracles.packing_efficiency(multi) >= 0.99
@@ -242,11 +242,11 @@ def test_efficiency_and_dp_balance(seed):
 
 def test_imbalance_and_efficiency_closed_form():
     bins = [pack.Bin((i,), t, t - 1, float(t)) for i, t in enumerate([10, 20, 30, 40])]
-    ranks = bench.deal_round_robin(bins, 2)  # rank 0: 10 + 30, rank 1: 20 + 40
-    assert bench.rank_imbalance(ranks) == pytest.approx(60 / 50)
+    ranks = packing.deal_round_robin(bins, 2)  # rank 0: 10 + 30, rank 1: 20 + 40
+    assert packing.rank_imbalance(ranks) == pytest.approx(60 / 50)
     greedy = pack.deal_greedy(bins, 2)  # 40 -> r0, 30 -> r1, 20 -> r1, 10 -> r0: 50 / 50
     assert [[b.tokens for b in r] for r in greedy] == [[40, 10], [30, 20]]
-    assert bench.rank_imbalance(greedy) == 1.0
+    assert packing.rank_imbalance(greedy) == 1.0
     plan = pack.Plan(ranks=greedy, num_microbatches=2)
     assert oracles.packing_efficiency(plan) == pytest.approx(96 / 100)
 

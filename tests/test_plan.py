@@ -154,27 +154,28 @@ def test_plan_of_nano_is_the_golden_table(capsys):
 
 
 def test_plan_predicts_the_recorded_gpu_peak_within_15_percent():
-    """The plan of bench.py --gpu's step (its config and checkpoint folder: bench.step_config, one rank, the same
-    pairs and bins) against the peak memory the H200 run recorded (bench_gpu_results.json; docs/PERFORMANCE.md, First
-    GPU numbers): max_memory_allocated over the policy + reference + distributed Adam step."""
-    import bench
+    """The plan of `python -m bench --gpu`'s step (its config and checkpoint folder: gpu_step.step_config, one rank,
+    the same pairs and bins) against the peak memory the H200 run recorded (bench/gpu_results.json;
+    docs/PERFORMANCE.md, First GPU numbers): max_memory_allocated over the policy + reference + distributed Adam
+    step."""
     import pack
+    from bench import gpu, gpu_step, workload
 
-    recorded = json.loads((ROOT / "bench_gpu_results.json").read_text())["gpu"]["step"]
-    shape = bench.GPU_SHAPE
-    ckpt = bench._shape_checkpoint(shape)
-    cfg = bench.step_config(ckpt, shape)
+    recorded = json.loads((ROOT / "bench" / "gpu_results.json").read_text())["gpu"]["step"]
+    shape = gpu.GPU_SHAPE
+    ckpt = gpu_step._shape_checkpoint(shape)
+    cfg = gpu_step.step_config(ckpt, shape)
     hf = omni_model.read_hf_config(ckpt)
     assert (recorded["pattern"], recorded["hidden_size"], recorded["vocab_size"], recorded["dtype"]) == (
         hf.pattern, hf.text.hidden_size, hf.text.vocab_size, cfg.model.params_dtype)
-    lengths = bench.pair_lengths(bench.text_pairs(shape["pairs"], shape["prompt"], shape["response"],
+    lengths = workload.pair_lengths(workload.text_pairs(shape["pairs"], shape["prompt"], shape["response"],
                                                   hf.text.vocab_size))
     step = pack.plan_step(lengths, cfg.packing, 1)
     sizes = pack.pair_bin_tokens(lengths, cfg.packing.make_sequence_length_divisible_by)
     bins = [sum(sizes[p] for p in b.pair_ids) for b in step.ranks[0]]
     assert len(bins) == recorded["microbatches_ours"] and recorded["pairs"] == shape["pairs"]
     assert 0 <= sum(bins) - recorded["tokens"] < len(lengths) * 2 * cfg.packing.make_sequence_length_divisible_by
-    planned = bench.plan_gpu_step(shape, plan.GPUS["141 GB"])  # what bench.sized_gpu_shape asks
+    planned = gpu.plan_gpu_step(shape, plan.GPUS["141 GB"])  # what gpu.sized_gpu_shape asks
     assert planned["largest_bin"] == max(bins)
     predicted = planned["planned_bytes"]
     assert abs(predicted / recorded["peak_bytes_ours"] - 1) < 0.15, (predicted, recorded["peak_bytes_ours"])
@@ -361,20 +362,20 @@ def test_the_reference_pass_is_planned_apart_from_training():
 
 
 def test_the_gpu_benchmark_sizes_its_step_to_the_device():
-    """Issue 46.1: the GPU step at its full shape (about 106 GiB) did not fit an 80 GB H100. bench.sized_gpu_shape
+    """Issue 46.1: the GPU step at its full shape (about 106 GiB) did not fit an 80 GB H100. gpu.sized_gpu_shape
     takes the largest shape of the ladder that the plan fits in the device's memory: the full one on a 141 GB H200,
     a smaller one on an 80 GB H100, each within the plan (plan.MARGIN to spare after the reserve)."""
-    import bench
+    from bench import gpu
 
-    ladder = bench.gpu_shape_ladder()
-    assert ladder[0] == bench.GPU_SHAPE
-    planned = [bench.plan_gpu_step(shape, plan.GPUS["80 GB"])["planned_bytes"] for shape in ladder]
+    ladder = gpu.gpu_shape_ladder()
+    assert ladder[0] == gpu.GPU_SHAPE
+    planned = [gpu.plan_gpu_step(shape, plan.GPUS["80 GB"])["planned_bytes"] for shape in ladder]
     assert planned == sorted(planned, reverse=True)  # each rung plans less memory than the one before
     for capacity in plan.GPUS.values():
-        shape, got = bench.sized_gpu_shape(capacity)
+        shape, got = gpu.sized_gpu_shape(capacity)
         assert got["fits"] and got["capacity_bytes"] == capacity
         assert got["planned_bytes"] + got["reserve_bytes"] + plan.MARGIN <= capacity
         before = ladder[: ladder.index(shape)]  # every larger rung does not fit
-        assert not any(bench.plan_gpu_step(s, capacity)["fits"] for s in before)
-    assert bench.sized_gpu_shape(plan.GPUS["141 GB"])[0] == bench.GPU_SHAPE
-    assert bench.sized_gpu_shape(plan.GPUS["80 GB"])[0] != bench.GPU_SHAPE
+        assert not any(gpu.plan_gpu_step(s, capacity)["fits"] for s in before)
+    assert gpu.sized_gpu_shape(plan.GPUS["141 GB"])[0] == gpu.GPU_SHAPE
+    assert gpu.sized_gpu_shape(plan.GPUS["80 GB"])[0] != gpu.GPU_SHAPE

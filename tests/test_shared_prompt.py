@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bench
 import mamba_torch as mt
 import mpo_loss
 import pack
 import preflight
 import shared_prompt
+from bench import packing, workload
 from config import ConfigError
 
 F64 = torch.float64
@@ -373,12 +373,12 @@ def test_planner_sizes_match_packed_rows():
 
 def test_synthetic_mmpr_token_ratio():
     """The issue's measure: on 10,000 MMPR-like pairs separate rows hold 1.62x the tokens of the shared layout."""
-    parts = bench.synthetic_mmpr_parts(10_000, seed=0)
-    assert bench.synthetic_mmpr_lengths(10_000, seed=0) == {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
+    parts = workload.synthetic_mmpr_parts(10_000, seed=0)
+    assert workload.synthetic_mmpr_lengths(10_000, seed=0) == {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     separate = sum(2 * p + c + r for p, c, r in parts.values())
     shared = sum(p + 1 + c + r for p, c, r in parts.values())  # k = p - 1 tokens once, the last one twice
     assert separate / shared == pytest.approx(1.6214, abs=1e-4)
-    counts = bench.shared_prompt_token_counts(parts, 10**6, 1, 1)
+    counts = packing.shared_prompt_token_counts(parts, 10**6, 1, 1)
     assert (counts["tokens_separate"], counts["tokens_shared"]) == (separate, shared)
     assert counts["token_ratio"] == pytest.approx(separate / shared)
 

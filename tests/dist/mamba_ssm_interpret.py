@@ -44,17 +44,17 @@ def scan() -> tuple[str, dict]:
     """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on issue 12's packed case (300 tokens in 3 sequences
     via seq_idx, 8 heads x 16, 2 groups, d_state 16, chunk 64, dt softplus + dt_limit (0.001, inf), D, z): output
     and the gradients of x, dt, B, C, z."""
-    import bench
     import mamba_torch
     import mamba_triton
+    from bench.scan import run_scan, scan_inputs
 
     mamba_chunk_scan_combined = mamba_triton.load_mamba_ssm_triton()["scan_fn"]
     results = []
     for kernel in (mamba_chunk_scan_combined, mamba_torch.mamba_chunk_scan_combined):
-        inp = bench.scan_inputs(torch.device("cpu"), 300, 3, heads=8, head_dim=16, groups=2, d_state=16,
+        inp = scan_inputs(torch.device("cpu"), 300, 3, heads=8, head_dim=16, groups=2, d_state=16,
                                 dtype=torch.float32)
         grad_out = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(1))
-        y, grads = bench.run_scan(kernel, inp, 64, grad_out)
+        y, grads = run_scan(kernel, inp, 64, grad_out)
         results.append({"y": y.detach(), **grads})
     return mamba_chunk_scan_combined.__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
 
