@@ -3,9 +3,9 @@
 
 In ONE launch: the TP=1 reference (each rank alone) gets adapters on every component but the routed experts, its B
 drawn at random, and runs one packed image + text pair forward and backward; the adapters in HF layout
-(lora.hf_adapter_state) go to the TP=2 layouts, with sequence parallelism (the language model: SP paths) and
-without it on a dense-only run is not possible (MoE with TP needs SP): the ViT and the projector run without SP in
-the same forward, so both adapter paths (all-gather / reduce-scatter of u, and copy / all-reduce) are exercised.
+(lora.hf_adapter_state) go to the TP=2 layout with sequence parallelism (MoE with TP needs SP). The language
+model's adapters take the SP paths (u all-gathered / reduce-scattered over the sequence), the ViT's and the
+projector's, which run without SP in the same forward, the others (u copied / all-reduced).
 Reported (rank 0): max-abs logits difference, the largest relative difference of the adapters' gradients in HF
 layout (replicated gradients of SP-tagged adapters summed over TP first, as finalize_model_grads does), and how far
 the adapters move the logits from the base model.
