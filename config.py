@@ -178,6 +178,27 @@ class LoggingConfig:
     log_period: int = 1  # print a line every N steps
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")  # Megatron-Bridge's
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (lora.py): W + (alpha/rank)·B·A on the targeted megatron-core linears, base weights frozen."""
+
+    rank: int = 0  # adapter rank r; 0 = LoRA off (full-parameter training)
+    alpha: float = 32.0  # scale numerator: the adapter adds (alpha / rank)·B·A (> 0)
+    dropout: float = 0.0  # dropout on the adapter's input, in [0, 1)
+    # layer names (Megatron-Bridge's): attention linear_qkv / linear_proj, MLP linear_fc1 / linear_fc2, Mamba
+    # in_proj / out_proj; where they get adapters: the flags below
+    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj"]] = field(
+        default_factory=lambda: list(LORA_TARGETS))
+    language_model: bool = True  # adapters on the targets of the hybrid language model's layers
+    shared_expert: bool = True  # ... and on the MoE shared expert's linear_fc1 / linear_fc2 (when targeted)
+    routed_experts: bool = False  # ... and on every routed expert's fc1 / fc2 (one adapter pair per expert)
+    vision_tower: bool = False  # adapters on the RADIO ViT's targets
+    projector: bool = False  # adapters on the mlp1 projector's linear_fc1 / linear_fc2 (when targeted)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -191,6 +212,7 @@ class Config:
     packing: PackingConfig = field(default_factory=PackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # The path-valued fields: a leading `~` is expanded at load (`expand_user_paths`).
@@ -225,6 +247,20 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     origin = typing.get_origin(tp)
     if from_cli and (tp is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))):
         value = _unquote(value, key, where)
+    if origin is list:  # a TOML array; on the command line also "a,b" or a TOML array "['a', 'b']"
+        if from_cli:
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError:
+                    raise ConfigError(f"{where}: {key} = {value!r} is not a valid TOML array") from None
+            else:
+                value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: {key} = {value!r} has the wrong type; expected a list")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, key, where) for v in value]
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -420,6 +456,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.moe_router_load_balancing_type = 'seq_aux_loss' is not supported (megatron-core "
                           "takes a packed row as one sequence); use 'aux_loss' or 'none'")
     validate_reference(cfg)
+    validate_lora(cfg)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr = {opt.min_lr} must be <= optimizer.lr = {opt.lr}")
     for k in ("adam_beta1", "adam_beta2"):
@@ -441,6 +478,47 @@ def validate_reference(cfg: Config) -> None:
         raise ConfigError(f"reference.max_tokens_per_bin = {r.max_tokens_per_bin} must be >= "
                           f"packing.max_tokens_per_bin = {bin_tokens} (the pass holds no policy, gradients or "
                           "optimizer state), or 0 for the same")
+
+
+def validate_lora(cfg: Config) -> None:
+    """The [lora] section: rank >= 0, alpha > 0, dropout in [0, 1), no adapter on a frozen component, something to
+    adapt, and the base model frozen whole (the reference is the base with the adapters off)."""
+    lo, m = cfg.lora, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank = {lo.rank} must be >= 0 (0 = LoRA off)")
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha = {lo.alpha} must be > 0 (the adapter adds (alpha / rank)·B·A)")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout = {lo.dropout} must be in [0, 1)")
+    if len(set(lo.targets)) != len(lo.targets):
+        raise ConfigError(f"lora.targets = {lo.targets} names a layer twice")
+    if lo.rank == 0:
+        return
+    frozen = (("language_model", "freeze_language_model"), ("shared_expert", "freeze_language_model"),
+              ("routed_experts", "freeze_language_model"), ("vision_tower", "freeze_vision_encoder"),
+              ("projector", "freeze_vision_projector"))
+    for flag, freeze in frozen:
+        if getattr(lo, flag) and getattr(m, freeze):
+            raise ConfigError(f"lora.{flag} = true with model.{freeze} = true: adapters on a frozen component; "
+                              f"set lora.{flag} = false or model.{freeze} = false")
+    if not lo.targets:
+        raise ConfigError(f"lora.targets is empty with lora.rank = {lo.rank}: name layers from {list(LORA_TARGETS)}, "
+                          "or set lora.rank = 0")
+    mlp = {"linear_fc1", "linear_fc2"}  # the targets of the components that are off by default
+    for flag, names in (("routed_experts", mlp), ("vision_tower", {"linear_qkv", "linear_proj", *mlp}),
+                        ("projector", mlp)):
+        if getattr(lo, flag) and not names & set(lo.targets):
+            raise ConfigError(f"lora.{flag} = true but lora.targets = {lo.targets} names none of its layers "
+                              f"{sorted(names)}")
+    if not any(getattr(lo, f) for f in ("language_model", "shared_expert", "routed_experts", "vision_tower",
+                                        "projector")):
+        raise ConfigError(f"lora.rank = {lo.rank} but every lora component flag is false: no adapter; set one of "
+                          "lora.language_model, lora.shared_expert, lora.routed_experts, lora.vision_tower, "
+                          "lora.projector, or lora.rank = 0")
+    if m.moe_router_bias_update_rate > 0:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} with lora.rank = "
+                          f"{lo.rank}: the expert bias is part of the frozen base model (the reference is the base "
+                          "with the adapters off); set model.moe_router_bias_update_rate = 0")
 
 
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
