@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import raises_naming
 
 import checkpoint
 
@@ -101,7 +102,7 @@ def test_a_damaged_newest_step_is_refused_not_taken_for_an_unfinished_save(tmp_p
             find(tmp_path)
         assert str(e.value).startswith(f"{bad} ") and str(e.value).endswith(f"{tmp_path / 'step_1'}")
     shutil.rmtree(tmp_path / "step_1")  # the only checkpoint: still refused, never a fresh start over it
-    with pytest.raises(checkpoint.CheckpointError, match="starts afresh"):
+    with raises_naming(checkpoint.CheckpointError, bad, f"{bad}.damaged"):
         checkpoint.latest_checkpoint(tmp_path)
     bad.rename(tmp_path / "step_2.damaged")  # the way out the line names
     assert checkpoint.latest_checkpoint(tmp_path) is None
@@ -112,7 +113,7 @@ def test_resume_false_refuses_existing_checkpoint(tmp_path):
     _fake_ckpt(tmp_path, "step_3.tmp")
     assert checkpoint.resume_path(tmp_path, resume=False) is None  # only an unfinished save: nothing to protect
     _fake_ckpt(tmp_path, "step_3")
-    with pytest.raises(checkpoint.CheckpointError, match="step_3.*checkpoint.resume = false"):
+    with raises_naming(checkpoint.CheckpointError, "step_3", "checkpoint.resume"):
         checkpoint.resume_path(tmp_path, resume=False)
     assert checkpoint.resume_path(tmp_path, resume=True) == tmp_path / "step_3"
 
@@ -124,7 +125,7 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
     cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml"))  # hf_path = "assets/tiny-omni"
     (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(_state(4, cfg)))
     monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
-    with pytest.raises(checkpoint.CheckpointError, match="model.hf_path = 'assets/tiny-omni' has no config.json seen"):
+    with raises_naming(checkpoint.CheckpointError, "model.hf_path", "'assets/tiny-omni'", "config.json", tmp_path):
         checkpoint.export(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -291,8 +292,7 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
-    held = f"^export directory {other} is a directory that holds a training run " r"\(config.json, step_7\)"
-    with pytest.raises(checkpoint.CheckpointError, match=held):
+    with raises_naming(checkpoint.CheckpointError, f"export directory {other} ", "(config.json, step_7)"):
         checkpoint.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
         checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
@@ -300,7 +300,7 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     logged.mkdir()
     (logged / "config.json").write_text("{}")
     (logged / "metrics.jsonl").write_text("")
-    with pytest.raises(checkpoint.CheckpointError, match=r"holds a training run \(config.json, metrics.jsonl\); "):
+    with raises_naming(checkpoint.CheckpointError, logged, "(config.json, metrics.jsonl)"):
         checkpoint.check_export_dir(logged, step)
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
@@ -805,7 +805,7 @@ def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
             read(state)
         assert str(e.value).startswith(f"{file} ") and all(n in str(e.value) for n in names), str(e.value)
     file.write_text("{")
-    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+    with raises_naming(checkpoint.CheckpointError, file, "JSONDecodeError"):
         checkpoint.read_run_state(tmp_path)
 
 
@@ -1155,7 +1155,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     b = system("grouped-loop")
     here = checkpoint.parameter_layout(b["policy"])
     assert here != saved
-    with pytest.raises(checkpoint.CheckpointError, match=f"parameter layout {saved}, this model's is {here}"):
+    with raises_naming(checkpoint.CheckpointError, path, saved, here, f"checkpoint.py export {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
     checkpoint.load(path, b["policy"])  # the model part alone: SequentialMLP's keys load into the 3-D weights
     for name, w in b["policy"].named_parameters():
@@ -1171,7 +1171,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
     checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
     assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
-    with pytest.raises(checkpoint.CheckpointError, match="saved before layouts were recorded"):
+    with raises_naming(checkpoint.CheckpointError, path, f"checkpoint.py export {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])  # into GroupedExperts: refused
 
 
