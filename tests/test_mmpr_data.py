@@ -241,9 +241,8 @@ def test_path_resolution_rules(tmp_path, processor):
     # the error lists every path tried
     (tmp_path / "x" / "y").mkdir(parents=True)
     (tmp_path / "x" / "y" / "meta.json").write_text(json.dumps({"s": {"root": "nope", "annotation": "no.jsonl"}}))
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{tmp_path / 'x' / 'nope'}, {tmp_path / 'x' / 'y' / 'nope'};") as e:
         mr.read_meta(tmp_path / "x" / "y" / "meta.json")
-    assert f"tried {tmp_path / 'x' / 'nope'}, {tmp_path / 'x' / 'y' / 'nope'};" in str(e.value)
     assert "\n" not in str(e.value)  # one line
     with raises_naming(mr.DataError, f"(tried {tmp_path / 'dr' / 'nope'};", "data.train.data_root"):
         mr.read_meta(tmp_path / "x" / "y" / "meta.json", data_root=str(tmp_path / "dr"))
@@ -316,11 +315,9 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
     broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not rows: still the JSON error
     with raises_naming(mr.DataError, f"{broken}:2:1: ", "Extra data"):
         mr.read_meta(broken)
-    for flag, value, message in (("--max-samples", "-3", "--max-samples = -3 must be >= 0 (0 = all)"),
-                                 ("--max-seq-length", "0", "--max-seq-length = 0 must be >= 1")):
-        with pytest.raises(mr.DataError) as e:
+    for flag, value, bound in (("--max-samples", "-3", ">= 0"), ("--max-seq-length", "0", ">= 1")):
+        with raises_naming(mr.DataError, f"{flag} = {value} ", bound):
             mi.main([str(SAMPLE_META), "--model", str(TINY), flag, value])
-        assert str(e.value) == message
 
 
 def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
@@ -346,8 +343,8 @@ def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
     with mr.data_warnings([]) as notes:
         mr.read_meta(meta)
         mr.read_meta(SAMPLE_META)  # the shipped sample: InternVL's keys only, nothing said
-    assert notes == [f"{meta}: subset 'sub': unknown keys ignored: 'repeat_times' (did you mean 'repeat_time'?), "
-                     "'lenght' (did you mean 'length'?), 'color'"]
+    assert len(notes) == 1 and notes[0].startswith(f"{meta}: subset 'sub': "), notes  # one notice, every key
+    assert all(n in notes[0] for n in ("'repeat_times'", "'repeat_time'?", "'lenght'", "'length'?", "'color'")), notes
     dup = tmp_path / "dup.json"
     dup.write_text('{"a": {"annotation": "x.jsonl"}, "b": {"annotation": "y.jsonl"}, "a": {"annotation": "z.jsonl"}}')
     with raises_naming(mr.DataError, f"{dup}: ", "key 'a'"):
@@ -360,9 +357,9 @@ def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
 def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
     """QA 4b.11: an image path or an annotation path naming a directory was reported as not existing."""
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{meta}: ", "'MMPR-t/images'",
+                       f"{tmp_path / 'MMPR-t' / 'images'} is a directory"):  # fmt: skip
         mr.read_meta(meta)
-    assert str(e.value) == f"{meta}: file 'MMPR-t/images': {tmp_path / 'MMPR-t' / 'images'} is a directory"
     with pytest.raises(mr._Drop) as e:
         mr.load_image(tmp_path)
     assert (e.value.reason, e.value.detail) == ("image_missing", f"{tmp_path} is a directory")
@@ -619,9 +616,10 @@ def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(t
     st = index.stats["sub"]
     assert st["dropped"] == {"invalid_json": 3, "image_unreadable": 1} and index.line.tolist() == [1]
     ex = [e.split(": ", 1)[1] for e in st["drop_examples"]["invalid_json"]]
-    assert ex[0] == "'chosen': lone surrogate '\\ud83d' at character 6"
-    assert ex[1] == "'question': lone surrogate '\\udce9' at character 11"
-    assert ex[2] == "'system': lone surrogate '\\udcff' at character 3"
+    for example, names in zip(ex, (("'chosen'", "'\\ud83d'", "character 6"),  # the field, the value, its position
+                                   ("'question'", "'\\udce9'", "character 11"),
+                                   ("'system'", "'\\udcff'", "character 3")), strict=True):  # fmt: skip
+        assert all(n in example for n in names), example
     assert st["drop_examples"]["image_unreadable"][0].endswith(".png: File name too long")
 
 
@@ -652,17 +650,15 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{meta}: ", "{'image_missing': 1}"):
         mi.build_index(meta, processor, data_cfg())
-    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'image_missing': 1}}"
 
 
 def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
     """QA5: an empty annotation file said only 'drops: {}'; the subsets without a row are named."""
     meta = write_set(tmp_path, [], {})
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{meta}: ", "drops: {}", "subset(s) 'sub'"):
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
-    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{}}; no rows in subset(s) 'sub'"
 
 
 def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
@@ -672,25 +668,21 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
     meta = write_set(tmp_path, [], {"a.png": rgb()})
     annotation = meta.parent / "annotations" / "sub.jsonl"
     annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")  # 2 rows -> 14 lines, each invalid JSON
-    with warns_naming(mr.DataWarning, annotation, "JSON Lines"), pytest.raises(mr.DataError) as e:
+    with warns_naming(mr.DataWarning, annotation, "JSON Lines"), raises_naming(
+            mr.DataError, f"{meta}: ", "{'invalid_json': 14}", f"{annotation} ", "JSON Lines", "JSON array",
+            f"(e.g. {annotation}:1: Expecting value: line 2 column 1 (char 2))"):  # fmt: skip
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
-    assert str(e.value) == (
-        f"{meta}: no valid preference pair; drops: {{'invalid_json': 14}}; {annotation} is not JSON Lines (its first "
-        f"line opens a JSON array): an annotation file must be JSONL, one JSON object per line (e.g. {annotation}:1: "
-        "Expecting value: line 2 column 1 (char 2))")
     # a compact array on one line, then lines of a JSON array's objects: none is a JSON object on its own line
     annotation.write_text(json.dumps([row(0)]) + "\n" + "\n".join(json.dumps(row(i)) + "," for i in (1, 2)) + "\n")
-    with warns_naming(mr.DataWarning, annotation, "JSON Lines"), pytest.raises(mr.DataError) as e:
+    with warns_naming(mr.DataWarning, annotation, "JSON Lines"), raises_naming(
+            mr.DataError, f"{meta}: ", "{'invalid_json': 3}", f"{annotation} ", "JSON Lines", "3 non-blank lines",
+            f"(e.g. {annotation}:1: expected a JSON object, got list)"):  # fmt: skip
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
-    assert str(e.value) == (
-        f"{meta}: no valid preference pair; drops: {{'invalid_json': 3}}; {annotation} is not JSON Lines (none of its "
-        f"3 non-blank lines is a JSON object): an annotation file must be JSONL, one JSON object per line (e.g. "
-        f"{annotation}:1: expected a JSON object, got list)")
     # a JSONL with one bad row is not called an array, whatever that row is: the message is the usual one
     annotation.write_text("[1, 2]\n" + json.dumps(row(0, image="nope.png")) + "\n")
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{meta}: ", "{'invalid_json': 1, 'image_missing': 1}") as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
-    assert str(e.value) == f"{meta}: no valid preference pair; drops: {{'invalid_json': 1, 'image_missing': 1}}"
+    assert "JSON Lines" not in str(e.value)  # the usual error: no array hint
     # the array as one subset beside a good one: the index builds, and a warning names the array file
     annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")
     spec = json.loads(meta.read_text())
@@ -770,8 +762,8 @@ def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
     index = mi.build_index(meta, other, data_cfg())
     assert index.line.tolist() == [2] and index.stats["sub"]["dropped"] == {"template_rewrites_text": 2}
     ex = index.stats["sub"]["drop_examples"]["template_rewrites_text"]
-    assert "sub.jsonl:1: the chat template changes the question text" in ex[0]
-    assert "sub.jsonl:3: the chat template changes the system text" in ex[1]
+    assert "sub.jsonl:1: " in ex[0] and " question text: " in ex[0], ex  # the file:line and the field rewritten
+    assert "sub.jsonl:3: " in ex[1] and " system text: " in ex[1], ex
     assert len(mi.build_index(meta, processor, data_cfg(), use_cache=False)) == 3  # the tiny template keeps them
 
 
@@ -1078,10 +1070,9 @@ def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
     assert [ds[i].image_grid_hw.tolist() for i in (1, 2, 3)] == [[[2, 256]], [[2, 188]], [[2, 46]]]
     assert index.image_grid_hw.tolist()[1:] == [[2, 256], [2, 188], [2, 46]]
     cfg = data_cfg(train__max_images_per_row=2, strict=True)
-    with pytest.raises(mr.DataError) as e:
+    with raises_naming(mr.DataError, f"{annotation}:2: ", "image_unprocessable",
+                       _unprocessable(images / "wide.png", 5000, 8, "313x1"), "data.strict = true"):  # fmt: skip
         mi.build_index(meta, processor, cfg, use_cache=False)
-    assert str(e.value) == (f"{annotation}:2: row dropped (image_unprocessable: "
-                            + _unprocessable(images / "wide.png", 5000, 8, "313x1") + ") and data.strict = true")
     # image_grids names an image by its position when no paths are given
     with pytest.raises(mr._Drop) as d:
         mr.image_grids(ip, [(40, 48), (1, 5000)])
@@ -1099,12 +1090,10 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
     ds = md.PairDataset(index, processor)
     loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
                            plan_fn=lambda ids: (None, ids), num_workers=1)
-    with pytest.raises(mr.DataError) as e:
-        next(iter(loader))
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
-    assert str(e.value).startswith(f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000)
-                                   + "; changed since the index was built: restore it and resume, or delete "
-                                   + index.cache_dir)
+    with raises_naming(mr.DataError, f"{annotation}:2: image_unprocessable: " + _unprocessable(image, 1, 5000),
+                       index.cache_dir):  # fmt: skip
+        next(iter(loader))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1295,11 +1284,10 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     ds = md.PairDataset(index, processor)
     sampler = md.PairSampler([0, 1], seed=0, shuffle=False)
     loader = md.StepLoader(ds, sampler, global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
-    with pytest.raises(mr.DataError) as e:
-        next(iter(loader))
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
-    assert str(e.value).startswith(f"{annotation}:2: image_truncated: {image}: image file is truncated; changed "
-                                   "since the index was built")
+    with raises_naming(mr.DataError, f"{annotation}:2: image_truncated: {image}: ", "image file is truncated",
+                       index.cache_dir):  # PIL's words for the cause, and the index cache to delete  # fmt: skip
+        next(iter(loader))
 
 
 def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, processor, monkeypatch):
@@ -1484,8 +1472,9 @@ def test_cli_model_that_is_not_a_local_directory_is_one_immediate_line(tmp_path)
     proc = subprocess.run([sys.executable, "mmpr_index.py", str(SAMPLE_META), "--model", "assets/nope"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and time.perf_counter() - t < 60
-    assert proc.stderr == (f"error: --model 'assets/nope': no config.json there (a local model directory with the "
-                           f"tokenizer, chat template and processor; relative paths are relative to {ROOT})\n")
+    err = proc.stderr  # one line: the flag and its value, the file missing, and the directory it is relative to
+    assert err.startswith("error: --model 'assets/nope': ") and err.count("\n") == 1, err
+    assert "config.json" in err and f"{ROOT})" in err and "Traceback" not in err, err
 
 
 def test_model_without_processor_files_is_one_line_naming_the_setting(tmp_path, processor):
@@ -1493,10 +1482,9 @@ def test_model_without_processor_files_is_one_line_naming_the_setting(tmp_path, 
     train.py's data loading in transformers' ValueError traceback (one per rank under torchrun)."""
     shutil.copy(TINY / "config.json", tmp_path / "config.json")
     for key in ("--model", "model.hf_path"):
-        with pytest.raises(mr.DataError) as e:
+        with raises_naming(mr.DataError, f"{key} {str(tmp_path)!r}: ", f"Unrecognized processing class in {tmp_path}."
+                           ) as e:  # the setting, its value, and transformers' first line  # fmt: skip
             mi.load_processor(tmp_path, key)
-        assert str(e.value).startswith(f"{key} {str(tmp_path)!r}: transformers cannot load its processor: "
-                                       f"Unrecognized processing class in {tmp_path}.")  # fmt: skip
         assert "\n" not in str(e.value)
     with raises_naming(mr.DataError, "model.hf_path 'assets/nope'", "config.json"):
         mi.load_processor("assets/nope", "model.hf_path")
