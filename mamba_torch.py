@@ -51,8 +51,10 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tens
 def _check_seq_idx(seq_idx: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     if seq_idx.shape != (batch, seqlen):
         raise ValueError(f"seq_idx must have shape (batch, seqlen)=({batch}, {seqlen}), got {tuple(seq_idx.shape)}")
-    if seqlen > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-        raise ValueError("seq_idx must be non-decreasing along each row (one contiguous run per sequence)")
+    if seqlen > 1 and bool((falls := seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        r, t = falls.nonzero()[0].tolist()
+        raise ValueError(f"seq_idx must be non-decreasing along each row (one contiguous run per sequence); row {r} "
+                         f"falls from {int(seq_idx[r, t])} to {int(seq_idx[r, t + 1])} at position {t + 1}")
     return seq_idx
 
 

@@ -146,7 +146,7 @@ def _is_row(value: Any) -> bool:
 def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
     """The meta-recipe JSON {subset: {annotation, root, repeat_time, ...}} as `Subset`s in file order, resolved."""
     if not str(meta_path).strip():
-        raise DataError("the meta-recipe path is empty")
+        raise DataError("the meta-recipe path is empty: set data.train.data_path (or mmpr_index.py's META) to one")
     meta_path = Path(meta_path)
     try:
         raw = meta_path.read_bytes()

@@ -164,7 +164,8 @@ def plan_bins(
     dropped_set = set(dropped)
     kept = {pid: v for pid, v in info.items() if pid not in dropped_set}
     if not kept:
-        raise ValueError(f"no pair of this step fits in a bin ({len(dropped)} dropped as oversized)")
+        raise ValueError(f"no pair of this step fits in a bin of packing.max_tokens_per_bin = {max_tokens_per_bin} "
+                         f"({len(dropped)} dropped as oversized)")
     sizes = {pid: v[0] for pid, v in kept.items()}
     groups = first_fit_decreasing(sizes, max_tokens_per_bin, max_sequences_per_bin)
     groups = _split_bins_to_multiple(groups, sizes, dp_size)

@@ -5,6 +5,9 @@ The `torchrun` fixture is how every test starts more than one process: `torchrun
 `Launch`. A worker (tests/dist/*.py) reports through tests/dist/report.py: each rank's `report.write(obj)` lands as
 JSON in `Launch.ranks[rank]`, rank 0's also in `Launch.result`. train.py launches report through the run's own
 metrics.jsonl and checkpoints.
+
+`raises_naming(ErrorType, *names)` is how a test expects an error: its type, and the keys / paths / rows / values its
+one-line message names (what the user fixes), not the prose around them; `warns_naming` the same for a warning.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +33,28 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 RESULT_DIR_ENV = "OMNI_MPO_TEST_RESULT_DIR"  # where tests/dist/report.py writes rank<r>.json
+
+
+@contextmanager
+def raises_naming(error: type[BaseException], *names: object) -> Iterator[pytest.ExceptionInfo]:
+    """`pytest.raises(error)` whose message also names each of `names` (a config key, a file path, a row, a value:
+    `str(name)` found in it); yields the ExceptionInfo. An error of another type, or about another key, fails."""
+    assert names, "name at least one key, path or value the error must name"
+    with pytest.raises(error) as info:
+        yield info
+    text = str(info.value)
+    missing = [str(n) for n in names if str(n) not in text]
+    assert not missing, f"{type(info.value).__name__} does not name {missing}: {text!r}"
+
+
+@contextmanager
+def warns_naming(category: type[Warning], *names: object) -> Iterator[list]:
+    """`pytest.warns(category)` where one warning of that category names each of `names` (as `raises_naming`)."""
+    assert names, "name at least one key, path or value the warning must name"
+    with pytest.warns(category) as record:
+        yield record
+    texts = [str(w.message) for w in record if issubclass(w.category, category)]
+    assert any(all(str(n) in t for n in names) for t in texts), f"no {category.__name__} names all of {names}: {texts}"
 
 
 @dataclass

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import raises_naming
 
 import checkpoint
 
@@ -58,17 +59,16 @@ def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("usage: python checkpoint.py export [-h] RUN_DIR OUT_DIR")
     assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
-    for argv, last in (([], "python checkpoint.py: error: the following arguments are required: export"),
-                       (["export"], "python checkpoint.py export: error: the following arguments are required: "
-                        "RUN_DIR, OUT_DIR"),
-                       (["expot", "a", "b"], "python checkpoint.py: error: argument export: invalid choice: 'expot' "
-                        "(choose from 'export')")):  # fmt: skip
+    for argv, prog, names in (([], "python checkpoint.py", ["export"]),
+                              (["export"], "python checkpoint.py export", ["RUN_DIR, OUT_DIR"]),
+                              (["expot", "a", "b"], "python checkpoint.py", ["'expot'", "'export'"])):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             checkpoint.main(argv)
-        assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == last
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert e.value.code == 2 and last.startswith(f"{prog}: error: ") and all(n in last for n in names), last
     assert checkpoint.main(["export", str(tmp_path / "none"), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
-    assert err == f"error: {tmp_path / 'none'}: no complete checkpoint (step_<N>/ with run_state.json)\n"
+    assert err.startswith(f"error: {tmp_path / 'none'}: ") and err.count("\n") == 1 and "run_state.json" in err, err
     assert not (tmp_path / "hf").exists()
 
 
@@ -97,11 +97,10 @@ def test_a_damaged_newest_step_is_refused_not_taken_for_an_unfinished_save(tmp_p
     else:
         (bad / missing).unlink()
     for find in (checkpoint.latest_checkpoint, lambda d: checkpoint.resume_path(d, resume=True)):
-        with pytest.raises(checkpoint.CheckpointError) as e:
+        with raises_naming(checkpoint.CheckpointError, f"{bad} ", tmp_path / "step_1"):
             find(tmp_path)
-        assert str(e.value).startswith(f"{bad} ") and str(e.value).endswith(f"{tmp_path / 'step_1'}")
     shutil.rmtree(tmp_path / "step_1")  # the only checkpoint: still refused, never a fresh start over it
-    with pytest.raises(checkpoint.CheckpointError, match="starts afresh"):
+    with raises_naming(checkpoint.CheckpointError, bad, f"{bad}.damaged"):
         checkpoint.latest_checkpoint(tmp_path)
     bad.rename(tmp_path / "step_2.damaged")  # the way out the line names
     assert checkpoint.latest_checkpoint(tmp_path) is None
@@ -112,7 +111,7 @@ def test_resume_false_refuses_existing_checkpoint(tmp_path):
     _fake_ckpt(tmp_path, "step_3.tmp")
     assert checkpoint.resume_path(tmp_path, resume=False) is None  # only an unfinished save: nothing to protect
     _fake_ckpt(tmp_path, "step_3")
-    with pytest.raises(checkpoint.CheckpointError, match="step_3.*checkpoint.resume = false"):
+    with raises_naming(checkpoint.CheckpointError, "step_3", "checkpoint.resume"):
         checkpoint.resume_path(tmp_path, resume=False)
     assert checkpoint.resume_path(tmp_path, resume=True) == tmp_path / "step_3"
 
@@ -124,7 +123,7 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
     cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml"))  # hf_path = "assets/tiny-omni"
     (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(_state(4, cfg)))
     monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
-    with pytest.raises(checkpoint.CheckpointError, match="model.hf_path = 'assets/tiny-omni' has no config.json seen"):
+    with raises_naming(checkpoint.CheckpointError, "model.hf_path", "'assets/tiny-omni'", "config.json", tmp_path):
         checkpoint.export(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -140,14 +139,13 @@ def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsy
     cfg = config_mod.to_dict(config_mod.load_config(ROOT / "configs" / "tiny.toml"))
     cfg["mpo"]["old_key"] = 1
     state.write_text(json.dumps(_state(4, cfg)))
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with raises_naming(checkpoint.CheckpointError, state, "'mpo.old_key'"):
         checkpoint.export(run, tmp_path / "hf")
-    assert str(state) in str(e.value) and "'mpo.old_key'" in str(e.value)
     state.write_text(json.dumps({k: v for k, v in _state(4, cfg).items() if k != "config"}))
     capsys.readouterr()  # what the direct export call above let through (a library's first-import log line)
     assert checkpoint.main(["export", str(run), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {state} ") and "no 'config'" in err and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {state} ") and "'config'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "hf").exists()
 
 
@@ -239,11 +237,10 @@ def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_res
                "parallel.sequence_parallel": "false", "mpo.reference_policy_kl_penalty": "0.1",
                "mpo.quality_average_log_probs": "true", "optimizer.lr": "0.5", "mpo.max_num_steps": "7",
                "model.freeze_vision_encoder": "true"}  # fmt: skip
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    named = [k for k in refused if k != "parallel.sequence_parallel"]
+    with raises_naming(checkpoint.CheckpointError, step, *named) as e:
         checkpoint.check_resume(state, config_mod.load_config(tiny, [f"{k}={v}" for k, v in refused.items()]))
-    msg = str(e.value)
-    assert str(step) in msg and all(k in msg for k in refused if k != "parallel.sequence_parallel")
-    assert "parallel.sequence_parallel" not in msg  # no RESUME_RULES key: SP follows TP here
+    assert "parallel.sequence_parallel" not in str(e.value)  # no RESUME_RULES key: SP follows TP here
     notices = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
                "mpo.reward_shift_momentum=0.9", "mpo.preference_average_log_probs=true",
                "mpo.sft_average_log_probs=false", "model.hf_path=/elsewhere",
@@ -283,16 +280,13 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     step = _step_with_config(run, 2)
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
-    for out, what in [(run, "the run directory of the checkpoint"), (step, "the checkpoint it exports (step_2)"),
-                      (step / "hf", "the checkpoint it exports (step_2)")]:  # fmt: skip
-        with pytest.raises(checkpoint.CheckpointError) as e:
+    for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)")]:
+        with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", named):
             checkpoint.check_export_dir(out, step)
-        assert str(e.value).startswith(f"export directory {out} is {what}")
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
-    held = f"^export directory {other} is a directory that holds a training run " r"\(config.json, step_7\)"
-    with pytest.raises(checkpoint.CheckpointError, match=held):
+    with raises_naming(checkpoint.CheckpointError, f"export directory {other} ", "(config.json, step_7)"):
         checkpoint.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
         checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
@@ -300,7 +294,7 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     logged.mkdir()
     (logged / "config.json").write_text("{}")
     (logged / "metrics.jsonl").write_text("")
-    with pytest.raises(checkpoint.CheckpointError, match=r"holds a training run \(config.json, metrics.jsonl\); "):
+    with raises_naming(checkpoint.CheckpointError, logged, "(config.json, metrics.jsonl)"):
         checkpoint.check_export_dir(logged, step)
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
@@ -327,13 +321,12 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     for name in ("e", "d", "c", "b", "a"):
         (busy / name).write_text("")
     (busy / "sub").mkdir()
-    for out, what in [(a_file, "an existing file"), (unrelated, "not empty (config.json) and not an earlier export"),
-                      (busy, "not empty (a, b, c, ... (6 entries)) and not an earlier export")]:  # fmt: skip
-        with pytest.raises(checkpoint.CheckpointError) as e:
+    for out, names in [(a_file, []), (unrelated, ["(config.json)", checkpoint.EXPORT_INFO_FILE]),
+                       (busy, ["(a, b, c, ... (6 entries))", checkpoint.EXPORT_INFO_FILE])]:  # fmt: skip
+        with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", *names) as e:
             checkpoint.check_export_dir(out, step)
-        assert str(e.value).startswith(f"export directory {out} is {what}")
         assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
-        assert capsys.readouterr().err == f"error: {e.value}\n"
+        assert capsys.readouterr().err == f"error: {e.value}\n"  # the CLI's format: the error, one line, no traceback
     assert a_file.read_text() == "mine" and (unrelated / "config.json").read_text() == '{"mine": 1}'
     assert sorted(p.name for p in unrelated.iterdir()) == ["config.json"] and len(list(busy.iterdir())) == 6
     empty = tmp_path / "empty"
@@ -344,9 +337,9 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     (earlier / checkpoint.EXPORT_INFO_FILE).write_text('{"complete": false}')
     for fine in (empty, earlier, tmp_path / "new" / "hf"):
         checkpoint.check_export_dir(fine, step)
-    with pytest.raises(checkpoint.CheckpointError) as e:  # a parent that is a file: one line, no traceback
+    with raises_naming(checkpoint.CheckpointError, a_file / "hf", "Not a directory") as e:  # a file parent
         checkpoint._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
-    assert str(e.value) == f"export directory {a_file / 'hf'} cannot be written: Not a directory"
+    assert "\n" not in str(e.value)  # one line, no traceback
 
 
 def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypatch):
@@ -361,9 +354,8 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
     for hf_path in (str(src), "src", "link"):
         step = _step_with_config(run, 2, f"model.hf_path={hf_path}")
         for out in (src, tmp_path / "link", tmp_path / "x" / ".." / "src", "src"):
-            with pytest.raises(checkpoint.CheckpointError) as e:
+            with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", f"model.hf_path ({hf_path}"):
                 checkpoint.export(run, out)
-            assert str(e.value).startswith(f"export directory {out} is the run's model.hf_path ({hf_path}")
         checkpoint.check_export_dir(tmp_path / "other", step, hf_path)
         checkpoint.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
         shutil.rmtree(run)
@@ -474,9 +466,8 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
     run = bf16_segment
     config_before = (run / "config.json").read_text()
     proc = _cli("checkpoint.py", "export", str(run), str(run))
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: export directory {run} is the run directory of the checkpoint it exports"
-    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(f"error: export directory {run} ") and "config.json" in last, last
     assert (run / "config.json").read_text() == config_before
     out = tmp_path / "hf"
     proc = _cli("checkpoint.py", "export", str(run), str(out), umask=0o027)
@@ -508,15 +499,15 @@ def test_truncated_shard_is_named(bf16_segment, tmp_path):
     need = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(1000)
-    damaged = f"checkpoint {broken.name} ({broken}) is damaged: model_optim/{shard.name} has 1000 bytes, .metadata " \
-              f"needs {need}; move {broken} away"  # fmt: skip
+    damaged = [f"({broken})", f"model_optim/{shard.name} has 1000 bytes", f"needs {need}", f"{broken}.damaged"]
     proc = _cli("checkpoint.py", "export", str(broken), str(tmp_path / "hf"))
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {damaged}")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: ") and all(n in last for n in damaged), last
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={broken.parent}", "model.params_dtype=bfloat16",
                 f"mpo.stop_after_step={int(latest.name[5:]) + 1}")  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: CheckpointError: {damaged}")
+    assert last.startswith("error: CheckpointError: ") and all(n in last for n in damaged), last
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -556,13 +547,9 @@ def test_lock_run_dir_refuses_a_held_dir_and_is_free_once_the_holder_dies(tmp_pa
     try:
         info = json.loads((run / ".lock").read_text())
         assert (info["pid"], info["slurm_job_id"]) == (holder.pid, "4242")
-        with pytest.raises(checkpoint.CheckpointError) as e:
+        with raises_naming(checkpoint.CheckpointError, f"checkpoint.dir = {run} ", f"pid {holder.pid}", info["host"],
+                           "4242", info["started"], run / ".lock"):  # fmt: skip
             checkpoint.lock_run_dir(run)
-        assert str(e.value) == (
-            f"checkpoint.dir = {run} is in use by another run (pid {holder.pid} on host {info['host']}, Slurm job "
-            f"4242, started {info['started']}; lock file {run / '.lock'}): wait until it ends, or use another "
-            "checkpoint.dir"
-        )
     finally:
         holder.kill()  # SIGKILL: the kernel releases the lock
         holder.wait()
@@ -580,10 +567,9 @@ def test_lock_run_dir_without_flock_support_is_one_notice(tmp_path, own_lock, mo
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     checkpoint.lock_run_dir(tmp_path / "run")
-    assert capsys.readouterr().err == (
-        f"checkpoint: the file system of {tmp_path / 'run'} does not support file locks (No locks available): nothing "
-        "stops a second run from using this checkpoint.dir at the same time\n"
-    )
+    err = capsys.readouterr().err  # one notice line naming the directory and the OS's reason
+    assert err.startswith("checkpoint: ") and err.count("\n") == 1, err
+    assert all(n in err for n in (f"{tmp_path / 'run'} ", "(No locks available)", "checkpoint.dir")), err
     assert json.loads((tmp_path / "run" / ".lock").read_text())["pid"] == os.getpid()
 
 
@@ -598,12 +584,10 @@ def test_lock_run_dir_removes_unfinished_saves(tmp_path, own_lock, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step_2", "step_4.tmp", "step_5"]
     assert (tmp_path / "step_5" / "marker").read_text() == "5"
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step_5"
-    assert capsys.readouterr().err == (
-        f"checkpoint: restored 1 checkpoint(s) that a replacing save of an earlier run left renamed in {tmp_path}: "
-        "step_5.old\n"
-        f"checkpoint: removed 3 unfinished save(s) of an earlier run in {tmp_path}: step_10.tmp, step_2.old, "
-        "step_3.tmp\n"
-    )
+    restored, removed = capsys.readouterr().err.splitlines()  # one notice each, naming the folders
+    assert restored.startswith("checkpoint: restored ") and restored.endswith(f"{tmp_path}: step_5.old"), restored
+    assert removed.startswith("checkpoint: removed ") and removed.endswith(
+        f"{tmp_path}: step_10.tmp, step_2.old, step_3.tmp"), removed  # fmt: skip
     checkpoint.lock_run_dir(tmp_path)  # nothing left: no line
     assert capsys.readouterr().err == ""
 
@@ -617,11 +601,10 @@ def test_train_refuses_a_checkpoint_dir_in_use_on_every_rank(torchrun, tmp_path)
     finally:
         holder.kill()
         holder.wait()
-    msg = (f"error: CheckpointError: checkpoint.dir = {run} is in use by another run (pid {holder.pid} on host "
-           f"{info['host']}, Slurm job 4242, started {info['started']}; lock file {run / '.lock'}): wait until it "
-           "ends, or use another checkpoint.dir")  # fmt: skip
     assert proc.returncode == 1 and 'train.py", line' not in proc.stderr  # no traceback from the ranks
-    assert [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("error: ")] == [msg]  # rank 0 once
+    [msg] = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("error: ")]  # rank 0 once
+    assert msg.startswith(f"error: CheckpointError: checkpoint.dir = {run} "), msg
+    assert all(n in msg for n in (f"pid {holder.pid}", info["host"], "4242", info["started"], str(run / ".lock"))), msg
     assert f"  traceback : {msg}" in proc.stderr.splitlines()  # torchrun's root cause: both ranks raised it
     assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing written by the refused run
 
@@ -640,15 +623,16 @@ def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
         errors = [e for e, _ in r["failed_save_errors"]]
         assert r["failed_save_dirs"] == ["step_2"]  # step_3.tmp removed, the complete checkpoint kept
         assert errors[0] == errors[1]  # the same line on both ranks
-        head = f"saving step 3 to {run / 'step_3.tmp'} failed: rank {r['failed_rank']}: OSError: [Errno 28] No "
-        tail = f" bytes free on {run}); step_3.tmp was removed, the complete checkpoints are untouched"
-        assert re.fullmatch(re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), errors[0]), errors[0]
+        names = (f"{run / 'step_3.tmp'} ", f"rank {r['failed_rank']}: OSError: [Errno 28] No space left on device (")
+        assert "\n" not in errors[0] and all(n in errors[0] for n in names), errors[0]
+        assert re.search(rf"\(\d+ bytes free on {re.escape(str(run))}\)", errors[0]), errors[0]
         # rank 0's write of model_optim/.metadata fails: the same line (rank 0), megatron's save had returned there
         errors = [e for e, _ in r["failed_metadata_errors"]]
         assert r["failed_metadata_dirs"] == ["step_2"]
         assert errors[0] == errors[1]
-        head = f"saving step 3 to {run / 'step_3.tmp'} failed: rank 0: OSError: [Errno 28] No "
-        assert re.fullmatch(re.escape(head + "space left on device (") + r"\d+" + re.escape(tail), errors[0]), errors[0]
+        names = (f"{run / 'step_3.tmp'} ", "rank 0: OSError: [Errno 28] No space left on device (")
+        assert "\n" not in errors[0] and all(n in errors[0] for n in names), errors[0]
+        assert re.search(rf"\(\d+ bytes free on {re.escape(str(run))}\)", errors[0]), errors[0]
 
 
 def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypatch, capsys):
@@ -658,13 +642,12 @@ def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypa
         raise TypeError("cannot shard a tensor on cuda:0 with one on cpu")
 
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", broken_state)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with raises_naming(checkpoint.CheckpointError, tmp_path / "step_7.tmp",
+                       "TypeError: cannot shard a tensor on cuda:0 with one on cpu"):  # fmt: skip
         checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
-    assert str(e.value).startswith(f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: TypeError: cannot shard a "
-                                   "tensor on cuda:0 with one on cpu (")  # fmt: skip
     err = capsys.readouterr().err.splitlines()
-    header = "checkpoint: rank 0: saving step 7 failed with an unexpected error:"
-    assert header in err  # after the warnings of a first megatron-core import, if any
+    # after the warnings of a first megatron-core import, if any
+    header = next(x for x in err if x.startswith("checkpoint: rank 0: ") and "step 7" in x)
     err = err[err.index(header):]
     assert err[1] == "Traceback (most recent call last):" and 'in broken_state' in "\n".join(err)
     assert err[-1] == "TypeError: cannot shard a tensor on cuda:0 with one on cpu"
@@ -677,9 +660,9 @@ def test_save_failure_other_than_a_write_prints_its_traceback(tmp_path, monkeypa
             raise RuntimeError("unexpected pos 704 vs 598") from inner
 
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", full_disk)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with raises_naming(checkpoint.CheckpointError, tmp_path / "step_7.tmp",
+                       "OSError: [Errno 28] No space left on device ("):  # fmt: skip
         checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
-    assert "failed: OSError: [Errno 28] No space left on device (" in str(e.value)
     assert capsys.readouterr().err == ""
 
 
@@ -719,53 +702,44 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
             (step / f).unlink()
         return step
 
-    message = ("checkpoint step_1 ({}) is damaged: missing {}; move {} away (e.g. to {}.damaged); with no earlier "
-               "complete checkpoint the run starts afresh")  # fmt: skip
+    def refused(step: Path, *names: str):  # names the step, each damaged file, and the way out (<step>.damaged)
+        return raises_naming(checkpoint.CheckpointError, f"step_1 ({step})", *names, f"{step}.damaged")
+
     step = damaged("meta", "model_optim/.metadata")
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "missing model_optim/.metadata;"):
         _check_complete(step, 1)
-    assert str(e.value) == message.format(step, "model_optim/.metadata", step, step)
     step = damaged("config", "model_optim/metadata.json")  # QA: megatron's CheckpointingException traceback
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "missing model_optim/metadata.json;"):
         _check_complete(step, 1)
-    assert str(e.value) == message.format(step, "model_optim/metadata.json", step, step)
     step = damaged("config_cut")  # QA: a JSONDecodeError traceback
     (step / "model_optim" / "metadata.json").write_text((one_step / "model_optim" / "metadata.json").read_text()[:10])
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "model_optim/metadata.json ", "(JSONDecodeError: "):
         _check_complete(step, 1)
-    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/metadata.json cannot be read "
-                                   "(JSONDecodeError: ")
     (step / "model_optim" / "metadata.json").write_text("[]")  # QA: JSON of another shape, a traceback after the build
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "model_optim/metadata.json ", "(ValueError: "):
         _check_complete(step, 1)
-    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/metadata.json cannot be read "
-                                   "(ValueError: ")
     step = damaged("garbled")
     (step / "model_optim" / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "model_optim/.metadata "):
         _check_complete(step, 1)
-    assert str(e.value).startswith(f"checkpoint step_1 ({step}) is damaged: model_optim/.metadata cannot be read (")
-    assert str(e.value).endswith(f"move {step} away (e.g. to {step}.damaged); with no earlier complete checkpoint "
-                                 "the run starts afresh")
     shards = sorted(p.name for p in (one_step / "model_optim").glob("*.distcp"))
     step = damaged("shard", f"model_optim/{shards[0]}")
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, f"missing model_optim/{shards[0]};"):
         _check_complete(step, 1)
-    assert str(e.value) == message.format(step, f"model_optim/{shards[0]}", step, step)
     # a saved world size of 2 (the same as now): rank 1's RNG file is required; at another world size it is not
     step = damaged("rng", "rng/rank_00000.pt")
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with refused(step, "missing rng/rank_00000.pt, rng/rank_00001.pt;"):
         _check_complete(step, 2)
-    assert str(e.value) == message.format(step, "rng/rank_00000.pt, rng/rank_00001.pt", step, step)
     _check_complete(step, None)
     _check_complete(one_step, 1)  # the intact one passes
     # end to end: the resume is refused in one line before the models load any state
     step = damaged("e2e", f"model_optim/{shards[-1]}")
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={step.parent}", "mpo.max_num_steps=2",
                 "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false")  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "error: CheckpointError: " + message.format(
-        step, f"model_optim/{shards[-1]}", step, step)  # fmt: skip
+    assert last.startswith(f"error: CheckpointError: checkpoint step_1 ({step}) ") and all(
+        n in last for n in (f"model_optim/{shards[-1]}", f"{step}.damaged")), last  # fmt: skip
     # QA: random bytes as an RNG file ended in torch's UnpicklingError traceback, whose advice (weights_only=False)
     # does not apply to a damaged file
     step = damaged("rng_garbage")
@@ -776,9 +750,8 @@ def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_pa
                 "scheduler.lr_warmup_steps=1", "mpo.val_at_end=false")  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: CheckpointError: {rng}: damaged RNG state file (") and "weights_only" not in last
-    assert last.endswith(f"; move {step} away (e.g. to {step}.damaged); with no earlier complete checkpoint the run "
-                         "starts afresh")
+    assert last.startswith(f"error: CheckpointError: {rng}: ") and "weights_only" not in last, last
+    assert f"{step}.damaged" in last, last
 
 
 def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
@@ -801,11 +774,10 @@ def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
         (dict(good, step="4", sampler=[]), ["'step'", "'sampler'"]),
         (dict(good, consumed_pairs=True), ["'consumed_pairs'"]),
     ):
-        with pytest.raises(checkpoint.CheckpointError) as e:
+        with raises_naming(checkpoint.CheckpointError, f"{file} ", *names):
             read(state)
-        assert str(e.value).startswith(f"{file} ") and all(n in str(e.value) for n in names), str(e.value)
     file.write_text("{")
-    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+    with raises_naming(checkpoint.CheckpointError, file, "JSONDecodeError"):
         checkpoint.read_run_state(tmp_path)
 
 
@@ -861,13 +833,12 @@ def test_changed_file_is_refused_naming_it_and_the_previous_checkpoint(one_step,
     run = tmp_path / "run"
     shutil.copytree(one_step, run / "step_0")  # the previous complete checkpoint
     step = run / "step_1"
-    way_out = f"; move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint, {run / 'step_0'}"
 
-    def refused(name: str) -> None:
-        with pytest.raises(checkpoint.CheckpointError) as e:
+    def refused(name: str) -> None:  # names the step, the file, the way out and the previous checkpoint
+        with raises_naming(checkpoint.CheckpointError, f"step_1 ({step})", f"{name} ", f"{step}.damaged",
+                           f"previous checkpoint, {run / 'step_0'}") as e:  # fmt: skip
             _check_complete(step, 1)
-        assert str(e.value) == f"checkpoint step_1 ({step}) is damaged: {name} does not match the checksum saved " \
-                               f"with it{way_out}"  # fmt: skip
+        assert "checksum" in str(e.value)  # which check found it: the checksum, not a missing or short file
 
     shutil.copytree(one_step, step)
     shard = step / "model_optim" / "__0_0.distcp"
@@ -888,15 +859,15 @@ def test_changed_file_is_refused_naming_it_and_the_previous_checkpoint(one_step,
     capsys.readouterr()
     _without_checksums(step)  # saved before checksums: resumes, one notice
     _check_complete(step, 1)
-    assert capsys.readouterr().err == (f"checkpoint: {step} holds no checksums (saved before they were written): its "
-                                       "files are not verified\n")  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith(f"checkpoint: {step} ") and err.count("\n") == 1 and "checksums" in err, err  # one notice
     _check_complete(one_step, 1)  # intact
     assert capsys.readouterr().err == ""
     # zlib's crc32 where xxhash does not import; an xxh3_64 manifest there is not verified (one notice)
     monkeypatch.setattr(checkpoint, "xxhash", None)
     _check_complete(one_step, 1)
     if checkpoint.CHECKSUM_ALGORITHM == "xxh3_64":
-        assert "are xxh3_64, which this environment cannot compute" in capsys.readouterr().err
+        assert "xxh3_64" in capsys.readouterr().err
     crc = {n: checkpoint.file_checksum(one_step / n, "crc32") for n in saved["files"]}
     assert all(len(v) == 8 for v in crc.values())
     state = json.loads((step / checkpoint.RUN_STATE_FILE).read_text())
@@ -911,11 +882,10 @@ def test_changed_file_is_refused_on_every_rank(dist_result):
     r = dist_result["damaged"]
     assert {"model_optim/.metadata", "model_optim/metadata.json", "model_optim/__0_0.distcp",
             "model_optim/__1_0.distcp", "rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(r["checksum_files"])
-    assert r["flipped_errors"][0] == r["flipped_errors"][1] == (
-        f"checkpoint step_2 ({r['flipped_path']}) is damaged: model_optim/__1_0.distcp does not match the checksum "
-        f"saved with it; move {r['flipped_path']} away (e.g. to {r['flipped_path']}.damaged) to resume from the "
-        f"previous checkpoint, {r['flipped_previous']}"
-    )  # fmt: skip
+    error = r["flipped_errors"][0]
+    assert r["flipped_errors"][1] == error and "checksum" in error, error
+    assert all(n in error for n in (f"step_2 ({r['flipped_path']})", "model_optim/__1_0.distcp ",
+                                    f"{r['flipped_path']}.damaged", f"checkpoint, {r['flipped_previous']}")), error
 
 
 def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_path, monkeypatch):
@@ -923,8 +893,8 @@ def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_p
     rank 1. It is one MetricsError on every rank naming the file and the free space (train.py prints it as one line)."""
     r = dist_result["damaged"]
     assert r["metrics_errors"][0] == r["metrics_errors"][1]
-    assert r["metrics_errors"][0].startswith(f"cannot write step 1 to {r['metrics_path']}: OSError: [Errno 28] No "
-                                             "space left on device (")  # fmt: skip
+    names = ("step 1 ", f"{r['metrics_path']}: ", "OSError: [Errno 28] No space left on device (")
+    assert all(n in r["metrics_errors"][0] for n in names), r["metrics_errors"]
     import config as config_mod
     import monitor
 
@@ -935,10 +905,9 @@ def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_p
                              None, 0, 0)  # fmt: skip
     monkeypatch.setattr(monitor, "open", full, raising=False)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=512))
-    with pytest.raises(monitor.MetricsError) as e:
+    with raises_naming(monitor.MetricsError, "step 4 ", f"{tmp_path / 'metrics.jsonl'}: ",
+                       f"OSError: [Errno 28] No space left on device (512 bytes free on {tmp_path}"):  # fmt: skip
         log.log(4, {"loss": 0.5})
-    assert str(e.value).startswith(f"cannot write step 4 to {tmp_path / 'metrics.jsonl'}: OSError: [Errno 28] No "
-                                   f"space left on device (512 bytes free on {tmp_path}: the file system is full)")
 
 
 def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
@@ -955,16 +924,14 @@ def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, 
     capsys.readouterr()
     monkeypatch.setattr(checkpoint, "_sharded_state_dict", zip_writer_fails)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=0))
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with raises_naming(checkpoint.CheckpointError, f"{tmp_path / 'step_7.tmp'} ",
+                       f"OSError: [Errno 28] No space left on device (0 bytes free on {tmp_path}"):  # fmt: skip
         checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
-    assert str(e.value) == (f"saving step 7 to {tmp_path / 'step_7.tmp'} failed: OSError: [Errno 28] No space left on "
-                            f"device (0 bytes free on {tmp_path}: the file system is full); step_7.tmp was removed, "
-                            "the complete checkpoints are untouched")  # fmt: skip
     assert capsys.readouterr().err == "" and not (tmp_path / "step_7.tmp").exists()
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=1 << 40))
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with raises_naming(checkpoint.CheckpointError, f"{tmp_path / 'step_7.tmp'} ", "OSError", torch_text,
+                       f"({1 << 40} bytes free on"):  # fmt: skip
         checkpoint.save(tmp_path, 7, torch.nn.Linear(2, 2), None, None, {"reward_shift": 0.0})
-    assert f"failed: OSError: torch's file writer failed ({torch_text}) ({1 << 40} bytes free on" in str(e.value)
     assert capsys.readouterr().err == ""
 
 
@@ -994,9 +961,9 @@ def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step
     proc = _cli("-c", EXPORT_ON_A_FULL_DISK, str(one_step), str(out))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: exporting {one_step} to {out} failed: OSError: [Errno 28] No space left on device "
-                           f"(") and f"bytes free on {tmp_path}" in last, last  # fmt: skip
-    assert last.endswith(f"the partial export hf.tmp was removed, {out} is as it was")
+    assert last.startswith("error: ") and all(n in last for n in (
+        f"{one_step} ", f"{out} ", "OSError: [Errno 28] No space left on device (", f"bytes free on {tmp_path}",
+        "hf.tmp")), last  # fmt: skip
     assert json.loads((out / checkpoint.EXPORT_INFO_FILE).read_text())["complete"] is True
     assert (out / "model.safetensors").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
@@ -1029,12 +996,13 @@ def test_export_of_a_step_pruned_meanwhile_or_under_torchrun_is_one_line(one_ste
     proc = _cli("-c", EXPORT_WHILE_PRUNED, str(step), str(out))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {step} was removed or changed while it was exported") and "keep_last" in last
+    assert last.startswith(f"error: {step} ") and "keep_last" in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(one_step), str(out)], cwd=ROOT,
                           env=dict(os.environ, WORLD_SIZE="2", RANK="0"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: export runs as one process")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "python checkpoint.py export" in last and "2 (torchrun)" in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -1056,9 +1024,7 @@ def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(on
     assert f"checkpoint: {step} holds no checksums" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: DivergedError: step 2: ") and "optimizer.lr" not in last, last
-    assert f"the first step after resuming from {step}" in last
-    assert last.endswith(f"move {step} away (e.g. to {step}.damaged) to resume from the previous checkpoint, "
-                         f"{run / 'step_0'}")  # fmt: skip
+    assert all(n in last for n in (f"resuming from {step}", f"{step}.damaged", f"checkpoint, {run / 'step_0'}")), last
 
 
 ORPHAN = """
@@ -1103,8 +1069,7 @@ def test_rank_whose_launcher_died_stops_after_its_step(tmp_path, sig):
     assert time.time() - killed < 3.0  # the next step's check, not a poll every few seconds
     assert out.read_text().splitlines() == [f"ready {rank_pid}", f"stopped by signal {int(signal.SIGTERM)}"]
     notices = [x for x in err.read_text().splitlines() if "launcher" in x]  # (import-time warnings aside)
-    assert notices == [f"rank 3: the launcher (pid {launcher.pid}) is gone: the ranks of this node save after the "
-                       "current step and stop"]  # fmt: skip
+    assert len(notices) == 1 and notices[0].startswith(f"rank 3: the launcher (pid {launcher.pid}) "), notices
 
 
 def test_launcher_check_only_under_torchrun(monkeypatch):
@@ -1155,7 +1120,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     b = system("grouped-loop")
     here = checkpoint.parameter_layout(b["policy"])
     assert here != saved
-    with pytest.raises(checkpoint.CheckpointError, match=f"parameter layout {saved}, this model's is {here}"):
+    with raises_naming(checkpoint.CheckpointError, path, saved, here, f"checkpoint.py export {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
     checkpoint.load(path, b["policy"])  # the model part alone: SequentialMLP's keys load into the 3-D weights
     for name, w in b["policy"].named_parameters():
@@ -1171,7 +1136,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
     checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
     assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
-    with pytest.raises(checkpoint.CheckpointError, match="saved before layouts were recorded"):
+    with raises_naming(checkpoint.CheckpointError, path, f"checkpoint.py export {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])  # into GroupedExperts: refused
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import raises_naming
 
 import mamba_torch as mt
 
@@ -107,11 +108,11 @@ def test_cu_seqlens_equals_seq_idx_and_varlen_states():
 
 def test_bad_packing_is_rejected():
     x, dt, A, B, C, D = scan_inputs(b=1, seqlen=6)
-    with pytest.raises(ValueError, match="non-decreasing"):
+    with raises_naming(ValueError, "seq_idx", "row 0 falls from 1 to 0 at position 4"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=torch.tensor([[0, 0, 1, 1, 0, 0]]))
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with raises_naming(ValueError, "cu_seqlens", "T = 6", "[0, 4, 9]"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, cu_seqlens=torch.tensor([0, 4, 9]))
-    with pytest.raises(ValueError, match="shape"):
+    with raises_naming(ValueError, "seq_idx", "(1, 6)", "got (1, 5)"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=torch.zeros(1, 5, dtype=torch.int32))
 
 
@@ -263,6 +264,6 @@ def test_mamba_scan_as_simple_gla_matches_the_scan():
         outs.append((y.detach(), xx.grad, dd.grad))
     for a, b in zip(*outs, strict=True):
         assert (a - b).abs().max() < 1e-10
-    with pytest.raises(ValueError, match="batch 1"):
+    with raises_naming(ValueError, "seq_idx", "batch 1, got 2"):
         mamba_chunk_scan_via_simple_gla(*scan_inputs()[:5], 8, seq_idx=packed_seq_idx([[37], [37]]),
                                         gla=simple_gla_recurrence)

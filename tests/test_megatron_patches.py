@@ -174,8 +174,8 @@ def test_local_device_refuses_a_local_rank_without_its_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(config.ConfigError) as e:
         distributed.local_device()
-    assert str(e.value) == ("LOCAL_RANK 1, but this node has 1 CUDA device(s): start one process per GPU at most "
-                            "(torchrun --nproc-per-node 1), or hide the GPUs (CUDA_VISIBLE_DEVICES=) for a CPU run")
+    names = ("LOCAL_RANK 1", "1 CUDA device(s)", "--nproc-per-node 1", "CUDA_VISIBLE_DEVICES=")  # what to change
+    assert all(n in str(e.value) for n in names), str(e.value)
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert distributed.local_device() == torch.device("cuda", 0)
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import oracles
 import pytest
 import torch
+from conftest import raises_naming
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,11 +140,11 @@ def test_plan_invariants(lens, max_tokens, max_seqs, dp, div):
     pad = lambda n: -(-n // div) * div
     oversized = sorted(p for p, (c, r) in lengths.items() if pad(c) + pad(r) > max_tokens)
     if len(oversized) == len(lengths):
-        with pytest.raises(ValueError, match="no pair"):
+        with raises_naming(ValueError, f"packing.max_tokens_per_bin = {max_tokens}", f"{len(oversized)} dropped"):
             pack.plan_bins(lengths, max_tokens, max_seqs, dp, div, drop_oversized=True)
         return
     if oversized:
-        with pytest.raises(ValueError, match=f"pair {oversized[0]} needs"):
+        with raises_naming(ValueError, f"pair {oversized[0]} needs", f"packing.max_tokens_per_bin = {max_tokens}"):
             pack.plan_bins(lengths, max_tokens, max_seqs, dp, div)
     plan = pack.plan_bins(lengths, max_tokens, max_seqs, dp, div, drop_oversized=True)
     assert plan.dropped == oversized
@@ -188,26 +189,25 @@ def test_divisibility_rule():
     for ok in ((8, 1, 1, False), (8, 4, 2, False), (16, 4, 2, True), (4, 4, 1, True)):  # SP off: TP does not matter
         preflight.check_packing(cfg(*ok))
     for bad, need in (((8, 4, 2, True), 16), ((4, 1, 4, False), 8), ((3, 2, 1, True), 2)):
-        with pytest.raises(ConfigError, match="packing.make_sequence_length_divisible_by") as e:
+        with raises_naming(ConfigError, f"packing.make_sequence_length_divisible_by = {bad[0]}", f"multiple of {need}"):
             preflight.check_packing(cfg(*bad))
-        assert f"multiple of {need}" in str(e.value)
-    with pytest.raises(ConfigError, match="make_sequence_length_divisible_by"):  # config.validate's rule
+    with raises_naming(ConfigError, "packing.make_sequence_length_divisible_by = 0", ">= 1"):  # config.validate's rule
         load_config(None, ["packing.make_sequence_length_divisible_by=0"])
 
 
 def test_config_entry_points():
     cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.make_sequence_length_divisible_by=8",
                              "packing.shared_prompt=false"])
-    with pytest.raises(ValueError, match="pair 1 needs 72 tokens"):
+    with raises_naming(ValueError, "pair 1 needs 72 tokens", "packing.max_tokens_per_bin = 64"):
         pack.plan_step({0: (20, 20), 1: (60, 2)}, cfg.packing, dp_size=1)
     cfg = load_config(None, ["packing.max_tokens_per_bin=64", "packing.drop_oversized_pairs=true",
                              "packing.shared_prompt=false"])
     plan = pack.plan_step({0: (20, 20), 1: (60, 2)}, cfg.packing, dp_size=1)
     assert plan.dropped == [1] and real_pairs(plan) == [0]
     cfg = load_config(None, ["parallel.context_parallel_size=8"])  # default divisible_by 8 < 2*CP = 16
-    with pytest.raises(ConfigError, match="packing.make_sequence_length_divisible_by"):
+    with raises_naming(ConfigError, "packing.make_sequence_length_divisible_by = 8", "multiple of 16", "CP = 8"):
         preflight.check_packing(cfg)
-    with pytest.raises(ConfigError, match="pair_grouping_key"):  # config's Literal type
+    with raises_naming(ConfigError, "packing.pair_grouping_key = 'prompt'", "['pair_index']"):  # config's Literal
         load_config(None, ["packing.pair_grouping_key=prompt"])
 
 
@@ -319,19 +319,19 @@ def test_media_stored_once_per_pair():
 def test_pair_invariants_are_asserted():
     p = make_pair(4, 30, 30, [(4, 2)])  # 2 <image> tokens per row
     p.rejected_ids[5] = IMG
-    with pytest.raises(AssertionError, match="pair 4: <image> tokens"):
+    with raises_naming(AssertionError, "pair 4: <image> tokens"):
         pack.pack([p], 8, IMG)
     p = make_pair(4, 30, 30, [(4, 2)])
     p.pixel_values = p.pixel_values[:5]
-    with pytest.raises(AssertionError, match="pixel_values"):
+    with raises_naming(AssertionError, "pair 4: pixel_values"):
         pack.pack([p], 8, IMG)
     p = make_pair(4, 30, 30)
     p.chosen_loss_mask[0] = True
-    with pytest.raises(AssertionError, match="mask"):
+    with raises_naming(AssertionError, "pair 4: mask"):
         pack.pack([p], 8, IMG)
     p = make_pair(4, 30, 30)
     p.rejected_loss_mask = p.rejected_loss_mask[:-1]
-    with pytest.raises(AssertionError, match="mask"):
+    with raises_naming(AssertionError, "pair 4: mask"):
         pack.pack([p], 8, IMG)
     with pytest.raises(AssertionError):
         pack.pack([], 8, IMG)
@@ -414,12 +414,12 @@ def test_cp_chunk_ownership_example_and_megatron_reference(monkeypatch):
 
 
 def test_cp_errors():
-    with pytest.raises(AssertionError, match="2\\*CP = 4"):
+    with raises_naming(AssertionError, "2*CP = 4"):
         pack.cp_partition_index(torch.tensor([0, 8, 14], dtype=torch.int32), 2, 0)
-    with pytest.raises(AssertionError, match="cp_rank = 2"):
+    with raises_naming(AssertionError, "cp_rank = 2"):
         pack.cp_partition_index(torch.tensor([0, 8], dtype=torch.int32), 2, 2)
     for bad in (torch.tensor([2, 6]), torch.tensor([], dtype=torch.int32)):  # QA4a 12
-        with pytest.raises(AssertionError, match="start at 0"):
+        with raises_naming(AssertionError, "cu_seqlens_padded"):
             pack.cp_partition_index(bad, 1, 0)
 
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import raises_naming
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -82,7 +83,7 @@ def test_layout_closed_form():
     # an empty rejected response is no sequence at all; no tail when the pairs fill the row
     lay = shared_prompt.Segments(torch.tensor([0, 2, 4, 4]), 4, "cpu").varlen_layout()
     assert lay["cu_seqlens_q"].tolist() == [0, 4] and lay["cu_seqlens_kv"].tolist() == [0, 4]
-    with pytest.raises(ValueError, match="segment_cu_seqlens_padded must hold 3P\\+1 offsets"):
+    with raises_naming(ValueError, "segment_cu_seqlens_padded", "3P+1 offsets", "T = 4", "[0, 2, 4]"):
         shared_prompt.Segments(torch.tensor([0, 2, 4]), 4, "cpu")
 
 
@@ -96,9 +97,9 @@ def test_reference_backend_masks_bottom_right():
     s[0, 2] = float("-inf")
     want = torch.softmax(s, dim=-1) @ v[:, 0]
     assert (out - want).abs().max() < 1e-12
-    with pytest.raises(ValueError, match="do not describe query"):
+    with raises_naming(ValueError, "cu_seqlens_q [0, 2]", "cu_seqlens_kv [0, 1, 3]"):
         varlen_sdpa(q, k, v, torch.tensor([0, 2]), torch.tensor([0, 1, 3]), 2, 3)
-    with pytest.raises(ValueError, match="do not describe query"):  # more queries than keys
+    with raises_naming(ValueError, "cu_seqlens_q [0, 3]", "cu_seqlens_kv [0, 2]", "n_q <= n_kv"):  # more queries
         varlen_sdpa(k, q, q, torch.tensor([0, 3]), torch.tensor([0, 2]), 3, 2)
 
 

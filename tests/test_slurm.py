@@ -289,14 +289,10 @@ def test_sbatch_refuses_arguments_for_the_keys_of_its_own_variables(tmp_path, mo
     env = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "disabled"}
     if mode == "job":
         env.update(JOB_ENV, SLURM_NNODES="1")
-    for arg, message in (
-        ("checkpoint.dir=/lustre/x", "the argument 'checkpoint.dir=/lustre/x': set RESULTS_DIR instead (the job "
-         "creates, mounts and reports the results directory from it)"),
-        ("logging.wandb = online", "the argument 'logging.wandb = online': set WANDB_MODE instead (the W&B "
-         "credentials check and the job environment follow it)"),
-    ):  # fmt: skip
-        r = _run(SBATCH, env, ["optimizer.lr=1e-6", arg], tmp_path)
-        assert r.returncode == 2 and r.stderr == f"train.sbatch: error: {message}\n", r.stderr
+    for arg, variable in (("checkpoint.dir=/lustre/x", "RESULTS_DIR"), ("logging.wandb = online", "WANDB_MODE")):
+        r = _run(SBATCH, env, ["optimizer.lr=1e-6", arg], tmp_path)  # one error line: the argument, the variable
+        assert r.returncode == 2 and r.stderr.startswith("train.sbatch: error: ") and r.stderr.count("\n") == 1
+        assert f"'{arg}'" in r.stderr and f"set {variable} " in r.stderr, r.stderr
     assert not (tmp_path / "sbatch.log").exists()
 
 
@@ -350,18 +346,15 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
         assert r.returncode == 0 and r.stderr == "", (env, r.stderr)
     # no python3 >= 3.11 on the submit host: one note, and the job checks at start
     r = _run(SBATCH, {**base, "MPO_HF_PATH": "", "SUBMIT_PYTHON": str(tmp_path / "none")}, [], tmp_path)
-    assert r.returncode == 0 and r.stderr == (
-        f"train.sbatch: note: {tmp_path}/none is not python >= 3.11 here; CONFIG and the overrides are checked when "
-        "the job starts\n")
+    assert r.returncode == 0 and r.stderr.startswith(f"train.sbatch: note: {tmp_path}/none ") and r.stderr.count(
+        "\n") == 1 and "python >= 3.11" in r.stderr, r.stderr  # fmt: skip
     # REPO_DIR that is not a checkout: refused on bare metal (the job would stop at start), a note with a container
     r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path)}, [], tmp_path)
-    assert r.returncode == 2 and r.stderr == (
-        f"train.sbatch: error: no train.py in REPO_DIR={tmp_path} (the checkout the job runs; unset it or set it to "
-        "the repository on the shared file system)\n")
+    assert r.returncode == 2 and r.stderr.startswith("train.sbatch: error: ") and r.stderr.count("\n") == 1
+    assert "train.py" in r.stderr and f"REPO_DIR={tmp_path} " in r.stderr, r.stderr
     r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path), "CONTAINER": "img", "DRY_RUN": "1"}, [], tmp_path)
-    assert r.returncode == 0 and r.stderr == (
-        f"train.sbatch: note: no config.py in REPO_DIR={tmp_path}; CONFIG and the overrides are checked when the job "
-        "starts\n")
+    assert r.returncode == 0 and r.stderr.startswith("train.sbatch: note: ") and r.stderr.count("\n") == 1
+    assert "config.py" in r.stderr and f"REPO_DIR={tmp_path};" in r.stderr, r.stderr
     r = _run(CHAIN, {**base, "MPO_HF_PATH": "", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"}, [], tmp_path)
     assert r.returncode == 2 and "(from configs/nano.toml: set MPO_MODEL_NAME" in r.stderr, r.stderr
     assert not (tmp_path / "results").exists()

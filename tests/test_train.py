@@ -43,6 +43,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import raises_naming
 
 import config as config_mod
 import distributed
@@ -84,7 +85,7 @@ def test_schedule_warmup_then_cosine_to_min_lr_at_max_num_steps():
             want = 1e-5
         assert lr == pytest.approx(want, rel=1e-12, abs=1e-18), n
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
-    with pytest.raises(config_mod.ConfigError, match="lr_warmup_steps = 20 must be < mpo.max_num_steps = 20"):
+    with raises_naming(config_mod.ConfigError, "scheduler.lr_warmup_steps = 20", "< mpo.max_num_steps = 20"):
         config_mod.load_config(None, ["scheduler.lr_warmup_steps=20", "mpo.max_num_steps=20"])  # before any work
 
 
@@ -154,62 +155,54 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
 
     was_initialized = dist.is_initialized()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"model.hf_path={tmp_path}"])
-    with pytest.raises(config_mod.ConfigError, match=f"model.hf_path = '{tmp_path}': no config.json"):
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}'", "config.json"):
         preflight.check_inputs(cfg)
     (tmp_path / "config.json").write_text("[]")
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}': {tmp_path / 'config.json'} ",
+                       "model_type"):  # fmt: skip
         preflight.check_inputs(cfg)
-    assert str(e.value) == (f"model.hf_path = '{tmp_path}': {tmp_path / 'config.json'} is not a Hugging Face model "
-                            "config (a JSON object with model_type)")
     # QA: a run directory (its config.json is the resolved config) ended in a TypeError deep in read_hf_config
     (tmp_path / "config.json").write_text(json.dumps(config_mod.to_dict(cfg)))
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}'",
+                       f"(python checkpoint.py export {tmp_path} OUT)", "model.hf_path=OUT"):  # fmt: skip
         preflight.check_inputs(cfg)
-    assert str(e.value) == (f"model.hf_path = '{tmp_path}': its config.json is an omni-mpo run's resolved config, not "
-                            f"an HF model: to start from a trained policy, export it first (python checkpoint.py "
-                            f"export {tmp_path} OUT) and set model.hf_path=OUT")
     (tmp_path / "config.json").write_text('{"model_type": "x"}')  # issue 47.4: another architecture
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}': ", "model_type 'x'"):
         preflight.check_inputs(cfg)
-    assert str(e.value).startswith(f"model.hf_path = '{tmp_path}': ") and "model_type 'x'" in str(e.value)
     shutil.copy(ROOT / "assets" / "tiny-omni" / "config.json", tmp_path)  # QA: no weights: hf_weights' error
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}': ", "model.safetensors.index.json",
+                       "*.safetensors"):  # fmt: skip
         preflight.check_inputs(cfg)
-    assert str(e.value) == (f"model.hf_path = '{tmp_path}': no model.safetensors.index.json and no *.safetensors "
-                            "there (the weights of the HF checkpoint)")  # fmt: skip
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"data.train.data_path={tmp_path}/meta.json"])
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
-    with pytest.raises(config_mod.ConfigError, match=r"data.train.data_path = .*meta.json' is not a file"):
+    with raises_naming(config_mod.ConfigError, f"data.train.data_path = '{tmp_path}/meta.json'", "not a file"):
         preflight.check_inputs(cfg)
     cfg.data.train.data_path = " "
-    with pytest.raises(config_mod.ConfigError) as e:  # QA15 item 10: not "cannot read the meta-recipe ."
+    with raises_naming(config_mod.ConfigError, "data.train.data_path ") as e:  # QA15 item 10
         preflight.check_inputs(cfg)
-    assert str(e.value) == "data.train.data_path is empty: set it to an MMPR meta-recipe JSON"
+    assert "meta-recipe ." not in str(e.value)  # not "cannot read the meta-recipe ."
     cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
     cfg.parallel.context_parallel_size, cfg.packing.make_sequence_length_divisible_by = 2, 2
-    with pytest.raises(config_mod.ConfigError, match="make_sequence_length_divisible_by = 2 must be a multiple of 4"):
+    with raises_naming(config_mod.ConfigError, "packing.make_sequence_length_divisible_by = 2", "multiple of 4"):
         preflight.check_inputs(cfg)
     cfg.packing.make_sequence_length_divisible_by = 8
     preflight.check_inputs(cfg)  # all good: no exception
     assert dist.is_initialized() == was_initialized  # nothing distributed was started
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize("overrides, names", [
     (["parallel.tensor_model_parallel_size=2"],  # megatron-core's MoELayer.forward refuses it at the first step
-     "parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel = true"),
+     ["parallel.tensor_model_parallel_size = 2", "parallel.sequence_parallel = true"]),
     (["parallel.tensor_model_parallel_size=4", "parallel.sequence_parallel=true"],  # the ViT's 2 heads
-     "megatron-core refuses the vision encoder config: num_attention_heads (2) must be a multiple of "
-     "tensor_model_parallel_size (4). (this run's parallel.tensor_model_parallel_size = 4; the other sizes come from "
-     "assets/tiny-omni/config.json)"),
+     ["vision encoder", "num_attention_heads (2)", "tensor_model_parallel_size (4)",
+      "parallel.tensor_model_parallel_size = 4", "assets/tiny-omni/config.json"]),
     (["parallel.tensor_model_parallel_size=8", "parallel.sequence_parallel=true"],  # the language model's 4 heads
-     "megatron-core refuses the language model config: num_attention_heads (4) must be a multiple of "
-     "tensor_model_parallel_size (8)"),
-    (["parallel.expert_tensor_parallel_size=2"], "parallel.expert_tensor_parallel_size = 2: only 1"),
+     ["language model", "num_attention_heads (4)", "tensor_model_parallel_size (8)"]),
+    (["parallel.expert_tensor_parallel_size=2"], ["parallel.expert_tensor_parallel_size = 2"]),
     (["model.freeze_vision_encoder=true", "model.freeze_vision_projector=true", "model.freeze_language_model=true"],
-     "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
-     "nothing to train"),
+     ["model.freeze_vision_encoder", "model.freeze_vision_projector", "model.freeze_language_model"]),
 ])
-def test_megatron_constraints_are_config_errors_before_any_work(overrides, message):
+def test_megatron_constraints_are_config_errors_before_any_work(overrides, names):
     """Issue 13.5: megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build
     or at the first forward) fail in check_model_config, before any process group, data or model, naming our keys."""
     import torch.distributed as dist
@@ -219,9 +212,9 @@ def test_megatron_constraints_are_config_errors_before_any_work(overrides, messa
     was_initialized = dist.is_initialized()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)
     hf = omni_model.read_hf_config(ROOT / cfg.model.hf_path)
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, *names) as e:
         preflight.check_model_config(cfg, hf)
-    assert message in str(e.value) and "\n" not in str(e.value)
+    assert "\n" not in str(e.value)
     for fine in ([], ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
                  ["model.freeze_vision_encoder=true", "model.freeze_language_model=true"]):
         preflight.check_model_config(config_mod.load_config(ROOT / "configs" / "tiny.toml", fine), hf)  # no exception
@@ -230,13 +223,14 @@ def test_megatron_constraints_are_config_errors_before_any_work(overrides, messa
 
 def test_seq_aux_loss_is_refused_with_the_reason():
     """Issue 13.3: megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
-    with pytest.raises(config_mod.ConfigError, match="model.moe_router_load_balancing_type = 'seq_aux_loss'"):
+    with raises_naming(config_mod.ConfigError, "model.moe_router_load_balancing_type = 'seq_aux_loss'"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_router_load_balancing_type=seq_aux_loss"])
 
 
 def test_allgather_dispatcher_is_refused_with_expert_parallelism():
     """The all-gather dispatcher gathers equal token counts over TP x EP; EP ranks hold different packed bins."""
-    with pytest.raises(config_mod.ConfigError, match="model.moe_token_dispatcher_type"):
+    with raises_naming(config_mod.ConfigError, "model.moe_token_dispatcher_type = 'allgather'",
+                       "parallel.expert_model_parallel_size = 1", "'alltoall'"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_token_dispatcher_type=allgather",
                                                                 "parallel.expert_model_parallel_size=2"])
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_token_dispatcher_type=allgather",
@@ -250,15 +244,12 @@ def test_check_splits_refuses_repeats_and_late_oversized_pairs_and_drops_an_empt
     index = _FakeIndex({0: (100, 90), 1: (30, 30), 2: (200, 190), 3: (40, 41), 4: (10, 10)})
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=4", SEPARATE])
     train_split, val_split = Split(index, [0, 1, 2]), Split(index, [3])
-    with pytest.raises(config_mod.ConfigError, match="train_global_batch_size = 4 pairs per step but only 3 training"):
+    with raises_naming(config_mod.ConfigError, "policy.train_global_batch_size = 4", "only 3 training pairs"):
         preflight.check_splits(train_split, val_split, cfg)
     cfg.policy.train_global_batch_size = 2
     cfg.packing.max_tokens_per_bin = 256  # pair 2 pads to 200 + 192 = 392 tokens
-    with pytest.raises(
-        config_mod.ConfigError,
-        match=r"1 of 3 training pairs need more than packing.max_tokens_per_bin"
-        r" = 256 tokens \(largest: a.jsonl:3, 392 tokens",
-    ):
+    with raises_naming(config_mod.ConfigError, "1 of 3 training pairs", "packing.max_tokens_per_bin = 256",
+                       "a.jsonl:3, 392 tokens", "packing.drop_oversized_pairs"):
         preflight.check_splits(train_split, val_split, cfg)
     cfg.packing.drop_oversized_pairs = True
     train, val, notes = preflight.check_splits(train_split, val_split, cfg)
@@ -334,13 +325,10 @@ def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_ba
         plan = pack.plan_step(index.lengths(ids), cfg.packing, 2)
         assert plan.dropped == [] and sorted(p for r in plan.ranks for b in r if not b.dummy for p in b.pair_ids) == ids
     cfg.policy.train_global_batch_size = 3
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, "policy.train_global_batch_size = 3", "only 2 training pairs",
+                       "data.train.max_samples = 0", "data.train.split_validation_size = 4.0", "2 oversized pairs"):
         preflight.check_splits(Split(index, [0, 1, 2, 5]), None, cfg)
-    assert str(e.value) == (
-        "policy.train_global_batch_size = 3 pairs per step but only 2 training pairs (after data.train.max_samples = "
-        "0, data.train.split_validation_size = 4.0, dropped rows and 2 oversized pairs): a step would repeat pairs; "
-        "lower the batch or use more data")
-    with pytest.raises(config_mod.ConfigError, match="^every validation pair needs more than packing.max_tokens_per"):
+    with raises_naming(config_mod.ConfigError, "every validation pair", "packing.max_tokens_per_bin = "):
         preflight.check_splits(Split(index, [0, 1]), Split(index, [3]), cfg)
     cfg.packing.drop_oversized_pairs = False  # the default: nothing dropped, every split unchanged
     cfg.packing.max_tokens_per_bin, cfg.policy.train_global_batch_size = 4096, 2
@@ -422,67 +410,61 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
         timeout=120,
         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
     )
-    assert proc.returncode == 1
-    assert f"error: ConfigError: model.hf_path = '{tmp_path}': no config.json" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(f"error: ConfigError: model.hf_path = '{tmp_path}'"), last
+    assert "config.json" in last and "Traceback" not in proc.stderr
     # megatron-core's constraints too (issue 13.5): before, data, models and optimizer were built and the first
     # forward raised megatron's ValueError as a traceback
     proc = subprocess.run(
         [sys.executable, "train.py", "configs/tiny.toml", "parallel.tensor_model_parallel_size=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
     )  # fmt: skip
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: ConfigError: parallel.tensor_model_parallel_size = 2 with MoE layers needs parallel.sequence_parallel "
-        "= true (megatron-core's MoELayer refuses MoE and tensor parallelism without sequence parallelism in training)"
-    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and last.startswith("error: ConfigError: "), last
+    assert "parallel.tensor_model_parallel_size = 2" in last and "parallel.sequence_parallel = true" in last, last
 
 
 def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path, monkeypatch):
     """QA 1 and 2: checkpoint.dir empty (the run landed in the working directory), an existing file, or under a file
     (/dev/null/x) failed only when config.json was written, after the models were built."""
     (tmp_path / "file").write_text("")
-    for value, message in [
-        ("", "checkpoint.dir is empty: set the run directory (step_<N>/ checkpoints, metrics.jsonl and config.json go "
-             "there), e.g. checkpoint.dir=results/my_run"),
-        (" ", "checkpoint.dir is empty: "),
-        (str(tmp_path / "file"), f"checkpoint.dir = '{tmp_path / 'file'}' is an existing file, not a directory"),
-        ("/dev/null/x", "checkpoint.dir = '/dev/null/x' cannot be created: '/dev/null' is not a directory"),
-        (str(tmp_path / "file" / "a" / "b"),
-         f"checkpoint.dir = '{tmp_path / 'file' / 'a' / 'b'}' cannot be created: '{tmp_path / 'file'}' is not a "
-         "directory"),
+    for value, names in [
+        ("", ["checkpoint.dir ", "checkpoint.dir=results/my_run"]),  # empty: names the key and an example value
+        (" ", ["checkpoint.dir ", "checkpoint.dir=results/my_run"]),
+        (str(tmp_path / "file"), [f"checkpoint.dir = '{tmp_path / 'file'}' "]),
+        ("/dev/null/x", ["checkpoint.dir = '/dev/null/x' ", "'/dev/null'"]),
+        (str(tmp_path / "file" / "a" / "b"), [f"checkpoint.dir = '{tmp_path / 'file' / 'a' / 'b'}' ",
+                                              f"'{tmp_path / 'file'}'"]),
     ]:  # fmt: skip
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, *names):
             preflight.check_run_dir(value)
-        assert str(e.value).startswith(message), (value, str(e.value))
     preflight.check_run_dir(str(tmp_path / "new" / "run"))  # creatable: created
     preflight.check_run_dir(str(tmp_path))  # an existing directory
     assert (tmp_path / "new" / "run").is_dir()
     # QA4b 11: root's os.access says /proc and /sys are writable, mkdir fails there (a traceback after the models)
     for value, root_error, top in (("/proc/omni_mpo_test/run", "No such file or directory", "/proc"),
                                    ("/sys/omni_mpo_test", "Operation not permitted", "/sys")):  # fmt: skip
-        with pytest.raises(config_mod.ConfigError) as e:
+        why = root_error if os.geteuid() == 0 else f"write permission on '{top}'"  # a user: os.access says no
+        with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{value}' ", why):
             preflight.check_run_dir(value)
-        why = root_error if os.geteuid() == 0 else f"no write permission on '{top}'"  # a user: os.access says no
-        assert str(e.value) == f"checkpoint.dir = '{value}' cannot be created: {why}"
     denied = {tmp_path / "ro"}  # os.access as a non-root user without write permission (root passes every check)
     monkeypatch.setattr(preflight.os, "access", lambda p, mode: Path(p) not in denied)
     (tmp_path / "ro").mkdir()
-    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro' / 'run'}' cannot be "
-                                                     f"created: no write permission on '{tmp_path / 'ro'}'$"):
+    with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{tmp_path / 'ro' / 'run'}'",
+                       f"write permission on '{tmp_path / 'ro'}'"):
         preflight.check_run_dir(str(tmp_path / "ro" / "run"))
-    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro'}' cannot be written: no "
-                                                     f"write permission on '{tmp_path / 'ro'}'$"):
+    with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{tmp_path / 'ro'}'",
+                       f"write permission on '{tmp_path / 'ro'}'"):
         preflight.check_run_dir(str(tmp_path / "ro"))
     # a read-only mount (os.access says no for root too): named as such, not as a permission (QA)
     monkeypatch.setattr(preflight.os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
-    with pytest.raises(config_mod.ConfigError, match=f"^checkpoint.dir = '{tmp_path / 'ro'}' cannot be written: a "
-                                                     f"read-only file system at '{tmp_path / 'ro'}'$"):
+    with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{tmp_path / 'ro'}'",
+                       f"read-only file system at '{tmp_path / 'ro'}'"):
         preflight.check_run_dir(str(tmp_path / "ro"))
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["checkpoint.dir="])
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
     cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
-    with pytest.raises(config_mod.ConfigError, match="^checkpoint.dir is empty"):
+    with raises_naming(config_mod.ConfigError, "checkpoint.dir is empty"):
         preflight.check_inputs(cfg)  # part of the checks train.main runs first on every rank
 
 
@@ -494,33 +476,28 @@ def test_check_run_dir_refuses_a_model_an_export_and_a_checkpoint(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "NemotronH_Nano_Omni_Reasoning_V3"}')
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{model}' ", "model.hf_path"):
         preflight.check_run_dir(str(model), str(tmp_path / "." / "model"))
-    assert str(e.value) == (f"checkpoint.dir = '{model}' is model.hf_path: the run would write its resolved "
-                            "config.json over the model's; choose another run directory")
     for held in (model, tmp_path / "export"):  # any HF model; an export (its info file) even without config.json
         if held.name == "export":
             held.mkdir()
             (held / checkpoint.EXPORT_INFO_FILE).write_text("{}")
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{held}' ", "config.json") as e:
             preflight.check_run_dir(str(held), "assets/tiny-omni")
-        assert str(e.value) == (f"checkpoint.dir = '{held}' holds an HF model checkpoint (its config.json would be "
-                                "replaced by the run's resolved config); choose another run directory")
+        assert "model.hf_path" not in str(e.value)  # an HF model, not the run's own model.hf_path
     step = tmp_path / "run" / "step_6"
     (step / checkpoint.MODEL_OPTIM_DIR).mkdir(parents=True)
     (step / checkpoint.RUN_STATE_FILE).write_text("{}")
     for value in (step, step / "sub" / "run"):
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{value}' ", f"checkpoint {step} ",
+                           f"checkpoint.dir={tmp_path / 'run'}"):  # fmt: skip
             preflight.check_run_dir(str(value), "assets/tiny-omni")
-        assert str(e.value) == (f"checkpoint.dir = '{value}' is the checkpoint {step} or inside it (a new run there "
-                                f"is removed with it); to resume that run, set checkpoint.dir={tmp_path / 'run'}")
     assert not (step / "sub").exists()
     for unfinished in ("step_9.tmp", "step_2.old"):  # the next start of RUN removes / renames these (QA)
         value = tmp_path / "run" / unfinished
         value.mkdir()
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, f"checkpoint.dir = '{value}' ", f"checkpoint {value} "):
             preflight.check_run_dir(str(value), "assets/tiny-omni")
-        assert str(e.value).startswith(f"checkpoint.dir = '{value}' is the checkpoint {value} or inside it")
     (tmp_path / "run" / "config.json").write_text(json.dumps(config_mod.to_dict(config_mod.Config())))
     preflight.check_run_dir(str(tmp_path / "run"), "assets/tiny-omni")  # a run directory itself: a resume
     (tmp_path / "step_3").mkdir()  # a folder merely named like a checkpoint
@@ -530,7 +507,7 @@ def test_check_run_dir_refuses_a_model_an_export_and_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("value", [0, -1])
 def test_val_batches_must_be_at_least_one(value):
     """QA 4: 0 crashed at the first validation (KeyError 'loss'), -1 sliced off the last batch."""
-    with pytest.raises(config_mod.ConfigError, match=f"^mpo.val_batches = {value} must be >= 1$"):
+    with raises_naming(config_mod.ConfigError, f"mpo.val_batches = {value}", ">= 1"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"mpo.val_batches={value}"])
 
 
@@ -547,15 +524,11 @@ def test_wandb_online_needs_an_api_key(tmp_path, monkeypatch):
     try:
         preflight.check_wandb("offline")  # no key needed
         preflight.check_wandb("disabled")
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, "logging.wandb = 'online'", "WANDB_API_KEY", "~/.netrc",
+                           "logging.wandb=offline"):  # fmt: skip
             preflight.check_wandb("online")
-        assert str(e.value) == (
-            "logging.wandb = 'online' but W&B finds no API key (WANDB_API_KEY, ~/.netrc from `wandb login`, or a "
-            "wandb settings file); set one, or use logging.wandb=offline or disabled"
-        )
         monkeypatch.setenv("WANDB_API_KEY", "short")
-        with pytest.raises(config_mod.ConfigError, match="^logging.wandb = 'online': WANDB_API_KEY invalid: API key "
-                                                         "must have 40"):
+        with raises_naming(config_mod.ConfigError, "logging.wandb = 'online'", "WANDB_API_KEY", "40"):
             preflight.check_wandb("online")
         monkeypatch.setenv("WANDB_API_KEY", "0123456789" * 4)  # the format of a key; not verified (no network)
         preflight.check_wandb("online")
@@ -570,13 +543,9 @@ def test_wandb_that_does_not_import_is_one_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when it is not installed
     preflight.check_wandb("disabled")
     for mode in ("online", "offline"):
-        with pytest.raises(config_mod.ConfigError) as e:
+        with raises_naming(config_mod.ConfigError, f"logging.wandb = {mode!r}", "(ModuleNotFoundError: ",
+                           "pip install wandb", "logging.wandb=disabled", "WANDB_MODE=disabled"):  # fmt: skip
             preflight.check_wandb(mode)
-        assert str(e.value) == (
-            f"logging.wandb = {mode!r} needs the wandb package, which does not import here (ModuleNotFoundError: "
-            "import of wandb halted; None in sys.modules); install it (`pip install wandb`, as requirements.txt "
-            "does) or set logging.wandb=disabled (or WANDB_MODE=disabled)"
-        )
 
 
 def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
@@ -593,10 +562,8 @@ def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "")  # empty = not set
     assert config_mod.load_config(None, ["logging.wandb=online"]).logging.wandb == "online"
     monkeypatch.setenv("WANDB_MODE", "dryrun")
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, "WANDB_MODE = 'dryrun'", "logging.wandb", "online, offline, disabled"):
         config_mod.load_config(None, [])
-    assert str(e.value) == ("WANDB_MODE = 'dryrun' (it overrides logging.wandb): choose one of online, offline, "
-                            "disabled, or unset it")
     wandb.teardown()
 
 
@@ -611,13 +578,12 @@ def test_wandb_init_failure_is_one_config_error_line(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", fail)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", "logging.wandb=online"])
-    with pytest.raises(config_mod.ConfigError) as e:
+    with raises_naming(config_mod.ConfigError, "logging.wandb = 'online'", "wandb.init",
+                       "(CommError: Failed to get resume status for run x2lafkpm: context deadline exceeded)",
+                       "logging.wandb=offline", "WANDB_MODE=offline",
+                       f"wandb sync {tmp_path / 'wandb'}/offline-run-*") as e:  # fmt: skip
         monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)
-    assert str(e.value) == (
-        "logging.wandb = 'online': wandb.init failed (CommError: Failed to get resume status for run x2lafkpm: "
-        "context deadline exceeded); on a machine without access to W&B use logging.wandb=offline (or "
-        f"WANDB_MODE=offline), then upload the run later with `wandb sync {tmp_path / 'wandb'}/offline-run-*`"
-    )
+    assert "\n" not in str(e.value)  # the first line of wandb's message only
 
 
 def test_wandb_init_failure_stops_every_rank(torchrun, tmp_path):
@@ -691,7 +657,7 @@ def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1
     last = proc.stderr.splitlines()[-1]
-    assert last.startswith(f"error: CheckpointError: cannot resume {tmp_path / 'step_2'} ")
+    assert last.startswith("error: CheckpointError: ") and f"{tmp_path / 'step_2'} " in last, last
     assert f"optimizer.lr {cfg.optimizer.lr!r} -> 0.5" in last
     assert (tmp_path / "metrics.jsonl").read_text() == rows
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl", "step_2"]  # no wandb/, config
@@ -792,7 +758,8 @@ def test_two_readme_commands_on_one_machine_do_not_wait_on_each_other(tmp_path):
         first.wait()
     assert second.returncode == 1
     errors = [x for x in second.stderr.splitlines() if x.startswith("error: ")]
-    assert errors[0].startswith(f"error: CheckpointError: checkpoint.dir = {tmp_path} is in use by another run (pid ")
+    assert errors[0].startswith(f"error: CheckpointError: checkpoint.dir = {tmp_path} "), errors
+    assert "(pid " in errors[0], errors
 
 
 def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path, monkeypatch):
@@ -805,11 +772,10 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path,
 
     monkeypatch.setattr(os, "fsync", full_disk)
     for previous in (None, (3, {"step": 3})):
-        with pytest.raises(monitor.MetricsError) as e:
-            monitor.write_resolved_config(cfg, 0, previous)
         target = "config.json" if previous is None else "config.step_3.json"
-        assert str(e.value).startswith(f"cannot write {tmp_path / target}: OSError: [Errno {errno.ENOSPC}]")
-        assert f"bytes free on {tmp_path}" in str(e.value)
+        with raises_naming(monitor.MetricsError, f"{tmp_path / target}: OSError: [Errno {errno.ENOSPC}]",
+                           f"bytes free on {tmp_path}"):  # fmt: skip
+            monitor.write_resolved_config(cfg, 0, previous)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
         assert (tmp_path / "config.json").read_text() == '{"earlier": 1}\n'
     monkeypatch.undo()
@@ -1818,7 +1784,7 @@ def test_a_pair_that_fails_mid_run_stops_every_rank_in_one_line_and_keeps_the_fi
     assert 'train.py", line' not in proc.stderr  # no rank's traceback (torchrun's own report has one)
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: DataError: ") and "image_unreadable" in errors[0], errors
-    assert errors[0].endswith(f"(before step 3; the latest checkpoint is {run / 'step_2'})")
+    assert "step 3" in errors[0] and errors[0].endswith(f"{run / 'step_2'})"), errors  # the step and the checkpoint
     assert [r["step"] for r in _rows(run)] == [1, 2] and sorted(p.name for p in run.glob("step_*")) == ["step_2"]
 
 
@@ -1836,5 +1802,5 @@ def test_a_diverging_run_stops_before_the_update_in_one_line(train_run, tmp_path
     assert sorted(p.name for p in run.glob("step_*")) == [saved.name]  # step_N of save_period 2, no later write
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: DivergedError: step {len(rows) + 1}: "), errors
-    assert "not finite" in errors[0] and f"the latest checkpoint is {saved}" in errors[0], errors
+    assert f"{saved}" in errors[0], errors  # the latest checkpoint
     assert "optimizer.lr" in errors[0], errors  # the key to change
