@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import checkpoint
+import hf_export
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +126,7 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
     (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(_state(4, cfg)))
     monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
     with pytest.raises(checkpoint.CheckpointError, match="model.hf_path = 'assets/tiny-omni' has no config.json seen"):
-        checkpoint.export(tmp_path / "run", tmp_path / "hf")
+        hf_export.export(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -141,7 +142,7 @@ def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsy
     cfg["mpo"]["old_key"] = 1
     state.write_text(json.dumps(_state(4, cfg)))
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.export(run, tmp_path / "hf")
+        hf_export.export(run, tmp_path / "hf")
     assert str(state) in str(e.value) and "'mpo.old_key'" in str(e.value)
     state.write_text(json.dumps({k: v for k, v in _state(4, cfg).items() if k != "config"}))
     capsys.readouterr()  # what the direct export call above let through (a library's first-import log line)
@@ -286,29 +287,29 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     for out, what in [(run, "the run directory of the checkpoint"), (step, "the checkpoint it exports (step_2)"),
                       (step / "hf", "the checkpoint it exports (step_2)")]:  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.check_export_dir(out, step)
+            hf_export.check_export_dir(out, step)
         assert str(e.value).startswith(f"export directory {out} is {what}")
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
     held = f"^export directory {other} is a directory that holds a training run " r"\(config.json, step_7\)"
     with pytest.raises(checkpoint.CheckpointError, match=held):
-        checkpoint.check_export_dir(other, step)
+        hf_export.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
-        checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
+        hf_export.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
     logged = tmp_path / "logged"  # a run that logged steps but saved no checkpoint
     logged.mkdir()
     (logged / "config.json").write_text("{}")
     (logged / "metrics.jsonl").write_text("")
     with pytest.raises(checkpoint.CheckpointError, match=r"holds a training run \(config.json, metrics.jsonl\); "):
-        checkpoint.check_export_dir(logged, step)
+        hf_export.check_export_dir(logged, step)
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
     (tmp_path / "old_export" / checkpoint.EXPORT_INFO_FILE).write_text("{}")  # an earlier export: overwritten
     for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
-        checkpoint.check_export_dir(fine, step)
+        hf_export.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
-        checkpoint.export(run, run)  # before any model is built
+        hf_export.export(run, run)  # before any model is built
     assert (run / "config.json").read_text() == "{}"
 
 
@@ -330,7 +331,7 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     for out, what in [(a_file, "an existing file"), (unrelated, "not empty (config.json) and not an earlier export"),
                       (busy, "not empty (a, b, c, ... (6 entries)) and not an earlier export")]:  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.check_export_dir(out, step)
+            hf_export.check_export_dir(out, step)
         assert str(e.value).startswith(f"export directory {out} is {what}")
         assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
         assert capsys.readouterr().err == f"error: {e.value}\n"
@@ -343,9 +344,9 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     (earlier / "config.json").write_text("{}")
     (earlier / checkpoint.EXPORT_INFO_FILE).write_text('{"complete": false}')
     for fine in (empty, earlier, tmp_path / "new" / "hf"):
-        checkpoint.check_export_dir(fine, step)
+        hf_export.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError) as e:  # a parent that is a file: one line, no traceback
-        checkpoint._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
+        hf_export._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
     assert str(e.value) == f"export directory {a_file / 'hf'} cannot be written: Not a directory"
 
 
@@ -362,10 +363,10 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
         step = _step_with_config(run, 2, f"model.hf_path={hf_path}")
         for out in (src, tmp_path / "link", tmp_path / "x" / ".." / "src", "src"):
             with pytest.raises(checkpoint.CheckpointError) as e:
-                checkpoint.export(run, out)
+                hf_export.export(run, out)
             assert str(e.value).startswith(f"export directory {out} is the run's model.hf_path ({hf_path}")
-        checkpoint.check_export_dir(tmp_path / "other", step, hf_path)
-        checkpoint.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
+        hf_export.check_export_dir(tmp_path / "other", step, hf_path)
+        hf_export.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
         shutil.rmtree(run)
     assert sorted(p.name for p in src.iterdir()) == ["config.json"] and (src / "config.json").read_text() == (
         '{"marker": 1}'

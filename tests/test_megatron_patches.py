@@ -46,7 +46,7 @@ def small_config(**overrides) -> TransformerConfig:
 
 
 def _shim(name):
-    return getattr(megatron_patches, name, None) or getattr(kernel_selection, name)
+    return getattr(megatron_patches, name)
 
 
 def test_apply_is_idempotent_and_guarded():
@@ -74,7 +74,6 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
     import megatron.core
 
-    import checkpoint
     import local_spec
 
     site = Path(megatron.core.__file__).parents[2]
@@ -85,9 +84,9 @@ def test_every_shim_names_an_upstream_line_that_exists():
                                            local_spec.LocalNorm,
                                            local_spec.LocalNormColumnParallelLinear,
                                            local_spec.ThdDotProductAttention,
-                                           checkpoint._restore_adam_steps,  # outside megatron_patches.py
-                                           checkpoint._name_grad_dtype,
-                                           checkpoint._use_in_process_write_queue]
+                                           megatron_patches.restore_adam_steps,  # called by checkpoint.py
+                                           megatron_patches.name_grad_dtype,
+                                           megatron_patches.use_in_process_write_queue]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
         found = marker.findall(inspect.getsource(obj))
