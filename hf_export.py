@@ -85,6 +85,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     import config as config_mod
     import distributed
     import hf_weights
+    import kernel_selection
     import omni_model
 
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
@@ -115,9 +116,10 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     try:
         # a world of one on the device the model is built on; CUDA_VISIBLE_DEVICES= exports on the CPU
-        distributed.init_distributed(device=distributed.local_device())
+        kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
+        distributed.init_distributed(device=distributed.local_device(), kernels=kernels)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
-        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
         megatron_patches.use_in_process_write_queue()
         loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
         unwrap(model).load_state_dict(loaded["model"])

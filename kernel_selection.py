@@ -1,8 +1,9 @@
 """Kernel selection by capability: which attention, MoE-expert and Mamba-2 kernels this process uses.
 
 `select_kernels()` probes what imports and runs here and returns a `Kernels`, whose `line()` is the start-up banner,
-e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. megatron_patches.apply
-installs the patches they need (the Mamba-2 kernels into megatron-core's MambaMixer among them).
+e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. A process probes once
+(train.main) and passes the `Kernels` down; megatron_patches.apply installs the patches they need (the Mamba-2 kernels
+into megatron-core's MambaMixer among them).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Patches of megatron-core: what lets it build, run and train this model without Transformer Engine, without
 mamba-ssm or without a GPU, and the changes the model needs on every platform.
 
-`apply()` installs the patches the selected kernels need (`shims_for(select_kernels())`) and the model patches
-(`MODEL_SHIMS`); it is idempotent and runs in every process before megatron modules are built (omni_model.build_model
-and distributed.init_distributed call it).
+`apply(kernels)` installs the patches the selected kernels need (`shims_for(kernels)`; the kernels train.main chose,
+else probed once per process by `select_kernels()`) and the model patches (`MODEL_SHIMS`); it is idempotent and runs
+in every process before megatron modules are built (omni_model.build_model and distributed.init_distributed call it).
 `cuda_to_cpu()` wraps optimizer construction, `optimizer.step()` and checkpoint loading; checkpoint.py's save and load
 call the distributed-checkpointing repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`).
 The context variables below are the per-forward state that OmniModel.forward sets and the patched layers read. Each
@@ -49,6 +49,7 @@ MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix
 
 _APPLIED = False
 _INSTALLED: set[str] = set()
+_KERNELS: Kernels | None = None  # the kernels of the first apply(): passed, or probed once
 
 # Per-forward state, set by omni_model around the language model and read by the patched layers (context variables,
 # so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context); the layout's
@@ -84,12 +85,17 @@ def check_megatron_core_version() -> str:
     return installed
 
 
-def apply(force: bool = False) -> bool:
-    """Install the patches of `select_kernels()` and the model patches, once each. force: install the CPU-only ones
-    even with CUDA (tests). Returns True when the CPU-only patches are installed."""
-    global _APPLIED
+def apply(kernels: Kernels | None = None, force: bool = False) -> bool:
+    """Install the patches `kernels` need and the model patches, once each. kernels: the process's selection (train
+    passes the one it printed); None: the first apply's, probed by `select_kernels()` when no call passed one. force:
+    install the CPU-only ones even with CUDA (tests). Returns True when the CPU-only patches are installed."""
+    global _APPLIED, _KERNELS
     check_megatron_core_version()
-    k = select_kernels(cuda=False) if force else select_kernels()
+    if force:
+        k = select_kernels(cuda=False)
+    else:
+        k = kernels or _KERNELS or select_kernels()
+        _KERNELS = _KERNELS or k
     for name in shims_for(k) + MODEL_SHIMS:
         if name not in _INSTALLED:
             globals()[name]()
