@@ -1,4 +1,4 @@
-"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the HF export.
+"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the checkpoint CLI.
 
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
@@ -10,8 +10,10 @@
 
 `save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
 it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
-changed files). `export` (`python checkpoint.py export RUN_DIR OUT_DIR`) writes the policy as an HF checkpoint.
-Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md, "Checkpoints".
+changed files). `python checkpoint.py export RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py).
+The repairs of megatron-core's checkpointing (Adam steps, gradient-buffer dtype, the writers' errors) are in
+megatron_patches.py. Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md,
+"Checkpoints".
 """
 
 from __future__ import annotations
@@ -22,10 +24,8 @@ import datetime
 import errno
 import fcntl
 import json
-import logging
 import math
 import os
-import queue
 import random
 import re
 import shutil
@@ -40,6 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron_patches
+
 try:  # a dependency of wandb (requirements.txt); zlib's crc32 where it is absent
     import xxhash
 except ImportError:
@@ -49,7 +51,6 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_RE = re.compile(r"^step_(\d+)\.tmp$")
 OLD_RE = re.compile(r"^step_(\d+)\.old$")  # a checkpoint being replaced by a save of the same step
 SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # model_optim/__<rank>_<i>.distcp: the shard files rank <rank> wrote
-BUCKET_DTYPE_RE = re.compile(r"\.dtype_\((torch\.\w+), torch\.\w+\)\.")  # (param, grad dtype) in an optimizer key
 RUN_STATE_FILE = "run_state.json"
 MODEL_OPTIM_DIR = "model_optim"
 MEGATRON_METADATA_FILE = "metadata.json"  # megatron-core dist_checkpointing's config file in model_optim/
@@ -271,7 +272,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda_state, i)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module under megatron-core's DDP / Float16Module wrappers (their keys would gain a `module.` prefix)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
@@ -289,7 +290,7 @@ def model_sharded_state_dict(model: torch.nn.Module) -> dict:
     """megatron-core sharded state dict of `model`; for a plain module (omni_model.OmniModel), its children's."""
     from megatron.core.transformer.utils import sharded_state_dict_default
 
-    module = _unwrap(model)
+    module = unwrap(model)
     if hasattr(module, "sharded_state_dict"):
         return module.sharded_state_dict()
     assert all("." in k for k in module.state_dict(keep_vars=True)), "tensors outside the child modules"
@@ -307,92 +308,7 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
     return out
 
 
-def _name_grad_dtype(tree, grad_reduce_in_fp32: bool) -> None:
-    """Name, in place, the gradient-buffer dtype in the distributed optimizer's `dp_reshardable` state `tree` as
-    `grad_reduce_in_fp32` makes it (fp32, or the param dtype): in a sharded state dict's keys
-    (`...dtype_(<param dtype>, <grad dtype>)...`) and in a loaded one's per-bucket element counts
-    ({(param dtype, grad dtype): [numel]} per buffer). What the state holds (fp32 master weights, Adam moments) does not
-    depend on the grad dtype, so `load` names the keys as saved, then the counts as this run's.
-    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1894 (and :1236, :2068)"""
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    def grad(param_dtype):
-        return torch.float32 if grad_reduce_in_fp32 else param_dtype
-
-    def key(m: re.Match) -> str:
-        return f".dtype_({m[1]}, {'torch.float32' if grad_reduce_in_fp32 else m[1]})."
-
-    for k, v in list(tree.items() if isinstance(tree, dict) else enumerate(tree)):
-        if isinstance(v, ShardedBase):
-            v.key = BUCKET_DTYPE_RE.sub(key, v.key)
-        elif k in ("per_bucket_numel", "per_bucket_numel_unpadded") and isinstance(v, list):
-            tree[k] = [{(p, grad(p)): n for (p, _), n in buffer.items()} for buffer in v]
-        elif isinstance(v, (dict, list)):
-            _name_grad_dtype(v, grad_reduce_in_fp32)
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam `step` tensor holding the loaded param-group step.
-    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032"""
-    steps = set()
-    for opt in _inner_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        for group in inner.param_groups if inner is not None else []:
-            for p in group["params"] if "step" in group else []:
-                st = inner.state.get(p)
-                if st is not None and "step" in st:
-                    st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype, device=st["step"].device)
-                    steps.add(float(group["step"]))
-    assert len(steps) <= 1, f"param groups with different Adam steps {sorted(steps)}"
-
-
 # ---- Save ----------
-_WRITE_ERRORS: list[BaseException] = []  # the shard writers' exceptions of the save in progress
-
-
-def _use_in_process_write_queue() -> None:
-    """An in-process results queue for dist_checkpointing's save, and the writers' exceptions kept for `save`.
-    SHIM(megatron-core 0.19.2): megatron/core/dist_checkpointing/strategies/filesystem_async.py:65"""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
-    writer = filesystem_async.FileSystemWriterAsync
-    if getattr(writer.write_preloaded_data, "_omni_mpo_records", False):
-        return
-    write, finish = writer.write_preloaded_data, writer.finish
-
-    def recording(*args, **kwargs):
-        out = write(*args, **kwargs)
-        if out is not None and isinstance(out[1], BaseException):
-            _WRITE_ERRORS.append(out[1])  # megatron-core logs it and raises only "Worker failure"
-        return out
-
-    def recording_finish(self, *args, **kwargs):
-        try:
-            return finish(self, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - raised by `save` on every rank, after megatron's broadcast
-            _WRITE_ERRORS.append(e)
-
-    recording._omni_mpo_records = True
-    writer.write_preloaded_data = staticmethod(recording)
-    writer.finish = recording_finish
-
-
-@contextlib.contextmanager
-def _writer_log_quiet():
-    """megatron-core's checkpoint writer logs a failed write at ERROR level; `save` reports it itself, in one line."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    logger = logging.getLogger(filesystem_async.__name__)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def write_atomic(path: str | Path, data: bytes) -> None:
     """`data` to `path` through the temporary `.<name>.tmp` beside it, synced and renamed once complete: a reader
     never sees half of it; on an OSError (a full disk) the temporary file is removed and the error raised."""
@@ -511,17 +427,18 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
             error = e
     _raise_if_failed(error, step, ckpt_dir, tmp)
 
-    _use_in_process_write_queue()
-    _WRITE_ERRORS.clear()
+    megatron_patches.use_in_process_write_queue()
+    megatron_patches.CHECKPOINT_WRITE_ERRORS.clear()
     sums: dict[str, str] = {}
     try:
-        with _writer_log_quiet():
+        with megatron_patches.checkpoint_writer_log_quiet():
             dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(tmp / MODEL_OPTIM_DIR))
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
         sums = {name: file_checksum(tmp / name) for name in _own_files(tmp)}  # still in the page cache
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failed write: reported on every rank below
         error = e
-    error = _WRITE_ERRORS[0] if _WRITE_ERRORS else error  # a writer's own error (megatron raises only its summary)
+    written = megatron_patches.CHECKPOINT_WRITE_ERRORS
+    error = written[0] if written else error  # a writer's own error (megatron raises only its summary)
     sums = _raise_if_failed(error, step, ckpt_dir, tmp, sums)
 
     if _rank() == 0:
@@ -539,7 +456,7 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
     _raise_if_failed(error, step, ckpt_dir, tmp)
 
     if _rank() == 0:
-        _replace_dir(tmp, final)  # the same step saved again (a stop signal right after a periodic save)
+        replace_dir(tmp, final)  # the same step saved again (a stop signal right after a periodic save)
         fd = os.open(final.parent, os.O_RDONLY)  # the rename is durable before older checkpoints are deleted
         try:
             os.fsync(fd)
@@ -550,7 +467,7 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
     return final
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Rename `src` to `dst`; an existing `dst` goes to `<dst>.old` first, removed after."""
     old = dst.with_name(dst.name + ".old")
     if dst.exists():
@@ -630,7 +547,7 @@ RESUME_RULES = {
                      "mpo.sft_loss_weight", "mpo.reward_shift_momentum",
                      "mpo.reward_shift",  # a fresh start's δ only: a resume carries the saved δ
                      "mpo.preference_average_log_probs", "mpo.sft_average_log_probs", "packing.shared_prompt",
-                     "optimizer.grad_reduce_in_fp32"], NOTICE),  # buffers start at 0 every step (`_name_grad_dtype`)
+                     "optimizer.grad_reduce_in_fp32"], NOTICE),  # buffers start at 0 every step (`name_grad_dtype`)
 }  # fmt: skip
 
 
@@ -673,7 +590,7 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     return {k: v for k, v in changed.items() if RESUME_RULES[k] == NOTICE}
 
 
-def _damage(path: Path, world_size: int | None) -> str | None:
+def why_damaged(path: Path, world_size: int | None) -> str | None:
     """Why `path` cannot load, or None: bad metadata, a missing file (RNG ones with `world_size`), a short shard."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -719,9 +636,9 @@ def _checksum_mismatches(state: RunState, world_size: int | None) -> list[str]:
 
 
 def check_complete(state: RunState, world_size: int | None) -> None:
-    """Refuse a damaged checkpoint (`_damage`, then the checksums) on every rank, before any collective load."""
+    """Refuse a damaged checkpoint (`why_damaged`, then the checksums) on every rank, before any collective load."""
     path = state.path
-    damage = from_rank0(_damage(path, world_size) if _rank() == 0 else None)
+    damage = from_rank0(why_damaged(path, world_size) if _rank() == 0 else None)
     if damage is None and (bad := _checksum_mismatches(state, world_size)):
         damage = f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not match the checksum saved with it"
     if damage is not None:
@@ -731,7 +648,7 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 def parameter_layout(model: torch.nn.Module) -> str:
     """A digest of the trainable parameters' names, shapes and dtypes in order: the distributed optimizer's
     `dp_reshardable` state is stored in that order, so it loads only into a model with the same digest."""
-    return _digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in _unwrap(model).named_parameters() if p.requires_grad])
+    return _digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in unwrap(model).named_parameters() if p.requires_grad])
 
 
 def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
@@ -741,7 +658,7 @@ def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
     if state.parameter_layout is None:
         import local_spec
 
-        if not any(isinstance(m, local_spec.GroupedExperts) for m in _unwrap(model).modules()):
+        if not any(isinstance(m, local_spec.GroupedExperts) for m in unwrap(model).modules()):
             if _rank() == 0:
                 print(f"checkpoint: {path} records no parameter layout (saved before it was written): not verified",
                       file=sys.stderr)
@@ -771,14 +688,15 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
                 opt._init_optimizer_states_with_dummy_values()
     sharded = _sharded_state_dict(model, optimizer, is_loading=True)
     if optimizer is not None:  # the gradient-buffer dtype as saved (fp32 before the setting existed), then as now
-        _name_grad_dtype(sharded["optimizer"], state.config.get("optimizer", {}).get("grad_reduce_in_fp32", True))
+        saved_fp32 = state.config.get("optimizer", {}).get("grad_reduce_in_fp32", True)
+        megatron_patches.name_grad_dtype(sharded["optimizer"], saved_fp32)
     loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM_DIR))
-    _unwrap(model).load_state_dict(loaded["model"])
+    unwrap(model).load_state_dict(loaded["model"])
     if optimizer is not None:
-        _name_grad_dtype(loaded["optimizer"], model.ddp_config.grad_reduce_in_fp32)  # megatron DDP
+        megatron_patches.name_grad_dtype(loaded["optimizer"], model.ddp_config.grad_reduce_in_fp32)  # megatron DDP
         with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)
             optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer)
+        megatron_patches.restore_adam_steps(optimizer)
     if scheduler is not None:
         scheduler.num_steps = 0
         scheduler.load_state_dict(state.scheduler)
@@ -799,115 +717,12 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
     return state
 
 
-# ---- Export to a Hugging Face checkpoint ----------
-def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Path | None = None) -> None:
-    """Refuse an export directory that is the run's `model.hf_path`, in the checkpoint `source`, a run directory, a
-    file, or a non-empty directory that is not an earlier export (EXPORT_INFO_FILE)."""
-    out, src = Path(out_dir).resolve(), Path(source).resolve()
-    if hf_path is not None and out == Path(hf_path).resolve():
-        what = f"the run's model.hf_path ({hf_path}: the source of its reference weights and of every resume)"
-    elif out == src or src in out.parents:
-        what = f"the checkpoint it exports ({src.name}) or inside it"
-    elif out == src.parent:
-        what = "the run directory of the checkpoint it exports (its config.json would be overwritten)"
-    elif out.is_dir() and (out / "config.json").is_file() and (held := sorted(
-            p.name for p in out.iterdir() if p.name == "metrics.jsonl" or (STEP_RE.match(p.name) and p.is_dir()))):
-        what = f"a directory that holds a training run (config.json, {', '.join(held)})"
-    elif out.exists() and not out.is_dir():
-        what = "an existing file, not a directory"
-    elif out.is_dir() and not (out / EXPORT_INFO_FILE).is_file() and (names := sorted(p.name for p in out.iterdir())):
-        shown = ", ".join(names[:3]) + (f", ... ({len(names)} entries)" if len(names) > 3 else "")
-        what = f"not empty ({shown}) and not an earlier export (no {EXPORT_INFO_FILE})"
-    else:
-        return
-    raise CheckpointError(f"export directory {out_dir} is {what}; choose a new or empty OUT_DIR")
-
-
-def _export_staging(out_dir: str | Path) -> Path:
-    """`<OUT_DIR>.tmp`, where an export is written; an interrupted export's `.tmp` and `.old` are removed first."""
-    out = Path(out_dir)
-    for p in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
-        if p.is_dir() and (p / EXPORT_INFO_FILE).is_file():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            raise CheckpointError(f"{p} exists and is not an interrupted export (no {EXPORT_INFO_FILE}): move it away "
-                                  "or choose another OUT_DIR")  # fmt: skip
-    return out.with_name(out.name + ".tmp")
-
-
-def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path) -> None:
-    """Create `staging` and write EXPORT_INFO_FILE there; on a failure remove it."""
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-        (staging / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        free = f" ({free_space(staging.parent)})" if staging.parent.is_dir() else ""
-        raise CheckpointError(f"export directory {out_dir} cannot be written: {e.strerror or e}{free}") from None
-
-
-def export(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of `ckpt` (a run's latest step, or a step_<N>) as an HF checkpoint via `<OUT_DIR>.tmp`."""
-    import config as config_mod
-    import distributed
-    import hf_weights
-    import omni_model
-
-    if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
-        raise CheckpointError(f"export runs as one process (python checkpoint.py export), not {world} (torchrun)")
-    ckpt = Path(ckpt)
-    path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
-    if path is None:
-        raise CheckpointError(f"{ckpt}: no complete checkpoint (step_<N>/ with {RUN_STATE_FILE})")
-    state = read_run_state(path)
-    try:
-        cfg = config_mod.from_dict(state.config)
-    except config_mod.ConfigError as e:
-        raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
-    check_export_dir(out_dir, path, cfg.model.hf_path)
-    if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
-        raise CheckpointError(f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json "
-                              f"seen from {os.getcwd()}; run the export from the directory the training ran in")
-    check_complete(state, None)  # before the model is built (no RNG file needed)
-    out, staging = Path(out_dir), _export_staging(out_dir)
-    info = {"source": os.path.abspath(path), "step": state.step, "model.hf_path": os.path.abspath(cfg.model.hf_path),
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "complete": False}
-    _write_export_info(staging, info, out_dir)  # before the model is built: an unwritable directory fails here
-    for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
-        setattr(cfg.parallel, k, 1)
-    cfg.parallel.sequence_parallel = False
-
-    from megatron.core import dist_checkpointing, tensor_parallel
-
-    try:
-        # a world of one on the device the model is built on; CUDA_VISIBLE_DEVICES= exports on the CPU
-        distributed.init_distributed(device=distributed.local_device())
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
-        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
-        _use_in_process_write_queue()
-        loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
-        _unwrap(model).load_state_dict(loaded["model"])
-        hf_weights.export_hf(model, staging, cfg.model.hf_path)
-    except Exception as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (path / RUN_STATE_FILE).is_file() or _damage(path, None):  # e.g. pruned by a running job meanwhile
-            raise CheckpointError(f"{path} was removed or changed while it was exported (a running job keeps only "
-                                  "its checkpoint.keep_last newest steps); export again") from None
-        if (failure := write_failure(e, staging.parent)) is None:
-            raise
-        raise CheckpointError(f"exporting {path} to {out_dir} failed: {type(failure).__name__}: {failure} "
-                              f"({free_space(staging.parent)}); the partial export {staging.name} was removed, "
-                              f"{out_dir} is as it was") from None  # fmt: skip
-    _write_export_info(staging, info | {"complete": True}, out_dir)  # after export_hf, which copies source files
-    _replace_dir(staging, out)  # an earlier export or an empty directory (check_export_dir): replaced only now
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    """`python checkpoint.py export RUN_DIR OUT_DIR`; exit 1 with one `error: ...` line."""
+    """`python checkpoint.py export RUN_DIR OUT_DIR` (hf_export.export); exit 1 with one `error: ...` line."""
     import argparse
 
     import config as config_mod
+    import hf_export
 
     ap = argparse.ArgumentParser(prog="python checkpoint.py", description="Checkpoint tools of omni-mpo.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="export")
@@ -921,8 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     ckpt, out_dir = (os.path.expanduser(p) for p in (args.ckpt, args.out_dir))  # a quoted `~`, as config paths
     try:
-        print(f"exported {export(ckpt, out_dir)}")
-    except CheckpointError as e:
+        print(f"exported {hf_export.export(ckpt, out_dir)}")
+    except hf_export.CheckpointError as e:  # the class of the module hf_export imports (this file may be __main__)
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -67,9 +67,11 @@ def group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None) -> Ctx:
+def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None,
+                     kernels=None) -> Ctx:
     """Process group (nccl on CUDA, else gloo; outside torchrun a world of one) and megatron-core's
-    parallel state for `cfg.parallel` (sizes 1 without cfg); idempotent. ConfigError: config.validate_parallel."""
+    parallel state for `cfg.parallel` (sizes 1 without cfg); idempotent. ConfigError: config.validate_parallel.
+    kernels: the process's kernel_selection.Kernels for megatron_patches.apply (None: probed there)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -78,7 +80,7 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
     device = torch.device("cpu") if device is None else torch.device(device)
     if cfg is not None:
         config_mod.validate_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), num_experts)
-    megatron_patches.apply()
+    megatron_patches.apply(kernels)
     if not dist.is_initialized():
         init = (
             {}

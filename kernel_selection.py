@@ -1,8 +1,9 @@
 """Kernel selection by capability: which attention, MoE-expert and Mamba-2 kernels this process uses.
 
 `select_kernels()` probes what imports and runs here and returns a `Kernels`, whose `line()` is the start-up banner,
-e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. `install_torch_mamba` /
-`install_triton_mamba` put the chosen Mamba-2 kernels into megatron-core's MambaMixer (megatron_patches.apply).
+e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. A process probes once
+(train.main) and passes the `Kernels` down; megatron_patches.apply installs the patches they need (the Mamba-2 kernels
+into megatron-core's MambaMixer among them).
 """
 
 from __future__ import annotations
@@ -93,65 +94,3 @@ def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: 
     return Kernels(spec=spec, mamba=mamba, device="cuda" if cuda else "cpu",
                    attention="te" if spec == "te" else "varlen" if varlen_attn and cuda else "sdpa",
                    experts="te" if spec == "te" else "grouped" if grouped_mm and cuda else "grouped-loop")
-
-
-def install_torch_mamba() -> None:
-    # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
-    # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_torch's kernels.
-    import mamba_torch
-
-    _install_mamba_kernels(mamba_torch.mamba_split_conv1d_scan_combined, mamba_torch.mamba_chunk_scan_combined,
-                           mamba_torch.causal_conv1d_fn, mamba_torch.rmsnorm_fn)
-
-
-def install_triton_mamba() -> None:
-    # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
-    # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_triton's kernels.
-    import mamba_triton
-
-    k = mamba_triton.kernels()
-    _install_mamba_kernels(mamba_triton.mamba_split_conv1d_scan_combined, k["scan_fn"], k["conv_fn"], k["norm_fn"])
-
-
-def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
-    # Sets the mixer module's own names, not sys.modules, so transformers' NemotronH keeps its own torch path (the
-    # reference of the tests). The first call in a process wins.
-    from megatron.core.ssm import mamba_mixer
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    import mamba_torch
-
-    if getattr(mamba_mixer, "_omni_torch_mamba", False):
-        return
-
-    class ExtendedRMSNorm(mamba_torch.RMSNormGated):
-        """Gated grouped RMSNorm on `norm_fn`, weight sharded over TP along dim 0 in distributed checkpoints."""
-
-        def forward(self, x, z=None):
-            return norm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
-                           norm_before_gate=self.norm_before_gate)
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            from megatron.core import parallel_state
-
-            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
-                                                       {"weight": 0}, sharded_offsets, tp_group=tp_group,
-                                                       dp_cp_group=metadata["dp_cp_group"])
-
-    orig_check = mamba_mixer._check_mamba_sequence_packing_support
-
-    def _check_packing(for_inference_not_training: bool = True):
-        # The torch and Triton paths honour seq_idx in training; inference/varlen kernels are megatron's own Triton ops.
-        if not for_inference_not_training:
-            return True, None
-        return orig_check(for_inference_not_training)
-
-    mamba_mixer.RMSNormGated = mamba_torch.RMSNormGated
-    mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
-    mamba_mixer.mamba_chunk_scan_combined = scan_fn
-    mamba_mixer.mamba_split_conv1d_scan_combined = split_fn
-    mamba_mixer.causal_conv1d_fn = conv_fn
-    mamba_mixer.HAVE_MAMBA_SSM = True
-    mamba_mixer._check_mamba_sequence_packing_support = _check_packing
-    mamba_mixer._omni_torch_mamba = True

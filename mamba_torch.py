@@ -1,7 +1,7 @@
 """Pure-torch Mamba-2: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
 
 Drop-in equivalents (same names, arguments and keywords) of the kernels megatron-core's MambaMixer calls, so the mixer
-runs on any device (kernel_selection.install_torch_mamba): `causal_conv1d_fn` (causal-conv1d's), and
+runs on any device (megatron_patches.install_torch_mamba): `causal_conv1d_fn` (causal-conv1d's), and
 `mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, `rmsnorm_fn` / `RMSNormGated` (mamba-ssm's). Packed
 rows: `seq_idx` [batch, seqlen] (non-decreasing) or `cu_seqlens` [num_seqs + 1] for batch 1; sequences never interact.
 

@@ -1,12 +1,15 @@
 """Patches of megatron-core: what lets it build, run and train this model without Transformer Engine, without
 mamba-ssm or without a GPU, and the changes the model needs on every platform.
 
-`apply()` installs the patches the selected kernels need (`shims_for(select_kernels())`) and the model patches
-(`MODEL_SHIMS`); it is idempotent and runs in every process before megatron modules are built (omni_model.build_model
-and distributed.init_distributed call it). `cuda_to_cpu()` wraps optimizer construction, `optimizer.step()` and
-checkpoint loading. The context variables below are the per-forward state that OmniModel.forward sets and the patched
-layers read. Each patch carries a `SHIM(megatron-core <version>): <upstream file:line>` marker; `apply()` refuses any
-megatron-core but MEGATRON_CORE_VERSION_CHECKED. Why each exists: docs/DESIGN.md, "Kernels and megatron-core patches".
+`apply(kernels)` installs the patches the selected kernels need (`shims_for(kernels)`; the kernels train.main chose,
+else probed once per process by `select_kernels()`) and the model patches (`MODEL_SHIMS`); it is idempotent and runs
+in every process before megatron modules are built (omni_model.build_model and distributed.init_distributed call it).
+`cuda_to_cpu()` wraps optimizer construction, `optimizer.step()` and checkpoint loading; checkpoint.py's save and load
+call the distributed-checkpointing repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`).
+The context variables below are the per-forward state that OmniModel.forward sets and the patched layers read. Each
+patch carries a `SHIM(megatron-core <version>): <upstream file:line>` marker (so do local_spec.py's stand-in layers);
+`apply()` refuses any megatron-core but MEGATRON_CORE_VERSION_CHECKED. Why each exists: docs/DESIGN.md, "Kernels and
+megatron-core patches" (the checkpointing ones: "Checkpoints").
 
 Tests: `pytest tests/test_megatron_patches.py`.
 """
@@ -17,7 +20,10 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import logging
 import os
+import queue
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -26,13 +32,12 @@ from importlib import metadata
 import torch
 from torch.overrides import TorchFunctionMode
 
-import kernel_selection
 import shared_prompt
 from kernel_selection import Kernels, select_kernels
 
 MEGATRON_CORE_VERSION_CHECKED = "0.19.2"  # every SHIM marker names a line of this release
 
-# The patches (functions of this module, or of kernel_selection for Mamba), installed by apply() in this order.
+# The patches (functions of this module), installed by apply() in this order.
 CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_streams", "_install_cpu_rng_tracker",
                   "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads")  # no CUDA
 LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
@@ -44,6 +49,7 @@ MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix
 
 _APPLIED = False
 _INSTALLED: set[str] = set()
+_KERNELS: Kernels | None = None  # the kernels of the first apply(): passed, or probed once
 
 # Per-forward state, set by omni_model around the language model and read by the patched layers (context variables,
 # so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context); the layout's
@@ -79,15 +85,20 @@ def check_megatron_core_version() -> str:
     return installed
 
 
-def apply(force: bool = False) -> bool:
-    """Install the patches of `select_kernels()` and the model patches, once each. force: install the CPU-only ones
-    even with CUDA (tests). Returns True when the CPU-only patches are installed."""
-    global _APPLIED
+def apply(kernels: Kernels | None = None, force: bool = False) -> bool:
+    """Install the patches `kernels` need and the model patches, once each. kernels: the process's selection (train
+    passes the one it printed); None: the first apply's, probed by `select_kernels()` when no call passed one. force:
+    install the CPU-only ones even with CUDA (tests). Returns True when the CPU-only patches are installed."""
+    global _APPLIED, _KERNELS
     check_megatron_core_version()
-    k = select_kernels(cuda=False) if force else select_kernels()
+    if force:
+        k = select_kernels(cuda=False)
+    else:
+        k = kernels or _KERNELS or select_kernels()
+        _KERNELS = _KERNELS or k
     for name in shims_for(k) + MODEL_SHIMS:
         if name not in _INSTALLED:
-            (globals().get(name) or getattr(kernel_selection, name))()
+            globals()[name]()
             _INSTALLED.add(name)
     _APPLIED = _APPLIED or k.device == "cpu"
     return _APPLIED
@@ -383,6 +394,165 @@ class CudaToCpuMode(TorchFunctionMode):
 def cuda_to_cpu():
     """`CudaToCpuMode` where the CPU patches are in use, else a null context."""
     return CudaToCpuMode() if _APPLIED or not torch.cuda.is_available() else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mamba-2 kernels without mamba-ssm
+
+
+def install_torch_mamba() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
+    # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_torch's kernels.
+    import mamba_torch
+
+    _install_mamba_kernels(mamba_torch.mamba_split_conv1d_scan_combined, mamba_torch.mamba_chunk_scan_combined,
+                           mamba_torch.causal_conv1d_fn, mamba_torch.rmsnorm_fn)
+
+
+def install_triton_mamba() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
+    # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_triton's kernels.
+    import mamba_triton
+
+    k = mamba_triton.kernels()
+    _install_mamba_kernels(mamba_triton.mamba_split_conv1d_scan_combined, k["scan_fn"], k["conv_fn"], k["norm_fn"])
+
+
+def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
+    # Sets the mixer module's own names, not sys.modules, so transformers' NemotronH keeps its own torch path (the
+    # reference of the tests). The first call in a process wins.
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    import mamba_torch
+
+    if getattr(mamba_mixer, "_omni_torch_mamba", False):
+        return
+
+    class ExtendedRMSNorm(mamba_torch.RMSNormGated):
+        """Gated grouped RMSNorm on `norm_fn`, weight sharded over TP along dim 0 in distributed checkpoints."""
+
+        def forward(self, x, z=None):
+            return norm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                           norm_before_gate=self.norm_before_gate)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            from megatron.core import parallel_state
+
+            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                       {"weight": 0}, sharded_offsets, tp_group=tp_group,
+                                                       dp_cp_group=metadata["dp_cp_group"])
+
+    orig_check = mamba_mixer._check_mamba_sequence_packing_support
+
+    def _check_packing(for_inference_not_training: bool = True):
+        # The torch and Triton paths honour seq_idx in training; inference/varlen kernels are megatron's own Triton ops.
+        if not for_inference_not_training:
+            return True, None
+        return orig_check(for_inference_not_training)
+
+    mamba_mixer.RMSNormGated = mamba_torch.RMSNormGated
+    mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
+    mamba_mixer.mamba_chunk_scan_combined = scan_fn
+    mamba_mixer.mamba_split_conv1d_scan_combined = split_fn
+    mamba_mixer.causal_conv1d_fn = conv_fn
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer._check_mamba_sequence_packing_support = _check_packing
+    mamba_mixer._omni_torch_mamba = True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Distributed checkpointing (called by checkpoint.save and checkpoint.load)
+
+BUCKET_DTYPE_RE = re.compile(r"\.dtype_\((torch\.\w+), torch\.\w+\)\.")  # (param, grad dtype) in an optimizer key
+
+
+def name_grad_dtype(tree, grad_reduce_in_fp32: bool) -> None:
+    """Name, in place, the gradient-buffer dtype in the distributed optimizer's `dp_reshardable` state `tree` as
+    `grad_reduce_in_fp32` makes it (fp32, or the param dtype): in a sharded state dict's keys
+    (`...dtype_(<param dtype>, <grad dtype>)...`) and in a loaded one's per-bucket element counts
+    ({(param dtype, grad dtype): [numel]} per buffer). What the state holds (fp32 master weights, Adam moments) does not
+    depend on the grad dtype, so checkpoint.load names the keys as saved, then the counts as this run's.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1894 (and :1236, :2068)"""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def grad(param_dtype):
+        return torch.float32 if grad_reduce_in_fp32 else param_dtype
+
+    def key(m: re.Match) -> str:
+        return f".dtype_({m[1]}, {'torch.float32' if grad_reduce_in_fp32 else m[1]})."
+
+    for k, v in list(tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        if isinstance(v, ShardedBase):
+            v.key = BUCKET_DTYPE_RE.sub(key, v.key)
+        elif k in ("per_bucket_numel", "per_bucket_numel_unpadded") and isinstance(v, list):
+            tree[k] = [{(p, grad(p)): n for (p, _), n in buffer.items()} for buffer in v]
+        elif isinstance(v, (dict, list)):
+            name_grad_dtype(v, grad_reduce_in_fp32)
+
+
+def restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor holding the loaded param-group step.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1032"""
+    steps = set()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):  # a ChainedOptimizer's, or [optimizer]
+        inner = getattr(opt, "optimizer", None)
+        for group in inner.param_groups if inner is not None else []:
+            for p in group["params"] if "step" in group else []:
+                st = inner.state.get(p)
+                if st is not None and "step" in st:
+                    st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype, device=st["step"].device)
+                    steps.add(float(group["step"]))
+    assert len(steps) <= 1, f"param groups with different Adam steps {sorted(steps)}"
+
+
+CHECKPOINT_WRITE_ERRORS: list[BaseException] = []  # the shard writers' exceptions of the save in progress
+
+
+def use_in_process_write_queue() -> None:
+    """An in-process results queue for dist_checkpointing's save, and the writers' exceptions kept for checkpoint.save
+    (CHECKPOINT_WRITE_ERRORS).
+    SHIM(megatron-core 0.19.2): megatron/core/dist_checkpointing/strategies/filesystem_async.py:65"""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+    writer = filesystem_async.FileSystemWriterAsync
+    if getattr(writer.write_preloaded_data, "_omni_mpo_records", False):
+        return
+    write, finish = writer.write_preloaded_data, writer.finish
+
+    def recording(*args, **kwargs):
+        out = write(*args, **kwargs)
+        if out is not None and isinstance(out[1], BaseException):
+            CHECKPOINT_WRITE_ERRORS.append(out[1])  # megatron-core logs it and raises only "Worker failure"
+        return out
+
+    def recording_finish(self, *args, **kwargs):
+        try:
+            return finish(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - raised by checkpoint.save on every rank, after megatron's broadcast
+            CHECKPOINT_WRITE_ERRORS.append(e)
+
+    recording._omni_mpo_records = True
+    writer.write_preloaded_data = staticmethod(recording)
+    writer.finish = recording_finish
+
+
+@contextlib.contextmanager
+def checkpoint_writer_log_quiet():
+    """megatron-core's checkpoint writer logs a failed write at ERROR level; checkpoint.save reports it itself, in one
+    line."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    logger = logging.getLogger(filesystem_async.__name__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -240,16 +240,17 @@ MCORE_FIELD_KEYS = {
 }
 
 
-def check_model_config(cfg, hf) -> None:
+def check_model_config(cfg, hf, kernels=None) -> None:
     """megatron-core's constraints, before any process group: the three TransformerConfigs are built (their own
-    checks), plus the rules it enforces later (MoE with TP > 1 needs SP, ETP = 1, vocab % TP, something to train)."""
+    checks), plus the rules it enforces later (MoE with TP > 1 needs SP, ETP = 1, vocab % TP, something to train).
+    kernels: the run's kernel_selection.Kernels (its spec; None: probed)."""
     m, p = cfg.model, cfg.parallel
     if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
         raise config_mod.ConfigError(
             "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
             "nothing to train; unfreeze at least one"
         )
-    use_te = omni_model.uses_te_spec()
+    use_te = omni_model.uses_te_spec() if kernels is None else kernels.spec == "te"
     parts = (
         ("language model", functools.partial(omni_model.language_config, use_te=use_te)),
         ("vision encoder", omni_model.vision_config),

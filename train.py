@@ -74,11 +74,12 @@ def main(cfg) -> int:
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
     layout_desc = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
     hf = preflight.check_inputs(cfg)  # model.hf_path's config.json: preflight.read_model_config
-    preflight.check_model_config(cfg, hf)
+    preflight.check_model_config(cfg, hf, kernels)
 
     # -- distributed initialisation, seeds, the run directory -------------------------------------------------------
     distributed.set_deterministic(cfg.model.deterministic_mode)  # before the first CUDA work
-    ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None))
+    ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None),
+                                       kernels)  # megatron_patches.apply(kernels): no second probe
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:

@@ -32,6 +32,7 @@ import torch
 from conftest import raises_naming
 
 import checkpoint
+import hf_export
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +125,7 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
     (step / checkpoint.RUN_STATE_FILE).write_text(json.dumps(_state(4, cfg)))
     monkeypatch.chdir(tmp_path)  # not the repository root: the relative model path does not resolve here
     with raises_naming(checkpoint.CheckpointError, "model.hf_path", "'assets/tiny-omni'", "config.json", tmp_path):
-        checkpoint.export(tmp_path / "run", tmp_path / "hf")
+        hf_export.export(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -140,7 +141,7 @@ def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsy
     cfg["mpo"]["old_key"] = 1
     state.write_text(json.dumps(_state(4, cfg)))
     with raises_naming(checkpoint.CheckpointError, state, "'mpo.old_key'"):
-        checkpoint.export(run, tmp_path / "hf")
+        hf_export.export(run, tmp_path / "hf")
     state.write_text(json.dumps({k: v for k, v in _state(4, cfg).items() if k != "config"}))
     capsys.readouterr()  # what the direct export call above let through (a library's first-import log line)
     assert checkpoint.main(["export", str(run), str(tmp_path / "hf")]) == 1
@@ -282,27 +283,27 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     (run / "metrics.jsonl").write_text("")
     for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)")]:
         with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", named):
-            checkpoint.check_export_dir(out, step)
+            hf_export.check_export_dir(out, step)
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
     _fake_ckpt(other, "step_7")
     (other / "config.json").write_text("{}")
     with raises_naming(checkpoint.CheckpointError, f"export directory {other} ", "(config.json, step_7)"):
-        checkpoint.check_export_dir(other, step)
+        hf_export.check_export_dir(other, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint it exports"):
-        checkpoint.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
+        hf_export.check_export_dir(run / "." / ".." / "run", step / ".." / "step_2")  # the same, spelled otherwise
     logged = tmp_path / "logged"  # a run that logged steps but saved no checkpoint
     logged.mkdir()
     (logged / "config.json").write_text("{}")
     (logged / "metrics.jsonl").write_text("")
     with raises_naming(checkpoint.CheckpointError, logged, "(config.json, metrics.jsonl)"):
-        checkpoint.check_export_dir(logged, step)
+        hf_export.check_export_dir(logged, step)
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
     (tmp_path / "old_export" / checkpoint.EXPORT_INFO_FILE).write_text("{}")  # an earlier export: overwritten
     for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
-        checkpoint.check_export_dir(fine, step)
+        hf_export.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
-        checkpoint.export(run, run)  # before any model is built
+        hf_export.export(run, run)  # before any model is built
     assert (run / "config.json").read_text() == "{}"
 
 
@@ -324,7 +325,7 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     for out, names in [(a_file, []), (unrelated, ["(config.json)", checkpoint.EXPORT_INFO_FILE]),
                        (busy, ["(a, b, c, ... (6 entries))", checkpoint.EXPORT_INFO_FILE])]:  # fmt: skip
         with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", *names) as e:
-            checkpoint.check_export_dir(out, step)
+            hf_export.check_export_dir(out, step)
         assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
         assert capsys.readouterr().err == f"error: {e.value}\n"  # the CLI's format: the error, one line, no traceback
     assert a_file.read_text() == "mine" and (unrelated / "config.json").read_text() == '{"mine": 1}'
@@ -336,9 +337,9 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
     (earlier / "config.json").write_text("{}")
     (earlier / checkpoint.EXPORT_INFO_FILE).write_text('{"complete": false}')
     for fine in (empty, earlier, tmp_path / "new" / "hf"):
-        checkpoint.check_export_dir(fine, step)
+        hf_export.check_export_dir(fine, step)
     with raises_naming(checkpoint.CheckpointError, a_file / "hf", "Not a directory") as e:  # a file parent
-        checkpoint._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
+        hf_export._write_export_info(a_file / "hf.tmp", {}, a_file / "hf")
     assert "\n" not in str(e.value)  # one line, no traceback
 
 
@@ -355,9 +356,9 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
         step = _step_with_config(run, 2, f"model.hf_path={hf_path}")
         for out in (src, tmp_path / "link", tmp_path / "x" / ".." / "src", "src"):
             with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", f"model.hf_path ({hf_path}"):
-                checkpoint.export(run, out)
-        checkpoint.check_export_dir(tmp_path / "other", step, hf_path)
-        checkpoint.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
+                hf_export.export(run, out)
+        hf_export.check_export_dir(tmp_path / "other", step, hf_path)
+        hf_export.check_export_dir(src / "hf", step, hf_path)  # a new directory inside it writes nothing of it
         shutil.rmtree(run)
     assert sorted(p.name for p in src.iterdir()) == ["config.json"] and (src / "config.json").read_text() == (
         '{"marker": 1}'

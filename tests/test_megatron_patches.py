@@ -46,7 +46,7 @@ def small_config(**overrides) -> TransformerConfig:
 
 
 def _shim(name):
-    return getattr(megatron_patches, name, None) or getattr(kernel_selection, name)
+    return getattr(megatron_patches, name)
 
 
 def test_apply_is_idempotent_and_guarded():
@@ -66,6 +66,27 @@ def test_apply_refuses_another_megatron_core_version(monkeypatch):
     assert "0.20.0" in str(err.value) and "0.19.2" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_chosen_kernels_are_passed_down_not_probed_again(monkeypatch):
+    """train.main probes the kernels once and passes them down: apply(kernels), a later apply() (build_model's) and
+    preflight.check_model_config(cfg, hf, kernels) use them; none probes again."""
+    from pathlib import Path
+
+    import config as config_mod
+    import preflight
+
+    def probe(*args, **kwargs):
+        raise AssertionError("kernels probed again")
+
+    chosen = kernel_selection.select_kernels()
+    monkeypatch.setattr(megatron_patches, "select_kernels", probe)
+    monkeypatch.setattr(kernel_selection, "select_kernels", probe)  # omni_model.uses_te_spec's probe
+    assert megatron_patches.apply(chosen) is True and megatron_patches.apply() is True
+    assert megatron_patches._KERNELS == chosen
+    root = Path(__file__).resolve().parents[1]
+    cfg = config_mod.load_config(root / "configs" / "tiny.toml")
+    assert preflight.check_model_config(cfg, omni_model.read_hf_config(root / cfg.model.hf_path), chosen) is None
+
+
 def test_every_shim_names_an_upstream_line_that_exists():
     """Every shim apply() installs, and every non-TE stand-in, carries `SHIM(megatron-core 0.19.2): <file:line>`,
     and each named file:line exists in the installed megatron-core (a bump that moves a file shows up here)."""
@@ -74,7 +95,6 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
     import megatron.core
 
-    import checkpoint
     import local_spec
 
     site = Path(megatron.core.__file__).parents[2]
@@ -85,9 +105,9 @@ def test_every_shim_names_an_upstream_line_that_exists():
                                            local_spec.LocalNorm,
                                            local_spec.LocalNormColumnParallelLinear,
                                            local_spec.ThdDotProductAttention,
-                                           checkpoint._restore_adam_steps,  # outside megatron_patches.py
-                                           checkpoint._name_grad_dtype,
-                                           checkpoint._use_in_process_write_queue]
+                                           megatron_patches.restore_adam_steps,  # called by checkpoint.py
+                                           megatron_patches.name_grad_dtype,
+                                           megatron_patches.use_in_process_write_queue]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
         found = marker.findall(inspect.getsource(obj))

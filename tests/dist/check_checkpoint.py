@@ -218,11 +218,11 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
 
     # The upstream loader alone (what `load` corrects): build fresh, load without the step repair.
     ddp, opt, sched = build(1, distributed_optimizer)
-    restore = checkpoint._restore_adam_steps
-    checkpoint._restore_adam_steps = lambda o: None
+    restore = megatron_patches.restore_adam_steps
+    megatron_patches.restore_adam_steps = lambda o: None
     with megatron_patches.cuda_to_cpu():
         checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, opt, sched)
-    checkpoint._restore_adam_steps = restore
+    megatron_patches.restore_adam_steps = restore
     res["upstream_steps"], res["upstream_step_tensors"] = adam_steps(opt)
 
     ddp, opt, sched = build(1, distributed_optimizer)

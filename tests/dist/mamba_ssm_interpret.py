@@ -143,11 +143,12 @@ def model(kernels: str, out: str, layout: str = "separate") -> tuple[str, dict]:
     import hf_weights
     import kernel_selection
     import mamba_triton
+    import megatron_patches
     import omni_model
     from config import ModelConfig, ParallelConfig
 
     if kernels == "triton":
-        kernel_selection.install_triton_mamba()
+        megatron_patches.install_triton_mamba()
     distributed.init_distributed()
     from megatron.core.ssm import mamba_mixer
 
