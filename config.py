@@ -158,7 +158,7 @@ class PackingConfig:
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
     drop_oversized_pairs: bool = False  # pairs larger than a bin: dropped at start (true) or a ConfigError (false)
-    # one THD span [prompt | chosen | rejected] per pair (shared_prompt.pack); "auto": resolved at start by
+    # one THD span [prompt | chosen | rejected] per pair (pack.pack_shared_prompt); "auto": resolved at start by
     # shared_prompt.resolve (on where checked exact against separate rows); true refused with CP
     shared_prompt: bool | Literal["auto"] = "auto"
 

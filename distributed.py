@@ -1,4 +1,5 @@
-"""torch.distributed and megatron-core's parallel state, set up once (`init_distributed`), and the run's seeds.
+"""torch.distributed and megatron-core's parallel state, set up once (`init_distributed`), the run's seeds, and
+`agreed`, a load whose DataError on one rank stops every rank.
 
     ctx = init_distributed(cfg, local_device(), num_experts)   # train.py; a tool: init_distributed()"""
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_mod
+from mmpr_rows import DataError
 
 
 @dataclass
@@ -160,3 +162,19 @@ def destroy_distributed() -> None:
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def agreed(load, ctx: Ctx):
+    """`load()` on every rank (collective): its result, or the DataError of the lowest failing rank, raised on every
+    rank, so that none waits in a collective for a rank that stopped."""
+    try:
+        result, error = load(), None
+    except DataError as e:  # e.g. an image changed since the index was built
+        result, error = None, e
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(flag)
+    if int(flag.item()) == 0:
+        return result
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    raise next(e for e in errors if e is not None)

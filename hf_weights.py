@@ -2,9 +2,11 @@
 
     report = load_hf_weights(model, "assets/tiny-omni")   # each rank reads only its TP / EP slices
     export_hf(model, "out/", "assets/tiny-omni")           # the exact inverse; untouched keys copied back
+    model = build_from_hf(cfg, kernels)                    # build_model + load_hf_weights of model.hf_path
 
 `hf_param_map(model)` gives, for every megatron-core tensor, the rows or columns of HF tensors that make each rank's
-shard (`ParamMap` of `Segment`s); keys of components not trained here are kept aside (`UNTOUCHED_PREFIXES`)."""
+shard (`ParamMap` of `Segment`s); keys of components not trained here are kept aside (`UNTOUCHED_PREFIXES`).
+Smoke run: `python hf_weights.py assets/tiny-omni`."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from distributed import group_rank_size
-from omni_model import OmniModel
+from distributed import group_rank_size, init_distributed, local_device
+from omni_model import OmniModel, build_model
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,14 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
     return {"params": len(maps), "hf_keys": len(used), "untouched": counts}
 
 
+def build_from_hf(cfg, kernels):
+    """The model of model.hf_path with its weights, on `kernels` (kernel_selection.Kernels, the printed line): the
+    policy, or the reference."""
+    model = build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
+    load_hf_weights(model, cfg.model.hf_path)
+    return model
+
+
 def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os.PathLike) -> dict | None:
     """Write `model` as an HF checkpoint in `src_hf_dir`'s keys, files and dtypes, its untouched keys and other files
     copied (collective; rank 0 writes, mode 0666 - umask). Returns {"keys", "files"} on rank 0, else None."""
@@ -351,10 +361,30 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-if __name__ == "__main__":
-    from omni_model import smoke_run
+def smoke_run() -> None:
+    """One-rank smoke run: build the model of [HF_DIR] (default assets/tiny-omni), load its weights, print the load
+    report and the logits' shape for 16 random tokens. argparse's error (exit 2) for a directory without config.json,
+    before any process group exists."""
+    import argparse
 
-    smoke_run("python hf_weights.py",
-              "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is "
-              "one), load its weights, print the load report and the logits' shape for 16 random tokens.",
-              load_weights=True)
+    ap = argparse.ArgumentParser(
+        prog="python hf_weights.py",
+        description="Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there "
+                    "is one), load its weights, print the load report and the logits' shape for 16 random tokens.")
+    ap.add_argument("hf_dir", nargs="?", default="assets/tiny-omni",
+                    help="the HF checkpoint directory (default: %(default)s)")  # fmt: skip
+    hf_dir = ap.parse_args().hf_dir
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import config as config_mod
+
+    init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
+    model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
+    print(load_hf_weights(model, hf_dir))
+    ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
+    print("logits", tuple(model({"input_ids": ids}).shape))
+
+
+if __name__ == "__main__":
+    smoke_run()

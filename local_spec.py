@@ -217,11 +217,6 @@ def _query_runs(cu: list[int], total: int, cp: int, cp_rank: int) -> list[tuple[
     return runs
 
 
-def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
-    """bool [n_q, n_kv]: query j sees keys 0 .. n_kv - n_q + j (TE's causal_bottom_right)."""
-    return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
-
-
 # Devices whose THD attention goes to `varlen_attention` (the CPU tests add "cpu" with a stand-in varlen_attn).
 VARLEN_DEVICE_TYPES = frozenset({"cuda"})
 
@@ -352,7 +347,7 @@ class ThdDotProductAttention(nn.Module):
             k_end = start + off + n if causal else end
             mask, is_causal = None, False
             if causal and off > 0:  # bottom-right aligned: query i (position off + i) sees keys 0 .. off + i
-                mask = bottom_right_causal_mask(n, off + n, device)
+                mask = shared_prompt.bottom_right_causal_mask(n, off + n, device)
             elif causal:
                 is_causal = True
             if attention_mask is not None and not thd:

@@ -19,33 +19,42 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d_fn", "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "rmsnorm_fn",
-           "RMSNormGated", "seq_idx_from_cu_seqlens"]
+           "RMSNormGated", "seq_idx_from_cu_seqlens"]  # the drop-ins; the shared-prompt conv and scan also use
+# NO_LIMIT, compute_dtype, processed_dt, ssd_scan, mixer_dims and mixer_tail
 
-_NO_LIMIT = (0.0, float("inf"))
+NO_LIMIT = (0.0, float("inf"))  # dt_limit that clamps nothing
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute in for inputs of t's dtype: float64 for float64, else float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _processed_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
-                  cdt: torch.dtype) -> torch.Tensor:
+def processed_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
+                 cdt: torch.dtype) -> torch.Tensor:
     """clamp(softplus(dt + dt_bias), *dt_limit) in `cdt`, each step only when asked."""
     dtf = dt.to(cdt)
     if dt_bias is not None:
         dtf = dtf + dt_bias.to(cdt)
     if dt_softplus:
         dtf = F.softplus(dtf)
-    if tuple(dt_limit) != _NO_LIMIT:
+    if tuple(dt_limit) != NO_LIMIT:
         dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
     return dtf
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """cu_seqlens [num_seqs + 1] → seq_idx [1, seqlen] int32 (pack.token_sequence_ids; padding gets num_seqs)."""
-    from pack import token_sequence_ids
-
-    return token_sequence_ids(cu_seqlens.flatten(), seqlen).to(torch.int32).unsqueeze(0)
+    """cu_seqlens [num_seqs + 1] (rising from 0 to at most seqlen) → seq_idx [1, seqlen] int32: each token's sequence,
+    num_seqs on the padding past cu_seqlens[-1]. ValueError on bad offsets."""
+    cu = cu_seqlens.flatten().long()
+    if cu.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a non-empty 1-D tensor; got shape {tuple(cu_seqlens.shape)}")
+    if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1] > seqlen:
+        raise ValueError(f"cu_seqlens must rise from 0 to at most seqlen = {seqlen}; got {cu.tolist()}")
+    lengths = torch.cat([cu[1:] - cu[:-1], seqlen - cu[-1:]])
+    ids = torch.repeat_interleave(torch.arange(cu.numel(), dtype=torch.long, device=cu.device), lengths,
+                                  output_size=seqlen)
+    return ids.to(torch.int32).unsqueeze(0)
 
 
 def _check_seq_idx(seq_idx: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -93,7 +102,7 @@ def causal_conv1d_fn(
     if weight.dim() != 2 or weight.shape[0] != dim:
         raise ValueError(f"weight must be [dim={dim}, width], got {tuple(weight.shape)}")
     width = weight.shape[1]
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     xf, wf = x.to(cdt), weight.to(cdt)
     if initial_states is not None and seq_idx is not None:
         raise ValueError("initial_states with seq_idx is not supported (as in causal-conv1d)")
@@ -226,9 +235,9 @@ def _ssd(x, dt, A, B, C, chunk_size, seq_idx, initial_states, state_positions=No
     return y, final, pos_states
 
 
-def _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions):
-    """`mamba_chunk_scan_combined` after its checks, on a processed dt: (out, final state, states after
-    `positions`)."""
+def ssd_scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions):
+    """`mamba_chunk_scan_combined` after its checks, on dtf = `processed_dt`: (out [b,l,h,p] in x.dtype, the final
+    state [b,h,p,n], the states after `positions` (batch 0) [len(positions),h,p,n] or None)."""
     cdt = dtf.dtype
     xf = x.to(cdt)
     y, final, states = _ssd(xf, dtf, A.to(cdt), B.to(cdt), C.to(cdt), chunk_size, seq_idx, initial_states,
@@ -255,7 +264,7 @@ def mamba_chunk_scan_combined(
     seq_idx: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = _NO_LIMIT,
+    dt_limit: tuple[float, float] = NO_LIMIT,
     return_final_states: bool = False,
     return_varlen_states: bool = False,
     state_dtype: torch.dtype | None = None,
@@ -276,15 +285,15 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None:
         raise ValueError("return_varlen_states needs cu_seqlens")
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
-    cdt = _compute_dtype(x)
-    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    cdt = compute_dtype(x)
+    dtf = processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     positions = None
     if return_varlen_states:
         cu = cu_seqlens.to(torch.int64).flatten().tolist()
         positions = [end - 1 for end in cu[1:]]
         if any(cu[i + 1] <= cu[i] for i in range(len(cu) - 1)):
             raise ValueError("return_varlen_states needs non-empty sequences in cu_seqlens")
-    out, final, varlen = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions)
+    out, final, varlen = ssd_scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, initial_states, positions)
     sdt = state_dtype or cdt
     result = [out]
     if return_final_states:
@@ -313,7 +322,7 @@ def rmsnorm_fn(
     group_size = dim if group_size is None else group_size
     if dim % group_size != 0:
         raise ValueError(f"dim {dim} is not a multiple of group_size {group_size}")
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     xf = x.to(cdt)
     if z is not None and not norm_before_gate:
         xf = xf * F.silu(z.to(cdt))
@@ -361,7 +370,7 @@ def mamba_split_conv1d_scan_combined(
     chunk_size: int,
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
-    dt_limit: tuple[float, float] = _NO_LIMIT,
+    dt_limit: tuple[float, float] = NO_LIMIT,
     return_final_states: bool = False,
     activation: str = "silu",
     rmsnorm_weight: torch.Tensor | None = None,
@@ -384,7 +393,7 @@ def mamba_split_conv1d_scan_combined(
     the swiglu of zx0 and out_proj. conv_fn / scan_fn / norm_fn: the kernels (default this module's; mamba_triton's on a
     GPU without compiled mamba-ssm). Returns out [batch, seqlen, out], or (out, final_states)."""
     batch, seqlen, total = zxbcdt.shape
-    nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
+    nheads, headdim, dim, dstate, d_nonssm = mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, batch, seqlen)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     xBC = (conv_fn or causal_conv1d_fn)(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
@@ -400,12 +409,12 @@ def mamba_split_conv1d_scan_combined(
         return_final_states=return_final_states, **({} if state_dtype is None else {"state_dtype": state_dtype}),
     )
     y, final = (res if return_final_states else (res, None))
-    y = _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
-                    norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
+    y = mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
+                   norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
     return (y, final) if return_final_states else y
 
 
-def _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
+def mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
     """(nheads, headdim, dim, dstate, d_nonssm) of a fused mixer call."""
     total = zxbcdt.shape[-1]
     if D.dim() == 1:
@@ -427,8 +436,8 @@ def _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups):
     return nheads, headdim, dim, dstate, d_nonssm
 
 
-def _mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, norm_before_gate, outproj_weight,
-                outproj_bias, norm_fn):
+def mixer_tail(y, z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups, norm_before_gate, outproj_weight,
+               outproj_bias, norm_fn):
     """The gated norm (or nothing), the swiglu prefix of zx0 and the output projection."""
     if rmsnorm_weight is not None:
         y = norm_fn(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,

@@ -1,15 +1,11 @@
 """Pairs for the training step: `PairDataset` (pair id of an mmpr_index.PairIndex -> pack.PreferencePair),
 `PairSampler` (the seeded, resumable global pair order) and `StepLoader` (a step's pairs, decoded by DataLoader
-workers), with the stop-signal rules of data workers."""
+workers, deaf to the stop signals: stop_signals.py)."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
-import os
-import signal
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +16,7 @@ import torch
 
 from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image
 from pack import PreferencePair
+from stop_signals import ignore_stop_signals, workers_start_deaf
 
 if TYPE_CHECKING:
     from mmpr_index import PairIndex
@@ -210,34 +207,6 @@ class StepData:
     plan: Any  # what `plan_fn` returned
     pairs: dict[int, PreferencePair]  # the ids `plan_fn` asked this rank to load
     sampler_state: dict = field(default_factory=dict)  # the position after this step (the sampler runs ahead)
-
-
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # a run's (monitor.StopSignal.SIGNALS)
-
-
-@contextlib.contextmanager
-def workers_start_deaf():
-    """Fork data workers inside this block: the stop signals stay pending until `ignore_stop_signals`."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def ignore_stop_signals(*_) -> None:
-    """A data worker's start (worker_init_fn, the index pool's initializer): ignore the stop signals (the rank's),
-    except a SIGTERM from the parent, which ends the worker."""
-    for sig in STOP_SIGNALS - {signal.SIGTERM}:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})  # threads started from here on inherit the mask
-
-    def exit_on_parents_sigterm() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
-            pass
-        os._exit(0)
-
-    threading.Thread(target=exit_on_parents_sigterm, name="parent_sigterm", daemon=True).start()
 
 
 class StepLoader:

@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_data import ignore_stop_signals, workers_start_deaf
 from mmpr_rows import (
     DataError,
     DataWarning,
@@ -50,6 +49,7 @@ from mmpr_rows import (
     plural,
     read_meta,
 )
+from stop_signals import ignore_stop_signals, workers_start_deaf
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 

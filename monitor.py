@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 import checkpoint
 import config as config_mod
-import mmpr_data
 import mmpr_index
 import mmpr_rows
 import pack
+import stop_signals
 
 
 # ---- Signals and errors ----------
@@ -31,7 +31,7 @@ class StopSignal:
     """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
     finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
 
-    SIGNALS = tuple(sorted(mmpr_data.STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (its data workers ignore them)
+    SIGNALS = tuple(sorted(stop_signals.STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (data workers ignore them)
 
     def __init__(self) -> None:
         self.received: int | None = None

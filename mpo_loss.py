@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 import pack
-from distributed import group_rank_size
+from distributed import Ctx, group_rank_size
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Fused, chunked, vocab-parallel token log-probabilities
@@ -176,6 +176,19 @@ def sequence_logratios(
     if average:
         ratio = ratio / num_response_tokens.clamp_min(1).to(ratio.dtype)
     return ratio
+
+
+def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-response log-prob sums [S] (fp32) and response-token counts [S] of `model` (the policy or the reference) on
+    one packed microbatch, S = num_responses; this CP rank's tokens, the sums reduced over TP and CP."""
+    logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
+    labels, loss_mask, seq_ids = batch.labels[0], batch.loss_mask[0], batch.loss_seq_ids()
+    if ctx.cp > 1:
+        index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
+        labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
+    cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
+    return packed_sequence_logprobs(logits, labels, loss_mask, seq_ids, batch.num_responses, ctx.tp_group, cp_group,
+                                    chunk, inplace_backward=True, check=False)  # logits: read once
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 puts the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters
 for SP and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with
 CUDA, else local_spec.py's (kernel_selection.select_kernels); build_model installs the megatron-core patches
-(megatron_patches.apply). Run `python omni_model.py assets/tiny-omni` for a smoke run."""
+(megatron_patches.apply). Smoke run: `python hf_weights.py assets/tiny-omni`."""
 
 from __future__ import annotations
 
@@ -432,7 +432,7 @@ class OmniModel(nn.Module):
         # Padding and weight-0 tokens leave the routers' statistics: megatron's padding_mask [1, rank tokens], True =
         # padding, sliced like the embeddings (CP layout, then this rank's SP chunk: HybridModel does not scatter it).
         sample_mask, sample_mask_h = _get(batch, "sample_mask"), _get(host, "sample_mask")
-        segments = _get(host, "segment_cu_seqlens_padded")  # a shared-prompt row (shared_prompt.pack)
+        segments = _get(host, "segment_cu_seqlens_padded")  # a shared-prompt row (pack.pack_shared_prompt)
         if segments is not None:
             assert cp == 1  # preflight.check_packing
             segments = shared_prompt.Segments(segments, T, device, (psp.seq_idx, psp.cu_seqlens_padded_host))
@@ -498,39 +498,3 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-# ======================================================================================================================
-# Smoke run
-
-
-def smoke_run(prog: str, description: str, load_weights: bool = False) -> None:
-    """One-rank smoke run of omni_model.py / hf_weights.py: build the model of [HF_DIR] (default assets/tiny-omni),
-    optionally load its weights, and print the logits' shape for 16 random tokens. argparse's error (exit 2) for a
-    directory without config.json, before any process group exists."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("hf_dir", nargs="?", default="assets/tiny-omni",
-                    help="the HF checkpoint directory (default: %(default)s)")  # fmt: skip
-    hf_dir = ap.parse_args().hf_dir
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        ap.error(f"{hf_dir}: no config.json (not an HF checkpoint directory)")
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import config as config_mod
-    from distributed import init_distributed, local_device
-
-    init_distributed(device=local_device())  # build_model puts the model on the GPU when there is one
-    model = build_model(hf_dir, config_mod.ModelConfig(hf_path=hf_dir), config_mod.ParallelConfig())
-    if load_weights:
-        import hf_weights
-
-        print(hf_weights.load_hf_weights(model, hf_dir))
-    ids = torch.randint(32, 200, (1, 16), device=next(model.parameters()).device)
-    print("logits", tuple(model({"input_ids": ids}).shape))
-
-
-if __name__ == "__main__":
-    smoke_run("python omni_model.py",
-              "Smoke run: build the Omni model of an HF checkpoint directory on one rank (on the GPU when there is "
-              "one) and print the logits' shape for 16 random tokens (random weights: see hf_weights.py for loading).")

@@ -1,10 +1,15 @@
-"""Pair-atomic THD sequence packing (separate rows), context-parallel slicing and data-parallel balancing for MPO.
+"""Pair-atomic THD sequence packing (separate rows, or one span per pair with a shared prompt), context-parallel slicing
+and data-parallel balancing for MPO.
 
 - Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
   to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
-- Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core.
+- Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core; `load_bins`, a DP
+  rank's bins of a plan on its device.
+- Shared-prompt layout (`packing.shared_prompt`, switch `shared_prompt_on`): each pair one THD span
+  [prompt | chosen | rejected], the prompt stored once (`prefix_length`, `pack_shared_prompt`; offsets `pair_spans`,
+  `response_sequence_ids`); its layers are shared_prompt.py's.
 - Context parallelism: `cp_partition_index`, the tokens a CP rank keeps.
-The shared-prompt layout is shared_prompt.py. Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py.
+Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_pack.py, tests/test_shared_prompt.py.
 """
 
 from __future__ import annotations
@@ -65,10 +70,21 @@ def _sizes(lengths: Mapping[int, tuple[int, int]], divisible_by: int, cost_fn: C
            shared_lengths: Mapping[int, int] | None) -> dict[int, tuple[int, int, float]]:
     """Pair id -> (padded tokens, real tokens, cost): two rows, or one span with `shared_lengths`."""
     if shared_lengths is not None:
-        import shared_prompt
-
-        return shared_prompt.span_sizes(lengths, shared_lengths, divisible_by, cost_fn)
+        return _span_sizes(lengths, shared_lengths, divisible_by, cost_fn)
     return {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
+
+
+def _span_sizes(lengths: Mapping[int, tuple[int, int]], shared_lengths: Mapping[int, int], divisible_by: int,
+                cost_fn: Callable[[int], float]) -> dict[int, tuple[int, int, float]]:
+    """Pair id -> (padded tokens, real tokens, cost) of its span, the prompt's `shared` tokens counted once."""
+    out = {}
+    for pid, (c, r) in lengths.items():
+        shared = shared_lengths.get(pid, -1)
+        assert 0 <= shared < min(c, r)
+        real = c + r - shared
+        padded = padded_length(real, divisible_by)
+        out[pid] = padded, real, cost_fn(c) + cost_fn(r + padded - real) - cost_fn(shared)
+    return out
 
 
 def pair_bin_tokens(
@@ -187,13 +203,19 @@ def plan_bins(
     return Plan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
 
 
+def shared_prompt_on(packing) -> bool:
+    """The resolved `packing.shared_prompt` switch; ValueError while `packing.shared_prompt` is still "auto"."""
+    if not isinstance(packing.shared_prompt, bool):
+        raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
+                         "shared_prompt.resolve(cfg, kernel_selection.select_kernels()); call it before planning")
+    return packing.shared_prompt
+
+
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
               shared_lengths: Mapping[int, int] | None = None) -> Plan:
-    """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt.on(packing)`."""
-    import shared_prompt
-
+    """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt_on(packing)`."""
     pk = packing
-    shared = shared_prompt.on(pk)
+    shared = shared_prompt_on(pk)
     assert shared_lengths is not None or not shared
     return plan_bins(
         lengths,
@@ -270,8 +292,6 @@ class PackedBatch:
         """int64 [T]: each token's response index in pair_index (S on prompts and padding past the last)."""
         T = self.input_ids.shape[1]
         if self.shared_prompt:
-            from shared_prompt import response_sequence_ids
-
             return response_sequence_ids(self.segment_cu_seqlens_padded, T)
         return token_sequence_ids(self.cu_seqlens_padded, T, check=False)
 
@@ -304,7 +324,7 @@ def _check_pair(p: PreferencePair, image_token_id: int) -> None:
 def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
                   cu_pad: list[int], pair_index: list[int], is_chosen: list[bool], dummy: bool,
                   media_index: torch.Tensor, **segments: torch.Tensor) -> PackedBatch:
-    """The PackedBatch of `pack` / `shared_prompt.pack` from its token pieces, offsets and pair metadata."""
+    """The PackedBatch of `pack` / `pack_shared_prompt` from its token pieces, offsets and pair metadata."""
     ids, labels, lmask, pos = (torch.cat(t) for t in token_parts)
     cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int64)
@@ -437,6 +457,114 @@ def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
         dead = torch.cat([sample_mask.to(seq_ids.device) == 0, torch.ones(1, dtype=torch.bool, device=seq_ids.device)])
         pad |= dead[seq_ids]
     return pad
+
+
+# ======================================================================================================================
+# The shared-prompt layout: one THD span [prompt | chosen | rejected] per pair, the prompt stored once. The rejected
+# segment attends to the prompt but not to the chosen one (shared_prompt.py's layers), so each response token sees what
+# it sees as a separate row, with the same labels, loss mask and positions.
+
+
+def prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
+                  rejected_loss_mask: torch.Tensor) -> int:
+    """k = m - 1, m the rows' common prefix outside both response masks (row[k] starts each response)."""
+    n = min(chosen_ids.numel(), rejected_ids.numel())
+    same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
+    m = int(same.long().cumprod(0).sum())
+    return max(m - 1, 0)
+
+
+def pack_shared_prompt(
+    pairs: Sequence[PreferencePair],
+    divisible_by: int,
+    image_token_id: int,
+    pad_token_id: int = 0,
+    dummy: bool = False,
+) -> PackedBatch:
+    """Pack one bin in the shared-prompt layout: per pair [row[:k] | chosen[k:] | rejected[k:] | padding],
+    k = `prefix_length`. ValueError: k = 0, or `<image>` past the prompt."""
+    assert pairs and divisible_by >= 1
+    ids, labels, lmask, pos = [], [], [], []
+    cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
+    pair_index, is_chosen = [], []
+    for p in pairs:
+        _check_pair(p, image_token_id)
+        k = prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
+        if k < 1:
+            raise ValueError(f"pair {p.pair_index}: the chosen and rejected rows share no prompt token "
+                             "(prefix_length 0); use the separate-rows layout for such data")
+        n_img = int(p.image_token_counts.sum())
+        if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
+            raise ValueError(f"pair {p.pair_index}: {n_img} <image> tokens expected inside the shared prompt "
+                             f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
+        row_c, row_r = p.chosen_ids, p.rejected_ids
+        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into segments.
+        parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
+        for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
+            n = row.numel()
+            lab = torch.full((n - k,), IGNORE_INDEX, dtype=torch.int64)
+            lab[: n - k - 1] = row[k + 1:]
+            msk = torch.zeros(n - k, dtype=torch.bool)
+            msk[: n - k - 1] = rmask[k + 1:]
+            parts.append((row[k:], lab, msk, torch.arange(k, n)))
+        real = sum(t[0].numel() for t in parts)
+        n_pad = padded_length(real, divisible_by) - real
+        last = row_r.numel()
+        parts.append((torch.full((n_pad,), pad_token_id, dtype=torch.int64),
+                      torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64),
+                      torch.zeros(n_pad, dtype=torch.bool), torch.arange(last, last + n_pad)))
+        for a, b, c, d in parts:
+            ids.append(a)
+            labels.append(b)
+            lmask.append(c)
+            pos.append(d)
+        lens = [t[0].numel() for t in parts[:3]]
+        for j, n in enumerate(lens):
+            seg.append(seg[-1] + n)
+            seg_pad.append(seg_pad[-1] + n + (n_pad if j == 2 else 0))
+        cu.append(cu[-1] + real)
+        cu_pad.append(cu_pad[-1] + real + n_pad)
+        pair_index += [-1 if dummy else p.pair_index] * 2
+        is_chosen += [True, False]
+    return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
+                         media_index=torch.arange(len(pairs), dtype=torch.int64),
+                         segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
+                         segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
+
+
+def pair_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
+    """(prompt, chosen, rejected, end) offsets of each pair; ValueError if malformed."""
+    b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
+    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
+        raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
+                         f"{total_tokens}; got {b}")
+    return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
+
+
+def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
+    b = segment_cu_seqlens_padded.long()
+    assert b.dim() == 1 and b.numel() % 3 == 1, b.shape  # 3P+1 (the values: `pair_spans`, on the host)
+    n = 2 * ((b.numel() - 1) // 3)
+    lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
+    role = torch.arange(lengths.numel(), device=b.device)
+    ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
+    ids[-1] = n
+    return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
+
+
+# ======================================================================================================================
+# A DP rank's microbatches of a step
+
+
+def load_bins(plan: Plan, pairs: Mapping[int, PreferencePair], ctx, image_token_id: int,
+              pad_id: int) -> list[PackedBatch]:
+    """This DP rank's packed microbatches of `plan` (`pack`, or `pack_shared_prompt` when `shared_prompt_on`), moved
+    to its device once. ctx: distributed.Ctx (cfg, dp_rank, device)."""
+    divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
+    pack_fn = pack_shared_prompt if shared_prompt_on(ctx.cfg.packing) else pack
+    return [pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy)
+            .to(ctx.device) for b in plan.ranks[ctx.dp_rank]]
 
 
 # ======================================================================================================================

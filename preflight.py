@@ -18,7 +18,6 @@ import hf_weights
 import mmpr_index
 import omni_model
 import pack
-import shared_prompt
 
 
 def check_inputs(cfg) -> omni_model.OmniHFConfig:
@@ -309,7 +308,7 @@ def check_splits(train_split, val_split, cfg):
     for name, split in (("training", train_split), ("validation", val_split)):
         if split is None:
             continue
-        shared = split.index.shared_lengths(split.pair_ids) if shared_prompt.on(pk) else None
+        shared = split.index.shared_lengths(split.pair_ids) if pack.shared_prompt_on(pk) else None
         sizes = pack.pair_bin_tokens(split.index.lengths(split.pair_ids), d, shared)
         big = sorted((p for p, n in sizes.items() if n > pk.max_tokens_per_bin), key=lambda p: -sizes[p])
         kept[name] = split

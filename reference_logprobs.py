@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import distributed
+import hf_weights
 import mmpr_data
 import mmpr_rows
 import mpo_loss
@@ -93,13 +95,11 @@ def sums(reference, batches: list[pack.PackedBatch], ctx) -> list[torch.Tensor]:
     `Stored`, else the frozen model's forward without gradients (with `reference.offload` it visits the GPU here)."""
     if isinstance(reference, Stored):
         return [reference.lookup(b, ctx.device) for b in batches]
-    import train
-
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
     with torch.no_grad():
-        out = [train.forward_logprobs(reference, b, ctx)[0] for b in batches]
+        out = [mpo_loss.forward_logprobs(reference, b, ctx)[0] for b in batches]
     if offload:
         reference.to("cpu")
     return out
@@ -108,9 +108,7 @@ def sums(reference, batches: list[pack.PackedBatch], ctx) -> list[torch.Tensor]:
 def build_reference(cfg, ctx, kernels):
     """The frozen reference model from model.hf_path on `kernels` (eval, no gradients); on the CPU between its passes
     with `reference.offload` on a GPU."""
-    import train
-
-    model = train.build_from_hf(cfg, kernels).eval().requires_grad_(False)
+    model = hf_weights.build_from_hf(cfg, kernels).eval().requires_grad_(False)
     if cfg.reference.offload and ctx.device.type == "cuda":
         model.to("cpu")
     return model
@@ -283,12 +281,10 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
 def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The reference pass's work on this rank's microbatches: per non-dummy bin (its pair ids [P] int64 ascending,
     sums [P, 2] fp32 and response-token counts [P, 2] int64, chosen then rejected), on the CPU; no gradients."""
-    import train
-
     out = []
     for b in batches:
         with torch.no_grad():
-            s, n = train.forward_logprobs(model, b, ctx)
+            s, n = mpo_loss.forward_logprobs(model, b, ctx)
         host = pack.host_view(b)
         if int(host.pair_index[0]) < 0:  # a dummy bin: its pair is scored where it is real
             continue
@@ -325,8 +321,6 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
     """
     from megatron.core import parallel_state
 
-    import train
-
     r = cfg.reference
     pk = cfg.packing
     packing = dataclasses.replace(pk, max_tokens_per_bin=r.max_tokens_per_bin or pk.max_tokens_per_bin,
@@ -358,8 +352,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
             rounds = [pair_ids[i : i + n_round] for i in range(0, len(pair_ids), n_round)]
             loader = iter(mmpr_data.StepLoader(dataset, _Rounds(rounds), n_round, plan, cfg.data.num_workers))
             for _ in rounds:
-                step = train.agreed(functools.partial(next, loader), ctx)  # a DataError of one rank stops every rank
-                batches = train.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
+                step = distributed.agreed(functools.partial(next, loader), ctx)  # one rank's DataError stops all
+                batches = pack.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
                 buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
                 done += len(step.pair_ids)
                 now = time.perf_counter()

@@ -1,12 +1,11 @@
-"""The shared-prompt pair layout (`packing.shared_prompt`): each pair is one THD span [prompt | chosen | rejected].
+"""The layers of a shared-prompt row (`packing.shared_prompt`; the layout, one THD span [prompt | chosen | rejected] per
+pair, is pack.py's `pack_shared_prompt`): each response token sees what it sees as a separate row.
 
-The prompt is stored and computed once; the rejected segment attends to the prompt but not to the chosen one, so each
-response token sees what it sees as a separate row, with the same labels, loss mask and positions.
-- Switch: `resolve` ("auto" at start), `on`; at run time `SEGMENTS`, set by OmniModel.forward through `active`.
-- Pack side: `span_sizes` (planning), `prefix_length`, `pack`; offsets `spans`, `response_sequence_ids`.
-- Model side: `attention` / `varlen_attention` (local spec), `te_attention` (TE spec); the Mamba-2 conv and scan
-  `causal_conv1d`, `mamba_chunk_scan`, `mamba_split_conv1d_scan` on the kernels of `mamba_kernels` (megatron_patches'
-  scan hook calls them).
+- Switch: `resolve` ("auto" at start, by the kernels); at run time `SEGMENTS`, set by OmniModel.forward through
+  `active`; `Segments`, a row's offsets as the index tensors its layers need.
+- Attention: `attention` / `varlen_attention` (local spec), `te_attention` (TE spec); `bottom_right_causal_mask`.
+- Mamba-2: the conv and scan `causal_conv1d`, `mamba_chunk_scan`, `mamba_split_conv1d_scan` on the kernels of
+  `mamba_kernels` (megatron_patches' scan hook calls them).
 Reasons: docs/DESIGN.md, "Packing". Tests: tests/test_shared_prompt.py, tests/test_shared_prompt_model.py,
 tests/test_shared_prompt_te.py.
 """
@@ -15,33 +14,34 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from mamba_torch import (
-    _NO_LIMIT,
-    _compute_dtype,
-    _mixer_dims,
-    _mixer_tail,
-    _processed_dt,
-    _scan,
+    NO_LIMIT,
     causal_conv1d_fn,
+    compute_dtype,
+    mixer_dims,
+    mixer_tail,
+    processed_dt,
     rmsnorm_fn,
     seq_idx_from_cu_seqlens,
+    ssd_scan,
 )
-from pack import IGNORE_INDEX, PackedBatch, PreferencePair, _check_pair, _packed_batch, padded_length, to_device
+from pack import pair_spans, to_device
 
 # ======================================================================================================================
 # The switch
 
 
-def resolve(cfg, kernels) -> str:
-    """Resolve "auto" in place (true with the local spec, mamba_torch and no CP); returns the `world` line's text."""
+def resolve(cfg, kernels) -> tuple[bool, str]:
+    """(the value of `cfg.packing.shared_prompt`, the `world` line's text): "auto" is true with the local spec,
+    mamba_torch and no CP; a bool is itself. kernels: kernel_selection.Kernels. The caller stores the value."""
     pk = cfg.packing
     if pk.shared_prompt != "auto":
-        return "shared prompt" if pk.shared_prompt else "separate rows"
+        return pk.shared_prompt, "shared prompt" if pk.shared_prompt else "separate rows"
     cp = cfg.parallel.context_parallel_size
     why = []
     if cp > 1:
@@ -51,19 +51,10 @@ def resolve(cfg, kernels) -> str:
     if kernels.mamba in ("mamba-ssm", "triton"):
         which = {"mamba-ssm": "mamba-ssm's kernels", "triton": "the Triton Mamba kernels"}[kernels.mamba]
         why.append(f"{which} in the shared-prompt scan have not run on a GPU yet")
-    pk.shared_prompt = not why
     if not why:
-        return "shared prompt (auto)"
+        return True, "shared prompt (auto)"
     opt_in = "" if cp > 1 else "; packing.shared_prompt=true turns it on"
-    return f"separate rows (auto: {'; '.join(why)}{opt_in})"
-
-
-def on(packing) -> bool:
-    """The resolved switch; ValueError while `packing.shared_prompt` is still "auto"."""
-    if not isinstance(packing.shared_prompt, bool):
-        raise ValueError(f"packing.shared_prompt = {packing.shared_prompt!r} is resolved at start by "
-                         "shared_prompt.resolve(cfg, kernel_selection.select_kernels()); call it before planning")
-    return packing.shared_prompt
+    return False, f"separate rows (auto: {'; '.join(why)}{opt_in})"
 
 
 # The `Segments` of the shared-prompt row running now; None: separate rows. A context variable, so activation
@@ -87,115 +78,18 @@ def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # ======================================================================================================================
-# Planning
-
-
-def span_sizes(lengths: Mapping[int, tuple[int, int]], shared_lengths: Mapping[int, int], divisible_by: int,
-               cost_fn: Callable[[int], float]) -> dict[int, tuple[int, int, float]]:
-    """Pair id -> (padded tokens, real tokens, cost) of its span, the prompt's `shared` tokens counted once."""
-    out = {}
-    for pid, (c, r) in lengths.items():
-        shared = shared_lengths.get(pid, -1)
-        assert 0 <= shared < min(c, r)
-        real = c + r - shared
-        padded = padded_length(real, divisible_by)
-        out[pid] = padded, real, cost_fn(c) + cost_fn(r + padded - real) - cost_fn(shared)
-    return out
-
-
-# ======================================================================================================================
-# Packing one bin
-
-
-def prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
-                  rejected_loss_mask: torch.Tensor) -> int:
-    """k = m - 1, m the rows' common prefix outside both response masks (row[k] starts each response)."""
-    n = min(chosen_ids.numel(), rejected_ids.numel())
-    same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
-    m = int(same.long().cumprod(0).sum())
-    return max(m - 1, 0)
-
-
-def pack(
-    pairs: Sequence[PreferencePair],
-    divisible_by: int,
-    image_token_id: int,
-    pad_token_id: int = 0,
-    dummy: bool = False,
-) -> PackedBatch:
-    """Pack one bin: per pair [row[:k] | chosen[k:] | rejected[k:] | padding], k = `prefix_length`.
-    ValueError: k = 0, or `<image>` past the prompt."""
-    assert pairs and divisible_by >= 1
-    ids, labels, lmask, pos = [], [], [], []
-    cu, cu_pad, seg, seg_pad = [0], [0], [0], [0]
-    pair_index, is_chosen = [], []
-    for p in pairs:
-        _check_pair(p, image_token_id)
-        k = prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
-        if k < 1:
-            raise ValueError(f"pair {p.pair_index}: the chosen and rejected rows share no prompt token "
-                             "(shared_prompt.prefix_length 0); use the separate-rows layout for such data")
-        n_img = int(p.image_token_counts.sum())
-        if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
-            raise ValueError(f"pair {p.pair_index}: {n_img} <image> tokens expected inside the shared prompt "
-                             f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
-        row_c, row_r = p.chosen_ids, p.rejected_ids
-        # Labels and masks of the whole rows first (pre-rolled as in pack.pack), then cut into segments.
-        parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
-        for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
-            n = row.numel()
-            lab = torch.full((n - k,), IGNORE_INDEX, dtype=torch.int64)
-            lab[: n - k - 1] = row[k + 1:]
-            msk = torch.zeros(n - k, dtype=torch.bool)
-            msk[: n - k - 1] = rmask[k + 1:]
-            parts.append((row[k:], lab, msk, torch.arange(k, n)))
-        real = sum(t[0].numel() for t in parts)
-        n_pad = padded_length(real, divisible_by) - real
-        last = row_r.numel()
-        parts.append((torch.full((n_pad,), pad_token_id, dtype=torch.int64),
-                      torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64),
-                      torch.zeros(n_pad, dtype=torch.bool), torch.arange(last, last + n_pad)))
-        for a, b, c, d in parts:
-            ids.append(a)
-            labels.append(b)
-            lmask.append(c)
-            pos.append(d)
-        lens = [t[0].numel() for t in parts[:3]]
-        for j, n in enumerate(lens):
-            seg.append(seg[-1] + n)
-            seg_pad.append(seg_pad[-1] + n + (n_pad if j == 2 else 0))
-        cu.append(cu[-1] + real)
-        cu_pad.append(cu_pad[-1] + real + n_pad)
-        pair_index += [-1 if dummy else p.pair_index] * 2
-        is_chosen += [True, False]
-    return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
-                         media_index=torch.arange(len(pairs), dtype=torch.int64),
-                         segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
-                         segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
-
-
-# ======================================================================================================================
-# Offsets of a packed row
-
-
-def spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
-    """(prompt, chosen, rejected, end) offsets of each pair; ValueError if malformed."""
-    b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
-    if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
-        raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
-                         f"{total_tokens}; got {b}")
-    return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
+# A row's offsets, as its layers read them
 
 
 class Segments:
-    """A shared-prompt row's offsets for its layers: `bounds` (`spans`, host ints) and the index tensors the layers
-    need, each made on the host once per forward and moved to `device` without a host synchronisation
+    """A shared-prompt row's offsets for its layers: `bounds` (pack.pair_spans, host ints) and the index tensors the
+    layers need, each made on the host once per forward and moved to `device` without a host synchronisation
     (pack.to_device). packed: (seq_idx [1, T] int32 on the device, its host cu_seqlens_padded) of the row's
     PackedSeqParams, taken as the pair spans' seq_idx; ValueError when those offsets are not the pair spans'."""
 
     def __init__(self, segment_cu_seqlens_padded: torch.Tensor, total_tokens: int, device,
                  packed: tuple[torch.Tensor, Sequence[int]] | None = None):
-        self.bounds = spans(segment_cu_seqlens_padded, total_tokens)
+        self.bounds = pair_spans(segment_cu_seqlens_padded, total_tokens)
         self.total_tokens, self.device = total_tokens, torch.device(device)
         self._made = {}
         if packed is not None:
@@ -281,32 +175,20 @@ def _segments(segments: Segments | torch.Tensor, total_tokens: int, device) -> S
     return Segments(segments, total_tokens, device)
 
 
-def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
-    b = segment_cu_seqlens_padded.long()
-    assert b.dim() == 1 and b.numel() % 3 == 1, b.shape  # 3P+1 (the values: `spans`, on the host)
-    n = 2 * ((b.numel() - 1) // 3)
-    lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
-    role = torch.arange(lengths.numel(), device=b.device)
-    ids = torch.where(role % 3 == 0, n, 2 * (role // 3) + (role % 3) - 1)
-    ids[-1] = n
-    return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
-
-
-# ######################################################################################################################
-# Model side: the layers of a shared-prompt row (read `SEGMENTS`; the separate-rows code never sees the layout)
-
 # ======================================================================================================================
 # Attention
 
 
+def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
+    """bool [n_q, n_kv]: query j sees keys 0 .. n_kv - n_q + j (TE's causal_bottom_right)."""
+    return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments | torch.Tensor,
               scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """Attention of a shared-prompt row (`pack`): [prompt | chosen] causal, rejected queries against
+    """Attention of a shared-prompt row (pack.pack_shared_prompt): [prompt | chosen] causal, rejected queries against
     [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
     key/value [T, groups, d], segments: `Segments` or the offsets int [3P+1] -> [T, heads * d]."""
-    from local_spec import bottom_right_causal_mask
-
     T, h, d = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
     bounds = _segments(segments, T, query.device).bounds
@@ -421,7 +303,7 @@ def causal_conv1d(
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     conv_fn = conv_fn or causal_conv1d_fn
     seqlen, width = x.shape[-1], weight.shape[1]
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     segments = _segments(segments, seqlen, x.device)
     out = conv_fn(x, weight, bias, seq_idx=segments.seq_idx(split_rejected=False), activation=None)
     taps = segments.conv_taps(width)
@@ -449,7 +331,7 @@ def mamba_chunk_scan(
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = _NO_LIMIT,
+    dt_limit: tuple[float, float] = NO_LIMIT,
     scan_fn=None,
 ) -> torch.Tensor:
     """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
@@ -461,8 +343,8 @@ def mamba_chunk_scan(
     if B.shape[:2] != (1, seqlen) or B.shape != C.shape or nheads % B.shape[2] or dt.shape != (1, seqlen, nheads):
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)}, "
                          f"C {tuple(C.shape)}")
-    cdt = _compute_dtype(x)
-    dtf = _processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    cdt = compute_dtype(x)
+    dtf = processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     segments = _segments(segments, seqlen, x.device)
     seq_idx, bounds = segments.seq_idx(split_rejected=True), segments.bounds
     # pairs whose rejected response continues a prompt (an empty prompt or rejected response needs no correction)
@@ -471,7 +353,7 @@ def mamba_chunk_scan(
     # corr · silu(z) on the rejected rows only: (y + corr + D·x)·silu(z) = kernel output + corr·silu(z).
     if scan_fn is None:
         # this module's scan also returns h_P (the state after each prompt), so it is not summed over the prompt again
-        out, _, h_ps = _scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [bounds[i][1] - 1 for i in corrected])
+        out, _, h_ps = ssd_scan(x, dtf, A, B, C, chunk_size, D, z, seq_idx, None, [bounds[i][1] - 1 for i in corrected])
     else:
         out, h_ps = scan_fn(x, dtf, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), None
     g = B.shape[2]
@@ -516,7 +398,7 @@ def mamba_split_conv1d_scan(
     D: torch.Tensor,
     chunk_size: int,
     segments: Segments | torch.Tensor,
-    dt_limit: tuple[float, float] = _NO_LIMIT,
+    dt_limit: tuple[float, float] = NO_LIMIT,
     activation: str = "silu",
     rmsnorm_weight: torch.Tensor | None = None,
     rmsnorm_eps: float = 1e-6,
@@ -541,7 +423,7 @@ def mamba_split_conv1d_scan(
             seq_idx.shape != want.shape or not torch.equal(seq_idx.to(want.dtype), want)):
         raise ValueError("seq_idx does not separate the pair spans of segments (pass the pair spans as "
                          "cu_seqlens_padded of the PackedSeqParams)")
-    nheads, headdim, dim, dstate, d_nonssm = _mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
+    nheads, headdim, dim, dstate, d_nonssm = mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segments, activation=activation,
                         conv_fn=conv_fn).transpose(1, 2)
@@ -552,8 +434,8 @@ def mamba_split_conv1d_scan(
         z=None if rmsnorm_weight is not None else z.reshape(batch, seqlen, nheads, headdim), dt_bias=dt_bias,
         dt_softplus=True, dt_limit=dt_limit, scan_fn=scan_fn,
     )
-    return _mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
-                       norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
+    return mixer_tail(y.reshape(batch, seqlen, dim), z, zx0, d_nonssm, rmsnorm_weight, rmsnorm_eps, dim, ngroups,
+                      norm_before_gate, outproj_weight, outproj_bias, norm_fn or rmsnorm_fn)
 
 
 def mamba_kernels(fn) -> dict:

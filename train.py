@@ -5,7 +5,7 @@
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, reference, policy, optimizer, resume, loop,
-teardown. One optimizer step (the loop's body): load this DP rank's bins (`load_bins`), then `train_step`: count the
+teardown. One optimizer step (the loop's body): load this DP rank's bins (pack.load_bins), then `train_step`: count the
 step's valid pairs (`count_global_pairs`), the reference's sums (reference_logprobs.py: its forward, or the values
 its pass stored at start), policy forward + MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam
 and LR step, δ update. Every tensor a step touches lives on `Ctx.device`
@@ -39,7 +39,6 @@ def _interrupted_while_importing(signum, frame) -> None:  # Ctrl-C in the import
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_while_importing)
-    sys.modules.setdefault("train", sys.modules["__main__"])  # reference_logprobs' `import train` finds this module
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -72,7 +71,7 @@ def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
-    layout_desc = shared_prompt.resolve(cfg, kernels)  # packing.shared_prompt = "auto"
+    cfg.packing.shared_prompt, layout_desc = shared_prompt.resolve(cfg, kernels)  # "auto" -> a bool
     hf = preflight.check_inputs(cfg)  # model.hf_path's config.json: preflight.read_model_config
     preflight.check_model_config(cfg, hf, kernels)
 
@@ -112,7 +111,7 @@ def main(cfg) -> int:
         ref_train = ref_val = reference_logprobs.build_reference(cfg, ctx, kernels)
 
     # -- policy (the reference's initial weights) -------------------------------------------------------------------
-    policy = build_from_hf(cfg, kernels)
+    policy = hf_weights.build_from_hf(cfg, kernels)
     n_active = monitor.active_params(policy, hf)
 
     # -- optimizer: megatron DDP + (distributed) Adam, LR schedule --------------------------------------------------
@@ -137,8 +136,8 @@ def main(cfg) -> int:
     try:
         while True:
             t0 = time.perf_counter()
-            step_data = agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
-            batches = load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
+            step_data = distributed.agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
+            batches = pack.load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
             metrics, new_shift = train_step(ddp, ref_train, optimizer, scheduler, batches, ctx, run["reward_shift"])
             advance_run_state(run, step_data, metrics, new_shift)
             step = run["step"]
@@ -162,7 +161,7 @@ def main(cfg) -> int:
                 saved_step = step
             if at_end or segment_end or stop:
                 break
-    except mmpr_rows.DataError as e:  # raised on every rank (`agreed`): keep the finished steps, then stop
+    except mmpr_rows.DataError as e:  # raised on every rank (distributed.agreed): keep the finished steps, then stop
         if run["step"] > saved_step:
             save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
         where = f"before step {run['step'] + 1}; {monitor.last_saved(run['step'], cfg)}"  # saved now or before
@@ -211,13 +210,6 @@ def load_data(cfg, hf, rank: int) -> Data:
                                     train_split.index.fingerprint)
     return Data(train_split, val_split, mmpr_data.PairDataset(train_split.index, processor), val_set, sampler,
                 ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
-
-
-def build_from_hf(cfg, kernels: kernel_selection.Kernels):
-    """The model of model.hf_path with its weights, on `kernels` (the printed line): the policy, or the reference."""
-    model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
-    hf_weights.load_hf_weights(model, cfg.model.hf_path)
-    return model
 
 
 def build_scheduler(optimizer, cfg):
@@ -298,23 +290,7 @@ def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> Non
 
 
 # ======================================================================================================================
-# Errors that stop the run: bad data on one rank, a non-finite step
-
-
-def agreed(load, ctx: Ctx):
-    """`load()` on every rank (collective): its result, or the DataError of the lowest failing rank, raised on every
-    rank, so that none waits in a collective for a rank that stopped."""
-    try:
-        result, error = load(), None
-    except mmpr_rows.DataError as e:  # e.g. an image changed since the index was built
-        result, error = None, e
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
-    dist.all_reduce(flag)
-    if int(flag.item()) == 0:
-        return result
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    raise next(e for e in errors if e is not None)
+# Errors that stop the run: a non-finite step (bad data on one rank: distributed.agreed)
 
 
 class DivergedError(RuntimeError):
@@ -351,26 +327,6 @@ def plan_and_select(index: mmpr_index.PairIndex, ctx: Ctx, pair_ids: list[int]) 
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
-def load_bins(plan: pack.Plan, pairs: dict, ctx: Ctx, image_token_id: int, pad_id: int) -> list[pack.PackedBatch]:
-    """This DP rank's packed microbatches of a plan (pack.pack or shared_prompt.pack), moved to the device once."""
-    divisible_by = ctx.cfg.packing.make_sequence_length_divisible_by
-    pack_fn = shared_prompt.pack if shared_prompt.on(ctx.cfg.packing) else pack.pack
-    return [pack_fn([pairs[p] for p in b.pair_ids], divisible_by, image_token_id, pad_id, dummy=b.dummy)
-            .to(ctx.device) for b in plan.ranks[ctx.dp_rank]]
-
-
-def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-response log-prob sums [S] (fp32) and response-token counts [S] of one microbatch, S = num_responses."""
-    logits = model(batch)  # [T_local, V/TP]: this CP rank's tokens, this TP rank's vocabulary shard
-    labels, loss_mask, seq_ids = batch.labels[0], batch.loss_mask[0], batch.loss_seq_ids()
-    if ctx.cp > 1:
-        index = pack.cp_partition_index(batch.cu_seqlens_padded, ctx.cp, ctx.cp_rank).to(labels.device)
-        labels, loss_mask, seq_ids = labels[index], loss_mask[index], seq_ids[index]
-    cp_group, chunk = ctx.cp_group if ctx.cp > 1 else None, ctx.cfg.policy.logprob_chunk_size
-    return mpo_loss.packed_sequence_logprobs(logits, labels, loss_mask, seq_ids, batch.num_responses, ctx.tp_group,
-                                             cp_group, chunk, inplace_backward=True, check=False)  # logits: read once
-
-
 def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
     """The step's valid pairs over all DP ranks (mpo_loss's `num_global_pairs`), counted on the host copies."""
     local = 0
@@ -391,7 +347,7 @@ def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shif
     for b, ref in zip(batches, ref_logprobs, strict=True):
         host = pack.host_view(b)  # the pair metadata on the host: mpo_loss matches the pairs there
         with torch.set_grad_enabled(backward):
-            logprobs, num_response_tokens = forward_logprobs(policy, b, ctx)
+            logprobs, num_response_tokens = mpo_loss.forward_logprobs(policy, b, ctx)
             loss, metrics, (s, c) = mpo_loss.mpo_loss(logprobs, ref, num_response_tokens, host.pair_index,
                                                       host.is_chosen, host.sample_mask, ctx.cfg.mpo, reward_shift,
                                                       num_global_pairs)
@@ -446,8 +402,8 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
     policy.eval()
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
-        pairs = agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
-        batches = load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        pairs = distributed.agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
+        batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs.sums(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)

@@ -1,6 +1,6 @@
 """Test oracles of pack.py: the inverses of packing and of the CP slicing, and plan measures.
 
-`unpack` / `unpack_shared` give back the separate rows of a `pack.pack` / `shared_prompt.pack` batch; `cp_gather`
+`unpack` / `unpack_shared` give back the separate rows of a `pack.pack` / `pack.pack_shared_prompt` batch; `cp_gather`
 puts the CP ranks' slices (`pack.cp_partition_index`) back in row order; `packing_efficiency` is a plan's useful-token
 fraction.
 Training uses none of these.
@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 import pack
-import shared_prompt
 
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids")
 
@@ -34,11 +33,11 @@ def unpack(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
 
 
 def unpack_shared(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
-    """The separate rows of a `shared_prompt.pack` batch, per response (chosen 0, rejected 0, chosen 1, ...), as
+    """The separate rows of a `pack.pack_shared_prompt` batch, per response (chosen 0, rejected 0, chosen 1, ...), as
     `unpack`."""
     out = []
     seg = batch.segment_cu_seqlens.long()
-    spans = shared_prompt.spans(batch.segment_cu_seqlens_padded, batch.input_ids.shape[1])
+    spans = pack.pair_spans(batch.segment_cu_seqlens_padded, batch.input_ids.shape[1])
     for i, (a, c0, r0, _) in enumerate(spans):
         k = int(seg[3 * i + 1] - seg[3 * i])
         for start, n in ((c0, int(seg[3 * i + 2] - seg[3 * i + 1])), (r0, int(seg[3 * i + 3] - seg[3 * i + 2]))):

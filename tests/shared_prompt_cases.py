@@ -54,17 +54,17 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
 
 
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
-    """Pack `bins` (lists of pairs) in one layout (pack.pack or shared_prompt.pack), then what train.train_step does
-    before its gradient reduction: count_global_pairs, reference_logprobs.sums (the same model, no grad), the policy's
-    forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's per-response sums,
-    bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads ({name: float64 grad})
-    and tokens (packed real tokens, cu_seqlens[-1] summed)."""
+    """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared_prompt), then what train.train_step
+    does before its gradient reduction: count_global_pairs, reference_logprobs.sums (the same model, no grad), the
+    policy's forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's
+    per-response sums, bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads
+    ({name: float64 grad}) and tokens (packed real tokens, cu_seqlens[-1] summed)."""
+    import mpo_loss
     import pack
     import reference_logprobs
-    import shared_prompt
     import train
 
-    fn = shared_prompt.pack if shared else pack.pack
+    fn = pack.pack_shared_prompt if shared else pack.pack
     batches = [fn(b, divisible_by, IMAGE) for b in bins]
     for b in batches:
         assert b.shared_prompt == shared
@@ -74,7 +74,7 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
     logprobs, counts = [], []
     with torch.no_grad():
         for b in batches:
-            lp, n = train.forward_logprobs(model, b, ctx)
+            lp, n = mpo_loss.forward_logprobs(model, b, ctx)
             logprobs.append(lp.double())
             counts.append(n)
     metrics, _, _ = train.policy_forward_backward(batches, ref, model, ctx, reward_shift, n_pairs, backward=True)

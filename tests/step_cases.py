@@ -164,7 +164,7 @@ def tiny_config(*overrides: str):
     import shared_prompt
 
     cfg = config_mod.load_config(str(TINY_TOML), list(overrides))
-    shared_prompt.resolve(cfg, kernel_selection.select_kernels())
+    cfg.packing.shared_prompt = shared_prompt.resolve(cfg, kernel_selection.select_kernels())[0]
     return cfg
 
 
@@ -205,7 +205,7 @@ def tiny_step(device, *overrides: str) -> dict:
         plan = pack.plan_step(train_split.index.lengths(ids), cfg.packing, 1, train_split.index.shared_lengths(ids))
         pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
         hf = om.read_hf_config(cfg.model.hf_path)
-        batches = train.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
+        batches = pack.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
     finally:
         os.chdir(old)
 

@@ -105,6 +105,7 @@ def tiny(tmp_path_factory):
     from step_cases import tiny_config
 
     import distributed
+    import hf_weights
     import kernel_selection
     import omni_model
     import train
@@ -115,7 +116,7 @@ def tiny(tmp_path_factory):
     ctx = distributed.init_distributed(cfg)
     kernels = kernel_selection.select_kernels()
     data = train.load_data(cfg, omni_model.read_hf_config(cfg.model.hf_path), rank=1)  # rank 1: no data lines
-    return SimpleNamespace(cfg=cfg, ctx=ctx, kernels=kernels, data=data, model=train.build_from_hf(cfg, kernels))
+    return SimpleNamespace(cfg=cfg, ctx=ctx, kernels=kernels, data=data, model=hf_weights.build_from_hf(cfg, kernels))
 
 
 class _StopAfter:
@@ -132,16 +133,16 @@ class _StopAfter:
 @pytest.fixture
 def counted(monkeypatch):
     """The pair ids each reference forward of the pass scores (dummy bins left out), in call order."""
+    import mpo_loss
     import pack
-    import train
 
-    seen, forward = [], train.forward_logprobs
+    seen, forward = [], mpo_loss.forward_logprobs
 
     def counting(model, batch, ctx):
         seen.extend(p for p in dict.fromkeys(pack.host_view(batch).pair_index.tolist()) if p >= 0)
         return forward(model, batch, ctx)
 
-    monkeypatch.setattr(train, "forward_logprobs", counting)
+    monkeypatch.setattr(mpo_loss, "forward_logprobs", counting)
     return seen
 
 
@@ -183,12 +184,11 @@ def test_a_stopped_pass_continues_without_computing_a_pair_twice(tiny, counted, 
 
 def _bins(tiny, split, pair_ids):
     import pack
-    import train
 
     plan = pack.plan_step(split.index.lengths(pair_ids), tiny.cfg.packing, 1, split.index.shared_lengths(pair_ids))
     dataset = tiny.data.train_set if split is tiny.data.train_split else tiny.data.val_set
     pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
-    return train.load_bins(plan, pairs, tiny.ctx, tiny.data.ids["image"], tiny.data.ids["pad"])
+    return pack.load_bins(plan, pairs, tiny.ctx, tiny.data.ids["image"], tiny.data.ids["pad"])
 
 
 def test_stored_values_are_the_online_forwards_and_validation_reads_them(tiny):

@@ -48,7 +48,7 @@ def separate_rows(seg, T):
     [prompt | rejected], then the bin tail; with the row positions each sequence's outputs land on
     (the rejected sequence's prompt outputs are not part of the shared row)."""
     out = []
-    for a, c0, r0, e in shared_prompt.spans(seg, T):
+    for a, c0, r0, e in pack.pair_spans(seg, T):
         out.append((torch.arange(a, r0), torch.arange(a, r0)))
         idx = torch.cat([torch.arange(a, c0), torch.arange(r0, e)])
         out.append((idx, torch.arange(r0, e)))
@@ -184,7 +184,7 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     for k in tensors:
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
     # megatron-core's keywords: the pair spans' seq_idx (from cu_seqlens_padded of the spans) is accepted, another not
-    spans = torch.tensor([0] + [int(e) for *_, e in shared_prompt.spans(seg, T)], dtype=torch.int32)
+    spans = torch.tensor([0] + [int(e) for *_, e in pack.pair_spans(seg, T)], dtype=torch.int32)
     same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw,
                                                     seq_idx=mt.seq_idx_from_cu_seqlens(spans, T),
                                                     state_dtype=torch.float32)
@@ -248,7 +248,7 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
     for got, want in ((q, q2), (k, k2), (v, v2)):
         assert (got.grad - want.grad).abs().max() < 1e-12
     # The rejected tokens never see the chosen segment: changing chosen keys leaves every rejected output unchanged.
-    a, c0, r0, e = shared_prompt.spans(seg, T)[0]
+    a, c0, r0, e = pack.pair_spans(seg, T)[0]
     k3 = leaves[1].clone()
     k3[c0:r0] += 5.0
     out3 = shared_prompt.attention(leaves[0], k3, leaves[2], seg, scale=0.3)
@@ -291,19 +291,19 @@ def make_pairs():
 
 def test_shared_prefix_length_closed_form():
     p = make_pair(0, 7, 3, 5, images=[(4, 4)])  # 4 image + 7 text tokens of prompt: k = 11 - 1
-    assert shared_prompt.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask) == 10
+    assert pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask) == 10
     ids = torch.tensor([1, 2, 3, 4])
     mask = torch.tensor([False, False, True, True])
     # identical rows: the common prefix stops at the first response token
-    assert shared_prompt.prefix_length(ids, ids, mask, mask) == 1
-    assert shared_prompt.prefix_length(ids, torch.tensor([5, 2, 3]), mask, mask[:3]) == 0
+    assert pack.prefix_length(ids, ids, mask, mask) == 1
+    assert pack.prefix_length(ids, torch.tensor([5, 2, 3]), mask, mask[:3]) == 0
 
 
 @pytest.mark.parametrize("div", [1, 8])
 def test_pack_shared_matches_separate_rows(div):
     pairs = make_pairs()
     sep = pack.pack(pairs, div, IMG)
-    shr = shared_prompt.pack(pairs, div, IMG)
+    shr = pack.pack_shared_prompt(pairs, div, IMG)
     assert shr.shared_prompt and not sep.shared_prompt
     moved = shr.to("cpu")
     assert torch.equal(moved.segment_cu_seqlens_padded, shr.segment_cu_seqlens_padded) and moved.shared_prompt
@@ -317,7 +317,7 @@ def test_pack_shared_matches_separate_rows(div):
     assert shr.media_index.tolist() == [0, 1, 2]
     # images once: each pair span holds its <image> tokens once
     img_per_pair = [int((shr.input_ids[0, a:e] == IMG).sum()) for a, _, _, e in
-                    shared_prompt.spans(shr.segment_cu_seqlens_padded, shr.input_ids.shape[1])]
+                    pack.pair_spans(shr.segment_cu_seqlens_padded, shr.input_ids.shape[1])]
     assert img_per_pair == [4, 0, 4]
     # segments: pair 0 has k = 4 + 7 - 1 = 10, chosen 11 + 3 - 10 = 4, rejected 11 + 5 - 10 = 6 tokens
     assert shr.segment_cu_seqlens[:4].tolist() == [0, 10, 14, 20]
@@ -339,27 +339,27 @@ def test_pack_shared_errors_and_dummy():
     bad = pack.PreferencePair(**{**p.__dict__, "rejected_ids": p.rejected_ids.clone()})
     bad.rejected_ids[0] = 7
     with raises_naming(ValueError, "pair 3: ", "shared_prompt.prefix_length 0"):
-        shared_prompt.pack([bad], 1, IMG)
+        pack.pack_shared_prompt([bad], 1, IMG)
     with pytest.raises(AssertionError):
-        shared_prompt.pack([], 1, IMG)
-    d = shared_prompt.pack([p], 4, IMG, dummy=True)
+        pack.pack_shared_prompt([], 1, IMG)
+    d = pack.pack_shared_prompt([p], 4, IMG, dummy=True)
     assert d.pair_index.tolist() == [-1, -1] and d.sample_mask.tolist() == [0.0, 0.0]
 
 
 def test_response_sequence_ids():
     seg = torch.tensor([0, 3, 5, 8, 10, 11, 13], dtype=torch.int32)
-    ids = shared_prompt.response_sequence_ids(seg, 15)
+    ids = pack.response_sequence_ids(seg, 15)
     assert ids.tolist() == [4, 4, 4, 0, 0, 1, 1, 1, 4, 4, 2, 3, 3, 4, 4]
 
 
 def test_planner_sizes_match_packed_rows():
     pairs = make_pairs()
     lengths = {p.pair_index: (p.chosen_ids.numel(), p.rejected_ids.numel()) for p in pairs}
-    shared = {p.pair_index: shared_prompt.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
+    shared = {p.pair_index: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
                                                       p.rejected_loss_mask) for p in pairs}
     plan = pack.plan_bins(lengths, 64, 3, 1, divisible_by=8, shared_lengths=shared)
     (b,) = plan.ranks[0]
-    packed = shared_prompt.pack([pairs[i] for i in b.pair_ids], 8, IMG)
+    packed = pack.pack_shared_prompt([pairs[i] for i in b.pair_ids], 8, IMG)
     assert b.tokens == packed.input_ids.shape[1] == 24 + 16 + 24
     assert b.useful == int(packed.cu_seqlens[-1]) == 55
     # cost: chosen sequence Lc, rejected sequence Lr + padding, prompt once
@@ -437,12 +437,12 @@ def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
                           sft_average_log_probs=True)
     results = []
     for layout in ("separate", "shared"):
-        batch = shared_prompt.pack(pairs, 8, IMG) if layout == "shared" else pack.pack(pairs, 8, IMG)
+        batch = pack.pack_shared_prompt(pairs, 8, IMG) if layout == "shared" else pack.pack(pairs, 8, IMG)
         params, kw, dims = toy_params()
         ref_params, _, _ = toy_params(seed=5)
         T = batch.input_ids.shape[1]
         if batch.shared_prompt:
-            seq_ids, S = shared_prompt.response_sequence_ids(batch.segment_cu_seqlens_padded, T), batch.num_responses
+            seq_ids, S = pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T), batch.num_responses
         else:
             seq_ids, S = pack.token_sequence_ids(batch.cu_seqlens_padded, T), batch.num_sequences
         labels, mask = batch.labels[0], batch.loss_mask[0]

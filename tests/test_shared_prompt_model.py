@@ -1,7 +1,7 @@
 """The shared-prompt layout wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
-separate-rows layout (pack.pack) and the shared-prompt layout (shared_prompt.pack) through train.py's own
+separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared_prompt) through train.py's own
 functions (count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob
 sums, every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
 pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
@@ -102,10 +102,10 @@ def test_offsets_that_are_not_the_pair_spans_are_refused(tiny):
 
     from shared_prompt_cases import IMAGE
 
-    import shared_prompt
+    import pack
 
     model, _ = tiny
-    b = shared_prompt.pack(make_pairs([(13, 0, 22, 3), (6, 0, 17, 30), (19, 0, 9, 14)]), 8, IMAGE)  # text only
+    b = pack.pack_shared_prompt(make_pairs([(13, 0, 22, 3), (6, 0, 17, 30), (19, 0, 9, 14)]), 8, IMAGE)  # text only
     T = b.input_ids.shape[1]
     whole = torch.tensor([0, T], dtype=torch.int32)
     with torch.no_grad():
@@ -218,18 +218,21 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
     from step_cases import TINY_TOML
 
     import kernel_selection
+    import pack
     import preflight
     import shared_prompt
 
     cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}", "packing.shared_prompt=auto"])
     assert cfg.packing.shared_prompt == "auto"
     with raises_naming(ValueError, "packing.shared_prompt = 'auto'", "shared_prompt.resolve("):
-        shared_prompt.on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
+        pack.shared_prompt_on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
     kernels = kernel_selection.Kernels(spec=spec, mamba=mamba, device="cuda")
-    assert shared_prompt.resolve(cfg, kernels) == layout
-    assert cfg.packing.shared_prompt is want and shared_prompt.on(cfg.packing) is want
+    value, line = shared_prompt.resolve(cfg, kernels)
+    assert line == layout
+    cfg.packing.shared_prompt = value  # train.main stores it
+    assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
-    assert shared_prompt.resolve(cfg, kernels) == ("shared prompt" if want else "separate rows")  # now explicit
+    assert shared_prompt.resolve(cfg, kernels) == (want, "shared prompt" if want else "separate rows")  # explicit
     preflight.check_packing(cfg)  # no error, CP included: auto chose separate rows there
 
 

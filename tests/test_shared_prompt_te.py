@@ -22,7 +22,6 @@ from conftest import raises_naming
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-import local_spec
 import shared_prompt
 
 F64 = torch.float64
@@ -51,7 +50,7 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_
             continue
         mask = None
         if n_kv != n_q:
-            mask = local_spec.bottom_right_causal_mask(n_q, n_kv, q.device)
+            mask = shared_prompt.bottom_right_causal_mask(n_q, n_kv, q.device)
         outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, dropout_p=dropout_p,
                                                    is_causal=mask is None, scale=scale)[0])  # 4-D: fused kernels
     out = torch.cat(outs, dim=1) if outs else q.new_zeros(h, 0, d)

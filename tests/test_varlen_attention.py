@@ -44,7 +44,7 @@ def _stand_in(signature: str, calls: list):
             ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
             mask = None
             if causal and qs.shape[2] != ks.shape[2]:
-                mask = local_spec.bottom_right_causal_mask(qs.shape[2], ks.shape[2], q.device)
+                mask = shared_prompt.bottom_right_causal_mask(qs.shape[2], ks.shape[2], q.device)
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                        is_causal=causal and mask is None)[0].transpose(0, 1))
         return torch.cat(outs)

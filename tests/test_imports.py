@@ -1,0 +1,109 @@
+"""The repository's modules import each other without a cycle: the graph of imports among the top-level modules (and
+the modules of top-level packages), read with `ast` from every `import` and `from ... import` anywhere in a file
+(function-local and `if TYPE_CHECKING:` ones included), is acyclic. Nothing is imported; tests/ is not part of it.
+
+Run: `pytest tests/test_imports.py` (pure Python, well under a second).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {"tests", "assets", "docs", "configs", "data", "slurm"}
+
+
+def repository_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file: every *.py at the top level, and every *.py inside a top-level package (a folder
+    with __init__.py, e.g. a bench/ package), its __init__.py as the package itself."""
+    modules = {p.stem: p for p in root.glob("*.py")}
+    for pkg in sorted(d for d in root.iterdir() if d.is_dir() and (d / "__init__.py").is_file()):
+        if pkg.name in SKIP_DIRS or pkg.name.startswith("."):
+            continue
+        for p in sorted(pkg.rglob("*.py")):
+            parts = p.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return modules
+
+
+def imported_names(path: Path, module: str) -> set[str]:
+    """The dotted names `path` imports (absolute; relative imports resolved against `module`), with for `from X import
+    a` both X and X.a (a may be a submodule)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the repository modules it imports (an import of a.b.c counts for a.b.c, a.b and a, the ones that
+    exist; a module's own package is not an edge)."""
+    modules = repository_modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_names(path, name):
+            parts = imported.split(".")
+            targets.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules)
+        graph[name] = {t for t in targets if t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (depth-first search, modules in sorted order)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_repository_modules_import_each_other_without_a_cycle():
+    graph = import_graph()
+    assert {"train", "pack", "shared_prompt", "mamba_torch"} <= graph.keys()
+    assert "pack" in graph["train"]  # the graph sees the imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_local_and_type_checking_imports(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from c import x\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    (tmp_path / "d.py").write_text("import os\nimport a\n")
+    pkg = tmp_path / "bench"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .runs import go\n")
+    (pkg / "runs.py").write_text("import d\n")
+    graph = import_graph(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "bench": {"bench.runs"}, "bench.runs": {"d"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    (tmp_path / "c.py").write_text("import os\n")
+    assert find_cycle(import_graph(tmp_path)) is None
