@@ -10,7 +10,7 @@
 
 `save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
 it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
-changed files). `python checkpoint.py export RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py).
+changed files). `python hf_export.py RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py).
 The repairs of megatron-core's checkpointing (Adam steps, gradient-buffer dtype, the writers' errors) are in
 megatron_patches.py. Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md,
 "Checkpoints".
@@ -585,7 +585,7 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     if refused := [k for k in changed if RESUME_RULES[k] != NOTICE]:
         why = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_RULES[k]}" for k in refused)
         raise CheckpointError(f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, "
-                              f"or export the policy (python checkpoint.py export {saved.path.parent} OUT) and start a "
+                              f"or export the policy (python hf_export.py {saved.path.parent} OUT) and start a "
                               "new run in another checkpoint.dir with model.hf_path=OUT")
     return {k: v for k, v in changed.items() if RESUME_RULES[k] == NOTICE}
 
@@ -671,7 +671,7 @@ def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
         saved = f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
     raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong parameters "
                           f"(another spec, expert module or model.hf_path architecture). Export the policy (python "
-                          f"checkpoint.py export {path.parent} OUT) and start a new run with model.hf_path=OUT")
+                          f"hf_export.py {path.parent} OUT) and start a new run with model.hf_path=OUT")
 
 
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
@@ -715,33 +715,3 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
               file=sys.stderr)  # fmt: skip
     _barrier()
     return state
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python checkpoint.py export RUN_DIR OUT_DIR` (hf_export.export); exit 1 with one `error: ...` line."""
-    import argparse
-
-    import config as config_mod
-    import hf_export
-
-    ap = argparse.ArgumentParser(prog="python checkpoint.py", description="Checkpoint tools of omni-mpo.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="export")
-    ex = sub.add_parser("export", help="write a checkpoint's policy as an HF checkpoint", description="Write the "
-                        "policy of a checkpoint as an HF checkpoint, from the directory the training ran in.")
-    ex.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
-                    "step_<N>")
-    ex.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory, or an earlier export (it holds "
-                    f"{EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the run's model.hf_path")
-    args = ap.parse_args(argv)
-    config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
-    ckpt, out_dir = (os.path.expanduser(p) for p in (args.ckpt, args.out_dir))  # a quoted `~`, as config paths
-    try:
-        print(f"exported {hf_export.export(ckpt, out_dir)}")
-    except hf_export.CheckpointError as e:  # the class of the module hf_export imports (this file may be __main__)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Export of a training checkpoint's policy as a Hugging Face checkpoint: `python checkpoint.py export RUN_DIR OUT_DIR`.
+"""Export of a training checkpoint's policy as a Hugging Face checkpoint: `python hf_export.py RUN_DIR OUT_DIR`.
 
 `export` builds the model at TP = CP = EP = 1, loads the checkpoint's model shards (any saved layout) and writes the
 HF files through `<OUT_DIR>.tmp`, renamed once complete. `check_export_dir` refuses an OUT_DIR that is the run, holds
@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     import omni_model
 
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
-        raise CheckpointError(f"export runs as one process (python checkpoint.py export), not {world} (torchrun)")
+        raise CheckpointError(f"export runs as one process (python hf_export.py), not {world} (torchrun)")
     ckpt = Path(ckpt)
     path = ckpt if (ckpt / RUN_STATE_FILE).is_file() else latest_checkpoint(ckpt)
     if path is None:
@@ -137,3 +138,30 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     _write_export_info(staging, info | {"complete": True}, out_dir)  # after export_hf, which copies source files
     replace_dir(staging, out)  # an earlier export or an empty directory (check_export_dir): replaced only now
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python hf_export.py RUN_DIR OUT_DIR` (`export`); exit 1 with one `error: ...` line."""
+    import argparse
+
+    import config as config_mod
+
+    ap = argparse.ArgumentParser(prog="python hf_export.py", description="Write the policy of a checkpoint as an HF "
+                                 "checkpoint, from the directory the training ran in.")
+    ap.add_argument("ckpt", metavar="RUN_DIR", help="a run directory (checkpoint.dir: its latest step_<N>) or one "
+                    "step_<N>")
+    ap.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory, or an earlier export (it holds "
+                    f"{EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the run's model.hf_path")
+    args = ap.parse_args(argv)
+    config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
+    ckpt, out_dir = (os.path.expanduser(p) for p in (args.ckpt, args.out_dir))  # a quoted `~`, as config paths
+    try:
+        print(f"exported {export(ckpt, out_dir)}")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

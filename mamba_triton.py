@@ -177,7 +177,7 @@ def mamba_chunk_scan_via_simple_gla(
     b, seqlen, h, p = x.shape
     r = h // B.shape[2]
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dtf = mamba_torch._processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
+    dtf = mamba_torch.processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
     cu = None
     if seq_idx is not None:
         if b != 1:

@@ -101,7 +101,7 @@ def read_model_config(hf_path: str) -> omni_model.OmniHFConfig:
     if obj is not None and {"model", "mpo", "checkpoint"} <= obj.keys():
         raise config_mod.ConfigError(
             f"model.hf_path = {hf_path!r}: its config.json is an omni-mpo run's resolved config, not an HF model: to "
-            f"start from a trained policy, export it first (python checkpoint.py export {hf_path} OUT) and set "
+            f"start from a trained policy, export it first (python hf_export.py {hf_path} OUT) and set "
             "model.hf_path=OUT"
         )
     if not _is_hf_config(obj):

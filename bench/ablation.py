@@ -106,7 +106,7 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
     state = {"shift": cfg.mpo.reward_shift}
 
     def step() -> float:
-        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         _sync(device)
         t = time.perf_counter()
         state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx, state["shift"])[1]

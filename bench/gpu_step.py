@@ -99,6 +99,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     import dataclasses
 
     import monitor
+    import mpo_loss
     import reference_logprobs
     import train
 
@@ -110,7 +111,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     def step_of(plan, ctx):
         """One timed MPO step of `plan`'s bins under `ctx` (its packing layout), δ carried across steps."""
         def step() -> dict:
-            batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+            batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
             metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
                                                        state["shift"])
             return metrics
@@ -120,11 +121,11 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
 
     # The noise floor, before any update (policy = reference): a no-grad policy forward leaves the routers' expert-bias
     # counts alone, as the reference's does.
-    batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+    batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
     ref_a = reference_logprobs.sums(reference, batches, ctx)
     ref_b = reference_logprobs.sums(reference, batches, ctx)
     with torch.no_grad():
-        pol = [train.forward_logprobs(ddp, b, ctx)[0] for b in batches]
+        pol = [mpo_loss.forward_logprobs(ddp, b, ctx)[0] for b in batches]
     noise = dict(noise_ref_repeat_max_abs_diff=_max_abs_diff(ref_a, ref_b),
                  noise_policy_vs_ref_max_abs_diff=_max_abs_diff(pol, ref_a),
                  logprob_sum_max_abs=max(float(r.abs().max()) for r in ref_a))
@@ -136,7 +137,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     cfg_shared.packing.shared_prompt = True
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
     plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
-    batches = train.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
+    batches = pack.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
     n = train.count_global_pairs(batches, ctx_shared)
     loss_shared = train.policy_forward_backward(batches, reference_logprobs.sums(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]

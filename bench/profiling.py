@@ -235,7 +235,7 @@ def profile_step(device, shape: dict) -> dict:
     plan = pack.plan_step(setup["lengths"], cfg.packing, 1)
 
     def step(shift: float) -> float:
-        batches = train.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
+        batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         return train.train_step(ddp, reference, optimizer, scheduler, batches, ctx, shift)[1]
 
     shift = step(cfg.mpo.reward_shift)

@@ -18,8 +18,8 @@ SHARED_GOAL = 1.4  # goal of the shared-prompt layout: >= 1.4x pairs/s on the MM
 
 
 def bench_shared(quick: bool) -> dict:
-    """Shared-prompt layout (packing.shared_prompt, shared_prompt.pack) vs separate rows (pack.pack), same pairs, same
-    bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
+    """Shared-prompt layout (packing.shared_prompt, pack.pack_shared_prompt) vs separate rows (pack.pack), same pairs,
+    same bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
     (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts divided
     by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
@@ -54,7 +54,7 @@ def bench_shared(quick: bool) -> dict:
     batches, shared = {}, shared_lengths(pairs)
     for name, c in ctxs.items():
         plan = pack.plan_step(lengths, c.cfg.packing, 1, shared)  # used when shared
-        batches[name] = train.load_bins(plan, pairs, c, 18, 0)
+        batches[name] = pack.load_bins(plan, pairs, c, 18, 0)
     tokens = {k: sum(int(b.cu_seqlens[-1]) for b in v) for k, v in batches.items()}
     padded = {k: sum(b.input_ids.shape[1] for b in v) for k, v in batches.items()}
 

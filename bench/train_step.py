@@ -61,7 +61,7 @@ def bench_train(quick: bool) -> dict:
     cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 rows) in one THD microbatch
 
     def bins(plan_cfg=cfg) -> list[pack.PackedBatch]:
-        return train.load_bins(pack.plan_step(lengths, plan_cfg.packing, 1), pairs, ctx, ids["image"], ids["pad"])
+        return pack.load_bins(pack.plan_step(lengths, plan_cfg.packing, 1), pairs, ctx, ids["image"], ids["pad"])
 
     def ours_step(plan_cfg=cfg, ref=reference) -> dict:
         batches = bins(plan_cfg)

@@ -9,7 +9,6 @@ import random
 import torch
 
 import pack
-import shared_prompt
 
 
 def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int, int]]:
@@ -64,8 +63,8 @@ def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
 
 def shared_lengths(pairs: dict) -> dict[int, int]:
     """{pair id: tokens stored once in the shared-prompt layout} of `pairs` (pack.PreferencePair), by the packer's
-    own rule (shared_prompt.prefix_length): what pack.plan_step takes as `shared_lengths`."""
-    return {i: shared_prompt.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
+    own rule (pack.prefix_length): what pack.plan_step takes as `shared_lengths`."""
+    return {i: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
             for i, p in pairs.items()}
 
 

@@ -162,7 +162,7 @@ def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
 def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     out = tmp_path / "hf"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(bf16_runs.straight), str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "hf_export.py", str(bf16_runs.straight), str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

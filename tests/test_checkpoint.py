@@ -53,21 +53,19 @@ def _fake_ckpt(run_dir: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
-    """`python checkpoint.py --help` printed the usage with exit 1; now help exits 0 and says what RUN_DIR may be, a
-    wrong command line is argparse's usage + one error line (exit 2), a missing checkpoint one error line (exit 1)."""
+    """`python hf_export.py --help` exits 0 and says what RUN_DIR may be, a wrong command line is argparse's usage +
+    one error line (exit 2), a missing checkpoint one error line (exit 1)."""
     with pytest.raises(SystemExit) as e:
-        checkpoint.main(["export", "--help"])
+        hf_export.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and out.startswith("usage: python checkpoint.py export [-h] RUN_DIR OUT_DIR")
+    assert e.value.code == 0 and out.startswith("usage: python hf_export.py [-h] RUN_DIR OUT_DIR")
     assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
-    for argv, prog, names in (([], "python checkpoint.py", ["export"]),
-                              (["export"], "python checkpoint.py export", ["RUN_DIR, OUT_DIR"]),
-                              (["expot", "a", "b"], "python checkpoint.py", ["'expot'", "'export'"])):  # fmt: skip
+    for argv, names in (([], ["RUN_DIR, OUT_DIR"]), (["a"], ["OUT_DIR"]), (["a", "b", "c"], ["unrecognized arguments: c"])):
         with pytest.raises(SystemExit) as e:
-            checkpoint.main(argv)
+            hf_export.main(argv)
         last = capsys.readouterr().err.splitlines()[-1]
-        assert e.value.code == 2 and last.startswith(f"{prog}: error: ") and all(n in last for n in names), last
-    assert checkpoint.main(["export", str(tmp_path / "none"), str(tmp_path / "hf")]) == 1
+        assert e.value.code == 2 and last.startswith("python hf_export.py: error: ") and all(n in last for n in names)
+    assert hf_export.main([str(tmp_path / "none"), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'none'}: ") and err.count("\n") == 1 and "run_state.json" in err, err
     assert not (tmp_path / "hf").exists()
@@ -144,7 +142,7 @@ def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsy
         hf_export.export(run, tmp_path / "hf")
     state.write_text(json.dumps({k: v for k, v in _state(4, cfg).items() if k != "config"}))
     capsys.readouterr()  # what the direct export call above let through (a library's first-import log line)
-    assert checkpoint.main(["export", str(run), str(tmp_path / "hf")]) == 1
+    assert hf_export.main([str(run), str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {state} ") and "'config'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "hf").exists()
@@ -326,7 +324,7 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
                        (busy, ["(a, b, c, ... (6 entries))", checkpoint.EXPORT_INFO_FILE])]:  # fmt: skip
         with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", *names) as e:
             hf_export.check_export_dir(out, step)
-        assert checkpoint.main(["export", str(tmp_path / "run"), str(out)]) == 1  # before any model is built
+        assert hf_export.main([str(tmp_path / "run"), str(out)]) == 1  # before any model is built
         assert capsys.readouterr().err == f"error: {e.value}\n"  # the CLI's format: the error, one line, no traceback
     assert a_file.read_text() == "mine" and (unrelated / "config.json").read_text() == '{"mine": 1}'
     assert sorted(p.name for p in unrelated.iterdir()) == ["config.json"] and len(list(busy.iterdir())) == 6
@@ -364,7 +362,7 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
         '{"marker": 1}'
     )
     assert not (tmp_path / "x").exists()
-    assert checkpoint.main(["export", str(_step_with_config(run, 2, f"model.hf_path={src}")), str(src)]) == 1
+    assert hf_export.main([str(_step_with_config(run, 2, f"model.hf_path={src}")), str(src)]) == 1
 
 
 @pytest.fixture(scope="module")
@@ -466,12 +464,12 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
     """QA 12: `export RUN RUN` replaced the run's config.json with the HF one; model.safetensors was 0600."""
     run = bf16_segment
     config_before = (run / "config.json").read_text()
-    proc = _cli("checkpoint.py", "export", str(run), str(run))
+    proc = _cli("hf_export.py", str(run), str(run))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith(f"error: export directory {run} ") and "config.json" in last, last
     assert (run / "config.json").read_text() == config_before
     out = tmp_path / "hf"
-    proc = _cli("checkpoint.py", "export", str(run), str(out), umask=0o027)
+    proc = _cli("hf_export.py", str(run), str(out), umask=0o027)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes["model.safetensors"] == 0o640  # 0666 & ~umask, as open() creates files
@@ -483,7 +481,7 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
         "complete": True}  # fmt: skip
     before = (out / "model.safetensors").read_bytes()
     (out / "model-00002-of-00002.safetensors").write_bytes(b"x")  # a shard of an earlier export of another base
-    proc = _cli("checkpoint.py", "export", str(run), str(out))  # into an earlier export: allowed
+    proc = _cli("hf_export.py", str(run), str(out))  # into an earlier export: allowed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == f"exported {out}" and (out / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]  # the unlisted shard is gone
@@ -501,7 +499,7 @@ def test_truncated_shard_is_named(bf16_segment, tmp_path):
     with open(shard, "r+b") as f:
         f.truncate(1000)
     damaged = [f"({broken})", f"model_optim/{shard.name} has 1000 bytes", f"needs {need}", f"{broken}.damaged"]
-    proc = _cli("checkpoint.py", "export", str(broken), str(tmp_path / "hf"))
+    proc = _cli("hf_export.py", str(broken), str(tmp_path / "hf"))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("error: ") and all(n in last for n in damaged), last
     proc = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={broken.parent}", "model.params_dtype=bfloat16",
@@ -939,10 +937,10 @@ def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, 
 EXPORT_ON_A_FULL_DISK = """
 import errno, os, sys
 sys.path.insert(0, os.getcwd())
-import checkpoint, hf_weights
+import hf_export, hf_weights
 from safetensors import SafetensorError
 run, out = sys.argv[1:3]
-assert checkpoint.main(["export", run, out]) == 0
+assert hf_export.main([run, out]) == 0
 real = hf_weights.save_file
 
 def full(tensors, path, metadata=None):  # what safetensors raises when the disk fills mid-write
@@ -950,12 +948,12 @@ def full(tensors, path, metadata=None):  # what safetensors raises when the disk
     raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
 hf_weights.save_file = full
-sys.exit(checkpoint.main(["export", run, out]))
+sys.exit(hf_export.main([run, out]))
 """
 
 
 def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step, tmp_path):
-    """Issue 36, 6: a full disk during `python checkpoint.py export RUN OUT` was a raw SafetensorError with OUT left
+    """Issue 36, 6: a full disk during `python hf_export.py RUN OUT` was a raw SafetensorError with OUT left
     "complete": false. The export is written to OUT.tmp and renamed when complete: a failure is one line naming the
     free space, OUT.tmp is removed and the earlier export in OUT stays whole."""
     out = tmp_path / "hf"
@@ -973,7 +971,7 @@ def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step
 EXPORT_WHILE_PRUNED = """
 import os, shutil, sys
 sys.path.insert(0, os.getcwd())
-import checkpoint
+import hf_export
 from megatron.core import dist_checkpointing
 step, out = sys.argv[1:3]
 real = dist_checkpointing.load
@@ -983,13 +981,13 @@ def pruned(sharded, path, *args, **kwargs):  # a running job's checkpoint.keep_l
     return real(sharded, path, *args, **kwargs)
 
 dist_checkpointing.load = pruned
-sys.exit(checkpoint.main(["export", step, out]))
+sys.exit(hf_export.main([step, out]))
 """
 
 
 def test_export_of_a_step_pruned_meanwhile_or_under_torchrun_is_one_line(one_step, tmp_path):
     """Break-it pass: a step pruned by the running job while exported ended in megatron's CheckpointingException with
-    OUT.tmp left behind; `torchrun --nproc-per-node 2 checkpoint.py export` let both processes rename OUT (an export
+    OUT.tmp left behind; `torchrun --nproc-per-node 2 hf_export.py` let both processes rename OUT (an export
     without weights, or none). Both are one line now, and nothing is left."""
     step = tmp_path / "run" / "step_1"
     shutil.copytree(one_step, step)
@@ -999,11 +997,11 @@ def test_export_of_a_step_pruned_meanwhile_or_under_torchrun_is_one_line(one_ste
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {step} ") and "keep_last" in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
-    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(one_step), str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "hf_export.py", str(one_step), str(out)], cwd=ROOT,
                           env=dict(os.environ, WORLD_SIZE="2", RANK="0"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "python checkpoint.py export" in last and "2 (torchrun)" in last, last
+    assert last.startswith("error: ") and "python hf_export.py" in last and "2 (torchrun)" in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -1121,7 +1119,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     b = system("grouped-loop")
     here = checkpoint.parameter_layout(b["policy"])
     assert here != saved
-    with raises_naming(checkpoint.CheckpointError, path, saved, here, f"checkpoint.py export {path.parent} OUT"):
+    with raises_naming(checkpoint.CheckpointError, path, saved, here, f"hf_export.py {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
     checkpoint.load(path, b["policy"])  # the model part alone: SequentialMLP's keys load into the 3-D weights
     for name, w in b["policy"].named_parameters():
@@ -1137,7 +1135,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
     checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
     assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
-    with raises_naming(checkpoint.CheckpointError, path, f"checkpoint.py export {path.parent} OUT"):
+    with raises_naming(checkpoint.CheckpointError, path, f"hf_export.py {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])  # into GroupedExperts: refused
 
 

@@ -164,7 +164,7 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     # QA: a run directory (its config.json is the resolved config) ended in a TypeError deep in read_hf_config
     (tmp_path / "config.json").write_text(json.dumps(config_mod.to_dict(cfg)))
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}'",
-                       f"(python checkpoint.py export {tmp_path} OUT)", "model.hf_path=OUT"):  # fmt: skip
+                       f"(python hf_export.py {tmp_path} OUT)", "model.hf_path=OUT"):  # fmt: skip
         preflight.check_inputs(cfg)
     (tmp_path / "config.json").write_text('{"model_type": "x"}')  # issue 47.4: another architecture
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}': ", "model_type 'x'"):
@@ -1623,7 +1623,7 @@ def test_a_killed_rank_leaves_one_line_on_the_other(torchrun, env, tmp_path):
 
 def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(readme.dir), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "hf_export.py", str(readme.dir), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for name in ("config.json", "tokenizer.json", "processor_config.json", "model.safetensors.index.json"):
