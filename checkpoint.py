@@ -3,7 +3,7 @@
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
         run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums,
-                                      the parameter layout, the digest of model.hf_path's files
+                                      the parameter digest, the digest of model.hf_path's files
         rng/rank_<r>.pt               the RNG states of rank r
     <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
     <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
@@ -411,7 +411,7 @@ def save(ckpt_dir: str | Path, step: int, model, optimizer, scheduler, run_state
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     final, tmp = step_dir(ckpt_dir, step), Path(ckpt_dir) / f"step_{step}.tmp"
-    state = dict(run_state, step=step, world_size=_world(), parameter_layout=parameter_layout(model))
+    state = dict(run_state, step=step, world_size=_world(), parameter_digest=parameter_digest(model))
     if scheduler is not None:  # megatron's scheduler state, plus the warmup start (init_lr) it does not save
         state["scheduler"] = dict(scheduler.state_dict(), init_lr=scheduler.init_lr)
     json.dumps(state)  # not JSON-serialisable: a TypeError before anything is written
@@ -493,7 +493,7 @@ class RunState:
     config: dict  # the resolved config (config.to_dict) the steps up to `step` ran with
     wandb_run_id: str | None = None
     checksums: dict | None = None  # {"algorithm", "files": {path relative to `path`: hex digest}}
-    parameter_layout: str | None = None  # `parameter_layout` of the saved model (None: saved before it was written)
+    parameter_digest: str | None = None  # `parameter_digest` of the saved model (None: saved before it was written)
     model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
 
 
@@ -521,8 +521,9 @@ def read_run_state(path: str | Path) -> RunState:
     if problems:
         raise CheckpointError(f"{path / RUN_STATE_FILE} is damaged or was edited: {'; '.join(problems)}; "
                               f"{move_away(path)}")  # fmt: skip
+    digest = raw.get("parameter_digest", raw.get("parameter_layout"))  # "parameter_layout": the key's earlier name
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
-                    checksums=raw.get("checksums"), parameter_layout=raw.get("parameter_layout"),
+                    checksums=raw.get("checksums"), parameter_digest=digest,
                     model_files=raw.get("model_files"))  # fmt: skip
 
 
@@ -645,30 +646,30 @@ def check_complete(state: RunState, world_size: int | None) -> None:
         raise CheckpointError(f"checkpoint {path.name} ({path}) is damaged: {damage}; {move_away(path)}")
 
 
-def parameter_layout(model: torch.nn.Module) -> str:
+def parameter_digest(model: torch.nn.Module) -> str:
     """A digest of the trainable parameters' names, shapes and dtypes in order: the distributed optimizer's
     `dp_reshardable` state is stored in that order, so it loads only into a model with the same digest."""
     return _digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in unwrap(model).named_parameters() if p.requires_grad])
 
 
-def check_parameter_layout(state: RunState, model: torch.nn.Module) -> None:
-    """Refuse on every rank an optimizer state saved for another `parameter_layout`, or saved before the digest (with
+def check_parameter_digest(state: RunState, model: torch.nn.Module) -> None:
+    """Refuse on every rank an optimizer state saved for another `parameter_digest`, or saved before the digest (with
     per-expert weights) for a model with GroupedExperts' 3-D weights; other checkpoints without it get a notice."""
     path = state.path
-    if state.parameter_layout is None:
+    if state.parameter_digest is None:
         import local_spec
 
         if not any(isinstance(m, local_spec.GroupedExperts) for m in unwrap(model).modules()):
             if _rank() == 0:
-                print(f"checkpoint: {path} records no parameter layout (saved before it was written): not verified",
+                print(f"checkpoint: {path} records no parameter digest (saved before it was written): not verified",
                       file=sys.stderr)
             return
-        saved = "saved before layouts were recorded, with per-expert weights"
+        saved = "saved before digests were recorded, with per-expert weights"
     else:
-        here = parameter_layout(model)
-        if all(layout == state.parameter_layout for layout in _gather(here)):
+        here = parameter_digest(model)
+        if all(d == state.parameter_digest for d in _gather(here)):
             return
-        saved = f"saved for parameter layout {state.parameter_layout}, this model's is {here}"
+        saved = f"saved for parameter digest {state.parameter_digest}, this model's is {here}"
     raise CheckpointError(f"cannot resume {path}: its optimizer state ({saved}) would load into the wrong parameters "
                           f"(another spec, expert module or model.hf_path architecture). Export the policy (python "
                           f"hf_export.py {path.parent} OUT) and start a new run with model.hf_path=OUT")
@@ -682,7 +683,7 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
     path, same_world = state.path, state.world_size == _world()
     check_complete(state, state.world_size if same_world else None)
     if optimizer is not None:
-        check_parameter_layout(state, model)
+        check_parameter_digest(state, model)
         for opt in _inner_optimizers(optimizer):  # the distributed optimizer loads into existing state tensors
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()

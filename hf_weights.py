@@ -5,7 +5,7 @@
     model = build_from_hf(cfg, kernels)                    # build_model + load_hf_weights of model.hf_path
 
 `hf_param_map(model)` gives, for every megatron-core tensor, the rows or columns of HF tensors that make each rank's
-shard (`ParamMap` of `Segment`s); keys of components not trained here are kept aside (`UNTOUCHED_PREFIXES`).
+shard (`ParamMap` of `HFSlice`s); keys of components not trained here are kept aside (`UNTOUCHED_PREFIXES`).
 Smoke run: `python hf_weights.py assets/tiny-omni`."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from omni_model import OmniModel, build_model
 
 
 @dataclass(frozen=True)
-class Segment:
+class HFSlice:
     """A run of `length` rows (dim 0) or columns (dim 1) of HF tensor `key`, starting at `start`; None: all of it."""
 
     key: str
@@ -42,11 +42,11 @@ class Segment:
 
 @dataclass
 class ParamMap:
-    """A megatron-core tensor from HF tensors: rank r of `group` ("tp", "ep", None) holds segments(r, size) on `dim`."""
+    """A megatron-core tensor from HF tensors: rank r of `group` ("tp", "ep", None) holds slices(r, size) on `dim`."""
 
     dim: int
     group: str | None
-    segments: Callable[[int, int], list[Segment]]
+    slices: Callable[[int, int], list[HFSlice]]
 
 
 # local_spec.GroupedExperts' 3-D weights [E, rows, cols]: group 1 is the projection (1 up, 2 down)
@@ -54,25 +54,25 @@ EXPERT_WEIGHTS = re.compile(r"\.experts\.weight([12])$")
 
 
 def _split(key: str, n: int, dim: int = 0) -> ParamMap:
-    return ParamMap(dim, "tp", lambda r, s: [Segment(key, r * n // s, n // s)])
+    return ParamMap(dim, "tp", lambda r, s: [HFSlice(key, r * n // s, n // s)])
 
 
 def _whole(key: str, n: int) -> ParamMap:
-    return ParamMap(0, None, lambda r, s: [Segment(key, 0, n)])
+    return ParamMap(0, None, lambda r, s: [HFSlice(key, 0, n)])
 
 
 def _pieces(parts: list[tuple[str, int, int]], dim: int = 0) -> ParamMap:
     """Concatenated components (key, offset, size), each split evenly over TP (Mamba in_proj, conv)."""
-    return ParamMap(dim, "tp", lambda r, s: [Segment(k, off + r * n // s, n // s) for k, off, n in parts])
+    return ParamMap(dim, "tp", lambda r, s: [HFSlice(k, off + r * n // s, n // s) for k, off, n in parts])
 
 
-def _rows(segments: list[Segment], start: int, length: int) -> list[Segment]:
-    """Rows [start, start + length) of the concatenation of `segments`, as segments."""
+def _rows(slices: list[HFSlice], start: int, length: int) -> list[HFSlice]:
+    """Rows [start, start + length) of the concatenation of `slices`, as slices."""
     out, offset = [], 0
-    for s in segments:
+    for s in slices:
         lo, hi = max(start, offset), min(start + length, offset + s.length)
         if lo < hi:
-            out.append(Segment(s.key, s.start + lo - offset, hi - lo))
+            out.append(HFSlice(s.key, s.start + lo - offset, hi - lo))
         offset += s.length
     return out
 
@@ -95,23 +95,23 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
         # megatron's fused rows per query group g: [q heads of g | k_g | v_g]; TP rank r holds the r-th of TP equal
         # row blocks (with fewer groups than TP, part of one group: megatron's attention all-gathers it)
         p = f"{lm}layers.{layer}.mixer."
-        rows = [seg for g in range(groups) for seg in (Segment(p + "q_proj.weight", g * hpg * head_dim, hpg * head_dim),
-                                                         Segment(p + "k_proj.weight", g * head_dim, head_dim),
-                                                         Segment(p + "v_proj.weight", g * head_dim, head_dim))]
+        rows = [seg for g in range(groups) for seg in (HFSlice(p + "q_proj.weight", g * hpg * head_dim, hpg * head_dim),
+                                                         HFSlice(p + "k_proj.weight", g * head_dim, head_dim),
+                                                         HFSlice(p + "v_proj.weight", g * head_dim, head_dim))]
         n = groups * (hpg + 2) * head_dim
         return ParamMap(0, "tp", lambda r, s: _rows(rows, r * n // s, n // s))
 
     def vit_qkv(key: str) -> ParamMap:
         def seg(r, s):  # timm rows [Q; K; V] -> megatron per head [q_h; k_h; v_h]
-            return [Segment(key, part * vh + h * vd, vd)
+            return [HFSlice(key, part * vh + h * vd, vd)
                     for h in range(r * vheads // s, (r + 1) * vheads // s) for part in range(3)]
         return ParamMap(0, "tp", seg)
 
     def expert(key_fmt: str, j: int) -> ParamMap:
-        return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)])
+        return ParamMap(0, "ep", lambda r, s: [HFSlice(key_fmt.format(e=r * local_experts + j), 0, None)])
 
     def experts(key_fmt: str) -> ParamMap:  # a 3-D weight: this EP rank's experts, stacked (rows, `_model_tensors`)
-        return ParamMap(0, "ep", lambda r, s: [Segment(key_fmt.format(e=r * local_experts + j), 0, None)
+        return ParamMap(0, "ep", lambda r, s: [HFSlice(key_fmt.format(e=r * local_experts + j), 0, None)
                                                for j in range(local_experts)])
 
     for name in _model_tensors(model):
@@ -271,13 +271,13 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
     for name, pm in maps.items():
         rank, size = group_rank_size(_group(pm.group))
         for r in range(size):  # every rank of the group: the keys the whole model covers
-            used.update(s.key for s in pm.segments(r, size))
-        parts = [reader.read(s.key, pm.dim, s.start, s.length) for s in pm.segments(rank, size)]
+            used.update(s.key for s in pm.slices(r, size))
+        parts = [reader.read(s.key, pm.dim, s.start, s.length) for s in pm.slices(rank, size)]
         value = torch.cat(parts, dim=pm.dim) if len(parts) > 1 else parts[0]
         target = tensors[name]
         if value.shape != target.shape:
             raise ValueError(f"{name}: megatron shape {tuple(target.shape)} but the checkpoint gives "
-                             f"{tuple(value.shape)} from {[s.key for s in pm.segments(rank, size)][:3]}")
+                             f"{tuple(value.shape)} from {[s.key for s in pm.slices(rank, size)][:3]}")
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
     untouched = sorted(k for k in reader.weight_map if k not in used)
@@ -317,7 +317,7 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
             continue
         for r, shard in enumerate(shards):
             off = 0
-            for s in pm.segments(r, size):
+            for s in pm.slices(r, size):
                 if s.key not in out:
                     shape, dtype = src.shape_dtype(s.key)
                     out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])

@@ -283,14 +283,14 @@ class ThdDotProductAttention(nn.Module):
         assert attention_bias is None
         causal = self.causal if attn_mask_type is None else attn_mask_type == AttnMaskType.causal
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        segments = shared_prompt.SEGMENTS.get()
+        row_spans = shared_prompt.ROW_SPANS.get()
         varlen = self._varlen(query, thd)
-        if segments is not None and thd:  # a shared-prompt row (CP refused at start: preflight.check_packing)
+        if row_spans is not None and thd:  # a shared-prompt row (CP refused at start: preflight.check_packing)
             assert causal and self.config.context_parallel_size == 1
             if varlen:
-                return shared_prompt.varlen_attention(query, key, value, segments,
+                return shared_prompt.varlen_attention(query, key, value, row_spans,
                                                       partial(varlen_attention, scale=self.scale))
-            return shared_prompt.attention(query, key, value, segments, scale=self.scale,
+            return shared_prompt.attention(query, key, value, row_spans, scale=self.scale,
                                            dropout_p=self.dropout if self.training else 0.0)
         if varlen:  # one call over the row's sequences (those of _query_runs without CP: whole, in row order)
             cu = packed_seq_params.cu_seqlens_q_padded

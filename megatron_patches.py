@@ -52,8 +52,8 @@ _INSTALLED: set[str] = set()
 _KERNELS: Kernels | None = None  # the kernels of the first apply(): passed, or probed once
 
 # Per-forward state, set by omni_model around the language model and read by the patched layers (context variables,
-# so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context); the layout's
-# is shared_prompt.SEGMENTS.
+# so the recomputed forward of activation recomputation sees them too: _recompute_in_forward_context);
+# the shared-prompt format's is shared_prompt.ROW_SPANS.
 # The time-step clamp (min, max) of the Mamba mixer running now (OmniMambaMixer); None: megatron's (0, inf).
 MAMBA_DT_LIMIT: contextvars.ContextVar = contextvars.ContextVar("omni_mamba_dt_limit", default=None)
 # True while the row holds no real token (a dummy bin): the MoE routers run as in evaluation.
@@ -561,7 +561,7 @@ def checkpoint_writer_log_quiet():
 
 def install_mamba_scan_hook() -> None:
     """Wrap the fused Mamba scan megatron calls: pass MAMBA_DT_LIMIT as `dt_limit`, and run
-    shared_prompt.mamba_split_conv1d_scan while shared_prompt.SEGMENTS is set.
+    shared_prompt.mamba_split_conv1d_scan while shared_prompt.ROW_SPANS is set.
 
     SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:755
     """
@@ -575,9 +575,9 @@ def install_mamba_scan_hook() -> None:
         limit = MAMBA_DT_LIMIT.get()
         if limit is not None and "dt_limit" not in kwargs:
             kwargs["dt_limit"] = limit
-        segments = shared_prompt.SEGMENTS.get()
-        if segments is not None:
-            return shared_prompt.mamba_split_conv1d_scan(*args, segments=segments, **kwargs,
+        row_spans = shared_prompt.ROW_SPANS.get()
+        if row_spans is not None:
+            return shared_prompt.mamba_split_conv1d_scan(*args, row_spans=row_spans, **kwargs,
                                                          **shared_prompt.mamba_kernels(fn))
         return fn(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Pairs for the training step: `PairDataset` (pair id of an mmpr_index.PairIndex -> pack.PreferencePair),
+"""Pairs for the training step: `PairDataset` (pair id of an mmpr_index.MMPRIndex -> pack.PreferencePair),
 `PairSampler` (the seeded, resumable global pair order) and `StepLoader` (a step's pairs, decoded by DataLoader
 workers, deaf to the stop signals: stop_signals.py)."""
 
@@ -19,13 +19,13 @@ from pack import PreferencePair
 from stop_signals import ignore_stop_signals, workers_start_deaf
 
 if TYPE_CHECKING:
-    from mmpr_index import PairIndex
+    from mmpr_index import MMPRIndex
 
 # ======================================================================================================================
 # Dataset
 
 
-def _changed(ix: PairIndex, i: int, what: str) -> DataError:
+def _changed(ix: MMPRIndex, i: int, what: str) -> DataError:
     return DataError(f"{ix.source(i)}: {what}; changed since the index was built: restore it and resume, or delete "
                      f"{ix.cache_dir or 'the index cache'} to re-index and start a new run in another checkpoint.dir")
 
@@ -35,7 +35,7 @@ class PairDataset(torch.utils.data.Dataset):
     [sum gh*gw, 768] float32, `image_grid_hw` [n, 2], `image_token_counts` [n]) and expanded (`<img>` + n x `<image>`
     + `</img>`), both rows tokenised ([L] int64; loss masks [L] bool, True on the response and its `<|im_end|>`)."""
 
-    def __init__(self, index: PairIndex, processor):
+    def __init__(self, index: MMPRIndex, processor):
         self.index = index
         self.processor = processor
         self.text = TextRenderer(processor)
@@ -96,7 +96,7 @@ class PairDataset(torch.utils.data.Dataset):
         if got != expect:
             raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens) = {got}, the index says {expect}")
         return PreferencePair(
-            pair_index=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
+            pair_id=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
             chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],
             pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts,
         )
@@ -108,7 +108,7 @@ class PairDataset(torch.utils.data.Dataset):
 
 class PairSampler:
     """The global pair order: a shuffle per epoch (numpy PCG64 seeded with (seed, epoch)), the same on every rank;
-    resumable (`state_dict`, `load_state_dict`; `fingerprint`: the PairIndex's, "" = unknown)."""
+    resumable (`state_dict`, `load_state_dict`; `fingerprint`: the MMPRIndex's, "" = unknown)."""
 
     def __init__(self, pair_ids: Sequence[int], seed: int, shuffle: bool = True, fingerprint: str = ""):
         assert len(pair_ids), "no pairs"  # build_index and split_validation refuse an empty split
@@ -242,4 +242,4 @@ class StepLoader:
                 del batches  # stop the workers now (the iterator's last reference), not while the process exits
                 raise DataError(str(error)) from None
             ids, plan, state = pending.popleft()
-            yield StepData(ids, plan, {p.pair_index: p for p in pairs}, state)
+            yield StepData(ids, plan, {p.pair_id: p for p in pairs}, state)

@@ -1,7 +1,7 @@
 """The MMPR index: every row of a meta-recipe checked once (mmpr_rows.checked_rows), its lengths cached, the splits,
 and the pre-flight report.
 
-`build_index(meta_path, processor, cfg.data) -> PairIndex` keeps per pair its source (subset, file, line, byte offset),
+`build_index(meta_path, processor, cfg.data) -> MMPRIndex` keeps per pair its source (subset, file, line, byte offset),
 its image paths and grids, and the token lengths of its prompt and rows: enough for pack.py to plan bins without
 opening an image. Dropped rows are counted by reason (mmpr_rows.DROP_REASONS). The index is cached under the HF
 datasets cache in a folder named by a fingerprint of the meta file, the annotation files (size, mtime), the processor
@@ -60,7 +60,7 @@ INDEX_BUILD_TIMEOUT = timedelta(hours=24)
 
 # ---- The index ----------
 @dataclass
-class PairIndex:
+class MMPRIndex:
     """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
 
     Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
@@ -101,7 +101,7 @@ class PairIndex:
         return {i: (a, b) for i, a, b in zip(ids, c, r, strict=True)}
 
     def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt layout stores once (pack.plan_bins')."""
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt format stores once (pack.plan_bins')."""
         if pair_ids is None:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
@@ -195,7 +195,7 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
             f"(e.g. {example})")
 
 
-def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> PairIndex:
+def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> MMPRIndex:
     """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
     begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
@@ -305,7 +305,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     def t(key, src=cols):
         return torch.tensor(src[key], dtype=torch.int64)
 
-    return PairIndex(
+    return MMPRIndex(
         meta_path=str(meta_path), fingerprint=fingerprint, subsets=[s.name for s in subsets],
         annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root or "") for s in subsets],
         image_paths=image_paths,
@@ -325,7 +325,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
+def _load_cache(folder: Path, fingerprint: str) -> MMPRIndex:
     """Read a cached index; raises (any exception) when it is missing, partial, corrupt or for another fingerprint."""
     manifest = json.loads((folder / "index.json").read_text())
     if manifest.get("fingerprint") != fingerprint or manifest.get("cache_version") != CACHE_VERSION:
@@ -333,13 +333,13 @@ def _load_cache(folder: Path, fingerprint: str) -> PairIndex:
     if _sha256_file(folder / "index.pt") != manifest["sha256"]:
         raise ValueError("index.pt checksum mismatch")
     state = torch.load(folder / "index.pt", weights_only=True)
-    index = PairIndex(**state)
+    index = MMPRIndex(**state)
     if len(index) != manifest["num_pairs"]:
         raise ValueError(f"{len(index)} pairs, manifest says {manifest['num_pairs']}")
     return index
 
 
-def _write_cache(folder: Path, index: PairIndex) -> None:
+def _write_cache(folder: Path, index: MMPRIndex) -> None:
     """Write index.pt + index.json to a temporary folder renamed into place; a failure is only logged."""
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -382,7 +382,7 @@ def _load_or_build(meta_path, subsets, processor, data, max_samples, fingerprint
 
 
 def build_index(meta_path: str | Path, processor, data, *, max_samples: int | None = None,
-                use_cache: bool = True) -> PairIndex:
+                use_cache: bool = True) -> MMPRIndex:
     """The validated, cached index of `meta_path` for `data` (cfg.data), built by rank 0 while others wait;
     `max_samples`: the first N valid pairs (default data.train.max_samples, 0 = all). DataError: bad meta, no pair."""
     meta_path = Path(meta_path)
@@ -441,7 +441,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     return index
 
 
-def summary_drops(index: PairIndex) -> dict[str, int]:
+def summary_drops(index: MMPRIndex) -> dict[str, int]:
     """Total drop counts by reason over all subsets."""
     total: collections.Counter = collections.Counter()
     for st in index.stats.values():
@@ -450,7 +450,7 @@ def summary_drops(index: PairIndex) -> dict[str, int]:
 
 
 # ---- Splits ----------
-def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
+def split_validation(index: MMPRIndex, size: float, seed: int) -> tuple[list[int], list[int]]:
     """(train ids, validation ids): `size` (< 1: a fraction, else a count) random pairs; repeats stay together."""
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i, key in enumerate(zip(index.subset_id.tolist(), index.line.tolist(), strict=True)):
@@ -473,7 +473,7 @@ def split_validation(index: PairIndex, size: float, seed: int) -> tuple[list[int
 class Split:
     """The index a split draws from and its pair ids; `dropped_oversized`: pairs preflight.check_splits removed."""
 
-    index: PairIndex
+    index: MMPRIndex
     pair_ids: list[int]
     dropped_oversized: int = 0
 
@@ -507,7 +507,7 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
             "mean": round(float(xf.mean()), 2)}
 
 
-def report(index: PairIndex) -> dict:
+def report(index: MMPRIndex) -> dict:
     """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in

@@ -362,12 +362,12 @@ class MetricsLog:
 
 
 # ---- Console lines (rank 0) ----------
-def print_layout(ctx, world: int, kernels, layout_desc: str) -> None:
-    """The kernels line and the parallel layout line ending in `layout_desc` (shared_prompt.resolve's)."""
+def print_layout(ctx, world: int, kernels, pair_format: str) -> None:
+    """The kernels line and the parallel layout line ending in `pair_format` (shared_prompt.resolve's)."""
     p = ctx.cfg.parallel
     print(kernels.line())
     print(f"world {world}: TP {p.tensor_model_parallel_size} CP {p.context_parallel_size} DP {ctx.dp} "
-          f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {layout_desc}")
+          f"EP {p.expert_model_parallel_size} on {ctx.device.type}; pairs: {pair_format}")
     if ctx.cfg.reference.offload and ctx.device.type != "cuda":
         print("reference.offload = true is ignored on the CPU: the reference model is in CPU memory already")
 

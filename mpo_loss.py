@@ -108,25 +108,25 @@ def token_logprobs(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Segment reduction over the packed row
+# Per-response reduction over the packed row
 
 
 def sequence_sums(
     values: torch.Tensor,
     seq_ids: torch.Tensor,
-    num_sequences: int,
+    num_responses: int,
     cp_group: torch.distributed.ProcessGroup | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """out[s] = Σ_{t: seq_ids[t] = s} values[t] -> [S] (id S, bin padding, dropped). With `cp_group`: all-reduced
     with an identity backward, so each CP rank gets the exact gradient of the replicated loss."""
-    if check and seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids > num_sequences)).any()):
+    if check and seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids > num_responses)).any()):
         raise ValueError(
-            f"seq_ids must be in [0, S = {num_sequences}] (S: the dropped padding id); got ids "
+            f"seq_ids must be in [0, S = {num_responses}] (S: the dropped padding id); got ids "
             f"{int(seq_ids.min())} .. {int(seq_ids.max())}"
         )
-    out = torch.zeros(num_sequences + 1, dtype=values.dtype, device=values.device)
-    out = out.index_add(0, seq_ids, values)[:num_sequences].contiguous()
+    out = torch.zeros(num_responses + 1, dtype=values.dtype, device=values.device)
+    out = out.index_add(0, seq_ids, values)[:num_responses].contiguous()
     if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
         out = reduce_from_tensor_model_parallel_region(out.clone(), group=cp_group)
     return out
@@ -136,7 +136,7 @@ def sequence_logprobs(
     logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    num_sequences: int,
+    num_responses: int,
     cp_group: torch.distributed.ProcessGroup | None = None,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +145,9 @@ def sequence_logprobs(
     mask = loss_mask.bool()
     # where, not multiply: a non-finite log-prob at a masked position must not become NaN (0·inf).
     masked = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
-    sums = sequence_sums(masked, seq_ids, num_sequences, cp_group, check)
+    sums = sequence_sums(masked, seq_ids, num_responses, cp_group, check)
     with torch.no_grad():
-        counts = sequence_sums(mask.to(torch.float64), seq_ids, num_sequences, cp_group, check=False)
+        counts = sequence_sums(mask.to(torch.float64), seq_ids, num_responses, cp_group, check=False)
     return sums, counts.round().long()
 
 
@@ -156,7 +156,7 @@ def packed_sequence_logprobs(
     labels: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    num_sequences: int,
+    num_responses: int,
     tp_group: torch.distributed.ProcessGroup | None = None,
     cp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = 1024,
@@ -165,7 +165,7 @@ def packed_sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` then `sequence_logprobs`: logits [T_local, V/TP] -> ([S] fp32 sums, [S] int64 counts)."""
     logprobs = token_logprobs(logits, labels, tp_group, chunk_size, inplace_backward)
-    return sequence_logprobs(logprobs, loss_mask, seq_ids, num_sequences, cp_group, check)
+    return sequence_logprobs(logprobs, loss_mask, seq_ids, num_responses, cp_group, check)
 
 
 def sequence_logratios(
@@ -192,10 +192,10 @@ def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Te
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Pair layout and validity
+# Pair rows and validity
 
 
-def pair_layout(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pair_rows(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pair_index [S], is_chosen [S] -> each pair's rows (chosen [P], rejected [P], pair_ids [P]), ascending ids."""
     assert pair_index.dim() == 1 and pair_index.shape == is_chosen.shape, (pair_index.shape, is_chosen.shape)
     pair_ids, inverse = torch.unique(pair_index, return_inverse=True)
@@ -224,7 +224,7 @@ def valid_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen [P], rejected [P], valid [P] bool): valid = both rows have sample_mask 1 and a response token."""
     assert sample_mask.shape == pair_index.shape == num_response_tokens.shape
-    chosen, rejected, _ = pair_layout(pair_index, is_chosen)
+    chosen, rejected, _ = pair_rows(pair_index, is_chosen)
     row_ok = sample_mask.bool() & (num_response_tokens > 0)
     return chosen, rejected, row_ok[chosen] & row_ok[rejected]
 
@@ -277,7 +277,7 @@ def mpo_loss(
     assert pair_index.shape == sample_mask.shape == num_response_tokens.shape
     device = policy_logprobs.device
     num_response_tokens = num_response_tokens.to(device)
-    chosen, rejected, _ = pair_layout(pair_index, is_chosen)  # where the metadata is (the host in training)
+    chosen, rejected, _ = pair_rows(pair_index, is_chosen)  # where the metadata is (the host in training)
     chosen, rejected = pack.to_device(chosen, device), pack.to_device(rejected, device)
     row_ok = pack.to_device(sample_mask, device).bool() & (num_response_tokens > 0)
     valid = row_ok[chosen] & row_ok[rejected]

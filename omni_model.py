@@ -262,8 +262,8 @@ class OmniModel(nn.Module):
     `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full row on every CP rank);
     optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
     image_grid_hw int64 [N_images, 2], media_index int64 [S] with media_image_offsets int64 [M+1], sample_mask [S]
-    ([2P] per response in the shared layout; weight-0 sequences leave the routers' statistics),
-    segment_cu_seqlens_padded int32 [3P+1] (shared prompt).
+    ([2P] per response in the shared format; weight-0 sequences leave the routers' statistics),
+    span_cu_seqlens_padded int32 [3P+1] (shared prompt).
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
     Raises ValueError when the `<image>` tokens and the image features do not match."""
 
@@ -430,12 +430,12 @@ class OmniModel(nn.Module):
         max_seqlen = _get(batch, "max_seqlen") or int((cu_pad_h[1:] - cu_pad_h[:-1]).max())
         psp = thd_packed_seq_params(cu, cu_pad, max_seqlen, host=(cu_h.tolist(), cu_pad_h.tolist()))
         # Padding and weight-0 tokens leave the routers' statistics: megatron's padding_mask [1, rank tokens], True =
-        # padding, sliced like the embeddings (CP layout, then this rank's SP chunk: HybridModel does not scatter it).
+        # padding, sliced like the embeddings (CP order, then this rank's SP chunk: HybridModel does not scatter it).
         sample_mask, sample_mask_h = _get(batch, "sample_mask"), _get(host, "sample_mask")
-        segments = _get(host, "segment_cu_seqlens_padded")  # a shared-prompt row (pack.pack_shared_prompt)
-        if segments is not None:
+        row_spans = _get(host, "span_cu_seqlens_padded")  # a shared-prompt row (pack.pack_shared_prompt)
+        if row_spans is not None:
             assert cp == 1  # preflight.check_packing
-            segments = shared_prompt.Segments(segments, T, device, (psp.seq_idx, psp.cu_seqlens_padded_host))
+            row_spans = shared_prompt.RowSpans(row_spans, T, device, (psp.seq_idx, psp.cu_seqlens_padded_host))
             sample_mask, sample_mask_h = map(shared_prompt.span_sample_mask, (sample_mask, sample_mask_h))
         pad = routing_padding_mask(cu, cu_pad, T, sample_mask)
         no_real_token = bool(routing_padding_mask(cu_h, cu_pad_h, T, sample_mask_h).all())  # on the host
@@ -446,7 +446,7 @@ class OmniModel(nn.Module):
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
         try:
-            with (shared_prompt.active(segments),  # the Mamba and attention layers read them; None: separate rows
+            with (shared_prompt.active(row_spans),  # the Mamba and attention layers read them; None: separate rows
                   megatron_patches.routers_without_statistics(no_real_token and self.training)):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])

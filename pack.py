@@ -2,10 +2,10 @@
 and data-parallel balancing for MPO.
 
 - Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
-  to DP ranks by cost (`deal_greedy`); every rank computes the same `Plan`.
+  to DP ranks by cost (`deal_greedy`); every rank computes the same `StepPlan`.
 - Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core; `load_bins`, a DP
   rank's bins of a plan on its device.
-- Shared-prompt layout (`packing.shared_prompt`, switch `shared_prompt_on`): each pair one THD span
+- Shared-prompt format (`packing.shared_prompt`, switch `shared_prompt_on`): each pair one THD span
   [prompt | chosen | rejected], the prompt stored once (`prefix_length`, `pack_shared_prompt`; offsets `pair_spans`,
   `response_sequence_ids`); its layers are shared_prompt.py's.
 - Context parallelism: `cp_partition_index`, the tokens a CP rank keeps.
@@ -53,7 +53,7 @@ class Bin:
 
 
 @dataclass
-class Plan:
+class StepPlan:
     """One step's microbatches: ranks[r][m] is microbatch m of DP rank r; `dropped`: oversized pairs dropped."""
 
     ranks: list[list[Bin]]
@@ -160,9 +160,9 @@ def plan_bins(
     divisible_by: int = 1,
     drop_oversized: bool = False,
     shared_lengths: Mapping[int, int] | None = None,
-) -> Plan:
+) -> StepPlan:
     """Plan one step's microbatches. lengths: pair id -> (chosen, rejected) row tokens, unpadded; shared_lengths:
-    pair id -> prompt tokens stored once (shared-prompt layout). ValueError: an oversized pair (unless drop_oversized).
+    pair id -> prompt tokens stored once (shared-prompt format). ValueError: an oversized pair (unless drop_oversized).
     """
     assert min(max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by) >= 1  # config.validate
     assert all(len(lens) == 2 and min(lens) >= 1 for lens in lengths.values())
@@ -200,7 +200,7 @@ def plan_bins(
     smallest = min(sizes, key=lambda p: (sizes[p], p))
     n_dummy = (-len(bins)) % dp_size
     bins += [make_bin([smallest], dummy=True) for _ in range(n_dummy)]
-    return Plan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
+    return StepPlan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
 
 
 def shared_prompt_on(packing) -> bool:
@@ -212,7 +212,7 @@ def shared_prompt_on(packing) -> bool:
 
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
-              shared_lengths: Mapping[int, int] | None = None) -> Plan:
+              shared_lengths: Mapping[int, int] | None = None) -> StepPlan:
     """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt_on(packing)`."""
     pk = packing
     shared = shared_prompt_on(pk)
@@ -236,7 +236,7 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
 class PreferencePair:
     """One preference pair from the data module (CPU tensors)."""
 
-    pair_index: int
+    pair_id: int
     chosen_ids: torch.Tensor  # [L_c] int64, the full row (prompt + response), unpadded
     rejected_ids: torch.Tensor  # [L_r] int64
     chosen_loss_mask: torch.Tensor  # [L_c] bool, True on the response tokens of the last assistant turn; [0] False
@@ -248,7 +248,7 @@ class PreferencePair:
 
 @dataclass
 class PackedBatch:
-    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens. Shared-prompt layout:
+    """One packed THD microbatch: S = 2P sequences (P pairs, chosen then rejected), T tokens. Shared-prompt format:
     S = P spans; pair_index / is_chosen / sample_mask stay per response [2P].
     """
 
@@ -268,10 +268,10 @@ class PackedBatch:
     media_index: torch.Tensor  # [S] int64, the media slot (pair position in the bin) of each sequence
     media_image_offsets: torch.Tensor  # [P+1] int64, the images of slot m: image_grid_hw[off[m]:off[m+1]]
     media_patch_offsets: torch.Tensor  # [P+1] int64, the same in rows of pixel_values
-    # Shared-prompt layout only: [3P+1] int32 cumulative real lengths of the segments prompt_0, chosen_0, rejected_0,
-    # prompt_1, ..., and their boundaries in the row (a pair's padding belongs to its rejected segment).
-    segment_cu_seqlens: torch.Tensor | None = None
-    segment_cu_seqlens_padded: torch.Tensor | None = None
+    # Shared-prompt format only: [3P+1] int32 cumulative real lengths of the spans prompt_0, chosen_0, rejected_0,
+    # prompt_1, ..., and their boundaries in the row (a pair's padding belongs to its rejected span).
+    span_cu_seqlens: torch.Tensor | None = None
+    span_cu_seqlens_padded: torch.Tensor | None = None
     host: PackedBatch | None = field(default=None, repr=False, compare=False)  # the CPU batch, set by `to`
 
     @property
@@ -280,8 +280,8 @@ class PackedBatch:
 
     @property
     def shared_prompt(self) -> bool:
-        """True for the shared-prompt layout."""
-        return self.segment_cu_seqlens_padded is not None
+        """True for the shared-prompt format."""
+        return self.span_cu_seqlens_padded is not None
 
     @property
     def num_responses(self) -> int:
@@ -292,7 +292,7 @@ class PackedBatch:
         """int64 [T]: each token's response index in pair_index (S on prompts and padding past the last)."""
         T = self.input_ids.shape[1]
         if self.shared_prompt:
-            return response_sequence_ids(self.segment_cu_seqlens_padded, T)
+            return response_sequence_ids(self.span_cu_seqlens_padded, T)
         return token_sequence_ids(self.cu_seqlens_padded, T, check=False)
 
     @property
@@ -313,17 +313,17 @@ class PackedBatch:
 def _check_pair(p: PreferencePair, image_token_id: int) -> None:
     n_img = int(p.image_token_counts.sum())
     for ids, mask in ((p.chosen_ids, p.chosen_loss_mask), (p.rejected_ids, p.rejected_loss_mask)):
-        assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_index}: row ids"
-        assert mask.shape == ids.shape and mask.dtype == torch.bool and not bool(mask[0]), f"pair {p.pair_index}: mask"
-        assert int((ids == image_token_id).sum()) == n_img, f"pair {p.pair_index}: <image> tokens"
+        assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_id}: row ids"
+        assert mask.shape == ids.shape and mask.dtype == torch.bool and not bool(mask[0]), f"pair {p.pair_id}: mask"
+        assert int((ids == image_token_id).sum()) == n_img, f"pair {p.pair_id}: <image> tokens"
     grid = p.image_grid_hw
     assert grid.dim() == 2 and grid.shape[1] == 2 and p.image_token_counts.shape == (grid.shape[0],)
-    assert p.pixel_values.shape[0] == int(grid.prod(dim=-1).sum()), f"pair {p.pair_index}: pixel_values rows"
+    assert p.pixel_values.shape[0] == int(grid.prod(dim=-1).sum()), f"pair {p.pair_id}: pixel_values rows"
 
 
 def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
                   cu_pad: list[int], pair_index: list[int], is_chosen: list[bool], dummy: bool,
-                  media_index: torch.Tensor, **segments: torch.Tensor) -> PackedBatch:
+                  media_index: torch.Tensor, **spans: torch.Tensor) -> PackedBatch:
     """The PackedBatch of `pack` / `pack_shared_prompt` from its token pieces, offsets and pair metadata."""
     ids, labels, lmask, pos = (torch.cat(t) for t in token_parts)
     cu_pad_t = torch.tensor(cu_pad, dtype=torch.int32)
@@ -345,7 +345,7 @@ def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list
         media_index=media_index,
         media_image_offsets=torch.cat([zero, torch.tensor([p.image_grid_hw.shape[0] for p in pairs]).cumsum(0)]),
         media_patch_offsets=torch.cat([zero, torch.tensor([p.pixel_values.shape[0] for p in pairs]).cumsum(0)]),
-        **segments,
+        **spans,
     )
 
 
@@ -382,7 +382,7 @@ def pack(
             pos.append(torch.arange(n_pad, dtype=torch.int64))
             cu.append(cu[-1] + n)
             cu_pad.append(cu_pad[-1] + n_pad)
-            pair_index.append(-1 if dummy else p.pair_index)
+            pair_index.append(-1 if dummy else p.pair_id)
             is_chosen.append(chosen)
     return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
                          media_index=torch.arange(len(is_chosen), dtype=torch.int64) // 2)
@@ -460,8 +460,8 @@ def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
 
 
 # ======================================================================================================================
-# The shared-prompt layout: one THD span [prompt | chosen | rejected] per pair, the prompt stored once. The rejected
-# segment attends to the prompt but not to the chosen one (shared_prompt.py's layers), so each response token sees what
+# The shared-prompt format: one THD span [prompt | chosen | rejected] per pair, the prompt stored once. The rejected
+# span attends to the prompt but not to the chosen one (shared_prompt.py's layers), so each response token sees what
 # it sees as a separate row, with the same labels, loss mask and positions.
 
 
@@ -481,7 +481,7 @@ def pack_shared_prompt(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack one bin in the shared-prompt layout: per pair [row[:k] | chosen[k:] | rejected[k:] | padding],
+    """Pack one bin in the shared-prompt format: per pair [row[:k] | chosen[k:] | rejected[k:] | padding],
     k = `prefix_length`. ValueError: k = 0, or `<image>` past the prompt."""
     assert pairs and divisible_by >= 1
     ids, labels, lmask, pos = [], [], [], []
@@ -491,14 +491,14 @@ def pack_shared_prompt(
         _check_pair(p, image_token_id)
         k = prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
         if k < 1:
-            raise ValueError(f"pair {p.pair_index}: the chosen and rejected rows share no prompt token "
-                             "(prefix_length 0); use the separate-rows layout for such data")
+            raise ValueError(f"pair {p.pair_id}: the chosen and rejected rows share no prompt token "
+                             "(prefix_length 0); use the separate-rows format for such data")
         n_img = int(p.image_token_counts.sum())
         if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
-            raise ValueError(f"pair {p.pair_index}: {n_img} <image> tokens expected inside the shared prompt "
+            raise ValueError(f"pair {p.pair_id}: {n_img} <image> tokens expected inside the shared prompt "
                              f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
         row_c, row_r = p.chosen_ids, p.rejected_ids
-        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into segments.
+        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into spans.
         parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
         for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
             n = row.numel()
@@ -524,26 +524,26 @@ def pack_shared_prompt(
             seg_pad.append(seg_pad[-1] + n + (n_pad if j == 2 else 0))
         cu.append(cu[-1] + real)
         cu_pad.append(cu_pad[-1] + real + n_pad)
-        pair_index += [-1 if dummy else p.pair_index] * 2
+        pair_index += [-1 if dummy else p.pair_id] * 2
         is_chosen += [True, False]
     return _packed_batch(pairs, (ids, labels, lmask, pos), cu, cu_pad, pair_index, is_chosen, dummy,
                          media_index=torch.arange(len(pairs), dtype=torch.int64),
-                         segment_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
-                         segment_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
+                         span_cu_seqlens=torch.tensor(seg, dtype=torch.int32),
+                         span_cu_seqlens_padded=torch.tensor(seg_pad, dtype=torch.int32))
 
 
-def pair_spans(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
+def pair_spans(span_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> list[tuple[int, int, int, int]]:
     """(prompt, chosen, rejected, end) offsets of each pair; ValueError if malformed."""
-    b = [int(v) for v in segment_cu_seqlens_padded.flatten().tolist()]
+    b = [int(v) for v in span_cu_seqlens_padded.flatten().tolist()]
     if len(b) % 3 != 1 or b[0] != 0 or any(y < x for x, y in zip(b[:-1], b[1:], strict=True)) or b[-1] > total_tokens:
-        raise ValueError(f"segment_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
+        raise ValueError(f"span_cu_seqlens_padded must hold 3P+1 offsets rising from 0 to at most T = "
                          f"{total_tokens}; got {b}")
     return [tuple(b[i:i + 4]) for i in range(0, len(b) - 1, 3)]
 
 
-def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """int64 [T]: 2i on pair i's chosen segment, 2i+1 on its rejected one, 2P on prompts and the tail."""
-    b = segment_cu_seqlens_padded.long()
+def response_sequence_ids(span_cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """int64 [T]: 2i on pair i's chosen span, 2i+1 on its rejected one, 2P on prompts and the tail."""
+    b = span_cu_seqlens_padded.long()
     assert b.dim() == 1 and b.numel() % 3 == 1, b.shape  # 3P+1 (the values: `pair_spans`, on the host)
     n = 2 * ((b.numel() - 1) // 3)
     lengths = torch.cat([b[1:] - b[:-1], total_tokens - b[-1:]])
@@ -557,7 +557,7 @@ def response_sequence_ids(segment_cu_seqlens_padded: torch.Tensor, total_tokens:
 # A DP rank's microbatches of a step
 
 
-def load_bins(plan: Plan, pairs: Mapping[int, PreferencePair], ctx, image_token_id: int,
+def load_bins(plan: StepPlan, pairs: Mapping[int, PreferencePair], ctx, image_token_id: int,
               pad_id: int) -> list[PackedBatch]:
     """This DP rank's packed microbatches of `plan` (`pack`, or `pack_shared_prompt` when `shared_prompt_on`), moved
     to its device once. ctx: distributed.Ctx (cfg, dp_rank, device)."""
@@ -573,7 +573,7 @@ def load_bins(plan: Plan, pairs: Mapping[int, PreferencePair], ctx, image_token_
 
 def cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """int64 [T / CP]: the positions CP rank `cp_rank` keeps, chunks r and 2*CP-1-r of each sequence's 2*CP
-    chunks (TE's `thd_get_partitioned_indices` layout).
+    chunks (TE's `thd_get_partitioned_indices` order).
     """
     assert 0 <= cp_rank < cp_size, f"cp_rank = {cp_rank}"
     cu = cu_seqlens_padded.to(torch.int64)

@@ -333,7 +333,7 @@ def reserve(cfg, world: int) -> Reserve:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     world: int
     counts: dict[str, int]
     ranks: list[RankPlan]
@@ -400,7 +400,7 @@ def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
     return min(n, bin_tokens), f"{k} pair(s) of one image of {patches} patches (the processor's most; no data index)"
 
 
-def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) -> Plan:
+def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) -> MemoryPlan:
     """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding);
     `image_tokens` per bin (None: `image_tokens_per_bin`)."""
     hf = preflight.read_model_config(cfg.model.hf_path)
@@ -439,7 +439,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
             rows.append(row)
     pass_bin = cfg.reference.max_tokens_per_bin or cfg.packing.max_tokens_per_bin
     pass_pairs = cfg.reference.max_sequences_per_bin or cfg.packing.max_sequences_per_bin
-    return Plan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
+    return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
                 bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens, image_source=image_source,
                 reserve=reserve(cfg, world), pass_bin_tokens=pass_bin,
                 pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin))
@@ -463,7 +463,7 @@ def verdict(spare: float) -> str:
     return f"fits, {_gib(spare)} GiB to spare"
 
 
-def format_plan(plan: Plan, cfg) -> str:
+def format_plan(plan: MemoryPlan, cfg) -> str:
     """The printed plan: global counts, the per-rank table (GiB), the reserve, the verdict and the largest bin per
     GPU."""
     c, p, res = plan.counts, cfg.parallel, plan.reserve

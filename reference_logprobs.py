@@ -288,7 +288,7 @@ def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tenso
         host = pack.host_view(b)
         if int(host.pair_index[0]) < 0:  # a dummy bin: its pair is scored where it is real
             continue
-        chosen, rejected, pair_ids = mpo_loss.pair_layout(host.pair_index, host.is_chosen)
+        chosen, rejected, pair_ids = mpo_loss.pair_rows(host.pair_index, host.is_chosen)
         s, n = s.cpu(), n.cpu()
         out.append((pair_ids, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
     return out

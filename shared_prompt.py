@@ -1,8 +1,8 @@
 """The layers of a shared-prompt row (`packing.shared_prompt`; the layout, one THD span [prompt | chosen | rejected] per
 pair, is pack.py's `pack_shared_prompt`): each response token sees what it sees as a separate row.
 
-- Switch: `resolve` ("auto" at start, by the kernels); at run time `SEGMENTS`, set by OmniModel.forward through
-  `active`; `Segments`, a row's offsets as the index tensors its layers need.
+- Switch: `resolve` ("auto" at start, by the kernels); at run time `ROW_SPANS`, set by OmniModel.forward through
+  `active`; `RowSpans`, a row's offsets as the index tensors its layers need.
 - Attention: `attention` / `varlen_attention` (local spec), `te_attention` (TE spec); `bottom_right_causal_mask`.
 - Mamba-2: the conv and scan `causal_conv1d`, `mamba_chunk_scan`, `mamba_split_conv1d_scan` on the kernels of
   `mamba_kernels` (megatron_patches' scan hook calls them).
@@ -45,7 +45,7 @@ def resolve(cfg, kernels) -> tuple[bool, str]:
     cp = cfg.parallel.context_parallel_size
     why = []
     if cp > 1:
-        why.append(f"the shared-prompt layout is not supported with parallel.context_parallel_size = {cp}")
+        why.append(f"the shared-prompt format is not supported with parallel.context_parallel_size = {cp}")
     if kernels.spec == "te":
         why.append("the Transformer Engine spec's shared-prompt attention has not run on a GPU yet")
     if kernels.mamba in ("mamba-ssm", "triton"):
@@ -57,19 +57,19 @@ def resolve(cfg, kernels) -> tuple[bool, str]:
     return False, f"separate rows (auto: {'; '.join(why)}{opt_in})"
 
 
-# The `Segments` of the shared-prompt row running now; None: separate rows. A context variable, so activation
+# The `RowSpans` of the shared-prompt row running now; None: separate rows. A context variable, so activation
 # recomputation sees it too (megatron_patches._recompute_in_forward_context).
-SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_segments", default=None)
+ROW_SPANS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_row_spans", default=None)
 
 
 @contextlib.contextmanager
-def active(segments: Segments | None):
-    """`SEGMENTS` = segments inside the block (OmniModel.forward, around the language model)."""
-    token = SEGMENTS.set(segments)
+def active(row_spans: RowSpans | None):
+    """`ROW_SPANS` = row_spans inside the block (OmniModel.forward, around the language model)."""
+    token = ROW_SPANS.set(row_spans)
     try:
         yield
     finally:
-        SEGMENTS.reset(token)
+        ROW_SPANS.reset(token)
 
 
 def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -81,15 +81,15 @@ def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:
 # A row's offsets, as its layers read them
 
 
-class Segments:
+class RowSpans:
     """A shared-prompt row's offsets for its layers: `bounds` (pack.pair_spans, host ints) and the index tensors the
     layers need, each made on the host once per forward and moved to `device` without a host synchronisation
     (pack.to_device). packed: (seq_idx [1, T] int32 on the device, its host cu_seqlens_padded) of the row's
     PackedSeqParams, taken as the pair spans' seq_idx; ValueError when those offsets are not the pair spans'."""
 
-    def __init__(self, segment_cu_seqlens_padded: torch.Tensor, total_tokens: int, device,
+    def __init__(self, span_cu_seqlens_padded: torch.Tensor, total_tokens: int, device,
                  packed: tuple[torch.Tensor, Sequence[int]] | None = None):
-        self.bounds = pair_spans(segment_cu_seqlens_padded, total_tokens)
+        self.bounds = pair_spans(span_cu_seqlens_padded, total_tokens)
         self.total_tokens, self.device = total_tokens, torch.device(device)
         self._made = {}
         if packed is not None:
@@ -117,13 +117,13 @@ class Segments:
 
         return self._make(("seq_idx", split_rejected), build)
 
-    def varlen_layout(self) -> dict:
+    def varlen_args(self) -> dict:
         """The row as one varlen call: per pair the queries [prompt | chosen], [rejected] against keys
         [prompt | chosen], [prompt | rejected], then the tail. kv_index int64 [T_kv], cu_seqlens_q / cu_seqlens_kv
         int32 [S+1], max_seqlen_q / max_seqlen_kv."""
-        return self._make("varlen", self._varlen_layout)
+        return self._make("varlen", self._varlen_args)
 
-    def _varlen_layout(self) -> dict:
+    def _varlen_args(self) -> dict:
         T, q_lens, kv_parts = self.total_tokens, [], []  # kv_parts: per sequence, the row ranges of its keys
         for a, c0, r0, e in self.bounds:
             if r0 > a:
@@ -144,14 +144,14 @@ class Segments:
                 "max_seqlen_q": max(q_lens, default=0), "max_seqlen_kv": max(kv_lens, default=0)}
 
     def conv_taps(self, width: int) -> dict | None:
-        """The conv taps a rejected segment reads from the chosen one instead of the prompt (`causal_conv1d`): per
+        """The conv taps a rejected span reads from the chosen one instead of the prompt (`causal_conv1d`): per
         tap its row t, the position it must read (add) and the one the packed conv read (sub; -1: before the pair,
         0), its weight column tap; int64 [n] each. None: no tap to correct."""
         return self._make(("conv", width), lambda: self._conv_taps(width))
 
     def _conv_taps(self, width: int) -> dict | None:
         # Rejected token r0 + j, tap reaching s tokens back with s > j: the packed conv read row position r0 + j - s
-        # (chosen, or prompt when the chosen segment is shorter), the pair's sequence needs c0 + j - s (prompt); a
+        # (chosen, or prompt when the chosen span is shorter), the pair's sequence needs c0 + j - s (prompt); a
         # position before the pair start a reads 0 in both.
         taps = {"t": [], "add": [], "sub": [], "tap": []}
         for a, c0, r0, e in self.bounds:
@@ -166,13 +166,13 @@ class Segments:
         return {k: torch.tensor(v, device="cpu") for k, v in taps.items()} if taps["t"] else None
 
 
-def _segments(segments: Segments | torch.Tensor, total_tokens: int, device) -> Segments:
-    """`segments` as Segments (offsets int [3P+1] are read on the host: tests and the reference paths)."""
-    if isinstance(segments, Segments):
-        assert segments.total_tokens == total_tokens and segments.device == torch.device(device), \
-            (segments.total_tokens, total_tokens, segments.device, device)
-        return segments
-    return Segments(segments, total_tokens, device)
+def _row_spans(row_spans: RowSpans | torch.Tensor, total_tokens: int, device) -> RowSpans:
+    """`row_spans` as RowSpans (offsets int [3P+1] are read on the host: tests and the reference paths)."""
+    if isinstance(row_spans, RowSpans):
+        assert row_spans.total_tokens == total_tokens and row_spans.device == torch.device(device), \
+            (row_spans.total_tokens, total_tokens, row_spans.device, device)
+        return row_spans
+    return RowSpans(row_spans, total_tokens, device)
 
 
 # ======================================================================================================================
@@ -184,20 +184,20 @@ def bottom_right_causal_mask(n_q: int, n_kv: int, device) -> torch.Tensor:
     return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_kv - n_q)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments | torch.Tensor,
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row_spans: RowSpans | torch.Tensor,
               scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of a shared-prompt row (pack.pack_shared_prompt): [prompt | chosen] causal, rejected queries against
     [prompt | rejected] bottom-right causal, the tail causal; two SDPA calls per pair. query [T, heads, d],
-    key/value [T, groups, d], segments: `Segments` or the offsets int [3P+1] -> [T, heads * d]."""
+    key/value [T, groups, d], row_spans: `RowSpans` or the offsets int [3P+1] -> [T, heads * d]."""
     T, h, d = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    bounds = _segments(segments, T, query.device).bounds
+    bounds = _row_spans(row_spans, T, query.device).bounds
     rep = h // key.shape[1]
     q = query.permute(1, 0, 2)  # [h, T, d]
     k = key.permute(1, 0, 2).repeat_interleave(rep, dim=0)
     v = value.permute(1, 0, 2).repeat_interleave(rep, dim=0)
     # torch.split views, not slices: a split's backward is one concatenation, not a zero-filled row per slice.
-    # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the segments prompt, chosen, rejected.
+    # Query runs: per pair [prompt | chosen], [rejected]; then the tail. Keys: the spans prompt, chosen, rejected.
     end = bounds[-1][3] if bounds else 0
     runs = [n for a, c0, r0, e in bounds for n in (r0 - a, e - r0)] + [T - end]
     segs = [n for a, c0, r0, e in bounds for n in (c0 - a, r0 - c0, e - r0)] + [T - end]
@@ -227,18 +227,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     segments: Segments | torch.Tensor, attention_fn) -> torch.Tensor:
+                     row_spans: RowSpans | torch.Tensor, attention_fn) -> torch.Tensor:
     """`attention` as one call of attention_fn (local_spec.varlen_attention, or TE's in `te_attention`; the tests'
-    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `Segments.varlen_layout`."""
+    reference is tests/test_shared_prompt_te.py::varlen_sdpa) over `RowSpans.varlen_args`."""
     T, h, _ = query.shape
     assert key.shape[0] == T and key.shape == value.shape and h % key.shape[1] == 0, (query.shape, key.shape)
-    lay = _segments(segments, T, query.device).varlen_layout()
+    lay = _row_spans(row_spans, T, query.device).varlen_args()
     return attention_fn(query, key.index_select(0, lay["kv_index"]), value.index_select(0, lay["kv_index"]),
                         lay["cu_seqlens_q"], lay["cu_seqlens_kv"], lay["max_seqlen_q"], lay["max_seqlen_kv"])
 
 
 def te_attention(base: type) -> type:
-    """A subclass of `base` (megatron's TEDotProductAttention) that runs a shared-prompt THD forward (`SEGMENTS` set)
+    """A subclass of `base` (megatron's TEDotProductAttention) that runs a shared-prompt THD forward (`ROW_SPANS` set)
     as ONE TE varlen call of `varlen_attention` (attn_mask_type "padding_causal_bottom_right", attention_type "cross"
     during the call: docs/DESIGN.md); any other forward is `base`'s. Checked against a TE stand-in
     (tests/test_shared_prompt_te.py) and tests/test_gpu.py."""
@@ -248,8 +248,8 @@ def te_attention(base: type) -> type:
         def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                     packed_seq_params=None, **kwargs):
             """As `base.forward`; shared prompt: query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
-            segments = SEGMENTS.get()
-            if segments is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            row_spans = ROW_SPANS.get()
+            if row_spans is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
             assert attention_bias is None and self.config.context_parallel_size == 1  # CP: preflight.check_packing
@@ -270,7 +270,7 @@ def te_attention(base: type) -> type:
             for m in modules:
                 m.attention_type = "cross"
             try:
-                return varlen_attention(query, key, value, segments, attend)
+                return varlen_attention(query, key, value, row_spans, attend)
             finally:
                 for m, kind in zip(modules, saved, strict=True):
                     m.attention_type = kind
@@ -281,7 +281,7 @@ def te_attention(base: type) -> type:
 # ======================================================================================================================
 # Mamba-2: per pair [prompt | chosen | rejected], the sequences are prompt + chosen and prompt + rejected.
 # Mamba-2 is linear in its state, so a rejected token's output is (a) the packed scan restarted at the rejected
-# segment plus (b) the prompt's final state h_P carried into it:
+# span plus (b) the prompt's final state h_P carried into it:
 #     y_t += exp(Σ_{s=r0..t} dt_s·A) · (C_t · h_P),   h_P = Σ_{s∈prompt} exp(Σ_{u=s+1..end} dt_u·A) dt_s x_s ⊗ B_s
 # The conv likewise: the packed conv per pair span, then the first W-1 rejected taps swapped to the prompt's inputs.
 
@@ -290,12 +290,12 @@ def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    segments: Segments | torch.Tensor,
+    row_spans: RowSpans | torch.Tensor,
     activation: str | None = None,
     conv_fn=None,
 ) -> torch.Tensor:
-    """Causal conv1d of a shared-prompt row: each rejected segment sees the prompt's last W-1 inputs, never the chosen
-    segment's. x [1, dim, seqlen]; segments: `Segments` or the offsets int [3P+1]; conv_fn: the packed conv to
+    """Causal conv1d of a shared-prompt row: each rejected span sees the prompt's last W-1 inputs, never the chosen
+    span's. x [1, dim, seqlen]; row_spans: `RowSpans` or the offsets int [3P+1]; conv_fn: the packed conv to
     correct. Returns [1, dim, seqlen] in x.dtype (the correction is added in the conv's dtype)."""
     if x.shape[0] != 1:
         raise ValueError(f"a shared-prompt row is one packed row; got batch {x.shape[0]}")
@@ -304,9 +304,9 @@ def causal_conv1d(
     conv_fn = conv_fn or causal_conv1d_fn
     seqlen, width = x.shape[-1], weight.shape[1]
     cdt = compute_dtype(x)
-    segments = _segments(segments, seqlen, x.device)
-    out = conv_fn(x, weight, bias, seq_idx=segments.seq_idx(split_rejected=False), activation=None)
-    taps = segments.conv_taps(width)
+    row_spans = _row_spans(row_spans, seqlen, x.device)
+    out = conv_fn(x, weight, bias, seq_idx=row_spans.seq_idx(split_rejected=False), activation=None)
+    taps = row_spans.conv_taps(width)
     if taps is not None:
         # only the few columns the taps read are gathered, in one gather (its backward is one full-row gradient, not
         # one per gather); index -1 reads 0
@@ -326,7 +326,7 @@ def mamba_chunk_scan(
     B: torch.Tensor,
     C: torch.Tensor,
     chunk_size: int,
-    segments: Segments | torch.Tensor,
+    row_spans: RowSpans | torch.Tensor,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -334,8 +334,8 @@ def mamba_chunk_scan(
     dt_limit: tuple[float, float] = NO_LIMIT,
     scan_fn=None,
 ) -> torch.Tensor:
-    """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected segment continuing the
-    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus segments (as `causal_conv1d`);
+    """SSD scan of a shared-prompt row: [prompt | chosen] as one sequence, each rejected span continuing the
+    prompt's final state. Arguments as `mamba_chunk_scan_combined` (batch 1) plus row_spans (as `causal_conv1d`);
     scan_fn: the packed scan (None: this module's, which also returns the prompt states). Returns out in x.dtype."""
     batch, seqlen, nheads, headdim = x.shape
     if batch != 1:
@@ -345,8 +345,8 @@ def mamba_chunk_scan(
                          f"C {tuple(C.shape)}")
     cdt = compute_dtype(x)
     dtf = processed_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)
-    segments = _segments(segments, seqlen, x.device)
-    seq_idx, bounds = segments.seq_idx(split_rejected=True), segments.bounds
+    row_spans = _row_spans(row_spans, seqlen, x.device)
+    seq_idx, bounds = row_spans.seq_idx(split_rejected=True), row_spans.bounds
     # pairs whose rejected response continues a prompt (an empty prompt or rejected response needs no correction)
     corrected = [i for i, (a, c0, r0, e) in enumerate(bounds) if c0 > a and e > r0]
     # The kernel applies D and the gate itself; the prompt-state term is linear in y, so it joins afterwards as
@@ -359,7 +359,7 @@ def mamba_chunk_scan(
     g = B.shape[2]
     r = nheads // g
     Af = A.to(cdt)
-    # Per pair, on torch.split views of its segments (their backward is one concatenation per tensor, not a
+    # Per pair, on torch.split views of its spans (their backward is one concatenation per tensor, not a
     # zero-filled full-row gradient per slice); heads as [group, head in group].
     end = bounds[-1][3] if bounds else 0
     segs = [n for a, c0, r0, e in bounds for n in (c0 - a, r0 - c0, e - r0)] + [seqlen - end]
@@ -397,7 +397,7 @@ def mamba_split_conv1d_scan(
     A: torch.Tensor,
     D: torch.Tensor,
     chunk_size: int,
-    segments: Segments | torch.Tensor,
+    row_spans: RowSpans | torch.Tensor,
     dt_limit: tuple[float, float] = NO_LIMIT,
     activation: str = "silu",
     rmsnorm_weight: torch.Tensor | None = None,
@@ -415,22 +415,22 @@ def mamba_split_conv1d_scan(
 ) -> torch.Tensor:
     """`mamba_split_conv1d_scan_combined` for a shared-prompt row (batch 1), with the shared-prompt conv and scan; it
     takes megatron's keywords, so it can replace the fused call: seq_idx, when given, must be the pair spans' (checked
-    on the device unless it is the one `segments` holds)."""
+    on the device unless it is the one `row_spans` holds)."""
     batch, seqlen, total = zxbcdt.shape
-    segments = _segments(segments, seqlen, zxbcdt.device)
-    want = segments.seq_idx(split_rejected=False)
+    row_spans = _row_spans(row_spans, seqlen, zxbcdt.device)
+    want = row_spans.seq_idx(split_rejected=False)
     if seq_idx is not None and seq_idx is not want and (
             seq_idx.shape != want.shape or not torch.equal(seq_idx.to(want.dtype), want)):
-        raise ValueError("seq_idx does not separate the pair spans of segments (pass the pair spans as "
+        raise ValueError("seq_idx does not separate the pair spans of row_spans (pass the pair spans as "
                          "cu_seqlens_padded of the PackedSeqParams)")
     nheads, headdim, dim, dstate, d_nonssm = mixer_dims(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups)
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, segments, activation=activation,
+    xBC = causal_conv1d(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, row_spans, activation=activation,
                         conv_fn=conv_fn).transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     y = mamba_chunk_scan(
         x.reshape(batch, seqlen, nheads, headdim), dt, A, B.reshape(batch, seqlen, ngroups, dstate),
-        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, segments, D=D,
+        C.reshape(batch, seqlen, ngroups, dstate), chunk_size, row_spans, D=D,
         z=None if rmsnorm_weight is not None else z.reshape(batch, seqlen, nheads, headdim), dt_bias=dt_bias,
         dt_softplus=True, dt_limit=dt_limit, scan_fn=scan_fn,
     )

@@ -71,7 +71,7 @@ def main(cfg) -> int:
     """Run (or resume) the training job described by `cfg`; returns the exit code (0 also for a segment stop)."""
     # -- config: every check that needs no process group ------------------------------------------------------------
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
-    cfg.packing.shared_prompt, layout_desc = shared_prompt.resolve(cfg, kernels)  # "auto" -> a bool
+    cfg.packing.shared_prompt, pair_format = shared_prompt.resolve(cfg, kernels)  # "auto" -> a bool
     hf = preflight.check_inputs(cfg)  # model.hf_path's config.json: preflight.read_model_config
     preflight.check_model_config(cfg, hf, kernels)
 
@@ -82,7 +82,7 @@ def main(cfg) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
-        monitor.print_layout(ctx, world, kernels, layout_desc)
+        monitor.print_layout(ctx, world, kernels, pair_format)
     checkpoint.lock_run_dir(cfg.checkpoint.dir)  # one run per checkpoint.dir; removes unfinished step_<N>.tmp saves
     resume_from = checkpoint.resume_path(cfg.checkpoint.dir, cfg.checkpoint.resume)
     saved = checkpoint.read_run_state(resume_from) if resume_from else None  # None: a fresh start
@@ -118,8 +118,8 @@ def main(cfg) -> int:
     ddp, optimizer, scheduler = build_optimizer(policy, cfg)
 
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
-    run = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
-    run["wandb_run_id"] = log.run_id
+    run_state = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
+    run_state["wandb_run_id"] = log.run_id
     planner = functools.partial(plan_and_select, data.train_split.index, ctx)
     loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, planner,
                                        cfg.data.num_workers))
@@ -130,7 +130,7 @@ def main(cfg) -> int:
         return 130
 
     # -- the loop: one optimizer step, its metrics, validation, checkpoint, stop ------------------------------------
-    bar, t_start, start = monitor.progress_bar(cfg, run["step"], rank), time.perf_counter(), run["step"]
+    bar, t_start, start = monitor.progress_bar(cfg, run_state["step"], rank), time.perf_counter(), run_state["step"]
     saved_step = start  # the step of the latest checkpoint (0: none yet)
     ddp.train()
     try:
@@ -138,39 +138,44 @@ def main(cfg) -> int:
             t0 = time.perf_counter()
             step_data = distributed.agreed(lambda: next(loader), ctx)  # a DataError of one rank stops every rank
             batches = pack.load_bins(step_data.plan, step_data.pairs, ctx, data.ids["image"], data.ids["pad"])
-            metrics, new_shift = train_step(ddp, ref_train, optimizer, scheduler, batches, ctx, run["reward_shift"])
-            advance_run_state(run, step_data, metrics, new_shift)
-            step = run["step"]
+            metrics, new_shift = train_step(ddp, ref_train, optimizer, scheduler, batches, ctx,
+                                            run_state["reward_shift"])
+            advance_run_state(run_state, step_data, metrics, new_shift)
+            step = run_state["step"]
             tokens, dt = monitor.global_tokens(batches, ctx.dp_group, ctx.device), time.perf_counter() - t0
             metrics.update(monitor.speed_metrics(tokens, dt, len(step_data.pair_ids), n_active, world,
                                                  reference_forward=cfg.reference.logprobs == "online"))
-            metrics.update(dropped_oversized=data.train_split.dropped_oversized, consumed_pairs=run["consumed_pairs"],
+            metrics.update(dropped_oversized=data.train_split.dropped_oversized,
+                           consumed_pairs=run_state["consumed_pairs"],
                            eta_s=(time.perf_counter() - t_start) / (step - start) * (last - step))
             log.log(step, metrics)
             monitor.print_step(bar, step, cfg, metrics, rank)
             at_end = step >= cfg.mpo.max_num_steps
             if data.val_split is not None and (cfg.mpo.val_period and step % cfg.mpo.val_period == 0
                                                or at_end and cfg.mpo.val_at_end):
-                vm = run_validation(ddp, ref_val, data.val_split, data.val_set, ctx, run["reward_shift"], data.ids)
+                vm = run_validation(ddp, ref_val, data.val_split, data.val_set, ctx, run_state["reward_shift"],
+                                    data.ids)
                 log.log(step, vm, split="validation")
                 monitor.print_validation(step, vm, rank)
             stop = stopper.should_stop(ctx.device)
             segment_end = cfg.mpo.stop_after_step and step == cfg.mpo.stop_after_step
             if at_end or segment_end or stop or (cfg.checkpoint.save_period and step % cfg.checkpoint.save_period == 0):
-                save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
+                save_checkpoint(run_state, ddp, optimizer, scheduler, cfg, rank)
                 saved_step = step
             if at_end or segment_end or stop:
                 break
     except mmpr_rows.DataError as e:  # raised on every rank (distributed.agreed): keep the finished steps, then stop
-        if run["step"] > saved_step:
-            save_checkpoint(run, ddp, optimizer, scheduler, cfg, rank)
-        where = f"before step {run['step'] + 1}; {monitor.last_saved(run['step'], cfg)}"  # saved now or before
+        if run_state["step"] > saved_step:
+            save_checkpoint(run_state, ddp, optimizer, scheduler, cfg, rank)
+        # saved now or before
+        where = f"before step {run_state['step'] + 1}; {monitor.last_saved(run_state['step'], cfg)}"
         raise mmpr_rows.DataError(f"{e} ({where})") from None
     except RuntimeError as e:
         if not (isinstance(e, DivergedError) or str(e) == NOT_FINITE):  # NOT_FINITE: check_finite's assertion
             raise
-        first = resume_from if run["step"] == start else None  # the first step after a resume: its state is suspect
-        raise DivergedError(monitor.diverged_message(e, run["step"] + 1, first, saved_step, cfg)) from None
+        # the first step after a resume: its state is suspect
+        first = resume_from if run_state["step"] == start else None
+        raise DivergedError(monitor.diverged_message(e, run_state["step"] + 1, first, saved_step, cfg)) from None
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     if rank == 0:
@@ -253,37 +258,37 @@ def build_optimizer(policy, cfg):
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
     """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
     sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config."""
-    run = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
+    run_state = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
            "reward_shift_num_updates": 0, "wandb_run_id": None,
            "model_files": checkpoint.model_files(cfg.model.hf_path)}  # fmt: skip
     if saved is not None:
         with megatron_patches.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)
-        run.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift", "reward_shift_num_updates",
-                                                   "wandb_run_id")})  # fmt: skip
+        run_state.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift",
+                                                         "reward_shift_num_updates", "wandb_run_id")})  # fmt: skip
         data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
         monitor.print_resume(saved, notices, data_changed, rank)
-    run["sampler"] = sampler.state_dict()
+    run_state["sampler"] = sampler.state_dict()
     # after a successful resume: a refused config never replaces the run's
     path = monitor.write_resolved_config(cfg, rank, (saved.step, saved.config) if notices else None)
     if rank == 0:
         print(f"config: {path}")
-    return run
+    return run_state
 
 
-def advance_run_state(run: dict, step_data: mmpr_data.StepData, metrics: dict, new_shift: float) -> None:
+def advance_run_state(run_state: dict, step_data: mmpr_data.StepData, metrics: dict, new_shift: float) -> None:
     """The run state after a finished optimizer step (what a checkpoint written now must hold)."""
-    run["step"] += 1
-    run["reward_shift"] = new_shift
-    run["reward_shift_num_updates"] += int(metrics["bco/reward_count"] > 0)
-    run["consumed_pairs"] += len(step_data.pair_ids)
-    run["sampler"] = step_data.sampler_state
+    run_state["step"] += 1
+    run_state["reward_shift"] = new_shift
+    run_state["reward_shift_num_updates"] += int(metrics["bco/reward_count"] > 0)
+    run_state["consumed_pairs"] += len(step_data.pair_ids)
+    run_state["sampler"] = step_data.sampler_state
 
 
-def save_checkpoint(run: dict, ddp, optimizer, scheduler, cfg, rank: int) -> None:
-    """Checkpoint step run["step"] (collective) with the run state and the resolved config; prints the path."""
-    run_state = {k: v for k, v in run.items() if k != "step"} | {"config": config_mod.to_dict(cfg)}
-    path = checkpoint.save(cfg.checkpoint.dir, run["step"], ddp, optimizer, scheduler, run_state,
+def save_checkpoint(run_state: dict, ddp, optimizer, scheduler, cfg, rank: int) -> None:
+    """Checkpoint step run_state["step"] (collective) with the run state and the resolved config; prints the path."""
+    state = {k: v for k, v in run_state.items() if k != "step"} | {"config": config_mod.to_dict(cfg)}
+    path = checkpoint.save(cfg.checkpoint.dir, run_state["step"], ddp, optimizer, scheduler, state,
                            cfg.checkpoint.keep_last)
     if rank == 0:
         print(f"saved {path}")
@@ -321,7 +326,7 @@ def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
 # One microbatch, one step, one validation
 
 
-def plan_and_select(index: mmpr_index.PairIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.Plan, list[int]]:
+def plan_and_select(index: mmpr_index.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.StepPlan, list[int]]:
     """(plan of the step's bins over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
@@ -402,7 +407,8 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
     policy.eval()
     for chunk in chunks:
         plan = pack.plan_step(val.index.lengths(chunk), cfg.packing, ctx.dp, val.index.shared_lengths(chunk))
-        pairs = distributed.agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}, ctx)  # noqa: B023
+        pairs = distributed.agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids},  # noqa: B023
+                                   ctx)
         batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
         num_global_pairs = count_global_pairs(batches, ctx)
         ref = reference_logprobs.sums(reference, batches, ctx)

@@ -30,7 +30,7 @@ def _row_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -
 
 
 def _padded_pair(p, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conventional batch of one pair (the baselines' layout): chosen and rejected rows right-padded to one [2, L]
+    """The conventional batch of one pair (the baselines' format): chosen and rejected rows right-padded to one [2, L]
     batch. Returns (input_ids int64, attention_mask int64, response mask bool), each [2, L] on `device`."""
     rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
     L = max(r.numel() for r in rows)

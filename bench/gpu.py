@@ -45,7 +45,7 @@ def gpu_shape_ladder(base: dict = GPU_SHAPE) -> list[dict]:
 def plan_gpu_step(shape: dict, capacity: float) -> dict:
     """plan.py's numbers for the GPU step of `shape` (one rank: the policy, the reference, megatron's Adam and the
     largest bin's activations) on a device of `capacity` bytes: planned bytes, reserve, spare and whether it fits
-    (plan.Plan.fits: plan.MARGIN to spare after the reserve)."""
+    (plan.MemoryPlan.fits: plan.MARGIN to spare after the reserve)."""
     import omni_model as om
     import pack
     import plan

@@ -1,5 +1,5 @@
 """The GPU item's MPO step (mpo_step_bench): one optimizer step of our system (train.train_step, separate rows and
-the shared-prompt layout) against transformers' padded per-pair step on the same text pairs, with the step-1 losses
+the shared-prompt format) against transformers' padded per-pair step on the same text pairs, with the step-1 losses
 against their closed form next to the noise floor measured in the same run; and the set-up the profile and the kernel
 ablation share (_step_setup, _ours_system, _drop_system). Runs on the CPU at a small shape too (tests)."""
 
@@ -84,7 +84,7 @@ def _check_closed_form(what: str, loss: float, want: float, tol: float | None) -
 
 def _ours_step_bench(device, setup: dict, tol: float | None, timed, timed_steps) -> dict:
     """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate rows
-    (the default) and with the shared-prompt layout; and the noise floor of its step-1 loss: the reference forward
+    (the default) and with the shared-prompt format; and the noise floor of its step-1 loss: the reference forward
     twice on the same bins and the policy (before any update, no grad) against the reference, as the max |difference|
     of the per-sequence log-prob sums."""
     ddp, reference, optimizer, scheduler, ctx, policy = _ours_system(device, setup["cfg"], setup["ckpt"])
@@ -109,7 +109,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     state = {"shift": cfg.mpo.reward_shift}
 
     def step_of(plan, ctx):
-        """One timed MPO step of `plan`'s bins under `ctx` (its packing layout), δ carried across steps."""
+        """One timed MPO step of `plan`'s bins under `ctx` (its pair format), δ carried across steps."""
         def step() -> dict:
             batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
             metrics, state["shift"] = train.train_step(ddp, reference, optimizer, scheduler, batches, ctx,
@@ -131,7 +131,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
                  logprob_sum_max_abs=max(float(r.abs().max()) for r in ref_a))
     del batches, ref_a, ref_b, pol
 
-    # The shared-prompt layout (packing.shared_prompt) on the same pairs and bin budget, its step-1 loss computed before
+    # The shared-prompt format (packing.shared_prompt) on the same pairs and bin budget, its step-1 loss computed before
     # any update (policy = reference: the closed-form loss), timed after the separate-rows steps.
     cfg_shared = copy.deepcopy(cfg)
     cfg_shared.packing.shared_prompt = True
@@ -262,9 +262,9 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     (8·N_active·tokens / s / peak bf16 FLOP/s, monitor.mfu; N_active = monitor.active_params: the language model's
     parameters without the input embedding table (a lookup) - output layer, every dense parameter and the shared
     expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
-    ratio; plus our step in the shared-prompt layout (packing.shared_prompt, same pairs and bin budget; its loss
+    ratio; plus our step in the shared-prompt format (packing.shared_prompt, same pairs and bin budget; its loss
     before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
-    over our separate-rows step (the shared-prompt layout's GPU ratio).
+    over our separate-rows step (the shared-prompt format's GPU ratio).
     Raises AssertionError when a step-1 loss is off on the CPU.
     """
     import monitor

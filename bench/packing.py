@@ -15,7 +15,7 @@ def deal_round_robin(bins, dp_size: int) -> list[list[pack.Bin]]:
     return [list(bins[r::dp_size]) for r in range(dp_size)]
 
 
-def round_robin_ranks(plan: pack.Plan, lengths) -> list[list[pack.Bin]]:
+def round_robin_ranks(plan: pack.StepPlan, lengths) -> list[list[pack.Bin]]:
     """The bins of `plan` in the step's data order (their first pair's place in `lengths`, dummies last), dealt
     round-robin: the baseline of pack.deal_greedy."""
     arrival = {pid: i for i, pid in enumerate(lengths)}
@@ -33,10 +33,10 @@ def rank_imbalance(ranks, key: str = "tokens") -> float:
 
 def shared_prompt_token_counts(parts, max_tokens_per_bin: int, max_sequences_per_bin: int, dp_size: int,
                                divisible_by: int = 1) -> dict:
-    """Tokens the language model computes for the same pairs, separate rows vs the shared-prompt layout, each planned
+    """Tokens the language model computes for the same pairs, separate rows vs the shared-prompt format, each planned
     by pack.plan_bins under the same bin budget. parts: pair id -> (prompt, chosen, rejected) tokens
-    (`synthetic_mmpr_parts`); the shared layout stores prompt - 1 tokens once. Returns tokens_* (padded, dummies
-    included), useful_* (real), bins_* of both layouts and token_ratio = tokens_separate / tokens_shared."""
+    (`synthetic_mmpr_parts`); the shared format stores prompt - 1 tokens once. Returns tokens_* (padded, dummies
+    included), useful_* (real), bins_* of both formats and token_ratio = tokens_separate / tokens_shared."""
     lengths = {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     shared = {i: p - 1 for i, (p, _, _) in parts.items()}
     sep = pack.plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by)

@@ -1,7 +1,7 @@
-"""Item 4b, shared: the shared-prompt pair layout (packing.shared_prompt) vs separate rows, same pairs and bin
+"""Item 4b, shared: the shared-prompt pair format (packing.shared_prompt) vs separate rows, same pairs and bin
 budget: LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step, small
 config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the ratio; the step-1 loss of
-both layouts must agree to 1e-5 (asserted)."""
+both formats must agree to 1e-5 (asserted)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from bench.packing import shared_prompt_token_counts
 from bench.workload import mmpr_like_text_pairs, shared_lengths, synthetic_mmpr_parts
 
 SHARED_BIN_TOKENS = 16384  # configs/nano.toml's packing.max_tokens_per_bin: the budget of the token count
-SHARED_GOAL = 1.4  # goal of the shared-prompt layout: >= 1.4x pairs/s on the MMPR-like mix (CPU)
+SHARED_GOAL = 1.4  # goal of the shared-prompt format: >= 1.4x pairs/s on the MMPR-like mix (CPU)
 
 
 def bench_shared(quick: bool) -> dict:
-    """Shared-prompt layout (packing.shared_prompt, pack.pack_shared_prompt) vs separate rows (pack.pack), same pairs,
+    """Shared-prompt format (packing.shared_prompt, pack.pack_shared_prompt) vs separate rows (pack.pack), same pairs,
     same bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
     budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
     (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts divided
     by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
-    and their ratio; the step-1 loss of both layouts must agree to VALUE_TOL (asserted)."""
+    and their ratio; the step-1 loss of both formats must agree to VALUE_TOL (asserted)."""
     import dataclasses
 
     import distributed

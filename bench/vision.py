@@ -11,7 +11,7 @@ from bench.common import VALUE_TOL, _build_ours, _device, interleaved_times, sam
 
 
 def _per_row_media(batch: pack.PackedBatch) -> dict:
-    """The same packed pair with each row holding its own copy of the images (the reference system's layout)."""
+    """The same packed pair with each row holding its own copy of the images (the reference system's format)."""
     d = {k: getattr(batch, k) for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
     s = batch.num_sequences
     n_img = batch.image_grid_hw.shape[0]

@@ -37,7 +37,7 @@ def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, 
 def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> dict:
     """Text pairs (pack.PreferencePair) with the (prompt, chosen, rejected) lengths of `parts`
     (synthetic_mmpr_parts) divided by `scale` (at least 2 / 1 / 1 tokens): the prompt's image tokens become text
-    tokens (the language model's work is the same; vision runs once per pair in both layouts). Random ids >= 32."""
+    tokens (the language model's work is the same; vision runs once per pair in both formats). Random ids >= 32."""
     g = torch.Generator().manual_seed(seed)
     pairs = {}
     for i, (p, c, r) in parts.items():
@@ -48,13 +48,13 @@ def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> 
     return pairs
 
 
-def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
+def text_pair(pair_id: int, prompt: torch.Tensor, chosen: torch.Tensor,
               rejected: torch.Tensor) -> pack.PreferencePair:
     """A text-only pair: rows [prompt | response] (int64 ids), loss masks on the responses, no image."""
     rows = [torch.cat([prompt, x]) for x in (chosen, rejected)]
     masks = [torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(x.numel(), dtype=torch.bool)])
              for x in (chosen, rejected)]
-    return pack.PreferencePair(pair_index=pair_index, chosen_ids=rows[0], rejected_ids=rows[1],
+    return pack.PreferencePair(pair_id=pair_id, chosen_ids=rows[0], rejected_ids=rows[1],
                                chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
                                pixel_values=torch.zeros(0, 3 * 16 * 16),
                                image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
@@ -62,7 +62,7 @@ def text_pair(pair_index: int, prompt: torch.Tensor, chosen: torch.Tensor,
 
 
 def shared_lengths(pairs: dict) -> dict[int, int]:
-    """{pair id: tokens stored once in the shared-prompt layout} of `pairs` (pack.PreferencePair), by the packer's
+    """{pair id: tokens stored once in the shared-prompt format} of `pairs` (pack.PreferencePair), by the packer's
     own rule (pack.prefix_length): what pack.plan_step takes as `shared_lengths`."""
     return {i: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
             for i, p in pairs.items()}

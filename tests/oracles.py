@@ -36,8 +36,8 @@ def unpack_shared(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
     """The separate rows of a `pack.pack_shared_prompt` batch, per response (chosen 0, rejected 0, chosen 1, ...), as
     `unpack`."""
     out = []
-    seg = batch.segment_cu_seqlens.long()
-    spans = pack.pair_spans(batch.segment_cu_seqlens_padded, batch.input_ids.shape[1])
+    seg = batch.span_cu_seqlens.long()
+    spans = pack.pair_spans(batch.span_cu_seqlens_padded, batch.input_ids.shape[1])
     for i, (a, c0, r0, _) in enumerate(spans):
         k = int(seg[3 * i + 1] - seg[3 * i])
         for start, n in ((c0, int(seg[3 * i + 2] - seg[3 * i + 1])), (r0, int(seg[3 * i + 3] - seg[3 * i + 2]))):
@@ -60,7 +60,7 @@ def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, d
     return out
 
 
-def packing_efficiency(plan: pack.Plan) -> float:
+def packing_efficiency(plan: pack.StepPlan) -> float:
     """Real tokens of real pairs / padded tokens of all bins (dummies included)."""
     total = sum(b.tokens for r in plan.ranks for b in r)
     useful = sum(b.useful for r in plan.ranks for b in r)

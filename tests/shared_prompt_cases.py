@@ -1,6 +1,6 @@
 """Shared code of the shared-prompt model checks (tests/test_shared_prompt_model.py in process, and the TP = 2 / DP = 2
 worker tests/dist/check_shared_prompt.py): synthetic preference pairs for assets/tiny-omni and one MPO
-forward/backward of the same bins in either layout through train.py's own functions.
+forward/backward of the same bins in either format through train.py's own functions.
 
 Not a test module itself.
 """
@@ -47,14 +47,14 @@ def make_pairs(specs=PAIR_SPECS, seed: int = 0):
         rows = [torch.cat([prompt, r]) for r in (chosen, rejected)]
         masks = [torch.cat([torch.zeros(n_prompt, dtype=torch.bool), torch.ones(r.numel(), dtype=torch.bool)])
                  for r in (chosen, rejected)]
-        out.append(pack.PreferencePair(pair_index=i, chosen_ids=rows[0], rejected_ids=rows[1],
+        out.append(pack.PreferencePair(pair_id=i, chosen_ids=rows[0], rejected_ids=rows[1],
                                        chosen_loss_mask=masks[0], rejected_loss_mask=masks[1], pixel_values=pixels,
                                        image_grid_hw=grid, image_token_counts=counts))
     return out
 
 
 def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift: float = 0.1) -> dict:
-    """Pack `bins` (lists of pairs) in one layout (pack.pack or pack.pack_shared_prompt), then what train.train_step
+    """Pack `bins` (lists of pairs) in one format (pack.pack or pack.pack_shared_prompt), then what train.train_step
     does before its gradient reduction: count_global_pairs, reference_logprobs.sums (the same model, no grad), the
     policy's forward_logprobs + MPO loss + backward (policy_forward_backward). Returns logprobs (the policy's
     per-response sums, bins concatenated, [2 * pairs] float64), num_response_tokens, metrics (combined), grads

@@ -78,7 +78,7 @@ def test_training_step_matches_transformers(results):
 
 def test_shared_prompt_item(results):
     sh = results["shared"]
-    assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both layouts (asserted by the benchmark too)
+    assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both formats (asserted by the benchmark too)
     # exact arithmetic: each prompt once; the 1.62x on the MMPR-like mix (2,000 pairs in --quick)
     assert sh["count_tokens_shared"] < sh["count_tokens_separate"] and 1.5 < sh["count_token_ratio"] < 1.75
     # the timed step's tokens: separate rows hold each prompt (minus the shared last token) twice
@@ -171,7 +171,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert max(st["loss_ours_abs_dev"], st["loss_shared_abs_dev"], st["loss_baseline_abs_dev"]) <= st["loss_tolerance"]
     assert st["noise_ref_repeat_max_abs_diff"] == st["noise_policy_vs_ref_max_abs_diff"] == 0.0
     assert st["noise_baseline_policy_vs_ref_max_abs_diff"] == 0.0 and st["logprob_sum_max_abs"] > 0
-    # the shared-prompt layout on the same pairs: same closed-form loss, each prompt computed once
+    # the shared-prompt format on the same pairs: same closed-form loss, each prompt computed once
     assert st["loss_shared"] == pytest.approx(want, abs=1e-5)
     assert 0 < st["tokens_shared"] < st["tokens"] and st["microbatches_shared"] >= 1
     assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])

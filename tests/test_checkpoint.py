@@ -60,7 +60,8 @@ def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("usage: python hf_export.py [-h] RUN_DIR OUT_DIR")
     assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
-    for argv, names in (([], ["RUN_DIR, OUT_DIR"]), (["a"], ["OUT_DIR"]), (["a", "b", "c"], ["unrecognized arguments: c"])):
+    for argv, names in (([], ["RUN_DIR, OUT_DIR"]), (["a"], ["OUT_DIR"]),
+                        (["a", "b", "c"], ["unrecognized arguments: c"])):
         with pytest.raises(SystemExit) as e:
             hf_export.main(argv)
         last = capsys.readouterr().err.splitlines()[-1]
@@ -221,7 +222,7 @@ def test_run_state_tmp_and_keep_last(dist_result, variant):
 def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path):
     """RESUME_RULES: a changed layout (QA 3: it failed deep in dist_checkpointing), β or quality flag (QA3 4: δ is an
     EMA of rewards in the saved units) or LR schedule (chained segments) is refused in one error naming every refused
-    key; the loss weights, δ's momentum, the DPO / SFT flags, the layout of pairs and model.hf_path are returned as
+    key; the loss weights, δ's momentum, the DPO / SFT flags, the pair format and model.hf_path are returned as
     notices (and the gradient buffers' dtype); another DP size (no setting) and a key the saved config lacks are no
     change."""
     import config as config_mod
@@ -368,11 +369,11 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
 @pytest.fixture(scope="module")
 def loss_change(tmp_path_factory):
     """QA3 4: one step of the tiny run (one process), then resumes with a changed β (refused) and with a changed
-    bco_loss_weight and shared-prompt layout (one more step)."""
+    bco_loss_weight and shared-prompt format (one more step)."""
     run = tmp_path_factory.mktemp("loss_change")
     short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
              "mpo.val_at_end=false"]  # fmt: skip
-    # the first segment in separate rows (tiny.toml's), resumed in the shared layout ("auto" on the CPU)
+    # the first segment in separate rows (tiny.toml's), resumed in the shared format ("auto" on the CPU)
     first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1",
                  "packing.shared_prompt=false")  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -1084,12 +1085,12 @@ def test_launcher_check_only_under_torchrun(monkeypatch):
             signal.signal(sig, handler)
 
 
-def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
+def test_optimizer_state_loads_only_into_its_parameter_digest(tmp_path):
     """The distributed optimizer's dp_reshardable state is stored in parameter order: a step saved with megatron's
     SequentialMLP loaded into GroupedExperts' 3-D weights without a complaint, every expert's Adam moments in the
-    wrong places (measured). `load` now refuses a checkpoint whose `parameter_layout` differs, or that has none (saved
-    before it was written, with per-expert weights) for a model with GroupedExperts, naming the layout; the same
-    layout loads and every moment is restored exactly, as does a checkpoint without a digest into per-expert weights."""
+    wrong places (measured). `load` now refuses a checkpoint whose `parameter_digest` differs, or that has none (saved
+    before it was written, with per-expert weights) for a model with GroupedExperts, naming the digest; the same
+    digest loads and every moment is restored exactly, as does a checkpoint without a digest into per-expert weights."""
     import functools
 
     import kernel_selection
@@ -1114,10 +1115,10 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     a = system("sequential")
     a["run"](a["batches"], 0.0)
     path = checkpoint.save(tmp_path, 1, a["ddp"], a["optimizer"], a["scheduler"], _state(1, {}))
-    saved = checkpoint.read_run_state(path).parameter_layout
-    assert saved == checkpoint.parameter_layout(a["ddp"]) == checkpoint.parameter_layout(a["policy"])
+    saved = checkpoint.read_run_state(path).parameter_digest
+    assert saved == checkpoint.parameter_digest(a["ddp"]) == checkpoint.parameter_digest(a["policy"])
     b = system("grouped-loop")
-    here = checkpoint.parameter_layout(b["policy"])
+    here = checkpoint.parameter_digest(b["policy"])
     assert here != saved
     with raises_naming(checkpoint.CheckpointError, path, saved, here, f"hf_export.py {path.parent} OUT"):
         checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
@@ -1131,7 +1132,7 @@ def test_optimizer_state_loads_only_into_its_parameter_layout(tmp_path):
     want, got = moments(a), moments(c)
     assert len(want) == len(got) > 0 and all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
     raw = json.loads((path / checkpoint.RUN_STATE_FILE).read_text())
-    del raw["parameter_layout"]  # as saved before the digest existed: SequentialMLP's layout, which c has
+    del raw["parameter_digest"]  # as saved before the digest existed: SequentialMLP's parameters, which c has
     (path / checkpoint.RUN_STATE_FILE).write_text(json.dumps(raw))
     checkpoint.load(path, c["ddp"], c["optimizer"], c["scheduler"])
     assert all(torch.equal(x, y) for x, y in zip(want, moments(c), strict=True))
@@ -1169,3 +1170,13 @@ def test_optimizer_state_loads_across_gradient_buffer_dtypes(tmp_path):
         assert not equal(want, state(dst))  # before the load
         checkpoint.load(path, dst["ddp"], dst["optimizer"], dst["scheduler"])
         assert sum(k.endswith("exp_avg_sq") for k, _ in want) > 10 and equal(state(dst), want)
+
+
+def test_run_state_written_before_the_digest_rename_still_resumes(tmp_path):
+    """A run_state.json written before issue 44 holds the trainable parameters' digest under its old key: it is
+    still read, so `load` checks the digest as before; the new key is read too."""
+    file = tmp_path / checkpoint.RUN_STATE_FILE
+    file.write_text(json.dumps(dict(_state(4, {}), parameter_layout="abc")))  # the key's earlier name
+    assert checkpoint.read_run_state(tmp_path).parameter_digest == "abc"
+    file.write_text(json.dumps(dict(_state(4, {}), parameter_digest="def")))
+    assert checkpoint.read_run_state(tmp_path).parameter_digest == "def"

@@ -15,7 +15,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 6. With Transformer Engine: the shared-prompt attention as one TE varlen call (shared_prompt.te_attention,
    issue 16) against shared_prompt.attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
-7. The shared-prompt layout on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
+7. The shared-prompt format on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
    kernels (shared_prompt.mamba_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
@@ -23,7 +23,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 8. The local spec's portable kernels (issue 33) against their references on CUDA, forward and backward:
    local_spec.GroupedExperts (torch's grouped GEMM) against SequentialMLP (bf16, fp32; 128 experts, some empty), and
    ThdDotProductAttention's varlen backend (one torch varlen_attn call) against its per-sequence SDPA (bf16, fp16;
-   causal, non-causal, GQA, the shared-prompt layout); point 5's tolerance.
+   causal, non-causal, GQA, the shared-prompt format); point 5's tolerance.
 9. The `mamba triton` set (issue 33: mamba_triton, fla-core's Triton conv with mamba-ssm's Triton scan and gated norm
    from its sources) on CUDA, forward and backward: the conv and the fused mixer body megatron calls in training
    against mamba_torch (bf16, fp32; point 5's tolerance), the conv offsets precomputed from the batch as the model
@@ -155,8 +155,8 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path,
     # the project's code reads the GPU twice per step (the pair count before the first forward, the metrics after
     # the update; the finiteness check is a device-side assertion; megatron-core's own reads, e.g. its MoE
     # dispatcher's split sizes, are not counted here); with the `mamba triton` set none in the Mamba layers
-    # (mamba_torch, the fallback set, reads its seq_idx check and conv correction); in either layout (the
-    # shared-prompt layers' index tensors: shared_prompt.Segments)
+    # (mamba_torch, the fallback set, reads its seq_idx check and conv correction); in either format (the
+    # shared-prompt layers' index tensors: shared_prompt.RowSpans)
     import re
 
     import kernel_selection
@@ -262,11 +262,11 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     cu = torch.tensor([0, int(seg[-1]), T], dtype=torch.int32, device=dev)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=T, max_seqlen_kv=T)
-    token = shared_prompt.SEGMENTS.set(seg.to(dev))
+    token = shared_prompt.ROW_SPANS.set(seg.to(dev))
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        shared_prompt.SEGMENTS.reset(token)
+        shared_prompt.ROW_SPANS.reset(token)
     (out.float() * weight).sum().backward()
     q2, k2, v2 = (t.to(dev).requires_grad_(True) for t in leaves)
     want = shared_prompt.attention(q2, k2, v2, seg.to(dev))
@@ -277,13 +277,13 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 7. The shared-prompt layout on a GPU (issue 16)
+# 7. The shared-prompt format on a GPU (issue 16)
 
 
 def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     """shared_prompt.mamba_split_conv1d_scan with causal-conv1d's conv, mamba-ssm's scan and gated norm
     (what the Mamba scan hook passes on a GPU) equals the same function with mamba_torch's kernels, bf16, on a row
-    of 4 pairs (prompts not multiples of the chunk, a chosen segment shorter than the conv window, a one-token
+    of 4 pairs (prompts not multiples of the chunk, a chosen span shorter than the conv window, a one-token
     prompt, padding): output and the gradients of every input (max difference relative to the largest value).
     Without the compiled packages: the `mamba triton` set (fla-core's conv, mamba-ssm's Triton scan and norm from its
     sources, mamba_triton.kernels()); with mamba-ssm's sources alone, its scan and norm and mamba_torch's conv."""
@@ -312,7 +312,7 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     for chosen in (kernels, {}):
         a = {k: v.to(dev, dtype).requires_grad_(True) for k, v in tensors.items()}
         out = shared_prompt.mamba_split_conv1d_scan(
-            **a, chunk_size=64, segments=seg.to(dev), **kw, **chosen)
+            **a, chunk_size=64, row_spans=seg.to(dev), **kw, **chosen)
         (out.float() * weight.to(dev)).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
     worst = {k: _rel(results[0][k], results[1][k]) for k in results[1]}

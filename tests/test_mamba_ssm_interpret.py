@@ -108,17 +108,17 @@ def test_triton_mixer_body_equals_mamba_torch(mamba_ssm_src):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["separate", "shared"])
-def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_path, layout):
+@pytest.mark.parametrize("pair_format", ["separate", "shared"])
+def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_path, pair_format):
     """The tiny Omni built with the `mamba triton` set (megatron's MambaMixer calling mamba_triton through
     megatron_patches' hook, its gated norm on mamba-ssm's rmsnorm_fn, the conv offsets from the batch: no read back) and
     with mamba_torch, each in its own process, in training mode: the logits and every parameter gradient. Separate
     rows: one packed pair with images and padding; shared: 4 pairs in one shared-prompt row (the pair spans' seq_idx
-    is the PackedSeqParams' own, shared_prompt.Segments, so the conv takes the batch's offsets there too)."""
+    is the PackedSeqParams' own, shared_prompt.RowSpans, so the conv takes the batch's offsets there too)."""
     import torch
 
-    _interpret(mamba_ssm_src, "model", "mamba_torch", "torch", str(tmp_path / "torch.pt"), layout)
-    _interpret(mamba_ssm_src, "model", "mamba_triton", "triton", str(tmp_path / "triton.pt"), layout)
+    _interpret(mamba_ssm_src, "model", "mamba_torch", "torch", str(tmp_path / "torch.pt"), pair_format)
+    _interpret(mamba_ssm_src, "model", "mamba_triton", "triton", str(tmp_path / "triton.pt"), pair_format)
     want, got = torch.load(tmp_path / "torch.pt"), torch.load(tmp_path / "triton.pt")
     assert got.pop("conv_offsets_from_the_batch").item()  # every conv call took OmniModel.forward's offsets
     assert got.keys() == want.keys() and len(want) > 40  # the logits and every parameter's gradient

@@ -143,7 +143,7 @@ def test_sample_pair_equals_processor_end_to_end(sample, processor, i):
     assert torch.equal(pair.chosen_ids[:p], pair.rejected_ids[:p])
     assert (pair.chosen_ids.numel(), pair.rejected_ids.numel()) == index.lengths([i])[i]
     assert not pair.chosen_loss_mask[:p].any() and pair.chosen_loss_mask[p]
-    assert pair.pair_index == i
+    assert pair.pair_id == i
 
 
 def test_loss_mask_boundaries_token_by_token(sample, processor):
@@ -419,7 +419,7 @@ def test_repeat_time(tmp_path, processor):
         assert len(index.image_token_counts) == len(set(lines))
     ds = md.PairDataset(index, processor)
     a, b = [i for i, ln in enumerate(lines) if ln == lines[0]][:2]
-    assert torch.equal(ds[a].chosen_ids, ds[b].chosen_ids) and ds[a].pair_index != ds[b].pair_index
+    assert torch.equal(ds[a].chosen_ids, ds[b].chosen_ids) and ds[a].pair_id != ds[b].pair_id
 
 
 def test_max_samples_keeps_the_first_valid_pairs(processor):
@@ -1100,7 +1100,7 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
 # cache
 
 
-def _same(a: mi.PairIndex, b: mi.PairIndex) -> bool:
+def _same(a: mi.MMPRIndex, b: mi.MMPRIndex) -> bool:
     return all(torch.equal(getattr(a, k), getattr(b, k)) if isinstance(getattr(a, k), torch.Tensor)
                else getattr(a, k) == getattr(b, k) for k in a.state() if k != "build_seconds")
 

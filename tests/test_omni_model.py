@@ -414,7 +414,7 @@ def _core_attention(causal, cp=1, cp_rank=0):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_core_attention_per_sequence_equals_dense_reference(causal, monkeypatch):
-    """Packed row of sequences 5, 0, 9, 2 plus 3 trailing padding tokens (their own segment), GQA 4/2 heads; and
+    """Packed row of sequences 5, 0, 9, 2 plus 3 trailing padding tokens (their own sequence), GQA 4/2 heads; and
     CP = 2 on a padded row (8, 16, 4), each rank's output and gradients against the same dense reference."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""Tests of pack.py: pair-atomic planning, DP balancing, THD layout, media bookkeeping and CP slicing.
+"""Tests of pack.py: pair-atomic planning, DP balancing, THD format, media bookkeeping and CP slicing.
 
 Run: `pytest tests/test_pack.py` (CPU, a few seconds).
 """
@@ -44,7 +44,7 @@ def make_pair(pid, c_len, r_len, images=(), resp=(3, 2), rng=None):
     ri, rm = row(r_len, resp[1])
     patches = sum(gh * gw for gh, gw in images)
     return pack.PreferencePair(
-        pair_index=pid,
+        pair_id=pid,
         chosen_ids=ci,
         rejected_ids=ri,
         chosen_loss_mask=cm,
@@ -247,12 +247,12 @@ def test_imbalance_and_efficiency_closed_form():
     greedy = pack.deal_greedy(bins, 2)  # 40 -> r0, 30 -> r1, 20 -> r1, 10 -> r0: 50 / 50
     assert [[b.tokens for b in r] for r in greedy] == [[40, 10], [30, 20]]
     assert packing.rank_imbalance(greedy) == 1.0
-    plan = pack.Plan(ranks=greedy, num_microbatches=2)
+    plan = pack.StepPlan(ranks=greedy, num_microbatches=2)
     assert oracles.packing_efficiency(plan) == pytest.approx(96 / 100)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# THD layout
+# THD format
 
 
 pair_spec = st.tuples(
@@ -269,7 +269,7 @@ def test_pack_unpack_roundtrip_and_labels(specs, div):
     pairs = [make_pair(10 + i, c, r, imgs, resp) for i, (c, r, imgs, resp) in enumerate(specs)]
     b = pack.pack(pairs, divisible_by=div, image_token_id=IMG, pad_token_id=7)
     rows = [
-        (p.pair_index, ch, getattr(p, f"{ch}_ids"), getattr(p, f"{ch}_loss_mask"))
+        (p.pair_id, ch, getattr(p, f"{ch}_ids"), getattr(p, f"{ch}_loss_mask"))
         for p in pairs
         for ch in ("chosen", "rejected")
     ]
@@ -395,7 +395,7 @@ def test_cp_chunk_ownership_example_and_megatron_reference(monkeypatch):
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     assert pack.cp_partition_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
     assert pack.cp_partition_index(cu, 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
-    # megatron-core's per-sequence zigzag split, applied sequence by sequence, is the same layout
+    # megatron-core's per-sequence zigzag split, applied sequence by sequence, is the same order
     from megatron.core import utils as mcu
 
     lens = [8, 24, 16]

@@ -119,7 +119,7 @@ def test_every_hub_key_maps_to_megatron_slices_and_back(megatron_rank, hub_shape
         size = {"tp": tp, "ep": ep, None: 1}[pm.group]
         for r in range(size):
             along = 0
-            for s in pm.segments(r, size):
+            for s in pm.slices(r, size):
                 full = hub_shapes[s.key]
                 n = full[pm.dim] if s.length is None else s.length
                 assert s.start + n <= full[pm.dim], (name, s)

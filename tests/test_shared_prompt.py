@@ -1,6 +1,6 @@
-"""Tests of the shared-prompt pair layout (issue 16, part 1): packing, Mamba-2, attention and loss accounting.
+"""Tests of the shared-prompt pair format (issue 16, part 1): packing, Mamba-2, attention and loss accounting.
 
-Every check compares the shared layout [prompt | chosen | rejected] against the separate-rows layout computed
+Every check compares the shared format [prompt | chosen | rejected] against the separate-rows format computed
 independently in float64: a token-by-token Mamba-2 recurrence, an explicit softmax attention, the existing packed
 mixer and `pack.pack`, and a toy causal model (embedding, Mamba mixer, GQA attention, LM head) through the MPO loss.
 
@@ -30,13 +30,13 @@ F64 = torch.float64
 IMG = 99
 PATCH_DIM = 3 * 16 * 16
 
-# (prompt, chosen, rejected, padding) segment lengths of the rows used by the Mamba and attention tests: prompts not
-# multiples of the chunk size (4), a chosen segment shorter than the conv window (1), a one-token prompt, padding.
+# (prompt, chosen, rejected, padding) span lengths of the rows used by the Mamba and attention tests: prompts not
+# multiples of the chunk size (4), a chosen span shorter than the conv window (1), a one-token prompt, padding.
 SPANS = [(5, 3, 7, 1), (9, 1, 2, 0), (1, 4, 4, 2), (6, 6, 1, 3)]
 
 
 def row_offsets(spans, tail=0):
-    """segment_cu_seqlens_padded [3P+1] and the row length for (prompt, chosen, rejected, pad) spans + bin tail."""
+    """span_cu_seqlens_padded [3P+1] and the row length for (prompt, chosen, rejected, pad) spans + bin tail."""
     seg = [0]
     for p, c, r, pad in spans:
         seg += [seg[-1] + p, seg[-1] + p + c, seg[-1] + p + c + r + pad]
@@ -116,8 +116,8 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic
     for k in leaves:
         assert (shared[k].grad - ref[k].grad).abs().max() < 1e-10, k
 
-    # The prompt's state matters: a plain packed scan that restarts at each rejected segment differs there.
-    split = shared_prompt.Segments(seg, T, "cpu").seq_idx(split_rejected=True)
+    # The prompt's state matters: a plain packed scan that restarts at each rejected span differs there.
+    split = shared_prompt.RowSpans(seg, T, "cpu").seq_idx(split_rejected=True)
     plain = mt.mamba_chunk_scan_combined(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size, D=leaves["D"], z=leaves["z"],
         dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=split)
@@ -143,7 +143,7 @@ def test_conv_rejected_sees_the_prompt_window():
     for idx, dest in separate_rows(seg, T):
         y = F.silu(explicit_conv(x[0][:, idx], w, b))[:, idx.numel() - dest.numel():]
         assert (out[0][:, dest] - y).abs().max() < 1e-13
-    with raises_naming(ValueError, "segment_cu_seqlens_padded", "3P+1 offsets", f"T = {T}"):
+    with raises_naming(ValueError, "span_cu_seqlens_padded", "3P+1 offsets", f"T = {T}"):
         shared_prompt.causal_conv1d(x, w, b, seg[:-1], activation="silu")
 
 
@@ -171,7 +171,7 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(1, T, 5, generator=gen, dtype=F64)
     a = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
-    out = shared_prompt.mamba_split_conv1d_scan(**a, chunk_size=4, segments=seg, **kw)
+    out = shared_prompt.mamba_split_conv1d_scan(**a, chunk_size=4, row_spans=seg, **kw)
     (out * weight).sum().backward()
     b = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
     loss = 0.0
@@ -185,23 +185,23 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
         assert (a[k].grad - b[k].grad).abs().max() < 1e-10, k
     # megatron-core's keywords: the pair spans' seq_idx (from cu_seqlens_padded of the spans) is accepted, another not
     spans = torch.tensor([0] + [int(e) for *_, e in pack.pair_spans(seg, T)], dtype=torch.int32)
-    same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw,
+    same = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, row_spans=seg, **kw,
                                                     seq_idx=mt.seq_idx_from_cu_seqlens(spans, T),
                                                     state_dtype=torch.float32)
     assert torch.equal(same, out.detach())
-    with raises_naming(ValueError, "seq_idx", "segments", "cu_seqlens_padded"):
-        shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw,
+    with raises_naming(ValueError, "seq_idx", "spans", "cu_seqlens_padded"):
+        shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, row_spans=seg, **kw,
                                                  seq_idx=mt.seq_idx_from_cu_seqlens(seg, T))
 
 
 def test_mixer_bf16_agrees_with_float64():
     """bf16 (the recipe's dtype): the shared-prompt mixer is finite and as close to the float64 separate rows as the
-    existing packed mixer in bf16 is (its error is bf16 rounding, not a layout error)."""
+    existing packed mixer in bf16 is (its error is bf16 rounding, not a format error)."""
     seg, T = row_offsets(SPANS)
     tensors, kw = mixer_tensors(T)
-    exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, segments=seg, **kw)
+    exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, row_spans=seg, **kw)
     low = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
-    shared = shared_prompt.mamba_split_conv1d_scan(**low, chunk_size=4, segments=seg, **kw)
+    shared = shared_prompt.mamba_split_conv1d_scan(**low, chunk_size=4, row_spans=seg, **kw)
     assert shared.dtype == torch.bfloat16 and bool(torch.isfinite(shared).all())
     err_shared = (shared.double() - exact).abs().max()
     err_sep = 0.0
@@ -247,7 +247,7 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
     loss.backward()
     for got, want in ((q, q2), (k, k2), (v, v2)):
         assert (got.grad - want.grad).abs().max() < 1e-12
-    # The rejected tokens never see the chosen segment: changing chosen keys leaves every rejected output unchanged.
+    # The rejected tokens never see the chosen span: changing chosen keys leaves every rejected output unchanged.
     a, c0, r0, e = pack.pair_spans(seg, T)[0]
     k3 = leaves[1].clone()
     k3[c0:r0] += 5.0
@@ -275,7 +275,7 @@ def make_pair(pid, prompt_len, c_len, r_len, images=(), rng=None):
     (ci, cm), (ri, rm) = row(c_len), row(r_len)
     patches = sum(gh * gw for gh, gw in images)
     return pack.PreferencePair(
-        pair_index=pid, chosen_ids=ci, rejected_ids=ri, chosen_loss_mask=cm, rejected_loss_mask=rm,
+        pair_id=pid, chosen_ids=ci, rejected_ids=ri, chosen_loss_mask=cm, rejected_loss_mask=rm,
         pixel_values=torch.randn(patches, PATCH_DIM),
         image_grid_hw=torch.tensor(list(images), dtype=torch.int64).reshape(-1, 2),
         image_token_counts=torch.tensor(counts, dtype=torch.int64),
@@ -306,7 +306,7 @@ def test_pack_shared_matches_separate_rows(div):
     shr = pack.pack_shared_prompt(pairs, div, IMG)
     assert shr.shared_prompt and not sep.shared_prompt
     moved = shr.to("cpu")
-    assert torch.equal(moved.segment_cu_seqlens_padded, shr.segment_cu_seqlens_padded) and moved.shared_prompt
+    assert torch.equal(moved.span_cu_seqlens_padded, shr.span_cu_seqlens_padded) and moved.shared_prompt
     assert shr.num_responses == sep.num_responses == 6 and shr.num_sequences == 3
     for a, b in zip(oracles.unpack_shared(shr), oracles.unpack(sep), strict=True):
         for key in ("input_ids", "labels", "loss_mask", "position_ids", "row_loss_mask"):
@@ -317,19 +317,19 @@ def test_pack_shared_matches_separate_rows(div):
     assert shr.media_index.tolist() == [0, 1, 2]
     # images once: each pair span holds its <image> tokens once
     img_per_pair = [int((shr.input_ids[0, a:e] == IMG).sum()) for a, _, _, e in
-                    pack.pair_spans(shr.segment_cu_seqlens_padded, shr.input_ids.shape[1])]
+                    pack.pair_spans(shr.span_cu_seqlens_padded, shr.input_ids.shape[1])]
     assert img_per_pair == [4, 0, 4]
-    # segments: pair 0 has k = 4 + 7 - 1 = 10, chosen 11 + 3 - 10 = 4, rejected 11 + 5 - 10 = 6 tokens
-    assert shr.segment_cu_seqlens[:4].tolist() == [0, 10, 14, 20]
+    # spans: pair 0 has k = 4 + 7 - 1 = 10, chosen 11 + 3 - 10 = 4, rejected 11 + 5 - 10 = 6 tokens
+    assert shr.span_cu_seqlens[:4].tolist() == [0, 10, 14, 20]
     real = [10 + 4 + 6, 4 + 7 + 3, 14 + 2 + 5]
     pads = [pack.padded_length(n, div) for n in real]
     assert shr.cu_seqlens.tolist() == [0, 20, 34, 55]
     assert shr.cu_seqlens_padded.tolist() == [0, pads[0], pads[0] + pads[1], sum(pads)]
-    assert shr.segment_cu_seqlens_padded[3::3].tolist() == shr.cu_seqlens_padded[1:].tolist()
+    assert shr.span_cu_seqlens_padded[3::3].tolist() == shr.cu_seqlens_padded[1:].tolist()
     assert shr.input_ids.shape[1] == sum(pads) and shr.max_seqlen == max(pads)
     # positions: both responses continue from the prompt's end
     assert shr.position_ids[0, 10:20].tolist() == [10, 11, 12, 13, 10, 11, 12, 13, 14, 15]
-    # routing padding of the new layout: the span padding only
+    # routing padding of the new format: the span padding only
     pad = pack.routing_padding_mask(shr.cu_seqlens, shr.cu_seqlens_padded, shr.input_ids.shape[1])
     assert int(pad.sum()) == sum(pads) - sum(real)
 
@@ -354,8 +354,8 @@ def test_response_sequence_ids():
 
 def test_planner_sizes_match_packed_rows():
     pairs = make_pairs()
-    lengths = {p.pair_index: (p.chosen_ids.numel(), p.rejected_ids.numel()) for p in pairs}
-    shared = {p.pair_index: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
+    lengths = {p.pair_id: (p.chosen_ids.numel(), p.rejected_ids.numel()) for p in pairs}
+    shared = {p.pair_id: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask,
                                                       p.rejected_loss_mask) for p in pairs}
     plan = pack.plan_bins(lengths, 64, 3, 1, divisible_by=8, shared_lengths=shared)
     (b,) = plan.ranks[0]
@@ -373,7 +373,7 @@ def test_planner_sizes_match_packed_rows():
 
 
 def test_synthetic_mmpr_token_ratio():
-    """The issue's measure: on 10,000 MMPR-like pairs separate rows hold 1.62x the tokens of the shared layout."""
+    """The issue's measure: on 10,000 MMPR-like pairs separate rows hold 1.62x the tokens of the shared format."""
     parts = workload.synthetic_mmpr_parts(10_000, seed=0)
     assert workload.synthetic_mmpr_lengths(10_000, seed=0) == {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     separate = sum(2 * p + c + r for p, c, r in parts.values())
@@ -385,7 +385,7 @@ def test_synthetic_mmpr_token_ratio():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# A toy causal model through the MPO loss: both layouts give the same log-prob sums, loss and gradients
+# A toy causal model through the MPO loss: both formats give the same log-prob sums, loss and gradients
 
 
 def toy_params(V=1000, H=12, heads=4, groups=2, d=3, seed=0):
@@ -413,7 +413,7 @@ def toy_logits(params, kw, dims, batch):
     zx = (h @ params["in_proj"].T)[None]
     if batch.shared_prompt:
         h = h + shared_prompt.mamba_split_conv1d_scan(zx, **mix, chunk_size=4,
-                                                         segments=batch.segment_cu_seqlens_padded,
+                                                         row_spans=batch.span_cu_seqlens_padded,
                                                          **kw)[0]
     else:
         seq_idx = mt.seq_idx_from_cu_seqlens(batch.cu_seqlens_padded, T)
@@ -422,7 +422,7 @@ def toy_logits(params, kw, dims, batch):
     k = (h @ params["wk"].T).view(T, groups, d)
     v = (h @ params["wv"].T).view(T, groups, d)
     if batch.shared_prompt:
-        o = shared_prompt.attention(q, k, v, batch.segment_cu_seqlens_padded, scale=0.5)
+        o = shared_prompt.attention(q, k, v, batch.span_cu_seqlens_padded, scale=0.5)
     else:
         cu = batch.cu_seqlens_padded.tolist()
         o = torch.cat([explicit_attention(q[a:b], k[a:b], v[a:b], 0.5) for a, b in zip(cu[:-1], cu[1:], strict=True)])
@@ -436,13 +436,13 @@ def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
                           sft_loss_weight=0.5, preference_average_log_probs=False, quality_average_log_probs=True,
                           sft_average_log_probs=True)
     results = []
-    for layout in ("separate", "shared"):
-        batch = pack.pack_shared_prompt(pairs, 8, IMG) if layout == "shared" else pack.pack(pairs, 8, IMG)
+    for pair_format in ("separate", "shared"):
+        batch = pack.pack_shared_prompt(pairs, 8, IMG) if pair_format == "shared" else pack.pack(pairs, 8, IMG)
         params, kw, dims = toy_params()
         ref_params, _, _ = toy_params(seed=5)
         T = batch.input_ids.shape[1]
         if batch.shared_prompt:
-            seq_ids, S = pack.response_sequence_ids(batch.segment_cu_seqlens_padded, T), batch.num_responses
+            seq_ids, S = pack.response_sequence_ids(batch.span_cu_seqlens_padded, T), batch.num_responses
         else:
             seq_ids, S = pack.token_sequence_ids(batch.cu_seqlens_padded, T), batch.num_sequences
         labels, mask = batch.labels[0], batch.loss_mask[0]

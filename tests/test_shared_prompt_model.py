@@ -1,7 +1,7 @@
-"""The shared-prompt layout wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
+"""The shared-prompt format wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
-separate-rows layout (pack.pack) and the shared-prompt layout (pack.pack_shared_prompt) through train.py's own
+separate-rows format (pack.pack) and the shared-prompt format (pack.pack_shared_prompt) through train.py's own
 functions (count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob
 sums, every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
 pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
@@ -62,7 +62,7 @@ def test_pairs_cover_the_cases():
 
 
 @pytest.mark.parametrize("bins", ["bins_of_1", "one_bin_of_4"])
-def test_shared_layout_equals_separate_rows_logprobs_loss_and_every_gradient(tiny, bins):
+def test_shared_format_equals_separate_rows_logprobs_loss_and_every_gradient(tiny, bins):
     model, ctx = tiny
     pairs = make_pairs()
     b = [[p] for p in pairs] if bins == "bins_of_1" else [pairs]
@@ -76,7 +76,7 @@ def test_shared_layout_equals_separate_rows_logprobs_loss_and_every_gradient(tin
 
 
 def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatch):
-    """The check is sensitive: with attention layers that ignore the segments (plain causal attention over each pair
+    """The check is sensitive: with attention layers that ignore the spans (plain causal attention over each pair
     span, the Mamba layers unchanged) the rejected log-probs move by far more than the tolerance, the chosen ones
     not."""
     from types import SimpleNamespace
@@ -86,8 +86,8 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
     model, ctx = tiny
     pairs = make_pairs()
     good = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
-    no_segments = SimpleNamespace(SEGMENTS=SimpleNamespace(get=lambda: None))
-    monkeypatch.setattr(local_spec, "shared_prompt", no_segments)
+    no_row_spans = SimpleNamespace(ROW_SPANS=SimpleNamespace(get=lambda: None))
+    monkeypatch.setattr(local_spec, "shared_prompt", no_row_spans)
     bad = mpo_step(model, ctx, [pairs], shared=True)["logprobs"]
     rejected = torch.tensor([False, True] * 4)
     assert (good - bad)[rejected].abs().min() > 100 * TOL
@@ -114,7 +114,7 @@ def test_offsets_that_are_not_the_pair_spans_are_refused(tiny):
             model(dataclasses.replace(b, cu_seqlens=whole, cu_seqlens_padded=whole, max_seqlen=T))
 
 
-def test_tp2_and_dp2_shared_layout_equals_separate_rows(torchrun):
+def test_tp2_and_dp2_shared_format_equals_separate_rows(torchrun):
     launch = torchrun(DIST_WORKER, timeout=600)
     for rank, result in launch.ranks.items():
         for layout, per_bins in result.items():
@@ -142,14 +142,14 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.tensor(0.5))
     s = tiny_step("cpu", "packing.shared_prompt=true")
     assert all(b.shared_prompt for b in s["batches"])
-    # the planner's sizes (prompt - 1 stored once, PairIndex.shared_lengths) are the packed spans' sizes
+    # the planner's sizes (prompt - 1 stored once, MMPRIndex.shared_lengths) are the packed spans' sizes
     planned = [b.tokens for b in s["plan"].ranks[0]]
     assert [b.input_ids.shape[1] for b in s["batches"]] == planned
     audit = DeviceAudit("cpu", host=s["batches"])
     with audit:
         metrics, _ = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000 and audit.violations == []
-    # the layers' index tensors come from the host offsets (shared_prompt.Segments, made once per forward): the
+    # the layers' index tensors come from the host offsets (shared_prompt.RowSpans, made once per forward): the
     # project reads the device as in separate rows (tests/test_train.py), plus mamba_torch's (the CPU set's) own
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
     assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
@@ -190,14 +190,14 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
     cfg = tiny_config("packing.shared_prompt=true", "parallel.context_parallel_size=2")
     with raises_naming(config_mod.ConfigError, "packing.shared_prompt = true", "parallel.context_parallel_size = 2"):
         preflight.check_inputs(cfg)
-    # The Transformer Engine spec takes the layout (shared_prompt.te_attention): no error at start.
+    # The Transformer Engine spec takes the shared-prompt format (shared_prompt.te_attention): no error at start.
     cfg = tiny_config("packing.shared_prompt=true")
     monkeypatch.setattr(omni_model, "uses_te_spec", lambda: True)
     hf = omni_model.read_hf_config(TINY)
     assert preflight.check_model_config(cfg, hf) is None
 
 
-@pytest.mark.parametrize("spec, mamba, cp, want, layout", [
+@pytest.mark.parametrize("spec, mamba, cp, want, pair_format", [
     ("local", "torch", 1, True, "shared prompt (auto)"),
     ("te", "torch", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not run "
                               "on a GPU yet; packing.shared_prompt=true turns it on)"),
@@ -208,10 +208,10 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
     ("te", "mamba-ssm", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not "
                                   "run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not run on a "
                                   "GPU yet; packing.shared_prompt=true turns it on)"),
-    ("local", "torch", 2, False, "separate rows (auto: the shared-prompt layout is not supported with "
+    ("local", "torch", 2, False, "separate rows (auto: the shared-prompt format is not supported with "
                                  "parallel.context_parallel_size = 2)"),
 ])
-def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, want, layout):
+def test_auto_is_on_exactly_where_the_format_is_checked_exact(spec, mamba, cp, want, pair_format):
     """packing.shared_prompt = "auto" (the default) resolves by the kernels of the process: on with the local spec and
     mamba_torch (this file's equalities), off elsewhere with the reason on the world line; the resolved value passes
     the start-up checks (auto with CP is separate rows, not the ConfigError of an explicit true)."""
@@ -228,7 +228,7 @@ def test_auto_is_on_exactly_where_the_layout_is_checked_exact(spec, mamba, cp, w
         pack.shared_prompt_on(cfg.packing)  # never read unresolved (a truthy "auto" would mean on)
     kernels = kernel_selection.Kernels(spec=spec, mamba=mamba, device="cuda")
     value, line = shared_prompt.resolve(cfg, kernels)
-    assert line == layout
+    assert line == pair_format
     cfg.packing.shared_prompt = value  # train.main stores it
     assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
@@ -260,8 +260,8 @@ def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value, tm
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_shared_layout_with_activation_recompute_equals_separate_rows(tiny, recompute):
-    """Recomputation re-runs layers during backward, after OmniModel.forward has reset the shared-prompt segments:
+def test_shared_format_with_activation_recompute_equals_separate_rows(tiny, recompute):
+    """Recomputation re-runs layers during backward, after OmniModel.forward has reset the shared-prompt spans:
     the recomputed attention and Mamba layers must still see them (_recompute_in_forward_context), or the
     rejected rows' gradients come from plain causal spans (a gradient 0.09 off on the tiny model before the fix)."""
     from step_cases import tiny_config

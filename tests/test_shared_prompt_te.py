@@ -1,6 +1,6 @@
 """The shared-prompt attention as one variable-length call (issue 16, the Transformer Engine path) on CPU.
 
-shared_prompt.Segments.varlen_layout turns a shared-prompt THD row into query / key-value sequences with
+shared_prompt.RowSpans.varlen_args turns a shared-prompt THD row into query / key-value sequences with
 bottom-right causal masks; shared_prompt.varlen_attention runs them through a backend callable;
 shared_prompt.te_attention calls Transformer Engine's DotProductAttention.forward with that argument set.
 TE does not import here (no CUDA), so the module is checked against a stand-in base class that records the call and
@@ -58,32 +58,32 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_
 
 
 # (prompt, chosen, rejected, padding) per pair: an empty chosen response, an empty rejected response, a one-token
-# prompt, padding after the rejected segment; plus trailing bin padding (the row's tail) in the tests.
+# prompt, padding after the rejected span; plus trailing bin padding (the row's tail) in the tests.
 SPANS = [(5, 3, 7, 1), (4, 0, 3, 0), (6, 2, 0, 2), (1, 4, 4, 2), (9, 1, 2, 0)]
 
 
 def row_offsets(spans, tail=0):
-    """segment_cu_seqlens_padded [3P+1] (int32) and the row length for (prompt, chosen, rejected, pad) + tail."""
+    """span_cu_seqlens_padded [3P+1] (int32) and the row length for (prompt, chosen, rejected, pad) + tail."""
     seg = [0]
     for p, c, r, pad in spans:
         seg += [seg[-1] + p, seg[-1] + p + c, seg[-1] + p + c + r + pad]
     return torch.tensor(seg, dtype=torch.int32), seg[-1] + tail
 
 
-def test_layout_closed_form():
+def test_varlen_args_closed_form():
     # pair 0: prompt 0..1, chosen 2, rejected 3..5; pair 1: prompt 6..8, no chosen, rejected 9; tail 10..11
     seg = torch.tensor([0, 2, 3, 6, 9, 9, 10], dtype=torch.int32)
-    lay = shared_prompt.Segments(seg, 12, "cpu").varlen_layout()
+    lay = shared_prompt.RowSpans(seg, 12, "cpu").varlen_args()
     assert lay["kv_index"].tolist() == [0, 1, 2, 0, 1, 3, 4, 5, 6, 7, 8, 6, 7, 8, 9, 10, 11]
     assert lay["cu_seqlens_q"].tolist() == [0, 3, 6, 9, 10, 12]  # the row in order: no scatter back
     assert lay["cu_seqlens_kv"].tolist() == [0, 3, 8, 11, 15, 17]
     assert (lay["max_seqlen_q"], lay["max_seqlen_kv"]) == (3, 5)
     assert lay["cu_seqlens_q"].dtype == lay["cu_seqlens_kv"].dtype == torch.int32
     # an empty rejected response is no sequence at all; no tail when the pairs fill the row
-    lay = shared_prompt.Segments(torch.tensor([0, 2, 4, 4]), 4, "cpu").varlen_layout()
+    lay = shared_prompt.RowSpans(torch.tensor([0, 2, 4, 4]), 4, "cpu").varlen_args()
     assert lay["cu_seqlens_q"].tolist() == [0, 4] and lay["cu_seqlens_kv"].tolist() == [0, 4]
-    with raises_naming(ValueError, "segment_cu_seqlens_padded", "3P+1 offsets", "T = 4", "[0, 2, 4]"):
-        shared_prompt.Segments(torch.tensor([0, 2, 4]), 4, "cpu")
+    with raises_naming(ValueError, "span_cu_seqlens_padded", "3P+1 offsets", "T = 4", "[0, 2, 4]"):
+        shared_prompt.RowSpans(torch.tensor([0, 2, 4]), 4, "cpu")
 
 
 def test_reference_backend_masks_bottom_right():
@@ -166,10 +166,10 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
     cu = torch.tensor([0, int(seg[-1]), T], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=T, max_seqlen_kv=T)
-    # without the layout: megatron's forward, TE not called directly
+    # without the shared-prompt format: megatron's forward, TE not called directly
     out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     assert module.megatron_calls == 1 and module.te_calls == [] and torch.equal(out, torch.zeros(T, 64))
-    token = shared_prompt.SEGMENTS.set(seg)
+    token = shared_prompt.ROW_SPANS.set(seg)
     try:
         out = module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
         with pytest.raises(AssertionError):
@@ -180,10 +180,10 @@ def test_te_module_calls_te_forward_with_the_varlen_arguments():
         with pytest.raises(AssertionError):
             module(q, k, v, None, AttnMaskType.causal, packed_seq_params=psp)
     finally:
-        shared_prompt.SEGMENTS.reset(token)
+        shared_prompt.ROW_SPANS.reset(token)
     assert module.megatron_calls == 1 and len(module.te_calls) == 1
     call = module.te_calls[0]
-    lay = shared_prompt.Segments(seg, T, seg.device).varlen_layout()
+    lay = shared_prompt.RowSpans(seg, T, seg.device).varlen_args()
     assert set(call) == {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                          "max_seqlen_q", "max_seqlen_kv", "attn_mask_type", "attention_mask", "q_tokens", "kv_tokens",
                          "attention_types"}

@@ -5,8 +5,8 @@ Launches are shared between tests (module fixtures, through the torchrun fixture
 ~10 s of start-up on 2 cores:
     readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
              (separate rows: tiny.toml's packing.shared_prompt = false)
-    shared   the README command with packing.shared_prompt=auto (the shared-prompt layout on the CPU)
-    bias_off both layouts with model.moe_router_bias_update_rate=0: the same training, step for step
+    shared   the README command with packing.shared_prompt=auto (the shared-prompt format on the CPU)
+    bias_off both formats with model.moe_router_bias_update_rate=0: the same training, step for step
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
     precomp  the README command with reference.logprobs=precomputed: stop_after_step=2 (the reference pass, 2 steps),
              then the rest (no pass, no reference model); every number equals the README run's (and the tp2 run's
@@ -130,12 +130,12 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 # Launches
 
 
-# The _FakeIndex tests size pairs by their (chosen, rejected) rows: the separate-rows layout (no prompt lengths)
+# The _FakeIndex tests size pairs by their (chosen, rejected) rows: the separate-rows format (no prompt lengths)
 SEPARATE = "packing.shared_prompt=false"
 
 
 class _FakeIndex:
-    """The part of mmpr_index.PairIndex that preflight.check_splits reads."""
+    """The part of mmpr_index.MMPRIndex that preflight.check_splits reads."""
 
     def __init__(self, lengths, annotation_files=("a.jsonl",)):
         self._lengths, self.annotation_files = lengths, list(annotation_files)
@@ -677,8 +677,8 @@ def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, m
                                 config=config_mod.to_dict(cfg))  # fmt: skip
     monkeypatch.setattr(checkpoint, "load", lambda *args: state)
     sampler = mmpr_data.PairSampler(list(range(10)), seed=0, fingerprint="fedcba987654" + "0" * 52)
-    run = train.resume(state, {}, None, None, None, sampler, cfg, rank=0)
-    assert run["step"] == 2 and run["sampler"]["offset"] == 4
+    run_state = train.resume(state, {}, None, None, None, sampler, cfg, rank=0)
+    assert run_state["step"] == 2 and run_state["sampler"]["offset"] == 4
     assert capsys.readouterr().out.splitlines() == [
         f"resumed from {tmp_path / 'step_2'} (step 2, reward_shift 0.25)",
         "resume: the training data changed since step 2 (index fingerprint 0123456789ab -> fedcba987654: the "
@@ -850,12 +850,12 @@ def shared(train_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bias_off(train_run, tmp_path_factory):
-    """The README command without the expert-bias update, in both pair layouts: {layout: (train rows, val rows)}."""
+    """The README command without the expert-bias update, in both pair formats: {pair_format: (train, val rows)}."""
     runs = {}
-    for layout in ("true", "false"):
-        run_dir = tmp_path_factory.mktemp(f"bias_off_{layout}")
-        train_run(2, run_dir, f"packing.shared_prompt={layout}", "model.moe_router_bias_update_rate=0")
-        runs[layout] = (_rows(run_dir), _rows(run_dir, "validation"))
+    for pair_format in ("true", "false"):
+        run_dir = tmp_path_factory.mktemp(f"bias_off_{pair_format}")
+        train_run(2, run_dir, f"packing.shared_prompt={pair_format}", "model.moe_router_bias_update_rate=0")
+        runs[pair_format] = (_rows(run_dir), _rows(run_dir, "validation"))
     return runs
 
 
@@ -1015,12 +1015,12 @@ def test_lr_follows_the_schedule(readme):
 
 
 # The golden traces: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
-# validation row, in both pair layouts. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate rows
+# validation row, in both pair formats. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate rows
 # (tiny.toml's packing.shared_prompt = false), recorded 2026-12-01 (torchrun --standalone --nproc-per-node 2 train.py
 # configs/tiny.toml). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the same command with packing.shared_prompt=auto, the
-# shared-prompt layout on the CPU (issue 16), recorded 2026-12-03. Step 1 of both is the same (policy = reference;
+# shared-prompt format on the CPU (issue 16), recorded 2026-12-03. Step 1 of both is the same (policy = reference;
 # only `tokens` differs, each prompt computed once); from step 2 on they part by design: each prompt token is routed,
-# and counted for the expert-bias update, once instead of twice (test_both_layouts_train_alike_without_the_expert_bias_
+# and counted for the expert-bias update, once instead of twice (test_both_formats_train_alike_without_the_expert_bias_
 # update checks the rest is equal). A change of behaviour
 # anywhere on the step's path (data order, packing, model, loss, optimizer, schedule, δ update, metric reduction) moves
 # some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15 step 5
@@ -1309,8 +1309,8 @@ def test_golden_trace_of_the_readme_command(readme):
     assert golden_mismatches(readme, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
 
 
-def test_golden_trace_of_the_shared_prompt_layout(shared):
-    assert "; pairs: shared prompt (auto)\n" in shared.out  # the layout "auto" chose, on the world line
+def test_golden_trace_of_the_shared_prompt_format(shared):
+    assert "; pairs: shared prompt (auto)\n" in shared.out  # the pair format "auto" chose, on the world line
     assert json.loads((shared.dir / "config.json").read_text())["packing"]["shared_prompt"] is True  # resolved
     assert golden_mismatches(shared, GOLDEN_SHARED, GOLDEN_SHARED_VALIDATION) == []
 
@@ -1356,9 +1356,9 @@ def test_the_golden_trace_catches_a_1e3_change_of_beta_or_lr(train_run, tmp_path
         assert any(" logprobs/chosen: " in w for w in wrong), wrong
 
 
-def test_step_one_is_the_same_in_both_layouts_with_fewer_tokens(readme, shared):
+def test_step_one_is_the_same_in_both_formats_with_fewer_tokens(readme, shared):
     """Issue 16's step-1 check on the main job: policy = reference, so every loss term is the closed form in either
-    layout and the log-prob sums agree to fp32 rounding; the shared layout computes each prompt once."""
+    format and the log-prob sums agree to fp32 rounding; the shared format computes each prompt once."""
     shared, sep = shared.rows[0], readme.rows[0]
     assert shared["preference_loss"] == pytest.approx(math.log(2), abs=2**-24)  # ln 2 in float32: one ulp
     assert shared["bco_loss"] == pytest.approx(2 * math.log(2), abs=2**-23)
@@ -1368,8 +1368,8 @@ def test_step_one_is_the_same_in_both_layouts_with_fewer_tokens(readme, shared):
     assert shared["tokens"] == GOLDEN_SHARED["tokens"][0] < sep["tokens"] == GOLDEN_TRAIN["tokens"][0]
 
 
-def test_both_layouts_train_alike_without_the_expert_bias_update(bias_off):
-    """With model.moe_router_bias_update_rate = 0 the routers' statistics steer nothing, so the two layouts are the
+def test_both_formats_train_alike_without_the_expert_bias_update(bias_off):
+    """With model.moe_router_bias_update_rate = 0 the routers' statistics steer nothing, so the two formats are the
     same computation up to fp32 summation order for all 6 steps and validation (the golden traces' tolerance rule);
     with the update on they part from step 2 (the golden traces)."""
     (shared, shared_val), (sep, sep_val) = bias_off["true"], bias_off["false"]
@@ -1693,7 +1693,7 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     from step_cases import DeviceAudit, tiny_step
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # the sample's index cache
-    # separate rows: the layout of the first GPU run (the shared layout's audit: tests/test_shared_prompt_model.py)
+    # separate rows: the pair format of the first GPU run (the shared format's audit: tests/test_shared_prompt_model.py)
     s = tiny_step("cpu", "packing.shared_prompt=false")
     audit = DeviceAudit("cpu", host=s["batches"])
     with audit:

@@ -5,7 +5,7 @@ varlen_attn runs on CUDA only, so these tests replace it with a stand-in of each
 tensors, the longest lengths, the causal window, K/V heads - and computes each sequence with torch's SDPA and
 FlashAttention's bottom-right causal mask. ThdDotProductAttention(attention="varlen") through the stand-in then equals
 the per-sequence SDPA path (the reference) exactly, outputs and q/k/v gradients, on a packed row (an empty sequence,
-trailing padding), causal and not, GQA, and on the shared-prompt layout. tests/test_gpu.py compares the real call.
+trailing padding), causal and not, GQA, and on the shared-prompt format. tests/test_gpu.py compares the real call.
 
 Run: `pytest tests/test_varlen_attention.py` (CPU, seconds).
 """
@@ -77,13 +77,13 @@ def _attention(kind: str, causal: bool, groups: int = 2, dropout: float = 0.0, c
     return local_spec.ThdDotProductAttention(cfg, 1, mask_type, pg_collection=pgs, attention=kind)
 
 
-def _run(module, leaves, psp, weight, segments=None):
+def _run(module, leaves, psp, weight, row_spans=None):
     q, k, v = (t.clone().requires_grad_(True) for t in leaves)
-    token = shared_prompt.SEGMENTS.set(segments)
+    token = shared_prompt.ROW_SPANS.set(row_spans)
     try:
         out = module(q, k, v, packed_seq_params=psp)
     finally:
-        shared_prompt.SEGMENTS.reset(token)
+        shared_prompt.ROW_SPANS.reset(token)
     (out.float() * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -143,7 +143,7 @@ def test_varlen_backend_takes_the_host_offsets_of_the_packed_seq_params(monkeypa
 
 
 @pytest.mark.parametrize("signature", ["2.11", "2.12"])
-def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
+def test_varlen_backend_runs_the_shared_prompt_format(signature, monkeypatch):
     """The shared-prompt row (tests/test_shared_prompt_te.SPANS: empty responses, padding, a bin tail) through ONE
     varlen call of gathered keys ([prompt | chosen], [prompt | rejected] per pair, bottom-right causal) equals
     shared_prompt.attention (the SDPA path), fp32 rounding apart, outputs and q/k/v gradients."""
@@ -160,9 +160,9 @@ def test_varlen_backend_runs_the_shared_prompt_layout(signature, monkeypatch):
     weight = torch.randn(T, 32, generator=gen)
     psp = SimpleNamespace(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, T], dtype=torch.int32),
                           cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32))
-    want = _run(_attention("sdpa", True), leaves, psp, weight, segments=seg)
-    got = _run(_attention("varlen", True), leaves, psp, weight, segments=seg)
-    lay = shared_prompt.Segments(seg, T, seg.device).varlen_layout()
+    want = _run(_attention("sdpa", True), leaves, psp, weight, row_spans=seg)
+    got = _run(_attention("varlen", True), leaves, psp, weight, row_spans=seg)
+    lay = shared_prompt.RowSpans(seg, T, seg.device).varlen_args()
     assert len(calls) == 1 and calls[0]["causal"] and calls[0]["cu_q"] == lay["cu_seqlens_q"].tolist()
     assert calls[0]["cu_k"] == lay["cu_seqlens_kv"].tolist() and calls[0]["max_k"] == lay["max_seqlen_kv"]
     for a, b in zip(got, want, strict=True):  # fp32: the softmax sums in another order (bound: ~10 ulp of 1)

@@ -128,9 +128,9 @@ def mixer() -> tuple[str, dict]:
     return mamba_triton.mamba_split_conv1d_scan_combined.__module__, worst
 
 
-def model(kernels: str, out: str, layout: str = "separate") -> tuple[str, dict]:
+def model(kernels: str, out: str, pair_format: str = "separate") -> tuple[str, dict]:
     """The tiny Omni (its 2 Mamba layers through megatron's MambaMixer) on one packed pair with images and padding
-    (layout "separate"), or on the 4 pairs of shared_prompt_cases as one shared-prompt row ("shared"), built with the
+    (format "separate"), or on the 4 pairs of shared_prompt_cases as one shared-prompt row ("shared"), built with the
     `mamba triton` set (kernels "triton": install_triton_mamba before megatron_patches.apply, which then keeps it) or
     mamba_torch's ("torch"): saves the logits and every parameter gradient (omni_model_cases' weighting) to `out` for
     the test to compare; {} as "worst"."""
@@ -166,7 +166,7 @@ def model(kernels: str, out: str, layout: str = "separate") -> tuple[str, dict]:
 
     mamba_triton._offsets = recorded
     hf_weights.load_hf_weights(m, TINY)
-    batch = (make_pair_batch(seed=5, lens=(19, 27), divisible_by=8) if layout == "separate" else
+    batch = (make_pair_batch(seed=5, lens=(19, 27), divisible_by=8) if pair_format == "separate" else
              sp.pack(make_pairs(), divisible_by=8, image_token_id=IMAGE))
     logits, grads = logits_and_grads(m.train(), batch)
     extra = {"conv_offsets_from_the_batch": torch.tensor([len(hits) > 0 and all(hits)])} if kernels == "triton" else {}
@@ -179,7 +179,7 @@ def shared_prompt() -> tuple[str, dict]:
     mamba-ssm's scan as scan_fn: the prompt state h_P is then summed over the prompt, its gated RMSNorm as norm_fn), as
     the Mamba scan hook passes them on a GPU, vs the same function with mamba_torch's kernels (whose equality with
     separate rows tests/test_shared_prompt.py checks): a row of 4 pairs (prompts not multiples of the chunk, a chosen
-    segment shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
+    span shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
     import mamba_triton
@@ -193,7 +193,7 @@ def shared_prompt() -> tuple[str, dict]:
     results = []
     for chosen in (kernels, {}):
         a = {k: v.float().requires_grad_(True) for k, v in tensors.items()}
-        out = mamba_split_conv1d_scan(**a, chunk_size=32, segments=seg, **kw, **chosen)
+        out = mamba_split_conv1d_scan(**a, chunk_size=32, row_spans=seg, **kw, **chosen)
         (out * weight).sum().backward()
         results.append({"out": out.detach(), **{k: v.grad for k, v in a.items()}})
     return kernels["scan_fn"].__module__, {k: _rel(results[0][k], results[1][k]) for k in results[1]}
