@@ -492,7 +492,7 @@ def pack_shared_prompt(
         k = prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
         if k < 1:
             raise ValueError(f"pair {p.pair_id}: the chosen and rejected rows share no prompt token "
-                             "(prefix_length 0); use the separate-rows format for such data")
+                             "(pack.prefix_length 0); use the separate-rows format for such data")
         n_img = int(p.image_token_counts.sum())
         if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
             raise ValueError(f"pair {p.pair_id}: {n_img} <image> tokens expected inside the shared prompt "

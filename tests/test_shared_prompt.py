@@ -338,7 +338,7 @@ def test_pack_shared_errors_and_dummy():
     p = make_pair(3, 4, 2, 2)
     bad = pack.PreferencePair(**{**p.__dict__, "rejected_ids": p.rejected_ids.clone()})
     bad.rejected_ids[0] = 7
-    with raises_naming(ValueError, "pair 3: ", "shared_prompt.prefix_length 0"):
+    with raises_naming(ValueError, "pair 3: ", "pack.prefix_length 0"):
         pack.pack_shared_prompt([bad], 1, IMG)
     with pytest.raises(AssertionError):
         pack.pack_shared_prompt([], 1, IMG)
