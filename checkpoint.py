@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import distributed
 import megatron_patches
 
 try:  # a dependency of wandb (requirements.txt); zlib's crc32 where it is absent
@@ -77,14 +78,6 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def from_rank0(value):
-    """Rank 0's `value` on every rank."""
-    out = [value]
-    if _world() > 1:
-        dist.broadcast_object_list(out, src=0)
-    return out[0]
 
 
 def _gather(value) -> list:
@@ -140,7 +133,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
             error = f"{bad} has no {RUN_STATE_FILE} or no {MODEL_OPTIM_DIR}/ (a damaged checkpoint): {move_away(bad)}"
         else:
             found = list_checkpoints(ckpt_dir)
-    path, error = from_rank0((str(found[-1][1]) if found else None, error))
+    path, error = distributed.from_rank0((str(found[-1][1]) if found else None, error))
     if error is not None:
         raise CheckpointError(error)
     return Path(path) if path is not None else None
@@ -216,7 +209,7 @@ def lock_run_dir(ckpt_dir: str | Path) -> None:
             remove_unfinished_saves(root)
         except OSError as e:
             error = f"checkpoint.dir = {root}: cannot remove an unfinished save: {e}"
-    if (error := from_rank0(error)) is not None:
+    if (error := distributed.from_rank0(error)) is not None:
         raise CheckpointError(error)
 
 
@@ -639,7 +632,7 @@ def _checksum_mismatches(state: RunState, world_size: int | None) -> list[str]:
 def check_complete(state: RunState, world_size: int | None) -> None:
     """Refuse a damaged checkpoint (`why_damaged`, then the checksums) on every rank, before any collective load."""
     path = state.path
-    damage = from_rank0(why_damaged(path, world_size) if _rank() == 0 else None)
+    damage = distributed.from_rank0(why_damaged(path, world_size) if _rank() == 0 else None)
     if damage is None and (bad := _checksum_mismatches(state, world_size)):
         damage = f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not match the checksum saved with it"
     if damage is not None:

@@ -69,6 +69,14 @@ def group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def from_rank0(value):
+    """Rank 0's `value` on every rank (a broadcast of one picklable object; itself outside a process group)."""
+    out = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def init_distributed(cfg=None, device: torch.device | None = None, num_experts: int | None = None,
                      kernels=None) -> Ctx:
     """Process group (nccl on CUDA, else gloo; outside torchrun a world of one) and megatron-core's

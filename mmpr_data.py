@@ -1,15 +1,17 @@
-"""Pairs for the training step: `PairDataset` (pair id of an mmpr_index.MMPRIndex -> pack.PreferencePair),
+"""Pairs for the training step: `MMPRIndex` (the validated pairs' lengths and images, built by mmpr_index.py),
+`PairDataset` (pair id -> pack.PreferencePair),
 `PairSampler` (the seeded, resumable global pair order) and `StepLoader` (a step's pairs, decoded by DataLoader
 workers, deaf to the stop signals: stop_signals.py)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,11 +20,70 @@ from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image
 from pack import PreferencePair
 from stop_signals import ignore_stop_signals, workers_start_deaf
 
-if TYPE_CHECKING:
-    from mmpr_index import MMPRIndex
-
 # ======================================================================================================================
 # Dataset
+
+
+# ---- The index: what a step reads of it ----------
+@dataclass
+class MMPRIndex:
+    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
+
+    Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
+    `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
+    `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
+    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
+
+    meta_path: str
+    fingerprint: str
+    subsets: list[str]
+    annotation_files: list[str]
+    image_roots: list[str]  # "" for a subset without root
+    image_paths: list[str]
+    subset_id: torch.Tensor
+    line: torch.Tensor
+    offset: torch.Tensor
+    prompt_len: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    image_tokens: torch.Tensor
+    image_start: torch.Tensor
+    num_images: torch.Tensor
+    image_path_id: torch.Tensor
+    image_grid_hw: torch.Tensor
+    image_token_counts: torch.Tensor
+    stats: dict[str, dict]
+    build_seconds: float = 0.0
+    cache_status: str = "disabled"
+    cache_dir: str = ""
+
+    def __len__(self) -> int:
+        return int(self.line.numel())
+
+    def lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+        """{pair_id: (chosen tokens, rejected tokens)}: the input of pack.plan_bins / plan_step."""
+        ids = list(range(len(self))) if pair_ids is None else [int(i) for i in pair_ids]
+        c, r = self.chosen_len[ids].tolist(), self.rejected_len[ids].tolist()
+        return {i: (a, b) for i, a, b in zip(ids, c, r, strict=True)}
+
+    def shared_lengths(self, pair_ids: Sequence[int] | None = None) -> dict[int, int]:
+        """{pair_id: prompt tokens - 1}: the tokens the shared-prompt format stores once (pack.plan_bins')."""
+        if pair_ids is None:
+            return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
+        ids = [int(i) for i in pair_ids]
+        return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
+
+    def source(self, i: int) -> str:
+        """'annotation.jsonl:line' of pair i (for messages)."""
+        return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"
+
+    def images(self, i: int) -> list[str]:
+        s, n = int(self.image_start[i]), int(self.num_images[i])
+        return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
+
+    def state(self) -> dict:
+        """The fields the cache saves: all but cache_status and cache_dir."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("cache_")}
 
 
 def _changed(ix: MMPRIndex, i: int, what: str) -> DataError:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import checkpoint
 import config as config_mod
+import distributed
 import mmpr_index
 import mmpr_rows
 import pack
@@ -193,7 +194,7 @@ def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = No
                 failed = (f"cannot write {target}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); "
                           "make room, then start the run again")  # fmt: skip
                 break
-    if failed := checkpoint.from_rank0(failed):
+    if failed := distributed.from_rank0(failed):
         raise MetricsError(failed)
     return path
 
@@ -287,7 +288,7 @@ class MetricsLog:
                 failed = self._start(cfg)
             except Exception as e:  # told to the other ranks first, then raised as it is
                 failed, error = f"rank 0 could not start the metrics log: {type(e).__name__}: {e}", e
-        failed = checkpoint.from_rank0(failed)  # no rank waits on a rank 0 that stopped
+        failed = distributed.from_rank0(failed)  # no rank waits on a rank 0 that stopped
         if error is not None:
             raise error
         if failed:
@@ -353,7 +354,7 @@ class MetricsLog:
                           "make room, then resume from the latest checkpoint")  # fmt: skip
             if failed is None and self.run is not None:
                 self.run.log({f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-        if failed := checkpoint.from_rank0(failed):
+        if failed := distributed.from_rank0(failed):
             raise MetricsError(failed)
 
     def finish(self) -> None:

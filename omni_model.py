@@ -445,12 +445,13 @@ class OmniModel(nn.Module):
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
+        spans = shared_prompt.ROW_SPANS.set(row_spans)  # the Mamba and attention layers read them; None: separate rows
         try:
-            with (shared_prompt.active(row_spans),  # the Mamba and attention layers read them; None: separate rows
-                  megatron_patches.routers_without_statistics(no_real_token and self.training)):
+            with megatron_patches.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                              decoder_input=emb, packed_seq_params=psp, padding_mask=pad[None])
         finally:
+            shared_prompt.ROW_SPANS.reset(spans)
             mamba_triton.CONV_OFFSETS.reset(conv)
         return logits[0]
 

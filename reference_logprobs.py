@@ -239,7 +239,7 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     info = {"kernels": kernels.line(), "packing.shared_prompt": cfg.packing.shared_prompt,
             "parallel": dataclasses.asdict(cfg.parallel)}
     refused = check_manifest(folder, ident, info) if rank == 0 else None
-    if refused := checkpoint.from_rank0(refused):
+    if refused := distributed.from_rank0(refused):
         raise checkpoint.CheckpointError(f"{refused}: remove {folder} to compute them again for this run, or set "
                                          "reference.logprobs=online")
     tables = {index_key(index): _Table.empty(len(index)) for index, _, _ in splits}

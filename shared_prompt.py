@@ -1,8 +1,8 @@
-"""The layers of a shared-prompt row (`packing.shared_prompt`; the layout, one THD span [prompt | chosen | rejected] per
+"""The layers of a shared-prompt row (`packing.shared_prompt`; the format, one THD span [prompt | chosen | rejected] per
 pair, is pack.py's `pack_shared_prompt`): each response token sees what it sees as a separate row.
 
-- Switch: `resolve` ("auto" at start, by the kernels); at run time `ROW_SPANS`, set by OmniModel.forward through
-  `active`; `RowSpans`, a row's offsets as the index tensors its layers need.
+- Switch: `resolve` ("auto" at start, by the kernels); at run time `ROW_SPANS`, set by OmniModel.forward around the
+  language model; `RowSpans`, a row's offsets as the index tensors its layers need.
 - Attention: `attention` / `varlen_attention` (local spec), `te_attention` (TE spec); `bottom_right_causal_mask`.
 - Mamba-2: the conv and scan `causal_conv1d`, `mamba_chunk_scan`, `mamba_split_conv1d_scan` on the kernels of
   `mamba_kernels` (megatron_patches' scan hook calls them).
@@ -12,7 +12,6 @@ tests/test_shared_prompt_te.py.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from collections.abc import Callable, Sequence
 
@@ -60,16 +59,6 @@ def resolve(cfg, kernels) -> tuple[bool, str]:
 # The `RowSpans` of the shared-prompt row running now; None: separate rows. A context variable, so activation
 # recomputation sees it too (megatron_patches._recompute_in_forward_context).
 ROW_SPANS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_row_spans", default=None)
-
-
-@contextlib.contextmanager
-def active(row_spans: RowSpans | None):
-    """`ROW_SPANS` = row_spans inside the block (OmniModel.forward, around the language model)."""
-    token = ROW_SPANS.set(row_spans)
-    try:
-        yield
-    finally:
-        ROW_SPANS.reset(token)
 
 
 def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -326,7 +326,7 @@ def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
 # One microbatch, one step, one validation
 
 
-def plan_and_select(index: mmpr_index.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.StepPlan, list[int]]:
+def plan_and_select(index: mmpr_data.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.StepPlan, list[int]]:
     """(plan of the step's bins over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]

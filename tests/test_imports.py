@@ -1,6 +1,7 @@
 """The repository's modules import each other without a cycle: the graph of imports among the top-level modules (and
 the modules of top-level packages), read with `ast` from every `import` and `from ... import` anywhere in a file
-(function-local and `if TYPE_CHECKING:` ones included), is acyclic. Nothing is imported; tests/ is not part of it.
+(function-local and `if TYPE_CHECKING:` ones included), is acyclic, and docs/MODULES.md lists each module's imports
+and layer as they are. Nothing is imported; tests/ is not part of the graph.
 
 Run: `pytest tests/test_imports.py` (pure Python, well under a second).
 """
@@ -8,6 +9,7 @@ Run: `pytest tests/test_imports.py` (pure Python, well under a second).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +109,34 @@ def test_the_cycle_finder_sees_local_and_type_checking_imports(tmp_path):
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     (tmp_path / "c.py").write_text("import os\n")
     assert find_cycle(import_graph(tmp_path)) is None
+
+
+def _modules_md_entries() -> dict[str, str]:
+    """docs/MODULES.md: entry name (`pack`, `bench`) -> the entry's text (from its `- **`name`**` line to the next)."""
+    text = (ROOT / "docs" / "MODULES.md").read_text()
+    heads = list(re.finditer(r"^- \*\*`([\w/.]+?)(?:\.py|/)`\*\*", text, re.M))
+    ends = [m.start() for m in heads[1:]] + [len(text)]
+    return {m.group(1).split("/")[-1]: text[m.start():end] for m, end in zip(heads, ends, strict=True)}
+
+
+def test_docs_modules_lists_every_module_with_its_imports_and_layer():
+    """docs/MODULES.md's "Imports:" line of each module is the module's import graph (for bench/, what its modules
+    import outside it), and its layer list puts every import below (or earlier in the same layer)."""
+    graph, entries = import_graph(), _modules_md_entries()
+    top = {m for m in graph if "." not in m}
+    assert top <= entries.keys(), f"docs/MODULES.md has no entry for {sorted(top - entries.keys())}"
+    for name in sorted(top):
+        wanted = set().union(*(v for k, v in graph.items() if k == name or k.startswith(name + ".")))
+        wanted = {m for m in wanted if "." not in m and m != name}
+        line = re.search(r"Imports: (.*?)\.(?:\n(?!  )|\Z)", entries[name], re.S)
+        assert line, f"docs/MODULES.md: {name} has no 'Imports:' line"
+        listed = set() if line.group(1) == "none" else {m.strip() for m in line.group(1).replace("\n", " ").split(",")}
+        assert listed == wanted, f"docs/MODULES.md: {name} imports {sorted(wanted)}, listed {sorted(listed)}"
+    text = (ROOT / "docs" / "MODULES.md").read_text()
+    layers = [re.findall(r"`([\w/]+)`", m.group(1)) for m in re.finditer(r"^\d+\. (.*)$", text, re.M)]
+    order = [m.strip("/") for layer in layers for m in layer]
+    assert top <= set(order), f"docs/MODULES.md's layers miss {sorted(top - set(order))}"
+    for name in top:
+        for imported in (m for m in graph[name] if "." not in m):
+            assert order.index(imported) < order.index(name), f"{name} imports {imported}, listed above it"
+

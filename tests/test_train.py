@@ -135,7 +135,7 @@ SEPARATE = "packing.shared_prompt=false"
 
 
 class _FakeIndex:
-    """The part of mmpr_index.MMPRIndex that preflight.check_splits reads."""
+    """The part of mmpr_data.MMPRIndex that preflight.check_splits reads."""
 
     def __init__(self, lengths, annotation_files=("a.jsonl",)):
         self._lengths, self.annotation_files = lengths, list(annotation_files)
