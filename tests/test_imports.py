@@ -140,3 +140,9 @@ def test_docs_modules_lists_every_module_with_its_imports_and_layer():
         for imported in (m for m in graph[name] if "." not in m):
             assert order.index(imported) < order.index(name), f"{name} imports {imported}, listed above it"
 
+
+
+def test_every_module_stays_readable_in_one_sitting():
+    """No repository module (bench/'s included) grows past 800 lines: a larger one is split along a seam."""
+    long = {name: n for name, path in repository_modules().items() if (n := len(path.read_text().splitlines())) > 800}
+    assert not long, f"modules over 800 lines: {long}"
