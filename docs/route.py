@@ -4,8 +4,9 @@
 
 It runs configs/tiny.toml in-process (one rank, CPU) twice, stopping after 2 and after 3 steps, records how often each
 repository function is called (`sys.setprofile`), and keeps the functions called more often in the longer run: what
-one more step runs, set-up and the end of the run cancelling out. A function's code lines are the lines of its body
-that hold code: no docstring, comment or blank line, and nested functions counted apart (when they run).
+one more step runs, set-up and the end of the run cancelling out (each run builds the data index in a cache folder of
+its own). A function's code lines are the lines of its body that hold code: no docstring, comment or blank line, and
+nested functions counted apart (when they run).
 tests/test_route.py checks that docs/DESIGN.md holds this script's table.
 """
 
@@ -99,8 +100,9 @@ def step_route() -> dict[str, list[tuple[str, int]]]:
     """file -> [(function, code lines)] of the functions one more step calls, in first-line order."""
     runs = []
     for steps in (2, 3):
-        out = subprocess.run([sys.executable, __file__, "--trace", str(steps)], capture_output=True, text=True,
-                             cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="0"))
+        with tempfile.TemporaryDirectory() as cache:  # each run builds the data index: the same set-up in both
+            out = subprocess.run([sys.executable, __file__, "--trace", str(steps)], capture_output=True, text=True,
+                                 cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="0", HF_DATASETS_CACHE=cache))
         assert out.returncode == 0, out.stderr[-4000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     route: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
