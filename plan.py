@@ -2,6 +2,7 @@
 
     python plan.py configs/nano.toml model.hf_path=assets/nano-omni-config           # 8 ranks (TP 8, EP 8)
     python plan.py configs/nano.toml model.hf_path=/ckpt/Nemotron-3-Nano-Omni-... --gpus 16   # two nodes: DP 2
+    python plan.py configs/nano-lora.toml                                            # LoRA on one GPU
 
 `make_plan` builds what train.py builds on each distinct rank on the `meta` device in torch's "fake" process group
 and counts weights, gradients, optimizer state and reference; `activation_model` adds a bin's activations;
@@ -352,7 +353,7 @@ class RankPlan:
     grads: int
     master: int
     moments: int
-    reference: int  # 0 with reference.offload or reference.logprobs = "precomputed"
+    reference: int  # 0 with reference.offload, reference.logprobs = "precomputed" or LoRA (no reference model)
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
     grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
     reference_pass: int  # the reference's bytes in the reference pass (reference.logprobs = "precomputed"), else 0
