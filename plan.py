@@ -2,10 +2,13 @@
 
     python plan.py configs/nano.toml model.hf_path=assets/nano-omni-config           # 8 ranks (TP 8, EP 8)
     python plan.py configs/nano.toml model.hf_path=/ckpt/Nemotron-3-Nano-Omni-... --gpus 16   # two nodes: DP 2
+    python plan.py configs/nano-lora.toml                                            # LoRA on one GPU
 
 `make_plan` builds what train.py builds on each distinct rank on the `meta` device in torch's "fake" process group
 and counts weights, gradients, optimizer state and reference; `activation_model` adds a bin's activations;
-`format_plan` prints the table against 80 GB and 141 GB GPUs and the largest packing.max_tokens_per_bin that fits."""
+`format_plan` prints the table against 80 GB and 141 GB GPUs and the largest packing.max_tokens_per_bin that fits.
+With lora.rank > 0 the rank's model gets its adapters from lora.apply_lora (base frozen: megatron DDP and the
+optimizer hold only the adapters) and no reference model is built (`LoraPlan`)."""
 
 from __future__ import annotations
 
@@ -111,12 +114,19 @@ def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
 
 
 def build_rank(cfg):
-    """(policy, reference, ddp, optimizer) as train.main builds them, on the meta device, without weights."""
+    """(policy, reference, ddp, optimizer) as train.main builds them, on the meta device, without weights. With
+    lora.rank > 0: the policy with lora.apply_lora's adapters (every base parameter frozen) and reference None (the
+    reference is the policy with its adapters off)."""
+    import lora
     import train
 
     with _MetaAllocations():
-        reference = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel).eval().requires_grad_(False)
+        reference = None
+        if cfg.lora.rank == 0:
+            reference = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel).eval().requires_grad_(False)
         policy = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+        if cfg.lora.rank > 0:
+            lora.apply_lora(policy, cfg.lora, cfg.mpo.seed)
         ddp, optimizer, _ = train.build_optimizer(policy, cfg)
     return policy, reference, ddp, optimizer
 
@@ -131,21 +141,29 @@ def _routed(model) -> set[int]:
     return {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
 
 
-def global_counts(model, hf) -> dict[str, int]:
-    """Global parameter counts {component, "total", "active"} from one rank: TP splits times TP, experts times EP."""
+def _global_numel(params, model) -> int:
+    """Global element count of this rank's `params` of `model`: TP splits times TP, routed experts times EP."""
     from megatron.core import parallel_state
-
-    import monitor
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     routed = _routed(model)
+    return sum(p.numel() * (ep if id(p) in routed else tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in params)
+
+
+def global_counts(model, hf) -> dict[str, int]:
+    """Global parameter counts {component, "total", "active"} from one rank: TP splits times TP, experts times EP;
+    the base model's (LoRA adapters apart: `LoraPlan`)."""
+    import lora
+    import monitor
+
     out = {}
-    for name in COMPONENTS:
-        out[name] = sum(p.numel() * (ep if id(p) in routed else tp if getattr(p, "tensor_model_parallel", False)
-                                     else 1) for p in getattr(model, name).parameters())
-    out["total"] = sum(out[n] for n in COMPONENTS)
-    out["active"] = monitor.active_params(model, hf)
+    with lora.base_view(model):
+        for name in COMPONENTS:
+            out[name] = _global_numel(getattr(model, name).parameters(), model)
+        out["total"] = sum(out[n] for n in COMPONENTS)
+        out["active"] = monitor.active_params(model, hf)
     return out
 
 
@@ -217,15 +235,20 @@ class ActivationModel:
     vit_layer_per_image_token: float  # bytes per image token of one ViT layer's activations (a forward's working set)
     chunk_bytes: int  # the fused log-prob chunk
     notes: list[str] = field(default_factory=list)
+    # LoRA: bytes per rank-token of one layer's adapters of each kind (`adapter_bytes_per_token`), and per image token
+    # of every adapter of the ViT and the projector
+    adapters: dict[str, float] = field(default_factory=dict)
+    vit_adapters_per_image_token: float = 0.0
 
     def layer(self, kind: str, tokens: float) -> float:
-        return self.per_token[kind] * tokens
+        return (self.per_token[kind] + self.adapters.get(kind, 0.0)) * tokens
 
     def forward_only(self, bin_tokens: int, image_tokens: int = 0) -> float:
-        """Peak activation bytes of a forward without gradients (the reference pass): the residual stream, the
-        largest layer's working set, the head, the ViT and the log-prob chunk; no layer keeps anything for later."""
+        """Peak activation bytes of a forward without gradients (the reference pass; LoRA's reference, the adapters
+        off): the residual stream, the largest layer's working set, the head, the ViT and the log-prob chunk; no
+        layer keeps anything for later."""
         s = bin_tokens / self.cp
-        largest = max(self.layer(k, s) for k in set(self.pattern))
+        largest = max(self.per_token[k] * s for k in set(self.pattern))
         vit = self.vit_layer_per_image_token * image_tokens
         return self.input_bytes * s + largest + self.per_token["head"] * s + vit + self.chunk_bytes
 
@@ -237,7 +260,8 @@ class ActivationModel:
             kept = len(self.pattern) * self.input_bytes * s + 2 * largest
         else:
             kept = sum(self.layer(k, s) for k in self.pattern) + largest
-        return kept + self.per_token["head"] * s + self.vit_per_image_token * image_tokens + self.chunk_bytes
+        vit = (self.vit_per_image_token + self.vit_adapters_per_image_token) * image_tokens
+        return kept + self.per_token["head"] * s + vit + self.chunk_bytes
 
 
 def activation_model(cfg, hf) -> ActivationModel:
@@ -275,6 +299,47 @@ def activation_model(cfg, hf) -> ActivationModel:
                            chunk_bytes=2 * cfg.policy.logprob_chunk_size * (t.vocab_size // tp) * 4)
 
 
+def adapter_bytes_per_token(model, hf, cfg) -> tuple[dict[str, float], float]:
+    """What lora.py's adapters of `model` (this rank, after lora.apply_lora) save for the backward: ({layer kind of
+    hf.pattern: bytes per rank-token of the first such layer's adapters}, bytes per image token of every ViT and
+    projector adapter). Per adapter, b bytes per element of the base dtype, r the rank, SP the SP factor:
+    - column-parallel: u = x·Aᵀ after the SP gather (or TP copy), [tokens, r]: r·b; with the norm fused into the base
+      (`layer_norm_weight`) also the adapter's own norm: its fp32 input (4h/SP), normed output (b·h/SP) and fp32
+      1/rms (4/SP), h the input width;
+    - row-parallel: u reduce-scattered over SP, r·b/SP;
+    - routed experts (per-expert pairs): u of fc1 or fc2 for the k routed copies of a token, k·r·b/SP.
+    The ViT's and projector's adapters count for each of the 4 patches / 1 token per image token, every layer (an
+    upper bound under full recompute). The adapted input x itself is the base layer's, already counted."""
+    import lora
+
+    t = hf.text
+    sp = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+    per_kind: dict[str, float] = {}
+    first: dict[str, int] = {}
+    vit = 0.0
+    for name, base, ad in lora.adapted(model):
+        r, b = ad.A.shape[-2], ad.A.element_size()
+        if ad.kind == "experts":
+            nbytes = t.num_experts_per_tok * r * b / sp
+        elif ad.kind == "row":
+            nbytes = r * b / sp
+        else:
+            nbytes = r * b
+            if getattr(base, "layer_norm_weight", None) is not None:
+                nbytes += ((4 + b) * base.layer_norm_weight.shape[0] + 4) / sp
+        parts = name.split(".")
+        if name.startswith("language_model.decoder.layers."):
+            i = int(parts[3])
+            kind = hf.pattern[i]
+            if first.setdefault(kind, i) == i:
+                per_kind[kind] = per_kind.get(kind, 0.0) + nbytes
+        elif name.startswith("vision_model."):
+            vit += 4 * nbytes
+        else:
+            vit += nbytes
+    return per_kind, vit
+
+
 # ---- The plan ----------
 @dataclass
 class RankPlan:
@@ -288,10 +353,12 @@ class RankPlan:
     grads: int
     master: int
     moments: int
-    reference: int  # 0 with reference.offload or reference.logprobs = "precomputed"
+    reference: int  # 0 with reference.offload, reference.logprobs = "precomputed" or LoRA (no reference model)
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
     grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
     reference_pass: int  # the reference's bytes in the reference pass (reference.logprobs = "precomputed"), else 0
+    adapter_params: int = 0  # LoRA: this rank's adapter parameters (`params` counts the base model's)
+    adapters: int = 0  # LoRA: their bytes (in `weights` too)
 
     def static(self) -> int:
         return self.weights + self.grads + self.master + self.moments + self.reference
@@ -333,6 +400,56 @@ def reserve(cfg, world: int) -> Reserve:
 
 
 @dataclass
+class LoraPlan:
+    """A LoRA run's global numbers: the adapters (`lora.apply_lora` on the meta device, global counts: TP shards
+    times TP, routed experts' times EP) and the checkpoint sizes. A checkpoint holds per trained parameter its weight
+    (params_dtype), with bf16 its fp32 master copy, and Adam's two fp32 moments; the full run trains every parameter
+    of `counts["total"]`, the LoRA run only the adapters (the base model is the HF checkpoint, named by its digest)."""
+
+    rank: int
+    alpha: float
+    targets: list[str]
+    components: list[str]
+    adapter_params: int  # global
+    layers: dict[str, int]  # adapted layers per target name (routed experts: per MoE layer), this rank's model
+    bytes_per_param: int  # in a checkpoint: weight + master + moments
+    full_params: int
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.adapter_params * self.bytes_per_param
+
+    @property
+    def full_checkpoint_bytes(self) -> int:
+        return self.full_params * self.bytes_per_param
+
+    @property
+    def checkpoint_ratio(self) -> float:
+        return self.checkpoint_bytes / self.full_checkpoint_bytes
+
+
+LORA_COMPONENTS = ("language_model", "shared_expert", "routed_experts", "vision_tower", "projector")
+
+
+def lora_plan(model, cfg, counts: dict[str, int]) -> LoraPlan:
+    """The LoraPlan of this rank's `model` (after lora.apply_lora) in its fake world."""
+    import lora
+
+    adapters = [p for _, _, ad in lora.adapted(model) for p in (ad.A, ad.B)]
+    layers: dict[str, int] = {}
+    for name, _, ad in lora.adapted(model):
+        target = f"linear_fc{ad.weight_name[-1]}" if ad.kind == "experts" else name.rsplit(".", 1)[-1]
+        layers[target] = layers.get(target, 0) + 1
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    weight = torch.finfo(omni_model.torch_dtype(cfg.model.params_dtype)).bits // 8
+    lo = cfg.lora
+    return LoraPlan(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets),
+                    components=[c for c in LORA_COMPONENTS if getattr(lo, c)],
+                    adapter_params=_global_numel(adapters, model), layers=layers,
+                    bytes_per_param=weight + (4 if bf16 else 0) + 8, full_params=counts["total"])
+
+
+@dataclass
 class MemoryPlan:
     world: int
     counts: dict[str, int]
@@ -344,10 +461,19 @@ class MemoryPlan:
     reserve: Reserve
     pass_bin_tokens: int  # the reference pass's bins (reference.max_tokens_per_bin) and their image tokens
     pass_image_tokens: int
+    reference_forward: bool = False  # a reference forward in each step (reference.logprobs = "online")
+    lora: LoraPlan | None = None
+
+    def step_activations(self, bin_tokens: int | None = None) -> float:
+        """Peak activation bytes of a step's bin: the policy's forward and backward, or, when larger, the online
+        reference's forward without gradients (`forward_only`; freed before the policy's forward)."""
+        tokens = self.bin_tokens if bin_tokens is None else bin_tokens
+        act = self.activations(tokens, self.image_tokens)
+        return max(act, self.activations.forward_only(tokens, self.image_tokens)) if self.reference_forward else act
 
     def spare(self, capacity: float, bin_tokens: int | None = None) -> float:
         """The least bytes left on any rank's GPU of `capacity` after the plan and the reserve (negative: OOM)."""
-        act = self.activations(self.bin_tokens if bin_tokens is None else bin_tokens, self.image_tokens)
+        act = self.step_activations(bin_tokens)
         return min(capacity - r.total(act) - self.reserve.total(r.total(act)) for r in self.ranks)
 
     def pass_total(self) -> float:
@@ -411,27 +537,40 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
     preflight.check_model_config(cfg, hf)
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
+    import lora
+
     bf16 = cfg.model.params_dtype == "bfloat16"
     rows: list[RankPlan] = []
-    counts = None
+    counts = lplan = None
+    adapter_act: tuple[dict[str, float], float] = ({}, 0.0)
     for rank in sorted({0, world - 1}):
         with fake_rank(cfg, world, rank, getattr(hf.text, "n_routed_experts", None)):
             policy, reference, ddp, optimizer = build_rank(cfg)
             if counts is None:
                 counts = global_counts(policy, hf)
-            total, active = rank_params(policy, hf)
+            adapters = [p for n, p in policy.named_parameters() if p.requires_grad] if reference is None else []
+            with lora.base_view(policy):
+                total, active = rank_params(policy, hf)
+            n_adapter = sum(p.numel() for p in adapters)
+            adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
+            if reference is None and lplan is None:
+                lplan = lora_plan(policy, cfg, counts)
+                adapter_act = adapter_bytes_per_token(policy, hf, cfg)
             master, moments = optimizer_bytes(optimizer, bf16)
-            ref = _model_bytes(reference)
+            # LoRA: the reference is the policy with the adapters off; the reference pass holds the base model
+            ref = _model_bytes(reference) if reference is not None else _model_bytes(policy) - adapter_bytes
             buffers = ddp.buffers + ddp.expert_parallel_buffers
             grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
             fp32_grads = all(b.grad_data.dtype == torch.float32 for b in buffers)
             row = RankPlan(ranks=[rank], params=total, params_active=active,
-                           reference_params=sum(p.numel() for p in reference.parameters()),
+                           reference_params=sum(p.numel() for p in reference.parameters()) if reference else 0,
                            weights=_model_bytes(policy), grads=grads, master=master, moments=moments,
-                           reference=0 if cfg.reference.offload or cfg.reference.logprobs == "precomputed" else ref,
-                           reference_offloaded=ref if cfg.reference.offload else 0,
+                           reference=0 if cfg.reference.offload or cfg.reference.logprobs == "precomputed"
+                           or reference is None else ref,
+                           reference_offloaded=ref if cfg.reference.offload and reference is not None else 0,
                            grads_copy=0 if fp32_grads else master,
-                           reference_pass=ref if cfg.reference.logprobs == "precomputed" else 0)
+                           reference_pass=ref if cfg.reference.logprobs == "precomputed" else 0,
+                           adapter_params=n_adapter, adapters=adapter_bytes)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
@@ -439,10 +578,13 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
             rows.append(row)
     pass_bin = cfg.reference.max_tokens_per_bin or cfg.packing.max_tokens_per_bin
     pass_pairs = cfg.reference.max_sequences_per_bin or cfg.packing.max_sequences_per_bin
-    return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activation_model(cfg, hf),
+    activations = activation_model(cfg, hf)
+    activations.adapters, activations.vit_adapters_per_image_token = adapter_act
+    return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activations,
                 bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens, image_source=image_source,
                 reserve=reserve(cfg, world), pass_bin_tokens=pass_bin,
-                pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin))
+                pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin),
+                reference_forward=cfg.reference.logprobs == "online", lora=lplan)
 
 
 # ---- The report ----------
@@ -468,7 +610,7 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
     GPU."""
     c, p, res = plan.counts, cfg.parallel, plan.reserve
     dp = plan.world // (p.tensor_model_parallel_size * p.context_parallel_size)
-    act = plan.activations(plan.bin_tokens, plan.image_tokens)
+    act = plan.step_activations()
     lines = [
         f"model {cfg.model.hf_path}: language model {_b(c['language_model'])}, vision tower {_b(c['vision_model'])}, "
         f"projector {_b(c['vision_projection'])}; total {_b(c['total'])}, active per token {_b(c['active'])} "
@@ -486,10 +628,13 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         total = r.total(act)
         ranks = ", ".join(map(str, r.ranks)) if len(plan.ranks) > 1 else f"all {plan.world}"
         ref = (f"0 (offload; {_gib(r.reference_offloaded)})" if r.reference_offloaded
+               else "0 (LoRA: adapters off)" if plan.lora and r.reference_pass == 0
                else "0 (precomputed)" if r.reference_pass else _gib(r.reference))
+        params = (f"{_b(r.params)} + {_b(r.adapter_params)} adapters / none" if plan.lora
+                  else f"{_b(r.params)} / {_b(r.reference_params)}")
         spare = [_gib(cap - total - res.total(total)) for cap in GPUS.values()]
         grads = _gib(r.grads) + (f" (+{_gib(r.grads_copy)} fp32 at the step)" if r.grads_copy else "")
-        lines.append(f"| {ranks} | {_b(r.params)} / {_b(r.reference_params)} | {_b(r.params_active)} "
+        lines.append(f"| {ranks} | {params} | {_b(r.params_active)} "
                      f"| {_gib(r.weights)} | {grads} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
                      f"| {_gib(act)} | {_gib(total)} | {_gib(res.total(total))} | {spare[0]} | {spare[1]} |")
     lines += [
@@ -500,6 +645,8 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         f"{FRAGMENTATION:.0%} of the total "
         f"(PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}); a GPU fits with at least {_gib(MARGIN)} GiB to spare after it.",
     ]
+    if plan.lora:
+        lines += format_lora(plan)
     if pass_total := plan.pass_total():
         verdicts = "; ".join(f"{name}: {verdict(cap - pass_total - res.total(pass_total))}"
                              for name, cap in GPUS.items())
@@ -514,6 +661,34 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
                      "packing.max_tokens_per_bin that fits: "
                      + (str(best) if best else f"none (no bin leaves {_gib(MARGIN)} GiB to spare)"))
     return "\n".join(lines)
+
+
+def format_lora(plan: MemoryPlan) -> list[str]:
+    """The LoRA lines of the printed plan: the adapters, what the table's columns hold, the checkpoint ratio."""
+    lp, r = plan.lora, plan.ranks[0]
+    act = plan.activations
+    with_adapters = act(plan.bin_tokens, plan.image_tokens)
+    saved_adapters, saved_vit = act.adapters, act.vit_adapters_per_image_token
+    act.adapters, act.vit_adapters_per_image_token = {}, 0.0
+    without = act(plan.bin_tokens, plan.image_tokens)
+    act.adapters, act.vit_adapters_per_image_token = saved_adapters, saved_vit
+    layers = ", ".join(f"{n} x {k}" for k, n in lp.layers.items())
+    ref = ("the reference log-probs precomputed: no reference forward in training" if not plan.reference_forward else
+           "the reference is a forward of the same model with the adapters off, without gradients "
+           f"({_gib(act.forward_only(plan.bin_tokens, plan.image_tokens))} GiB of activations, freed before the "
+           "policy's forward)")
+    return [
+        f"LoRA rank {lp.rank}, alpha {lp.alpha:g} on {', '.join(lp.targets)} of the {', '.join(lp.components)} "
+        f"({layers} layers on rank {r.ranks[0]}): {_b(lp.adapter_params)} adapter parameters, "
+        f"{_b(r.adapter_params)} on rank {r.ranks[0]} "
+        f"({r.adapters / MiB:.1f} MiB in its weights). The base weights are frozen: no gradients, master copies or "
+        "Adam moments for them (grads, master fp32 and Adam moments above are the adapters'); no reference model "
+        f"(no second copy of the weights): {ref}. The adapters' saved x·Aᵀ (and their norm's input where the norm is "
+        f"fused into the base) add {(with_adapters - without) / MiB:.1f} MiB to the activations.",
+        f"LoRA checkpoint: the adapters and their optimizer state, {lp.checkpoint_bytes / MiB:.1f} MiB "
+        f"({lp.bytes_per_param} bytes per parameter: weight, fp32 master copy, Adam moments) against the full run's "
+        f"{lp.full_checkpoint_bytes / GiB:.1f} GiB: {lp.checkpoint_ratio:.3%}.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -344,7 +344,7 @@ def test_config_path_that_is_a_directory_or_not_text_is_one_line(tmp_path, monke
     captured = capsys.readouterr()
     err = captured.err  # one `error:` line naming the path and the TOML files it holds
     assert captured.out == "" and err.startswith("error: config file 'configs/' ") and err.count("\n") == 1, err
-    assert "(it holds nano.toml, tiny.toml)" in err, err
+    assert "(it holds nano-lora.toml, nano.toml, tiny.toml)" in err, err
     with raises_naming(ConfigError, f"config file '{tmp_path}' ", "no .toml file"):
         load_config(tmp_path)
     binary = tmp_path / "b.toml"

@@ -379,3 +379,115 @@ def test_the_gpu_benchmark_sizes_its_step_to_the_device():
         assert not any(gpu.plan_gpu_step(s, capacity)["fits"] for s in before)
     assert gpu.sized_gpu_shape(plan.GPUS["141 GB"])[0] == gpu.GPU_SHAPE
     assert gpu.sized_gpu_shape(plan.GPUS["80 GB"])[0] != gpu.GPU_SHAPE
+
+
+# ---- LoRA (configs/nano-lora.toml) ----------
+NANO_LORA_ARGS = ["configs/nano-lora.toml", f"model.hf_path={NANO}"]
+GOLDEN_LORA = Path(__file__).resolve().parent / "golden" / "plan_nano_lora.txt"
+TWO_GPUS = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2",
+            "parallel.sequence_parallel=true"]  # nano-lora.toml's layout for two 80 GB GPUs (its header)
+
+
+def nano_lora_cfg(*overrides: str):
+    return config_mod.load_config(ROOT / "configs" / "nano-lora.toml", [f"model.hf_path={NANO}", *overrides])
+
+
+def lora_layer_shapes(hf) -> dict[str, tuple[str, int, int, int]]:
+    """{target: (kind, in, out, layers)} of nano-lora.toml's adapted linears, from the model config alone: Mamba in_proj
+    (z, x, B, C, dt) and out_proj, attention linear_qkv (GQA) and linear_proj, the shared expert's fc1 / fc2."""
+    t = hf.text
+    di, q = t.mamba_num_heads * t.mamba_head_dim, t.num_attention_heads * t.head_dim
+    kv = t.num_key_value_heads * t.head_dim
+    h, fs, n = t.hidden_size, t.moe_shared_expert_intermediate_size, hf.pattern.count
+    return {"in_proj": ("column", h, 2 * di + 2 * t.n_groups * t.ssm_state_size + t.mamba_num_heads, n("M")),
+            "out_proj": ("row", di, h, n("M")), "linear_qkv": ("column", h, q + 2 * kv, n("*")),
+            "linear_proj": ("row", q, h, n("*")), "linear_fc1": ("column", h, fs, n("E")),
+            "linear_fc2": ("row", fs, h, n("E"))}
+
+
+@pytest.fixture(scope="module")
+def lora_two_gpus():
+    """plan.make_plan of nano-lora.toml at TP 2 + SP, EP 2 on 2 ranks."""
+    return plan.make_plan(nano_lora_cfg(*TWO_GPUS), 2)
+
+
+def test_lora_plan_counts_the_adapters_and_no_base_gradients_or_reference(lora_two_gpus):
+    """Closed forms at TP 2: an adapter of a [out, in] weight has r·(in + out) parameters; this rank holds r·in +
+    r·out/TP of a column-parallel one (A whole, B's rows) and r·in/TP + r·out of a row-parallel one. The base is
+    frozen: the fp32 gradient buffer, master copies and Adam moments hold the adapters alone (4, 4 and 8 bytes per
+    parameter at DP 1); no reference model; the weights are the base's bf16 bytes (plus the fp32 expert bias) and the
+    adapters'."""
+    p, hf, r = lora_two_gpus, omni_model.read_hf_config(NANO), 16
+    shapes = lora_layer_shapes(hf)
+    want_global = sum(r * (i + o) * n for _, i, o, n in shapes.values())
+    want_rank = sum((r * i + r * o // 2 if k == "column" else r * i // 2 + r * o) * n for k, i, o, n in shapes.values())
+    assert p.lora.adapter_params == want_global == 13_339_648
+    assert p.lora.layers == {t: n for t, (_, _, _, n) in shapes.items()}
+    assert p.lora.checkpoint_ratio == want_global / p.counts["total"] < 0.02
+    assert p.lora.bytes_per_param == 2 + 4 + 8
+    assert p.counts["language_model"] == 31_577_937_344  # the base model's count, the adapters apart
+    (row,) = p.ranks
+    assert row.adapter_params == want_rank and row.adapters == 2 * want_rank
+    assert (row.grads, row.master, row.moments) == (4 * want_rank, 4 * want_rank, 8 * want_rank)
+    assert row.reference == row.reference_params == row.reference_offloaded == row.grads_copy == 0
+    expert_bias = hf.pattern.count("E") * hf.text.n_routed_experts * 4
+    assert row.weights == 2 * row.params + expert_bias + row.adapters
+    assert row.reference_pass == row.weights - row.adapters  # the reference pass: the base model
+    assert not p.reference_forward and p.step_activations() == p.activations(p.bin_tokens, p.image_tokens)
+
+
+def test_lora_activations_add_the_adapters_saved_tensors(lora_two_gpus):
+    """Per layer and rank-token (b = 2 bytes, SP 2): a column-parallel adapter saves u = x·Aᵀ after the SP gather (r·b),
+    plus, where the norm is fused into the base (in_proj, linear_qkv), its own norm's fp32 input, bf16 output and fp32
+    1/rms ((4 + b)·h/SP + 4/SP); a row-parallel one u after the reduce-scatter (r·b/SP). The reference (adapters off)
+    is a forward without them; online, a step's peak is the larger of the policy's and that forward's."""
+    p, hf, r, b, sp = lora_two_gpus, omni_model.read_hf_config(NANO), 16, 2, 2
+    h = hf.text.hidden_size
+    norm = ((4 + b) * h + 4) / sp
+    assert p.activations.adapters == {"M": r * b + norm + r * b / sp, "*": r * b + norm + r * b / sp,
+                                      "E": r * b + r * b / sp}
+    assert p.activations.vit_adapters_per_image_token == 0
+    act = p.activations
+    full = plan.ActivationModel(**{**vars(act), "adapters": {}})
+    for tokens in (4096, 16384):
+        largest, largest_full = (max(a.layer(k, tokens) for k in "M*E") for a in (act, full))
+        assert act(tokens, 100) - full(tokens, 100) == pytest.approx(2 * (largest - largest_full))  # full recompute
+        assert act.forward_only(tokens, 100) == full.forward_only(tokens, 100) < act(tokens, 100)
+    online = plan.MemoryPlan(**{**vars(p), "reference_forward": True})
+    assert online.step_activations() == max(act(p.bin_tokens, p.image_tokens),
+                                            act.forward_only(p.bin_tokens, p.image_tokens))
+
+
+def test_nano_lora_fits_two_80gb_gpus_with_12_gib_to_spare(lora_two_gpus, capsys):
+    """Issue 45's goal: nano-lora.toml at TP 2 + SP, EP 2 leaves at least 12 GiB per 80 GB GPU after the reserve at
+    its 16384-token bins; the printed plan has no reference column's bytes and says the checkpoint ratio."""
+    assert lora_two_gpus.bin_tokens == 16384
+    assert lora_two_gpus.spare(plan.GPUS["80 GB"]) >= 12 * plan.GiB
+    out = plan.format_plan(lora_two_gpus, nano_lora_cfg(*TWO_GPUS))
+    assert "adapters / none" in out and "LoRA checkpoint:" in out and ": 0.041%." in out
+
+
+def test_plan_of_nano_lora_is_the_golden_table_and_fits_one_141gb_gpu(capsys):
+    """`python plan.py configs/nano-lora.toml model.hf_path=assets/nano-omni-config`: one GPU, golden; a 141 GB GPU
+    keeps at least 12 GiB after the reserve; one 80 GB GPU does not fit its 16384-token bins, and the plan names the
+    largest bin that does."""
+    assert plan.main(NANO_LORA_ARGS) == 0
+    out = capsys.readouterr().out.replace(str(NANO), "assets/nano-omni-config")
+    assert out == GOLDEN_LORA.read_text()
+    p = plan.make_plan(nano_lora_cfg())
+    assert p.world == 1 and p.bin_tokens == 16384
+    assert p.spare(plan.GPUS["141 GB"]) >= 12 * plan.GiB
+    assert not p.fits(plan.GPUS["80 GB"])
+    best = p.largest_bin(plan.GPUS["80 GB"], 8)
+    assert 0 < best < 16384 and f"the largest packing.max_tokens_per_bin that fits: {best}\n" in out
+
+
+def test_lora_optimizer_state_is_sharded_over_dp():
+    """TP 1, EP 2 on 2 GPUs (DP 2): the distributed optimizer's fp32 master copies and moments of DP ranks 0 and 1
+    partition the (replicated) adapters; each rank's fp32 gradient buffer holds them whole."""
+    p = plan.make_plan(nano_lora_cfg("parallel.expert_model_parallel_size=2"), 2)
+    first, last = p.ranks if len(p.ranks) == 2 else (p.ranks[0], p.ranks[0])
+    n = p.lora.adapter_params
+    assert first.adapter_params == last.adapter_params == n
+    assert first.master + last.master == 4 * n and first.moments + last.moments == 8 * n
+    assert first.grads >= 4 * n
