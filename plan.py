@@ -29,6 +29,7 @@ import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
+import kernel_selection  # noqa: E402
 import mmpr_rows  # noqa: E402
 import omni_model  # noqa: E402
 import preflight  # noqa: E402
@@ -77,8 +78,9 @@ def _plain(fn):
 
 
 @contextlib.contextmanager
-def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
-    """This process as `rank` of `world` in torch's "fake" process group (then init_distributed); restored on exit."""
+def fake_rank(cfg, world: int, rank: int, num_experts: int | None, kernels=None):
+    """This process as `rank` of `world` in torch's "fake" process group (then init_distributed with `kernels`, the
+    run's selection); restored on exit."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -98,7 +100,7 @@ def fake_rank(cfg, world: int, rank: int, num_experts: int | None):
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         dist.all_gather_object, dist.new_group = _plain(gather), fake_group
-        yield distributed.init_distributed(cfg, torch.device("cpu"), num_experts)
+        yield distributed.init_distributed(cfg, torch.device("cpu"), num_experts, kernels=kernels)
     finally:
         dist.all_gather_object, dist.new_group = gather, new_group
         if env is None:
@@ -535,7 +537,8 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
         image_tokens, image_source = image_tokens_per_bin(cfg, hf)
     world = default_world(cfg) if world is None else world
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
-    preflight.check_model_config(cfg, hf)
+    kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))  # as train.py
+    preflight.check_model_config(cfg, hf, kernels)
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
     import lora
 
@@ -544,7 +547,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
     counts = lplan = None
     adapter_act: tuple[dict[str, float], float] = ({}, 0.0)
     for rank in sorted({0, world - 1}):
-        with fake_rank(cfg, world, rank, getattr(hf.text, "n_routed_experts", None)):
+        with fake_rank(cfg, world, rank, getattr(hf.text, "n_routed_experts", None), kernels):
             policy, reference, ddp, optimizer = build_rank(cfg)
             if counts is None:
                 counts = global_counts(policy, hf)
