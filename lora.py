@@ -385,7 +385,7 @@ def hf_adapter_state(model: nn.Module, hf_dir, grads: bool = False) -> dict[str,
         shards = _gather(b if ad.kind == "column" else a, group)
         for r, shard in enumerate(shards):
             off = 0
-            for s in pm.segments(r, len(shards)):
+            for s in pm.slices(r, len(shards)):
                 shape = reader.shape_dtype(s.key)[0]
                 if s.key not in out:
                     out[s.key] = [a.float().clone(), torch.zeros(shape[0], a.shape[0])] if ad.kind == "column" else \
@@ -412,7 +412,7 @@ def set_hf_adapter_state(model: nn.Module, state: dict[str, tuple[torch.Tensor, 
             raise NotImplementedError(f"{name}: per-expert adapters have no HF layout here yet")
         pm = maps[f"{name}.{ad.weight_name}"]
         rank, size = hf_weights.group_rank_size(hf_weights._group(pm.group))
-        segments = pm.segments(rank, size)
+        segments = pm.slices(rank, size)
         if ad.kind == "column":  # A whole, B's rows from the segments
             ad.A.copy_(state[segments[0].key][0])
             ad.B.copy_(torch.cat([state[s.key][1].narrow(0, s.start, s.length or state[s.key][1].shape[0])
