@@ -166,6 +166,7 @@ def test_merged_weights_give_the_adapted_outputs(world, batch):
      "lora.projector"),
     (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.targets=[]"], "lora.targets"),
     (["lora.rank=8"], "model.moe_router_bias_update_rate"),
+    (["lora.rank=8", "model.moe_router_bias_update_rate=0", "reference.offload=true"], "reference.offload"),
 ])
 def test_bad_lora_settings_are_one_line_config_errors(overrides, key):
     from config import ConfigError, load_config
