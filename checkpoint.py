@@ -3,14 +3,17 @@
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
         run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums,
-                                      the parameter digest, the digest of model.hf_path's files
+                                      the parameter digest, the digest of model.hf_path's files (LoRA: and of their
+                                      content)
         rng/rank_<r>.pt               the RNG states of rank r
     <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
     <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
 
 `save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
 it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
-changed files). `python hf_export.py RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py).
+changed files). `python hf_export.py RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py). A LoRA run
+(lora.rank > 0) saves only the adapters in model_optim/ (`lora.sharded_state_dict`) and records the digest of its
+base weights (`base_model_digest` of model.hf_path) in run_state.json: a resume over other base weights is refused.
 The repairs of megatron-core's checkpointing (Adam steps, gradient-buffer dtype, the writers' errors) are in
 megatron_patches.py. Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md,
 "Checkpoints".
@@ -280,10 +283,15 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
-    """megatron-core sharded state dict of `model`; for a plain module (omni_model.OmniModel), its children's."""
+    """megatron-core sharded state dict of `model`; for a plain module (omni_model.OmniModel), its children's; with
+    LoRA adapters only theirs (lora.sharded_state_dict: the base weights are model.hf_path's, read at every start)."""
     from megatron.core.transformer.utils import sharded_state_dict_default
 
+    import lora
+
     module = unwrap(model)
+    if lora.has_adapters(module):
+        return lora.sharded_state_dict(module)
     if hasattr(module, "sharded_state_dict"):
         return module.sharded_state_dict()
     assert all("." in k for k in module.state_dict(keep_vars=True)), "tensors outside the child modules"
@@ -291,6 +299,20 @@ def model_sharded_state_dict(model: torch.nn.Module) -> dict:
     for name, child in module.named_children():
         out.update(sharded_state_dict_default(child, prefix=f"{name}."))
     return out
+
+
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """`state` (a loaded model part) into `model`: every tensor of it, or with LoRA every adapter tensor (the base
+    weights stay as loaded from model.hf_path)."""
+    import lora
+
+    module = unwrap(model)
+    if not lora.has_adapters(module):
+        module.load_state_dict(state)
+        return
+    result = module.load_state_dict(state, strict=False)
+    adapters = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert not result.unexpected_keys and adapters <= set(state), (result.unexpected_keys, adapters - set(state))
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
@@ -488,6 +510,7 @@ class RunState:
     checksums: dict | None = None  # {"algorithm", "files": {path relative to `path`: hex digest}}
     parameter_digest: str | None = None  # `parameter_digest` of the saved model (None: saved before it was written)
     model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
+    base_model_digest: str | None = None  # LoRA: `base_model_digest` of model.hf_path (the checkpoint holds no base)
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -517,7 +540,7 @@ def read_run_state(path: str | Path) -> RunState:
     digest = raw.get("parameter_digest", raw.get("parameter_layout"))  # "parameter_layout": the key's earlier name
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
                     checksums=raw.get("checksums"), parameter_digest=digest,
-                    model_files=raw.get("model_files"))  # fmt: skip
+                    model_files=raw.get("model_files"), base_model_digest=raw.get("base_model_digest"))  # fmt: skip
 
 
 # A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
@@ -525,6 +548,7 @@ def read_run_state(path: str | Path) -> RunState:
 LAYOUT = "the saved optimizer state loads only with the saved layout (it reshards over DP only)"
 REWARD_UNITS = "δ is an EMA of the BCO rewards β·L in the saved units"
 SCHEDULE = "the segments of a run follow one LR / weight-decay schedule"
+ADAPTERS = "the saved LoRA adapters (and their optimizer state) belong to the saved [lora] setting"
 NOTICE = "notice"
 RESUME_RULES = {
     **dict.fromkeys(["model.params_dtype",  # the optimizer's param groups and fp32 master copies
@@ -532,6 +556,9 @@ RESUME_RULES = {
                      "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size",
                      "optimizer.use_distributed_optimizer", "model.freeze_vision_encoder",  # frozen: no gradient bucket
                      "model.freeze_vision_projector", "model.freeze_language_model"], LAYOUT),
+    **dict.fromkeys(["lora.rank", "lora.targets", "lora.language_model", "lora.shared_expert", "lora.routed_experts",
+                     "lora.vision_tower", "lora.projector"], ADAPTERS),
+    "lora.alpha": ADAPTERS,  # the saved B·A were trained at the saved scale alpha / rank
     **dict.fromkeys(["mpo.reference_policy_kl_penalty",  # β
                      "mpo.quality_average_log_probs"], REWARD_UNITS),  # L a sum or a per-token mean
     **dict.fromkeys(["optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "scheduler.lr_warmup_init",
@@ -559,6 +586,24 @@ def model_files(hf_path: str | Path) -> str:
                           for s in [p.stat()]))  # fmt: skip
 
 
+_base_digests: dict[tuple[str, str], str] = {}  # (hf_path, model_files) -> base_model_digest: computed once a process
+
+
+def base_model_digest(hf_path: str | Path) -> str:
+    """16 hex digits over the content checksums (`file_checksum`) of model.hf_path's *.safetensors and config.json:
+    the base weights a LoRA checkpoint's adapters belong to, whatever the folder's name or the files' times. Rank 0
+    reads the files, every rank gets its digest (collective)."""
+    key = (os.path.realpath(hf_path), model_files(hf_path))
+    if key not in _base_digests:
+        rows = None
+        if _rank() == 0:
+            files = sorted(p for p in Path(hf_path).iterdir() if p.is_file() and (p.suffix == ".safetensors"
+                                                                                    or p.name == "config.json"))
+            rows = [f"{p.name}:{CHECKSUM_ALGORITHM}:{file_checksum(p)}" for p in files]
+        _base_digests[key] = _digest(distributed.from_rank0(rows))
+    return _base_digests[key]
+
+
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     """The changed NOTICE settings of `cfg` against checkpoint `saved`, {key: (saved, now)}; CheckpointError listing
     every refused change (RESUME_RULES). A key the saved config lacks, or a path to the same file, is no change; the
@@ -576,6 +621,10 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     hf_path = cfg.model.hf_path
     if "model.hf_path" not in changed and saved.model_files and (files := model_files(hf_path)) != saved.model_files:
         changed["model.hf_path"] = (f"{hf_path} (files {saved.model_files})", f"{hf_path} (files {files})")
+    if cfg.lora.rank and saved.base_model_digest and (digest := base_model_digest(hf_path)) != saved.base_model_digest:
+        raise CheckpointError(f"cannot resume {saved.path}: its LoRA adapters were trained on base weights with digest "
+                              f"{saved.base_model_digest}, model.hf_path = {hf_path} holds other weights (digest "
+                              f"{digest}); set model.hf_path to the run's base model")
     if refused := [k for k in changed if RESUME_RULES[k] != NOTICE]:
         why = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}: {RESUME_RULES[k]}" for k in refused)
         raise CheckpointError(f"cannot resume {saved.path} with changed settings ({why}). Set the saved values back, "
@@ -685,7 +734,7 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
         saved_fp32 = state.config.get("optimizer", {}).get("grad_reduce_in_fp32", True)
         megatron_patches.name_grad_dtype(sharded["optimizer"], saved_fp32)
     loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM_DIR))
-    unwrap(model).load_state_dict(loaded["model"])
+    load_model_state(model, loaded["model"])
     if optimizer is not None:
         megatron_patches.name_grad_dtype(loaded["optimizer"], model.ddp_config.grad_reduce_in_fp32)  # megatron DDP
         with torch.no_grad():  # fp32 main params can be views of leaf parameters (in-place copy under autograd fails)

@@ -482,7 +482,8 @@ def validate_reference(cfg: Config) -> None:
 
 def validate_lora(cfg: Config) -> None:
     """The [lora] section: rank >= 0, alpha > 0, dropout in [0, 1), no adapter on a frozen component, something to
-    adapt, and the base model frozen whole (the reference is the base with the adapters off)."""
+    adapt, the base model frozen whole (the reference is the base with the adapters off) and no reference model to
+    offload."""
     lo, m = cfg.lora, cfg.model
     if lo.rank < 0:
         raise ConfigError(f"lora.rank = {lo.rank} must be >= 0 (0 = LoRA off)")
@@ -515,6 +516,9 @@ def validate_lora(cfg: Config) -> None:
         raise ConfigError(f"lora.rank = {lo.rank} but every lora component flag is false: no adapter; set one of "
                           "lora.language_model, lora.shared_expert, lora.routed_experts, lora.vision_tower, "
                           "lora.projector, or lora.rank = 0")
+    if cfg.reference.offload:
+        raise ConfigError(f"reference.offload = true with lora.rank = {lo.rank}: there is no reference model to "
+                          "offload (the reference is the policy with its adapters off); set reference.offload = false")
     if m.moe_router_bias_update_rate > 0:
         raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} with lora.rank = "
                           f"{lo.rank}: the expert bias is part of the frozen base model (the reference is the base "

@@ -1,7 +1,11 @@
 """Export of a training checkpoint's policy as a Hugging Face checkpoint: `python hf_export.py RUN_DIR OUT_DIR`.
 
 `export` builds the model at TP = CP = EP = 1, loads the checkpoint's model shards (any saved layout) and writes the
-HF files through `<OUT_DIR>.tmp`, renamed once complete. `check_export_dir` refuses an OUT_DIR that is the run, holds
+HF files through `<OUT_DIR>.tmp`, renamed once complete. A LoRA run's checkpoint holds the adapters: the base weights
+are read from its model.hf_path (refused when their digest is not the run's), the adapters loaded over them, and the
+export is the merged model W + (alpha / rank)·B·A; with `--adapter` (`adapter=True`) the adapters alone in the PEFT
+format instead (lora.save_peft: adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained
+over the base model). `check_export_dir` refuses an OUT_DIR that is the run, holds
 one, is the run's `model.hf_path`, a file or a non-empty directory that is not an earlier export (EXPORT_INFO_FILE,
 the export's provenance).
 """
@@ -23,13 +27,14 @@ from checkpoint import (
     RUN_STATE_FILE,
     STEP_RE,
     CheckpointError,
+    base_model_digest,
     check_complete,
     free_space,
     latest_checkpoint,
+    load_model_state,
     model_sharded_state_dict,
     read_run_state,
     replace_dir,
-    unwrap,
     why_damaged,
     write_failure,
 )
@@ -81,12 +86,14 @@ def _write_export_info(staging: Path, info: dict[str, Any], out_dir: str | Path)
         raise CheckpointError(f"export directory {out_dir} cannot be written: {e.strerror or e}{free}") from None
 
 
-def export(ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of `ckpt` (a run's latest step, or a step_<N>) as an HF checkpoint via `<OUT_DIR>.tmp`."""
+def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path:
+    """Write the policy of `ckpt` (a run's latest step, or a step_<N>) as an HF checkpoint via `<OUT_DIR>.tmp`; with
+    `adapter`, a LoRA run's adapters as a PEFT adapter."""
     import config as config_mod
     import distributed
     import hf_weights
     import kernel_selection
+    import lora
     import omni_model
 
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
@@ -104,6 +111,14 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
     if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json "
                               f"seen from {os.getcwd()}; run the export from the directory the training ran in")
+    if adapter and not cfg.lora.rank:
+        raise CheckpointError(f"{path} is not a LoRA run (lora.rank = 0): it has no adapter to export; export it "
+                              "without --adapter")
+    if cfg.lora.rank and state.base_model_digest and (digest := base_model_digest(cfg.model.hf_path)) != \
+            state.base_model_digest:
+        raise CheckpointError(f"{path}: its LoRA adapters were trained on base weights with digest "
+                              f"{state.base_model_digest}, model.hf_path = {cfg.model.hf_path} holds other weights "
+                              f"(digest {digest}); export from the directory and base model the run used")
     check_complete(state, None)  # before the model is built (no RNG file needed)
     out, staging = Path(out_dir), _export_staging(out_dir)
     info = {"source": os.path.abspath(path), "step": state.step, "model.hf_path": os.path.abspath(cfg.model.hf_path),
@@ -121,10 +136,18 @@ def export(ckpt: str | Path, out_dir: str | Path) -> Path:
         distributed.init_distributed(device=distributed.local_device(), kernels=kernels)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
         model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
+        if cfg.lora.rank:  # the checkpoint holds the adapters: the base weights are model.hf_path's
+            hf_weights.load_hf_weights(model, cfg.model.hf_path)
+            lora.apply_lora(model, cfg.lora, seed=cfg.mpo.seed)
         megatron_patches.use_in_process_write_queue()
         loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
-        unwrap(model).load_state_dict(loaded["model"])
-        hf_weights.export_hf(model, staging, cfg.model.hf_path)
+        load_model_state(model, loaded["model"])
+        if adapter:
+            lora.save_peft(model, staging, cfg.model.hf_path, cfg.lora)
+        else:
+            if cfg.lora.rank:
+                lora.merge(model)  # W + (alpha / rank)·B·A: a plain model of model.hf_path's architecture
+            hf_weights.export_hf(model, staging, cfg.model.hf_path)
     except Exception as e:
         shutil.rmtree(staging, ignore_errors=True)
         if not (path / RUN_STATE_FILE).is_file() or why_damaged(path, None):  # e.g. pruned by a running job meanwhile
@@ -152,11 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                     "step_<N>")
     ap.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory, or an earlier export (it holds "
                     f"{EXPORT_INFO_FILE}); not the run, nor one holding a run, nor the run's model.hf_path")
+    ap.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters alone as a PEFT adapter "
+                    "(adapter_config.json + adapter_model.safetensors) instead of the merged model")
     args = ap.parse_args(argv)
     config_mod.quiet_known_warnings()  # OMNI_MPO_SHOW_WARNINGS=1 shows them
     ckpt, out_dir = (os.path.expanduser(p) for p in (args.ckpt, args.out_dir))  # a quoted `~`, as config paths
     try:
-        print(f"exported {export(ckpt, out_dir)}")
+        print(f"exported {export(ckpt, out_dir, adapter=args.adapter)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -319,6 +319,39 @@ def merge(model: nn.Module) -> None:
             del module.lora, module.lora_hook
 
 
+def has_adapters(model: nn.Module) -> bool:
+    return any(isinstance(m, Adapter) for m in model.modules())
+
+
+def sharded_state_dict(model: nn.Module) -> dict:
+    """megatron dist_checkpointing ShardedTensors of every adapter parameter, keyed by its name in `model` (a LoRA
+    checkpoint's model part): a TP-sharded one (megatron's `tensor_model_parallel` tag: column B, row A) on its
+    `partition_dim` over the base's TP group, replicated ones over TP; the routed experts' A [E, r, in] / B [E, out, r]
+    at rows ep_rank·E of the expert axis over EP, replicated over expert DP; the rest replicated over DP (× CP)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_rank = dp.rank() if dp is not None else 0
+    out = {}
+    for name, module, ad in adapted(model):
+        child = next(k for k, c in module.named_children() if c is ad)
+        if ad.kind != "experts" and getattr(module, "explicit_expert_comm", False):
+            raise NotImplementedError(f"{name}: adapters on SequentialMLP's expert linears have no checkpoint layout")
+        group, _ = _tp_comm(module) if ad.kind != "experts" else (None, False)
+        tp_rank, tp = (group.rank(), group.size()) if group is not None else (0, 1)
+        for x in ("A", "B"):
+            key, p = f"{name}.{child}.{x}" if name else f"{child}.{x}", getattr(ad, x)
+            if ad.kind == "experts":
+                out[key] = ShardedTensor.from_rank_offsets(key, p, (0, module.ep_group.rank(), module.ep_group.size()),
+                                                           replica_id=(0, 0, module.dp_group.rank()))
+            elif tp > 1 and getattr(p, "tensor_model_parallel", False):
+                out[key] = ShardedTensor.from_rank_offsets(key, p, (p.partition_dim, tp_rank, tp),
+                                                           replica_id=(0, 0, dp_rank))
+            else:
+                out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, tp_rank, dp_rank))
+    return out
+
+
 # ======================================================================================================================
 # The adapters in HF names (PEFT)
 
@@ -352,7 +385,7 @@ def hf_adapter_state(model: nn.Module, hf_dir, grads: bool = False) -> dict[str,
         shards = _gather(b if ad.kind == "column" else a, group)
         for r, shard in enumerate(shards):
             off = 0
-            for s in pm.segments(r, len(shards)):
+            for s in pm.slices(r, len(shards)):
                 shape = reader.shape_dtype(s.key)[0]
                 if s.key not in out:
                     out[s.key] = [a.float().clone(), torch.zeros(shape[0], a.shape[0])] if ad.kind == "column" else \
@@ -379,7 +412,7 @@ def set_hf_adapter_state(model: nn.Module, state: dict[str, tuple[torch.Tensor, 
             raise NotImplementedError(f"{name}: per-expert adapters have no HF layout here yet")
         pm = maps[f"{name}.{ad.weight_name}"]
         rank, size = hf_weights.group_rank_size(hf_weights._group(pm.group))
-        segments = pm.segments(rank, size)
+        segments = pm.slices(rank, size)
         if ad.kind == "column":  # A whole, B's rows from the segments
             ad.A.copy_(state[segments[0].key][0])
             ad.B.copy_(torch.cat([state[s.key][1].narrow(0, s.start, s.length or state[s.key][1].shape[0])

@@ -1,11 +1,13 @@
 """The frozen reference's log-prob sums: a reference model's forward in every step, or computed once and stored.
 
 `reference.logprobs = "online"`: `build_reference` loads a frozen copy of model.hf_path beside the policy and `sums`
-runs it on each microbatch before the policy. `"precomputed"`: `precompute` runs the reference once over every
-training and validation pair at the start of the job (the reference pass: data-parallel on the training layout, no
-gradients, no policy or optimizer in memory, bins of `reference.max_tokens_per_bin`), writes each pair's sums as it
-goes, frees the model, and `sums` looks the values up: training builds no reference model. Either way the step asks
-`sums(reference, batches, ctx)`.
+runs it on each microbatch before the policy; with LoRA (lora.rank > 0) it builds nothing: the reference is the policy
+itself with its adapters off (`AdaptersOff`: the base model, bit for bit, no second copy of the weights).
+`"precomputed"`: `precompute` runs the reference once over every training and validation pair at the start of the job
+(the reference pass: data-parallel on the training layout, no gradients, no policy or optimizer in memory, bins of
+`reference.max_tokens_per_bin`), writes each pair's sums as it goes, frees the model (with LoRA too: the base model of
+model.hf_path, before the policy and its adapters exist), and `sums` looks the values up: training builds no reference
+model. Either way the step asks `sums(reference, batches, ctx)`.
 
     <checkpoint.dir>/reference_logprobs/
         manifest.json          what the values belong to (`identity`): another model, data index or dtype is refused
@@ -21,6 +23,7 @@ tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -36,6 +39,7 @@ import torch.distributed as dist
 import checkpoint
 import distributed
 import hf_weights
+import lora
 import mmpr_data
 import mmpr_rows
 import mpo_loss
@@ -90,11 +94,34 @@ class Stored:
         return pack.to_device(torch.where(real, self.sums[rows, col], 0.0).to(torch.float32), device)
 
 
+@dataclasses.dataclass(eq=False)
+class AdaptersOff:
+    """The LoRA reference: `policy` (the plain module, adapters attached by lora.apply_lora) run in eval mode with
+    every adapter off and no gradients, which is the base model of model.hf_path bit for bit (tests/test_lora.py)."""
+
+    policy: torch.nn.Module
+
+    @contextlib.contextmanager
+    def base(self):
+        """`policy` as the base model inside the block: eval mode and adapters off, both restored after."""
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with lora.adapters_disabled(self.policy):
+                yield self.policy
+        finally:
+            self.policy.train(was_training)
+
+
 def sums(reference, batches: list[pack.PackedBatch], ctx) -> list[torch.Tensor]:
     """The reference log-prob sums [S] (fp32, on ctx.device) of every microbatch: looked up when `reference` is
-    `Stored`, else the frozen model's forward without gradients (with `reference.offload` it visits the GPU here)."""
+    `Stored`, the policy's forward with its adapters off when `AdaptersOff`, else the frozen model's forward; no
+    gradients (with `reference.offload` the frozen model visits the GPU here)."""
     if isinstance(reference, Stored):
         return [reference.lookup(b, ctx.device) for b in batches]
+    if isinstance(reference, AdaptersOff):
+        with torch.no_grad(), reference.base() as model:
+            return [mpo_loss.forward_logprobs(model, b, ctx)[0] for b in batches]
     offload = ctx.cfg.reference.offload and ctx.device.type == "cuda"
     if offload:
         reference.to(ctx.device)
@@ -105,8 +132,17 @@ def sums(reference, batches: list[pack.PackedBatch], ctx) -> list[torch.Tensor]:
     return out
 
 
-def build_reference(cfg, ctx, kernels):
-    """The frozen reference model from model.hf_path on `kernels` (eval, no gradients); on the CPU between its passes
+def build_reference(cfg, ctx, kernels, policy: torch.nn.Module | None = None):
+    """The online reference: with LoRA (lora.rank > 0) `AdaptersOff(policy)` (`policy` after lora.apply_lora),
+    else `load_model`."""
+    if cfg.lora.rank > 0:
+        assert policy is not None, "LoRA: the reference is the policy with its adapters off"
+        return AdaptersOff(policy)
+    return load_model(cfg, ctx, kernels)
+
+
+def load_model(cfg, ctx, kernels):
+    """The frozen base model from model.hf_path on `kernels` (eval, no gradients); on the CPU between its passes
     with `reference.offload` on a GPU."""
     model = hf_weights.build_from_hf(cfg, kernels).eval().requires_grad_(False)
     if cfg.reference.offload and ctx.device.type == "cuda":
@@ -255,7 +291,7 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
             if (missing := tables[index_key(index)].missing(ids))]
     total = sum(len(ids) for _, _, ids in splits)
     if todo:
-        model = build_reference(cfg, ctx, kernels)
+        model = load_model(cfg, ctx, kernels)  # the base model (LoRA: the policy's adapters off, bit for bit)
         finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
         del model  # the policy is built next: memory holds no reference from here on
         gc.collect()

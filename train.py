@@ -50,6 +50,7 @@ config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss)
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
 import kernel_selection  # noqa: E402
+import lora  # noqa: E402
 import megatron_patches  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
@@ -107,11 +108,15 @@ def main(cfg) -> int:
             log.finish()
             return 0
         ref_train, ref_val = stored
-    else:
+    elif not cfg.lora.rank:  # with LoRA the reference is the policy with its adapters off (below)
         ref_train = ref_val = reference_logprobs.build_reference(cfg, ctx, kernels)
 
-    # -- policy (the reference's initial weights) -------------------------------------------------------------------
+    # -- policy (the reference's initial weights); LoRA: adapters added, every base weight frozen --------------------
     policy = hf_weights.build_from_hf(cfg, kernels)
+    if cfg.lora.rank:
+        lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed)
+        if cfg.reference.logprobs == "online":
+            ref_train = ref_val = reference_logprobs.build_reference(cfg, ctx, kernels, policy)
     n_active = monitor.active_params(policy, hf)
 
     # -- optimizer: megatron DDP + (distributed) Adam, LR schedule --------------------------------------------------
@@ -234,7 +239,8 @@ def build_scheduler(optimizer, cfg):
 def build_optimizer(policy, cfg):
     """(ddp, optimizer, scheduler): megatron-core DDP around the policy (gradients summed over microbatches, DP and
     CP: mpo_loss's denominator contract; in fp32 or, optimizer.grad_reduce_in_fp32=false, model.params_dtype), its
-    Adam (distributed by default; bf16 params keep fp32 master weights)."""
+    Adam (distributed by default; bf16 params keep fp32 master weights). Both see only the parameters that require a
+    gradient: with LoRA the adapters (no gradient buffer, optimizer state or master copy for a frozen base weight)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -257,10 +263,13 @@ def build_optimizer(policy, cfg):
 
 def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.PairSampler, cfg, rank: int) -> dict:
     """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
-    sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config."""
+    sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config.
+    Collective (LoRA: the base model's digest)."""
     run_state = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
            "reward_shift_num_updates": 0, "wandb_run_id": None,
            "model_files": checkpoint.model_files(cfg.model.hf_path)}  # fmt: skip
+    if cfg.lora.rank:  # the checkpoints hold only the adapters: the base weights they belong to
+        run_state["base_model_digest"] = checkpoint.base_model_digest(cfg.model.hf_path)
     if saved is not None:
         with megatron_patches.cuda_to_cpu():
             checkpoint.load(saved, ddp, optimizer, scheduler)

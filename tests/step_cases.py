@@ -187,9 +187,16 @@ def tiny_step(device, *overrides: str) -> dict:
         distributed.seed_everything(cfg.mpo.seed)
         policy = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
         hf_weights.load_hf_weights(policy, cfg.model.hf_path)
-        reference = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
-        hf_weights.load_hf_weights(reference, cfg.model.hf_path)
-        reference.eval().requires_grad_(False)
+        if cfg.lora.rank:  # train.main's LoRA: adapters on the policy, the reference is the policy with them off
+            import lora
+            import reference_logprobs
+
+            lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed)
+            reference = reference_logprobs.build_reference(cfg, None, None, policy)
+        else:
+            reference = om.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
+            hf_weights.load_hf_weights(reference, cfg.model.hf_path)
+            reference.eval().requires_grad_(False)
         ddp, optimizer, scheduler = train.build_optimizer(policy, cfg)
         ctx = distributed.Ctx.current(cfg, device)
         ddp.train()

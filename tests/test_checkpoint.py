@@ -58,7 +58,7 @@ def test_cli_help_usage_and_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         hf_export.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and out.startswith("usage: python hf_export.py [-h] RUN_DIR OUT_DIR")
+    assert e.value.code == 0 and out.startswith("usage: python hf_export.py [-h] [--adapter] RUN_DIR OUT_DIR")
     assert "a run directory (checkpoint.dir: its latest step_<N>) or one step_<N>" in " ".join(out.split())
     for argv, names in (([], ["RUN_DIR, OUT_DIR"]), (["a"], ["OUT_DIR"]),
                         (["a", "b", "c"], ["unrecognized arguments: c"])):

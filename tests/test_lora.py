@@ -2,16 +2,29 @@
 merged weights give the adapted logits, only the adapters train, the [lora] config errors, the PEFT export loads in
 transformers + peft with our logits, and TP 2 + SP equals one rank (one torchrun launch).
 
-Run: `pytest tests/test_lora.py` (about a minute).
+LoRA training (train.py with lora.rank > 0): only the adapters reach DDP and the optimizer, the step-1 losses are
+w_p·ln 2 + w_q·2 ln 2, the adapters-off reference is the base model bit for bit; launches of configs/tiny.toml + LORA
+on 2 ranks: a golden trace (tests/golden/lora_trace.json; OMNI_MPO_RECORD_GOLDEN=1 records it), resume 2 + 2 = 4 bit
+for bit, checkpoints of adapters only, a resume over other base weights refused, the precomputed reference and the
+shared-prompt format, and both exports (merged, PEFT) against transformers (+ peft).
+
+Run: `pytest tests/test_lora.py` (a few minutes: five training launches).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import raises_naming
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omni_model_cases import TINY, make_pair_batch  # noqa: E402
@@ -153,6 +166,7 @@ def test_merged_weights_give_the_adapted_outputs(world, batch):
      "lora.projector"),
     (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.targets=[]"], "lora.targets"),
     (["lora.rank=8"], "model.moe_router_bias_update_rate"),
+    (["lora.rank=8", "model.moe_router_bias_update_rate=0", "reference.offload=true"], "reference.offload"),
 ])
 def test_bad_lora_settings_are_one_line_config_errors(overrides, key):
     from config import ConfigError, load_config
@@ -212,3 +226,271 @@ def test_two_rank_tensor_parallel_adapters_match_one_rank(torchrun):
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert r["adapter_grads_rel"] <= INVARIANCE, (layout, r)
         assert r["logits_changed"] > 0.01, (layout, r)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LoRA training: train.py with lora.rank > 0
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = ["lora.rank=4", "lora.alpha=8", "model.moe_router_bias_update_rate=0"]  # the language model + shared experts
+GOLDEN = Path(__file__).resolve().parent / "golden" / "lora_trace.json"
+TIMING_KEYS = {"step_time", "pairs_per_s", "tokens_per_s", "eta_s", "mfu"}
+
+
+def _adapter_params(model) -> list[torch.nn.Parameter]:
+    import lora
+
+    return [p for _, _, ad in lora.adapted(model) for p in (ad.A, ad.B)]
+
+
+@pytest.fixture(scope="module")
+def lora_step():
+    from step_cases import tiny_step
+
+    return tiny_step("cpu", *LORA)
+
+
+def test_only_the_adapters_reach_ddp_and_the_optimizer(lora_step):
+    s = lora_step
+    adapters = _adapter_params(s["policy"])
+    in_buffers = [p for b in s["ddp"].buffers + s["ddp"].expert_parallel_buffers for p in b.params]
+    optimized = [p for g in s["optimizer"].param_groups for p in g["params"]]
+    assert {id(p) for p in in_buffers} == {id(p) for p in adapters}
+    assert len(optimized) == len(adapters) == 2 * 12  # 12 adapted linears: in/out, q/k/v, o, shared fc1/fc2, ...
+    assert sum(p.numel() for p in optimized) == sum(p.numel() for p in adapters)
+    frozen = [p for p in s["policy"].parameters() if not p.requires_grad]
+    assert frozen and not any(hasattr(p, "main_grad") for p in frozen)  # no gradient buffer for a base weight
+
+
+def test_lora_step_one_losses_are_ln2_and_2ln2(lora_step):
+    """B = 0: the policy is the reference (its adapters off) at step 1, every reward is exactly 0."""
+    mpo = lora_step["cfg"].mpo
+    m, _ = lora_step["run"](lora_step["batches"], 0.0)
+    ln2 = torch.tensor(2.0).log().item()  # float32 ln 2, as the loss computes it
+    assert m["preference_loss"] == pytest.approx(ln2, rel=1e-7)
+    assert m["bco_loss"] == pytest.approx(2 * ln2, rel=1e-7)
+    assert m["rewards/margin"] == 0.0 and m["rewards/chosen"] == 0.0 and m["bco/reward_sum"] == 0.0
+    want = mpo.preference_loss_weight * math.log(2) + mpo.bco_loss_weight * 2 * math.log(2)
+    assert m["loss"] == pytest.approx(want + mpo.sft_loss_weight * m["sft_loss"], abs=1e-6)
+    print(f"LoRA step 1: loss {m['loss']!r} (closed form {want!r}), preference {m['preference_loss']!r}, "
+          f"bco {m['bco_loss']!r}")
+
+
+def test_adapters_off_reference_is_a_base_model_bit_for_bit(lora_step):
+    """reference_logprobs.sums of the policy with trained-like adapters, adapters off, equals those of a base model
+    built without adapters (as reference.logprobs=precomputed's pass builds it) bit for bit, and the policy's own
+    log-probs differ."""
+    import hf_weights
+    import mpo_loss
+    import omni_model as om
+    import reference_logprobs
+
+    s = lora_step
+    policy, ctx, batches = s["policy"], s["ctx"], s["batches"]
+    randomize_b(policy, seed=7, std=0.05)
+    try:
+        base = om.build_model(ROOT / s["cfg"].model.hf_path, s["cfg"].model, s["cfg"].parallel)
+        hf_weights.load_hf_weights(base, ROOT / s["cfg"].model.hf_path)
+        base.eval().requires_grad_(False)
+        ours = reference_logprobs.sums(s["reference"], batches, ctx)
+        theirs = reference_logprobs.sums(base, batches, ctx)
+        assert policy.training  # the reference's eval mode is restored after
+        with torch.no_grad():
+            adapted = [mpo_loss.forward_logprobs(policy, b, ctx)[0] for b in batches]
+    finally:
+        with torch.no_grad():
+            for p in _adapter_params(policy)[1::2]:
+                p.zero_()
+    for a, b, c in zip(ours, theirs, adapted, strict=True):
+        assert torch.equal(a, b)
+        assert (a - c).abs().max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def lora_runs(torchrun, tmp_path_factory):
+    """configs/tiny.toml + LORA on 2 ranks: `straight` (6 steps, every 2nd saved, all kept), `segments` (2, then to
+    4), `precomputed` (reference.logprobs=precomputed, 2 steps), `shared` (packing.shared_prompt=true, 1 step)."""
+    env = {"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_cache"))}
+
+    def run(name, *overrides):
+        run_dir = tmp_path_factory.mktemp(name)
+        proc = torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LORA, *overrides, env=env)
+        return run_dir, proc
+
+    out = {}
+    d, p = run("straight", "checkpoint.save_period=2", "checkpoint.keep_last=0")
+    out["straight"] = SimpleNamespace(dir=d, out=p.stdout, rows=_rows(d), val=_rows(d, "validation"))
+    d, _ = run("segments", "mpo.stop_after_step=2")
+    torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={d}", *LORA, "mpo.stop_after_step=4", env=env)
+    out["segments"] = SimpleNamespace(dir=d, rows=_rows(d))
+    d, p = run("precomputed", "reference.logprobs=precomputed", "mpo.stop_after_step=2")
+    out["precomputed"] = SimpleNamespace(dir=d, out=p.stdout, rows=_rows(d))
+    d, p = run("shared", "packing.shared_prompt=true", "mpo.stop_after_step=1")
+    out["shared"] = SimpleNamespace(dir=d, out=p.stdout, rows=_rows(d))
+    out["env"] = env
+    return out
+
+
+def _rows(run_dir: Path, split: str = "train") -> list[dict]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+
+
+def test_golden_trace_of_a_lora_run(lora_runs):
+    """Every metric of the 6 steps and the validation row of configs/tiny.toml + LORA on 2 ranks, by
+    tests/test_train.py's golden-trace rule (float32 rounding of the log-prob sums)."""
+    from test_train import golden_mismatches
+
+    run = lora_runs["straight"]
+    trace = {"train": {k: [r[k] for r in run.rows] for k in _untimed(run.rows[0]) if k != "split"},
+             "validation": {k: v for k, v in _untimed(run.val[0]).items() if k != "split"}}
+    if os.environ.get("OMNI_MPO_RECORD_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps({"command": "torchrun --standalone --nproc-per-node 2 train.py configs/tiny.toml "
+                                                 + " ".join(LORA), **trace}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert golden_mismatches(run, golden["train"], golden["validation"]) == []
+    r = run.rows[0]  # step 1: the policy is the base model
+    assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-6) and r["rewards/margin"] == 0.0
+    assert r["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
+
+
+def test_lora_resume_two_plus_two_is_four_steps_bit_for_bit(lora_runs):
+    straight, segments = lora_runs["straight"], lora_runs["segments"]
+    assert [_untimed(r) for r in segments.rows] == [_untimed(r) for r in straight.rows[:4]]
+    a, b = _loaded_state(straight.dir / "step_4"), _loaded_state(segments.dir / "step_4")
+    assert [n for n, _ in a] == [n for n, _ in b] and len(a) > 24
+    for (name, x), (_, y) in zip(a, b, strict=True):
+        assert torch.equal(x, y), name
+    assert any(n.endswith(".B") and x.abs().max() > 0 for n, x in a)  # the adapters trained
+
+
+def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """The adapters and every optimizer state tensor after loading `step_dir` into a fresh LoRA policy + DDP + Adam
+    in this process (a world of one: the DP = 2 checkpoint reshards over DP)."""
+    import checkpoint
+    import config as config_mod
+    import distributed
+    import hf_weights
+    import lora
+    import megatron_patches
+    import omni_model
+    import train
+
+    distributed.init_distributed()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", LORA)
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    hf_weights.load_hf_weights(policy, ROOT / cfg.model.hf_path)
+    lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed + 1)  # another initial A: the checkpoint's must replace it
+    ddp, opt, sched = train.build_optimizer(policy, cfg)
+    with megatron_patches.cuda_to_cpu():
+        checkpoint.load(step_dir, ddp, opt, sched)
+    out = [(n, p.detach().clone()) for n, p in policy.named_parameters() if p.requires_grad]
+    for i, o in enumerate(checkpoint._inner_optimizers(opt)):
+        for g in o.optimizer.param_groups:
+            for j, p in enumerate(g["params"]):
+                out += [(f"opt {i}.{j}.{k}", v.detach().clone()) for k, v in sorted(o.optimizer.state[p].items())]
+    return out
+
+
+def test_a_lora_checkpoint_holds_only_the_adapters_and_the_base_digest(lora_runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import checkpoint
+
+    step = lora_runs["straight"].dir / "step_6"
+    keys = FileSystemReader(str(step / "model_optim")).read_metadata().state_dict_metadata
+    model_keys = sorted(k for k in keys if not k.startswith(("optimizer.", "common_state")))
+    assert all(k.endswith((".lora.A", ".lora.B")) for k in model_keys), model_keys[:5]
+    assert len(model_keys) == 2 * 12  # the adapters' tensors, no base weight
+    state = checkpoint.read_run_state(step)
+    assert state.base_model_digest == checkpoint.base_model_digest(ROOT / "assets" / "tiny-omni")
+    model_bytes = sum(keys[k].size.numel() * keys[k].properties.dtype.itemsize for k in model_keys)
+    size = sum(p.stat().st_size for p in (step / "model_optim").rglob("*") if p.is_file())
+    base = sum(p.stat().st_size for p in (ROOT / "assets" / "tiny-omni").glob("*.safetensors"))
+    print(f"LoRA checkpoint: model part {model_bytes} bytes, model_optim/ {size} bytes (with Adam's state and "
+          f"megatron's metadata); the base model's safetensors: {base} bytes")
+    assert model_bytes < 0.05 * base
+
+
+def test_resume_over_other_base_weights_is_refused_in_one_line(lora_runs, tmp_path):
+    """A byte-identical copy of the base model elsewhere resumes (a notice); one changed weight is refused, naming
+    model.hf_path."""
+    from safetensors.torch import load_file, save_file
+
+    import checkpoint
+    import config as config_mod
+
+    saved = checkpoint.read_run_state(lora_runs["straight"].dir / "step_2")
+    copy = tmp_path / "base"
+    shutil.copytree(ROOT / "assets" / "tiny-omni", copy)
+    cfg = config_mod.from_dict(saved.config)
+    cfg.model.hf_path = str(copy)
+    assert "model.hf_path" in checkpoint.check_resume(saved, cfg)  # the same weights: a notice, not a refusal
+    [shard] = sorted(copy.glob("*.safetensors"))[:1]
+    tensors = load_file(shard)
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with raises_naming(checkpoint.CheckpointError, "model.hf_path", copy) as e:
+        checkpoint.check_resume(saved, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_precomputed_reference_trains_as_the_adapters_off_reference_bit_for_bit(lora_runs):
+    assert "reference pass: 34 of 34 pairs to compute" in lora_runs["precomputed"].out
+    assert [_untimed(r) for r in lora_runs["precomputed"].rows] == [_untimed(r) for r in lora_runs["straight"].rows[:2]]
+
+
+def test_lora_in_the_shared_prompt_format_starts_at_ln2(lora_runs):
+    run = lora_runs["shared"]
+    assert "; pairs: shared prompt" in run.out
+    [r] = run.rows
+    assert r["preference_loss"] == pytest.approx(math.log(2), abs=1e-6) and r["rewards/margin"] == 0.0
+    assert r["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
+    assert r["tokens"] < lora_runs["straight"].rows[0]["tokens"]  # each prompt computed once
+
+
+def test_lora_exports_merged_and_as_peft_with_our_logits(lora_runs, tmp_path):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    import checkpoint
+    import config as config_mod
+    import distributed
+    import hf_weights
+    import lora
+    import omni_model
+
+    run = lora_runs["straight"]
+    outs = {}
+    for name, flag in (("merged", []), ("peft", ["--adapter"])):
+        outs[name] = tmp_path / name
+        proc = subprocess.run([sys.executable, "hf_export.py", str(run.dir), str(outs[name]), *flag], cwd=ROOT,
+                              env=dict(os.environ, **lora_runs["env"]), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert {p.name for p in outs["peft"].iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    distributed.init_distributed()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", LORA)
+    ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    hf_weights.load_hf_weights(ours, ROOT / cfg.model.hf_path)
+    lora.apply_lora(ours, cfg.lora, seed=cfg.mpo.seed)
+    checkpoint.load(run.dir / "step_6", ours)
+    ours.eval()
+    ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = ours({"input_ids": ids})
+        base = NemotronH_Omni_Reasoning_V3.from_pretrained(ROOT / cfg.model.hf_path).eval()
+        before = base.language_model(input_ids=ids).logits[0]
+        merged = NemotronH_Omni_Reasoning_V3.from_pretrained(outs["merged"]).eval().language_model(input_ids=ids)
+        peft_model = PeftModel.from_pretrained(base, outs["peft"]).eval()
+        adapted = peft_model.base_model.model.language_model(input_ids=ids).logits[0]
+    print(f"LoRA export: ours vs base {(mine - before).abs().max():.3g}, vs merged "
+          f"{(mine - merged.logits[0]).abs().max():.3g}, vs peft {(mine - adapted).abs().max():.3g}")
+    assert (mine - merged.logits[0]).abs().max() <= PARITY
+    assert (mine - adapted).abs().max() <= PARITY
+    assert (mine - before).abs().max() > 1e-4  # the adapters changed the logits: the check is not vacuous
