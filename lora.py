@@ -329,6 +329,8 @@ def sharded_state_dict(model: nn.Module) -> dict:
     `partition_dim` over the base's TP group, replicated ones over TP; the routed experts' A [E, r, in] / B [E, out, r]
     at rows ep_rank·E of the expert axis over EP, replicated over expert DP; the rest replicated over DP (× CP)."""
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.ssm.utils import _split_tensor_factory
 
     dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank = dp.rank() if dp is not None else 0
@@ -349,6 +351,12 @@ def sharded_state_dict(model: nn.Module) -> dict:
                                                            replica_id=(0, 0, dp_rank))
             else:
                 out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, tp_rank, dp_rank))
+        if isinstance(mixer := model.get_submodule(name.rpartition(".")[0]), MambaMixer) and child == "lora" \
+                and module is mixer.in_proj:  # B's rows: this rank's z | x | B | C | dt, as megatron splits W's
+            out[key] = _split_tensor_factory(out[key], [mixer.d_inner_local_tp, mixer.d_inner_local_tp,
+                                                        mixer.ngroups_local_tp * mixer.d_state,
+                                                        mixer.ngroups_local_tp * mixer.d_state, mixer.nheads_local_tp],
+                                             ["z", "x", "B", "C", "dt"], 0)
     return out
 
 

@@ -6,9 +6,10 @@ LoRA training (train.py with lora.rank > 0): only the adapters reach DDP and the
 w_p·ln 2 + w_q·2 ln 2, the adapters-off reference is the base model bit for bit; launches of configs/tiny.toml + LORA
 on 2 ranks: a golden trace (tests/golden/lora_trace.json; OMNI_MPO_RECORD_GOLDEN=1 records it), resume 2 + 2 = 4 bit
 for bit, checkpoints of adapters only, a resume over other base weights refused, the precomputed reference and the
-shared-prompt format, and both exports (merged, PEFT) against transformers (+ peft).
+shared-prompt format, and both exports (merged, PEFT) against transformers (+ peft). With the routed experts' adapters
+too: TP = 2 (+ SP) and EP = 2 equal one rank over 3 steps, metrics and the trained adapters (three more launches).
 
-Run: `pytest tests/test_lora.py` (a few minutes: five training launches).
+Run: `pytest tests/test_lora.py` (a few minutes: eight training launches).
 """
 
 from __future__ import annotations
@@ -418,8 +419,9 @@ def test_a_lora_checkpoint_holds_only_the_adapters_and_the_base_digest(lora_runs
     step = lora_runs["straight"].dir / "step_6"
     keys = FileSystemReader(str(step / "model_optim")).read_metadata().state_dict_metadata
     model_keys = sorted(k for k in keys if not k.startswith(("optimizer.", "common_state")))
-    assert all(k.endswith((".lora.A", ".lora.B")) for k in model_keys), model_keys[:5]
-    assert len(model_keys) == 2 * 12  # the adapters' tensors, no base weight
+    pieces = tuple(f".in_proj.lora.B.{x}" for x in ("z", "x", "B", "C", "dt"))  # Mamba in_proj's B as megatron's W
+    assert all(k.endswith((".lora.A", ".lora.B", *pieces)) for k in model_keys), model_keys[:5]
+    assert len(model_keys) == 2 * 12 + 2 * 4  # the adapters' tensors (2 Mamba in_proj B in 5 pieces), no base weight
     state = checkpoint.read_run_state(step)
     assert state.base_model_digest == checkpoint.base_model_digest(ROOT / "assets" / "tiny-omni")
     model_bytes = sum(keys[k].size.numel() * keys[k].properties.dtype.itemsize for k in model_keys)
@@ -508,3 +510,72 @@ def test_lora_exports_merged_and_as_peft_with_our_logits(lora_runs, tmp_path):
     assert (mine - merged.logits[0]).abs().max() <= PARITY
     assert (mine - adapted).abs().max() <= PARITY
     assert (mine - before).abs().max() > 1e-4  # the adapters changed the logits: the check is not vacuous
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LoRA training on TP = 2 (+ SP) and on EP = 2: 3 steps equal to one rank (issue 45 item 6)
+
+LAYOUTS = {"tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+           "ep2": ["parallel.expert_model_parallel_size=2"]}
+
+
+@pytest.fixture(scope="module")
+def lora_layout_runs(torchrun, tmp_path_factory):
+    """configs/tiny.toml + LORA with the routed experts' adapters too, tests/test_train.py's LEARN schedule (lr 1e-3,
+    so that 3 steps move the adapters) stopped after step 3 (step_3 saved): one rank, TP = 2 with SP, EP = 2."""
+    from test_train import LEARN
+
+    env = {"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_cache")), "OMP_NUM_THREADS": "1"}
+    out = {}
+    for name, nproc, overrides in (("tp1", 1, []), *((n, 2, o) for n, o in LAYOUTS.items())):
+        run_dir = tmp_path_factory.mktemp(name)
+        torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *LORA, "lora.routed_experts=true",
+                 *LEARN, "mpo.stop_after_step=3", *overrides, nproc=nproc, env=env)
+        out[name] = SimpleNamespace(dir=run_dir, rows=_rows(run_dir))
+    return out
+
+
+def _trained_adapters(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The adapters of `step_dir` loaded into a one-rank LoRA policy in this process (hf_export's path: any saved
+    layout resharded to TP = EP = 1), by parameter name."""
+    import checkpoint
+    import config as config_mod
+    import distributed
+    import hf_weights
+    import lora
+    import omni_model
+
+    distributed.init_distributed()
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*LORA, "lora.routed_experts=true"])
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    hf_weights.load_hf_weights(policy, ROOT / cfg.model.hf_path)
+    lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed + 1)  # another initial A: the checkpoint's must replace it
+    checkpoint.load(step_dir, policy)
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_on_tp2_and_ep2_equals_one_rank_over_three_steps(lora_layout_runs, layout):
+    """Every metric of steps 1-3 within the golden traces' float32 rule (tests/test_train.py's TP = 2 / DP = 2 test),
+    and the adapters after step 3 (routed experts' per-expert pairs included) within PARAM_ATOL_AFTER_3_STEPS."""
+    from test_train import PARAM_ATOL_AFTER_3_STEPS, golden_tolerance, largest_logprob_sum
+
+    ref, run = lora_layout_runs["tp1"], lora_layout_runs[layout]
+    assert [r["step"] for r in ref.rows] == [r["step"] for r in run.rows] == [1, 2, 3]
+    s_max = largest_logprob_sum(ref.rows)
+    worst = {}
+    for a, b in zip(ref.rows, run.rows, strict=True):
+        assert set(a) == set(b)
+        for key in set(a) - TIMING_KEYS - {"split"}:
+            tol = golden_tolerance(key, a, s_max)
+            worst[key] = max(worst.get(key, 0.0), abs(a[key] - b[key]))
+            assert b[key] == pytest.approx(a[key], rel=0, abs=tol), (layout, a["step"], key)
+    assert ref.rows[2]["rewards/margin"] != 0.0  # step 3 sees the adapters of step 2's update
+    want, got = _trained_adapters(ref.dir / "step_3"), _trained_adapters(run.dir / "step_3")
+    assert list(want) == list(got) and len(want) == 2 * 16  # 12 adapted linears + 2 routed-expert pairs per MoE layer
+    diffs = {n: (want[n] - got[n]).abs().max().item() for n in want}
+    for n in want:
+        assert torch.allclose(got[n], want[n], rtol=1e-4, atol=PARAM_ATOL_AFTER_3_STEPS), (layout, n, diffs[n])
+    assert all(want[n].abs().max() > 0 for n in want if n.endswith(".B"))  # every B trained (B starts at 0)
+    print(f"LoRA {layout} vs one rank over 3 steps: metrics max |diff| {max(worst.values()):.3g} "
+          f"({max(worst, key=worst.get)}), adapters max |diff| {max(diffs.values()):.3g} ({max(diffs, key=diffs.get)})")
