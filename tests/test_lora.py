@@ -579,3 +579,15 @@ def test_lora_on_tp2_and_ep2_equals_one_rank_over_three_steps(lora_layout_runs, 
     assert all(want[n].abs().max() > 0 for n in want if n.endswith(".B"))  # every B trained (B starts at 0)
     print(f"LoRA {layout} vs one rank over 3 steps: metrics max |diff| {max(worst.values()):.3g} "
           f"({max(worst, key=worst.get)}), adapters max |diff| {max(diffs.values()):.3g} ({max(diffs, key=diffs.get)})")
+
+
+def test_peft_export_of_routed_expert_adapters_is_refused_in_one_line(lora_layout_runs, tmp_path):
+    """The PEFT format here maps the language model's linears and the shared expert: `--adapter` of a run with
+    lora.routed_experts is one line naming the key, before anything is built or written; the merged export is the
+    way out."""
+    import hf_export
+
+    step = lora_layout_runs["tp1"].dir / "step_3"
+    with raises_naming(hf_export.CheckpointError, str(step), "lora.routed_experts", "without --adapter"):
+        hf_export.export(step, tmp_path / "peft", adapter=True)
+    assert not (tmp_path / "peft").exists()
