@@ -110,7 +110,7 @@ def test_bad_packing_is_rejected():
     x, dt, A, B, C, D = scan_inputs(b=1, seqlen=6)
     with raises_naming(ValueError, "seq_idx", "row 0 falls from 1 to 0 at position 4"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=torch.tensor([[0, 0, 1, 1, 0, 0]]))
-    with raises_naming(ValueError, "cu_seqlens", "T = 6", "[0, 4, 9]"):
+    with raises_naming(ValueError, "cu_seqlens", "seqlen = 6", "[0, 4, 9]"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, cu_seqlens=torch.tensor([0, 4, 9]))
     with raises_naming(ValueError, "seq_idx", "(1, 6)", "got (1, 5)"):
         mt.mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=torch.zeros(1, 5, dtype=torch.int32))

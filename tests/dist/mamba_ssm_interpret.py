@@ -137,14 +137,13 @@ def model(kernels: str, out: str, pair_format: str = "separate") -> tuple[str, d
     from omni_model_cases import TINY, logits_and_grads, make_pair_batch
     from shared_prompt_cases import IMAGE, make_pairs
 
-    import shared_prompt as sp
-
     import distributed
     import hf_weights
     import kernel_selection
     import mamba_triton
     import megatron_patches
     import omni_model
+    import pack
     from config import ModelConfig, ParallelConfig
 
     if kernels == "triton":
@@ -167,7 +166,7 @@ def model(kernels: str, out: str, pair_format: str = "separate") -> tuple[str, d
     mamba_triton._offsets = recorded
     hf_weights.load_hf_weights(m, TINY)
     batch = (make_pair_batch(seed=5, lens=(19, 27), divisible_by=8) if pair_format == "separate" else
-             sp.pack(make_pairs(), divisible_by=8, image_token_id=IMAGE))
+             pack.pack_shared_prompt(make_pairs(), divisible_by=8, image_token_id=IMAGE))
     logits, grads = logits_and_grads(m.train(), batch)
     extra = {"conv_offsets_from_the_batch": torch.tensor([len(hits) > 0 and all(hits)])} if kernels == "triton" else {}
     torch.save({"logits": logits, **grads, **extra}, out)
