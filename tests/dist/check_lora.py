@@ -99,13 +99,7 @@ def main() -> None:
             result[name] = {"logits": (full - ref).abs().max().item(), "adapter_grads_rel": rel,
                             "logits_changed": changed, "adapted_weights": len(ref_grads)}
         except Exception as e:  # reported, and the test fails on it
-            import traceback
-
-            traceback.print_exc()
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            result[name] = report.failure(e)
     if dist.get_rank() == 0:
         report.write(result)
         print(json.dumps(result, indent=2))

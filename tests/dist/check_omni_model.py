@@ -123,13 +123,7 @@ def main() -> None:
                             "logit_scale": ref.abs().max().item(),
                             "active_params": active, "ref_active_params": ref_active}
         except Exception as e:  # reported, and the test fails on it
-            import traceback
-
-            traceback.print_exc()
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            result[name] = report.failure(e)
     if dist.get_rank() == 0:
         report.write(result)
         print(json.dumps(result, indent=2))

@@ -83,13 +83,7 @@ def main() -> None:
         try:
             result[name] = run_layout(tp, dp)
         except Exception as e:  # reported, and the test fails on it
-            import traceback
-
-            traceback.print_exc()
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            result[name] = report.failure(e)
     report.write(result)
     dist.barrier()
     dist.destroy_process_group()

@@ -25,3 +25,15 @@ def write(obj, rank: int | None = None) -> None:
     tmp = Path(out) / f".rank{rank}.json.tmp"
     tmp.write_text(text)
     tmp.rename(Path(out) / f"rank{rank}.json")  # complete or absent
+
+
+def failure(error: Exception) -> dict:
+    """A layout's failure as its result ({"error": "Type: message"}), its traceback printed and megatron-core's
+    parallel state torn down so the worker's next layout can initialise its own."""
+    import traceback
+
+    from megatron.core import parallel_state
+
+    traceback.print_exc()
+    parallel_state.destroy_model_parallel()
+    return {"error": f"{type(error).__name__}: {error}"}
