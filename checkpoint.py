@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
-import megatron_patches
+from backend import megatron_patches
 
 try:  # a dependency of wandb (requirements.txt); zlib's crc32 where it is absent
     import xxhash
@@ -699,7 +699,7 @@ def check_parameter_digest(state: RunState, model: torch.nn.Module) -> None:
     per-expert weights) for a model with GroupedExperts' 3-D weights; other checkpoints without it get a notice."""
     path = state.path
     if state.parameter_digest is None:
-        import local_spec
+        from backend import local_spec
 
         if not any(isinstance(m, local_spec.GroupedExperts) for m in unwrap(model).modules()):
             if _rank() == 0:

@@ -85,7 +85,7 @@ def init_distributed(cfg=None, device: torch.device | None = None, num_experts: 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    import megatron_patches
+    from backend import megatron_patches
 
     device = torch.device("cpu") if device is None else torch.device(device)
     if cfg is not None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import megatron_patches
+from backend import megatron_patches
 from checkpoint import (
     EXPORT_INFO_FILE,
     MODEL_OPTIM_DIR,
@@ -92,9 +92,9 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
     import config as config_mod
     import distributed
     import hf_weights
-    import kernel_selection
     import lora
     import omni_model
+    from backend import kernel_selection
 
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:  # every process would write and rename OUT_DIR
         raise CheckpointError(f"export runs as one process (python hf_export.py), not {world} (torchrun)")

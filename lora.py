@@ -54,7 +54,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from local_spec import GroupedExperts, _norm, grouped_mm
+from backend.local_spec import GroupedExperts, _norm, grouped_mm
 
 # the base linears an adapter wraps (without Transformer Engine megatron-core leaves mocks in TE's class names)
 COLUMN = tuple(c for c in (ColumnParallelLinear, TEColumnParallelLinear, TELayerNormColumnParallelLinear)

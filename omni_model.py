@@ -41,11 +41,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch import nn
 
-import kernel_selection
-import mamba_triton
-import megatron_patches
-import shared_prompt
-from local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
+from backend import kernel_selection, mamba_triton, megatron_patches, shared_prompt
+from backend.local_spec import LocalNormColumnParallelLinear, local_hybrid_stack_spec, local_vit_layer_spec
 from pack import (
     cp_partition_index,
     host_view,

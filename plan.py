@@ -29,10 +29,10 @@ import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
-import kernel_selection  # noqa: E402
 import mmpr_rows  # noqa: E402
 import omni_model  # noqa: E402
 import preflight  # noqa: E402
+from backend import kernel_selection  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 # Usable memory (torch's total capacity) of an 80 GB H100 / A100 and a 141 GB H200 (docs/PERFORMANCE.md).
@@ -194,7 +194,7 @@ def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
 # ---- Activations ----------
 def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[int, int] = (256, 512)) -> float:
     """Bytes per token mamba_torch's scan saves for backward at this rank's heads (saved-tensor hooks, a slope)."""
-    import mamba_torch
+    from backend import mamba_torch
 
     t = hf.text
     nh, hd, ng, ds = t.mamba_num_heads // tp, t.mamba_head_dim, max(t.n_groups // tp, 1), t.ssm_state_size

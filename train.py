@@ -49,9 +49,7 @@ import config as config_mod  # noqa: E402
 config_mod.quiet_known_warnings()  # before megatron-core is imported (mpo_loss); OMNI_MPO_SHOW_WARNINGS=1 shows all
 import distributed  # noqa: E402
 import hf_weights  # noqa: E402
-import kernel_selection  # noqa: E402
 import lora  # noqa: E402
-import megatron_patches  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
 import mmpr_rows  # noqa: E402
@@ -61,7 +59,7 @@ import omni_model  # noqa: E402
 import pack  # noqa: E402
 import preflight  # noqa: E402
 import reference_logprobs  # noqa: E402
-import shared_prompt  # noqa: E402
+from backend import kernel_selection, megatron_patches, shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
 # ======================================================================================================================

@@ -46,9 +46,7 @@ def fallback(models, which: str):
     (`grouped_mm_loop`, SequentialMLP's loop), "mamba" -> mamba_torch's conv, scan and gate under
     megatron_patches' scan hook (megatron's MambaMixer looks the fused call up at each call; its gated RMSNorm,
     built with the model, stays the set's)."""
-    import local_spec
-    import mamba_torch
-    import megatron_patches
+    from backend import local_spec, mamba_torch, megatron_patches
 
     mods = list({id(m): m for model in models for m in model.modules()}.values())
     if which == "attention":
@@ -88,10 +86,10 @@ def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) ->
     (min of `timed` steps after one warm-up step), tokens/s and MFU, and the fallback's step time over the set's
     ("slowdown"); a variant that fails is {"error": ...} and the next one runs. `out` (run_section's entry) is
     filled and written as each variant ends. Raises when the set's own step fails."""
-    import kernel_selection
     import monitor
     import omni_model as om
     import train
+    from backend import kernel_selection
 
     device = torch.device(device)
     out = {} if out is None else out

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                  "names gpu)")
     if args.timed_steps is not None and args.timed_steps < 1:
         ap.error(f"--timed-steps {args.timed_steps}: at least 1")
-    import kernel_selection
+    from backend import kernel_selection
 
     print(kernel_selection.select_kernels().line(), file=sys.stderr, flush=True)
     flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")

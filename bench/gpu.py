@@ -79,8 +79,8 @@ def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool
     compilation from a cold cache is the slowest part), with `ablation` "ablation" (kernel_ablation), and "scan"
     (scan_bench). Without CUDA (and no explicit `device`), a skip
     record. `device`/`shape` let a CPU test run it at a tiny shape."""
-    import kernel_selection
     import omni_model as om
+    from backend import kernel_selection
 
     out = {} if out is None else out
     if device is None:

@@ -10,7 +10,7 @@ import functools
 import torch
 
 import pack
-import shared_prompt
+from backend import shared_prompt
 from bench.common import _sync
 from bench.gpu_step import _drop_system, _ours_system, _step_setup
 
@@ -72,10 +72,9 @@ def profile_regions(policy, optimizer):
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    import mamba_torch
-    import mamba_triton
     import mpo_loss
     import reference_logprobs
+    from backend import mamba_torch, mamba_triton
 
     handles, undo, missing = [], [], object()
 

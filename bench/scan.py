@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import mamba_triton
+from backend import mamba_triton
 from bench.common import TINY, _peak_memory, _reset_peak, _sync, error_record
 
 
@@ -24,8 +24,7 @@ def mamba_scan_kernels(device: torch.device) -> dict:
     12, evaluated by tests/test_gpu.py against mamba_torch; not used for training)."""
     import functools
 
-    import kernel_selection
-    import mamba_torch
+    from backend import kernel_selection, mamba_torch
 
     kernels = {"torch": mamba_torch.mamba_chunk_scan_combined}
     if device.type == "cuda" and kernel_selection.mamba_ssm_importable():

@@ -24,7 +24,8 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAND_INS = ("local_spec.py", "mamba_torch.py", "mamba_triton.py", "megatron_patches.py")  # the libraries' CPU roles
+# the libraries' CPU roles
+STAND_INS = tuple(f"backend/{m}.py" for m in ("local_spec", "mamba_torch", "mamba_triton", "megatron_patches"))
 TABLE_START, TABLE_END = "<!-- route table: python docs/route.py -->", "<!-- end of route table -->"
 
 

@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_TOML = ROOT / "configs" / "tiny.toml"
 
 # The modules whose code runs inside a step on the step's device (the CPU-only patches are not on a GPU path).
-PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "shared_prompt.py",
-                                                  "omni_model.py", "mamba_torch.py", "checkpoint.py"))
+PROJECT_FILES = frozenset(str(ROOT / f) for f in ("train.py", "mpo_loss.py", "pack.py", "backend/shared_prompt.py",
+                                                  "omni_model.py", "backend/mamba_torch.py", "checkpoint.py"))
 # ... and, for host reads (`DeviceAudit.reads`), also the modules the forward calls into
-READ_FILES = PROJECT_FILES | frozenset(str(ROOT / f) for f in ("local_spec.py", "mamba_triton.py", "monitor.py"))
+READ_FILES = PROJECT_FILES | frozenset(str(ROOT / f) for f in ("backend/local_spec.py", "backend/mamba_triton.py",
+                                                                 "monitor.py"))
 _TORCH_DIR = os.path.dirname(torch.__file__)
 FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
                        torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint})
@@ -160,8 +161,7 @@ class DeviceAudit(TorchFunctionMode):
 def tiny_config(*overrides: str):
     """configs/tiny.toml with `overrides`, `packing.shared_prompt` resolved as train.main does ("auto" included)."""
     import config as config_mod
-    import kernel_selection
-    import shared_prompt
+    from backend import kernel_selection, shared_prompt
 
     cfg = config_mod.load_config(str(TINY_TOML), list(overrides))
     cfg.packing.shared_prompt = shared_prompt.resolve(cfg, kernel_selection.select_kernels())[0]

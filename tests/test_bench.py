@@ -342,7 +342,7 @@ def test_scan_bench_records_a_failing_kernel_and_times_the_others(monkeypatch, c
     """A kernel that raised (a Triton build error, an out-of-memory) ended `python -m bench --gpu` and lost every
     number; it is now recorded as an error row while the other kernels are timed, each result printed on stderr as it
     ends."""
-    import mamba_torch
+    from backend import mamba_torch
     from bench import scan
 
     def broken(*args, **kwargs):
@@ -464,7 +464,7 @@ def test_profile_regions_mark_the_triton_mamba_sets_conv_and_scan(monkeypatch):
     both are restored on exit."""
     import types
 
-    import mamba_triton
+    from backend import mamba_triton
     from bench import profiling
 
     kernels = {"scan_fn": lambda: "scan", "norm_fn": lambda: "norm"}
@@ -489,10 +489,8 @@ def test_kernel_ablation_swaps_each_fast_kernel_back_and_restores_it(monkeypatch
 
     import distributed
     import hf_weights
-    import kernel_selection
-    import local_spec
-    import mamba_torch
     import omni_model as om
+    from backend import kernel_selection, local_spec, mamba_torch
     from bench import ablation, common
     from config import ModelConfig, ParallelConfig
 

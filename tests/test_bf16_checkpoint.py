@@ -23,8 +23,8 @@ import torch
 
 import config as config_mod
 import distributed
-import megatron_patches
 import train
+from backend import megatron_patches
 
 pytestmark = pytest.mark.slow  # 8 tiny runs: about 6 minutes on 2 busy cores
 

@@ -1093,8 +1093,8 @@ def test_optimizer_state_loads_only_into_its_parameter_digest(tmp_path):
     digest loads and every moment is restored exactly, as does a checkpoint without a digest into per-expert weights."""
     import functools
 
-    import kernel_selection
     import omni_model as om
+    from backend import kernel_selection
 
     sys.path.insert(0, str(ROOT / "tests"))
     from step_cases import tiny_step

@@ -121,7 +121,7 @@ def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
     """QA5: reference.offload = true on the CPU was silently ignored; the layout lines now say so."""
     from types import SimpleNamespace
 
-    import kernel_selection
+    from backend import kernel_selection
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"reference.offload={str(offload).lower()}"])
     ctx = SimpleNamespace(cfg=cfg, dp=2, device=torch.device("cpu"))

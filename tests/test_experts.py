@@ -18,8 +18,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omni_model_cases import TINY, logits_and_grads, make_pair_batch  # noqa: E402
 
-import kernel_selection  # noqa: E402
-import megatron_patches  # noqa: E402
+from backend import (
+    kernel_selection,  # noqa: E402
+    megatron_patches,  # noqa: E402
+)
 
 megatron_patches.apply()
 
@@ -29,7 +31,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.mlp import MLPSubmodules  # noqa: E402
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 
-import local_spec  # noqa: E402
+from backend import local_spec  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

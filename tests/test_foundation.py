@@ -496,7 +496,7 @@ def test_dockerfile_agrees_with_requirements_slurm_and_megatron_patches():
     the release the patches were checked on and requirements.txt pins; its wandb is train.sbatch's WANDB_PIN_VERSION."""
     import re
 
-    import megatron_patches
+    from backend import megatron_patches
 
     docker = (ROOT / "Dockerfile").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", docker, flags=re.M))

@@ -63,7 +63,7 @@ def _finite(rows: list[dict]) -> bool:
 
 
 def _specs() -> list:
-    import kernel_selection
+    from backend import kernel_selection
 
     te = pytest.param("te", marks=pytest.mark.skipif(not kernel_selection.te_importable(),
                                                        reason="transformer_engine does not import here"))
@@ -159,7 +159,7 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path,
     # shared-prompt layers' index tensors: shared_prompt.RowSpans)
     import re
 
-    import kernel_selection
+    from backend import kernel_selection
 
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
     assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
@@ -202,7 +202,7 @@ def _scan(kernel, device, dtype):
 
 
 def test_mamba_torch_on_cuda_matches_the_cpu():
-    import mamba_torch
+    from backend import mamba_torch
 
     gpu = _scan(mamba_torch.mamba_chunk_scan_combined, torch.device("cuda", 0), torch.float32)
     cpu = _scan(mamba_torch.mamba_chunk_scan_combined, torch.device("cpu"), torch.float32)
@@ -212,7 +212,7 @@ def test_mamba_torch_on_cuda_matches_the_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_mamba_kernel_matches_mamba_torch(dtype):
-    import mamba_torch
+    from backend import mamba_torch
     from bench import scan
 
     dev = torch.device("cuda", 0)
@@ -230,7 +230,7 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
 # 6. Shared-prompt attention through Transformer Engine (issue 16; never run on a GPU before this check)
 
 
-@pytest.mark.skipif(not __import__("kernel_selection").te_importable(),
+@pytest.mark.skipif(not __import__("backend.kernel_selection", fromlist=["_"]).te_importable(),
                     reason="transformer_engine does not import here")
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)],
                          ids=["bf16", "fp16", "fp32"])
@@ -245,7 +245,7 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
     from megatron.core.transformer.enums import AttnMaskType
     from test_shared_prompt_te import SPANS, row_offsets
 
-    import shared_prompt
+    from backend import shared_prompt
 
     dev = torch.device("cuda", 0)
     heads, groups, d = 8, 2, 64
@@ -289,9 +289,7 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     sources, mamba_triton.kernels()); with mamba-ssm's sources alone, its scan and norm and mamba_torch's conv."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
-    import kernel_selection
-    import mamba_triton
-    import shared_prompt
+    from backend import kernel_selection, mamba_triton, shared_prompt
 
     if kernel_selection.mamba_ssm_importable():
         from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
@@ -349,7 +347,7 @@ def test_grouped_experts_equal_sequential_mlp(cuda_world, dtype):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    import local_spec
+    from backend import local_spec
 
     dev, E = torch.device("cuda", 0), 128
     cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, add_bias_linear=False,
@@ -395,7 +393,7 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
     from test_shared_prompt_te import SPANS, row_offsets
     from test_varlen_attention import _run
 
-    import local_spec
+    from backend import local_spec
 
     dev, heads, groups, d = torch.device("cuda", 0), 8, 2, 64
     cfg = SimpleNamespace(num_attention_heads=heads, num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
@@ -425,7 +423,7 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
 # ----------------------------------------------------------------------------------------------------------------------
 # 9. The `mamba triton` set on CUDA against mamba_torch (issue 33; on the CPU: Triton's interpreter)
 
-_triton_set = pytest.mark.skipif(not __import__("kernel_selection").mamba_triton_importable(),
+_triton_set = pytest.mark.skipif(not __import__("backend.kernel_selection", fromlist=["_"]).mamba_triton_importable(),
                                  reason="the `mamba triton` set does not import here (mamba-ssm's sources via "
                                         "OMNI_MAMBA_SSM_SRC or its CUDA-less install, and fla-core)")
 
@@ -436,7 +434,7 @@ def _mixer_case(dev, dtype, gate_in_scan: bool):
     call gives them (gate in the scan, no norm) or with the gated norm inside (Nemotron-H's norm_before_gate False)."""
     from test_shared_prompt import mixer_tensors
 
-    import mamba_torch
+    from backend import mamba_torch
 
     T, cu = 1500, [0, 3, 400, 1111, 1500]
     tensors, kw = mixer_tensors(T, h=16, p=64, g=2, n=64)
@@ -454,8 +452,7 @@ def test_triton_mamba_mixer_body_equals_mamba_torch(dtype, gate_in_scan):
     """mamba_triton.mamba_split_conv1d_scan_combined against mamba_torch's on the same inputs and dtype, with the conv
     offsets precomputed (mamba_triton.CONV_OFFSETS, as OmniModel.forward sets them) and derived from seq_idx: output
     and the gradient of every input (max difference relative to the largest value, point 5's tolerance)."""
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch, mamba_triton
 
     dev = torch.device("cuda", 0)
     results = {}
@@ -484,8 +481,7 @@ def test_fla_conv_equals_mamba_torch_on_cuda(dtype):
     """mamba_triton.causal_conv1d_fn (fla-core's Triton conv) against mamba_torch.causal_conv1d_fn at the Nano's conv
     width (2·4096 + 2·8·128 channels would be slow to compare; 1024 channels, 4 taps) on 4 packed sequences with silu
     and bias: output and the gradients of x, weight, bias (point 5's tolerance)."""
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch, mamba_triton
 
     dev = torch.device("cuda", 0)
     T, dim, cu = 3000, 1024, [0, 2, 700, 2049, 3000]
@@ -508,9 +504,7 @@ def test_fla_conv_equals_mamba_torch_on_cuda(dtype):
 def test_the_kernel_line_names_the_triton_mamba_set():
     """Without the compiled mamba-ssm / causal-conv1d, a machine where the set imports trains on it (train.py's
     `kernels:` line, and the mixer's fused function is mamba_triton's after megatron_patches.apply())."""
-    import kernel_selection
-    import mamba_triton
-    import megatron_patches
+    from backend import kernel_selection, mamba_triton, megatron_patches
 
     if kernel_selection.mamba_ssm_importable():
         pytest.skip("the compiled mamba-ssm imports here: it is chosen over the Triton set")

@@ -121,7 +121,7 @@ def _linear_bound(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Te
 
 def test_merged_weights_give_the_adapted_outputs(world, batch):
     import lora
-    from local_spec import _norm
+    from backend.local_spec import _norm
 
     m = build(ALL)
     randomize_b(m)
@@ -391,9 +391,9 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     import distributed
     import hf_weights
     import lora
-    import megatron_patches
     import omni_model
     import train
+    from backend import megatron_patches
 
     distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", LORA)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import raises_naming
 
-import mamba_torch as mt
+from backend import mamba_torch as mt
 
 F64 = torch.float64
 
@@ -247,7 +247,7 @@ def simple_gla_recurrence(q, k, v, g, cu_seqlens):
 def test_mamba_scan_as_simple_gla_matches_the_scan():
     """The mapping a portable simple-GLA kernel (fla-core) would be evaluated through: output and gradients equal
     mamba_chunk_scan_combined's on packed sequences with dt_bias, softplus, dt_limit, D and z."""
-    from mamba_triton import mamba_chunk_scan_via_simple_gla
+    from backend.mamba_triton import mamba_chunk_scan_via_simple_gla
 
     x, dt_raw, A, B, C, D = scan_inputs(b=1, seqlen=29)
     seq_idx = packed_seq_idx([[9, 13, 7]])

@@ -13,8 +13,7 @@ import pytest
 import torch
 from conftest import raises_naming
 
-import mamba_torch
-import mamba_triton
+from backend import mamba_torch, mamba_triton
 
 
 def _fake_sources(root):

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernel_selection
-import megatron_patches
+from backend import kernel_selection, megatron_patches
 
 megatron_patches.apply()
 
@@ -95,7 +94,7 @@ def test_every_shim_names_an_upstream_line_that_exists():
 
     import megatron.core
 
-    import local_spec
+    from backend import local_spec
 
     site = Path(megatron.core.__file__).parents[2]
     names = ("_stub_paged_stash_without_triton", *megatron_patches.CPU_ONLY_SHIMS, *megatron_patches.LOCAL_SPEC_SHIMS,

@@ -402,7 +402,7 @@ def _core_attention(causal, cp=1, cp_rank=0):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    import local_spec
+    from backend import local_spec
 
     cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
                           context_parallel_size=cp)

@@ -106,9 +106,9 @@ def tiny(tmp_path_factory):
 
     import distributed
     import hf_weights
-    import kernel_selection
     import omni_model
     import train
+    from backend import kernel_selection
 
     cfg = tiny_config("reference.logprobs=precomputed", f"checkpoint.dir={tmp_path_factory.mktemp('run')}")
     cfg.model.hf_path = str(ROOT / cfg.model.hf_path)

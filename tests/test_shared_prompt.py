@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from conftest import raises_naming
 
-import mamba_torch as mt
 import mpo_loss
 import pack
 import preflight
-import shared_prompt
+from backend import mamba_torch as mt
+from backend import shared_prompt
 from bench import packing, workload
 from config import ConfigError
 

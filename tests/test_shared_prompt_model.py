@@ -81,7 +81,7 @@ def test_a_rejected_response_that_sees_the_chosen_one_is_caught(tiny, monkeypatc
     not."""
     from types import SimpleNamespace
 
-    import local_spec
+    from backend import local_spec
 
     model, ctx = tiny
     pairs = make_pairs()
@@ -217,10 +217,9 @@ def test_auto_is_on_exactly_where_the_format_is_checked_exact(spec, mamba, cp, w
     the start-up checks (auto with CP is separate rows, not the ConfigError of an explicit true)."""
     from step_cases import TINY_TOML
 
-    import kernel_selection
     import pack
     import preflight
-    import shared_prompt
+    from backend import kernel_selection, shared_prompt
 
     cfg = config_mod.load_config(TINY_TOML, [f"parallel.context_parallel_size={cp}", "packing.shared_prompt=auto"])
     assert cfg.packing.shared_prompt == "auto"

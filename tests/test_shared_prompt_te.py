@@ -22,7 +22,7 @@ from conftest import raises_naming
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-import shared_prompt
+from backend import shared_prompt
 
 F64 = torch.float64
 

@@ -47,11 +47,11 @@ from conftest import raises_naming
 
 import config as config_mod
 import distributed
-import megatron_patches
 import monitor
 import pack
 import preflight
 import train
+from backend import megatron_patches
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "mpo.max_num_steps=20", "mpo.val_at_end=false"]

@@ -21,8 +21,7 @@ import torch.nn.attention.varlen as torch_varlen
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-import local_spec
-import shared_prompt
+from backend import local_spec, shared_prompt
 
 
 def _stand_in(signature: str, calls: list):

@@ -48,7 +48,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 import checkpoint  # noqa: E402
 import config as config_mod  # noqa: E402
-import megatron_patches  # noqa: E402
+from backend import megatron_patches  # noqa: E402
 import monitor  # noqa: E402
 
 VOCAB, SEQ = 64, 16

@@ -84,7 +84,7 @@ def main() -> None:
     import torch.distributed as dist
     from omni_model_cases import make_pair_batch
 
-    import megatron_patches
+    from backend import megatron_patches
 
     megatron_patches.apply()
     dist.init_process_group("gloo")

@@ -16,7 +16,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_megatron_patches.small_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, first
 
-import megatron_patches  # noqa: E402
+from backend import megatron_patches  # noqa: E402
 
 megatron_patches.apply()
 

@@ -74,7 +74,7 @@ def main() -> None:
     import report
     import torch.distributed as dist
 
-    import megatron_patches
+    from backend import megatron_patches
 
     megatron_patches.apply()
     dist.init_process_group("gloo")

@@ -44,8 +44,8 @@ def scan() -> tuple[str, dict]:
     """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on issue 12's packed case (300 tokens in 3 sequences
     via seq_idx, 8 heads x 16, 2 groups, d_state 16, chunk 64, dt softplus + dt_limit (0.001, inf), D, z): output
     and the gradients of x, dt, B, C, z."""
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch
+    from backend import mamba_triton
     from bench.scan import run_scan, scan_inputs
 
     mamba_chunk_scan_combined = mamba_triton.load_mamba_ssm_triton()["scan_fn"]
@@ -66,8 +66,8 @@ def conv() -> tuple[str, dict]:
     x, weight, bias. Also "chunk_indices": conv_chunk_indices against fla's own prepare_chunk_indices (0 = equal)."""
     from fla.ops.utils import prepare_chunk_indices
 
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch
+    from backend import mamba_triton
 
     g = torch.Generator().manual_seed(0)
     T, dim, width = 150, 24, 4
@@ -103,8 +103,8 @@ def mixer() -> tuple[str, dict]:
     of every input."""
     from test_shared_prompt import mixer_tensors
 
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch
+    from backend import mamba_triton
 
     T = 200
     seq_idx = mamba_torch.seq_idx_from_cu_seqlens(torch.tensor([0, 3, 90, T]), T)
@@ -139,9 +139,9 @@ def model(kernels: str, out: str, pair_format: str = "separate") -> tuple[str, d
 
     import distributed
     import hf_weights
-    import kernel_selection
-    import mamba_triton
-    import megatron_patches
+    from backend import kernel_selection
+    from backend import mamba_triton
+    from backend import megatron_patches
     import omni_model
     import pack
     from config import ModelConfig, ParallelConfig
@@ -181,8 +181,8 @@ def shared_prompt() -> tuple[str, dict]:
     span shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
-    import mamba_triton
-    from shared_prompt import mamba_split_conv1d_scan
+    from backend import mamba_triton
+    from backend.shared_prompt import mamba_split_conv1d_scan
 
     kernels = mamba_triton.kernels()
 

@@ -32,8 +32,8 @@ from importlib import metadata
 import torch
 from torch.overrides import TorchFunctionMode
 
-import shared_prompt
-from kernel_selection import Kernels, select_kernels
+from backend import shared_prompt
+from backend.kernel_selection import Kernels, select_kernels
 
 MEGATRON_CORE_VERSION_CHECKED = "0.19.2"  # every SHIM marker names a line of this release
 
@@ -403,7 +403,7 @@ def cuda_to_cpu():
 def install_torch_mamba() -> None:
     # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
     # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_torch's kernels.
-    import mamba_torch
+    from backend import mamba_torch
 
     _install_mamba_kernels(mamba_torch.mamba_split_conv1d_scan_combined, mamba_torch.mamba_chunk_scan_combined,
                            mamba_torch.causal_conv1d_fn, mamba_torch.rmsnorm_fn)
@@ -412,7 +412,7 @@ def install_torch_mamba() -> None:
 def install_triton_mamba() -> None:
     # SHIM(megatron-core 0.19.2): megatron/core/ssm/mamba_mixer.py:204 (and :92, :1490)
     # Without mamba-ssm, MambaMixer refuses to build: run it on mamba_triton's kernels.
-    import mamba_triton
+    from backend import mamba_triton
 
     k = mamba_triton.kernels()
     _install_mamba_kernels(mamba_triton.mamba_split_conv1d_scan_combined, k["scan_fn"], k["conv_fn"], k["norm_fn"])
@@ -424,7 +424,7 @@ def _install_mamba_kernels(split_fn, scan_fn, conv_fn, norm_fn) -> None:
     from megatron.core.ssm import mamba_mixer
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    import mamba_torch
+    from backend import mamba_torch
 
     if getattr(mamba_mixer, "_omni_torch_mamba", False):
         return

@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import nn
 
-import shared_prompt
+from backend import shared_prompt
 from pack import cp_partition_index
 
 # ======================================================================================================================

@@ -136,7 +136,7 @@ def kernels() -> dict:
 
 def mamba_split_conv1d_scan_combined(*args, **kwargs):
     """mamba_torch.mamba_split_conv1d_scan_combined on `kernels()`."""
-    import mamba_torch
+    from backend import mamba_torch
 
     return mamba_torch.mamba_split_conv1d_scan_combined(*args, **kwargs, **kernels())
 
@@ -172,7 +172,7 @@ def mamba_chunk_scan_via_simple_gla(
     gla(q [1,T,H,N], k [1,T,H,N], v [1,T,H,P], g [1,T,H] fp32, cu_seqlens [S+1] int64 or None) returns o_t = q_t · S_t,
     S_t = exp(g_t) S_{t-1} + k_t^T v_t (e.g. fla-core's `chunk_simple_gla`); chunk_size is unused. Packed rows
     (seq_idx) need batch 1. Returns out [batch, seqlen, nheads, headdim] in x.dtype."""
-    import mamba_torch
+    from backend import mamba_torch
 
     b, seqlen, h, p = x.shape
     r = h // B.shape[2]

@@ -52,7 +52,7 @@ def mamba_ssm_importable() -> bool:
 
 def mamba_triton_importable() -> bool:
     """True when mamba_triton's set (mamba-ssm's Triton sources, fla-core's conv) imports."""
-    import mamba_triton
+    from backend import mamba_triton
 
     try:
         return mamba_triton.load_mamba_ssm_triton() is not None and mamba_triton.have_fla_conv()

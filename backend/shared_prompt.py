@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from mamba_torch import (
+from backend.mamba_torch import (
     NO_LIMIT,
     causal_conv1d_fn,
     compute_dtype,
@@ -430,8 +430,7 @@ def mamba_split_conv1d_scan(
 def mamba_kernels(fn) -> dict:
     """The conv_fn / scan_fn / norm_fn of `mamba_split_conv1d_scan` that match the fused Mamba function `fn`
     megatron calls (megatron_patches.install_mamba_scan_hook)."""
-    import mamba_torch
-    import mamba_triton
+    from backend import mamba_torch, mamba_triton
 
     if fn is mamba_torch.mamba_split_conv1d_scan_combined:
         return {}
