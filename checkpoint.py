@@ -349,6 +349,33 @@ def free_space(directory: str | Path) -> str:
     return f"{n} bytes free on {directory}" + (": the file system is full" if n < FULL_BYTES else "")
 
 
+RESOLVED_CONFIG_FILE = "config.json"  # the run's resolved config, beside its step_<N>/ folders
+
+
+def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = None) -> Path:
+    """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
+    each with `write_atomic` (never a partial file). Collective: a failed write (a full disk) is a CheckpointError on
+    every rank. Returns the path."""
+    import config as config_mod
+
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    files = [(path, config_mod.to_dict(cfg))]
+    if previous is not None:
+        files.insert(0, (path.with_name(f"config.step_{previous[0]}.json"), previous[1]))
+    failed = None
+    if rank == 0:
+        for target, content in files:
+            try:
+                write_atomic(target, (json.dumps(content, indent=1) + "\n").encode())
+            except OSError as e:
+                failed = (f"cannot write {target}: {type(e).__name__}: {e} ({free_space(path.parent)}); "
+                          "make room, then start the run again")  # fmt: skip
+                break
+    if failed := distributed.from_rank0(failed):
+        raise CheckpointError(failed)
+    return path
+
+
 def write_failure(e: BaseException, directory: str | Path) -> OSError | None:
     """The OSError behind a failed write `e` into `directory` (also safetensors' and torch's zip writer's), or None."""
     while e.__cause__ is not None:

@@ -138,7 +138,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
     plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
     batches = pack.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
-    n = train.count_global_pairs(batches, ctx_shared)
+    n = mpo_loss.count_global_pairs(batches, ctx_shared)
     loss_shared = train.policy_forward_backward(batches, reference_logprobs.sums(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
     dev_shared = _check_closed_form("shared-prompt", loss_shared, want, tol)

@@ -163,7 +163,7 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path,
 
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
     assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "train.py count_global_pairs: TensorBase.item"], sites
+                     "mpo_loss.py count_global_pairs: TensorBase.item"], sites
     if kernel_selection.select_kernels().mamba != "torch":
         assert not any(r.startswith("mamba_torch.py") for r in audit.reads), audit.reads
 

@@ -393,7 +393,6 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     import lora
     import omni_model
     import train
-    from backend import megatron_patches
 
     distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", LORA)
@@ -401,8 +400,7 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     hf_weights.load_hf_weights(policy, ROOT / cfg.model.hf_path)
     lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed + 1)  # another initial A: the checkpoint's must replace it
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(step_dir, ddp, opt, sched)
+    checkpoint.load(step_dir, ddp, opt, sched)
     out = [(n, p.detach().clone()) for n, p in policy.named_parameters() if p.requires_grad]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:

@@ -45,13 +45,14 @@ import pytest
 import torch
 from conftest import raises_naming
 
+import checkpoint
 import config as config_mod
 import distributed
 import monitor
+import mpo_loss
 import pack
 import preflight
 import train
-from backend import megatron_patches
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "mpo.max_num_steps=20", "mpo.val_at_end=false"]
@@ -763,8 +764,8 @@ def test_two_readme_commands_on_one_machine_do_not_wait_on_each_other(tmp_path):
 
 
 def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path, monkeypatch):
-    """Issue 47.3: a disk already full when the run starts was a traceback from write_resolved_config and left a 0-byte
-    config.json. Now one MetricsError naming the file and the free space; an earlier config.json is kept whole."""
+    """A disk already full when the run starts: writing the resolved config is one CheckpointError naming the file and
+    the free space (not a traceback), and no 0-byte config.json is left; an earlier config.json is kept whole."""
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "config.json").write_text('{"earlier": 1}\n')
     def full_disk(fd):  # the bytes were written, then the disk is full when they are synced
@@ -773,13 +774,13 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path,
     monkeypatch.setattr(os, "fsync", full_disk)
     for previous in (None, (3, {"step": 3})):
         target = "config.json" if previous is None else "config.step_3.json"
-        with raises_naming(monitor.MetricsError, f"{tmp_path / target}: OSError: [Errno {errno.ENOSPC}]",
+        with raises_naming(checkpoint.CheckpointError, f"{tmp_path / target}: OSError: [Errno {errno.ENOSPC}]",
                            f"bytes free on {tmp_path}"):  # fmt: skip
-            monitor.write_resolved_config(cfg, 0, previous)
+            checkpoint.write_resolved_config(cfg, 0, previous)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
         assert (tmp_path / "config.json").read_text() == '{"earlier": 1}\n'
     monkeypatch.undo()
-    assert monitor.write_resolved_config(cfg, 0, (3, {"step": 3})) == tmp_path / "config.json"
+    assert checkpoint.write_resolved_config(cfg, 0, (3, {"step": 3})) == tmp_path / "config.json"
     assert json.loads((tmp_path / "config.json").read_text()) == config_mod.to_dict(cfg)
     assert json.loads((tmp_path / "config.step_3.json").read_text()) == {"step": 3}
 
@@ -822,8 +823,7 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(step_dir, ddp, opt, sched)
+    checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
     out += [(f"buffer {n}", b.detach().clone()) for n, b in policy.named_buffers() if n.endswith("expert_bias")]
@@ -1708,7 +1708,7 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
                      "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
                      "mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "train.py count_global_pairs: TensorBase.item"], sites
+                     "mpo_loss.py count_global_pairs: TensorBase.item"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     # golden numbers: identical policy and reference
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -1717,7 +1717,7 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     old = DeviceAudit("cpu", extra_files=[__file__])
     with old:
         n_old = _count_pairs_before_issue_12(s["batches"], s["ctx"])
-    assert n_old == train.count_global_pairs(s["batches"], s["ctx"]) == 4
+    assert n_old == mpo_loss.count_global_pairs(s["batches"], s["ctx"]) == 4
     assert any("_count_pairs_before_issue_12: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
         old.violations
     # ... and a blocking copy of host data to the step's device, and a comparison read on the host, as reads
