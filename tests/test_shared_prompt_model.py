@@ -152,8 +152,8 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     # the layers' index tensors come from the host offsets (shared_prompt.RowSpans, made once per forward): the
     # project reads the device as in separate rows (tests/test_train.py), plus mamba_torch's (the CPU set's) own
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
-    assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "mpo_loss.py count_global_pairs: TensorBase.item"], sites
+    assert sites == ["mpo_loss.py count_global_pairs: TensorBase.item",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)

@@ -1707,8 +1707,8 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads})
     assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
                      "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
-                     "mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "mpo_loss.py count_global_pairs: TensorBase.item"], sites
+                     "mpo_loss.py count_global_pairs: TensorBase.item",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     # golden numbers: identical policy and reference
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
