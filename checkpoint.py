@@ -1,22 +1,14 @@
-"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the checkpoint CLI.
+"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the run directory's files.
 
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
-        run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums,
-                                      the parameter digest, the digest of model.hf_path's files (LoRA: and of their
-                                      content)
+        run_state.json                `RunState`: step, δ, sampler, scheduler, config, W&B id, checksums, digests
         rng/rank_<r>.pt               the RNG states of rank r
     <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
-    <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
+    <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`); config.json: its resolved config
 
-`save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
-it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
-changed files). `python hf_export.py RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py). A LoRA run
-(lora.rank > 0) saves only the adapters in model_optim/ (`lora.sharded_state_dict`) and records the digest of its
-base weights (`base_model_digest` of model.hf_path) in run_state.json: a resume over other base weights is refused.
-The repairs of megatron-core's checkpointing (Adam steps, gradient-buffer dtype, the writers' errors) are in
-megatron_patches.py. Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md,
-"Checkpoints".
+`save` writes a step (collective); a resume reads its run state (`read_run_state`), checks the config (`check_resume`,
+RESUME_RULES) and restores it (`load`, after `check_complete`). Details and reasons: docs/DESIGN.md, "Checkpoints".
 """
 
 from __future__ import annotations

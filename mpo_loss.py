@@ -1,16 +1,14 @@
 """The MPO loss on packed, vocab-parallel logits, and the BCO reward shift δ.
 
 MPO (Wang et al. 2024, arXiv 2411.10442 §3.2) on (chosen c, rejected r) pairs, as NeMo-RL's MPOLossFn computes it:
-
     total = w_p · pref + w_q · bco + w_g · sft
     pref  = −log σ(β·(L_c − L_r))                          DPO (Rafailov et al. 2023, arXiv 2305.18290)
     bco   = −log σ(β·L_c − δ) − log σ(−(β·L_r − δ))         paired BCO, no ½ (Jung et al. 2024, arXiv 2404.04656)
     sft   = −Σ_t log πθ(c_t)   (÷ |c| when sft_average_log_probs)
     L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over row y's response tokens (÷ their count with *_average_log_probs)
 
-Denominator: each term is summed over the microbatch's valid pairs ÷ `num_global_pairs` (`count_global_pairs`), the
-valid pairs of the whole step (all microbatches and DP ranks); DP and CP gradients are summed. δ changes only between
-steps.
+Denominator: each term's sum over a microbatch's valid pairs ÷ `num_global_pairs` (`count_global_pairs`: the whole
+step's, all microbatches and DP ranks); DP and CP gradients are summed. δ changes only between steps.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The stop signals of a run: `StopSignal`, what a rank does with them (finish the step, save, exit 0), and the rule
-for the worker processes a rank forks: a stop is the rank's to handle, so a worker (mmpr_data.StepLoader's DataLoader
-workers, mmpr_index's index pool) ignores them, except a SIGTERM from its parent, which ends it.
-Tests: tests/test_mmpr_data.py, tests/test_checkpoint.py (StopSignal)."""
+"""The stop signals of a run: `StopSignal` (a rank finishes its step, saves and exits 0) and the rule for the processes
+a rank forks: a stop is the rank's, so a worker (StepLoader's DataLoader workers, mmpr_index's pool) ignores the stop
+signals, except its parent's SIGTERM, which ends it. Tests: tests/test_mmpr_data.py, tests/test_checkpoint.py."""
 
 from __future__ import annotations
 

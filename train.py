@@ -5,13 +5,10 @@
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, reference, policy, optimizer, resume, loop,
-teardown. One optimizer step (the loop's body): load this DP rank's bins (pack.load_bins), then `train_step`: count the
-step's valid pairs (mpo_loss.count_global_pairs), the reference's sums (reference_logprobs.py: its forward, or the
-values its pass stored at start), policy forward + MPO loss + backward per microbatch, DP gradient sum,
-`check_finite`, Adam and LR step, δ update. Every tensor a step touches lives on `Ctx.device` (docs/DESIGN.md).
-Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`, `mpo.stop_after_step` or a stop signal
-(save, exit 0) and resumes from its run directory.
-Tests: `pytest tests/test_train.py`.
+teardown. One step (`train_step`): this DP rank's bins, the step's valid pairs, the reference's sums, policy forward +
+MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam and LR step, δ update; every tensor on
+`Ctx.device` (docs/DESIGN.md). Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`,
+`mpo.stop_after_step` or a stop signal (save, exit 0) and resumes from its run directory. Tests: tests/test_train.py.
 """
 
 from __future__ import annotations
