@@ -94,7 +94,7 @@ def table(res: dict) -> str:
             ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",
              f"diff {t['loss_abs_diff']:.1e}"),
         ]
-        if "pairs_per_s_stored_reference" in t:  # results recorded before issue 43 have no such rows
+        if "pairs_per_s_stored_reference" in t:  # results older than the stored reference lack these
             rows += [
                 ("stored reference log-probs vs reference forward", f"MPO step pairs/s ({t['pairs']} pairs, same bins)",
                  f"{t['pairs_per_s_stored_reference']:.2f}", f"{t['pairs_per_s_ours']:.2f}",

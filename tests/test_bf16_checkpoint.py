@@ -1,4 +1,4 @@
-"""bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export (issue 14, point 1).
+"""bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export.
 
 For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer, and with
 fp32 and bf16 gradient buffers (`optimizer.grad_reduce_in_fp32`; each on 1 and 2 ranks): the tiny run in bf16 for 4

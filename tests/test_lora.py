@@ -511,7 +511,7 @@ def test_lora_exports_merged_and_as_peft_with_our_logits(lora_runs, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# LoRA training on TP = 2 (+ SP) and on EP = 2: 3 steps equal to one rank (issue 45 item 6)
+# LoRA training on TP = 2 (+ SP) and on EP = 2: 3 steps equal to one rank
 
 LAYOUTS = {"tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
            "ep2": ["parallel.expert_model_parallel_size=2"]}

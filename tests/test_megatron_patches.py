@@ -157,7 +157,7 @@ def test_kernel_selection_by_capability():
         "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cuda"
     assert megatron_patches.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
                                              "_patch_hybrid_final_norm", "install_torch_mamba")
-    # with mamba-ssm's sources and fla-core there (the pip-install GPU path of issue 33): the Triton Mamba set
+    # with mamba-ssm's sources and fla-core there (the pip-install GPU path): the Triton Mamba set
     k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True, mamba_triton=True)
     assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba triton; device cuda"
     assert megatron_patches.shims_for(k)[-1] == "install_triton_mamba"

@@ -1,4 +1,4 @@
-"""The shared-prompt format wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
+"""The shared-prompt format wired into the model and the step: `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
 separate-rows format (pack.pack) and the shared-prompt format (pack.pack_shared_prompt) through train.py's own
