@@ -1,22 +1,14 @@
-"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the checkpoint CLI.
+"""Training checkpoints (megatron-core dist_checkpointing plus a JSON run state) and the run directory's files.
 
     <checkpoint.dir>/step_<N>/        a complete checkpoint after optimizer step N
         model_optim/                  model and distributed-optimizer shards (`dp_reshardable`: reshards over DP only)
-        run_state.json                `RunState`: step, δ, sampler, scheduler, resolved config, W&B id, file checksums,
-                                      the parameter digest, the digest of model.hf_path's files (LoRA: and of their
-                                      content)
+        run_state.json                `RunState`: step, δ, sampler, scheduler, config, W&B id, checksums, digests
         rng/rank_<r>.pt               the RNG states of rank r
     <checkpoint.dir>/step_<N>.tmp/    a save in progress, renamed to step_<N> once every rank has written
-    <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`)
+    <checkpoint.dir>/.lock            the run using the directory (`lock_run_dir`); config.json: its resolved config
 
-`save` writes a step (collective). A resume reads the run state once (`read_run_state`), checks the config against
-it (`check_resume`, the table RESUME_RULES) and restores the step (`load`, after `check_complete`: missing, short or
-changed files). `python hf_export.py RUN_DIR OUT_DIR` writes the policy as an HF checkpoint (hf_export.py). A LoRA run
-(lora.rank > 0) saves only the adapters in model_optim/ (`lora.sharded_state_dict`) and records the digest of its
-base weights (`base_model_digest` of model.hf_path) in run_state.json: a resume over other base weights is refused.
-The repairs of megatron-core's checkpointing (Adam steps, gradient-buffer dtype, the writers' errors) are in
-megatron_patches.py. Reasons (optimizer format, Adam-step repair, `.old` swap, write errors): docs/DESIGN.md,
-"Checkpoints".
+`save` writes a step (collective); a resume reads its run state (`read_run_state`), checks the config (`check_resume`,
+RESUME_RULES) and restores it (`load`, after `check_complete`). Details and reasons: docs/DESIGN.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -347,6 +339,33 @@ def free_space(directory: str | Path) -> str:
     except OSError:
         return f"free space on {directory} unknown"
     return f"{n} bytes free on {directory}" + (": the file system is full" if n < FULL_BYTES else "")
+
+
+RESOLVED_CONFIG_FILE = "config.json"  # the run's resolved config, beside its step_<N>/ folders
+
+
+def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = None) -> Path:
+    """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
+    each with `write_atomic` (never a partial file). Collective: a failed write (a full disk) is a CheckpointError on
+    every rank. Returns the path."""
+    import config as config_mod
+
+    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
+    files = [(path, config_mod.to_dict(cfg))]
+    if previous is not None:
+        files.insert(0, (path.with_name(f"config.step_{previous[0]}.json"), previous[1]))
+    failed = None
+    if rank == 0:
+        for target, content in files:
+            try:
+                write_atomic(target, (json.dumps(content, indent=1) + "\n").encode())
+            except OSError as e:
+                failed = (f"cannot write {target}: {type(e).__name__}: {e} ({free_space(path.parent)}); "
+                          "make room, then start the run again")  # fmt: skip
+                break
+    if failed := distributed.from_rank0(failed):
+        raise CheckpointError(failed)
+    return path
 
 
 def write_failure(e: BaseException, directory: str | Path) -> OSError | None:

@@ -1,12 +1,11 @@
 """Typed run configuration: one dataclass tree, loaded from TOML, then `section.key=value` overrides.
 
 Precedence: dataclass defaults < TOML file < command-line overrides. Every knob is documented once, in its field's
-comment below; the TOML sections mirror the tree (`[data.train]` is `Config.data.train`).
+comment below; the TOML sections mirror the tree (`[data.train]` is `Config.data.train`). Run
+`python config.py configs/nano.toml [overrides...]` to print the resolved config.
 
     cfg = load_config("configs/tiny.toml", ["mpo.max_num_steps=2", "data.train.max_samples=8"])
     validate_parallel(cfg, world_size=2)   # the checks that need the world size
-
-Run `python config.py configs/nano.toml [overrides...]` to print the resolved config.
 
 Errors: every problem (unknown key, wrong type, invalid value) raises `ConfigError` naming the file or override,
 the dotted key and the allowed values, before any distributed or model work starts.

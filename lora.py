@@ -7,29 +7,8 @@
     lora.merge(model); hf_weights.export_hf(model, out, hf_dir)   # W += (alpha / r)·B·A, the adapters removed
     lora.save_peft(model, out, hf_dir, cfg.lora)        # or the adapters alone: adapter_config.json + safetensors
 
-An adapter is an `Adapter` child of its base layer (`lora`; `lora_fc1` / `lora_fc2` on the routed experts), so the
-base parameters keep their names; `base_view(model)` hides the adapters (hf_weights' map, the base model's digest).
-B starts at zero (the adapted model is the base model at step 0); A is uniform in ±1/sqrt(fan_in) (PEFT's
-kaiming-uniform with a = sqrt(5)), drawn whole from a generator seeded by the layer's name and sliced to this rank,
-so every TP / EP layout starts from the same adapters. Dropout (lora.dropout) acts on the adapter's input.
-
-Tensor parallelism (the r-wide product is what travels, never the hidden states):
-- column-parallel base, W [out/TP, in]: A [r, in] replicated, B [out/TP, r] this rank's rows of W. u = x·Aᵀ on this
-  rank's tokens; under SP u is all-gathered over the sequence (its backward reduce-scatters), else u passes
-  `copy_to_tensor_model_parallel_region` (backward all-reduce: every rank's B rows add to u's gradient). Norm-fused
-  layers (TE's names: `layer_norm_weight`) give the adapter the normed input, computed by local_spec's norm.
-  Under SP, A's gradient covers this rank's tokens: A is tagged `sequence_parallel`, so megatron's
-  finalize_model_grads sums it over TP as it does the norms'.
-- row-parallel base, W [out, in/TP]: A [r, in/TP] this rank's columns, B [out, r] replicated. The partial u = x·Aᵀ
-  is all-reduced (SP: reduce-scattered over the sequence) before B, as the base's partial output is: by linearity
-  reduce(x·Aᵀ)·Bᵀ = reduce(x·Aᵀ·Bᵀ), the adapter's share of the base's reduction at r / out of its bytes. Under SP
-  B is tagged `sequence_parallel`.
-- routed experts (local_spec.GroupedExperts, W1 [E, out, in], W2 likewise): one adapter pair per local expert,
-  A [E, r, in] and B [E, out, r], applied by the same `grouped_mm` over the same token groups, so they are
-  expert-parallel like the weights (this EP rank's experts; megatron's `allreduce` tag copied). One pair per expert
-  (not Megatron-Bridge's default of one pair shared by all experts): the adapter is then exactly a LoRA of each
-  expert's matrix, which merges into W[e] and maps to HF's per-expert weights. megatron's SequentialMLP experts are
-  plain column / row linears and get one pair each the same way.
+Adapters are `Adapter` children of their base layers (`base_view` hides them); B starts at 0, A is seeded by the
+layer's name (every TP / EP layout starts alike). TP, SP and EP (a pair per routed expert): docs/DESIGN.md, "LoRA".
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its rendering
 (`TextRenderer.render`), its images (`load_image`, `image_grids`); `checked_rows` applies them to an annotation file.
 A row that fails a rule is a counted drop (DROP_REASONS); a bad meta-recipe is a DataError naming the file and key.
+Why each rule is as it is (InternVL's and NeMo-RL's loaders): docs/DESIGN.md, "Data: the row rules".
 
 A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
-    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{images + question}<|im_end|>\\n      <- prompt
-    <|im_start|>assistant\\n<think></think>                                                        <- prompt
+    <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{images + question}<|im_end|>\n      <- prompt
+    <|im_start|>assistant\n<think></think>                                                        <- prompt
     {response}<|im_end|>                                                           <- loss mask True
-    \\n                                                                             <- row end, mask False
-
-Why each rule is as it is (InternVL's and NeMo-RL's loaders): docs/DESIGN.md, "Data: the row rules".
+    \n                                                                             <- row end, mask False
 """
 
 from __future__ import annotations

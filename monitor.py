@@ -1,6 +1,6 @@
-"""What a training run reports and listens to, beside train.py's loop: stop signals (`StopSignal`), one-line errors
-(`exit_in_one_line`), step metrics (`speed_metrics`, `MetricsLog`: metrics.jsonl and W&B), the
-console lines and the resolved config file. Tests: `pytest tests/test_train.py tests/test_console.py`.
+"""What a training run reports, beside train.py's loop: one-line errors (`exit_in_one_line`), step metrics
+(`speed_metrics`, `MetricsLog`: metrics.jsonl and W&B) and the console lines.
+Tests: `pytest tests/test_train.py tests/test_console.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -24,54 +23,9 @@ import distributed
 import mmpr_index
 import mmpr_rows
 import pack
-import stop_signals
 
 
-# ---- Signals and errors ----------
-class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
-    finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
-
-    SIGNALS = tuple(sorted(stop_signals.STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (data workers ignore them)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-        self.launcher = os.getppid() if under_torchrun else None  # its pid; a re-parented rank sees another
-        for sig in self.SIGNALS:
-            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:  # started under nohup: kept ignored
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-        signal.signal(signum, signal.SIG_IGN)
-
-    def launcher_gone(self) -> bool:
-        """Whether this rank's torchrun is gone (re-parented); LOCAL_RANK 0 says so once on stderr."""
-        if self.launcher is None or os.getppid() == self.launcher:
-            return False
-        if self.received is None and os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"rank {global_rank()}: the launcher (pid {self.launcher}) is gone: the ranks of this node save "
-                  "after the current step and stop", file=sys.stderr, flush=True)
-        self.received = signal.SIGTERM  # the stop path of SIGTERM from here on
-        return True
-
-    def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank received a stop signal or lost its launcher (collective, after every step)."""
-        return self._any_rank(self.launcher_gone() or self.received is not None, device)
-
-    def interrupted(self, device: torch.device) -> bool:
-        """Whether any rank received a Ctrl-C so far (collective; train.py asks once, before the first step)."""
-        return self._any_rank(self.received == signal.SIGINT, device)
-
-    @staticmethod
-    def _any_rank(mine: bool, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if mine else 0.0], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
+# ---- The console and errors ----------
 class Console:
     """sys.stdout / stderr that survive a lost console (EIO, EPIPE) by writing to /dev/null: the rank still saves."""
 
@@ -172,31 +126,6 @@ def lost_peer(e: BaseException) -> str | None:
 def global_rank() -> int:
     """torchrun's RANK (0 outside torchrun): usable before and after the process group exists."""
     return int(os.environ.get("RANK", "0"))
-
-
-RESOLVED_CONFIG_FILE = "config.json"
-
-
-def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = None) -> Path:
-    """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
-    each with `checkpoint.write_atomic` (never a partial file). Collective: a failed write (a full disk) is a
-    MetricsError on every rank. Returns the path."""
-    path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
-    files = [(path, config_mod.to_dict(cfg))]
-    if previous is not None:
-        files.insert(0, (path.with_name(f"config.step_{previous[0]}.json"), previous[1]))
-    failed = None
-    if rank == 0:
-        for target, content in files:
-            try:
-                checkpoint.write_atomic(target, (json.dumps(content, indent=1) + "\n").encode())
-            except OSError as e:
-                failed = (f"cannot write {target}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); "
-                          "make room, then start the run again")  # fmt: skip
-                break
-    if failed := distributed.from_rank0(failed):
-        raise MetricsError(failed)
-    return path
 
 
 # ---- Step metrics: DP reduction, throughput, MFU, metrics.jsonl and W&B ----------

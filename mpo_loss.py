@@ -1,15 +1,14 @@
 """The MPO loss on packed, vocab-parallel logits, and the BCO reward shift δ.
 
 MPO (Wang et al. 2024, arXiv 2411.10442 §3.2) on (chosen c, rejected r) pairs, as NeMo-RL's MPOLossFn computes it:
-
     total = w_p · pref + w_q · bco + w_g · sft
     pref  = −log σ(β·(L_c − L_r))                          DPO (Rafailov et al. 2023, arXiv 2305.18290)
     bco   = −log σ(β·L_c − δ) − log σ(−(β·L_r − δ))         paired BCO, no ½ (Jung et al. 2024, arXiv 2404.04656)
     sft   = −Σ_t log πθ(c_t)   (÷ |c| when sft_average_log_probs)
     L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over row y's response tokens (÷ their count with *_average_log_probs)
 
-Denominator: each term is summed over the microbatch's valid pairs ÷ `num_global_pairs`, the valid pairs of the whole
-step (all microbatches and DP ranks); DP and CP gradients are summed. δ changes only between steps.
+Denominator: each term's sum over a microbatch's valid pairs ÷ `num_global_pairs` (`count_global_pairs`: the whole
+step's, all microbatches and DP ranks); DP and CP gradients are summed. δ changes only between steps.
 """
 
 from __future__ import annotations
@@ -234,6 +233,18 @@ def count_valid_pairs(
 ) -> int:
     """Valid pairs of one bin; summed over the step's microbatches and DP ranks it is `num_global_pairs`."""
     return int(valid_pairs(num_response_tokens, pair_index, is_chosen, sample_mask)[2].sum())
+
+
+def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
+    """`num_global_pairs`: the step's valid pairs over all its microbatches and DP ranks, counted on the host copies
+    (one all-reduce over DP)."""
+    local = 0
+    for b in map(pack.host_view, batches):
+        num_response_tokens = sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
+        local += count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
+    n = torch.full((1,), local, dtype=torch.long, device=ctx.device)
+    torch.distributed.all_reduce(n, group=ctx.dp_group)
+    return int(n.item())
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -6,11 +6,10 @@
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
 
 `OmniModel` = RADIO ViT (`vision_model`) + MLP projector (`vision_projection`) + megatron-core `HybridModel`
-(`language_model`: Mamba-2 `M`, attention `*`, MoE `E`, MLP `-` layers). The forward encodes each image once,
-puts the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters
-for SP and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with
-CUDA, else local_spec.py's (kernel_selection.select_kernels); build_model installs the megatron-core patches
-(megatron_patches.apply). Smoke run: `python hf_weights.py assets/tiny-omni`."""
+(`language_model`: Mamba-2 `M`, attention `*`, MoE `E`, MLP `-` layers). The forward encodes each image once, puts
+the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters for SP
+and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with CUDA,
+else local_spec.py's (kernel_selection); build_model installs the megatron-core patches (megatron_patches.apply)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Pair-atomic THD sequence packing (separate rows, or one span per pair with a shared prompt), context-parallel slicing
-and data-parallel balancing for MPO.
+"""Pair-atomic THD packing for MPO (separate rows, or one span per pair with a shared prompt), CP slicing, DP balancing.
 
 - Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
   to DP ranks by cost (`deal_greedy`); every rank computes the same `StepPlan`.

@@ -1,24 +1,12 @@
 """The frozen reference's log-prob sums: a reference model's forward in every step, or computed once and stored.
 
-`reference.logprobs = "online"`: `build_reference` loads a frozen copy of model.hf_path beside the policy and `sums`
-runs it on each microbatch before the policy; with LoRA (lora.rank > 0) it builds nothing: the reference is the policy
-itself with its adapters off (`AdaptersOff`: the base model, bit for bit, no second copy of the weights).
-`"precomputed"`: `precompute` runs the reference once over every training and validation pair at the start of the job
-(the reference pass: data-parallel on the training layout, no gradients, no policy or optimizer in memory, bins of
-`reference.max_tokens_per_bin`), writes each pair's sums as it goes, frees the model (with LoRA too: the base model of
-model.hf_path, before the policy and its adapters exist), and `sums` looks the values up: training builds no reference
-model. Either way the step asks `sums(reference, batches, ctx)`.
-
-    <checkpoint.dir>/reference_logprobs/
-        manifest.json          what the values belong to (`identity`): another model, data index or dtype is refused
-        rank<r>-<n>.shard      pairs computed by global rank r: one JSON header line (bytes, sha256), then torch.save of
-                               {index key: {"pair_ids" [n] int64, "sums" [n, 2] float64, "tokens" [n, 2] int64}}
-
-Column 0 is the chosen response, 1 the rejected one; `sums` are Σ_t log π_ref over the response tokens (the fp32
-values of the forward, held exactly in float64), `tokens` their count. A shard is written under a temporary name and
-renamed, so a stop or a kill never leaves half of one; a damaged shard is moved aside and its pairs computed again.
-A stop signal during the pass keeps the shards written (the next start continues). Tests:
-tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_train.py.
+`reference.logprobs = "online"`: `build_reference` loads a frozen copy of model.hf_path beside the policy (with LoRA
+none: the policy with its adapters off, `AdaptersOff`) and `sums` runs it on each microbatch before the policy.
+`"precomputed"`: `precompute` runs the reference once over every training and validation pair at the start of the
+job (the reference pass), writes each pair's sums under <checkpoint.dir>/reference_logprobs/ as it goes and frees the
+model; `sums` looks the values up. Either way the step asks `sums(reference, batches, ctx)`: Σ_t log π_ref over each
+response's tokens. The pass, its files and their checks: docs/DESIGN.md, "Reference log-probs computed once".
+Tests: tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_train.py.
 """
 
 from __future__ import annotations

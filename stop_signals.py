@@ -1,15 +1,19 @@
-"""The stop signals of a run and the rule for the worker processes a rank forks: a stop is the rank's to handle
-(monitor.StopSignal), so a worker (mmpr_data.StepLoader's DataLoader workers, mmpr_index's index pool) ignores them,
-except a SIGTERM from its parent, which ends it. Tests: tests/test_mmpr_data.py."""
+"""The stop signals of a run: `StopSignal` (a rank finishes its step, saves and exits 0) and the rule for the processes
+a rank forks: a stop is the rank's, so a worker (StepLoader's DataLoader workers, mmpr_index's pool) ignores the stop
+signals, except its parent's SIGTERM, which ends it. Tests: tests/test_mmpr_data.py, tests/test_checkpoint.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import sys
 import threading
 
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # what ends a run (monitor.StopSignal)
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # what ends a run (StopSignal)
 
 
 @contextlib.contextmanager
@@ -35,3 +39,48 @@ def ignore_stop_signals(*_) -> None:
         os._exit(0)
 
     threading.Thread(target=exit_on_parents_sigterm, name="parent_sigterm", daemon=True).start()
+
+
+class StopSignal:
+    """Remembers SIGTERM / SIGUSR1 / SIGINT / SIGHUP (repeats ignored) and, under torchrun, a launcher gone: the loop
+    finishes the step, saves, exits 0. `should_stop()` is collective: every rank stops after the same step."""
+
+    SIGNALS = tuple(sorted(STOP_SIGNALS))  # SIGHUP, SIGINT, SIGUSR1, SIGTERM (data workers ignore them)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+        self.launcher = os.getppid() if under_torchrun else None  # its pid; a re-parented rank sees another
+        for sig in self.SIGNALS:
+            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:  # started under nohup: kept ignored
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        signal.signal(signum, signal.SIG_IGN)
+
+    def launcher_gone(self) -> bool:
+        """Whether this rank's torchrun is gone (re-parented); LOCAL_RANK 0 says so once on stderr."""
+        if self.launcher is None or os.getppid() == self.launcher:
+            return False
+        if self.received is None and os.environ.get("LOCAL_RANK", "0") == "0":
+            rank = os.environ.get("RANK", "0")  # torchrun's global rank
+            print(f"rank {rank}: the launcher (pid {self.launcher}) is gone: the ranks of this node save after the "
+                  "current step and stop", file=sys.stderr, flush=True)
+        self.received = signal.SIGTERM  # the stop path of SIGTERM from here on
+        return True
+
+    def should_stop(self, device: torch.device) -> bool:
+        """Whether any rank received a stop signal or lost its launcher (collective, after every step)."""
+        return self._any_rank(self.launcher_gone() or self.received is not None, device)
+
+    def interrupted(self, device: torch.device) -> bool:
+        """Whether any rank received a Ctrl-C so far (collective; train.py asks once, before the first step)."""
+        return self._any_rank(self.received == signal.SIGINT, device)
+
+    @staticmethod
+    def _any_rank(mine: bool, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if mine else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -5,13 +5,10 @@
         model.hf_path=/ckpt/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16 data.train.data_path=/data/MMPR-v1.2/meta.json
 
 `main(cfg)` runs the job in sections: config, distributed init, data, reference, policy, optimizer, resume, loop,
-teardown. One optimizer step (the loop's body): load this DP rank's bins (pack.load_bins), then `train_step`: count the
-step's valid pairs (`count_global_pairs`), the reference's sums (reference_logprobs.py: its forward, or the values
-its pass stored at start), policy forward + MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam
-and LR step, δ update. Every tensor a step touches lives on `Ctx.device`
-(docs/DESIGN.md). Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`,
-`mpo.stop_after_step` or a stop signal (save, exit 0) and resumes from its run directory.
-Tests: `pytest tests/test_train.py`.
+teardown. One step (`train_step`): this DP rank's bins, the step's valid pairs, the reference's sums, policy forward +
+MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam and LR step, δ update; every tensor on
+`Ctx.device` (docs/DESIGN.md). Validation every `mpo.val_period` steps; the job stops at `mpo.max_num_steps`,
+`mpo.stop_after_step` or a stop signal (save, exit 0) and resumes from its run directory. Tests: tests/test_train.py.
 """
 
 from __future__ import annotations
@@ -59,7 +56,8 @@ import omni_model  # noqa: E402
 import pack  # noqa: E402
 import preflight  # noqa: E402
 import reference_logprobs  # noqa: E402
-from backend import kernel_selection, megatron_patches, shared_prompt  # noqa: E402
+import stop_signals  # noqa: E402
+from backend import kernel_selection, shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
 # ======================================================================================================================
@@ -93,7 +91,7 @@ def main(cfg) -> int:
         return 0
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved.step if saved else 0, rank)
-    stopper = monitor.StopSignal()
+    stopper = stop_signals.StopSignal()
     monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -254,8 +252,7 @@ def build_optimizer(policy, cfg):
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
     )  # fmt: skip
-    with megatron_patches.cuda_to_cpu():
-        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
+    optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
 
@@ -269,15 +266,14 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
     if cfg.lora.rank:  # the checkpoints hold only the adapters: the base weights they belong to
         run_state["base_model_digest"] = checkpoint.base_model_digest(cfg.model.hf_path)
     if saved is not None:
-        with megatron_patches.cuda_to_cpu():
-            checkpoint.load(saved, ddp, optimizer, scheduler)
+        checkpoint.load(saved, ddp, optimizer, scheduler)
         run_state.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift",
                                                          "reward_shift_num_updates", "wandb_run_id")})  # fmt: skip
         data_changed = sampler.load_state_dict(saved.sampler)  # a note when the data changed, same pair count
         monitor.print_resume(saved, notices, data_changed, rank)
     run_state["sampler"] = sampler.state_dict()
     # after a successful resume: a refused config never replaces the run's
-    path = monitor.write_resolved_config(cfg, rank, (saved.step, saved.config) if notices else None)
+    path = checkpoint.write_resolved_config(cfg, rank, (saved.step, saved.config) if notices else None)
     if rank == 0:
         print(f"config: {path}")
     return run_state
@@ -339,17 +335,6 @@ def plan_and_select(index: mmpr_data.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
 
-def count_global_pairs(batches: list[pack.PackedBatch], ctx: Ctx) -> int:
-    """The step's valid pairs over all DP ranks (mpo_loss's `num_global_pairs`), counted on the host copies."""
-    local = 0
-    for b in map(pack.host_view, batches):
-        num_response_tokens = mpo_loss.sequence_sums(b.loss_mask[0].long(), b.loss_seq_ids(), b.num_responses)
-        local += mpo_loss.count_valid_pairs(num_response_tokens, b.pair_index, b.is_chosen, b.sample_mask)
-    n = torch.full((1,), local, dtype=torch.long, device=ctx.device)
-    dist.all_reduce(n, group=ctx.dp_group)
-    return int(n.item())
-
-
 def policy_forward_backward(batches, ref_logprobs, policy, ctx: Ctx, reward_shift: float, num_global_pairs: int,
                             backward: bool, read: bool = True):
     """Policy forward + MPO loss per microbatch, and its backward when `backward` (gradients accumulate in megatron
@@ -379,7 +364,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    num_global_pairs = count_global_pairs(batches, ctx)
+    num_global_pairs = mpo_loss.count_global_pairs(batches, ctx)
     ref = reference_logprobs.sums(reference, batches, ctx)
     # MoE auxiliary loss scaled as megatron-core's schedules do: a mean over microbatches, DP and CP ranks (our DP
     # reduction sums); a 0-d tensor, the shape megatron's backward gives the class-level scale
@@ -389,8 +374,7 @@ def train_step(ddp, reference, optimizer, scheduler, batches, ctx: Ctx, reward_s
     finalize_model_grads([ddp])  # DP (+CP) gradient sum, sequence-parallel norm grads
     check_finite(ddp, local, r_sum, ctx)  # before the update: a diverged step never reaches the weights
     lr = optimizer.param_groups[0]["lr"]  # the lr this update uses
-    with megatron_patches.cuda_to_cpu():
-        _, grad_norm, _ = optimizer.step()
+    _, grad_norm, _ = optimizer.step()
     if not math.isfinite(grad_norm):  # finite gradients whose squares overflowed the norm (fp32: |g| > ~1e19)
         raise DivergedError(f"the gradient norm is {grad_norm} (finite gradients, whose norm overflowed)")
     scheduler.step(increment=1)
@@ -417,7 +401,7 @@ def run_validation(policy, reference, val: mmpr_index.Split, dataset, ctx: Ctx, 
         pairs = distributed.agreed(lambda: {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids},  # noqa: B023
                                    ctx)
         batches = pack.load_bins(plan, pairs, ctx, ids["image"], ids["pad"])
-        num_global_pairs = count_global_pairs(batches, ctx)
+        num_global_pairs = mpo_loss.count_global_pairs(batches, ctx)
         ref = reference_logprobs.sums(reference, batches, ctx)
         local, _, _ = policy_forward_backward(batches, ref, policy, ctx, reward_shift, num_global_pairs, backward=False)
         m = mpo_loss.reduce_metrics(local, ctx.dp_group, ctx.device)

@@ -1,9 +1,5 @@
-"""Kernel selection by capability: which attention, MoE-expert and Mamba-2 kernels this process uses.
-
-`select_kernels()` probes what imports and runs here and returns a `Kernels`, whose `line()` is the start-up banner,
-e.g. `kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu`. A process probes once
-(train.main) and passes the `Kernels` down; megatron_patches.apply installs the patches they need (the Mamba-2 kernels
-into megatron-core's MambaMixer among them).
+"""Kernel selection by capability: `select_kernels()` probes which attention, MoE-expert and Mamba-2 kernels import
+and run here, once per process (train.main), and returns the `Kernels` passed down (`line()`: the start-up banner).
 """
 
 from __future__ import annotations
@@ -80,14 +76,15 @@ def select_kernels(te: bool | None = None, mamba_ssm: bool | None = None, cuda: 
                    grouped_mm: bool | None = None, varlen_attn: bool | None = None,
                    mamba_triton: bool | None = None, dtype: torch.dtype | None = None) -> Kernels:
     """The kernels for this process; each argument is a capability, None probes it. Every fast kernel needs CUDA.
-    dtype: the layers' (model.params_dtype; None: bf16): torch's varlen FlashAttention and CUTLASS grouped GEMM run in
-    bf16 only here (fp32 layers stay on SDPA and torch's per-group loop)."""
+    dtype: the layers' (model.params_dtype; None: bf16)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = (cuda and te_importable()) if te is None else te
     mamba_ssm = (cuda and mamba_ssm_importable()) if mamba_ssm is None else mamba_ssm
     mamba_triton = (cuda and not mamba_ssm and mamba_triton_importable()) if mamba_triton is None else mamba_triton
     grouped_mm = (cuda and have_grouped_mm()) if grouped_mm is None else grouped_mm
     varlen_attn = (cuda and have_varlen_attn()) if varlen_attn is None else varlen_attn
+    # torch's varlen FlashAttention and CUTLASS grouped GEMM run in bf16 only here: fp32 layers stay on SDPA and
+    # torch's per-group loop
     grouped_mm, varlen_attn = (grouped_mm, varlen_attn) if dtype in (None, torch.bfloat16) else (False, False)
     spec = "te" if te and cuda else "local"
     mamba = "mamba-ssm" if mamba_ssm and cuda else "triton" if mamba_triton and cuda else "torch"

@@ -1,16 +1,14 @@
 """Pure-torch Mamba-2: chunked SSD scan, causal depthwise conv1d and gated grouped RMSNorm, with packed sequences.
 
-Drop-in equivalents (same names, arguments and keywords) of the kernels megatron-core's MambaMixer calls, so the mixer
-runs on any device (megatron_patches.install_torch_mamba): `causal_conv1d_fn` (causal-conv1d's), and
-`mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, `rmsnorm_fn` / `RMSNormGated` (mamba-ssm's). Packed
-rows: `seq_idx` [batch, seqlen] (non-decreasing) or `cu_seqlens` [num_seqs + 1] for batch 1; sequences never interact.
+Drop-ins (same names and keywords) for the kernels megatron-core's MambaMixer calls: causal-conv1d's `causal_conv1d_fn`,
+mamba-ssm's `mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, `rmsnorm_fn` / `RMSNormGated`. Packed rows:
+`seq_idx` [batch, seqlen] (non-decreasing) or `cu_seqlens` [S + 1] for batch 1; sequences never interact.
 
-The scan is Mamba-2's SSD block decomposition (Dao & Gu 2024, "Transformers are SSMs", §6), per head h:
+The scan is Mamba-2's SSD block decomposition (Dao & Gu 2024, "Transformers are SSMs", §6), per head h, computed in
+float32 (float64 for float64 inputs), returned in x's dtype; shared_prompt.py's conv and scan build on these kernels:
     dt_t = clamp(softplus(dt_t + dt_bias_h), *dt_limit)
     h_t  = exp(dt_t · A_h) · h_{t-1} + dt_t · x_t ⊗ B_t          (zero at each sequence start)
     y_t  = h_t · C_t + D_h · x_t,   then · silu(z_t) if z is given
-computed in float32 (float64 for float64 inputs), returned in x's dtype. The shared-prompt conv and scan are
-shared_prompt.py's, on these kernels.
 """
 
 from __future__ import annotations

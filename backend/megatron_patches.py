@@ -1,17 +1,12 @@
 """Patches of megatron-core: what lets it build, run and train this model without Transformer Engine, without
 mamba-ssm or without a GPU, and the changes the model needs on every platform.
 
-`apply(kernels)` installs the patches the selected kernels need (`shims_for(kernels)`; the kernels train.main chose,
-else probed once per process by `select_kernels()`) and the model patches (`MODEL_SHIMS`); it is idempotent and runs
-in every process before megatron modules are built (omni_model.build_model and distributed.init_distributed call it).
-`cuda_to_cpu()` wraps optimizer construction, `optimizer.step()` and checkpoint loading; checkpoint.py's save and load
-call the distributed-checkpointing repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`).
-The context variables below are the per-forward state that OmniModel.forward sets and the patched layers read. Each
-patch carries a `SHIM(megatron-core <version>): <upstream file:line>` marker (so do local_spec.py's stand-in layers);
-`apply()` refuses any megatron-core but MEGATRON_CORE_VERSION_CHECKED. Why each exists: docs/DESIGN.md, "Kernels and
-megatron-core patches" (the checkpointing ones: "Checkpoints").
-
-Tests: `pytest tests/test_megatron_patches.py`.
+`apply(kernels)` installs, once each, the patches the kernels need (`shims_for`) and the model patches (`MODEL_SHIMS`)
+in every process before megatron modules are built (omni_model.build_model, distributed.init_distributed). On a CPU
+run megatron's optimizers build, step and load in `CudaToCpuMode`. checkpoint.py calls the checkpointing repairs
+(`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`). Each patch carries a `SHIM(megatron-core
+<version>): <upstream file:line>` marker; `apply()` refuses any other megatron-core. Why each exists: docs/DESIGN.md,
+"Kernels and megatron-core patches". Tests: `pytest tests/test_megatron_patches.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +34,8 @@ MEGATRON_CORE_VERSION_CHECKED = "0.19.2"  # every SHIM marker names a line of th
 
 # The patches (functions of this module), installed by apply() in this order.
 CPU_ONLY_SHIMS = ("_disable_dynamo", "_patch_current_device", "_patch_cuda_streams", "_install_cpu_rng_tracker",
-                  "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads")  # no CUDA
+                  "_patch_causal_masks", "_patch_moe_split_sizes", "_patch_clip_grads",
+                  "_optimizers_in_cpu_mode")  # no CUDA
 LOCAL_SPEC_SHIMS = ("_patch_torch_norm_sequence_parallel", "_patch_hybrid_final_norm")  # no TE spec
 TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels, no Triton set
 TRITON_MAMBA_SHIMS = ("install_triton_mamba",)  # mamba-ssm's Triton sources and fla-core instead of mamba-ssm
@@ -47,7 +43,6 @@ TRITON_MAMBA_SHIMS = ("install_triton_mamba",)  # mamba-ssm's Triton sources and
 MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask",
                "_routers_without_statistics_in_context")
 
-_APPLIED = False
 _INSTALLED: set[str] = set()
 _KERNELS: Kernels | None = None  # the kernels of the first apply(): passed, or probed once
 
@@ -89,7 +84,7 @@ def apply(kernels: Kernels | None = None, force: bool = False) -> bool:
     """Install the patches `kernels` need and the model patches, once each. kernels: the process's selection (train
     passes the one it printed); None: the first apply's, probed by `select_kernels()` when no call passed one. force:
     install the CPU-only ones even with CUDA (tests). Returns True when the CPU-only patches are installed."""
-    global _APPLIED, _KERNELS
+    global _KERNELS
     check_megatron_core_version()
     if force:
         k = select_kernels(cuda=False)
@@ -100,8 +95,7 @@ def apply(kernels: Kernels | None = None, force: bool = False) -> bool:
         if name not in _INSTALLED:
             globals()[name]()
             _INSTALLED.add(name)
-    _APPLIED = _APPLIED or k.device == "cpu"
-    return _APPLIED
+    return set(CPU_ONLY_SHIMS) <= _INSTALLED
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -367,12 +361,8 @@ _CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cud
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """megatron's optimizer and checkpoint code on CPU: a 'cuda' device becomes 'cpu', `.cuda()` and pin_memory are
-    the identity, and `Tensor.type()` reports the CUDA type name of the dtype.
-
-    SHIM(megatron-core 0.19.2): megatron/core/optimizer/optimizer.py:1249 (and :690, :1028;
-    megatron/core/optimizer/distrib_optimizer.py:466)
-    """
+    """megatron's optimizer code on CPU: a 'cuda' device becomes 'cpu', `.cuda()` and pin_memory are the identity,
+    and `Tensor.type()` reports the CUDA type name of the dtype."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -391,9 +381,40 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def cuda_to_cpu():
-    """`CudaToCpuMode` where the CPU patches are in use, else a null context."""
-    return CudaToCpuMode() if _APPLIED or not torch.cuda.is_available() else contextlib.nullcontext()
+_IN_CPU_MODE: contextvars.ContextVar = contextvars.ContextVar("omni_optimizer_in_cpu_mode", default=False)
+# The optimizers' methods that build, step, save or load: each runs in CudaToCpuMode (once, also when nested).
+OPTIMIZER_METHODS_IN_CPU_MODE = ("__init__", "step", "sharded_state_dict", "load_state_dict",
+                                 "_init_optimizer_states_with_dummy_values")
+
+
+def _in_cpu_mode(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def in_cpu_mode(*args, **kwargs):
+        if _IN_CPU_MODE.get():
+            return fn(*args, **kwargs)
+        token = _IN_CPU_MODE.set(True)
+        try:
+            with CudaToCpuMode():
+                return fn(*args, **kwargs)
+        finally:
+            _IN_CPU_MODE.reset(token)
+
+    return in_cpu_mode
+
+
+def _optimizers_in_cpu_mode() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/optimizer/optimizer.py:1249 (and :690, :1028;
+    # megatron/core/optimizer/distrib_optimizer.py:466)
+    # The optimizers allocate on device="cuda", call .cuda() and test Tensor.type() against CUDA type names: their
+    # construction, step and state's save and load run in CudaToCpuMode.
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    classes = [c for mod in (optimizer, distrib_optimizer) for c in vars(mod).values()
+               if isinstance(c, type) and issubclass(c, optimizer.MegatronOptimizer) and c.__module__ == mod.__name__]
+    for cls in classes:  # each class's own methods: an inherited one is wrapped once, in its defining class
+        for name in OPTIMIZER_METHODS_IN_CPU_MODE:
+            if name in vars(cls):
+                setattr(cls, name, _in_cpu_mode(vars(cls)[name]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

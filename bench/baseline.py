@@ -1,5 +1,4 @@
-"""The conventional MPO step a user would otherwise write, the baseline of the CPU step (train_step.py) and the GPU
-step (gpu_step.py): one pair as a padded [2, L] batch, log_softmax + gather, the loss written out, torch Adam."""
+"""The conventional MPO step, the baseline of train_step.py and gpu_step.py: padded pairs, log_softmax, torch Adam."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import torch
 
 
 def _conventional_mpo_loss(pol: torch.Tensor, ref: torch.Tensor, n_tok: torch.Tensor, m) -> torch.Tensor:
-    """MPO loss of one pair written out directly (MPO paper, arXiv 2411.10442: w_p·DPO + w_q·BCO + w_g·SFT, δ = 0 at
-    step 1). pol/ref: [2] response log-prob sums (chosen, rejected); n_tok: [2] response-token counts."""
+    """MPO of one pair written out (arXiv 2411.10442, δ = 0 at step 1): pol/ref [2] log-prob sums, n_tok [2] counts."""
     import torch.nn.functional as F
 
     ratio = pol - ref
@@ -30,8 +28,7 @@ def _row_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -
 
 
 def _padded_pair(p, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conventional batch of one pair (the baselines' format): chosen and rejected rows right-padded to one [2, L]
-    batch. Returns (input_ids int64, attention_mask int64, response mask bool), each [2, L] on `device`."""
+    """One pair's rows right-padded to [2, L]: (input_ids int64, attention_mask int64, response mask bool)."""
     rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
     L = max(r.numel() for r in rows)
     input_ids = torch.full((2, L), pad_id, dtype=torch.int64)

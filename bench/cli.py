@@ -6,18 +6,9 @@
     python -m bench --print    # the table of bench/results.json (or --print FILE)
     python -m bench --gpu --profile   # the GPU item alone (CUDA), with the step's device time by region
 
-Only a full run of every item writes bench/results.json by default; a --quick or --only run writes
-results/bench_results.json (git-ignored) unless --json says otherwise, so it never replaces the committed full results.
-`--gpu` writes bench/gpu_results.json (results/bench_gpu_results.json with --quick).
-
-Items (each a function `bench_<name>(quick) -> dict` of its module, recorded under its name in the JSON): packing
-(packing.py), vision (vision.py), logprobs (logprobs.py), train (train_step.py), shared (shared.py), data (data.py),
-gpu (gpu.py), grads (grads.py); each module's docstring says what it measures.
-
-Timings on a shared CPU are noisy: read ratios from one run, not absolute times. Memory and value equalities are exact.
-Errors: an equality that does not hold raises AssertionError naming the item and both values. Each item (and each
-section of the GPU item) is written to the JSON as it ends, a failed one as {"error": "Type: message"}; the later
-ones still run, and the exit status is 1 when any failed.
+Items: `bench_<name>(quick) -> dict` of its module, recorded under its name as it ends (a failed one as {"error": ...};
+the later ones still run, the exit status is then 1). Where each run writes, the items and how to read the numbers:
+docs/PERFORMANCE.md, "The benchmark's command line".
 """
 
 from __future__ import annotations
@@ -103,7 +94,7 @@ def table(res: dict) -> str:
             ("MPO step vs transformers", "step-1 loss", f"{t['loss_ours']:.6f}", f"{t['loss_baseline']:.6f}",
              f"diff {t['loss_abs_diff']:.1e}"),
         ]
-        if "pairs_per_s_stored_reference" in t:  # results recorded before issue 43 have no such rows
+        if "pairs_per_s_stored_reference" in t:  # results older than the stored reference lack these
             rows += [
                 ("stored reference log-probs vs reference forward", f"MPO step pairs/s ({t['pairs']} pairs, same bins)",
                  f"{t['pairs_per_s_stored_reference']:.2f}", f"{t['pairs_per_s_ours']:.2f}",

@@ -1,12 +1,12 @@
 """Item 6, gpu (CUDA; `--gpu` runs it alone, into bench/gpu_results.json; a skip record otherwise): one MPO step of a
-Nano-width model at reduced depth (GPU_SHAPE: hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups, d_state 128,
-attention 32/2 heads of 128, 128 experts top-6 of 1856 + shared 3712, vocabulary 131072, bf16, random weights) on 16
-MMPR-like text pairs packed 4 per bin vs transformers' padded per-pair step (gpu_step.py): tokens/s, pairs/s, MFU, peak
-memory, step-1 losses and their deviation from the ln 2 closed form next to the noise floor measured in the same run
-(asserted on the CPU only: GPU kernels are not deterministic); the Mamba-2 scan fwd+bwd of every available kernel at
-T = 16384 (scan.py); with --profile, the step's device time by region (profiling.py); with --ablation, the step with
-each fast kernel swapped back to its fallback (ablation.py). The step is sized to the device's free memory by plan.py
-(sized_gpu_shape)."""
+Nano-width model at reduced depth on 16 MMPR-like text pairs against transformers' padded per-pair step
+(gpu_step.py), the Mamba-2 scans (scan.py), with --profile the device time by region (profiling.py), with --ablation
+each fast kernel swapped back (ablation.py)."""
+# GPU_SHAPE: hidden 2688, pattern MEM*EM, Mamba 64x64 heads, 8 groups, d_state 128, attention 32/2 heads of 128, 128
+# experts top-6 of 1856 + shared 3712, vocabulary 131072, bf16, random weights; 16 pairs packed 4 per bin. Recorded:
+# tokens/s, pairs/s, MFU, peak memory, step-1 losses and their deviation from the ln 2 closed form next to the noise
+# floor measured in the same run (asserted on the CPU only: GPU kernels are not deterministic); the Mamba-2 scan fwd+bwd
+# of every available kernel at T = 16384. The step is sized to the device's free memory by plan.py (sized_gpu_shape).
 
 from __future__ import annotations
 
@@ -73,12 +73,13 @@ def sized_gpu_shape(capacity: float, base: dict = GPU_SHAPE) -> tuple[dict, dict
 
 def bench_gpu(quick: bool, device=None, shape: dict | None = None, profile: bool = False, timed: int | None = None,
               out: dict | None = None, ablation: bool = False) -> dict:
-    """Item 6 on a CUDA device, in sections recorded in `out` (cli.main passes its results entry) as each ends, a
-    failing one as {"error": ...} without stopping the next (run_section): "step" (mpo_step_bench, `timed` steps after
-    step 1: default 1 with `quick`, else 5), with `profile` "profile" (profile_step; before the scans, whose Triton
-    compilation from a cold cache is the slowest part), with `ablation` "ablation" (kernel_ablation), and "scan"
-    (scan_bench). Without CUDA (and no explicit `device`), a skip
-    record. `device`/`shape` let a CPU test run it at a tiny shape."""
+    """Item 6 on a CUDA device, in sections recorded in `out` as each ends (a failing one as {"error": ...}, the next
+    still runs): "step", with `profile` "profile", with `ablation` "ablation", and "scan". Without CUDA (and no
+    `device`), a skip record."""
+    # The sections: step (mpo_step_bench, `timed` steps after step 1: default 1 with `quick`, else 5), profile
+    # (profile_step; before the scans, whose Triton compilation from a cold cache is the slowest part), ablation
+    # (kernel_ablation), scan (scan_bench); cli.main passes its results entry as `out` (run_section). `device`/`shape`
+    # let a CPU test run it at a tiny shape.
     import omni_model as om
     from backend import kernel_selection
 

@@ -57,11 +57,12 @@ def _ours_system(device, cfg, ckpt):
 
 
 def _drop_system(ddp) -> None:
-    """Let a finished system be freed. megatron-core's MoE token dispatchers keep their last forward's routing
-    probabilities, whose autograd graph reaches each router weight's AccumulateGrad node; megatron's DDP keeps every
-    such node (`grad_accs`) and hooks each one with a closure over the DDP. The cycle runs through autograd's C++
-    nodes, out of sight of Python's garbage collector: the policy, its gradient buffers and the optimizer outlived
-    their section (the next GPU section ran out of memory)."""
+    """Let a finished system be freed: break the cycle megatron-core leaves between the MoE routers and DDP."""
+    # megatron-core's MoE token dispatchers keep their last forward's routing probabilities, whose autograd graph
+    # reaches each router weight's AccumulateGrad node; megatron's DDP keeps every such node (`grad_accs`) and hooks
+    # each one with a closure over the DDP. The cycle runs through autograd's C++ nodes, out of sight of Python's
+    # garbage collector: the policy, its gradient buffers and the optimizer outlived their section (the next GPU section
+    # ran out of memory).
     ddp.grad_accs.clear()
     for module in ddp.modules():
         if (dispatcher := getattr(module, "token_dispatcher", None)) is not None:
@@ -138,7 +139,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
     plan_shared = pack.plan_step(setup["lengths"], cfg_shared.packing, 1, shared_lengths(pairs))
     batches = pack.load_bins(plan_shared, pairs, ctx_shared, ids["image"], ids["pad"])
-    n = train.count_global_pairs(batches, ctx_shared)
+    n = mpo_loss.count_global_pairs(batches, ctx_shared)
     loss_shared = train.policy_forward_backward(batches, reference_logprobs.sums(reference, batches, ctx_shared),
                                                 ddp, ctx_shared, state["shift"], n, backward=False)[0]["loss"]
     dev_shared = _check_closed_form("shared-prompt", loss_shared, want, tol)
@@ -234,14 +235,13 @@ def step_config(ckpt, shape: dict):
 
 
 def closed_form_tolerance(device: torch.device, shape: dict, want: float) -> float | None:
-    """The tolerance of the step-1 loss against its closed form, or None where it is not exact by construction.
-
-    On the CPU the policy and the reference compute bit-identical log-prob sums (same weights, deterministic kernels),
-    so every log-ratio is exactly 0 and only float32 rounding of the loss arithmetic remains: per pair a few roundings
-    (ln 2 from logsigmoid(0), the weights, the sum of the terms: 3 ulps) plus one per pair summed in a microbatch
-    (pairs_per_bin): (3 + pairs_per_bin) float32 ulps of the loss, eps·|want| bounding one ulp. On CUDA the kernels
-    are not deterministic (atomic adds, e.g. combining MoE outputs): the deviation is recorded next to the measured
-    noise floor, never asserted (None)."""
+    """The tolerance of the step-1 loss against its closed form: (3 + pairs_per_bin) float32 ulps of the loss on the
+    CPU, None on CUDA (not exact by construction)."""
+    # On the CPU the policy and the reference compute bit-identical log-prob sums (same weights, deterministic kernels),
+    # so every log-ratio is exactly 0 and only float32 rounding of the loss arithmetic remains: per pair a few roundings
+    # (ln 2 from logsigmoid(0), the weights, the sum of the terms: 3 ulps) plus one per pair summed in a microbatch
+    # (pairs_per_bin), eps·|want| bounding one ulp. On CUDA the kernels are not deterministic (atomic adds, e.g.
+    # combining MoE outputs): the deviation is recorded next to the measured noise floor, never asserted.
     if device.type != "cpu":
         return None
     return (3 + shape["pairs_per_bin"]) * torch.finfo(torch.float32).eps * abs(want)

@@ -1,7 +1,6 @@
-"""Item 7, grads: optimizer.grad_reduce_in_fp32. The tiny model's gradient (bf16 parameters, the MPO loss at step
-1) after 1, 16 and 256 microbatches of one pair (--quick: 1, 4, 8) summed in bf16 and in fp32 gradient buffers,
-against the float64 sum of the same microbatch gradients: relative L2, max-abs and median errors (grad_accumulation);
-megatron DDP's buffers of either setting equal the measured sums (asserted)."""
+"""Item 7, grads: optimizer.grad_reduce_in_fp32. The tiny model's bf16 gradient at step 1 summed over 1, 16 and 256
+microbatches (--quick: 1, 4, 8) in bf16 and fp32 buffers against their float64 sum (grad_accumulation); megatron
+DDP's buffers equal the measured sums (asserted)."""
 
 from __future__ import annotations
 
@@ -38,12 +37,12 @@ def _grad_policy(cfg, fp32: bool | None):
 
 
 def grad_errors(acc: torch.Tensor, exact: torch.Tensor, abs_sum: torch.Tensor, n: int) -> dict:
-    """Errors of a gradient accumulated in `acc`'s dtype against `exact` (float64 sum of the same n microbatch
-    gradients; all flat): rel_l2 = ||acc - exact|| / ||exact||, rel_max = max |acc - exact| / max |exact|, rel_median =
-    the median of |acc - exact| / |exact| over nonzero elements, and bound_use = max |acc - exact| / (γ_{n-1} Σ|g_i|)
-    per element: recursive summation's bound (Higham, Accuracy and Stability of Numerical Algorithms, eq. 4.4) with
-    γ_k = k·u / (1 - k·u), u the buffer's unit roundoff (+ 2^-24 for bf16: torch adds bf16 in fp32, then rounds);
-    at most 1 by arithmetic."""
+    """Errors of a gradient accumulated in `acc`'s dtype against `exact` (the float64 sum of the same n microbatch
+    gradients; all flat): rel_l2, rel_max, rel_median and bound_use (at most 1 by arithmetic)."""
+    # rel_l2 = ||acc - exact|| / ||exact||, rel_max = max |acc - exact| / max |exact|, rel_median = the median of |acc -
+    # exact| / |exact| over nonzero elements, and bound_use = max |acc - exact| / (γ_{n-1} Σ|g_i|) per element:
+    # recursive summation's bound (Higham, Accuracy and Stability of Numerical Algorithms, eq. 4.4) with γ_k = k·u / (1
+    # - k·u), u the buffer's unit roundoff (+ 2^-24 for bf16: torch adds bf16 in fp32, then rounds).
     u = torch.finfo(acc.dtype).eps / 2 + (2.0**-24 if acc.dtype == torch.bfloat16 else 0.0)
     gamma = (n - 1) * u / (1 - (n - 1) * u)
     err = (acc.double() - exact).abs()
@@ -55,16 +54,17 @@ def grad_errors(acc: torch.Tensor, exact: torch.Tensor, abs_sum: torch.Tensor, n
 
 def grad_accumulation(counts: tuple[int, ...] = GRAD_COUNTS) -> dict:
     """The step's gradient after each of `counts` microbatches, accumulated in bf16 and in fp32 buffers, against the
-    float64 sum of the same microbatch gradients: configs/tiny.toml in bf16 (one pair per bin; the sample's first
-    GRAD_PAIRS pairs, images included, cycled), the MPO loss at step 1 (policy = reference, δ = 0) with the
-    denominator max(counts), so the first n microbatches are the first n of one step (a power-of-two denominator
-    scales every gradient exactly). Each microbatch's bf16 gradient (train.policy_forward_backward on the bare policy)
-    is added as megatron DDP adds it (`main_grad.add_(grad)`) to a bf16, an fp32 and a float64 sum; the first
-    GRAD_DDP_CHECKED also run through megatron DDP with each setting, whose buffers must equal the bf16 and fp32 sums
-    bit for bit (asserted). Returns per count: grad_errors' dict per buffer dtype, and `sampling_noise` = ||even - odd||
-    / ||sum||, the float64 sums of the even and the odd microbatches (for independent microbatches, E||even - odd||² =
-    E||sum - E sum||²: the relative sampling noise of the step's gradient, of min(n, GRAD_PAIRS) distinct pairs); and
-    the seconds per microbatch."""
+    float64 sum of the same microbatch gradients. Returns per count grad_errors' dict per buffer dtype and
+    `sampling_noise`; and the seconds per microbatch."""
+    # configs/tiny.toml in bf16 (one pair per bin; the sample's first GRAD_PAIRS pairs, images included, cycled), the
+    # MPO loss at step 1 (policy = reference, δ = 0) with the denominator max(counts), so the first n microbatches are
+    # the first n of one step (a power-of-two denominator scales every gradient exactly). Each microbatch's bf16
+    # gradient (train.policy_forward_backward on the bare policy) is added as megatron DDP adds it
+    # (`main_grad.add_(grad)`) to a bf16, an fp32 and a float64 sum; the first GRAD_DDP_CHECKED also run through
+    # megatron DDP with each setting, whose buffers must equal the bf16 and fp32 sums bit for bit (asserted).
+    # sampling_noise = ||even - odd|| / ||sum||, the float64 sums of the even and the odd microbatches (for independent
+    # microbatches, E||even - odd||² = E||sum - E sum||²: the relative sampling noise of the step's gradient, of min(n,
+    # GRAD_PAIRS) distinct pairs).
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     import config as config_mod

@@ -1,7 +1,5 @@
-"""Item 1, packing: pack.py on a synthetic MMPR-like step (256 pairs, 8 DP ranks): (a) our pair-atomic THD bins
-with greedy balancing, (b) the same bins dealt round-robin, (c) unpacked microbatches of one pair padded to its longer
-row (the reference system's non-packed path). Useful-token fraction, busiest rank's token share, padding compute of
-(c) against (a). Pure arithmetic on token counts: exact, not timed."""
+"""Item 1, packing (exact token arithmetic, not timed): our pair-atomic, greedily balanced THD bins against the same
+bins dealt round-robin and against one padded pair per microbatch (the reference system's non-packed path)."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ def deal_round_robin(bins, dp_size: int) -> list[list[pack.Bin]]:
 
 
 def round_robin_ranks(plan: pack.StepPlan, lengths) -> list[list[pack.Bin]]:
-    """The bins of `plan` in the step's data order (their first pair's place in `lengths`, dummies last), dealt
-    round-robin: the baseline of pack.deal_greedy."""
+    """The bins of `plan` in the step's data order (dummies last), dealt round-robin: pack.deal_greedy's baseline."""
     arrival = {pid: i for i, pid in enumerate(lengths)}
     bins = [b for r in plan.ranks for b in r]
     return deal_round_robin(sorted(bins, key=lambda b: (b.dummy, min(arrival[p] for p in b.pair_ids))),
@@ -33,10 +30,9 @@ def rank_imbalance(ranks, key: str = "tokens") -> float:
 
 def shared_prompt_token_counts(parts, max_tokens_per_bin: int, max_sequences_per_bin: int, dp_size: int,
                                divisible_by: int = 1) -> dict:
-    """Tokens the language model computes for the same pairs, separate rows vs the shared-prompt format, each planned
-    by pack.plan_bins under the same bin budget. parts: pair id -> (prompt, chosen, rejected) tokens
-    (`synthetic_mmpr_parts`); the shared format stores prompt - 1 tokens once. Returns tokens_* (padded, dummies
-    included), useful_* (real), bins_* of both formats and token_ratio = tokens_separate / tokens_shared."""
+    """LM tokens of the same pairs (`synthetic_mmpr_parts`) as separate rows and in the shared-prompt format under one
+    bin budget (pack.plan_bins): tokens_*, useful_*, bins_* and token_ratio = tokens_separate / tokens_shared."""
+    # tokens_* count padding and dummies, useful_* the real tokens; the shared format stores prompt - 1 tokens once
     lengths = {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     shared = {i: p - 1 for i, (p, _, _) in parts.items()}
     sep = pack.plan_bins(lengths, max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by)
@@ -54,12 +50,11 @@ def shared_prompt_token_counts(parts, max_tokens_per_bin: int, max_sequences_per
 
 
 def bench_packing(quick: bool) -> dict:
-    """Useful-token fraction and DP balance of three ways to lay out one MMPR-like step (exact token arithmetic).
-
-    Setup: synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses
-    50-1500), 8 DP ranks, rows padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's
-    default); the same numbers in --quick (no cost to compute).
-    """
+    """Useful-token fraction, busiest rank's token share and the padding compute of (c) against (a) of three ways to lay
+    out one MMPR-like step: (a) ours, (b) round-robin, (c) padded pairs."""
+    # Setup: synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses 50-1500), 8
+    # DP ranks, rows padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's default); the
+    # same numbers in --quick (no cost to compute).
     n_pairs, dp, cap, div = 256, 8, 10240, 8
     lengths = synthetic_mmpr_lengths(n_pairs, seed=0)
     useful = sum(c + r for c, r in lengths.values())

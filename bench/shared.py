@@ -27,6 +27,7 @@ def bench_shared(quick: bool) -> dict:
     import dataclasses
 
     import distributed
+    import mpo_loss
     import reference_logprobs
     import train
 
@@ -60,7 +61,7 @@ def bench_shared(quick: bool) -> dict:
 
     def loss(name):  # step-1 loss without an update: the equality check
         c, bs = ctxs[name], batches[name]
-        n = train.count_global_pairs(bs, c)
+        n = mpo_loss.count_global_pairs(bs, c)
         ref = reference_logprobs.sums(reference, bs, c)
         return train.policy_forward_backward(bs, ref, ddp, c, 0.0, n, backward=False)[0]["loss"]
 

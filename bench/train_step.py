@@ -29,7 +29,7 @@ from bench.common import (
 LOSS_TOL = 1e-4  # step-1 loss of ours vs the transformers baseline
 
 
-STORED_REFERENCE_GOAL = 1.25  # issue 43: the step with stored reference sums, pairs/s over the online step (CPU)
+STORED_REFERENCE_GOAL = 1.25  # the step with stored reference sums, pairs/s over the online step (CPU)
 
 
 def bench_train(quick: bool) -> dict:

@@ -1,5 +1,4 @@
-"""The synthetic inputs of the benchmark: MMPR-like (prompt, chosen, rejected) lengths and text pairs of such
-lengths, with the row lengths and shared-prompt lengths the packer plans from."""
+"""The benchmark's synthetic inputs: MMPR-like lengths and text pairs, with their row and shared-prompt lengths."""
 
 from __future__ import annotations
 
@@ -12,12 +11,10 @@ import pack
 
 
 def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int, int]]:
-    """Pair id -> (prompt, chosen response, rejected response) tokens modelling MMPR rows for Nemotron-Omni.
-
-    Prompt = one image of gh x gw 16-px patches (gh in 32..128, gw in 32..104, even; gh*gw/4 tokens after the 2x2
-    pixel shuffle) + 40..72 text tokens; responses log-uniform in 50..1500, the rejected one the chosen length times
-    exp(N(0, 0.3)), clipped to 50..1500. Deterministic for (n_pairs, seed).
-    """
+    """Pair id -> (prompt, chosen, rejected) tokens like Nemotron-Omni MMPR rows; deterministic per (n_pairs, seed)."""
+    # Prompt = one image of gh x gw 16-px patches (gh in 32..128, gw in 32..104, even; gh*gw/4 tokens after the 2x2
+    # pixel shuffle) + 40..72 text tokens; responses log-uniform in 50..1500, the rejected one the chosen length times
+    # exp(N(0, 0.3)), clipped to 50..1500.
     rng = random.Random(seed)
     out = {}
     for i in range(n_pairs):
@@ -35,9 +32,10 @@ def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, 
 
 
 def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> dict:
-    """Text pairs (pack.PreferencePair) with the (prompt, chosen, rejected) lengths of `parts`
-    (synthetic_mmpr_parts) divided by `scale` (at least 2 / 1 / 1 tokens): the prompt's image tokens become text
-    tokens (the language model's work is the same; vision runs once per pair in both formats). Random ids >= 32."""
+    """Text pairs (pack.PreferencePair, random ids >= 32) with the lengths of `parts` (synthetic_mmpr_parts) divided by
+    `scale` (at least 2 / 1 / 1 tokens)."""
+    # The prompt's image tokens become text tokens: the language model's work is the same, and vision runs once per pair
+    # in both formats.
     g = torch.Generator().manual_seed(seed)
     pairs = {}
     for i, (p, c, r) in parts.items():
@@ -62,15 +60,13 @@ def text_pair(pair_id: int, prompt: torch.Tensor, chosen: torch.Tensor,
 
 
 def shared_lengths(pairs: dict) -> dict[int, int]:
-    """{pair id: tokens stored once in the shared-prompt format} of `pairs` (pack.PreferencePair), by the packer's
-    own rule (pack.prefix_length): what pack.plan_step takes as `shared_lengths`."""
+    """{pair id: tokens stored once in the shared-prompt format} by pack.prefix_length: plan_step's shared_lengths."""
     return {i: pack.prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
             for i, p in pairs.items()}
 
 
 def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> dict:
-    """n MMPR-like text pairs (pack.PreferencePair, no image): one prompt of U[prompt] tokens shared by the chosen and
-    the rejected row, each followed by its own response of U[response] tokens (the loss mask), random token ids."""
+    """n text pairs, no image: one U[prompt]-token prompt for both rows, then each its U[response]-token response."""
     g = torch.Generator().manual_seed(seed)
 
     def rint(lo_hi):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issue 12, for a fresh CUDA machine without network. From the repo root:
+# The GPU check, for a fresh CUDA machine without network. From the repo root:
 #   bash tests/gpu_check.sh WHEEL_DIR          # WHEEL_DIR: the wheels this machine lacks (docs/PERFORMANCE.md, "GPU check")
 # 1. installs every wheel of WHEEL_DIR (no index, no dependency resolution) into $OMNI_SITE (default /tmp/omni_site),
 #    put first on PYTHONPATH, and checks that the project's Python dependencies import at the pinned versions; a

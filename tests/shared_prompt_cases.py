@@ -69,7 +69,7 @@ def mpo_step(model, ctx, bins, shared: bool, divisible_by: int = 8, reward_shift
     for b in batches:
         assert b.shared_prompt == shared
     model.zero_grad(set_to_none=True)
-    n_pairs = train.count_global_pairs(batches, ctx)
+    n_pairs = mpo_loss.count_global_pairs(batches, ctx)
     ref = reference_logprobs.sums(model, batches, ctx)
     logprobs, counts = [], []
     with torch.no_grad():

@@ -64,7 +64,7 @@ class DeviceAudit(TorchFunctionMode):
       - creates a tensor with a factory (torch.tensor, zeros, arange, ...) without `device=` (the default device),
       - gets a tensor argument, or returns a tensor, on another device than `device`.
     On the CPU the third check cannot fire (everything is on the CPU), the first two can: they are what would put a
-    tensor on the wrong device on a GPU (the count_global_pairs bug of issue 12 was a `.cpu()`).
+    tensor on the wrong device on a GPU (a `.cpu()` in the pair count broke the first GPU run).
     `violations` is the list of records; `calls` counts the audited calls (a check that saw nothing is no check).
 
     Host numbers: the CPU copies of the step's batches (`host`: their PackedBatch.host, pack.host_view), tensors made

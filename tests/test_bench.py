@@ -71,7 +71,7 @@ def test_training_step_matches_transformers(results):
     assert t["loss_abs_diff"] <= 1e-4
     assert t["grad_norm_rel_diff"] <= 1e-4
     assert t["loss_ours"] > 0 and t["pairs"] >= 2
-    # issue 43: the stored-sums step and the pass were timed beside it (the benchmark asserts their sums equal the
+    # the stored-sums step and the pass were timed beside it (the benchmark asserts their sums equal the
     # forward's)
     assert t["step_s_stored_reference"] > 0 and t["pass_over_step_speed_ratio"] > 1  # a forward alone beats a step
 
@@ -183,7 +183,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
 
 
 def test_a_baseline_out_of_memory_keeps_our_step_and_says_so(monkeypatch):
-    """Issue 46.1: the GPU step is sized by the plan, transformers' padded step is not: where it runs out of memory
+    """The GPU step is sized by the plan, transformers' padded step is not: where it runs out of memory
     (an 80 GB H100) the step section keeps our numbers, records why the baseline's are missing and has no ratio."""
     import torch
 
@@ -441,7 +441,7 @@ def test_only_without_an_item_is_a_usage_error(capsys):
 
 
 def test_bench_checkpoints_are_written_without_progress_bars(monkeypatch, capfd):
-    """Issue 36, point 3: save_pretrained's "Writing model shards" bars landed in the benchmark's table output."""
+    """`save_pretrained`'s "Writing model shards" bars landed in the benchmark's table output."""
     import shutil
 
     from transformers.utils import logging as hf_logging

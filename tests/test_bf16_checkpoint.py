@@ -1,4 +1,4 @@
-"""bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export (issue 14, point 1).
+"""bf16 (the recipe's dtype, configs/nano.toml) runs save, resume bit for bit and export.
 
 For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer, and with
 fp32 and bf16 gradient buffers (`optimizer.grad_reduce_in_fp32`; each on 1 and 2 ranks): the tiny run in bf16 for 4
@@ -24,7 +24,6 @@ import torch
 import config as config_mod
 import distributed
 import train
-from backend import megatron_patches
 
 pytestmark = pytest.mark.slow  # 8 tiny runs: about 6 minutes on 2 busy cores
 
@@ -62,8 +61,7 @@ def _loaded_state(step_dir: Path, dopt: bool, fp32: bool) -> list[tuple[str, tor
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, *keys])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(step_dir, ddp, opt, sched)
+    checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:

@@ -3,9 +3,9 @@ of tests/dist/check_checkpoint.py on 2 gloo ranks) exact resume of a megatron-co
 including the Adam-step trap, keep_last, a leftover .tmp, the schedule-horizon check and TP resharding of the model
 part; without a launcher: the one-line refusals of a resume with another layout or β / *_average_log_probs, the
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
-and model.hf_path. QA4b: the run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
+and model.hf_path. The run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
 of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
-missing files, and a rank whose launcher died stopping after its step (monitor.StopSignal). Issue 36: files that
+missing files, and a rank whose launcher died stopping after its step (stop_signals.StopSignal). Files that
 differ from their saved checksums (1 and 2 ranks), a non-finite first step after a resume, full disks (metrics.jsonl,
 torch's zip writer, the export).
 """
@@ -87,7 +87,7 @@ def test_latest_is_highest_complete_step_and_ignores_tmp(tmp_path, capsys):
 
 @pytest.mark.parametrize("missing", [checkpoint.RUN_STATE_FILE, checkpoint.MODEL_OPTIM_DIR])
 def test_a_damaged_newest_step_is_refused_not_taken_for_an_unfinished_save(tmp_path, missing):
-    """Issue 47.1: a step_<N> without run_state.json was skipped as "incomplete": the run resumed from the previous
+    """A step_<N> without run_state.json was skipped as "incomplete": the run resumed from the previous
     step (or afresh) and its next save of step N wrote over the trained weights. Saves are renamed from step_<N>.tmp
     when complete, so such a folder is damage: refused, naming it and the previous checkpoint."""
     _fake_ckpt(tmp_path, "step_1")
@@ -129,7 +129,7 @@ def test_export_names_a_model_dir_missing_from_the_working_directory(tmp_path, m
 
 
 def test_export_of_a_config_this_version_cannot_load_is_one_line(tmp_path, capsys):
-    """QA4a 2: a saved config with a key this version lacks (a checkpoint of another version) ended in a ConfigError
+    """A saved config with a key this version lacks (a checkpoint of another version) ended in a ConfigError
     traceback, a run_state.json without "config" in KeyError: 'config'; both are a CheckpointError naming the file."""
     import config as config_mod
 
@@ -220,7 +220,7 @@ def test_run_state_tmp_and_keep_last(dist_result, variant):
 
 
 def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path):
-    """RESUME_RULES: a changed layout (QA 3: it failed deep in dist_checkpointing), β or quality flag (QA3 4: δ is an
+    """RESUME_RULES: a changed layout (it failed deep in dist_checkpointing), β or quality flag (δ is an
     EMA of rewards in the saved units) or LR schedule (chained segments) is refused in one error naming every refused
     key; the loss weights, δ's momentum, the DPO / SFT flags, the pair format and model.hf_path are returned as
     notices (and the gradient buffers' dtype); another DP size (no setting) and a key the saved config lacks are no
@@ -263,7 +263,7 @@ def test_model_reshards_tp1_to_tp2(dist_result):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Resume with another layout, export target, damaged shards (QA 3, 12, 13)
+# Resume with another layout, export target, damaged shards
 
 
 def _step_with_config(run_dir: Path, step: int, *overrides: str, world_size: int = 2) -> Path:
@@ -343,7 +343,7 @@ def test_export_refuses_a_file_or_a_directory_that_is_not_an_earlier_export(tmp_
 
 
 def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypatch):
-    """QA3 1: `export RUN OUT` with OUT = the run's model.hf_path ended in shutil.SameFileError (a traceback from
+    """`export RUN OUT` with OUT = the run's model.hf_path ended in shutil.SameFileError (a traceback from
     hf_weights.export_hf, after the export had started writing)."""
     src = tmp_path / "src"
     src.mkdir()
@@ -368,7 +368,7 @@ def test_export_refuses_the_runs_model_hf_path_before_writing(tmp_path, monkeypa
 
 @pytest.fixture(scope="module")
 def loss_change(tmp_path_factory):
-    """QA3 4: one step of the tiny run (one process), then resumes with a changed β (refused) and with a changed
+    """One step of the tiny run (one process), then resumes with a changed β (refused) and with a changed
     bco_loss_weight and shared-prompt format (one more step)."""
     run = tmp_path_factory.mktemp("loss_change")
     short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
@@ -433,7 +433,7 @@ def _cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
 
 
 def test_resume_with_another_dtype_or_tp_ep_is_one_line_and_another_dp_resumes(bf16_segment, torchrun):
-    """QA 3: a changed params_dtype / TP / EP failed deep in dist_checkpointing (KeyError ... bucket_idx_0.param)."""
+    """A changed params_dtype / TP / EP failed deep in dist_checkpointing (KeyError ... bucket_idx_0.param)."""
     run = bf16_segment
     config_before = (run / "config.json").read_text()
     for overrides, diff in [
@@ -462,7 +462,7 @@ def test_resume_with_another_dtype_or_tp_ep_is_one_line_and_another_dp_resumes(b
 
 
 def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allows(bf16_segment, tmp_path):
-    """QA 12: `export RUN RUN` replaced the run's config.json with the HF one; model.safetensors was 0600."""
+    """`export RUN RUN` replaced the run's config.json with the HF one; model.safetensors was 0600."""
     run = bf16_segment
     config_before = (run / "config.json").read_text()
     proc = _cli("hf_export.py", str(run), str(run))
@@ -489,7 +489,7 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
 
 
 def test_truncated_shard_is_named(bf16_segment, tmp_path):
-    """QA 13: a truncated shard gave "EOFError: Ran out of input" with no file name (resume and export)."""
+    """A truncated shard gave "EOFError: Ran out of input" with no file name (resume and export)."""
     import shutil
 
     latest = checkpoint.latest_checkpoint(bf16_segment)
@@ -511,7 +511,7 @@ def test_truncated_shard_is_named(bf16_segment, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# QA4b: one run per checkpoint.dir, unfinished saves, failed saves, damaged checkpoints, orphan ranks
+# One run per checkpoint.dir, unfinished saves, failed saves, damaged checkpoints, orphan ranks
 
 HOLD_LOCK = """
 import sys, time
@@ -541,7 +541,7 @@ def _hold_lock(run_dir: Path) -> subprocess.Popen:
 
 
 def test_lock_run_dir_refuses_a_held_dir_and_is_free_once_the_holder_dies(tmp_path, own_lock, capsys):
-    """QA4b 1: two runs in one checkpoint.dir corrupted each other's checkpoints and metrics."""
+    """Two runs in one checkpoint.dir corrupted each other's checkpoints and metrics."""
     run = tmp_path / "run"
     holder = _hold_lock(run)
     try:
@@ -574,7 +574,7 @@ def test_lock_run_dir_without_flock_support_is_one_notice(tmp_path, own_lock, mo
 
 
 def test_lock_run_dir_removes_unfinished_saves(tmp_path, own_lock, capsys):
-    """QA4b 3: a killed save's step_N.tmp (a full checkpoint's size) stayed for good."""
+    """A killed save's step_N.tmp (a full checkpoint's size) stayed for good."""
     for name in ("step_2", "step_3.tmp", "step_10.tmp", "step_2.old", "step_5.old"):
         _fake_ckpt(tmp_path, name)
     (tmp_path / "step_5.old" / "marker").write_text("5")
@@ -610,7 +610,7 @@ def test_train_refuses_a_checkpoint_dir_in_use_on_every_rank(torchrun, tmp_path)
 
 
 def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
-    """QA4b 3: a full disk gave "RuntimeError ... unexpected pos 704 vs 598" and left step_N.tmp behind. The harness
+    """A full disk gave "RuntimeError ... unexpected pos 704 vs 598" and left step_N.tmp behind. The harness
     makes one rank's shard writer raise OSError(ENOSPC) while saving step 3 (rank 1; rank 0 with the plain
     optimizer, where rank 1 writes no shard)."""
     import re
@@ -618,7 +618,7 @@ def test_failed_save_is_one_line_on_every_rank_and_removes_its_tmp(dist_result):
     for variant in ("dopt1", "dopt0"):
         r = dist_result[variant]
         run = Path(r["run_dir"])
-        for key in ("failed_save_errors", "failed_metadata_errors"):  # issue 47.2: the peer printed a traceback
+        for key in ("failed_save_errors", "failed_metadata_errors"):  # the peer printed a traceback
             assert [printed for _, printed in r[key]] == ["", ""]  # the error line alone, on every rank
         errors = [e for e, _ in r["failed_save_errors"]]
         assert r["failed_save_dirs"] == ["step_2"]  # step_3.tmp removed, the complete checkpoint kept
@@ -693,7 +693,7 @@ def one_step(tmp_path_factory):
 
 
 def test_damaged_checkpoint_is_refused_naming_the_missing_files(one_step, tmp_path):
-    """QA4b 5 and 7: a missing .metadata or shard file ended in tracebacks (or a rank waiting in a collective), a
+    """A missing .metadata or shard file ended in tracebacks (or a rank waiting in a collective), a
     missing RNG file of another rank was skipped without a word."""
     def damaged(name: str, *remove: str) -> Path:
         step = tmp_path / name / "step_1"
@@ -782,7 +782,7 @@ def test_run_state_that_a_resume_cannot_use_is_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Issue 36: checksums, a non-finite first step after a resume, full disks
+# Checksums, a non-finite first step after a resume, full disks
 
 
 def _rewrite_tensors(step: Path, match, change) -> int:
@@ -823,7 +823,7 @@ def _without_checksums(step: Path) -> None:
 
 
 def test_changed_file_is_refused_naming_it_and_the_previous_checkpoint(one_step, tmp_path, monkeypatch, capsys):
-    """Issue 36, 3: a flipped bit in a shard (same size) or a tensor scaled in place resumed silently. Every file of
+    """A flipped bit in a shard (same size) or a tensor scaled in place resumed silently. Every file of
     a save is hashed into run_state.json and checked before the load; the error names the file and the previous
     complete checkpoint. Checkpoints without checksums (saved before them) still resume, with one notice."""
     saved = json.loads((one_step / checkpoint.RUN_STATE_FILE).read_text())["checksums"]
@@ -877,7 +877,7 @@ def test_changed_file_is_refused_naming_it_and_the_previous_checkpoint(one_step,
 
 
 def test_changed_file_is_refused_on_every_rank(dist_result):
-    """Issue 36, 3 at 2 ranks: each rank hashes its own files at the save and verifies every other file at the load;
+    """Checksums at 2 ranks: each rank hashes its own files at the save and verifies every other file at the load;
     a bit flipped in rank 1's shard is the same error on both ranks, naming the file and the previous checkpoint."""
     r = dist_result["damaged"]
     assert {"model_optim/.metadata", "model_optim/metadata.json", "model_optim/__0_0.distcp",
@@ -889,7 +889,7 @@ def test_changed_file_is_refused_on_every_rank(dist_result):
 
 
 def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_path, monkeypatch):
-    """Issue 36, 6: a full disk while appending to metrics.jsonl was a raw OSError on rank 0 and a gloo traceback on
+    """A full disk while appending to metrics.jsonl was a raw OSError on rank 0 and a gloo traceback on
     rank 1. It is one MetricsError on every rank naming the file and the free space (train.py prints it as one line)."""
     r = dist_result["damaged"]
     assert r["metrics_errors"][0] == r["metrics_errors"][1]
@@ -911,7 +911,7 @@ def test_metrics_log_on_a_full_disk_is_one_line_on_every_rank(dist_result, tmp_p
 
 
 def test_save_failing_in_torchs_zip_writer_is_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
-    """Issue 36, 6: a full disk during a save printed interleaved tracebacks and ended in torch's `RuntimeError:
+    """A full disk during a save printed interleaved tracebacks and ended in torch's `RuntimeError:
     [enforce fail at inline_container.cc:672] . unexpected pos ...` (torch.save's zip writer keeps no errno). With
     the file system full it is the ENOSPC OSError the README promises; otherwise a failed write, still one line."""
     torch_text = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # torch 2.14, /dev/full
@@ -954,7 +954,7 @@ sys.exit(hf_export.main([run, out]))
 
 
 def test_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_export(one_step, tmp_path):
-    """Issue 36, 6: a full disk during `python hf_export.py RUN OUT` was a raw SafetensorError with OUT left
+    """A full disk during `python hf_export.py RUN OUT` was a raw SafetensorError with OUT left
     "complete": false. The export is written to OUT.tmp and renamed when complete: a failure is one line naming the
     free space, OUT.tmp is removed and the earlier export in OUT stays whole."""
     out = tmp_path / "hf"
@@ -1007,7 +1007,7 @@ def test_export_of_a_step_pruned_meanwhile_or_under_torchrun_is_one_line(one_ste
 
 
 def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(one_step, tmp_path):
-    """Issue 36, 4: random bytes in a shard (of a checkpoint without checksums, which resumes with a notice) gave
+    """Random bytes in a shard (of a checkpoint without checksums, which resumes with a notice) gave
     `DivergedError: step N: ... start a new run with a lower optimizer.lr`. At the first step after a resume the
     line names the checkpoint and offers the previous one."""
     run = tmp_path / "run"
@@ -1030,8 +1030,8 @@ def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(on
 ORPHAN = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-import torch, monitor
-stopper = monitor.StopSignal()
+import torch, stop_signals
+stopper = stop_signals.StopSignal()
 print("ready", os.getpid(), flush=True)
 deadline = time.time() + 60
 while time.time() < deadline and not stopper.should_stop(torch.device("cpu")):  # one "step" each
@@ -1048,7 +1048,7 @@ time.sleep(600)
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1])
 def test_rank_whose_launcher_died_stops_after_its_step(tmp_path, sig):
-    """QA4b 10: after `kill -9` of torchrun the ranks (in sessions of their own) trained on; issue 36.5: after
+    """After `kill -9` of torchrun the ranks (in sessions of their own) trained on; after
     `kill -USR1` of torchrun (which dies of it) they trained up to 5 s more (a polling thread). A stand-in launcher
     starts a stand-in rank (LOCAL_RANK set, StopSignal installed) and is killed; the rank stops after its next step."""
     out, err = tmp_path / "out", tmp_path / "err"
@@ -1075,11 +1075,11 @@ def test_rank_whose_launcher_died_stops_after_its_step(tmp_path, sig):
 def test_launcher_check_only_under_torchrun(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    import monitor
+    import stop_signals
 
-    previous = {sig: signal.getsignal(sig) for sig in monitor.StopSignal.SIGNALS}
+    previous = {sig: signal.getsignal(sig) for sig in stop_signals.StopSignal.SIGNALS}
     try:
-        assert monitor.StopSignal().launcher is None
+        assert stop_signals.StopSignal().launcher is None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -1173,8 +1173,8 @@ def test_optimizer_state_loads_across_gradient_buffer_dtypes(tmp_path):
 
 
 def test_run_state_written_before_the_digest_rename_still_resumes(tmp_path):
-    """A run_state.json written before issue 44 holds the trainable parameters' digest under its old key: it is
-    still read, so `load` checks the digest as before; the new key is read too."""
+    """An older run_state.json holds the trainable parameters' digest under the key's earlier name: it is still read,
+    so `load` checks the digest as before; the new key is read too."""
     file = tmp_path / checkpoint.RUN_STATE_FILE
     file.write_text(json.dumps(dict(_state(4, {}), parameter_layout="abc")))  # the key's earlier name
     assert checkpoint.read_run_state(tmp_path).parameter_digest == "abc"

@@ -1,4 +1,4 @@
-"""What a user sees on the console (issue 14, points 4-6): one error line printed once and last, the resolved config
+"""What a user sees on the console: one error line printed once and last, the resolved config
 written to the run directory, known library warnings kept out, Ctrl-C saving like SIGTERM, metrics.jsonl never
 restarted silently.
 """
@@ -118,7 +118,7 @@ def test_quiet_known_warnings_respects_the_switch(monkeypatch):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
-    """QA5: reference.offload = true on the CPU was silently ignored; the layout lines now say so."""
+    """`reference.offload = true` on the CPU was silently ignored; the layout lines now say so."""
     from types import SimpleNamespace
 
     from backend import kernel_selection
@@ -134,7 +134,7 @@ def test_layout_lines_say_when_reference_offload_is_ignored(offload, capsys):
 
 
 def test_a_failed_save_leaves_megatron_writer_errors_off_the_console(monkeypatch):
-    """QA5: a full disk printed megatron's writer errors (4 lines) before checkpoint.save's one CheckpointError line;
+    """A full disk printed megatron's writer errors (4 lines) before checkpoint.save's one CheckpointError line;
     those records are filtered, any other record of that logger still prints."""
     import io
     import logging
@@ -178,7 +178,7 @@ def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(
 
 
 def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
-    """QA3 item 3: a TP = 2 sequence-parallel run printed megatron-core's "`sequence_parallel` is set to `True`, but
+    """A TP = 2 sequence-parallel run printed megatron-core's "`sequence_parallel` is set to `True`, but
     tensor model parallel size is 1" (its expert linears, ETP = 1; the filter lacked the backticks) and "... set the
     environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1 ..." (train.py now sets it when unset) on both ranks.
     OMP_NUM_THREADS is set, so torchrun's own notice is absent too: stderr is empty."""
@@ -195,7 +195,7 @@ def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
 
 @pytest.mark.parametrize("value, shown", [(0.3851, " mfu 38.5% "), (2.3e-6, " mfu 0.00023% "), (None, None)])
 def test_console_line_shows_mfu_in_significant_digits(value, shown):
-    """Issue 36, point 3: a GPU run of the tiny model printed `mfu 0.0%`."""
+    """A GPU run of the tiny model printed `mfu 0.0%`."""
     cfg = config_mod.load_config(None, [])
     m = {"loss": 0.7, "preference_loss": 0.69, "bco_loss": 0.69, "sft_loss": 1.2, "accuracy": 0.5,
          "rewards/margin": 0.01, "reward_shift": 0.0, "lr": 1e-6, "grad_norm": 1.0, "pairs_per_s": 2.0,

@@ -123,7 +123,7 @@ NO_WEIGHTS = ["mpo.preference_loss_weight=0", "mpo.bco_loss_weight=0", "mpo.sft_
      ["mpo.reference_policy_kl_penalty = 0", "mpo.bco_loss_weight = 0.2"]),
 ])  # fmt: skip
 def test_settings_that_train_nothing_are_refused(overrides, keys):
-    """QA3 item 2: all loss weights 0, or beta = 0 under a DPO / BCO weight (those terms are then constant: ln 2 and
+    """All loss weights 0, or beta = 0 under a DPO / BCO weight (those terms are then constant: ln 2 and
     2 ln 2 at delta = 0), trained nothing (loss or grad norm 0 on every step) and were accepted."""
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "tiny.toml", overrides)
@@ -171,7 +171,7 @@ def test_parallel_validation_messages():
 
 
 def test_sequence_parallel_without_tensor_parallelism_names_both_keys():
-    """QA4a 10: SP with TP = 1 was megatron-core's "Cannot use sequence parallelism without tensor parallelism" with
+    """SP with TP = 1 was megatron-core's "Cannot use sequence parallelism without tensor parallelism" with
     no key named (preflight matched field names, not megatron's words); config.validate refuses it first."""
     with raises_naming(ConfigError, "parallel.sequence_parallel = true", "parallel.tensor_model_parallel_size"):
         load_config(ROOT / "configs" / "tiny.toml", ["parallel.sequence_parallel=true"])

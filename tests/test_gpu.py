@@ -1,4 +1,4 @@
-"""GPU checks of issue 12 (skipped without CUDA, so CI collects and skips them). Run on a CUDA machine from the repo
+"""GPU checks (skipped without CUDA, so CI collects and skips them). Run on a CUDA machine from the repo
 root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU benchmark; about 4 minutes).
 
 1. CUDA fp32 parity with transformers (text; image+text; logits max-abs <= 1e-4) for each spec that imports (local
@@ -13,18 +13,18 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    max relative difference <= 1e-2 in bf16, <= 5e-3 in fp32: the issue's measured 7.2e-3 / 2.6e-3 with headroom), and
    mamba_torch on CUDA against mamba_torch on the CPU in fp32 (<= 1e-4).
 6. With Transformer Engine: the shared-prompt attention as one TE varlen call (shared_prompt.te_attention,
-   issue 16) against shared_prompt.attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
+   the shared-prompt format) against shared_prompt.attention, outputs and q/k/v gradients (bf16 <= 2e-2, fp16 <= 5e-3
    relative to the largest value).
-7. The shared-prompt format on a GPU (issue 16): the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
+7. The shared-prompt format on a GPU: the shared-prompt Mamba mixer with mamba-ssm's and causal-conv1d's
    kernels (shared_prompt.mamba_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
    `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
-8. The local spec's portable kernels (issue 33) against their references on CUDA, forward and backward:
+8. The local spec's portable kernels against their references on CUDA, forward and backward:
    local_spec.GroupedExperts (torch's grouped GEMM) against SequentialMLP (bf16, fp32; 128 experts, some empty), and
    ThdDotProductAttention's varlen backend (one torch varlen_attn call) against its per-sequence SDPA (bf16, fp16;
    causal, non-causal, GQA, the shared-prompt format); point 5's tolerance.
-9. The `mamba triton` set (issue 33: mamba_triton, fla-core's Triton conv with mamba-ssm's Triton scan and gated norm
+9. The `mamba triton` set (mamba_triton, fla-core's Triton conv with mamba-ssm's Triton scan and gated norm
    from its sources) on CUDA, forward and backward: the conv and the fused mixer body megatron calls in training
    against mamba_torch (bf16, fp32; point 5's tolerance), the conv offsets precomputed from the batch as the model
    passes them, and the kernel line naming `mamba triton` where the set imports without the compiled packages.
@@ -162,8 +162,8 @@ def test_a_step_keeps_every_tensor_on_the_gpu(cuda_world, monkeypatch, tmp_path,
     from backend import kernel_selection
 
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
-    assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "train.py count_global_pairs: TensorBase.item"], sites
+    assert sites == ["mpo_loss.py count_global_pairs: TensorBase.item",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
     if kernel_selection.select_kernels().mamba != "torch":
         assert not any(r.startswith("mamba_torch.py") for r in audit.reads), audit.reads
 
@@ -227,7 +227,7 @@ def test_every_mamba_kernel_matches_mamba_torch(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 6. Shared-prompt attention through Transformer Engine (issue 16; never run on a GPU before this check)
+# 6. Shared-prompt attention through Transformer Engine (never run on a GPU before this check)
 
 
 @pytest.mark.skipif(not __import__("backend.kernel_selection", fromlist=["_"]).te_importable(),
@@ -277,7 +277,7 @@ def test_te_shared_prompt_attention_equals_local(cuda_world, dtype, tol):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 7. The shared-prompt format on a GPU (issue 16)
+# 7. The shared-prompt format on a GPU
 
 
 def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
@@ -329,7 +329,7 @@ def test_shared_prompt_main_job_with_recompute_equals_separate_rows_at_step_1(ru
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 8. The local spec's portable kernels on CUDA against their references (issue 33)
+# 8. The local spec's portable kernels on CUDA against their references
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -421,7 +421,7 @@ def test_varlen_attention_equals_per_sequence_sdpa(cuda_world, dtype, layout):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 9. The `mamba triton` set on CUDA against mamba_torch (issue 33; on the CPU: Triton's interpreter)
+# 9. The `mamba triton` set on CUDA against mamba_torch (on the CPU: Triton's interpreter)
 
 _triton_set = pytest.mark.skipif(not __import__("backend.kernel_selection", fromlist=["_"]).mamba_triton_importable(),
                                  reason="the `mamba triton` set does not import here (mamba-ssm's sources via "

@@ -1,7 +1,8 @@
 """The repository's modules import each other without a cycle: the graph of imports among the top-level modules (and
 the modules of top-level packages), read with `ast` from every `import` and `from ... import` anywhere in a file
 (function-local and `if TYPE_CHECKING:` ones included), is acyclic, and docs/MODULES.md lists each module's imports
-and layer as they are. Nothing is imported; tests/ is not part of the graph.
+and layer as they are. Every module keeps its docstrings short (at most 20% of its code lines, module docstrings at most
+12 lines). Nothing is imported; tests/ is not part of the graph.
 
 Run: `pytest tests/test_imports.py` (pure Python, well under a second).
 """
@@ -151,3 +152,46 @@ def test_every_module_stays_readable_in_one_sitting():
     """No repository module (bench/'s included) grows past 800 lines: a larger one is split along a seam."""
     long = {name: n for name, path in repository_modules().items() if (n := len(path.read_text().splitlines())) > 800}
     assert not long, f"modules over 800 lines: {long}"
+
+
+def docstring_and_code_lines(path: Path) -> tuple[int, int, int]:
+    """(docstring lines, code lines, module docstring lines) of one file. Docstring lines: the lines spanned by the
+    docstrings (a string literal as the first statement) of the module, its classes and its functions. Code lines:
+    every other line that is neither blank nor only a comment."""
+    source = path.read_text()
+    tree = ast.parse(source, filename=str(path))
+    docs: set[int] = set()
+    module_doc = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            docs.update(range(first.lineno, first.end_lineno + 1))
+            if isinstance(node, ast.Module):
+                module_doc = first.end_lineno - first.lineno + 1
+    code = sum(1 for i, line in enumerate(source.splitlines(), start=1)
+               if line.strip() and not line.lstrip().startswith("#") and i not in docs)
+    return len(docs), code, module_doc
+
+
+def test_docstring_and_code_lines_counts_by_its_definition(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text('"""Two\nlines."""\n\n# a comment\nimport os\n\n\nclass A:\n    """One."""\n\n    def f(self):\n'
+                      '        """One more."""\n        return os.sep  # a comment after code\n')
+    assert docstring_and_code_lines(sample) == (4, 4, 2)  # import, class, def, return
+
+
+def test_docstrings_say_what_in_a_fifth_of_the_code():
+    """Every repository module's docstring lines are at most 20% of its code lines (docstring_and_code_lines), and its
+    module docstring is at most 12 lines: details and history live in docs/DESIGN.md. A module of under 25 code lines
+    (a package's __init__.py that describes its folder, bench/__main__.py) is held to the 12 lines alone."""
+    too_long, too_many = {}, {}
+    for name, path in repository_modules().items():
+        docs, code, module_doc = docstring_and_code_lines(path)
+        if module_doc > 12:
+            too_long[name] = module_doc
+        if code >= 25 and docs > 0.2 * code:
+            too_many[name] = f"{docs} docstring lines, {code} code lines"
+    assert not too_long, f"module docstrings over 12 lines: {too_long}"
+    assert not too_many, f"docstrings over 20% of the code: {too_many}"

@@ -393,7 +393,6 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     import lora
     import omni_model
     import train
-    from backend import megatron_patches
 
     distributed.init_distributed()
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", LORA)
@@ -401,8 +400,7 @@ def _loaded_state(step_dir: Path) -> list[tuple[str, torch.Tensor]]:
     hf_weights.load_hf_weights(policy, ROOT / cfg.model.hf_path)
     lora.apply_lora(policy, cfg.lora, seed=cfg.mpo.seed + 1)  # another initial A: the checkpoint's must replace it
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(step_dir, ddp, opt, sched)
+    checkpoint.load(step_dir, ddp, opt, sched)
     out = [(n, p.detach().clone()) for n, p in policy.named_parameters() if p.requires_grad]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:
@@ -513,7 +511,7 @@ def test_lora_exports_merged_and_as_peft_with_our_logits(lora_runs, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# LoRA training on TP = 2 (+ SP) and on EP = 2: 3 steps equal to one rank (issue 45 item 6)
+# LoRA training on TP = 2 (+ SP) and on EP = 2: 3 steps equal to one rank
 
 LAYOUTS = {"tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
            "ep2": ["parallel.expert_model_parallel_size=2"]}

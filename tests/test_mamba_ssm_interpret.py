@@ -4,7 +4,7 @@ and the `mamba triton` set (mamba_triton: those two plus fla-core's Triton conv,
 
 This checks, without a GPU, the kernels' algorithm and the way this repository calls them (argument conventions of
 `mamba_chunk_scan_combined` and fla's `causal_conv1d`, seq_idx / cu_seqlens packing, dt softplus and dt_limit, D, z,
-gated RMSNorm), the fused mixer body megatron calls, and the shared-prompt scan's kernel path (issue 16). It does not
+gated RMSNorm), the fused mixer body megatron calls, and the shared-prompt scan's kernel path. It does not
 check GPU numerics: the interpreter computes float32 dot products exactly (a GPU uses TF32) and gives wrong bf16
 results, so the bf16 tolerances stay with tests/test_gpu.py.
 
@@ -85,7 +85,7 @@ def _interpret(src: Path, check: str, module: str = "mamba_ssm.ops.triton.ssd_co
 
 @pytest.mark.slow
 def test_mamba_ssm_scan_equals_mamba_torch(mamba_ssm_src):
-    """Issue 12, point 4 in float32: output and the gradients of x, dt, B, C, z."""
+    """The packed case in float32: output and the gradients of x, dt, B, C, z."""
     worst = _interpret(mamba_ssm_src, "scan")
     assert set(worst) == {"y", "x", "dt", "B", "C", "z"} and max(worst.values()) <= TOL, worst
 
@@ -128,7 +128,7 @@ def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_pat
 
 @pytest.mark.slow
 def test_shared_prompt_mamba_with_triton_kernels_equals_torch_kernels(mamba_ssm_src):
-    """Issue 16's Mamba layer with the `mamba triton` set (fla-core's conv, mamba-ssm's scan and gated RMSNorm;
+    """The shared-prompt Mamba layer with the `mamba triton` set (fla-core's conv, mamba-ssm's scan and gated RMSNorm;
     tests/test_gpu.py item 7 in float32): output and the gradient of every mixer input."""
     worst = _interpret(mamba_ssm_src, "shared_prompt")
     assert len(worst) == 9 and max(worst.values()) <= TOL, worst

@@ -46,7 +46,7 @@ def test_no_sources_is_none_and_a_wrong_folder_is_one_error(tmp_path, monkeypatc
 def test_the_loader_skips_the_package_init_and_leaves_no_module_behind(tmp_path, monkeypatch):
     """The kernels load although the package __init__ would fail (no compiled `selective_scan_cuda`); a second call
     returns the same functions; afterwards no `mamba_ssm*` module and no stand-in for the extension is in sys.modules
-    (issue 33: a stand-in without __spec__ broke importlib.util.find_spec), and a module left by an earlier failed
+    (a stand-in without __spec__ broke importlib.util.find_spec), and a module left by an earlier failed
     import of the package is put back as it was."""
     if "mamba_ssm" in sys.modules or importlib.util.find_spec("selective_scan_cuda") is not None:
         pytest.skip("mamba-ssm is imported or compiled here: the loader then imports the complete package")

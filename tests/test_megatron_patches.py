@@ -100,8 +100,7 @@ def test_every_shim_names_an_upstream_line_that_exists():
     names = ("_stub_paged_stash_without_triton", *megatron_patches.CPU_ONLY_SHIMS, *megatron_patches.LOCAL_SPEC_SHIMS,
              *megatron_patches.TORCH_MAMBA_SHIMS, *megatron_patches.TRITON_MAMBA_SHIMS, *megatron_patches.MODEL_SHIMS,
              "install_mamba_cp_thd_indices")
-    objects = [_shim(n) for n in names] + [megatron_patches.CudaToCpuMode,
-                                           local_spec.LocalNorm,
+    objects = [_shim(n) for n in names] + [local_spec.LocalNorm,
                                            local_spec.LocalNormColumnParallelLinear,
                                            local_spec.ThdDotProductAttention,
                                            megatron_patches.restore_adam_steps,  # called by checkpoint.py
@@ -158,7 +157,7 @@ def test_kernel_selection_by_capability():
         "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cuda"
     assert megatron_patches.shims_for(k) == ("_stub_paged_stash_without_triton", "_patch_torch_norm_sequence_parallel",
                                              "_patch_hybrid_final_norm", "install_torch_mamba")
-    # with mamba-ssm's sources and fla-core there (the pip-install GPU path of issue 33): the Triton Mamba set
+    # with mamba-ssm's sources and fla-core there (the pip-install GPU path): the Triton Mamba set
     k = sel(te=False, mamba_ssm=False, cuda=True, grouped_mm=True, varlen_attn=True, mamba_triton=True)
     assert k.line() == "kernels: spec local; attention varlen; experts grouped; mamba triton; device cuda"
     assert megatron_patches.shims_for(k)[-1] == "install_triton_mamba"
@@ -173,7 +172,8 @@ def test_kernel_selection_by_capability():
     assert set(megatron_patches.shims_for(here)) == {
         "_stub_paged_stash_without_triton", "_disable_dynamo", "_patch_current_device", "_patch_cuda_streams",
         "_install_cpu_rng_tracker", "_patch_causal_masks", "_patch_torch_norm_sequence_parallel",
-        "_patch_hybrid_final_norm", "_patch_moe_split_sizes", "_patch_clip_grads", "install_torch_mamba"}
+        "_patch_hybrid_final_norm", "_patch_moe_split_sizes", "_patch_clip_grads", "_optimizers_in_cpu_mode",
+        "install_torch_mamba"}
     assert set(megatron_patches.shims_for(here)) <= megatron_patches._INSTALLED
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.ssm import mamba_mixer
@@ -286,25 +286,23 @@ def test_megatron_ddp_optimizer_step_matches_torch(optimizer, distributed):
     gen = torch.Generator().manual_seed(0)
     W0, b0, x = torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen), torch.randn(5, 8, generator=gen)
     clip = 0.05
-    with megatron_patches.cuda_to_cpu():
-        model = DistributedDataParallel(
-            cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
-            _Net(cfg),
-        )
-        with torch.no_grad():
-            model.module.lin.weight.copy_(W0)
-            model.module.lin.bias.copy_(b0)
-        opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer=optimizer, lr=0.1, weight_decay=0.0, clip_grad=clip, bf16=False,
-                            use_distributed_optimizer=distributed),
-            [model],
-        )
+    model = DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
+        _Net(cfg),
+    )
+    with torch.no_grad():
+        model.module.lin.weight.copy_(W0)
+        model.module.lin.bias.copy_(b0)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer=optimizer, lr=0.1, weight_decay=0.0, clip_grad=clip, bf16=False,
+                        use_distributed_optimizer=distributed),
+        [model],
+    )
     model.zero_grad_buffer()
     opt.zero_grad()
     model(x).pow(2).sum().backward()
     model.finish_grad_sync()
-    with megatron_patches.cuda_to_cpu():
-        ok, grad_norm, _ = opt.step()
+    ok, grad_norm, _ = opt.step()
 
     ref = torch.nn.Linear(8, 6)
     with torch.no_grad():

@@ -282,7 +282,7 @@ def test_meta_warnings_length_and_data_augment(tmp_path, processor):
 
 
 def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, capsys):
-    """QA15 item 13: data notices (DataWarning) become plain lines, each once, instead of UserWarnings with a source
+    """Data notices (DataWarning) become plain lines, each once, instead of UserWarnings with a source
     line; other warnings still print; mmpr_index.py prints them as 'warning: ...' on stderr."""
     import warnings
 
@@ -303,7 +303,7 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
 
 
 def test_bad_meta_paths_name_the_real_cause(tmp_path):
-    """QA15 item 10: an empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
+    """An empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
     with raises_naming(mr.DataError, "data.train.data_path"):
         mr.read_meta("")
     for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
@@ -321,7 +321,7 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
 
 
 def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
-    """QA 4b.9: a meta-recipe (or an annotation file given as one) with bytes that are not UTF-8 raised
+    """A meta-recipe (or an annotation file given as one) with bytes that are not UTF-8 raised
     UnicodeDecodeError as a traceback on every rank."""
     nonutf = tmp_path / "nonutf.json"
     nonutf.write_bytes(b"\xff\xfe{}")  # a UTF-16 byte-order mark (Windows) before the text
@@ -337,7 +337,7 @@ def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
 
 
 def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
-    """QA 4b.11: keys with typos were ignored silently and a repeated subset name kept only the last subset."""
+    """Keys with typos were ignored silently and a repeated subset name kept only the last subset."""
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()},
                      spec={"repeat_times": 2, "lenght": 3, "max_dynamic_patch": 6, "color": "red"})
     with mr.data_warnings([]) as notes:
@@ -355,7 +355,7 @@ def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
 
 
 def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
-    """QA 4b.11: an image path or an annotation path naming a directory was reported as not existing."""
+    """An image path or an annotation path naming a directory was reported as not existing."""
     meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
     with raises_naming(mr.DataError, f"{meta}: ", "'MMPR-t/images'",
                        f"{tmp_path / 'MMPR-t' / 'images'} is a directory"):  # fmt: skip
@@ -369,7 +369,7 @@ def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
 
 
 def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(processor, monkeypatch):
-    """QA 4b.11: transformers' "Token indices sequence length is longer than the specified maximum sequence length"
+    """transformers' "Token indices sequence length is longer than the specified maximum sequence length"
     reached the console for any row over the tokenizer's model_max_length; the row is checked against
     data.max_seq_length by the index, so the tokenizer is called without its warning."""
     import transformers.tokenization_utils_base as tub
@@ -481,7 +481,7 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
 
 
 def test_an_empty_image_field_is_a_text_only_row(tmp_path, processor):
-    """Issue 36, point 2: InternVL reads `"image": ""` (or []) as a pure-text row; it was dropped as missing_field."""
+    """InternVL reads `"image": ""` (or []) as a pure-text row; it was dropped as missing_field."""
     text = {"question": "What is 9 - 4?", "chosen": "5", "rejected": "3"}
     meta = write_set(tmp_path, [text, {"image": "", **text}, {"image": [], **text}])
     with mr.data_warnings([]):
@@ -568,7 +568,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
 
 
 def test_identical_responses_are_a_counted_drop(tmp_path, processor):
-    """QA15 item 7: chosen == rejected after stripping surrounding whitespace is a drop with file:line examples (and a
+    """`chosen == rejected` after stripping surrounding whitespace is a drop with file:line examples (and a
     DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
     rows = [
         row(0),  # valid
@@ -655,7 +655,7 @@ def test_no_valid_pair_is_an_error(tmp_path, processor):
 
 
 def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
-    """QA5: an empty annotation file said only 'drops: {}'; the subsets without a row are named."""
+    """An empty annotation file said only 'drops: {}'; the subsets without a row are named."""
     meta = write_set(tmp_path, [], {})
     with raises_naming(mr.DataError, f"{meta}: ", "drops: {}", "subset(s) 'sub'"):
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
@@ -792,7 +792,7 @@ def test_subset_without_root(tmp_path, processor):
 
 
 def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor):
-    """Issue 36, point 8: `../../etc/passwd` was opened outside the subset's root (dropped only as unreadable)."""
+    """`../../etc/passwd` was opened outside the subset's root (dropped only as unreadable)."""
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     rgb().save(outside / "b.png")
@@ -812,7 +812,7 @@ def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor)
 
 
 def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
-    """Issue 36, point 8: a symbolic link loop was reported as "does not exist"."""
+    """A symbolic link loop was reported as "does not exist"."""
     (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
     with pytest.raises(mr._Drop) as e:
         mr.load_image(tmp_path / "loop.png")
@@ -884,7 +884,7 @@ def test_numbered_image_placeholders(tmp_path, processor):
 
 
 def test_subset_notices_repeat_on_a_cache_hit(tmp_path, processor, monkeypatch):
-    """QA5: the meta-length notice was raised while building the index only, so a run on the cached index said
+    """The meta-length notice was raised while building the index only, so a run on the cached index said
     nothing; the notices are kept in the index's stats and repeat on every build_index."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5})
@@ -1272,7 +1272,7 @@ def test_step_loader_with_workers_and_packer(sample, processor):
 
 
 def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, processor):
-    """QA 4b.4: a DataError raised in a DataLoader worker (data.num_workers >= 1) reached train.py as torch's
+    """A DataError raised in a DataLoader worker (data.num_workers >= 1) reached train.py as torch's
     "Caught DataError in DataLoader worker process 0." plus the worker's traceback; the training process now raises
     the worker's own one-line message (file:line: reason)."""
     buf = io.BytesIO()
@@ -1327,7 +1327,7 @@ def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, p
 
 
 def test_sampler_state_notes_changed_data_with_the_same_pair_count():
-    """QA 4b.6: the sampler state carries the index fingerprint; a resume over data with the same pair count but
+    """The sampler state carries the index fingerprint; a resume over data with the same pair count but
     another fingerprint returns the note train.resume prints; no note for the same data or an older state without a
     fingerprint; another pair count is still refused."""
     a = md.PairSampler(list(range(10)), seed=1, fingerprint="a" * 64)
@@ -1351,7 +1351,7 @@ def test_sampler_state_notes_changed_data_with_the_same_pair_count():
 
 
 def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(tmp_path, processor, monkeypatch):
-    """QA 4b.8: the other ranks waited for rank 0's index build on the default group, whose NCCL timeout (10 min) is
+    """The other ranks waited for rank 0's index build on the default group, whose NCCL timeout (10 min) is
     far shorter than a build over a full MMPR release; the wait is now on a gloo group with INDEX_BUILD_TIMEOUT (as
     rank 1 sees it here, torch.distributed replaced by recorders)."""
     import datetime

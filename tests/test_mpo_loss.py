@@ -163,7 +163,7 @@ def test_update_reward_shift():
         update_reward_shift(1.0, -10.0, 4, 1.0)
     with raises_naming(ValueError, "reward_sum = nan", "reward_count = 4"):
         update_reward_shift(1.0, float("nan"), 4, 0.5)
-    for shift in (float("nan"), float("inf")):  # QA4a 12: NaN in gave NaN out
+    for shift in (float("nan"), float("inf")):  # NaN in gave NaN out
         with raises_naming(ValueError, f"reward_shift = {shift} ", "finite"):
             update_reward_shift(shift, 1.0, 2, 0.5)
     for m in (float("nan"), float("inf")):
@@ -479,7 +479,7 @@ def test_token_sequence_ids_and_sequence_logprobs():
     sums.sum().backward()
     assert sums.tolist() == [-3.0, -5.0] and n.tolist() == [2, 1]
     assert logprobs.grad.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
-    for bad in ([0, 3], [-1, 0]):  # QA4a 12: an id above S failed deep inside index_add (IndexError)
+    for bad in ([0, 3], [-1, 0]):  # an id above S failed deep inside index_add (IndexError)
         with raises_naming(ValueError, "seq_ids ", "[0, S = 2]", f"{min(bad)} .. {max(bad)}"):  # range, ids got
             sequence_sums(torch.ones(2), torch.tensor(bad), 2)
 

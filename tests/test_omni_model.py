@@ -20,8 +20,8 @@ from omni_model_cases import TINY, image_text_inputs, logits_and_grads, make_pai
 
 import pack  # noqa: E402
 
-PARITY = 1e-4  # issue 6: logits max-abs vs transformers
-INVARIANCE = 1e-5  # issue 6: packed = unpacked, TP/EP/CP = 1 rank, vision once per pair
+PARITY = 1e-4  # logits max-abs vs transformers
+INVARIANCE = 1e-5  # packed = unpacked, TP/EP/CP = 1 rank, vision once per pair
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def _routing_step(m, batch, weight: float = 1.0):
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_padding_and_dummy_bins_take_no_part_in_routing_statistics(world, recompute):
-    """Issue 13.1: the expert-bias token counts and the aux loss see only real tokens. The same pair padded to a
+    """The expert-bias token counts and the aux loss see only real tokens. The same pair padded to a
     multiple of 8 or of 64 gives the same counts (sum = real tokens x top-k) and the same router gradients; a dummy
     bin (sample_mask 0, loss weight 0) counts nothing and adds no gradient (before: its aux loss did). With
     activation recomputation too (before: the recomputed forward ran the routers in training mode, and the dummy
@@ -297,7 +297,7 @@ def test_options_freeze_and_no_dt_clamp(world):
 
 @pytest.mark.parametrize("n_shared", [1, 2])
 def test_shared_expert_width_is_the_checkpoints_total(world, tmp_path, n_shared):
-    """Issue 13.4: moe_shared_expert_intermediate_size is already the total shared-expert width (transformers builds
+    """`moe_shared_expert_intermediate_size` is already the total shared-expert width (transformers builds
     one shared MLP of that width whatever n_shared_experts says), so a checkpoint with n_shared_experts = 2 loads
     (before: megatron shape (96, 64) vs (48, 64)) and gives transformers' logits."""
     import shutil
@@ -327,7 +327,7 @@ def test_shared_expert_width_is_the_checkpoints_total(world, tmp_path, n_shared)
 
 
 def test_bias_update_rate_is_a_key_and_frozen_with_the_language_model():
-    """Issue 13.2: megatron-core's moe_router_bias_update_rate comes from model.moe_router_bias_update_rate (default
+    """megatron-core's moe_router_bias_update_rate comes from model.moe_router_bias_update_rate (default
     megatron-core's 1e-3) and is 0 when the language model is frozen."""
     import omni_model as om
     from config import ModelConfig, ParallelConfig

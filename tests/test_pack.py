@@ -418,7 +418,7 @@ def test_cp_errors():
         pack.cp_partition_index(torch.tensor([0, 8, 14], dtype=torch.int32), 2, 0)
     with raises_naming(AssertionError, "cp_rank = 2"):
         pack.cp_partition_index(torch.tensor([0, 8], dtype=torch.int32), 2, 2)
-    for bad in (torch.tensor([2, 6]), torch.tensor([], dtype=torch.int32)):  # QA4a 12
+    for bad in (torch.tensor([2, 6]), torch.tensor([], dtype=torch.int32)):  # not from 0, or empty
         with raises_naming(AssertionError, "cu_seqlens_padded"):
             pack.cp_partition_index(bad, 1, 0)
 

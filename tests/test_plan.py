@@ -211,7 +211,7 @@ def test_a_wrong_layout_is_trains_one_line_config_error(overrides, key, capsys):
     ('{"model_type": "bert", "architectures": ["BertModel"], "hidden_size": 768}', "'bert'"),
 ])
 def test_a_model_folder_that_is_not_an_omni_checkpoint_is_one_line(tmp_path, content, names, capsys):
-    """Issue 47.4: another architecture's config.json was a TypeError deep in omni_model.read_hf_config (train.py and
+    """Another architecture's config.json was a TypeError deep in omni_model.read_hf_config (train.py and
     plan.py), invalid JSON or a missing folder a traceback in plan.py; each is one ConfigError naming model.hf_path."""
     model = tmp_path / "model"
     if content is not None:
@@ -236,7 +236,7 @@ def test_an_unsupported_omni_setting_is_one_config_error_naming_the_key(tmp_path
 @pytest.mark.parametrize("flags, flag", [(["--gpus", "-2"], "--gpus"), (["--gpus", "0"], "--gpus"),
                                          (["--image-tokens", "-5"], "--image-tokens")])
 def test_plan_flags_out_of_range_are_one_line(flags, flag, capsys):
-    """Issue 47.4: --gpus -2 was torch's AssertionError, --gpus 0 silently the default, --image-tokens -5 accepted."""
+    """--gpus -2 was torch's AssertionError, --gpus 0 silently the default, --image-tokens -5 accepted."""
     assert plan.main([*NANO_ARGS, *flags]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: ConfigError: {flag} = ")
@@ -272,7 +272,7 @@ def test_two_nodes_shard_the_optimizer_over_dp():
 
 
 def test_reserve_counts_the_communicators_and_the_verdict_keeps_its_margin():
-    """Issue 43.3: the plan said "fits" with 0.6 GiB left and nothing counted for the CUDA context, NCCL's buffers or
+    """The plan said "fits" with 0.6 GiB left and nothing counted for the CUDA context, NCCL's buffers or
     the allocator. The reserve is stated per GPU; "fits" needs plan.MARGIN to spare after it."""
     assert plan.communicators(nano_cfg(), 8) == ["world", "TP", "EP"]  # DP = CP = expert DP = 1: no communicator
     assert plan.communicators(nano_cfg(), 16) == ["world", "TP", "DP x CP", "EP", "expert DP"]
@@ -294,7 +294,7 @@ def test_reserve_counts_the_communicators_and_the_verdict_keeps_its_margin():
 
 
 def test_image_tokens_come_from_the_data_index_else_the_processors_largest_image():
-    """Issue 43.3: the plan counted text alone unless --image-tokens was given."""
+    """The plan counted text alone unless --image-tokens was given."""
     import mmpr_index
 
     hf = omni_model.read_hf_config(NANO)
@@ -311,7 +311,7 @@ def test_image_tokens_come_from_the_data_index_else_the_processors_largest_image
 
 
 def test_plan_of_nano_toml_as_shipped_uses_the_shipped_config(capsys):
-    """Issue 43.3: `python plan.py configs/nano.toml` (model.hf_path, the hub id) was a FileNotFoundError traceback."""
+    """`python plan.py configs/nano.toml` (model.hf_path, the hub id) was a FileNotFoundError traceback."""
     assert plan.main(["configs/nano.toml"]) == 0
     out, err = capsys.readouterr()
     assert err.splitlines()[-1].endswith("is a hub id: planning with its config.json shipped in "
@@ -362,7 +362,7 @@ def test_the_reference_pass_is_planned_apart_from_training():
 
 
 def test_the_gpu_benchmark_sizes_its_step_to_the_device():
-    """Issue 46.1: the GPU step at its full shape (about 106 GiB) did not fit an 80 GB H100. gpu.sized_gpu_shape
+    """The GPU step at its full shape (about 106 GiB) did not fit an 80 GB H100. gpu.sized_gpu_shape
     takes the largest shape of the ladder that the plan fits in the device's memory: the full one on a 141 GB H200,
     a smaller one on an 80 GB H100, each within the plan (plan.MARGIN to spare after the reserve)."""
     from bench import gpu
@@ -459,8 +459,8 @@ def test_lora_activations_add_the_adapters_saved_tensors(lora_two_gpus):
 
 
 def test_nano_lora_fits_two_80gb_gpus_with_12_gib_to_spare(lora_two_gpus, capsys):
-    """Issue 45's goal: nano-lora.toml at TP 2 + SP, EP 2 leaves at least 12 GiB per 80 GB GPU after the reserve at
-    its 16384-token bins; the printed plan has no reference column's bytes and says the checkpoint ratio."""
+    """What the LoRA recipe is for: nano-lora.toml at TP 2 + SP, EP 2 leaves at least 12 GiB per 80 GB GPU after the
+    reserve at its 16384-token bins; the printed plan has no reference column's bytes and says the checkpoint ratio."""
     assert lora_two_gpus.bin_tokens == 16384
     assert lora_two_gpus.spare(plan.GPUS["80 GB"]) >= 12 * plan.GiB
     out = plan.format_plan(lora_two_gpus, nano_lora_cfg(*TWO_GPUS))

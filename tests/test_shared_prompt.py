@@ -1,4 +1,4 @@
-"""Tests of the shared-prompt pair format (issue 16, part 1): packing, Mamba-2, attention and loss accounting.
+"""Tests of the shared-prompt pair format: packing, Mamba-2, attention and loss accounting.
 
 Every check compares the shared format [prompt | chosen | rejected] against the separate-rows format computed
 independently in float64: a token-by-token Mamba-2 recurrence, an explicit softmax attention, the existing packed

@@ -1,4 +1,4 @@
-"""The shared-prompt format wired into the model and the step (issue 16, part 2): `packing.shared_prompt`.
+"""The shared-prompt format wired into the model and the step: `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
 separate-rows format (pack.pack) and the shared-prompt format (pack.pack_shared_prompt) through train.py's own
@@ -134,7 +134,7 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from step_cases import DeviceAudit, tiny_step
 
-    import train
+    import mpo_loss
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
     # the class-level aux-loss scale as megatron's MoE backward leaves it when it runs before any step (0-d): the step
@@ -152,12 +152,12 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
     # the layers' index tensors come from the host offsets (shared_prompt.RowSpans, made once per forward): the
     # project reads the device as in separate rows (tests/test_train.py), plus mamba_torch's (the CPU set's) own
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
-    assert sites == ["mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "train.py count_global_pairs: TensorBase.item"], sites
+    assert sites == ["mpo_loss.py count_global_pairs: TensorBase.item",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
-    assert train.count_global_pairs(s["batches"], s["ctx"]) == 4
+    assert mpo_loss.count_global_pairs(s["batches"], s["ctx"]) == 4
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     assert scale.shape == () and scale.item() == torch.tensor(1 / len(s["batches"])).item()  # DP = CP = 1
 

@@ -1,4 +1,4 @@
-"""The shared-prompt attention as one variable-length call (issue 16, the Transformer Engine path) on CPU.
+"""The shared-prompt attention as one variable-length call (the Transformer Engine path) on CPU.
 
 shared_prompt.RowSpans.varlen_args turns a shared-prompt THD row into query / key-value sequences with
 bottom-right causal masks; shared_prompt.varlen_attention runs them through a backend callable;

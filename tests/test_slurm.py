@@ -247,7 +247,7 @@ def test_sbatch_rejects_bad_knobs_before_submission(tmp_path, env, message):
 
 
 def test_the_reference_launchers_variables_drive_a_chain(tmp_path):
-    """Issue 36, point 1: the reference guide's MPO_MODEL_NAME was refused (exit 2); it is the model.hf_path knob."""
+    """The reference guide's MPO_MODEL_NAME was refused (exit 2); it is the model.hf_path knob."""
     (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password key\n")  # W&B online, as the user's
     env = {"CONTAINER": "img", "SBATCH_ACCOUNT": "acct", "MPO_MODEL_NAME": "/m", "MPO_DATA_PATH": "/d/meta.json",
            "DRY_RUN": "1", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "50,100", "MPO_MAX_NUM_STEPS": "100",
@@ -553,7 +553,7 @@ def test_usr1_reaches_the_ranks_and_the_job_exits_0(tmp_path):
 
 
 def test_usr1_during_start_up_is_kept_until_the_ranks_handle_it(tmp_path):
-    """Issue 19, point 1: a stop request that arrives before srun has started the launchers and while the ranks
+    """A stop request that arrives before srun has started the launchers and while the ranks
     still ignore SIGUSR1 (3 s of start-up) is kept pending and delivered to each rank once its handler is installed.
     Before the fix the ranks never saw it (they would wait 60 s here and exit 3)."""
     p, log = _start_signal_job(tmp_path, {"RANK_STARTUP_S": "3", "GPUS_PER_NODE": "0", "CPU_RANKS_PER_NODE": "2"})
@@ -602,7 +602,7 @@ def test_run_node_delivers_only_to_ranks_that_catch_usr1(tmp_path):
 
 @pytest.mark.parametrize("term", ["00:02:00", "2", "0-00:02"])
 def test_time_limit_without_room_before_the_signal_is_refused(tmp_path, term):
-    """Issue 19, point 3: SBATCH_TIME=2 min with the default B:USR1@600 would stop at once and report success."""
+    """SBATCH_TIME=2 min with the default B:USR1@600 would stop at once and report success."""
     r = _run(SBATCH, {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", "SBATCH_TIME": term}, [], tmp_path)
     assert r.returncode == 2, r.stderr
     assert (f"the time limit {term} (120 s) leaves -480 s before the stop signal B:USR1@600; start-up and one step "
@@ -677,7 +677,7 @@ def test_time_seconds_rejects_other_text(text):
     ],
 )
 def test_one_setting_decides_gpu_request_and_ranks_per_node(tmp_path, env, gpus, nproc):
-    """Issue 19, point 2: the dry run shows the GPU request, and it always matches torchrun's ranks per node."""
+    """The dry run shows the GPU request, and it always matches torchrun's ranks per node."""
     r = _run(SBATCH, {"DRY_RUN": "1", "MPO_DATA_PATH": "/d", "WANDB_MODE": "offline", **env}, [], tmp_path)
     assert r.returncode == 0, r.stderr
     [sbatch] = _lines(r.stdout, "sbatch")
@@ -706,7 +706,7 @@ def test_gpu_settings_that_disagree_are_refused(tmp_path):
 
 
 def test_container_without_pyxis_is_refused_at_submission(tmp_path):
-    """Issue 19, point 5: without pyxis srun has no --container-image; the job would fail at start (exit 127)."""
+    """Without pyxis srun has no --container-image; the job would fail at start (exit 127)."""
     b = _fake_bin(tmp_path)
     (b / "srun").write_text("#!/bin/sh\necho '      --container             Path to OCI container bundle'\n")
     (b / "srun").chmod(0o755)
@@ -720,7 +720,7 @@ def test_container_without_pyxis_is_refused_at_submission(tmp_path):
 
 
 def test_chain_cancels_later_segments_when_one_fails_and_says_how_to_resume(tmp_path):
-    """Issue 19, point 4: every dependent segment carries --kill-on-invalid-dep=yes, and chain.sh prints how to
+    """Every dependent segment carries --kill-on-invalid-dep=yes, and chain.sh prints how to
     resume; a results directory holding only chain.env (the first job failed before saving) needs no CHAIN_CONTINUE."""
     env = {**CHAIN_ENV, "CHAIN_STEP_TARGETS": "10,20,30", "RESULTS_DIR": str(tmp_path / "run")}
     r = _run(CHAIN, env, [], tmp_path)
@@ -743,7 +743,7 @@ def test_chain_cancels_later_segments_when_one_fails_and_says_how_to_resume(tmp_
 
 
 def test_slurm_logs_and_caches_are_ignored_by_git():
-    """Issue 19, point 5: sbatch writes slurm-<id>.out and the job's HF cache into the submit directory."""
+    """sbatch writes slurm-<id>.out and the job's HF cache into the submit directory."""
     r = subprocess.run(["git", "check-ignore", "slurm-1234.out", ".cache/huggingface/datasets/x"], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0 and r.stdout.split() == ["slurm-1234.out", ".cache/huggingface/datasets/x"], r

@@ -132,11 +132,11 @@ def test_two_segment_chain_equals_the_uninterrupted_run(straight, tmp_path):
 
 
 def test_stop_signal_during_start_up_is_kept_and_the_job_completes(tmp_path):
-    """Issue 19, point 1: SIGUSR1 to the batch shell right after the job starts (srun not yet started, the ranks
+    """SIGUSR1 to the batch shell right after the job starts (srun not yet started, the ranks
     still importing) stops the run after its first step, saves, and the job COMPLETES (an afterok chain goes on)."""
     env = _env(SBATCH_TIME="00:03:00", SBATCH_SIGNAL="B:USR1@30", MPO_MAX_NUM_STEPS="100000",
                RESULTS_DIR=str(tmp_path / "run"))  # fmt: skip
-    job = _submit(tmp_path, env, "data.num_workers=1")  # a DataLoader worker (issue 36.1)
+    job = _submit(tmp_path, env, "data.num_workers=1")  # a DataLoader worker
     log = tmp_path / f"slurm-{job}.out"
     _wait_log(log, "train.sbatch: job ", job)
     r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, timeout=30)
@@ -153,7 +153,7 @@ def test_stop_signal_during_start_up_is_kept_and_the_job_completes(tmp_path):
 
 
 def test_failed_first_segment_cancels_the_rest_and_can_be_resubmitted(tmp_path):
-    """Issue 19, point 4: segment 1 fails (no such data file); segment 2 is cancelled, not left pending forever,
+    """Segment 1 fails (no such data file); segment 2 is cancelled, not left pending forever,
     and the same chain can be submitted again into the same results directory without CHAIN_CONTINUE."""
     env = _env(CHAIN_SEGMENTS="2", CHAIN_STEP_TARGETS="2,4", RESULTS_DIR=str(tmp_path / "run"),
                MPO_DATA_PATH=str(tmp_path / "missing" / "meta.json"))  # fmt: skip
@@ -172,11 +172,11 @@ def test_failed_first_segment_cancels_the_rest_and_can_be_resubmitted(tmp_path):
 
 
 def test_scancel_saves_and_the_log_says_so(tmp_path):
-    """Issue 19, point 5: after scancel (SIGTERM) the ranks save; the log's last word is one line saying that
-    torchrun's SignalException traceback only reports the signal. Issue 36.1: also with a DataLoader worker, which
+    """After scancel (SIGTERM) the ranks save; the log's last word is one line saying that
+    torchrun's SignalException traceback only reports the signal. Also with a DataLoader worker, which
     scancel's SIGTERM reaches too (it killed the worker and the rank's step: nothing saved)."""
     job = _submit(tmp_path, _env(MPO_MAX_NUM_STEPS="100000", RESULTS_DIR=str(tmp_path / "run")),
-                  "data.num_workers=1")  # issue 36.1: scancel signals the DataLoader workers too
+                  "data.num_workers=1")  # scancel signals the DataLoader workers too
     log = tmp_path / f"slurm-{job}.out"
     _wait_log(log, "step 2/100000", job)
     subprocess.run(["scancel", job], timeout=30, check=True)

@@ -45,13 +45,14 @@ import pytest
 import torch
 from conftest import raises_naming
 
+import checkpoint
 import config as config_mod
 import distributed
 import monitor
+import mpo_loss
 import pack
 import preflight
 import train
-from backend import megatron_patches
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "mpo.max_num_steps=20", "mpo.val_at_end=false"]
@@ -110,7 +111,7 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     assert mpo_loss.reduce_metrics(m, "one", torch.device("cpu")) == m and calls == []
     got = mpo_loss.reduce_metrics(m, "two", torch.device("cpu"))
     assert got == {"loss": 0.625, "num_valid_pairs": 4, "reward_shift_used": 0.25}
-    assert type(got["num_valid_pairs"]) is int  # a count, like num_global_pairs (QA 13: it was 4.0)
+    assert type(got["num_valid_pairs"]) is int  # a count, like num_global_pairs (it was 4.0)
     assert calls == [(torch.float64, "two")]
     assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}  # the input is not modified
 
@@ -166,7 +167,7 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}'",
                        f"(python hf_export.py {tmp_path} OUT)", "model.hf_path=OUT"):  # fmt: skip
         preflight.check_inputs(cfg)
-    (tmp_path / "config.json").write_text('{"model_type": "x"}')  # issue 47.4: another architecture
+    (tmp_path / "config.json").write_text('{"model_type": "x"}')  # another architecture
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{tmp_path}': ", "model_type 'x'"):
         preflight.check_inputs(cfg)
     shutil.copy(ROOT / "assets" / "tiny-omni" / "config.json", tmp_path)  # QA: no weights: hf_weights' error
@@ -178,7 +179,7 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     with raises_naming(config_mod.ConfigError, f"data.train.data_path = '{tmp_path}/meta.json'", "not a file"):
         preflight.check_inputs(cfg)
     cfg.data.train.data_path = " "
-    with raises_naming(config_mod.ConfigError, "data.train.data_path ") as e:  # QA15 item 10
+    with raises_naming(config_mod.ConfigError, "data.train.data_path ") as e:  # an empty path
         preflight.check_inputs(cfg)
     assert "meta-recipe ." not in str(e.value)  # not "cannot read the meta-recipe ."
     cfg.data.train.data_path = str(ROOT / "data/mmpr_sample/MMPR-sample/meta.json")
@@ -203,7 +204,7 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
      ["model.freeze_vision_encoder", "model.freeze_vision_projector", "model.freeze_language_model"]),
 ])
 def test_megatron_constraints_are_config_errors_before_any_work(overrides, names):
-    """Issue 13.5: megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build
+    """megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build
     or at the first forward) fail in check_model_config, before any process group, data or model, naming our keys."""
     import torch.distributed as dist
 
@@ -222,7 +223,7 @@ def test_megatron_constraints_are_config_errors_before_any_work(overrides, names
 
 
 def test_seq_aux_loss_is_refused_with_the_reason():
-    """Issue 13.3: megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
+    """megatron-core's seq_aux_loss treats a batch row as one sequence; a packed row holds several."""
     with raises_naming(config_mod.ConfigError, "model.moe_router_load_balancing_type = 'seq_aux_loss'"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", ["model.moe_router_load_balancing_type=seq_aux_loss"])
 
@@ -303,7 +304,7 @@ def test_validation_max_samples_without_a_validation_meta_is_a_notice():
 
 
 def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_batch_is_empty():
-    """QA15 item 5: with packing.drop_oversized_pairs, pairs larger than a bin leave both splits at start (counted,
+    """With packing.drop_oversized_pairs, pairs larger than a bin leave both splits at start (counted,
     reported), so a step or validation batch can no longer hold only oversized pairs; the batch check counts the
     pairs left."""
     from mmpr_index import Split
@@ -337,7 +338,7 @@ def test_check_splits_drops_oversized_pairs_up_front_so_no_step_or_validation_ba
 
 
 def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
-    """QA15 item 13: a data notice is one plain line among the data lines of rank 0 (not a UserWarning with its source
+    """A data notice is one plain line among the data lines of rank 0 (not a UserWarning with its source
     line on every rank)."""
     import warnings
 
@@ -413,7 +414,7 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith(f"error: ConfigError: model.hf_path = '{tmp_path}'"), last
     assert "config.json" in last and "Traceback" not in proc.stderr
-    # megatron-core's constraints too (issue 13.5): before, data, models and optimizer were built and the first
+    # megatron-core's constraints too: before, data, models and optimizer were built and the first
     # forward raised megatron's ValueError as a traceback
     proc = subprocess.run(
         [sys.executable, "train.py", "configs/tiny.toml", "parallel.tensor_model_parallel_size=2"],
@@ -425,7 +426,7 @@ def test_cli_error_is_one_line_without_a_traceback(tmp_path):
 
 
 def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path, monkeypatch):
-    """QA 1 and 2: checkpoint.dir empty (the run landed in the working directory), an existing file, or under a file
+    """Checkpoint.dir empty (the run landed in the working directory), an existing file, or under a file
     (/dev/null/x) failed only when config.json was written, after the models were built."""
     (tmp_path / "file").write_text("")
     for value, names in [
@@ -441,7 +442,7 @@ def test_check_run_dir_refuses_an_empty_a_file_and_an_uncreatable_path(tmp_path,
     preflight.check_run_dir(str(tmp_path / "new" / "run"))  # creatable: created
     preflight.check_run_dir(str(tmp_path))  # an existing directory
     assert (tmp_path / "new" / "run").is_dir()
-    # QA4b 11: root's os.access says /proc and /sys are writable, mkdir fails there (a traceback after the models)
+    # root's os.access says /proc and /sys are writable, mkdir fails there (a traceback after the models)
     for value, root_error, top in (("/proc/omni_mpo_test/run", "No such file or directory", "/proc"),
                                    ("/sys/omni_mpo_test", "Operation not permitted", "/sys")):  # fmt: skip
         why = root_error if os.geteuid() == 0 else f"write permission on '{top}'"  # a user: os.access says no
@@ -506,13 +507,13 @@ def test_check_run_dir_refuses_a_model_an_export_and_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_val_batches_must_be_at_least_one(value):
-    """QA 4: 0 crashed at the first validation (KeyError 'loss'), -1 sliced off the last batch."""
+    """0 crashed at the first validation (KeyError 'loss'), -1 sliced off the last batch."""
     with raises_naming(config_mod.ConfigError, f"mpo.val_batches = {value}", ">= 1"):
         config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"mpo.val_batches={value}"])
 
 
 def test_wandb_online_needs_an_api_key(tmp_path, monkeypatch):
-    """QA 6: logging.wandb=online without a key failed in wandb.init (UsageError) after the models were built."""
+    """Logging.wandb=online without a key failed in wandb.init (UsageError) after the models were built."""
     import wandb
 
     for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
@@ -549,7 +550,7 @@ def test_wandb_that_does_not_import_is_one_config_error(monkeypatch):
 
 
 def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
-    """QA 4b.11: WANDB_MODE=offline with logging.wandb=online was refused for want of an API key; the variable now
+    """WANDB_MODE=offline with logging.wandb=online was refused for want of an API key; the variable now
     decides the mode (the resolved config holds it) and the key check follows it."""
     import wandb
 
@@ -568,7 +569,7 @@ def test_wandb_mode_in_the_environment_overrides_logging_wandb(monkeypatch):
 
 
 def test_wandb_init_failure_is_one_config_error_line(tmp_path, monkeypatch):
-    """QA 4b.2: logging.wandb=online without network died ~2 minutes later inside wandb.init (a CommError traceback,
+    """Logging.wandb=online without network died ~2 minutes later inside wandb.init (a CommError traceback,
     after the models were built); now one ConfigError line says what failed and the remedy."""
     import wandb
 
@@ -604,7 +605,7 @@ def _run_state(cfg, step: int) -> dict:
 
 
 def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
-    """QA 4b.11: re-running a finished run opened another (offline) W&B run before saying "nothing to do"; it now
+    """Re-running a finished run opened another (offline) W&B run before saying "nothing to do"; it now
     stops right after the checkpoint checks, before W&B, data and models."""
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step_6" / "model_optim").mkdir(parents=True)  # a complete checkpoint's layout (checkpoint.py)
@@ -621,7 +622,7 @@ def test_a_finished_run_builds_nothing_and_opens_no_wandb_run(tmp_path):
 
 
 def test_a_step_without_its_run_state_is_refused_and_never_written_over(tmp_path):
-    """Issue 47.1: `rm step_2/run_state.json` made the next run resume from step_1 (or start afresh) and its save of
+    """`rm step_2/run_state.json` made the next run resume from step_1 (or start afresh) and its save of
     step 2 replace step_2/model_optim. The run now stops before writing anything, naming step_2 and step_1."""
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step_1" / "model_optim").mkdir(parents=True)
@@ -664,7 +665,7 @@ def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
 
 
 def test_resume_notes_training_data_changed_with_the_same_pair_count(tmp_path, monkeypatch, capsys):
-    """QA 4b.6: a resume over changed data with the same pair count trained on without a word; train.resume now
+    """A resume over changed data with the same pair count trained on without a word; train.resume now
     prints one `resume:` line (the sampler state's index fingerprint differs) and continues."""
     import checkpoint
     import mmpr_data
@@ -732,7 +733,7 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
 
 
 def test_two_readme_commands_on_one_machine_do_not_wait_on_each_other(tmp_path):
-    """Issue 47.5: two runs of the README's command shared torchrun's default port 29500, so the second waited
+    """Two runs of the README's command shared torchrun's default port 29500, so the second waited
     silently for the whole first run, then said "nothing to do". With --standalone each picks a free port, and the
     second stops at once on the run directory's lock while the first trains."""
     import shlex
@@ -763,8 +764,8 @@ def test_two_readme_commands_on_one_machine_do_not_wait_on_each_other(tmp_path):
 
 
 def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path, monkeypatch):
-    """Issue 47.3: a disk already full when the run starts was a traceback from write_resolved_config and left a 0-byte
-    config.json. Now one MetricsError naming the file and the free space; an earlier config.json is kept whole."""
+    """A disk already full when the run starts: writing the resolved config is one CheckpointError naming the file and
+    the free space (not a traceback), and no 0-byte config.json is left; an earlier config.json is kept whole."""
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "config.json").write_text('{"earlier": 1}\n')
     def full_disk(fd):  # the bytes were written, then the disk is full when they are synced
@@ -773,13 +774,13 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_no_partial_config(tmp_path,
     monkeypatch.setattr(os, "fsync", full_disk)
     for previous in (None, (3, {"step": 3})):
         target = "config.json" if previous is None else "config.step_3.json"
-        with raises_naming(monitor.MetricsError, f"{tmp_path / target}: OSError: [Errno {errno.ENOSPC}]",
+        with raises_naming(checkpoint.CheckpointError, f"{tmp_path / target}: OSError: [Errno {errno.ENOSPC}]",
                            f"bytes free on {tmp_path}"):  # fmt: skip
-            monitor.write_resolved_config(cfg, 0, previous)
+            checkpoint.write_resolved_config(cfg, 0, previous)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
         assert (tmp_path / "config.json").read_text() == '{"earlier": 1}\n'
     monkeypatch.undo()
-    assert monitor.write_resolved_config(cfg, 0, (3, {"step": 3})) == tmp_path / "config.json"
+    assert checkpoint.write_resolved_config(cfg, 0, (3, {"step": 3})) == tmp_path / "config.json"
     assert json.loads((tmp_path / "config.json").read_text()) == config_mod.to_dict(cfg)
     assert json.loads((tmp_path / "config.step_3.json").read_text()) == {"step": 3}
 
@@ -822,10 +823,9 @@ def _loaded_state(step_dir: Path, *overrides: str) -> list[tuple[str, torch.Tens
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", overrides)  # the run's schedule
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(step_dir, ddp, opt, sched)
+    checkpoint.load(step_dir, ddp, opt, sched)
     out = [(f"param {n}", p.detach().clone()) for n, p in policy.named_parameters()]
-    # the routers' expert bias is a buffer, moved by the step's token counts (issue 13.1)
+    # the routers' expert bias is a buffer, moved by the step's token counts
     out += [(f"buffer {n}", b.detach().clone()) for n, b in policy.named_buffers() if n.endswith("expert_bias")]
     for i, o in enumerate(checkpoint._inner_optimizers(opt)):
         for g in o.optimizer.param_groups:
@@ -915,7 +915,7 @@ SHORT = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split
 
 @pytest.fixture(scope="module")
 def padding(train_run, tmp_path_factory):
-    """Issue 13.1: two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
+    """Two steps (lr 0, then 1e-4) with sequences padded to multiples of 8 and of 64 on one rank, and
     padded to 8 on DP = 2."""
     runs = {}
     for name, nproc, multiple in (("pad8", 1, 8), ("pad64", 1, 64), ("dp2", 2, 8)):
@@ -1018,13 +1018,13 @@ def test_lr_follows_the_schedule(readme):
 # validation row, in both pair formats. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate rows
 # (tiny.toml's packing.shared_prompt = false), recorded 2026-12-01 (torchrun --standalone --nproc-per-node 2 train.py
 # configs/tiny.toml). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the same command with packing.shared_prompt=auto, the
-# shared-prompt format on the CPU (issue 16), recorded 2026-12-03. Step 1 of both is the same (policy = reference;
+# shared-prompt format on the CPU, recorded 2026-12-03. Step 1 of both is the same (policy = reference;
 # only `tokens` differs, each prompt computed once); from step 2 on they part by design: each prompt token is routed,
 # and counted for the expert-bias update, once instead of twice (test_both_formats_train_alike_without_the_expert_bias_
 # update checks the rest is equal). A change of behaviour
 # anywhere on the step's path (data order, packing, model, loss, optimizer, schedule, δ update, metric reduction) moves
-# some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Issue 15 step 5
-# renamed two keys (logps/chosen, logps/rejected -> logprobs/*); every number is as recorded.
+# some of these numbers; a refactor moves none. The timing-derived keys are not part of the traces. Two keys were
+# renamed since (logps/chosen, logps/rejected -> logprobs/*: the field's name); every number is as recorded.
 #
 # Tolerances, derived from float32 rounding rather than from the machines seen so far. Another CPU rounds differently
 # (its ISA as ATEN_CPU_CAPABILITY, MKL and oneDNN pick it, its thread count, its summation orders). Every traced number
@@ -1357,8 +1357,8 @@ def test_the_golden_trace_catches_a_1e3_change_of_beta_or_lr(train_run, tmp_path
 
 
 def test_step_one_is_the_same_in_both_formats_with_fewer_tokens(readme, shared):
-    """Issue 16's step-1 check on the main job: policy = reference, so every loss term is the closed form in either
-    format and the log-prob sums agree to fp32 rounding; the shared format computes each prompt once."""
+    """The shared-prompt format's step-1 check on the main job: policy = reference, so every loss term is the closed
+    form in either format and the log-prob sums agree to fp32 rounding; the shared format computes each prompt once."""
     shared, sep = shared.rows[0], readme.rows[0]
     assert shared["preference_loss"] == pytest.approx(math.log(2), abs=2**-24)  # ln 2 in float32: one ulp
     assert shared["bco_loss"] == pytest.approx(2 * math.log(2), abs=2**-23)
@@ -1418,7 +1418,7 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
 
 
 def test_precomputed_reference_logprobs_train_as_the_online_reference_bit_for_bit(readme, precomputed):
-    """Issue 43 item 1: the reference pass scores the same bins (one pair each) with the same forward, so the stored
+    """The reference pass scores the same bins (one pair each) with the same forward, so the stored
     sums are the online ones and every metric of every step, validation included, is the README run's (the golden
     trace, step 1 at w_p ln 2 + w_q 2 ln 2), across a resume after step 2; the second segment builds no reference."""
     r = precomputed.rows[0]
@@ -1458,7 +1458,7 @@ def test_tp2_and_dp2_reproduce_tp1_dp1(learn, tp2, tp1_signal):
             tol = golden_tolerance(key, tp1[step], s_max)
             assert learn.rows[step][key] == pytest.approx(tp1[step][key], rel=0, abs=tol), (step, key, "DP=2")
             assert tp2[step][key] == pytest.approx(tp1[step][key], rel=0, abs=tol), (step, key, "TP=2")
-    # the state after step 3, the routers' expert bias (a buffer) included: DP = 2 as DP = 1 (issue 13.1)
+    # the state after step 3, the routers' expert bias (a buffer) included: DP = 2 as DP = 1
     _assert_same_state(_loaded_state(tp1_signal.dir / "step_3", *LEARN), _loaded_state(learn.dir / "step_3", *LEARN),
                        "DP=2", atol=PARAM_ATOL_AFTER_3_STEPS)
 
@@ -1487,7 +1487,7 @@ def _assert_same_state(a: list, b: list, what: str, atol: float = 1e-7) -> None:
 
 
 def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
-    """Issue 13.1: padding takes no part in routing statistics, so the padding multiple (8 vs 64) and the DP layout
+    """Padding takes no part in routing statistics, so the padding multiple (8 vs 64) and the DP layout
     change neither the losses nor the weights nor the routers' expert bias (before: step 2 differed, and the exported
     e_score_correction_bias differed in sign for one expert)."""
     ref = padding["pad8"]
@@ -1508,7 +1508,7 @@ def test_padding_multiple_and_dp2_give_the_same_state_buffers_included(padding):
 
 
 def test_lr_zero_and_bias_rate_zero_keep_the_policy_equal_to_the_reference(frozen):
-    """Issue 13.2: with optimizer.lr = 0 and model.moe_router_bias_update_rate = 0 nothing moves the policy: the
+    """With optimizer.lr = 0 and model.moe_router_bias_update_rate = 0 nothing moves the policy: the
     margin stays exactly 0 and the losses stay ln 2 / 2 ln 2 for every step (before: the expert bias moved at lr 0)."""
     assert len(frozen.rows) == 7
     for r in frozen.rows:
@@ -1517,7 +1517,7 @@ def test_lr_zero_and_bias_rate_zero_keep_the_policy_equal_to_the_reference(froze
 
 
 def test_a_step_straddling_the_epoch_boundary_trains_four_distinct_pairs(frozen):
-    """Issue 13.6: 27 pairs, 4 per step: step 7 ends epoch 0 and starts epoch 1, whose first pair is already in the
+    """27 pairs, 4 per step: step 7 ends epoch 0 and starts epoch 1, whose first pair is already in the
     step; the sampler defers it, so every step trains 4 pairs and consumed_pairs counts exactly what was trained
     (before: step 7 trained 3 pairs beside a dummy bin while consumed_pairs added 4)."""
     assert [r["num_global_pairs"] for r in frozen.rows] == [4] * 7
@@ -1566,7 +1566,7 @@ def _after_step(proc, run_dir: Path, step: int, terminal: int | None = None) -> 
                                                 (signal.SIGHUP, "pipe closed", 1),
                                                 (signal.SIGTERM, "start", 1)])  # fmt: skip
 def test_a_stop_signal_to_torchrun_with_data_workers_saves_the_step(torchrun, env, tmp_path, sig, when, workers):
-    """Issue 36, 1-2: torchrun forwards SIGTERM / SIGHUP to each rank's whole process group, DataLoader workers
+    """torchrun forwards SIGTERM / SIGHUP to each rank's whole process group, DataLoader workers
     included; SIGTERM killed the workers and the ranks crashed in their step (nothing saved), SIGHUP killed the ranks
     at once. Now the ranks finish the step, save it and exit 0; before the first step: one step and its save. The
     SIGHUP cases are a closed terminal (the run's console is a pseudo-terminal) and a closed pipe (`| tee`, which the
@@ -1602,7 +1602,7 @@ def test_a_stop_signal_to_torchrun_with_data_workers_saves_the_step(torchrun, en
 
 
 def test_a_killed_rank_leaves_one_line_on_the_other(torchrun, env, tmp_path):
-    """Issue 36.7: after `kill -9` of one rank the other printed a full gloo traceback (from its gradient reduction);
+    """After `kill -9` of one rank the other printed a full gloo traceback (from its gradient reduction);
     now one line naming the error."""
     import psutil
 
@@ -1677,7 +1677,7 @@ def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monke
 # The device rule (train.py's docstring), in process: every tensor of a step on the step's device
 
 
-def _count_pairs_before_issue_12(batches, ctx):  # train.count_global_pairs as it was when it failed on a GPU
+def _count_pairs_with_host_copies(batches, ctx):  # the pair count as it was when it failed on a GPU
     import mpo_loss
     import pack
 
@@ -1707,8 +1707,8 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads})
     assert sites == ["mamba_torch.py _check_seq_idx: TensorBase.__bool__",
                      "mamba_torch.py causal_conv1d_fn: TensorBase.nonzero",
-                     "mpo_loss.py reduce_metrics: TensorBase.tolist",
-                     "train.py count_global_pairs: TensorBase.item"], sites
+                     "mpo_loss.py count_global_pairs: TensorBase.item",
+                     "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
     assert sum(not r.startswith("mamba_torch.py") for r in audit.reads) == 2
     # golden numbers: identical policy and reference
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -1716,9 +1716,9 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     # the audit flags the count that broke the first GPU run (a `.cpu()` of the loss mask and sequence ids)
     old = DeviceAudit("cpu", extra_files=[__file__])
     with old:
-        n_old = _count_pairs_before_issue_12(s["batches"], s["ctx"])
-    assert n_old == train.count_global_pairs(s["batches"], s["ctx"]) == 4
-    assert any("_count_pairs_before_issue_12: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
+        n_old = _count_pairs_with_host_copies(s["batches"], s["ctx"])
+    assert n_old == mpo_loss.count_global_pairs(s["batches"], s["ctx"]) == 4
+    assert any("_count_pairs_with_host_copies: Tensor.cpu moves a tensor off cpu" in v for v in old.violations), \
         old.violations
     # ... and a blocking copy of host data to the step's device, and a comparison read on the host, as reads
     copies = DeviceAudit("cpu", extra_files=[__file__])
@@ -1755,7 +1755,7 @@ def test_a_pair_that_fails_mid_run_stops_every_rank_in_one_line_and_keeps_the_fi
     """An image emptied after the index was built, loaded at step 3 by one DP rank: that rank raised its DataError
     alone, rank 1 died in a gloo "Connection closed by peer" traceback (and when the bad pair was rank 1's, global
     rank 0 printed no error line at all), and steps 1-2 were lost. Now every rank raises the same DataError before
-    step 3, after saving step 2. With a DataLoader worker (issue 36.7) torchrun's SIGTERM to the other rank killed its
+    step 3, after saving step 2. With a DataLoader worker torchrun's SIGTERM to the other rank killed its
     worker: a DataLoader traceback after the line."""
     import shutil
 

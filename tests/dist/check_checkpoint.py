@@ -69,8 +69,7 @@ def build(tp: int, distributed_optimizer: bool, max_steps: int = 4, lr: float = 
                                   model)  # fmt: skip
     ocfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=0.1, clip_grad=1.0,
                            use_distributed_optimizer=distributed_optimizer)  # fmt: skip
-    with megatron_patches.cuda_to_cpu():
-        opt = get_megatron_optimizer(ocfg, [ddp])
+    opt = get_megatron_optimizer(ocfg, [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=1,
                                     lr_decay_steps=max_steps, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                     wd_incr_steps=max_steps, wd_incr_style="constant")  # fmt: skip
@@ -92,8 +91,7 @@ def train_step(ddp, opt, sched, step: int) -> dict:
     loss.backward()
     finalize_model_grads([ddp])
     lr = opt.param_groups[0]["lr"]
-    with megatron_patches.cuda_to_cpu():
-        ok, grad_norm, _ = opt.step()
+    ok, grad_norm, _ = opt.step()
     sched.step(1)
     return {"loss": loss.item(), "grad_norm": grad_norm, "lr": lr}
 
@@ -220,15 +218,13 @@ def scenario(out: Path, distributed_optimizer: bool) -> dict:
     ddp, opt, sched = build(1, distributed_optimizer)
     restore = megatron_patches.restore_adam_steps
     megatron_patches.restore_adam_steps = lambda o: None
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, opt, sched)
+    checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, opt, sched)
     megatron_patches.restore_adam_steps = restore
     res["upstream_steps"], res["upstream_step_tensors"] = adam_steps(opt)
 
     ddp, opt, sched = build(1, distributed_optimizer)
     latest = checkpoint.resume_path(run_dir, resume=True)
-    with megatron_patches.cuda_to_cpu():
-        state = checkpoint.load(latest, ddp, opt, sched)
+    state = checkpoint.load(latest, ddp, opt, sched)
     res["latest"] = latest.name
     res["state"] = {k: getattr(state, k) for k in ("step", "reward_shift", "consumed_pairs", "sampler", "wandb_run_id")}
     res["reward_shift_expected"] = run_state["reward_shift"]
@@ -249,15 +245,13 @@ def reshard(out: Path) -> dict:
     """Model saved at TP = 1 (DP = 2) reloads at TP = 2 (DP = 1) with the same loss."""
     run_dir = out / "run_dopt1"
     ddp, opt, sched = build(1, True)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, None, None)
+    checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, None, None)
     tp1 = eval_loss(ddp)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     ddp, opt, sched = build(2, True)
     fresh = eval_loss(ddp)
-    with megatron_patches.cuda_to_cpu():
-        checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, None, None)
+    checkpoint.load(checkpoint.latest_checkpoint(run_dir), ddp, None, None)
     return {"tp1": tp1, "tp2": eval_loss(ddp), "tp2_fresh": fresh}
 
 

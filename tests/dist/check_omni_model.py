@@ -81,7 +81,7 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
             dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
         grads[name] = g
     # MoE routing statistics (expert-bias token counts) summed over the ranks that split the tokens (TP under SP,
-    # CP), as finalize_model_grads does: only real tokens count, whatever the layout (issue 13.1)
+    # CP), as finalize_model_grads does: only real tokens count, whatever the layout
     counts = torch.stack([m.local_tokens_per_expert for m in model.language_model.modules()
                           if hasattr(m, "expert_bias")])
     if tp > 1 and sp:

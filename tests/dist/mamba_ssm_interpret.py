@@ -41,7 +41,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def scan() -> tuple[str, dict]:
-    """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on issue 12's packed case (300 tokens in 3 sequences
+    """mamba_ssm's mamba_chunk_scan_combined vs mamba_torch's on a packed case (300 tokens in 3 sequences
     via seq_idx, 8 heads x 16, 2 groups, d_state 16, chunk 64, dt softplus + dt_limit (0.001, inf), D, z): output
     and the gradients of x, dt, B, C, z."""
     from backend import mamba_torch
