@@ -511,6 +511,7 @@ class RunState:
     parameter_digest: str | None = None  # `parameter_digest` of the saved model (None: saved before it was written)
     model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
     base_model_digest: str | None = None  # LoRA: `base_model_digest` of model.hf_path (the checkpoint holds no base)
+    model_snapshot: dict | None = None  # a hub id's snapshot {"id", "revision", "path"} (config.resolve_model)
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -540,7 +541,8 @@ def read_run_state(path: str | Path) -> RunState:
     digest = raw.get("parameter_digest", raw.get("parameter_layout"))  # "parameter_layout": the key's earlier name
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
                     checksums=raw.get("checksums"), parameter_digest=digest,
-                    model_files=raw.get("model_files"), base_model_digest=raw.get("base_model_digest"))  # fmt: skip
+                    model_files=raw.get("model_files"), base_model_digest=raw.get("base_model_digest"),
+                    model_snapshot=raw.get("model_snapshot"))  # fmt: skip
 
 
 # A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
@@ -579,29 +581,58 @@ def _digest(rows: list[str]) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_model_hashes: dict[tuple, dict[str, str]] = {}  # (folder, names, sizes, times) -> model_file_hashes, once a process
+
+
+def content_sha256(path: Path) -> str:
+    """sha256 of the file at `path`; the hub's own where it recorded one (the name of an LFS file's blob in the hub
+    cache, its etag; the etag `hf download --local-dir` stores beside a file not changed since), else read."""
+    real = Path(os.path.realpath(path))
+    if real.parent.name == "blobs" and SHA256_RE.match(real.name):
+        return real.name
+    if (path.parent / ".cache" / "huggingface" / "download" / f"{path.name}.metadata").is_file():
+        with contextlib.suppress(Exception):  # a damaged or foreign record: the content is read
+            from huggingface_hub._local_folder import read_download_metadata
+
+            meta = read_download_metadata(path.parent, path.name, lock=False)
+            if meta is not None and SHA256_RE.match(meta.etag):
+                return meta.etag
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def model_file_hashes(hf_path: str | Path) -> dict[str, str]:
+    """{file name: "<bytes>:<sha256>"} of the files a job reads in the model folder `hf_path` (config.MODEL_FILES):
+    the model's identity, the same for a hub snapshot (symlinks into blobs/) and its files copied anywhere; other
+    files (a README) do not count. Rank 0 reads, every rank gets its answer (collective); once a process while the
+    files' sizes and times stay."""
+    from fnmatch import fnmatch
+
+    import config as config_mod
+
+    files = sorted(p for p in Path(hf_path).iterdir()
+                   if p.is_file() and any(fnmatch(p.name, pat) for pat in config_mod.MODEL_FILES))
+    key = (os.path.realpath(hf_path), *((p.name, s.st_size, s.st_mtime_ns) for p in files for s in [p.stat()]))
+    if key not in _model_hashes:
+        rows = {p.name: f"{p.stat().st_size}:{content_sha256(p)}" for p in files} if _rank() == 0 else None
+        _model_hashes[key] = distributed.from_rank0(rows)
+    return _model_hashes[key]
+
+
 def model_files(hf_path: str | Path) -> str:
-    """A digest of the names, sizes and modification times of the files in `hf_path`, the folder the frozen reference
-    is read from at every start: a folder rewritten in place (e.g. a new export into it) shows on resume."""
-    return _digest(sorted(f"{p.name}:{s.st_size}:{s.st_mtime_ns}" for p in Path(hf_path).iterdir() if p.is_file()
-                          for s in [p.stat()]))  # fmt: skip
-
-
-_base_digests: dict[tuple[str, str], str] = {}  # (hf_path, model_files) -> base_model_digest: computed once a process
+    """16 hex digits over `model_file_hashes`: the model the frozen reference is read from at every start (a folder
+    rewritten in place shows on resume; a copy, a move or a hub snapshot of the same files does not). Collective."""
+    return _digest([f"{n}:{v}" for n, v in sorted(model_file_hashes(hf_path).items())])
 
 
 def base_model_digest(hf_path: str | Path) -> str:
-    """16 hex digits over the content checksums (`file_checksum`) of model.hf_path's *.safetensors and config.json:
-    the base weights a LoRA checkpoint's adapters belong to, whatever the folder's name or the files' times. Rank 0
-    reads the files, every rank gets its digest (collective)."""
-    key = (os.path.realpath(hf_path), model_files(hf_path))
-    if key not in _base_digests:
-        rows = None
-        if _rank() == 0:
-            files = sorted(p for p in Path(hf_path).iterdir() if p.is_file() and (p.suffix == ".safetensors"
-                                                                                    or p.name == "config.json"))
-            rows = [f"{p.name}:{CHECKSUM_ALGORITHM}:{file_checksum(p)}" for p in files]
-        _base_digests[key] = _digest(distributed.from_rank0(rows))
-    return _base_digests[key]
+    """16 hex digits over `model_file_hashes` of model.hf_path's *.safetensors and config.json: the base weights a
+    LoRA checkpoint's adapters belong to, wherever the files live. Collective."""
+    return _digest([f"{n}:{v}" for n, v in sorted(model_file_hashes(hf_path).items())
+                    if n.endswith(".safetensors") or n == "config.json"])
 
 
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
@@ -618,10 +649,10 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
         a, b = saved.config[section][name], now[section][name]
         if not (key in config_mod.PATH_KEYS and a and b and os.path.realpath(a) == os.path.realpath(b)):
             changed[key] = (a, b)
-    hf_path = cfg.model.hf_path
-    if "model.hf_path" not in changed and saved.model_files and (files := model_files(hf_path)) != saved.model_files:
+    hf_path, folder = cfg.model.hf_path, config_mod.model_dir(cfg.model)  # an id or a path; its local folder
+    if "model.hf_path" not in changed and saved.model_files and (files := model_files(folder)) != saved.model_files:
         changed["model.hf_path"] = (f"{hf_path} (files {saved.model_files})", f"{hf_path} (files {files})")
-    if cfg.lora.rank and saved.base_model_digest and (digest := base_model_digest(hf_path)) != saved.base_model_digest:
+    if cfg.lora.rank and saved.base_model_digest and (digest := base_model_digest(folder)) != saved.base_model_digest:
         raise CheckpointError(f"cannot resume {saved.path}: its LoRA adapters were trained on base weights with digest "
                               f"{saved.base_model_digest}, model.hf_path = {hf_path} holds other weights (digest "
                               f"{digest}); set model.hf_path to the run's base model")
