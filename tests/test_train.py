@@ -724,8 +724,12 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     files = checkpoint.model_files(export)
     state = dataclasses.replace(state, config=config_mod.to_dict(cfg), model_files=files)
     assert checkpoint.check_resume(state, cfg) == {}
-    weights = export / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    (export / "README.md").write_text("a model card: not a file the job reads")
+    assert checkpoint.model_files(export) == files
+    weights = export / "model.safetensors"  # the same size, other content
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
     now = checkpoint.model_files(export)
     assert now != files and checkpoint.check_resume(state, cfg) == {
         "model.hf_path": (f"{export} (files {files})", f"{export} (files {now})")}
