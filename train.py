@@ -80,6 +80,7 @@ def main(cfg) -> int:
     ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None),
                                        kernels)  # megatron_patches.apply(kernels): no second probe
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_one_model_revision(cfg, world)
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
         monitor.print_layout(ctx, world, kernels, pair_format)
@@ -219,6 +220,16 @@ def load_data(cfg, hf, rank: int) -> Data:
                                     train_split.index.fingerprint)
     return Data(train_split, val_split, mmpr_data.PairDataset(train_split.index, processor), val_set, sampler,
                 ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
+
+
+def check_one_model_revision(cfg, world: int) -> None:
+    """Collective: every rank resolved a hub id in model.hf_path to one commit (nodes resolve it apart: a branch that
+    moves between them would train two models); ConfigError naming the commits otherwise."""
+    revisions: list = [None] * world
+    dist.all_gather_object(revisions, cfg.model.hf_revision)
+    if len(set(revisions)) > 1:
+        raise config_mod.ConfigError(f"model.hf_path = {cfg.model.hf_path!r} resolved to other commits on other ranks "
+                                     f"({', '.join(sorted(set(revisions)))}): set model.hf_revision to one of them")
 
 
 def build_scheduler(optimizer, cfg):

@@ -180,3 +180,19 @@ def test_mmpr_index_model_may_be_a_hub_id(cache, capsys):
     assert "pairs" in capsys.readouterr().out
     with raises_naming(mmpr_rows.DataError, "--model = 'omni-mpo-test/absent'", "HF_HUB_OFFLINE=1"):
         mmpr_index.main([str(meta), "--model", "omni-mpo-test/absent"])
+
+
+def test_ranks_that_resolved_other_commits_stop_in_one_line(monkeypatch):
+    """Nodes resolve a hub id apart: a branch that moved between them is refused on every rank (train.py)."""
+    import train
+
+    other = "f" * 40
+    monkeypatch.setattr(train.dist, "all_gather_object", lambda out, value: out.__setitem__(slice(None),
+                                                                                          [value, other]))
+    cfg = _cfg(HUB_ID, f"model.hf_revision={HUB_REVISION}")
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", HUB_REVISION, other,
+                       "model.hf_revision"):  # fmt: skip
+        train.check_one_model_revision(cfg, 2)
+    monkeypatch.setattr(train.dist, "all_gather_object", lambda out, value: out.__setitem__(slice(None),
+                                                                                          [value, value]))
+    train.check_one_model_revision(cfg, 2)  # one commit: nothing said
