@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -279,24 +280,36 @@ def model_dir(m: ModelConfig) -> str:
 def hub_snapshot(repo_id: str, revision: str = "", files: tuple[str, ...] = MODEL_FILES, local_only: bool = False,
                  key: str = "model.hf_path") -> Snapshot:
     """huggingface_hub's snapshot_download of `files` of `repo_id` at `revision` ("" = main) into the hub cache
-    (HF_HUB_CACHE, else HF_HOME/hub; HF_TOKEN, HF_HUB_OFFLINE honoured), one process at a time per cache (a file
-    lock, waited for up to OMNI_MPO_HUB_WAIT_S seconds); progress bars on LOCAL_RANK 0. ConfigError: one line naming
-    `key`, the id and what to do."""
+    (HF_HUB_CACHE, else HF_HOME/hub; HF_TOKEN, HF_HUB_OFFLINE honoured), with its progress bars. Under torchrun
+    LOCAL_RANK 0 downloads and the node's other ranks wait for its commit (`_node_marker`), then read the cache; one
+    process at a time per cache (a file lock). Each wait lasts up to OMNI_MPO_HUB_WAIT_S seconds. ConfigError: one
+    line naming `key`, the id and what to do."""
     import filelock
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants
     from huggingface_hub import errors as hub_errors
-    from huggingface_hub.utils import disable_progress_bars
 
     key, cache = f"{key} = {repo_id!r}", Path(constants.HF_HUB_CACHE)
     wait = float(os.environ.get(HUB_WAIT_ENV, 4 * 3600))
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    marker = _node_marker(repo_id)
+    if marker is not None and os.environ["LOCAL_RANK"] != "0":  # LOCAL_RANK 0 resolves: its commit, from the cache
+        from huggingface_hub.utils import disable_progress_bars
+
         disable_progress_bars()
+        deadline = time.monotonic() + wait
+        while not marker.is_file():
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{key}: waited {wait:.0f} s for local rank 0 downloading it into {cache}; raise "
+                                  f"{HUB_WAIT_ENV} for a slow download")
+            time.sleep(0.5)
+        if (revision := json.loads(marker.read_text())) is None:
+            raise ConfigError(f"{key}: local rank 0 could not resolve it (its error line says why)")
+        local_only = True
     lock = filelock.FileLock(cache / ".locks" / f"omni-mpo--{repo_id.replace('/', '--')}.lock")
+    path = None
     try:
         (cache / ".locks").mkdir(parents=True, exist_ok=True)
         with lock.acquire(timeout=wait):
-            path = snapshot_download(repo_id, revision=revision or None, allow_patterns=list(files),
-                                     local_files_only=local_only)
+            path = _download(repo_id, revision, files, local_only)
     except filelock.Timeout:
         raise ConfigError(f"{key}: waited {wait:.0f} s for another process downloading it into {cache} (lock "
                           f"{lock.lock_file}); raise {HUB_WAIT_ENV}, or remove the lock if no download runs") from None
@@ -321,7 +334,29 @@ def hub_snapshot(repo_id: str, revision: str = "", files: tuple[str, ...] = MODE
             raise
         raise ConfigError(f"{key}: no space left in the hub cache {cache} while downloading it: free space there, or "
                           "set HF_HUB_CACHE (or HF_HOME) to a larger disk") from None
+    finally:
+        if marker is not None and os.environ["LOCAL_RANK"] == "0":  # the node's other ranks wait for it
+            with contextlib.suppress(OSError):
+                marker.write_text(json.dumps(Path(path).name if path else None))
     return Snapshot(repo_id, Path(path).name, path)
+
+
+def _download(repo_id: str, revision: str, files: tuple[str, ...], local_only: bool) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, revision=revision or None, allow_patterns=list(files),
+                             local_files_only=local_only)
+
+
+def _node_marker(repo_id: str) -> Path | None:
+    """Under torchrun, the node-local file where LOCAL_RANK 0 puts the commit it resolved `repo_id` to (JSON; null
+    when it failed): named by the torchrun agent's pid, the parent of every rank of the node. None outside torchrun."""
+    if "LOCAL_RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    import tempfile
+
+    name = f"omni-mpo-hub-{os.getuid()}-{os.getppid()}-{repo_id.replace('/', '--')}.json"
+    return Path(tempfile.gettempdir()) / name
 
 
 # ---- Loading and overriding ----------

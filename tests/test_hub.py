@@ -196,3 +196,26 @@ def test_ranks_that_resolved_other_commits_stop_in_one_line(monkeypatch):
     monkeypatch.setattr(train.dist, "all_gather_object", lambda out, value: out.__setitem__(slice(None),
                                                                                           [value, value]))
     train.check_one_model_revision(cfg, 2)  # one commit: nothing said
+
+
+def test_local_rank_0_resolves_and_the_node_waits_for_its_commit(cache, tmp_path, monkeypatch):
+    """Under torchrun LOCAL_RANK 0 downloads and records its commit; the node's other ranks wait for it (up to
+    OMNI_MPO_HUB_WAIT_S: one line naming the id), then read that commit from the cache."""
+    import tempfile
+
+    snap = make_hub_cache(cache)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv(config_mod.HUB_WAIT_ENV, "0.2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "local rank 0", config_mod.HUB_WAIT_ENV):
+        config_mod.hub_snapshot(HUB_ID)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert config_mod.hub_snapshot(HUB_ID).revision == HUB_REVISION
+    marker = config_mod._node_marker(HUB_ID)
+    assert marker.parent == tmp_path and marker.read_text() == f'"{HUB_REVISION}"'
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert config_mod.hub_snapshot(HUB_ID) == config_mod.Snapshot(HUB_ID, HUB_REVISION, str(snap.resolve()))
+    marker.write_text("null")  # local rank 0 failed: its own line says why
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "local rank 0 could not resolve"):
+        config_mod.hub_snapshot(HUB_ID)
