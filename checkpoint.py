@@ -511,7 +511,7 @@ class RunState:
     parameter_digest: str | None = None  # `parameter_digest` of the saved model (None: saved before it was written)
     model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
     base_model_digest: str | None = None  # LoRA: `base_model_digest` of model.hf_path (the checkpoint holds no base)
-    model_snapshot: dict | None = None  # a hub id's snapshot {"id", "revision", "path"} (config.resolve_model)
+    model_snapshot: dict | None = None  # a hub id's snapshot {"id", "revision", "path"} (model_hub.resolve_model)
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -605,16 +605,16 @@ def content_sha256(path: Path) -> str:
 
 
 def model_file_hashes(hf_path: str | Path) -> dict[str, str]:
-    """{file name: "<bytes>:<sha256>"} of the files a job reads in the model folder `hf_path` (config.MODEL_FILES):
+    """{file name: "<bytes>:<sha256>"} of the files a job reads in the model folder `hf_path` (model_hub.MODEL_FILES):
     the model's identity, the same for a hub snapshot (symlinks into blobs/) and its files copied anywhere; other
     files (a README) do not count. Rank 0 reads, every rank gets its answer (collective); once a process while the
     files' sizes and times stay."""
     from fnmatch import fnmatch
 
-    import config as config_mod
+    import model_hub
 
     files = sorted(p for p in Path(hf_path).iterdir()
-                   if p.is_file() and any(fnmatch(p.name, pat) for pat in config_mod.MODEL_FILES))
+                   if p.is_file() and any(fnmatch(p.name, pat) for pat in model_hub.MODEL_FILES))
     key = (os.path.realpath(hf_path), *((p.name, s.st_size, s.st_mtime_ns) for p in files for s in [p.stat()]))
     if key not in _model_hashes:
         rows = {p.name: f"{p.stat().st_size}:{content_sha256(p)}" for p in files} if _rank() == 0 else None
@@ -640,6 +640,7 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     every refused change (RESUME_RULES). A key the saved config lacks, or a path to the same file, is no change; the
     same model.hf_path with other files (`model_files`) is a change."""
     import config as config_mod
+    import model_hub
 
     now, changed = config_mod.to_dict(cfg), {}
     for key in RESUME_RULES:
@@ -649,7 +650,7 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
         a, b = saved.config[section][name], now[section][name]
         if not (key in config_mod.PATH_KEYS and a and b and os.path.realpath(a) == os.path.realpath(b)):
             changed[key] = (a, b)
-    hf_path, folder = cfg.model.hf_path, config_mod.model_dir(cfg.model)  # an id or a path; its local folder
+    hf_path, folder = cfg.model.hf_path, model_hub.model_dir(cfg.model)  # an id or a path; its local folder
     if "model.hf_path" not in changed and saved.model_files and (files := model_files(folder)) != saved.model_files:
         changed["model.hf_path"] = (f"{hf_path} (files {saved.model_files})", f"{hf_path} (files {files})")
     if cfg.lora.rank and saved.base_model_digest and (digest := base_model_digest(folder)) != saved.base_model_digest:

@@ -94,6 +94,7 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
     import distributed
     import hf_weights
     import lora
+    import model_hub
     import omni_model
     from backend import kernel_selection
 
@@ -109,10 +110,10 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
     except config_mod.ConfigError as e:
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
     try:  # a hub id: the snapshot of the commit the run recorded, from the hub cache (downloaded when missing)
-        snapshot = config_mod.resolve_model(cfg)
+        snapshot = model_hub.resolve_model(cfg)
     except config_mod.ConfigError as e:
         raise CheckpointError(f"{path / RUN_STATE_FILE}: {e}") from None
-    folder = config_mod.model_dir(cfg.model)
+    folder = model_hub.model_dir(cfg.model)
     check_export_dir(out_dir, path, folder)
     if not (Path(folder) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json "

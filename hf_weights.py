@@ -292,9 +292,9 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
 def build_from_hf(cfg, kernels):
     """The model of model.hf_path with its weights, on `kernels` (kernel_selection.Kernels, the printed line): the
     policy, or the reference."""
-    import config as config_mod
+    import model_hub
 
-    folder = config_mod.model_dir(cfg.model)
+    folder = model_hub.model_dir(cfg.model)
     model = build_model(folder, cfg.model, cfg.parallel, kernels=kernels)
     load_hf_weights(model, folder)
     return model

@@ -495,8 +495,8 @@ def cli_text(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import config as config_mod
-    from config import Config
+    import model_hub
+    from config import Config, ConfigError
 
     ap = argparse.ArgumentParser(description="Validate an MMPR meta-recipe for a model and print the pre-flight "
                                              "report (rows, pairs, drops by reason, length percentiles).")
@@ -525,10 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     model = args.model
-    if config_mod.is_hub_id(model):  # a local directory of the same name wins
+    if model_hub.is_hub_id(model):  # a local directory of the same name wins
         try:
-            model = config_mod.hub_snapshot(model, files=config_mod.SMALL_MODEL_FILES, key="--model").path
-        except config_mod.ConfigError as e:
+            model = model_hub.hub_snapshot(model, files=model_hub.SMALL_MODEL_FILES, key="--model").path
+        except ConfigError as e:
             raise DataError(str(e)) from None
     processor = load_processor(model, "--model")
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers

@@ -30,6 +30,7 @@ import config as config_mod  # noqa: E402
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
 import mmpr_rows  # noqa: E402
+import model_hub  # noqa: E402
 import omni_model  # noqa: E402
 import preflight  # noqa: E402
 from backend import kernel_selection  # noqa: E402
@@ -697,17 +698,17 @@ def format_lora(plan: MemoryPlan) -> list[str]:
 def plan_model_dir(cfg) -> str:
     """The folder a plan reads model.hf_path's config.json (and processor) from, never downloading weights: a local
     directory; a hub id's snapshot in the hub cache; the config shipped for it (SHIPPED_CONFIGS); else its config,
-    tokenizer and processor downloaded (config.SMALL_MODEL_FILES). ConfigError (config.hub_snapshot's) otherwise."""
-    if not config_mod.is_hub_id(cfg.model.hf_path):
+    tokenizer and processor downloaded (model_hub.SMALL_MODEL_FILES). ConfigError (model_hub.hub_snapshot's)."""
+    if not model_hub.is_hub_id(cfg.model.hf_path):
         return cfg.model.hf_path
     shipped = SHIPPED_CONFIGS.get(cfg.model.hf_path)
     with contextlib.suppress(config_mod.ConfigError):  # not cached: the shipped config, or a download
-        return config_mod.resolve_model(cfg, config_mod.SMALL_MODEL_FILES, local_only=True).path
+        return model_hub.resolve_model(cfg, model_hub.SMALL_MODEL_FILES, local_only=True).path
     if shipped is not None:
         print(f"model.hf_path = {cfg.model.hf_path!r} is a hub id not in the hub cache: planning with its config.json "
               f"shipped in {shipped.relative_to(Path(__file__).parent)}", file=sys.stderr)
         return str(shipped)
-    return config_mod.resolve_model(cfg, config_mod.SMALL_MODEL_FILES).path
+    return model_hub.resolve_model(cfg, model_hub.SMALL_MODEL_FILES).path
 
 
 def main(argv: list[str] | None = None) -> int:

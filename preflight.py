@@ -16,16 +16,17 @@ import config as config_mod
 import distributed
 import hf_weights
 import mmpr_index
+import model_hub
 import omni_model
 import pack
 
 
 def check_inputs(cfg) -> omni_model.OmniHFConfig:
     """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path (a hub id
-    resolved first: config.resolve_model; `read_model_config`, whose result it returns), the data paths,
+    resolved first: model_hub.resolve_model; `read_model_config`, whose result it returns), the data paths,
     `check_packing`, `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`."""
-    config_mod.resolve_model(cfg)  # a hub id: its snapshot in the hub cache, downloaded when missing
-    folder = config_mod.model_dir(cfg.model)
+    model_hub.resolve_model(cfg)  # a hub id: its snapshot in the hub cache, downloaded when missing
+    folder = model_hub.model_dir(cfg.model)
     hf = read_model_config(folder)
     if not hf_weights.has_safetensors(folder):  # HFReader's rule, before any rank loads a weight
         raise config_mod.ConfigError(

@@ -54,6 +54,7 @@ import lora  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
 import mmpr_rows  # noqa: E402
+import model_hub  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -210,7 +211,7 @@ class Data:
 
 def load_data(cfg, hf, rank: int) -> Data:
     """Load and check the splits (preflight.check_splits); rank 0 prints the data lines and warnings, once."""
-    processor = mmpr_index.load_processor(config_mod.model_dir(cfg.model), "model.hf_path")
+    processor = mmpr_index.load_processor(model_hub.model_dir(cfg.model), "model.hf_path")
     with mmpr_rows.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
@@ -275,8 +276,8 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
     """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
     sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config.
     Collective (LoRA: the base model's digest)."""
-    folder = config_mod.model_dir(cfg.model)
-    snapshot = config_mod.resolve_model(cfg)  # a hub id's snapshot (resolved by preflight), None for a folder
+    folder = model_hub.model_dir(cfg.model)
+    snapshot = model_hub.resolve_model(cfg)  # a hub id's snapshot (resolved by preflight), None for a folder
     run_state = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
            "reward_shift_num_updates": 0, "wandb_run_id": None, "model_files": checkpoint.model_files(folder),
            "model_snapshot": dataclasses.asdict(snapshot) if snapshot else None}  # fmt: skip

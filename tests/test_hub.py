@@ -1,4 +1,4 @@
-"""model.hf_path as a hub id, without a network: config.resolve_model / model_dir / hub_snapshot against a hub cache
+"""model.hf_path as a hub id, without a network: model_hub.resolve_model / model_dir / hub_snapshot against a hub cache
 laid out as huggingface_hub writes it (conftest.make_hub_cache), the one-line errors, the location-independent model
 identity (checkpoint.model_files), plan.py's and mmpr_index.py's use. Training and resuming from a hub id, and its
 export: tests/test_train.py (the `segments` fixture)."""
@@ -24,6 +24,7 @@ import checkpoint
 import config as config_mod
 import mmpr_index
 import mmpr_rows
+import model_hub
 import plan
 import preflight
 
@@ -37,7 +38,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     """An empty hub cache this process resolves from (HF_HUB_OFFLINE is set by conftest); no resolution remembered."""
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(config_mod, "_snapshots", {})
+    monkeypatch.setattr(model_hub, "_snapshots", {})
     return tmp_path / "hub"
 
 
@@ -48,11 +49,11 @@ def _cfg(hf_path: str, *overrides: str):
 def test_hub_id_resolves_from_the_cache_and_pins_its_commit(cache, capsys):
     snap = make_hub_cache(cache)
     cfg = _cfg(HUB_ID)
-    assert config_mod.resolve_model(cfg) == config_mod.Snapshot(HUB_ID, HUB_REVISION, str(snap.resolve()))
-    assert cfg.model.hf_revision == HUB_REVISION and config_mod.model_dir(cfg.model) == str(snap.resolve())
-    assert config_mod.resolve_model(cfg).path == str(snap.resolve())  # once a process: printed once
+    assert model_hub.resolve_model(cfg) == model_hub.Snapshot(HUB_ID, HUB_REVISION, str(snap.resolve()))
+    assert cfg.model.hf_revision == HUB_REVISION and model_hub.model_dir(cfg.model) == str(snap.resolve())
+    assert model_hub.resolve_model(cfg).path == str(snap.resolve())  # once a process: printed once
     assert capsys.readouterr().out.count(f"model.hf_path = {HUB_ID}: hub snapshot {HUB_REVISION} in ") == 1
-    assert preflight.read_model_config(config_mod.model_dir(cfg.model)).image_token_id  # a readable model
+    assert preflight.read_model_config(model_hub.model_dir(cfg.model)).image_token_id  # a readable model
 
 
 def test_hub_id_missing_offline_is_one_line(cache):
@@ -61,7 +62,7 @@ def test_hub_id_missing_offline_is_one_line(cache):
                        str(cache), "hf download omni-mpo-test/absent"):  # fmt: skip
         preflight.check_inputs(_cfg("omni-mpo-test/absent"))
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "revision v2"):  # another revision
-        config_mod.resolve_model(_cfg(HUB_ID, "model.hf_revision=v2"))
+        model_hub.resolve_model(_cfg(HUB_ID, "model.hf_revision=v2"))
 
 
 def test_train_with_a_missing_hub_id_offline_is_one_line(tmp_path):
@@ -81,8 +82,8 @@ def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(cache, tmp_path, 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(TINY, tmp_path / HUB_ID)
     cfg = _cfg(HUB_ID)
-    assert not config_mod.is_hub_id(HUB_ID) and config_mod.resolve_model(cfg) is None
-    assert config_mod.model_dir(cfg.model) == HUB_ID and cfg.model.hf_revision == ""
+    assert not model_hub.is_hub_id(HUB_ID) and model_hub.resolve_model(cfg) is None
+    assert model_hub.model_dir(cfg.model) == HUB_ID and cfg.model.hf_revision == ""
     # a path whose first folder exists is a path: its missing folder is the local error, no hub lookup
     with raises_naming(config_mod.ConfigError, "model.hf_path = 'omni-mpo-test/other'", "no config.json"):
         preflight.check_inputs(_cfg("omni-mpo-test/other"))
@@ -140,20 +141,20 @@ def _hub_error(cls):  # the hub's HTTP errors carry a response this test has no 
 def test_hub_errors_are_one_line_naming_the_id(cache, monkeypatch, error, names):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _raising(error))
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", *names) as e:
-        config_mod.resolve_model(_cfg(HUB_ID, "model.hf_revision=v9"))
+        model_hub.resolve_model(_cfg(HUB_ID, "model.hf_revision=v9"))
     assert "\n" not in str(e.value)
 
 
 def test_waiting_for_another_download_times_out_in_one_line_naming_the_id(cache, monkeypatch):
     make_hub_cache(cache)
-    monkeypatch.setenv(config_mod.HUB_WAIT_ENV, "0.2")
+    monkeypatch.setenv(model_hub.HUB_WAIT_ENV, "0.2")
     lock = cache / ".locks" / f"omni-mpo--{HUB_ID.replace('/', '--')}.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import filelock, sys, time\nwith filelock.FileLock(sys.argv[1]):"
                                "\n    print(flush=True)\n    time.sleep(60)", str(lock)], stdout=subprocess.PIPE)
     try:
         holder.stdout.readline()  # the other process holds the lock
-        with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", str(lock), config_mod.HUB_WAIT_ENV):
-            config_mod.resolve_model(_cfg(HUB_ID))
+        with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", str(lock), model_hub.HUB_WAIT_ENV):
+            model_hub.resolve_model(_cfg(HUB_ID))
     finally:
         holder.kill()
         holder.wait()
@@ -206,16 +207,16 @@ def test_local_rank_0_resolves_and_the_node_waits_for_its_commit(cache, tmp_path
     snap = make_hub_cache(cache)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setenv(config_mod.HUB_WAIT_ENV, "0.2")
+    monkeypatch.setenv(model_hub.HUB_WAIT_ENV, "0.2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "local rank 0", config_mod.HUB_WAIT_ENV):
-        config_mod.hub_snapshot(HUB_ID)
+    with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "local rank 0", model_hub.HUB_WAIT_ENV):
+        model_hub.hub_snapshot(HUB_ID)
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert config_mod.hub_snapshot(HUB_ID).revision == HUB_REVISION
-    marker = config_mod._node_marker(HUB_ID)
+    assert model_hub.hub_snapshot(HUB_ID).revision == HUB_REVISION
+    marker = model_hub._node_marker(HUB_ID)
     assert marker.parent == tmp_path and marker.read_text() == f'"{HUB_REVISION}"'
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert config_mod.hub_snapshot(HUB_ID) == config_mod.Snapshot(HUB_ID, HUB_REVISION, str(snap.resolve()))
+    assert model_hub.hub_snapshot(HUB_ID) == model_hub.Snapshot(HUB_ID, HUB_REVISION, str(snap.resolve()))
     marker.write_text("null")  # local rank 0 failed: its own line says why
     with raises_naming(config_mod.ConfigError, f"model.hf_path = '{HUB_ID}'", "local rank 0 could not resolve"):
-        config_mod.hub_snapshot(HUB_ID)
+        model_hub.hub_snapshot(HUB_ID)
