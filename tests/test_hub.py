@@ -137,6 +137,7 @@ def _hub_error(cls):  # the hub's HTTP errors carry a response this test has no 
     (_hub_error(hub_errors.RepositoryNotFoundError), ["neither a local directory", "HF_TOKEN"]),
     (_hub_error(hub_errors.RevisionNotFoundError), ["model.hf_revision = 'v9'"]),
     (OSError(errno.ENOSPC, "No space left on device"), ["no space left", "HF_HUB_CACHE"]),
+    (hub_errors.IncompleteSnapshotError("partial", "/cache/x"), ["no complete copy of revision v9", "hf download"]),
 ])  # fmt: skip
 def test_hub_errors_are_one_line_naming_the_id(cache, monkeypatch, error, names):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _raising(error))
