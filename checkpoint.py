@@ -35,7 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import config as config_mod
 import distributed
+import model_hub
 from backend import megatron_patches
 
 try:  # a dependency of wandb (requirements.txt); zlib's crc32 where it is absent
@@ -348,8 +350,6 @@ def write_resolved_config(cfg, rank: int, previous: tuple[int, dict] | None = No
     """Rank 0 writes <checkpoint.dir>/config.json, first `previous` = (N, step_N's config) to config.step_<N>.json;
     each with `write_atomic` (never a partial file). Collective: a failed write (a full disk) is a CheckpointError on
     every rank. Returns the path."""
-    import config as config_mod
-
     path = Path(cfg.checkpoint.dir) / RESOLVED_CONFIG_FILE
     files = [(path, config_mod.to_dict(cfg))]
     if previous is not None:
@@ -530,6 +530,7 @@ class RunState:
     parameter_digest: str | None = None  # `parameter_digest` of the saved model (None: saved before it was written)
     model_files: str | None = None  # `model_files` of model.hf_path when the run (segment) started
     base_model_digest: str | None = None  # LoRA: `base_model_digest` of model.hf_path (the checkpoint holds no base)
+    model_snapshot: dict | None = None  # a hub id's snapshot {"id", "revision", "path"} (model_hub.resolve_model)
 
 
 # The fields that run_state.json must hold, with their JSON types (an int counts as a float).
@@ -559,7 +560,8 @@ def read_run_state(path: str | Path) -> RunState:
     digest = raw.get("parameter_digest", raw.get("parameter_layout"))  # "parameter_layout": the key's earlier name
     return RunState(path=path, **{k: raw[k] for k in _RUN_STATE_TYPES}, wandb_run_id=raw.get("wandb_run_id"),
                     checksums=raw.get("checksums"), parameter_digest=digest,
-                    model_files=raw.get("model_files"), base_model_digest=raw.get("base_model_digest"))  # fmt: skip
+                    model_files=raw.get("model_files"), base_model_digest=raw.get("base_model_digest"),
+                    model_snapshot=raw.get("model_snapshot"))  # fmt: skip
 
 
 # A changed saved setting on resume (`check_resume`): refused for the reason given, or NOTICE: applies from the next
@@ -591,44 +593,10 @@ RESUME_RULES = {
 }  # fmt: skip
 
 
-def _digest(rows: list[str]) -> str:
-    """16 hex digits of the sha256 of `rows`, one per line."""
-    import hashlib
-
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
-
-
-def model_files(hf_path: str | Path) -> str:
-    """A digest of the names, sizes and modification times of the files in `hf_path`, the folder the frozen reference
-    is read from at every start: a folder rewritten in place (e.g. a new export into it) shows on resume."""
-    return _digest(sorted(f"{p.name}:{s.st_size}:{s.st_mtime_ns}" for p in Path(hf_path).iterdir() if p.is_file()
-                          for s in [p.stat()]))  # fmt: skip
-
-
-_base_digests: dict[tuple[str, str], str] = {}  # (hf_path, model_files) -> base_model_digest: computed once a process
-
-
-def base_model_digest(hf_path: str | Path) -> str:
-    """16 hex digits over the content checksums (`file_checksum`) of model.hf_path's *.safetensors and config.json:
-    the base weights a LoRA checkpoint's adapters belong to, whatever the folder's name or the files' times. Rank 0
-    reads the files, every rank gets its digest (collective)."""
-    key = (os.path.realpath(hf_path), model_files(hf_path))
-    if key not in _base_digests:
-        rows = None
-        if _rank() == 0:
-            files = sorted(p for p in Path(hf_path).iterdir() if p.is_file() and (p.suffix == ".safetensors"
-                                                                                    or p.name == "config.json"))
-            rows = [f"{p.name}:{CHECKSUM_ALGORITHM}:{file_checksum(p)}" for p in files]
-        _base_digests[key] = _digest(distributed.from_rank0(rows))
-    return _base_digests[key]
-
-
 def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
     """The changed NOTICE settings of `cfg` against checkpoint `saved`, {key: (saved, now)}; CheckpointError listing
     every refused change (RESUME_RULES). A key the saved config lacks, or a path to the same file, is no change; the
     same model.hf_path with other files (`model_files`) is a change."""
-    import config as config_mod
-
     now, changed = config_mod.to_dict(cfg), {}
     for key in RESUME_RULES:
         section, name = key.split(".")
@@ -637,10 +605,12 @@ def check_resume(saved: RunState, cfg) -> dict[str, tuple[Any, Any]]:
         a, b = saved.config[section][name], now[section][name]
         if not (key in config_mod.PATH_KEYS and a and b and os.path.realpath(a) == os.path.realpath(b)):
             changed[key] = (a, b)
-    hf_path = cfg.model.hf_path
-    if "model.hf_path" not in changed and saved.model_files and (files := model_files(hf_path)) != saved.model_files:
+    hf_path, folder = cfg.model.hf_path, model_hub.model_dir(cfg.model)  # an id or a path; its local folder
+    files = model_hub.model_files(folder) if "model.hf_path" not in changed and saved.model_files else None
+    if files is not None and files != saved.model_files:
         changed["model.hf_path"] = (f"{hf_path} (files {saved.model_files})", f"{hf_path} (files {files})")
-    if cfg.lora.rank and saved.base_model_digest and (digest := base_model_digest(hf_path)) != saved.base_model_digest:
+    digest = model_hub.base_model_digest(folder) if cfg.lora.rank and saved.base_model_digest else None
+    if digest is not None and digest != saved.base_model_digest:
         raise CheckpointError(f"cannot resume {saved.path}: its LoRA adapters were trained on base weights with digest "
                               f"{saved.base_model_digest}, model.hf_path = {hf_path} holds other weights (digest "
                               f"{digest}); set model.hf_path to the run's base model")
@@ -710,7 +680,8 @@ def check_complete(state: RunState, world_size: int | None) -> None:
 def parameter_digest(model: torch.nn.Module) -> str:
     """A digest of the trainable parameters' names, shapes and dtypes in order: the distributed optimizer's
     `dp_reshardable` state is stored in that order, so it loads only into a model with the same digest."""
-    return _digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in unwrap(model).named_parameters() if p.requires_grad])
+    return model_hub.short_digest([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in unwrap(model).named_parameters()
+                                   if p.requires_grad])
 
 
 def check_parameter_digest(state: RunState, model: torch.nn.Module) -> None:

@@ -40,7 +40,11 @@ class ConfigError(ValueError):
 # ---- The tree (units in the comments; names as NeMo-RL's MPO recipe: reference_policy_kl_penalty, ...) ----------
 @dataclass
 class ModelConfig:
-    hf_path: str = "assets/tiny-omni"  # local HF checkpoint directory (config.json + safetensors); relative to the cwd
+    # the HF checkpoint (config.json, safetensors, tokenizer, processor): a local directory (relative to the cwd; it
+    # wins over a hub id of the same name) or a Hugging Face hub id (org/name), downloaded into the hub cache
+    hf_path: str = "assets/tiny-omni"
+    # with a hub id: the branch, tag or commit to use ("" = main); the run records the commit it resolved to
+    hf_revision: str = ""
     params_dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype; bf16 keeps fp32 master weights
     freeze_vision_encoder: bool = False  # no gradient into the RADIO ViT
     freeze_vision_projector: bool = False  # no gradient into the mlp1 projector

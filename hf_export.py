@@ -12,6 +12,7 @@ the export's provenance).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -27,7 +28,6 @@ from checkpoint import (
     RUN_STATE_FILE,
     STEP_RE,
     CheckpointError,
-    base_model_digest,
     check_complete,
     free_space,
     latest_checkpoint,
@@ -93,6 +93,7 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
     import distributed
     import hf_weights
     import lora
+    import model_hub
     import omni_model
     from backend import kernel_selection
 
@@ -107,8 +108,13 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
         cfg = config_mod.from_dict(state.config)
     except config_mod.ConfigError as e:
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
-    check_export_dir(out_dir, path, cfg.model.hf_path)
-    if not (Path(cfg.model.hf_path) / "config.json").is_file():  # the architecture and the files copied to out_dir
+    try:  # a hub id: the snapshot of the commit the run recorded, from the hub cache (downloaded when missing)
+        snapshot = model_hub.resolve_model(cfg)
+    except config_mod.ConfigError as e:
+        raise CheckpointError(f"{path / RUN_STATE_FILE}: {e}") from None
+    folder = model_hub.model_dir(cfg.model)
+    check_export_dir(out_dir, path, folder)
+    if not (Path(folder) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json "
                               f"seen from {os.getcwd()}; run the export from the directory the training ran in")
     if adapter and not cfg.lora.rank:
@@ -119,14 +125,16 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
         raise CheckpointError(f"{path}: the PEFT adapter format here covers the language model's linears and the "
                               f"shared expert, not {', '.join(unmapped)} = true; export the merged model (without "
                               "--adapter)")
-    if cfg.lora.rank and state.base_model_digest and (digest := base_model_digest(cfg.model.hf_path)) != \
+    if cfg.lora.rank and state.base_model_digest and (digest := model_hub.base_model_digest(folder)) != \
             state.base_model_digest:
         raise CheckpointError(f"{path}: its LoRA adapters were trained on base weights with digest "
                               f"{state.base_model_digest}, model.hf_path = {cfg.model.hf_path} holds other weights "
                               f"(digest {digest}); export from the directory and base model the run used")
     check_complete(state, None)  # before the model is built (no RNG file needed)
     out, staging = Path(out_dir), _export_staging(out_dir)
-    info = {"source": os.path.abspath(path), "step": state.step, "model.hf_path": os.path.abspath(cfg.model.hf_path),
+    info = {"source": os.path.abspath(path), "step": state.step,
+            "model.hf_path": cfg.model.hf_path if snapshot else os.path.abspath(folder),
+            "model_snapshot": dataclasses.asdict(snapshot) if snapshot else None,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "complete": False}
     _write_export_info(staging, info, out_dir)  # before the model is built: an unwritable directory fails here
     for k in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
@@ -140,19 +148,19 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
         kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))
         distributed.init_distributed(device=distributed.local_device(), kernels=kernels)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.mpo.seed)  # megatron's init needs its RNG tracker
-        model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
+        model = omni_model.build_model(folder, cfg.model, cfg.parallel, kernels=kernels)
         if cfg.lora.rank:  # the checkpoint holds the adapters: the base weights are model.hf_path's
-            hf_weights.load_hf_weights(model, cfg.model.hf_path)
+            hf_weights.load_hf_weights(model, folder)
             lora.apply_lora(model, cfg.lora, seed=cfg.mpo.seed)
         megatron_patches.use_in_process_write_queue()
         loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model)}, str(path / MODEL_OPTIM_DIR))
         load_model_state(model, loaded["model"])
         if adapter:
-            lora.save_peft(model, staging, cfg.model.hf_path, cfg.lora)
+            lora.save_peft(model, staging, folder, cfg.lora)
         else:
             if cfg.lora.rank:
                 lora.merge(model)  # W + (alpha / rank)·B·A: a plain model of model.hf_path's architecture
-            hf_weights.export_hf(model, staging, cfg.model.hf_path)
+            hf_weights.export_hf(model, staging, folder)
     except Exception as e:
         shutil.rmtree(staging, ignore_errors=True)
         if not (path / RUN_STATE_FILE).is_file() or why_damaged(path, None):  # e.g. pruned by a running job meanwhile

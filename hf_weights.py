@@ -292,8 +292,11 @@ def load_hf_weights(model: OmniModel, hf_dir: str | os.PathLike) -> dict:
 def build_from_hf(cfg, kernels):
     """The model of model.hf_path with its weights, on `kernels` (kernel_selection.Kernels, the printed line): the
     policy, or the reference."""
-    model = build_model(cfg.model.hf_path, cfg.model, cfg.parallel, kernels=kernels)
-    load_hf_weights(model, cfg.model.hf_path)
+    import model_hub
+
+    folder = model_hub.model_dir(cfg.model)
+    model = build_model(folder, cfg.model, cfg.parallel, kernels=kernels)
+    load_hf_weights(model, folder)
     return model
 
 

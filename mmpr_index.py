@@ -495,12 +495,14 @@ def cli_text(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from config import Config
+    import model_hub
+    from config import Config, ConfigError
 
     ap = argparse.ArgumentParser(description="Validate an MMPR meta-recipe for a model and print the pre-flight "
                                              "report (rows, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
-    ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor)")
+    ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor) or hub id "
+                    "(its config, tokenizer and processor: from the hub cache, downloaded when missing)")
     d = Config().data
     ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (default 0 = all)")
     ap.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
@@ -522,7 +524,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--max-images-per-row", args.max_images_per_row, 1)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
-    processor = load_processor(args.model, "--model")
+    model = args.model
+    if model_hub.is_hub_id(model):  # a local directory of the same name wins
+        try:
+            model = model_hub.hub_snapshot(model, files=model_hub.SMALL_MODEL_FILES, key="--model").path
+        except ConfigError as e:
+            raise DataError(str(e)) from None
+    processor = load_processor(model, "--model")
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
     d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
     with data_warnings([]) as warned:

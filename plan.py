@@ -30,6 +30,7 @@ import config as config_mod  # noqa: E402
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
 import mmpr_rows  # noqa: E402
+import model_hub  # noqa: E402
 import omni_model  # noqa: E402
 import preflight  # noqa: E402
 from backend import kernel_selection  # noqa: E402
@@ -694,6 +695,22 @@ def format_lora(plan: MemoryPlan) -> list[str]:
     ]
 
 
+def plan_model_dir(cfg) -> str:
+    """The folder a plan reads model.hf_path's config.json (and processor) from, never downloading weights: a local
+    directory; a hub id's snapshot in the hub cache; the config shipped for it (SHIPPED_CONFIGS); else its config,
+    tokenizer and processor downloaded (model_hub.SMALL_MODEL_FILES). ConfigError (model_hub.hub_snapshot's)."""
+    if not model_hub.is_hub_id(cfg.model.hf_path):
+        return cfg.model.hf_path
+    shipped = SHIPPED_CONFIGS.get(cfg.model.hf_path)
+    with contextlib.suppress(config_mod.ConfigError):  # not cached: the shipped config, or a download
+        return model_hub.resolve_model(cfg, model_hub.SMALL_MODEL_FILES, local_only=True).path
+    if shipped is not None:
+        print(f"model.hf_path = {cfg.model.hf_path!r} is a hub id not in the hub cache: planning with its config.json "
+              f"shipped in {shipped.relative_to(Path(__file__).parent)}", file=sys.stderr)
+        return str(shipped)
+    return model_hub.resolve_model(cfg, model_hub.SMALL_MODEL_FILES).path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python plan.py", description=__doc__.split("\n")[0])
     ap.add_argument("config", metavar="CONFIG.toml", help="the TOML config, e.g. configs/nano.toml")
@@ -707,11 +724,7 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and value < least:
                 raise config_mod.ConfigError(f"{flag} = {value}: must be at least {least}")
         cfg = config_mod.load_config(args.config, args.overrides)
-        shipped = SHIPPED_CONFIGS.get(cfg.model.hf_path)
-        if shipped is not None and not (Path(cfg.model.hf_path) / "config.json").is_file():
-            print(f"model.hf_path = {cfg.model.hf_path!r} is a hub id: planning with its config.json shipped in "
-                  f"{shipped.relative_to(Path(__file__).parent)}", file=sys.stderr)
-            cfg.model.hf_path = str(shipped)
+        cfg.model.hf_path = plan_model_dir(cfg)
         plan = make_plan(cfg, args.gpus, args.image_tokens)
     except (config_mod.ConfigError, mmpr_rows.DataError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

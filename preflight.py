@@ -16,18 +16,21 @@ import config as config_mod
 import distributed
 import hf_weights
 import mmpr_index
+import model_hub
 import omni_model
 import pack
 
 
 def check_inputs(cfg) -> omni_model.OmniHFConfig:
-    """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path
-    (`read_model_config`, whose result it returns), the data paths, `check_packing`, `check_run_dir`, `check_wandb`,
-    `distributed.check_deterministic_env`."""
-    hf = read_model_config(cfg.model.hf_path)
-    if not hf_weights.has_safetensors(cfg.model.hf_path):  # HFReader's rule, before any rank loads a weight
+    """The checks that need neither a process group nor a model (a typo fails in seconds): model.hf_path (a hub id
+    resolved first: model_hub.resolve_model; `read_model_config`, whose result it returns), the data paths,
+    `check_packing`, `check_run_dir`, `check_wandb`, `distributed.check_deterministic_env`."""
+    model_hub.resolve_model(cfg)  # a hub id: its snapshot in the hub cache, downloaded when missing
+    folder = model_hub.model_dir(cfg.model)
+    hf = read_model_config(folder)
+    if not hf_weights.has_safetensors(folder):  # HFReader's rule, before any rank loads a weight
         raise config_mod.ConfigError(
-            f"model.hf_path = {cfg.model.hf_path!r}: no model.safetensors.index.json and no *.safetensors there (the "
+            f"model.hf_path = {folder!r}: no model.safetensors.index.json and no *.safetensors there (the "
             "weights of the HF checkpoint)"
         )
     if not cfg.data.train.data_path.strip():
@@ -41,7 +44,7 @@ def check_inputs(cfg) -> omni_model.OmniHFConfig:
                 f"{key} = {path!r} is not a file (an MMPR meta-recipe JSON{_relative_hint(path)})"
             )
     check_packing(cfg)
-    check_run_dir(cfg.checkpoint.dir, cfg.model.hf_path)
+    check_run_dir(cfg.checkpoint.dir, folder)
     check_wandb(cfg.logging.wandb)
     distributed.check_deterministic_env(cfg.model.deterministic_mode)
     return hf

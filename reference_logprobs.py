@@ -30,6 +30,7 @@ import hf_weights
 import lora
 import mmpr_data
 import mmpr_rows
+import model_hub
 import mpo_loss
 import pack
 
@@ -143,10 +144,10 @@ def load_model(cfg, ctx, kernels):
 
 
 def identity(cfg, train_index, val_index) -> dict:
-    """What the stored values belong to, by setting: the model's files (checkpoint.model_files), the parameter dtype,
+    """What the stored values belong to, by setting: the model's files (model_hub.model_files), the parameter dtype,
     the Mamba time-step clamp, and each data index's fingerprint (its files, the processor and chat template, and
     the data settings that change tokens: data.max_seq_length, named apart too)."""
-    out = {"model.hf_path files": checkpoint.model_files(cfg.model.hf_path),
+    out = {"model.hf_path files": model_hub.model_files(model_hub.model_dir(cfg.model)),
            "model.params_dtype": cfg.model.params_dtype, "model.mamba_dt_clamp": cfg.model.mamba_dt_clamp,
            "data.max_seq_length": cfg.data.max_seq_length,
            "data index of data.train.data_path": train_index.fingerprint}  # fmt: skip

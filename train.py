@@ -14,6 +14,7 @@ MPO loss + backward per microbatch, DP gradient sum, `check_finite`, Adam and LR
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import os
@@ -50,6 +51,7 @@ import lora  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
 import mmpr_rows  # noqa: E402
+import model_hub  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
 import omni_model  # noqa: E402
@@ -77,6 +79,7 @@ def main(cfg) -> int:
     ctx = distributed.init_distributed(cfg, distributed.local_device(), getattr(hf.text, "n_routed_experts", None),
                                        kernels)  # megatron_patches.apply(kernels): no second probe
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_one_model_revision(cfg, world)
     distributed.seed_everything(cfg.mpo.seed)
     if rank == 0:
         monitor.print_layout(ctx, world, kernels, pair_format)
@@ -206,7 +209,7 @@ class Data:
 
 def load_data(cfg, hf, rank: int) -> Data:
     """Load and check the splits (preflight.check_splits); rank 0 prints the data lines and warnings, once."""
-    processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
+    processor = mmpr_index.load_processor(model_hub.model_dir(cfg.model), "model.hf_path")
     with mmpr_rows.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
@@ -216,6 +219,16 @@ def load_data(cfg, hf, rank: int) -> Data:
                                     train_split.index.fingerprint)
     return Data(train_split, val_split, mmpr_data.PairDataset(train_split.index, processor), val_set, sampler,
                 ids={"image": hf.image_token_id, "pad": processor.tokenizer.pad_token_id or 0})
+
+
+def check_one_model_revision(cfg, world: int) -> None:
+    """Collective: every rank resolved a hub id in model.hf_path to one commit (nodes resolve it apart: a branch that
+    moves between them would train two models); ConfigError naming the commits otherwise."""
+    revisions: list = [None] * world
+    dist.all_gather_object(revisions, cfg.model.hf_revision)
+    if len(set(revisions)) > 1:
+        raise config_mod.ConfigError(f"model.hf_path = {cfg.model.hf_path!r} resolved to other commits on other ranks "
+                                     f"({', '.join(sorted(set(revisions)))}): set model.hf_revision to one of them")
 
 
 def build_scheduler(optimizer, cfg):
@@ -260,11 +273,13 @@ def resume(saved, notices: dict, ddp, optimizer, scheduler, sampler: mmpr_data.P
     """The run state (run_state.json's keys): fresh (`saved` None) or loaded, with the model, optimizer, scheduler and
     sampler, from `saved` (checkpoint.RunState); reward_shift is δ for the next step. Rank 0 writes the config.
     Collective (LoRA: the base model's digest)."""
+    folder = model_hub.model_dir(cfg.model)
+    snapshot = model_hub.resolve_model(cfg)  # a hub id's snapshot (resolved by preflight), None for a folder
     run_state = {"step": 0, "consumed_pairs": 0, "sampler": None, "reward_shift": cfg.mpo.reward_shift,
-           "reward_shift_num_updates": 0, "wandb_run_id": None,
-           "model_files": checkpoint.model_files(cfg.model.hf_path)}  # fmt: skip
+           "reward_shift_num_updates": 0, "wandb_run_id": None, "model_files": model_hub.model_files(folder),
+           "model_snapshot": dataclasses.asdict(snapshot) if snapshot else None}  # fmt: skip
     if cfg.lora.rank:  # the checkpoints hold only the adapters: the base weights they belong to
-        run_state["base_model_digest"] = checkpoint.base_model_digest(cfg.model.hf_path)
+        run_state["base_model_digest"] = model_hub.base_model_digest(folder)
     if saved is not None:
         checkpoint.load(saved, ddp, optimizer, scheduler)
         run_state.update({k: getattr(saved, k) for k in ("step", "consumed_pairs", "reward_shift",

@@ -26,6 +26,7 @@ import pytest
 # megatron-core compiles router helpers with torch.compile: seconds per first call on CPU
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")  # it overrides logging.wandb: a W&B-mode test sets or unsets it
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the hub: hub ids resolve from a prepared cache
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).resolve().parent / "dist"
@@ -55,6 +56,31 @@ def warns_naming(category: type[Warning], *names: object) -> Iterator[list]:
         yield record
     texts = [str(w.message) for w in record if issubclass(w.category, category)]
     assert any(all(str(n) in t for n in names) for t in texts), f"no {category.__name__} names all of {names}: {texts}"
+
+
+HUB_ID = "omni-mpo-test/tiny-omni"  # a hub id (no such local folder) served from `make_hub_cache`
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def make_hub_cache(cache: Path, src: Path = ROOT / "assets" / "tiny-omni", repo_id: str = HUB_ID,
+                   revision: str = HUB_REVISION) -> Path:
+    """The files of `src` in a hub cache `cache` laid out as huggingface_hub writes it: models--org--name/blobs/
+    <hash> (sha256 for *.safetensors as for LFS files, git's blob sha1 for the others), snapshots/<revision>/<name>
+    symlinks to ../../blobs/<hash>, refs/main; returns the snapshot folder."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / revision
+    for d in (repo / "blobs", snap, repo / "refs"):
+        d.mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        data = f.read_bytes()
+        lfs = f.suffix == ".safetensors"
+        blob = hashlib.sha256(data) if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data)
+        (repo / "blobs" / blob.hexdigest()).write_bytes(data)
+        (snap / f.name).symlink_to(f"../../blobs/{blob.hexdigest()}")
+    return snap
 
 
 @dataclass

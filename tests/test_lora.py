@@ -413,6 +413,7 @@ def test_a_lora_checkpoint_holds_only_the_adapters_and_the_base_digest(lora_runs
     from torch.distributed.checkpoint import FileSystemReader
 
     import checkpoint
+    import model_hub
 
     step = lora_runs["straight"].dir / "step_6"
     keys = FileSystemReader(str(step / "model_optim")).read_metadata().state_dict_metadata
@@ -421,7 +422,7 @@ def test_a_lora_checkpoint_holds_only_the_adapters_and_the_base_digest(lora_runs
     assert all(k.endswith((".lora.A", ".lora.B", *pieces)) for k in model_keys), model_keys[:5]
     assert len(model_keys) == 2 * 12 + 2 * 4  # the adapters' tensors (2 Mamba in_proj B in 5 pieces), no base weight
     state = checkpoint.read_run_state(step)
-    assert state.base_model_digest == checkpoint.base_model_digest(ROOT / "assets" / "tiny-omni")
+    assert state.base_model_digest == model_hub.base_model_digest(ROOT / "assets" / "tiny-omni")
     model_bytes = sum(keys[k].size.numel() * keys[k].properties.dtype.itemsize for k in model_keys)
     size = sum(p.stat().st_size for p in (step / "model_optim").rglob("*") if p.is_file())
     base = sum(p.stat().st_size for p in (ROOT / "assets" / "tiny-omni").glob("*.safetensors"))

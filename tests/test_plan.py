@@ -314,7 +314,7 @@ def test_plan_of_nano_toml_as_shipped_uses_the_shipped_config(capsys):
     """`python plan.py configs/nano.toml` (model.hf_path, the hub id) was a FileNotFoundError traceback."""
     assert plan.main(["configs/nano.toml"]) == 0
     out, err = capsys.readouterr()
-    assert err.splitlines()[-1].endswith("is a hub id: planning with its config.json shipped in "
+    assert err.splitlines()[-1].endswith("is a hub id not in the hub cache: planning with its config.json shipped in "
                                          "assets/nano-omni-config")
     assert out.replace(str(NANO), "assets/nano-omni-config") == GOLDEN.read_text()
 

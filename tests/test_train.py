@@ -43,11 +43,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import raises_naming
+from conftest import HUB_ID, HUB_REVISION, make_hub_cache, raises_naming
 
 import checkpoint
 import config as config_mod
 import distributed
+import model_hub
 import monitor
 import mpo_loss
 import pack
@@ -722,12 +723,16 @@ def test_resume_from_another_model_hf_path_says_the_reference_changes(tmp_path, 
     assert "resume:" not in capsys.readouterr().out
     # the same model.hf_path rewritten in place (break-it pass: a new export into the folder a run started from)
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}", f"model.hf_path={export}"])
-    files = checkpoint.model_files(export)
+    files = model_hub.model_files(export)
     state = dataclasses.replace(state, config=config_mod.to_dict(cfg), model_files=files)
     assert checkpoint.check_resume(state, cfg) == {}
-    weights = export / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
-    now = checkpoint.model_files(export)
+    (export / "README.md").write_text("a model card: not a file the job reads")
+    assert model_hub.model_files(export) == files
+    weights = export / "model.safetensors"  # the same size, other content
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    now = model_hub.model_files(export)
     assert now != files and checkpoint.check_resume(state, cfg) == {
         "model.hf_path": (f"{export} (files {files})", f"{export} (files {now})")}
 
@@ -860,18 +865,30 @@ def bias_off(train_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def segments(train_run, tmp_path_factory):
+def hub_cache(tmp_path_factory) -> Path:
+    """A hub cache (HF_HUB_CACHE) with assets/tiny-omni as the snapshot of hub id HUB_ID (conftest.make_hub_cache)."""
+    cache = tmp_path_factory.mktemp("hub")
+    make_hub_cache(cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def segments(train_run, hub_cache, tmp_path_factory):
+    """The README command in two segments (steps 1-2, 3-4), the model given as hub id HUB_ID, offline from
+    `hub_cache`: the resume test compares them with the README run (from the local folder) bit for bit."""
     run_dir = tmp_path_factory.mktemp("segments")
-    # model.deterministic_mode on the CPU changes no number: the resume test compares these segments with the README
-    # run (off) bit for bit
-    first = train_run(2, run_dir, "mpo.stop_after_step=2", "model.deterministic_mode=true")
+    # model.deterministic_mode on the CPU changes no number either
+    hub = {"extra_env": {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}}
+    first = train_run(2, run_dir, "mpo.stop_after_step=2", "model.deterministic_mode=true", f"model.hf_path={HUB_ID}",
+                      **hub)
     after_first = sorted(p.name for p in run_dir.iterdir())
     killed = run_dir / "step_5.tmp"  # a save killed mid-way: files present, never renamed
     (killed / "model_optim").mkdir(parents=True)
     (killed / "run_state.json").write_text('{"step": 5}')
     with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
         f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
-    second = train_run(2, run_dir, "mpo.stop_after_step=4", "model.deterministic_mode=true")
+    second = train_run(2, run_dir, "mpo.stop_after_step=4", "model.deterministic_mode=true", f"model.hf_path={HUB_ID}",
+                       **hub)
     return SimpleNamespace(dir=run_dir, first=first.stdout, second=second.stdout, err=second.stderr,
                            after_first=after_first, rows=_rows(run_dir))  # fmt: skip
 
@@ -1413,8 +1430,21 @@ def test_exact_resume_matches_uninterrupted_run(readme, segments):
     assert {float(v) for k, v in straight if k.endswith(".step")} == {4.0}
     s1 = json.loads((readme.dir / "step_4" / "run_state.json").read_text())
     s2 = json.loads((segments.dir / "step_4" / "run_state.json").read_text())
-    for k in ("reward_shift", "reward_shift_num_updates", "consumed_pairs", "sampler", "scheduler"):
-        assert s1[k] == s2[k], k
+    for k in ("reward_shift", "reward_shift_num_updates", "consumed_pairs", "sampler", "scheduler", "model_files"):
+        assert s1[k] == s2[k], k  # model_files: the hub snapshot and the local folder are one model
+
+
+def test_hub_id_run_prints_and_records_its_snapshot(segments, hub_cache):
+    """The segments ran with model.hf_path = HUB_ID from the hub cache, offline: each start printed the snapshot once;
+    config.json records the id and the commit, each checkpoint the id, the commit and the folder."""
+    snap = hub_cache.resolve() / f"models--{HUB_ID.replace('/', '--')}" / "snapshots" / HUB_REVISION
+    line = f"model.hf_path = {HUB_ID}: hub snapshot {HUB_REVISION} in {snap}"
+    assert segments.first.count(line) == 1 and segments.second.count(line) == 1
+    saved = json.loads((segments.dir / "config.json").read_text())["model"]
+    assert (saved["hf_path"], saved["hf_revision"]) == (HUB_ID, HUB_REVISION)
+    for step in ("step_2", "step_4"):
+        state = json.loads((segments.dir / step / "run_state.json").read_text())
+        assert state["model_snapshot"] == {"id": HUB_ID, "revision": HUB_REVISION, "path": str(snap)}
 
 
 def test_precomputed_reference_logprobs_train_as_the_online_reference_bit_for_bit(readme, precomputed):
@@ -1648,6 +1678,25 @@ def test_export_reloads_in_transformers_with_our_logits(readme, env, tmp_path):
         before = original.language_model(input_ids=ids).logits[0]
     assert (mine - theirs).abs().max().item() <= 1e-4
     assert (before - theirs).abs().max().item() > 1e-4  # training changed the weights: the check is not vacuous
+
+
+def test_export_of_a_hub_id_run_is_the_export_of_the_local_folder_run(readme, segments, hub_cache, env, tmp_path):
+    """hf_export.py of step 4 of the hub-id run (its base from the hub cache, offline) writes byte for byte what the
+    export of step 4 of the README run (the local folder) writes, and records the id and its commit."""
+    import checkpoint
+
+    for name, step, extra in (("hub", segments.dir / "step_4", {"HF_HUB_CACHE": str(hub_cache)}),
+                              ("local", readme.dir / "step_4", {})):
+        proc = subprocess.run([sys.executable, "hf_export.py", str(step), str(tmp_path / name)], cwd=ROOT,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    files = sorted(p.name for p in (tmp_path / "local").iterdir() if p.name != checkpoint.EXPORT_INFO_FILE)
+    assert "model.safetensors" in files
+    assert sorted(p.name for p in (tmp_path / "hub").iterdir() if p.name != checkpoint.EXPORT_INFO_FILE) == files
+    for name in files:
+        assert (tmp_path / "hub" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+    info = json.loads((tmp_path / "hub" / checkpoint.EXPORT_INFO_FILE).read_text())
+    assert (info["model.hf_path"], info["model_snapshot"]["revision"]) == (HUB_ID, HUB_REVISION)
 
 
 def test_wandb_offline_keeps_run_id_and_never_writes_the_api_key(tmp_path, monkeypatch):
