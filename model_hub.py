@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
-import torch.distributed as dist
-
-import distributed
 from config import ConfigError, ModelConfig
 
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")  # org/name
@@ -190,6 +187,10 @@ def model_file_hashes(hf_path: str | Path) -> dict[str, str]:
                    if p.is_file() and any(fnmatch(p.name, pat) for pat in MODEL_FILES))
     key = (os.path.realpath(hf_path), *((p.name, s.st_size, s.st_mtime_ns) for p in files for s in [p.stat()]))
     if key not in _model_hashes:
+        import torch.distributed as dist  # here: model_hub stays stdlib-only for slurm/train.sbatch's submit check
+
+        import distributed
+
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         rows = {p.name: f"{p.stat().st_size}:{content_sha256(p)}" for p in files} if rank0 else None
         _model_hashes[key] = distributed.from_rank0(rows)

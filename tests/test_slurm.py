@@ -59,7 +59,7 @@ TINY = str(ROOT / "assets" / "tiny-omni")  # a local HF checkpoint directory: su
 
 def _run(script: Path, env: dict[str, str], args=(), tmp: Path | None = None, cwd: Path | None = None):
     base = {"PATH": os.environ["PATH"], "HOME": str(tmp or "/nonexistent")}
-    if "SLURM_JOB_ID" not in env:  # submit mode (and chain.sh): the default CONFIG's hub id would be refused
+    if "SLURM_JOB_ID" not in env:  # submit mode (and chain.sh): a local model, no hub note
         base["MPO_HF_PATH"] = TINY
     if tmp is not None:
         base["PATH"] = f"{_fake_bin(tmp)}:{base['PATH']}"
@@ -312,17 +312,16 @@ def test_data_path_may_come_from_an_override(tmp_path):
     assert not (tmp_path / "sbatch.log").exists()
 
 
-def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
-    """Submit mode reads CONFIG and the overrides as train.py will (config.py) and needs model.hf_path to hold a
-    config.json: configs/nano.toml's hub id without MPO_HF_PATH, a bad override or a missing directory is one line and
-    exit 2 before sbatch (the job would fail at start with a ConfigError); so is a chain's first segment."""
+def test_submission_reads_the_config_and_needs_a_hub_id_or_a_local_hf_path(tmp_path):
+    """Submit mode reads CONFIG and the overrides as train.py will (config.py) and needs model.hf_path to be a hub id
+    (configs/nano.toml's, resolved at job start: one note) or to hold a config.json: a bad override or a missing
+    directory is one line and exit 2 before sbatch (the job would fail at start with a ConfigError); so is a chain's
+    first segment."""
     base = {"MPO_DATA_PATH": "/d", "WANDB_MODE": "offline"}
     hub = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"  # configs/nano.toml's model.hf_path
     cases = [
-        ({"MPO_HF_PATH": ""}, [], f"train.sbatch: error: model.hf_path='{hub}' (from configs/nano.toml: set "
-         f"MPO_MODEL_NAME to the local checkpoint directory) has no config.json at {ROOT}/{hub}: it must be a local HF "
-         f"checkpoint directory (relative paths are relative to REPO_DIR={ROOT})"),
-        ({"MPO_HF_PATH": "", "DRY_RUN": "1"}, [], f"model.hf_path='{hub}' (from configs/nano.toml"),
+        ({"MPO_HF_PATH": "", "CONFIG": "configs/tiny.toml"}, ["model.hf_path=assets/none"],
+         "train.sbatch: error: model.hf_path='assets/none' has no config.json at "),  # a path: its folder exists
         ({"MPO_HF_PATH": str(tmp_path)}, [], f"train.sbatch: error: model.hf_path='{tmp_path}' has no config.json at "
          f"{tmp_path}: it must be a local HF checkpoint directory (relative paths are relative to REPO_DIR={ROOT})"),
         ({}, [f"model.hf_path={tmp_path}"], f"model.hf_path='{tmp_path}' has no config.json"),  # the override wins
@@ -344,6 +343,9 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
                 {"CONTAINER": "img", "MPO_HF_PATH": "/models/nano"}):  # fmt: skip
         r = _run(SBATCH, {**base, **env, "DRY_RUN": "1"}, [], tmp_path)
         assert r.returncode == 0 and r.stderr == "", (env, r.stderr)
+    # configs/nano.toml's hub id: one note, the job resolves it at start
+    r = _run(SBATCH, {**base, "MPO_HF_PATH": "", "DRY_RUN": "1"}, [], tmp_path)
+    assert r.returncode == 0 and r.stderr.count("\n") == 1 and f"model.hf_path='{hub}' is a hub id" in r.stderr
     # no python3 >= 3.11 on the submit host: one note, and the job checks at start
     r = _run(SBATCH, {**base, "MPO_HF_PATH": "", "SUBMIT_PYTHON": str(tmp_path / "none")}, [], tmp_path)
     assert r.returncode == 0 and r.stderr.startswith(f"train.sbatch: note: {tmp_path}/none ") and r.stderr.count(
@@ -355,8 +357,9 @@ def test_submission_reads_the_config_and_needs_a_local_hf_path(tmp_path):
     r = _run(SBATCH, {**base, "REPO_DIR": str(tmp_path), "CONTAINER": "img", "DRY_RUN": "1"}, [], tmp_path)
     assert r.returncode == 0 and r.stderr.startswith("train.sbatch: note: ") and r.stderr.count("\n") == 1
     assert "config.py" in r.stderr and f"REPO_DIR={tmp_path};" in r.stderr, r.stderr
-    r = _run(CHAIN, {**base, "MPO_HF_PATH": "", "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"}, [], tmp_path)
-    assert r.returncode == 2 and "(from configs/nano.toml: set MPO_MODEL_NAME" in r.stderr, r.stderr
+    r = _run(CHAIN, {**base, "MPO_HF_PATH": str(tmp_path), "CHAIN_SEGMENTS": "2", "CHAIN_STEP_TARGETS": "100,200"},
+             [], tmp_path)
+    assert r.returncode == 2 and f"model.hf_path='{tmp_path}' has no config.json" in r.stderr, r.stderr
     assert not (tmp_path / "results").exists()
 
 
