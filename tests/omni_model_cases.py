@@ -78,3 +78,33 @@ def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return logits.detach(), grads
+
+
+def video_text_inputs(frames: int = 3, seed: int = 0) -> dict:
+    """The tiny processor's inputs for one random `frames`-frame video (uint8, 40x56 px, resized to a 4x6-patch tile:
+    video_target_num_patches 24) + a short chat: input_ids with `Frame k ...: <img> <image>*6 </img>` per tubelet,
+    pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768] and video_grid_thw [[F, 4, 6]].
+    The tiny asset's video processor has no norm_mean / norm_std: the image processor's (the one RADIO conditioner)."""
+    import numpy as np
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(TINY)
+    rng = np.random.default_rng(seed)
+    video = rng.integers(0, 256, (frames, 40, 56, 3), dtype=np.uint8)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "<video>\nWhat moves?"}]},
+         {"role": "assistant", "content": "Dots."}], tokenize=False)
+    vp, ip = proc.video_processor, proc.image_processor
+    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = 24, list(ip.image_mean), list(ip.image_std)
+    out = proc(videos=[video], text=text, return_tensors="pt")
+    f, c, h, w = out["pixel_values_videos"].shape
+    out["video_patches"] = video_patch_rows(out["pixel_values_videos"])
+    out["video_grid_thw"] = torch.tensor([[f, h // 16, w // 16]])
+    return out
+
+
+def video_patch_rows(frames: torch.Tensor, patch: int = 16) -> torch.Tensor:
+    """[F, C, H, W] frames -> [F·(H/P)·(W/P), C·P·P] patch rows, channel-major (c, py, px) as the image processor's."""
+    f, c, h, w = frames.shape
+    x = frames.reshape(f, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(f * (h // patch) * (w // patch), c * patch * patch)
