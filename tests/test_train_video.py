@@ -64,3 +64,27 @@ def test_resume_two_plus_two_equals_four_bit_for_bit(runs):
     assert [k for k, _ in one] == [k for k, _ in two]
     for (k, x), (_, y) in zip(one, two, strict=True):
         assert torch.equal(x, y), k
+
+
+def test_a_frozen_vision_tower_has_no_gradient_buffer_or_optimizer_state():
+    """model.freeze_vision_encoder = true covers the video embedder: no DDP gradient buffer holds a ViT parameter and
+    the optimizer's (fp32 main) parameters are exactly the trainable ones."""
+    import config
+    import distributed
+    import omni_model
+    import train
+    from backend import megatron_patches
+
+    distributed.init_distributed()
+    cfg = config.load_config(ROOT / "configs" / "tiny.toml", ["model.freeze_vision_encoder=true"])
+    policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
+    with megatron_patches.cuda_to_cpu():
+        ddp, opt, _ = train.build_optimizer(policy, cfg)
+    vit = {id(p) for p in policy.vision_model.parameters()}
+    assert id(policy.vision_model.video_embedder.weight) in vit
+    buffered = {id(p) for b in ddp.buffers for p in b.params}
+    assert buffered and not buffered & vit
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert sum(p.numel() for g in opt.optimizer.param_groups for p in g["params"]) == trainable
+    assert trainable == sum(p.numel() for p in policy.parameters()) - sum(
+        p.numel() for p in policy.vision_model.parameters())
