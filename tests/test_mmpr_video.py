@@ -6,6 +6,7 @@ Run: `pytest tests/test_mmpr_video.py` (CPU; about 15 s).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -134,3 +135,20 @@ def test_video_settings_are_checked_and_reach_the_processor(processor):
     assert (vp.num_frames, vp.fps) == (4, None)
     assert vp.norm_mean == list(processor.image_processor.image_mean)  # the tiny video processor has none
     assert mr.DROP_REASONS.index("too_many_frames") < mr.DROP_REASONS.index("template_rewrites_text")
+
+
+def test_a_checkpoint_with_video_pruning_is_refused_before_a_video_run(video_sample, tmp_path):
+    """EVS (video_pruning_rate > 0, the hub checkpoint's 0.7) is refused at start, naming the key, once the data holds
+    video pairs; the same checkpoint with image pairs only is fine."""
+    import config
+    import preflight
+
+    index, _ = video_sample
+    hub = json.loads((TINY / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hub | {"video_pruning_rate": 0.7}))
+    cfg = config.Config()
+    cfg.model.hf_path, cfg.policy.train_global_batch_size, cfg.packing.shared_prompt = str(tmp_path), 4, False
+    with pytest.raises(config.ConfigError, match=r"config\.json's video_pruning_rate = 0\.7 with 12 video pairs"):
+        preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)
+    cfg.model.hf_path = str(TINY)
+    assert preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)[0].pair_ids == list(range(12))
