@@ -16,10 +16,11 @@ TINY = ROOT / "assets" / "tiny-omni"
 
 
 def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int = 8, image_token_id: int = 18,
-                    duplicate_media: bool = False) -> dict:
+                    duplicate_media: bool = False, video: bool = False) -> dict:
     """One pair: two rows (chosen, rejected) of lengths `lens`, each `<img> <image>*N </img>` after a short prefix,
     padded to `divisible_by`; one image of patch grid `grid`. With duplicate_media=True each row gets its own copy of
-    the image (media_index [0, 1]) instead of sharing it (media_index [0, 0])."""
+    the image (media_index [0, 1]) instead of sharing it (media_index [0, 0]). With video=True the slot also holds a
+    3-frame video of 4x4-patch frames (2 tubelets x 4 tokens at row positions 12..19, after the image's)."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = grid
     n_img = gh * gw // 4
@@ -29,6 +30,9 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         body[3] = 21
         body[4:4 + n_img] = image_token_id
         body[4 + n_img] = 22
+        if video:
+            assert 4 + n_img < 12 and n >= 21 and not duplicate_media
+            body[12:20] = image_token_id
         rows.append(body)
     ids, cu, cu_pad = [], [0], [0]
     for r in rows:
@@ -48,6 +52,10 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         "media_index": torch.tensor([0, 0]),
         "media_image_offsets": torch.tensor([0, 1]),
     }
+    if video:
+        frames = torch.randn(3, 3, 64, 64, generator=g)
+        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[3, 4, 4]]),
+                     media_video_offsets=torch.tensor([0, 1]))
     if duplicate_media:
         batch.update(pixel_values=torch.cat([pixel, pixel]), image_grid_hw=torch.cat([grid_t, grid_t]),
                      image_token_counts=torch.tensor([n_img, n_img]), media_index=torch.tensor([0, 1]),
