@@ -1,9 +1,10 @@
-"""omni_model's video path: parity with transformers on video rows, packing with images and video, the video
-embedder's import / export.
+"""omni_model's video path: parity with transformers on video rows, packing with images and video (and the
+shared-prompt format), the video embedder's import / export.
 
-Run: `pytest tests/test_omni_video.py` (CPU, fp32, one in-process world of size 1; about 20 s). transformers 5.23's
-`NemotronH_Omni_Reasoning_V3.forward(pixel_values_videos=...)` fails on its own `get_video_features` output (a tensor
-given to torch.cat): the reference here is its `get_video_features` passed to `forward` as `mm_encoder_outputs`.
+Run: `pytest tests/test_omni_video.py` (CPU, fp32, one in-process world of size 1; about 40 s alone). transformers
+5.23's `NemotronH_Omni_Reasoning_V3.forward(pixel_values_videos=...)` fails on its own `get_video_features` output
+(a tensor given to torch.cat): the reference here is its `get_video_features` passed to `forward` as
+`mm_encoder_outputs`.
 """
 
 from __future__ import annotations
@@ -150,3 +151,44 @@ def test_video_embedder_is_loaded_and_exported_exactly(model, tmp_path):
         with torch.no_grad():
             w.copy_(saved)
     assert not any(k.startswith(key.rsplit(".", 1)[0]) for k in model.hf_untouched_keys)
+
+
+def _with_video(p, seed: int):
+    """pack.PreferencePair `p` with a 3-frame video of 4x4-patch frames (2 tubelets x 4 tokens) at the end of its
+    prompt, after its image's tokens."""
+    import pack
+
+    n_prompt = int((~p.chosen_loss_mask).sum())
+    chunk = torch.tensor([21] + [18] * 8 + [22])
+    rows = [torch.cat([r[:n_prompt], chunk, r[n_prompt:]]) for r in (p.chosen_ids, p.rejected_ids)]
+    masks = [torch.cat([m[:n_prompt], torch.zeros(10, dtype=torch.bool), m[n_prompt:]])
+             for m in (p.chosen_loss_mask, p.rejected_loss_mask)]
+    frames = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
+    return pack.PreferencePair(pair_id=p.pair_id, chosen_ids=rows[0], rejected_ids=rows[1], chosen_loss_mask=masks[0],
+                               rejected_loss_mask=masks[1], pixel_values=p.pixel_values, image_grid_hw=p.image_grid_hw,
+                               image_token_counts=p.image_token_counts, pixel_values_videos=video_patch_rows(frames),
+                               video_grid_thw=torch.tensor([[3, 4, 4]]), video_token_counts=torch.tensor([8]))
+
+
+def test_shared_prompt_format_with_video_equals_separate_rows(model):
+    """Pairs with image + video, video only, image only and text only in one bin: the shared-prompt format (each
+    prompt and its media once) gives the separate rows' log-probs, MPO metrics and every gradient, the video
+    embedder's included (tests/test_shared_prompt_model.py's check)."""
+    from shared_prompt_cases import make_pairs, max_differences, mpo_step
+    from step_cases import tiny_config
+
+    import distributed
+
+    ctx = distributed.Ctx.current(tiny_config("packing.shared_prompt=true"), torch.device("cpu"))
+    pairs = make_pairs()
+    pairs[0], pairs[1] = _with_video(pairs[0], 1), _with_video(pairs[1], 2)
+    model.train()
+    try:
+        d = max_differences(mpo_step(model, ctx, [pairs], shared=False), mpo_step(model, ctx, [pairs], shared=True))
+        assert d["num_response_tokens_equal"] and d["grad_names_differ"] == []
+        assert d["logprobs"] <= INVARIANCE and max(d["metrics"].values()) <= INVARIANCE, d
+        assert d["grad"] <= INVARIANCE, (d["grad"], d["grad_param"])
+        assert d["n_grads"] == sum(p.requires_grad for p in model.parameters())
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
