@@ -494,7 +494,7 @@ def format_report(rep: dict) -> str:
 
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
-             "data.train.seed": "--seed"}
+             "data.train.seed": "--seed", "data.video.max_frames": "--video-max-frames"}
 
 
 def cli_text(text: str) -> str:
@@ -521,6 +521,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
                     help="data.train.data_root (default: the meta file's grandparent, then its folder)")
+    v = d.video
+    ap.add_argument("--video-num-frames", type=int, default=v.num_frames,
+                    help="data.video.num_frames: frames sampled per video file (default 0 = the processor's)")
+    ap.add_argument("--video-fps", type=float, default=v.fps,
+                    help="data.video.fps: else frames per second (default 0 = the processor's; neither: all)")
+    ap.add_argument("--video-max-frames", type=int, default=v.max_frames,
+                    help="data.video.max_frames: more is too_many_frames (default %(default)s)")
+    ap.add_argument("--video-target-num-patches", type=int, default=v.target_num_patches,
+                    help="data.video.target_num_patches: patches per frame tile (default 0 = the processor's)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes checking rows; < 2 = in-process (default %(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
@@ -529,10 +538,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a drop example can quote a row's lone surrogate (e.g. in an image path)
         sys.stdout.reconfigure(errors="backslashreplace")
     for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1),
-                               ("--max-images-per-row", args.max_images_per_row, 1)):
+                               ("--max-images-per-row", args.max_images_per_row, 1),
+                               ("--video-num-frames", args.video_num_frames, 0), ("--video-fps", args.video_fps, 0),
+                               ("--video-max-frames", args.video_max_frames, 1),
+                               ("--video-target-num-patches", args.video_target_num_patches, 0)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
+    if args.video_num_frames and args.video_fps:
+        raise DataError("--video-num-frames and --video-fps: set one (frames per video, or frames per second)")
     processor = load_processor(args.model, "--model")
+    v.num_frames, v.fps, v.max_frames = args.video_num_frames, args.video_fps, args.video_max_frames
+    v.target_num_patches = args.video_target_num_patches
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
     d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
     with data_warnings([]) as warned:

@@ -152,3 +152,14 @@ def test_a_checkpoint_with_video_pruning_is_refused_before_a_video_run(video_sam
         preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)
     cfg.model.hf_path = str(TINY)
     assert preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)[0].pair_ids == list(range(12))
+
+
+def test_index_cli_takes_the_video_settings(capsys):
+    """`python mmpr_index.py META --model DIR --video-*`: the run's data.video settings, named by their flags."""
+    assert mi.main([str(VIDEO_META), "--model", str(TINY), "--video-target-num-patches", "24", "--video-max-frames",
+                    "3", "--num-workers", "0", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split(": ")[1].startswith("4 pairs")  # the 3-frame lists; the 4-frame clips dropped
+    assert "    dropped too_many_frames: 8\n" in out and "4 frames sampled > --video-max-frames = 3" in out
+    with pytest.raises(mr.DataError, match="--video-num-frames and --video-fps"):
+        mi.main([str(VIDEO_META), "--model", str(TINY), "--video-num-frames", "2", "--video-fps", "1"])
