@@ -334,7 +334,7 @@ def check_splits(train_split, val_split, cfg):
             f"and are dropped at start (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens) {where}"
         )
     train_split, val_split = kept["training"], kept.get("validation")
-    videos = sum(int((s.index.video_frames[s.pair_ids] > 0).sum()) for s in (train_split, val_split) if s is not None)
+    videos = sum(s.index.video_pairs(s.pair_ids) for s in (train_split, val_split) if s is not None)
     if videos and (rate := read_model_config(cfg.model.hf_path).video_pruning_rate) > 0:
         raise config_mod.ConfigError(
             f"model.hf_path = {cfg.model.hf_path!r}: config.json's video_pruning_rate = {rate} with {videos} video "
