@@ -77,12 +77,23 @@ class ValidationDataConfig:
 
 
 @dataclass
+class VideoDataConfig:
+    """How a row's video becomes frames (mmpr_video.py); 0 = the checkpoint's video processor's value."""
+
+    num_frames: int = 0  # frames sampled uniformly from a video file (0: the processor's num_frames)
+    fps: float = 0.0  # else frames sampled per second (0: the processor's fps; neither: every frame)
+    max_frames: int = 32  # rows whose video gives more frames are dropped (too_many_frames); frame lists too
+    target_num_patches: int = 0  # 16-px patches per frame tile (0: the processor's video_target_num_patches)
+
+
+@dataclass
 class DataConfig:
     max_seq_length: int = 8192  # longest row in tokens, expanded image tokens included; longer pairs are dropped
     num_workers: int = 0  # DataLoader workers decoding and processing images (0 = in the main process)
     strict: bool = False  # turn every dropped row into an error naming its file and line
     train: TrainDataConfig = field(default_factory=TrainDataConfig)
     validation: ValidationDataConfig = field(default_factory=ValidationDataConfig)
+    video: VideoDataConfig = field(default_factory=VideoDataConfig)
 
 
 @dataclass
@@ -429,9 +440,10 @@ def validate(cfg: Config) -> None:
                           f"{m.max_num_steps}] (or 0 for no segment stop)")
     positive = ("policy.train_global_batch_size", "policy.logprob_chunk_size", "packing.max_tokens_per_bin",
                 "packing.max_sequences_per_bin", "packing.make_sequence_length_divisible_by", "data.max_seq_length",
-                "data.train.max_images_per_row", "mpo.val_global_batch_size", "mpo.val_batches", "logging.log_period",
-                "parallel.tensor_model_parallel_size", "parallel.context_parallel_size",
-                "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size")
+                "data.train.max_images_per_row", "data.video.max_frames", "mpo.val_global_batch_size",
+                "mpo.val_batches", "logging.log_period", "parallel.tensor_model_parallel_size",
+                "parallel.context_parallel_size", "parallel.expert_model_parallel_size",
+                "parallel.expert_tensor_parallel_size")
     for k in positive:
         if get_dotted(cfg, k) < 1:
             raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 1")
@@ -443,10 +455,14 @@ def validate(cfg: Config) -> None:
                     "mpo.val_period", "scheduler.lr_warmup_steps", "optimizer.lr", "optimizer.min_lr",
                     "optimizer.weight_decay", "optimizer.clip_grad", "scheduler.lr_warmup_init",
                     "model.moe_router_bias_update_rate", "reference.max_tokens_per_bin",
-                    "reference.max_sequences_per_bin")
+                    "reference.max_sequences_per_bin", "data.video.num_frames", "data.video.fps",
+                    "data.video.target_num_patches")
     for k in non_negative:
         if get_dotted(cfg, k) < 0:
             raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 0")
+    if cfg.data.video.num_frames and cfg.data.video.fps:
+        raise ConfigError(f"data.video.num_frames = {cfg.data.video.num_frames} and data.video.fps = "
+                          f"{cfg.data.video.fps}: set one (frames per video, or frames per second), the other 0")
     size = cfg.data.train.split_validation_size
     if size >= 1 and size != int(size):
         raise ConfigError(f"data.train.split_validation_size = {size}: a fraction of the pairs (< 1, e.g. 0.015) or a "

@@ -181,6 +181,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "vision_model.class_token": _whole(f"{vm}patch_generator.cls_token.token", hf.num_prefix_tokens),
                 "vision_model.position_embeddings": _whole(f"{vm}patch_generator.pos_embed", 1),
                 "vision_model.embedder.weight": _split(f"{vm}patch_generator.embedder.weight", vh),
+                "vision_model.video_embedder.weight": _split(f"{vm}patch_generator.video_embedder.weight", vh),
                 "vision_projection.encoder.linear_fc1.layer_norm_weight": _whole("mlp1.0.weight", 4 * vh),
                 "vision_projection.encoder.linear_fc1.weight": _split("mlp1.1.weight", hf.projector_hidden_size),
                 "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size,
@@ -195,8 +196,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
 # Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
 UNTOUCHED_PREFIXES = ("sound_encoder.", "sound_projection.",
                       "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
-                      "vision_model.radio_model.summary_idxs",  # RADIO summary heads; unused by the VLM
-                      "vision_model.radio_model.model.patch_generator.video_embedder.")  # video tubelets
+                      "vision_model.radio_model.summary_idxs")  # RADIO summary heads; unused by the VLM
 
 
 def has_safetensors(hf_dir: str | os.PathLike) -> bool:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image
+from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image, read_video
+from mmpr_video import expand_video, video_pixels
 from pack import PreferencePair
 from stop_signals import ignore_stop_signals, workers_start_deaf
 
@@ -32,7 +33,8 @@ class MMPRIndex:
     Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
     `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
     `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
-    patches), `image_token_counts`. `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
+    patches), `image_token_counts`. Per pair, its video: `video_frames`, `video_grid_hw` [N, 2], `video_tokens`.
+    `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
 
     meta_path: str
     fingerprint: str
@@ -52,6 +54,9 @@ class MMPRIndex:
     image_path_id: torch.Tensor
     image_grid_hw: torch.Tensor
     image_token_counts: torch.Tensor
+    video_frames: torch.Tensor  # [N] frames of the pair's video (0: none)
+    video_grid_hw: torch.Tensor  # [N, 2] its frame tile in 16-px patches
+    video_tokens: torch.Tensor  # [N] its <image> tokens (all tubelets)
     stats: dict[str, dict]
     build_seconds: float = 0.0
     cache_status: str = "disabled"
@@ -72,6 +77,10 @@ class MMPRIndex:
             return {i: n - 1 for i, n in enumerate(self.prompt_len.tolist())}
         ids = [int(i) for i in pair_ids]
         return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
+
+    def video_pairs(self, pair_ids: Sequence[int]) -> int:
+        """How many of `pair_ids` carry a video."""
+        return int((self.video_frames[torch.as_tensor(list(pair_ids), dtype=torch.long)] > 0).sum())
 
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""
@@ -106,8 +115,9 @@ class PairDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def _row_text(self, i: int) -> tuple[str, str, str, list[str]]:
-        """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` not yet expanded), images."""
+    def _row_text(self, i: int) -> tuple[str, str, str, list[str], str | list[str] | None]:
+        """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` / `<video>` not yet expanded),
+        images, video (TextRenderer.parse's)."""
         ix = self.index
         sub = int(ix.subset_id[i])
         with open(ix.annotation_files[sub], "rb") as f:
@@ -116,19 +126,33 @@ class PairDataset(torch.utils.data.Dataset):
         images = ix.images(i)
         try:
             root = ix.image_roots[sub]
-            system, question, chosen, rejected, imgs = self.text.parse(
+            system, question, chosen, rejected, imgs, video = self.text.parse(
                 json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
                 raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
         except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _changed(ix, i, f"the row no longer validates ({e})") from None
-        return prompt, r_c, r_r, images
+        return prompt, r_c, r_r, images, video
+
+    def _video(self, i: int, prompt: str, video) -> tuple[str, dict]:
+        """The prompt with the row's video expanded and PreferencePair's video fields ({}: no video)."""
+        if video is None:
+            return prompt, {}
+        try:
+            frames, metadata = read_video(self.processor, video, max(int(self.index.video_frames[i]), 1))
+        except _Drop as d:
+            raise _changed(self.index, i, str(d)) from None
+        rows, thw, per = video_pixels(self.processor, frames)
+        tokens = -(-int(thw[0, 0]) // self.processor.video_temporal_patch_dim) * per
+        prompt = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
+        return prompt, dict(pixel_values_videos=rows, video_grid_thw=thw,
+                            video_token_counts=torch.tensor([tokens], dtype=torch.int64))
 
     def __getitem__(self, i: int) -> PreferencePair:
         i = int(i)
         ix = self.index
-        prompt, chosen, rejected, images = self._row_text(i)
+        prompt, chosen, rejected, images, video = self._row_text(i)
         if images:
             try:
                 pil = [load_image(p) for p in images]
@@ -142,6 +166,7 @@ class PairDataset(torch.utils.data.Dataset):
             prompt = self.processor.get_text_with_replacements([prompt], images_replacements=reps)[0][0]
         else:
             pixel_values, grid = torch.zeros(0, self.patch_dim), torch.zeros(0, 2, dtype=torch.long)
+        prompt, videos = self._video(i, prompt, video)  # after the images: their <image> placeholders come first
         merge = round(1 / self.processor.image_processor.downsample_ratio)
         counts = grid.prod(dim=-1) // merge**2
         prompt_ids = self.text.encode(prompt)
@@ -152,14 +177,16 @@ class PairDataset(torch.utils.data.Dataset):
                           torch.tensor([False] * len(prompt_ids) + r_mask, dtype=torch.bool))
         s, n = int(ix.image_start[i]), int(ix.num_images[i])
         expect = (int(ix.prompt_len[i]), int(ix.chosen_len[i]), int(ix.rejected_len[i]),
-                  ix.image_token_counts[s:s + n].tolist())
-        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist())
+                  ix.image_token_counts[s:s + n].tolist(), int(ix.video_frames[i]), int(ix.video_tokens[i]))
+        video_counts = (int(videos["video_grid_thw"][0, 0]), int(videos["video_token_counts"][0])) if videos else (0, 0)
+        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist(), *video_counts)
         if got != expect:
-            raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens) = {got}, the index says {expect}")
+            raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens, video frames, video tokens) = {got}, the "
+                                  f"index says {expect}")
         return PreferencePair(
             pair_id=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
             chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],
-            pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts,
+            pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts, **videos,
         )
 
 

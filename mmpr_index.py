@@ -49,11 +49,12 @@ from mmpr_rows import (
     plural,
     read_meta,
 )
+from mmpr_video import apply_video_settings
 from stop_signals import ignore_stop_signals, workers_start_deaf
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 5  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 6  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
@@ -84,13 +85,15 @@ def load_processor(model_dir: str | Path, key: str):
 
 def processor_identity(processor) -> str:
     """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template
-    and image-processor config; by content, so a copied model folder hits the same cache and an edited one misses."""
+    and image- and video-processor config; by content, so a copied model folder hits the same cache and an edited one
+    misses."""
     tok = processor.tokenizer
     backend = getattr(tok, "backend_tokenizer", None)
     h = hashlib.sha256()
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))).encode())
     h.update(str(processor.chat_template).encode())
     h.update(processor.image_processor.to_json_string().encode())
+    h.update(processor.video_processor.to_json_string().encode())  # with data.video's settings on it
     h.update(type(processor).__name__.encode())
     return h.hexdigest()
 
@@ -136,7 +139,7 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> MMPRIndex:
     """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
-    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
+    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.video.max_frames)
     image_paths: list[str] = []
     path_ids: dict[str, int] = {}
     cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
@@ -228,6 +231,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     cols[key].append(v[key])
                 cols["subset_id"].append(sid)
                 cols["image_tokens"].append(sum(v["counts"]))
+                cols["video"].append(v["video"])  # [frames, gh, gw, tokens]
                 cols["image_start"].append(first_image[k])
                 cols["num_images"].append(len(v["imgs"]))
             st["pairs"] = len(keep)
@@ -243,6 +247,8 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     def t(key, src=cols):
         return torch.tensor(src[key], dtype=torch.int64)
 
+    video = t("video").reshape(-1, 4)
+
     return MMPRIndex(
         meta_path=str(meta_path), fingerprint=fingerprint, subsets=[s.name for s in subsets],
         annotation_files=[str(s.annotation) for s in subsets], image_roots=[str(s.root or "") for s in subsets],
@@ -250,7 +256,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         subset_id=t("subset_id"), line=t("line"), offset=t("offset"), prompt_len=t("prompt_len"),
         chosen_len=t("chosen_len"), rejected_len=t("rejected_len"), image_tokens=t("image_tokens"),
         image_start=t("image_start"), num_images=t("num_images"), image_path_id=t("path_id", img_cols),
-        image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols), stats=stats,
+        image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols),
+        video_frames=video[:, 0].contiguous(), video_grid_hw=video[:, 1:3].contiguous(),
+        video_tokens=video[:, 3].contiguous(), stats=stats,
         build_seconds=time.perf_counter() - t0,
     )
 
@@ -326,11 +334,12 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     meta_path = Path(meta_path)
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
+    apply_video_settings(processor, data.video)  # the processor holds them for the dataset too
     # the seed changes the index only through a fractional repeat_time (apply_repeat_time's random rows)
     sampled = any(s.repeat_time != math.floor(s.repeat_time) for s in subsets)
     settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length,
                 "seed": data.train.seed if sampled else None, "max_images_per_row": data.train.max_images_per_row,
-                "data_root": data.train.data_root}
+                "data_root": data.train.data_root, "max_frames": data.video.max_frames}
     fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
     folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
     args = (meta_path, subsets, processor, data, max_samples, fingerprint, folder, use_cache)
@@ -449,7 +458,8 @@ def report(index: MMPRIndex) -> dict:
     """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
-                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("video_tokens", "video_tokens"),
+                 ("chosen", "chosen_len"),
                  ("rejected", "rejected_len"))}
 
     subsets = {}
@@ -484,7 +494,7 @@ def format_report(rep: dict) -> str:
 
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
-             "data.train.seed": "--seed"}
+             "data.train.seed": "--seed", "data.video.max_frames": "--video-max-frames"}
 
 
 def cli_text(text: str) -> str:
@@ -513,6 +523,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
                     help="data.train.data_root (default: the meta file's grandparent, then its folder)")
+    v = d.video
+    ap.add_argument("--video-num-frames", type=int, default=v.num_frames,
+                    help="data.video.num_frames: frames sampled per video file (default 0 = the processor's)")
+    ap.add_argument("--video-fps", type=float, default=v.fps,
+                    help="data.video.fps: else frames per second (default 0 = the processor's; neither: all)")
+    ap.add_argument("--video-max-frames", type=int, default=v.max_frames,
+                    help="data.video.max_frames: more is too_many_frames (default %(default)s)")
+    ap.add_argument("--video-target-num-patches", type=int, default=v.target_num_patches,
+                    help="data.video.target_num_patches: patches per frame tile (default 0 = the processor's)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes checking rows; < 2 = in-process (default %(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
@@ -521,9 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a drop example can quote a row's lone surrogate (e.g. in an image path)
         sys.stdout.reconfigure(errors="backslashreplace")
     for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1),
-                               ("--max-images-per-row", args.max_images_per_row, 1)):
+                               ("--max-images-per-row", args.max_images_per_row, 1),
+                               ("--video-num-frames", args.video_num_frames, 0), ("--video-fps", args.video_fps, 0),
+                               ("--video-max-frames", args.video_max_frames, 1),
+                               ("--video-target-num-patches", args.video_target_num_patches, 0)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
+    if args.video_num_frames and args.video_fps:
+        raise DataError("--video-num-frames and --video-fps: set one (frames per video, or frames per second)")
     model = args.model
     if model_hub.is_hub_id(model):  # a local directory of the same name wins
         try:
@@ -531,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             raise DataError(str(e)) from None
     processor = load_processor(model, "--model")
+    v.num_frames, v.fps, v.max_frames = args.video_num_frames, args.video_fps, args.video_max_frames
+    v.target_num_patches = args.video_target_num_patches
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
     d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
     with data_warnings([]) as warned:

@@ -32,13 +32,15 @@ from typing import Any
 
 import numpy as np
 
+from mmpr_video import VIDEO_DROP_REASONS, VideoDrop, expand_video, load_frames, video_layout
+
 # Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
     "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
-    "missing_field",  # question / chosen / rejected missing or not a string; image not a string or list of strings
-    "video_unsupported",  # a `video` field or a <video> placeholder
+    "missing_field",  # question / chosen / rejected missing or not a string; image or video not a path or paths
     "too_many_images",  # more images than data.train.max_images_per_row
-    "placeholder_mismatch",  # <image> / <image_N> placeholders in the question, but not one per image
+    "placeholder_mismatch",  # <image> / <image_N> placeholders, but not one per image; <video> not one per video,
+    # or before an <image>, or missing beside <image> placeholders
     "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
     "unterminated_reasoning",  # a response opens <think> and never closes it
     "malformed_reasoning",  # several reasoning blocks, or text before <think>
@@ -50,6 +52,7 @@ DROP_REASONS = (
     "image_unreadable",  # it cannot be opened (a symbolic link loop, no permission) or PIL cannot decode it
     "image_truncated",  # the file ends before the image data does
     "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
+    *VIDEO_DROP_REASONS,  # video_missing, video_unreadable, too_many_frames (mmpr_video.py)
     "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
 )
@@ -313,14 +316,15 @@ class TextRenderer:
 
     def _stray(self, text: str, allow_image: bool) -> str | None:
         for t in self.forbidden:
-            if t in text:
+            if t in text and not (allow_image and t == self.video_token):
                 return t
         return None if allow_image or self.image_token not in text else self.image_token
 
     def parse(self, row: Any, root: Path | None, max_images: int,
-              subset: str = "") -> tuple[str, str, str, str, list[str]]:
-        """Check a JSON row: (system, question, chosen, rejected, image paths in placeholder order), the responses
-        stripped, `<image_N>` turned into `<image>`, relative image paths joined to `root`."""
+              subset: str = "") -> tuple[str, str, str, str, list[str], str | list[str] | None]:
+        """Check a JSON row: (system, question, chosen, rejected, image paths in placeholder order, video: a file path,
+        a list of frame paths or None), the responses stripped, `<image_N>` turned into `<image>`, relative paths
+        joined to `root`, the question's placeholders completed for a video (`_place_video`)."""
         if not isinstance(row, dict):
             raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
         system = row.get("system_prompt", row.get("system"))
@@ -337,9 +341,11 @@ class TextRenderer:
         images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
             raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
-        if row.get("video") is not None or any(self.video_token in t for t in (question, system)):
-            raise _Drop("video_unsupported", f"video {row['video']!r}" if row.get("video") is not None
-                        else f"{self.video_token} placeholder")
+        video = row.get("video")
+        video = None if video in (None, "", []) else video
+        if video is not None and not (isinstance(video, str) or isinstance(video, list) and all(
+                isinstance(v, str) and v for v in video)):
+            raise _Drop("missing_field", f"'video' must be a path or a list of frame paths, got {video!r}")
         if len(images) > max_images:
             raise _Drop("too_many_images", f"{plural(len(images), 'image')} > data.train.max_images_per_row = "
                                            f"{max_images}")
@@ -348,6 +354,7 @@ class TextRenderer:
         if n_ph and n_ph != len(images):
             raise _Drop("placeholder_mismatch", f"{plural(n_ph, self.image_token + ' placeholder')} for "
                                                 f"{plural(len(images), 'image')}")
+        question = self._place_video(question, len(images), video is not None)
         for name, text in (("question", question), ("system", system), ("chosen", chosen), ("rejected", rejected)):
             if (t := self._stray(text, name == "question")) is not None:
                 raise _Drop("stray_media_token", f"{name} contains {t!r}")
@@ -359,12 +366,38 @@ class TextRenderer:
                 raise _Drop("empty_response", f"{name} is empty")
         if chosen == rejected:
             raise _Drop("identical_responses", "chosen and rejected are the same text")
-        if root is None and (rel := [p for p in images if not Path(p).is_absolute()]):
+        frames = [] if video is None else [video] if isinstance(video, str) else video
+        if root is None and (rel := [p for p in images + frames if not Path(p).is_absolute()]):
             raise _Drop("no_image_root", f"subset {subset!r} has no root for {rel[0]!r}")
-        for p in images:
+        for p in images + frames:
             if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
                 raise _Drop("image_outside_root", f"{p!r} leaves the root {str(root)!r}")
-        return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images]
+        if root is not None and video is not None:
+            video = str(root / video) if isinstance(video, str) else [str(root / p) for p in video]
+        return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images], video
+
+    def _place_video(self, question: str, n_images: int, has_video: bool) -> str:
+        """The question with one `<video>` after the images: as written, or prepended (`<video>\\n`) when it has no
+        placeholder; then images without placeholders get the hub template's prefix before it (`<image>\\n`, or
+        `<image 1><image> <image 2><image> ...\\n`), which the template then leaves as it is."""
+        n_video, v = question.count(self.video_token), self.video_token
+        if n_video > int(has_video):
+            raise _Drop("placeholder_mismatch", f"{plural(n_video, v + ' placeholder')} for "
+                                                f"{plural(int(has_video), 'video')}")
+        if not has_video:
+            return question
+        has_image_ph = self.image_token in question
+        if n_video and has_image_ph and question.rindex(self.image_token) > question.index(v):
+            raise _Drop("placeholder_mismatch", f"an {self.image_token} placeholder after the {v}: the video's "
+                                                "features follow the images'")
+        if not n_video and has_image_ph:
+            raise _Drop("placeholder_mismatch", f"{self.image_token} placeholders but no {v} for the video")
+        question = question if n_video else f"{v}\n{question}"
+        if n_images and not has_image_ph:
+            prefix = (f"{self.image_token}\n" if n_images == 1 else " ".join(
+                f"<image {j}>{self.image_token}" for j in range(1, n_images + 1)) + "\n")
+            question = prefix + question
+        return question
 
     def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
         """`<image_N>` (N = 1..n, each once) -> `<image>`, the images in placeholder order."""
@@ -453,11 +486,12 @@ _CHUNK_CTX: dict[str, Any] = {}
 CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
 
 
-def begin_row_checks(processor, max_images: int, max_len: int) -> None:
-    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row and data.max_seq_length."""
+def begin_row_checks(processor, max_images: int, max_len: int, max_frames: int = 32) -> None:
+    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row, data.max_seq_length and
+    data.video.max_frames."""
     _CHUNK_CTX.clear()
     _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor, max_images=max_images,
-                      max_len=max_len)
+                      max_len=max_len, max_frames=max_frames)
 
 
 def end_row_checks() -> None:
@@ -476,6 +510,25 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
     return cache[path]
 
 
+def read_video(processor, video: str | list[str], max_frames: int) -> tuple[np.ndarray, Any]:
+    """mmpr_video.load_frames with its drops as this module's (frame images decoded by `load_image`)."""
+    try:
+        return load_frames(video, processor, max_frames, load_image)
+    except VideoDrop as d:
+        raise _Drop(d.reason, d.detail) from None
+
+
+def _video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) -> tuple[str, list[int]]:
+    """(prompt with its `<video>` expanded, [frames, gh, gw, video tokens]) of a row's decoded video (read_video's
+    frames and metadata; None: no video, [0, 0, 0, 0])."""
+    if loaded is None:
+        return prompt, [0, 0, 0, 0]
+    frames, metadata = loaded
+    f, h, w = frames.shape[:3]
+    gh, gw, per, tubelets = video_layout(processor, f, h, w)
+    return expand_video(processor, prompt, f, per, metadata), [f, gh, gw, per * tubelets]
+
+
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                  subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
     """[(line, offset, lengths dict or (drop reason, detail))] of rows [(line, byte offset, raw line)]."""
@@ -489,23 +542,27 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise _Drop("invalid_json", str(e)) from None
-            system, question, chosen, rejected, imgs = text.parse(row, Path(root) if root else None, max_images, subset)
+            system, question, chosen, rejected, imgs, video = text.parse(row, Path(root) if root else None,
+                                                                         max_images, subset)
             sizes = [_probe(p) for p in imgs]
             if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
                 raise _Drop(*bad)
             grids = image_grids(ip, sizes, imgs)  # before rendering: the order of DROP_REASONS
+            # the video decoded before rendering (the order of DROP_REASONS), expanded after
+            loaded = None if video is None else read_video(text.processor, video, _CHUNK_CTX["max_frames"])
             prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
+            video_prompt, video_counts = _video_counts(text.processor, prompt, loaded)
             counts = [gh * gw // merge**2 for gh, gw in grids]
             # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
-            p_len = len(text.encode(prompt)) + sum(n + 1 for n in counts)
+            p_len = len(text.encode(video_prompt)) + sum(n + 1 for n in counts)
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
                 raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
             # the row's content as trained, not its JSON text: mmpr_index notes rows that repeat another
-            digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs]).encode(),
+            digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs, video]).encode(),
                                      digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
-                                             grids=grids, counts=counts, digest=digest)))
+                                             grids=grids, counts=counts, digest=digest, video=video_counts)))
         except _Drop as d:  # a plain tuple: it crosses the process boundary
             out.append((lineno, offset, (d.reason, d.detail)))
     return out

@@ -69,6 +69,8 @@ class OmniHFConfig:
     projector_hidden_size: int
     image_token_id: int
     num_prefix_tokens: int  # class + register tokens of RADIO, dropped after the ViT
+    video_temporal_patch_size: int = 1  # frames per tubelet of the ViT's video embedder (1: no video embedder)
+    video_pruning_rate: float = 0.0  # EVS: the share of video tokens transformers drops after the ViT
 
 
 MODEL_TYPES = ("NemotronH_Nano_Omni_Reasoning_V3", "nemotron_h_omni")  # config.json's model_type: hub, transformers
@@ -106,7 +108,9 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
             raise ValueError(f"{path}: {msg}")
     return OmniHFConfig(text=text, vision=vision, pattern=pattern, vision_hidden_size=int(cfg.vision_hidden_size),
                         projector_hidden_size=int(cfg.projector_hidden_size), image_token_id=int(cfg.image_token_id),
-                        num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers))
+                        num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers),
+                        video_temporal_patch_size=int(getattr(vision, "video_temporal_patch_size", None) or 1),
+                        video_pruning_rate=float(cfg.video_pruning_rate or 0.0))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -246,6 +250,18 @@ def uses_te_spec() -> bool:
 # The model
 
 
+class OmniRADIOViT(RADIOViTModel):
+    """megatron-core's RADIOViTModel whose tubelet grouping keeps this module's packed-attention conventions: the
+    grouped items' host offsets (class tokens included) for local_spec's varlen attention and int max lengths."""
+
+    def _apply_temporal_grouping(self, *args, **kwargs):
+        x, sizes, num_frames, psp, is_image = super()._apply_temporal_grouping(*args, **kwargs)
+        lens = [(int(h) // self.patch_dim) * (int(w) // self.patch_dim) for h, w in sizes.tolist()]
+        psp.max_seqlen_q = psp.max_seqlen_kv = max(lens)
+        psp.cu_seqlens_padded_host = tuple(itertools.accumulate([0] + [n + self.class_token_len for n in lens]))
+        return x, sizes, num_frames, psp, is_image
+
+
 def _get(batch, name: str, default=None):
     if isinstance(batch, dict):
         return batch.get(name, default)
@@ -257,7 +273,9 @@ class OmniModel(nn.Module):
 
     `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full row on every CP rank);
     optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
-    image_grid_hw int64 [N_images, 2], media_index int64 [S] with media_image_offsets int64 [M+1], sample_mask [S]
+    image_grid_hw int64 [N_images, 2], pixel_values_videos float [N_video_patches, 3·P·P] with video_grid_thw int64
+    [N_videos, 3] (encode_media), media_index int64 [S] with media_image_offsets / media_video_offsets int64 [M+1],
+    sample_mask [S]
     ([2P] per response in the shared format; weight-0 sequences leave the routers' statistics),
     span_cu_seqlens_padded int32 [3P+1] (shared prompt).
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
@@ -298,12 +316,15 @@ class OmniModel(nn.Module):
         else:
             vit_spec, fc1, fc2 = local_vit_layer_spec(attention), LocalNormColumnParallelLinear, RowParallelLinear
         v = hf.vision
-        self.vision_model = RADIOViTModel(
+        self.temporal_patch = hf.video_temporal_patch_size
+        self.vision_model = OmniRADIOViT(
             transformer_config=self.vit_config, transformer_layer_spec=vit_spec, add_class_token=True,
             class_token_len=self.num_prefix_tokens, patch_dim=v.patch_size, img_h=v.patch_size * 2,
             img_w=v.patch_size * 2, max_img_h=v.max_img_size, max_img_w=v.max_img_size, has_cpe=True,
             embedder_bias=False, dynamic_resolution=True,
             force_cpe_eval_mode=True,  # CPE augmentation off: the same position embeddings in train and eval
+            # video: frames grouped into tubelets of `temporal_patch` through the ViT's own `video_embedder`
+            temporal_patch_dim=self.temporal_patch, separate_video_embedder=self.temporal_patch > 1,
             pg_collection=pg,
         )
         self.proj_config = projector_config(hf, model_cfg, parallel_cfg)
@@ -324,31 +345,66 @@ class OmniModel(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
         """RADIO + "v2" 2x2 pixel shuffle + projector, every image once. pixel_values float
         [N_patches, 3·P·P]; image_grid_hw int64 [N_images, 2] (even sides, on the host). Returns [gh·gw/4, H] each."""
-        grids = [(int(h), int(w)) for h, w in image_grid_hw.tolist()]
-        if not grids:
-            return []
-        n = sum(h * w for h, w in grids)
-        if pixel_values.shape[0] != n:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_hw {grids} needs {n}")
-        for h, w in grids:
-            if h % 2 or w % 2:
-                raise ValueError(f"image grid {h}x{w} must be even in both sides for the 2x2 pixel shuffle")
-        dtype = self.vit_config.params_dtype
-        device = pixel_values.device
-        lens = [h * w for h, w in grids]
+        return self.encode_media(pixel_values, image_grid_hw)[0]
+
+    def encode_media(self, pixel_values: torch.Tensor | None, image_grid_hw: torch.Tensor | None,
+                     pixel_values_videos: torch.Tensor | None = None,
+                     video_grid_thw: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The images and videos through one ViT call: (image features [gh·gw/4, H] each, video features
+        [ceil(F/t)·gh·gw/4, H] each, t = video_temporal_patch_size). Videos: pixel_values_videos float
+        [sum F·gh·gw, 3·P·P] (each frame's patches as an image's), video_grid_thw int64 [N_videos, 3] (F, gh, gw) on the
+        host; the last frame repeats up to a multiple of t and each t frames are one tubelet through the video
+        embedder (transformers' get_video_features)."""
+        grids = [] if image_grid_hw is None else [(int(h), int(w)) for h, w in image_grid_hw.tolist()]
+        videos = [] if video_grid_thw is None else [(int(f), int(h), int(w)) for f, h, w in video_grid_thw.tolist()]
+        if not grids and not videos:
+            return [], []
+        t = self.temporal_patch
+        if videos and t < 2:
+            raise ValueError("video input needs a ViT video embedder (vision_config.video_temporal_patch_size >= 2)")
+        if videos and self.hf.video_pruning_rate > 0:
+            raise ValueError(f"video_pruning_rate {self.hf.video_pruning_rate} (config.json): EVS drops video tokens "
+                             "by feature similarity after packing; training supports 0 only (docs/RUNNING.md)")
+        parts = []
+        for name, values, items in (("pixel_values", pixel_values, [(1, h, w) for h, w in grids]),
+                                    ("pixel_values_videos", pixel_values_videos, videos)):
+            n = sum(f * h * w for f, h, w in items)
+            if items and values.shape[0] != n:
+                raise ValueError(f"{name} has {values.shape[0]} patch rows but its grids {items} need {n}")
+            for f, h, w in items:
+                if h % 2 or w % 2 or f < 1:
+                    grid = f"image grid {h}x{w}" if name == "pixel_values" else f"video grid {f}x{h}x{w}"
+                    raise ValueError(f"{grid} must have frames and even sides for the 2x2 pixel shuffle")
+            if items:
+                parts.append(values)
+        # each video's frames padded to whole tubelets by repeating its last frame
+        frames, start = [], sum(h * w for h, w in grids)
+        x = torch.cat(parts).to(self.vit_config.params_dtype)
+        pieces = [x[:start]]
+        for f, h, w in videos:
+            video = x[start:start + f * h * w]
+            start += f * h * w
+            pad = -f % t
+            pieces.append(torch.cat([video, video[-h * w:].repeat(pad, 1)]) if pad else video)
+            frames.append(f + pad)
+        x = torch.cat(pieces)
+        frame_grids = grids + [(h, w) for (_, h, w), fp in zip(videos, frames, strict=True) for _ in range(fp)]
+        lens = [h * w for h, w in frame_grids]
         cu_h = [0, *itertools.accumulate(lens)]
-        cu = to_device(torch.tensor(cu_h, dtype=torch.int32, device="cpu"), device)
+        cu = to_device(torch.tensor(cu_h, dtype=torch.int32, device="cpu"), x.device)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
                               max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
         # the offsets the ViT's attention sees, for local_spec's varlen attention to read on the host: RADIO puts
         # num_prefix_tokens class / register tokens before each image's patches (it shifts the device offsets itself)
         psp.cu_seqlens_padded_host = tuple(itertools.accumulate([0] + [n + self.num_prefix_tokens for n in lens]))
-        sizes = to_device(torch.tensor(grids, device="cpu") * self.patch_size, device)
-        x = self.vision_model(pixel_values.to(dtype)[None], imgs_sizes=sizes, packed_seq_params=psp)[0]
-        out, start = [], 0
-        p = self.num_prefix_tokens
-        shuffled = []
-        for h, w in grids:
+        sizes = to_device(torch.tensor(frame_grids, device="cpu") * self.patch_size, x.device)
+        kw = {"num_frames": [1] * len(grids) + frames} if t > 1 else {}
+        out = self.vision_model(x[None], imgs_sizes=sizes, packed_seq_params=psp, **kw)
+        x = (out[0] if t > 1 else out)[0]
+        # the ViT's items: each image, then each video's tubelets
+        items = grids + [(h, w) for (_, h, w), fp in zip(videos, frames, strict=True) for _ in range(fp // t)]
+        start, p, shuffled = 0, self.num_prefix_tokens, []
+        for h, w in items:
             f = x[start + p:start + p + h * w]  # drop the class/register tokens
             start += p + h * w
             c = f.shape[-1]
@@ -356,29 +412,37 @@ class OmniModel(nn.Module):
             f = f.reshape(h, w // 2, 2 * c).transpose(0, 1).reshape(w // 2, h // 2, 4 * c).transpose(0, 1)
             shuffled.append(f.reshape(-1, 4 * c))
         feats = self.vision_projection(torch.cat(shuffled)[:, None])[:, 0]
-        for t in (h * w // 4 for h, w in grids):
-            out.append(feats[:t])
-            feats = feats[t:]
-        return out
+        counts = [h * w // 4 for h, w in grids] + [fp // t * h * w // 4 for (_, h, w), fp in
+                                                   zip(videos, frames, strict=True)]
+        split = list(feats.split(counts))
+        return split[:len(grids)], split[len(grids):]
 
-    def _image_rows(self, batch, ids: torch.Tensor, cu_pad: torch.Tensor, feats: list[torch.Tensor]):
+    def _image_rows(self, batch, ids: torch.Tensor, cu_pad: torch.Tensor, feats: list[torch.Tensor],
+                    video_feats: list[torch.Tensor] = ()):
         """(positions int64 [N] on the host, rows [N, H]) of the `<image>` tokens, each sequence's
-        rows from its media slot. batch, ids [T], cu_pad [S+1]: host copies."""
+        rows from its media slot: its images, then its videos (video tokens are `<image>` tokens too, as the
+        processor expands them). batch, ids [T], cu_pad [S+1]: host copies."""
         is_img = ids == self.image_token_id
         positions = torch.nonzero(is_img).flatten()
         media_index = _get(batch, "media_index")
         offsets = _get(batch, "media_image_offsets")
-        n_feat = sum(f.shape[0] for f in feats)
+        video_offsets = _get(batch, "media_video_offsets")
+        n_feat = sum(f.shape[0] for f in (*feats, *video_feats))
         if media_index is None or offsets is None:
             if positions.numel() != n_feat:
                 raise ValueError(f"{positions.numel()} <image> tokens (id {self.image_token_id}) but the images give "
                                  f"{n_feat} features")
-            return positions, torch.cat(feats) if feats else None
+            rows = [*feats, *video_feats]
+            return positions, torch.cat(rows) if rows else None
+        if video_feats and video_offsets is None:
+            raise ValueError("a batch with videos and media slots needs media_video_offsets")
         rows = []
         counts = torch.bincount(token_sequence_ids(cu_pad, ids.numel())[is_img], minlength=cu_pad.numel() - 1)
         offsets = offsets.tolist()
+        video_offsets = [0] * len(offsets) if video_offsets is None else video_offsets.tolist()
         for s, slot in enumerate(media_index.tolist()):
-            slot_feats = feats[offsets[slot]:offsets[slot + 1]]
+            slot_feats = [*feats[offsets[slot]:offsets[slot + 1]],
+                          *video_feats[video_offsets[slot]:video_offsets[slot + 1]]]
             n = sum(f.shape[0] for f in slot_feats)
             if int(counts[s]) != n:
                 raise ValueError(f"sequence {s}: {int(counts[s])} <image> tokens (id {self.image_token_id}) but its "
@@ -408,11 +472,14 @@ class OmniModel(nn.Module):
 
         emb = self.language_model.embedding(input_ids=ids[None], position_ids=None)  # [T, 1, H], TP-reduced
         pixel_values, grid = _get(batch, "pixel_values"), _get(host, "image_grid_hw")
-        has_images = grid is not None and grid.numel() > 0
-        feats = self.encode_images(pixel_values.to(device), grid) if has_images else []
+        videos, video_grid = _get(batch, "pixel_values_videos"), _get(host, "video_grid_thw")
+        grid = grid if grid is not None and grid.numel() else None
+        video_grid = video_grid if video_grid is not None and video_grid.numel() else None
+        feats, video_feats = self.encode_media(None if grid is None else pixel_values.to(device), grid,
+                                               None if video_grid is None else videos.to(device), video_grid)
         n_tokens = int((ids_h == self.image_token_id).sum())
-        if n_tokens or feats:
-            positions, rows = self._image_rows(host, ids_h, cu_pad_h, feats)
+        if n_tokens or feats or video_feats:
+            positions, rows = self._image_rows(host, ids_h, cu_pad_h, feats, video_feats)
             if rows is not None:
                 positions = to_device(positions, device)
                 emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))

@@ -243,6 +243,10 @@ class PreferencePair:
     pixel_values: torch.Tensor  # [sum of gh*gw over the images, 3*16*16] float, shared by both rows
     image_grid_hw: torch.Tensor  # [n_images, 2] int64, (gh, gw) patches
     image_token_counts: torch.Tensor  # [n_images] int64, <image> tokens of each image in each row
+    # the pair's videos (omni_model.encode_media), their <image> tokens after the images'; None: no video
+    pixel_values_videos: torch.Tensor | None = None  # [sum of F*gh*gw, 3*16*16] float, each frame's patches
+    video_grid_thw: torch.Tensor | None = None  # [n_videos, 3] int64, (frames, gh, gw)
+    video_token_counts: torch.Tensor | None = None  # [n_videos] int64, <image> tokens of each video in each row
 
 
 @dataclass
@@ -271,6 +275,11 @@ class PackedBatch:
     # prompt_1, ..., and their boundaries in the row (a pair's padding belongs to its rejected span).
     span_cu_seqlens: torch.Tensor | None = None
     span_cu_seqlens_padded: torch.Tensor | None = None
+    # videos (PreferencePair's), once per pair in pair order; the videos of slot m: video_grid_thw[off[m]:off[m+1]]
+    pixel_values_videos: torch.Tensor | None = None  # [N_video_patches, 3*16*16] float
+    video_grid_thw: torch.Tensor | None = None  # [N_videos, 3] int64
+    video_token_counts: torch.Tensor | None = None  # [N_videos] int64
+    media_video_offsets: torch.Tensor | None = None  # [P+1] int64
     host: PackedBatch | None = field(default=None, repr=False, compare=False)  # the CPU batch, set by `to`
 
     @property
@@ -309,8 +318,14 @@ class PackedBatch:
         return PackedBatch(**kw)
 
 
+def _media_tokens(p: PreferencePair) -> int:
+    """<image> tokens of a pair's row: its images' and its videos'."""
+    videos = 0 if p.video_token_counts is None else int(p.video_token_counts.sum())
+    return int(p.image_token_counts.sum()) + videos
+
+
 def _check_pair(p: PreferencePair, image_token_id: int) -> None:
-    n_img = int(p.image_token_counts.sum())
+    n_img = _media_tokens(p)
     for ids, mask in ((p.chosen_ids, p.chosen_loss_mask), (p.rejected_ids, p.rejected_loss_mask)):
         assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_id}: row ids"
         assert mask.shape == ids.shape and mask.dtype == torch.bool and not bool(mask[0]), f"pair {p.pair_id}: mask"
@@ -318,6 +333,8 @@ def _check_pair(p: PreferencePair, image_token_id: int) -> None:
     grid = p.image_grid_hw
     assert grid.dim() == 2 and grid.shape[1] == 2 and p.image_token_counts.shape == (grid.shape[0],)
     assert p.pixel_values.shape[0] == int(grid.prod(dim=-1).sum()), f"pair {p.pair_id}: pixel_values rows"
+    if p.video_grid_thw is not None:
+        assert p.pixel_values_videos.shape[0] == int(p.video_grid_thw.prod(dim=-1).sum()), f"pair {p.pair_id}: video"
 
 
 def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list, list, list], cu: list[int],
@@ -344,8 +361,24 @@ def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list
         media_index=media_index,
         media_image_offsets=torch.cat([zero, torch.tensor([p.image_grid_hw.shape[0] for p in pairs]).cumsum(0)]),
         media_patch_offsets=torch.cat([zero, torch.tensor([p.pixel_values.shape[0] for p in pairs]).cumsum(0)]),
-        **spans,
+        **spans, **_packed_videos(pairs),
     )
+
+
+def _packed_videos(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:
+    """PackedBatch's video fields of `pairs` ({} when none has a video)."""
+    with_video = [p for p in pairs if p.video_grid_thw is not None and p.video_grid_thw.numel()]
+    if not with_video:
+        return {}
+    width = with_video[0].pixel_values_videos.shape[1]
+    none = (torch.zeros(0, width), torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    parts = [(p.pixel_values_videos, p.video_grid_thw.to(torch.int64), p.video_token_counts.to(torch.int64))
+             if p.video_grid_thw is not None else none for p in pairs]
+    counts = torch.tensor([grid.shape[0] for _, grid, _ in parts])
+    return {"pixel_values_videos": torch.cat([x for x, _, _ in parts]),
+            "video_grid_thw": torch.cat([g for _, g, _ in parts]),
+            "video_token_counts": torch.cat([c for _, _, c in parts]),
+            "media_video_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])}
 
 
 def pack(
@@ -492,7 +525,7 @@ def pack_shared_prompt(
         if k < 1:
             raise ValueError(f"pair {p.pair_id}: the chosen and rejected rows share no prompt token "
                              "(pack.prefix_length 0); use the separate-rows format for such data")
-        n_img = int(p.image_token_counts.sum())
+        n_img = _media_tokens(p)
         if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
             raise ValueError(f"pair {p.pair_id}: {n_img} <image> tokens expected inside the shared prompt "
                              f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")

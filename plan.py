@@ -509,9 +509,9 @@ def default_world(cfg) -> int:
 
 def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
     """(image tokens the plan puts in a bin, where the number comes from): the `packing.max_sequences_per_bin` pairs
-    with the most image tokens in the training data's index when data.train.data_path is a file and model.hf_path
-    holds the processor; else that many pairs of one image at the processor's most patches (vision_config.args
-    max_num_patches x downsample_ratio²). At most the bin."""
+    with the most image and video tokens in the training data's index when data.train.data_path is a file and
+    model.hf_path holds the processor; else that many pairs of one image at the processor's most patches
+    (vision_config.args max_num_patches x downsample_ratio²). At most the bin."""
     import mmpr_index
     import mmpr_rows
 
@@ -521,7 +521,8 @@ def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
         processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
         with mmpr_rows.data_warnings([]):
             train_split, _ = mmpr_index.load_splits(processor, cfg.data)
-        per_pair = train_split.index.image_tokens[torch.as_tensor(train_split.pair_ids, dtype=torch.long)]
+        ix, ids = train_split.index, torch.as_tensor(train_split.pair_ids, dtype=torch.long)
+        per_pair = ix.image_tokens[ids] + ix.video_tokens[ids]  # a video's tubelets pass the ViT as images do
         n = int(per_pair.topk(min(k, len(per_pair))).values.sum()) if len(per_pair) else 0
         return min(n, bin_tokens), f"the {k} pair(s) with the most image tokens in {data_path}"
     patches = (getattr(hf.vision, "args", None) or {}).get("max_num_patches", 0)

@@ -16,10 +16,11 @@ TINY = ROOT / "assets" / "tiny-omni"
 
 
 def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int = 8, image_token_id: int = 18,
-                    duplicate_media: bool = False) -> dict:
+                    duplicate_media: bool = False, video: bool = False) -> dict:
     """One pair: two rows (chosen, rejected) of lengths `lens`, each `<img> <image>*N </img>` after a short prefix,
     padded to `divisible_by`; one image of patch grid `grid`. With duplicate_media=True each row gets its own copy of
-    the image (media_index [0, 1]) instead of sharing it (media_index [0, 0])."""
+    the image (media_index [0, 1]) instead of sharing it (media_index [0, 0]). With video=True the slot also holds a
+    3-frame video of 4x4-patch frames (2 tubelets x 4 tokens at row positions 12..19, after the image's)."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = grid
     n_img = gh * gw // 4
@@ -29,6 +30,9 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         body[3] = 21
         body[4:4 + n_img] = image_token_id
         body[4 + n_img] = 22
+        if video:
+            assert 4 + n_img < 12 and n >= 21 and not duplicate_media
+            body[12:20] = image_token_id
         rows.append(body)
     ids, cu, cu_pad = [], [0], [0]
     for r in rows:
@@ -48,6 +52,10 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         "media_index": torch.tensor([0, 0]),
         "media_image_offsets": torch.tensor([0, 1]),
     }
+    if video:
+        frames = torch.randn(3, 3, 64, 64, generator=g)
+        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[3, 4, 4]]),
+                     media_video_offsets=torch.tensor([0, 1]))
     if duplicate_media:
         batch.update(pixel_values=torch.cat([pixel, pixel]), image_grid_hw=torch.cat([grid_t, grid_t]),
                      image_token_counts=torch.tensor([n_img, n_img]), media_index=torch.tensor([0, 1]),
@@ -78,3 +86,33 @@ def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return logits.detach(), grads
+
+
+def video_text_inputs(frames: int = 3, seed: int = 0) -> dict:
+    """The tiny processor's inputs for one random `frames`-frame video (uint8, 40x56 px, resized to a 4x6-patch tile:
+    video_target_num_patches 24) + a short chat: input_ids with `Frame k ...: <img> <image>*6 </img>` per tubelet,
+    pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768] and video_grid_thw [[F, 4, 6]].
+    The tiny asset's video processor has no norm_mean / norm_std: the image processor's (the one RADIO conditioner)."""
+    import numpy as np
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(TINY)
+    rng = np.random.default_rng(seed)
+    video = rng.integers(0, 256, (frames, 40, 56, 3), dtype=np.uint8)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "<video>\nWhat moves?"}]},
+         {"role": "assistant", "content": "Dots."}], tokenize=False)
+    vp, ip = proc.video_processor, proc.image_processor
+    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = 24, list(ip.image_mean), list(ip.image_std)
+    out = proc(videos=[video], text=text, return_tensors="pt")
+    f, c, h, w = out["pixel_values_videos"].shape
+    out["video_patches"] = video_patch_rows(out["pixel_values_videos"])
+    out["video_grid_thw"] = torch.tensor([[f, h // 16, w // 16]])
+    return out
+
+
+def video_patch_rows(frames: torch.Tensor, patch: int = 16) -> torch.Tensor:
+    """[F, C, H, W] frames -> [F·(H/P)·(W/P), C·P·P] patch rows, channel-major (c, py, px) as the image processor's."""
+    f, c, h, w = frames.shape
+    x = frames.reshape(f, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(f * (h // patch) * (w // patch), c * patch * patch)

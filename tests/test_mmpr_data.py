@@ -522,7 +522,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(14, chosen="word " * 200),  # too_long
         "",  # blank line: not a row
         row(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
-        row(16, video="clip.mp4", image=None, q="What happens?"),  # video_unsupported
+        row(16, video="clip.mp4", image=None, q="What happens?"),  # video_missing
         row(17, chosen="<think>cut off while", rejected="<think>also cut"),  # unterminated_reasoning
         row(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
         row(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
@@ -532,18 +532,23 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
         row(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
         row(25, image="../images/a.png"),  # image_outside_root: `..` climbs above the root
+        row(26, video="garbage.mp4", image=None, q="What happens?"),  # video_unreadable
+        row(27, video=["a.png"] * 3, image=None, q="What happens?"),  # too_many_frames (max 2)
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
-                                      good[: len(good) // 2], "thin.png": rgb(5000, 1)})
+                                      good[: len(good) // 2], "thin.png": rgb(5000, 1),
+                                      "garbage.mp4": b"not a video at all"})
     # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
     spec = json.loads(meta.read_text())
     (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
     spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
     meta.write_text(json.dumps(spec))
     cfg = data_cfg(max_seq_length=200, train__max_images_per_row=2)
+    cfg.video.max_frames = 2
     index = mi.build_index(meta, processor, cfg)
     st = index.stats["sub"]
-    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_unsupported": 1, "too_many_images": 1,
+    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_missing": 1, "video_unreadable": 1,
+                             "too_many_frames": 1, "too_many_images": 1,
                              "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
                              "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
                              "image_outside_root": 1, "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
@@ -552,7 +557,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root for 'a.png'"]
     assert set(mi.summary_drops(index)) == set(mr.DROP_REASONS)
-    assert st["rows_read"] == 28 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 30 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")
@@ -819,22 +824,6 @@ def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
     assert e.value.reason == "image_unreadable" and "symbolic link loop" in e.value.detail
 
 
-def test_video_rows_are_dropped_as_video(tmp_path, processor):
-    meta = write_set(tmp_path, [
-        {"video": "clip.mp4", "question": "What happens in the video?", "chosen": "A dog runs.",
-         "rejected": "Nothing."},
-        {"video": "clip.mp4", "question": "<video>\nWhat happens in the video?", "chosen": "A dog runs.",
-         "rejected": "Nothing."},
-        row(2, q="<image>\nIs this a frame of <video>?"),
-        row(3),
-    ], {"a.png": rgb()})
-    index = mi.build_index(meta, processor, data_cfg())
-    st = index.stats["sub"]
-    assert index.line.tolist() == [4] and st["dropped"] == {"video_unsupported": 3}
-    assert [e.split(": ", 1)[1] for e in st["drop_examples"]["video_unsupported"]] == [
-        "video 'clip.mp4'"] * 2 + ["<video> placeholder"]
-
-
 def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
     meta = write_set(tmp_path, [
         row(0, chosen="<think>\nThe image is plain grey, so", rejected="<think>\nThere is a cat."),
@@ -962,7 +951,7 @@ def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
     meta.write_text(json.dumps(spec))
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
     out = capsys.readouterr().out
-    for reason in ("video_unsupported", "unterminated_reasoning", "malformed_reasoning", "template_rewrites_text",
+    for reason in ("video_missing", "unterminated_reasoning", "malformed_reasoning", "template_rewrites_text",
                    "no_image_root"):
         assert f"    dropped {reason}: 1  e.g. " in out
     assert out.splitlines()[0].split(": ")[1].startswith("1 pairs")
@@ -1387,7 +1376,7 @@ def test_report_json_cli(tmp_path, processor, capsys):
                           "cc0_photos_extracted_prefix_pair_sr0.5_with_image"]
     assert [subs[s]["pairs"] for s in subs] == [12, 8, 0] and rep["total"]["dropped"] == {}
     lengths = subs["chartqa_train_extracted_pairs_vqa_correctness_rules"]["lengths"]
-    assert set(lengths) == {"prompt", "image_tokens", "chosen", "rejected"}
+    assert set(lengths) == {"prompt", "image_tokens", "video_tokens", "chosen", "rejected"}
     for p in lengths.values():
         assert p["min"] <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
     assert lengths["image_tokens"]["max"] <= 64 and lengths["chosen"]["min"] > lengths["prompt"]["min"]

@@ -76,7 +76,7 @@ def megatron_rank(request):
 
 def test_parameter_counts_match_transformers_and_the_published_totals(transformers_model, hub_shapes):
     """Exact: the megatron model's global counts per component equal transformers' model of the same config (its
-    vision tower without the identity layer scales and the untrained video embedder). Published:
+    vision tower, video embedder included, without the identity layer scales). Published:
     - 33,015,546,816 parameters in the hub checkpoint (transformers' parameters less its 81,920 layer-scale ones):
       Megatron-Bridge's verification card of the converted Omni checkpoint (examples/model_verification_cards/
       nemotron-3-nano-omni-30b-a3b-reasoning/card.yaml, an earlier revision than the one stored here);
@@ -96,7 +96,7 @@ def test_parameter_counts_match_transformers_and_the_published_totals(transforme
                    if n.startswith(prefix) and not any(s in n for s in skip))
 
     assert counts["language_model"] == tf("language_model.") == 31_577_937_344
-    assert counts["vision_model"] == tf("vision_model.", ("layer_scale", "video_patch_projection"))
+    assert counts["vision_model"] == tf("vision_model.")
     assert counts["vision_projection"] == tf("multi_modal_projector.")
     assert tf("") == 33_015_546_816
     assert sum(k.startswith("language_model.") for k in hub_shapes) == 6243
@@ -109,7 +109,7 @@ def test_every_hub_key_maps_to_megatron_slices_and_back(megatron_rank, hub_shape
     """Import and export are one bijection at full size: every megatron tensor of every rank of its group is the
     concatenation of hub slices of matching shape, and the slices of all ranks tile each mapped hub tensor exactly
     once (what export lays back). What no slice covers is exactly the untrained components (hf_weights'
-    UNTOUCHED_PREFIXES: the sound encoder and its projection, RADIO's video embedder and summary indices), which
+    UNTOUCHED_PREFIXES: the sound encoder and its projection, RADIO's summary indices), which
     load_hf_weights keeps aside and export_hf writes back unchanged; transformers' identity layer scales are not
     hub keys."""
     maps, shapes, _, tp, ep = megatron_rank
@@ -138,8 +138,7 @@ def test_every_hub_key_maps_to_megatron_slices_and_back(megatron_rank, hub_shape
     left = {k for k in hub_shapes if k not in spans and not _transformers_only(k)}
     audio = {k for k in hub_shapes if k.startswith(("sound_encoder.", "sound_projection."))}
     assert audio and all(k.startswith(hf_weights.UNTOUCHED_PREFIXES) for k in left)
-    assert left == audio | {"vision_model.radio_model.model.patch_generator.video_embedder.weight",
-                            "vision_model.radio_model.summary_idxs"}
+    assert left == audio | {"vision_model.radio_model.summary_idxs"}
 
 
 def test_plan_of_nano_is_the_golden_table(capsys):

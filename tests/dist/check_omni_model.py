@@ -3,7 +3,7 @@
 
 In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
 parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
-(image + text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
+(an image, a 3-frame video and text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
 gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs differences to the reference and
 each layout's monitor.active_params (rank 0, tests/dist/report.py).
 """
@@ -105,7 +105,7 @@ def main() -> None:
 
     megatron_patches.apply()
     dist.init_process_group("gloo")
-    batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
+    batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8, video=True)  # an image and a video
     ref, ref_grads = run_layout(1, 1, 1, False, batch)
     ref_counts = ref_grads.pop("tokens_per_expert")
     ref_active = ref_grads.pop("active_params")

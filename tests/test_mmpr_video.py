@@ -1,0 +1,165 @@
+"""The data reader's video rows: the generated video sample (data/mmpr_video_sample) indexed and decoded as the
+tiny checkpoint's processor gives it, and every video rule a counted, named drop.
+
+Run: `pytest tests/test_mmpr_video.py` (CPU; about 15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_mmpr_data import TINY, data_cfg, rgb, row, write_set  # noqa: E402
+
+import mmpr_data as md  # noqa: E402
+import mmpr_index as mi  # noqa: E402
+import mmpr_rows as mr  # noqa: E402
+
+VIDEO_META = Path(__file__).resolve().parents[1] / "data" / "mmpr_video_sample" / "MMPR-video-sample" / "meta.json"
+
+
+def video_cfg(**overrides):
+    cfg = data_cfg(**overrides)
+    cfg.video.target_num_patches = 24  # 48x32 frames -> a 4x6-patch tile, 6 tokens per tubelet
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return mi.load_processor(TINY, "model.hf_path")
+
+
+@pytest.fixture(scope="module")
+def video_sample(processor, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("video_cache")))
+        index = mi.build_index(VIDEO_META, processor, video_cfg())
+    return index, md.PairDataset(index, processor)
+
+
+def test_video_sample_is_indexed_with_the_processors_counts(video_sample):
+    """4 clips (4 frames at 2 fps: 2 tubelets), 4 frame lists (3 frames: 2 tubelets, the last repeats), 4 rows of an
+    image + a clip; every tubelet a 4x6 tile = 6 tokens; the pairs' rows hold images' + videos' <image> tokens."""
+    index, ds = video_sample
+    assert len(index) == 12 and mi.summary_drops(index) == {}
+    assert index.video_frames.tolist() == [4] * 4 + [3] * 4 + [4] * 4
+    assert index.video_grid_hw.tolist() == [[4, 6]] * 12 and index.video_tokens.tolist() == [12] * 12
+    assert index.image_tokens.tolist() == [0] * 8 + [18] * 4
+    for i in (0, 4, 8):
+        p = ds[i]
+        assert p.video_grid_thw.tolist() == [[int(index.video_frames[i]), 4, 6]]
+        assert p.pixel_values_videos.shape == (int(index.video_frames[i]) * 24, 768)
+        n_media = int(index.image_tokens[i] + index.video_tokens[i])
+        assert int((p.chosen_ids == 18).sum()) == int((p.rejected_ids == 18).sum()) == n_media
+
+
+def test_clip_row_equals_the_processors_own_output(video_sample, processor):
+    """A clip row's prompt ids and pixels = the transformers processor called on the rendered prompt with the
+    decoded frames and their metadata (timestamps in the frame labels)."""
+    from transformers.video_utils import load_video
+
+    index, ds = video_sample
+    p = ds[0]
+    prompt, *_ = ds._row_text(0)
+    frames, metadata = load_video(str(VIDEO_META.parent / "media" / "clips" / "clip_0.mp4"), backend="pyav")
+    ref = processor(text=prompt, videos=[frames], videos_kwargs={"video_metadata": metadata}, return_tensors="pt")
+    n = int(index.prompt_len[0])
+    assert torch.equal(p.chosen_ids[:n], ref["input_ids"][0])
+    assert "sampled at 0.50 seconds" in processor.tokenizer.decode(ref["input_ids"][0])
+    x = ref["pixel_values_videos"]  # [F, 3, 64, 96]
+    rows = x.reshape(4, 3, 4, 16, 6, 16).permute(0, 2, 4, 1, 3, 5).reshape(96, 768)
+    assert torch.equal(p.pixel_values_videos, rows)
+
+
+def test_video_rules_are_counted_drops(tmp_path, processor):
+    rows = [
+        row(0, video="clip.mp4", image=None, q="What moves?"),  # valid
+        row(1, video="nope.mp4", image=None, q="What moves?"),  # video_missing
+        row(2, video="empty.mp4", image=None, q="What moves?"),  # video_unreadable: zero bytes
+        row(3, video="garbage.mp4", image=None, q="What moves?"),  # video_unreadable
+        row(4, video=["a.png"] * 3, image=None, q="What moves?"),  # too_many_frames (max 2)
+        row(5, video=["a.png", "wide.png"], image=None, q="What moves?"),  # video_unreadable: sizes differ
+        row(6, video=5, image=None, q="What moves?"),  # missing_field
+        row(7, video="clip.mp4", image=None, q="<video> then <video>?"),  # placeholder_mismatch: 2 for 1
+        row(8, image=None, q="<video>\nWhat moves?"),  # placeholder_mismatch: no video
+        row(9, video="clip.mp4", q="<video> vs <image>"),  # placeholder_mismatch: <image> after <video>
+        row(10, video="clip.mp4", q="<image> and the clip?"),  # placeholder_mismatch: <image> but no <video>
+        row(11, video=["a.png", "a.png"], q="Same square?"),  # valid: image + 2-frame list, placeholders added
+        row(12, video="../clip.mp4", image=None, q="What moves?"),  # image_outside_root
+    ]
+    meta = write_set(tmp_path, rows, {"a.png": rgb(), "wide.png": rgb(64, 40), "garbage.mp4": b"not a video",
+                                      "empty.mp4": b""})
+    sys.path.insert(0, str(VIDEO_META.parents[1]))
+    from make_sample import frame, write_clip
+
+    write_clip(meta.parent / "images" / "clip.mp4", [frame(i, "right", "red") for i in range(4)])
+    cfg = video_cfg()
+    cfg.video.max_frames = 2
+    cfg.video.num_frames = 2  # the 4-frame clip sampled down to 2 frames: within max_frames
+    index = mi.build_index(meta, processor, cfg, use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"video_missing": 1, "video_unreadable": 3, "too_many_frames": 1, "missing_field": 1,
+                             "placeholder_mismatch": 4, "image_outside_root": 1}
+    assert index.line.tolist() == [1, 12] and index.video_frames.tolist() == [2, 2]
+    assert index.image_tokens.tolist()[1] > 0 and index.video_tokens.tolist() == [6, 6]
+    ex = st["drop_examples"]
+    assert "nope.mp4 does not exist" in ex["video_missing"][0]
+    unreadable = [e.split(": ", 1)[1] for e in ex["video_unreadable"]]
+    assert unreadable[0].startswith(f"{meta.parent / 'images' / 'empty.mp4'}: ")
+    assert unreadable[1].startswith(f"{meta.parent / 'images' / 'garbage.mp4'}: ")
+    assert "sizes differ" in unreadable[2]
+    assert ex["too_many_frames"][0].endswith("3 frames > data.video.max_frames = 2")
+    ds = md.PairDataset(index, processor)
+    p = ds[1]
+    assert p.image_grid_hw.shape[0] == 1 and p.video_grid_thw.tolist()[0][0] == 2
+    text = processor.tokenizer.decode(p.chosen_ids)
+    assert text.index("</img>\nFrame 1 and frame 2: <img>") > 0  # the image, then the video, then the question
+
+
+def test_video_settings_are_checked_and_reach_the_processor(processor):
+    import config
+    from mmpr_video import apply_video_settings
+
+    cfg = config.Config()
+    cfg.data.video.num_frames, cfg.data.video.fps = 4, 2.0
+    with pytest.raises(config.ConfigError, match=r"data\.video\.num_frames = 4 and data\.video\.fps = 2\.0"):
+        config.validate(cfg)
+    cfg.data.video.fps = 0.0
+    apply_video_settings(processor, cfg.data.video)
+    vp = processor.video_processor
+    assert (vp.num_frames, vp.fps) == (4, None)
+    assert vp.norm_mean == list(processor.image_processor.image_mean)  # the tiny video processor has none
+    assert mr.DROP_REASONS.index("too_many_frames") < mr.DROP_REASONS.index("template_rewrites_text")
+
+
+def test_a_checkpoint_with_video_pruning_is_refused_before_a_video_run(video_sample, tmp_path):
+    """EVS (video_pruning_rate > 0, the hub checkpoint's 0.7) is refused at start, naming the key, once the data holds
+    video pairs; the same checkpoint with image pairs only is fine."""
+    import config
+    import preflight
+
+    index, _ = video_sample
+    hub = json.loads((TINY / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hub | {"video_pruning_rate": 0.7}))
+    cfg = config.Config()
+    cfg.model.hf_path, cfg.policy.train_global_batch_size, cfg.packing.shared_prompt = str(tmp_path), 4, False
+    with pytest.raises(config.ConfigError, match=r"config\.json's video_pruning_rate = 0\.7 with 12 video pairs"):
+        preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)
+    cfg.model.hf_path = str(TINY)
+    assert preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)[0].pair_ids == list(range(12))
+
+
+def test_index_cli_takes_the_video_settings(capsys):
+    """`python mmpr_index.py META --model DIR --video-*`: the run's data.video settings, named by their flags."""
+    assert mi.main([str(VIDEO_META), "--model", str(TINY), "--video-target-num-patches", "24", "--video-max-frames",
+                    "3", "--num-workers", "0", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split(": ")[1].startswith("4 pairs")  # the 3-frame lists; the 4-frame clips dropped
+    assert "    dropped too_many_frames: 8\n" in out and "4 frames sampled > --video-max-frames = 3" in out
+    with pytest.raises(mr.DataError, match="--video-num-frames and --video-fps"):
+        mi.main([str(VIDEO_META), "--model", str(TINY), "--video-num-frames", "2", "--video-fps", "1"])
