@@ -1,0 +1,152 @@
+"""The precision-aware Adam without Transformer Engine: bf16 weights with exact fp32 master values, moments in fp32 or bf16.
+
+`PrecisionAwareAdam` has the interface of TE's FusedAdam that megatron-core's distributed optimizer uses with
+`use_precision_aware_optimizer` (constructor keywords, `initialize_state`, `get_unscaled_state`, `set_scaled_state`,
+`state_dict` / `load_state_dict`, gradients read from `param.decoupled_grad`); megatron_patches.precision_aware_adam
+lets megatron-core 0.19.2 build it where TE's FusedAdam is not importable. Each step rebuilds a tensor's fp32 master
+(`master_from_remainder`), runs torch's own AdamW arithmetic on it (torch.optim.adam.adam, decoupled weight decay: the
+fp32-master path's update), and stores the bf16 weight in place and the int16 remainder (`split_master`).
+The remainder: docs/DESIGN.md, "Precision-aware optimizer".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+REMAINDER_MAX = 2**15 - 1  # int16
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `master` -> (bf16 weight, int16 remainder), same shape. The weight is `master.bfloat16()` (round to nearest
+    even: what the fp32-master path copies into the model); the remainder is the master's bit pattern minus the
+    weight's shifted 16 bits, TE's layout (its low 16 bits). Exact except at one tie per even weight: 65537 fp32
+    values round to it, an int16 holds 65536, so the tie rounded down (remainder 2**15) is stored as 2**15 - 1, the
+    master one fp32 ulp nearer the weight."""
+    weight = master.bfloat16()
+    diff = master.view(torch.int32) - (weight.view(torch.int16).to(torch.int32) << 16)  # int32 wraps: [-2**15, 2**15]
+    return weight, diff.clamp_max_(REMAINDER_MAX).to(torch.int16)
+
+
+def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """bf16 `weight` + int16 `remainder` -> the fp32 master `split_master` stored (TE's reconstruction)."""
+    return ((weight.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)).view(torch.float32)
+
+
+class PrecisionAwareAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) over bf16 or fp32 parameter shards.
+
+    State per parameter p: `exp_avg`, `exp_avg_sq` (exp_avg_dtype / exp_avg_sq_dtype, computed in fp32), `step`
+    (fp32 0-d, torch's), and for a bf16 p with master_weights `master_param`: the int16 remainder
+    (store_param_remainders) or the fp32 master. Bytes per parameter: 2 + 2 (remainder) + moments (4 + 4 or 2 + 2).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
+                 capturable=False, master_weights=False, master_weight_dtype=torch.float32,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, use_decoupled_grad=False,
+                 store_param_remainders=False, bias_correction=True):  # fmt: skip
+        moments = (torch.float32, torch.bfloat16)
+        if not adam_w_mode or capturable or not bias_correction or master_weight_dtype != torch.float32:
+            raise ValueError("PrecisionAwareAdam: AdamW with bias correction, fp32 master weights, not capturable")
+        if exp_avg_dtype not in moments or exp_avg_sq_dtype not in moments:
+            raise ValueError(f"PrecisionAwareAdam: moments in {moments}, not {exp_avg_dtype} / {exp_avg_sq_dtype}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
+        self.use_decoupled_grad = use_decoupled_grad
+        self.store_param_remainders = store_param_remainders and master_weights
+        self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype,
+                                  "master_param": master_weight_dtype}  # fmt: skip
+
+    def _remainders(self, param) -> bool:
+        return self.store_param_remainders and param.dtype == torch.bfloat16
+
+    def initialize_state(self, param, store_param_remainders=None) -> None:
+        """Zero moments and step; the master from the bf16 weight (remainder 0, or its fp32 value)."""
+        state = self.state[param]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(param, dtype=self.name_to_dtype_map["exp_avg"])
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.name_to_dtype_map["exp_avg_sq"])
+        if self.master_weights and param.dtype == torch.bfloat16:
+            keep = self._remainders(param) if store_param_remainders is None else store_param_remainders
+            state["master_param"] = torch.zeros_like(param, dtype=torch.int16) if keep else param.detach().float()
+
+    def master(self, param) -> torch.Tensor:
+        """The fp32 master value of `param` (a new tensor, or the state's fp32 master or the fp32 param itself)."""
+        if param.dtype != torch.bfloat16 or not self.master_weights:
+            return param.detach()
+        m = self.state[param]["master_param"]
+        return master_from_remainder(param.detach(), m) if m.dtype == torch.int16 else m
+
+    def get_unscaled_state(self, param, state_name: str) -> torch.Tensor:
+        """A state tensor as megatron-core saves it: moments in fp32, the master as stored (int16 or fp32)."""
+        v = self.state[param][state_name]
+        return v.float() if state_name in ("exp_avg", "exp_avg_sq") else v
+
+    @torch.no_grad()
+    def set_scaled_state(self, param, state_name: str, unscaled_state: torch.Tensor) -> None:
+        """Store a saved state tensor: moments cast to their dtype; a master given as int16 remainders (of `param`'s
+        bf16 weight) or as fp32 values, converted to what this optimizer keeps."""
+        state = self.state[param]
+        if not state:
+            self.initialize_state(param)
+        if state_name != "master_param":
+            state[state_name].copy_(unscaled_state)
+            return
+        kept = state["master_param"]
+        if unscaled_state.dtype == kept.dtype:
+            kept.copy_(unscaled_state)
+        elif kept.dtype == torch.int16:  # an fp32 master: its bf16 weight is the loaded param
+            kept.copy_(split_master(unscaled_state.float())[1])
+        else:
+            kept.copy_(master_from_remainder(param.detach(), unscaled_state))
+
+    def state_dict(self):
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        sd["state"] = {i: {k: self.get_unscaled_state(params[i], k) for k in s} for i, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load (which casts floating state to the param's dtype), then every tensor set as saved."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, saved in state_dict["state"].items():
+            self.state[params[i]] = {}
+            for k, v in saved.items():
+                self.set_scaled_state(params[i], k, v if k == "master_param" or k == "step" else v.float())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+                if self.use_decoupled_grad:
+                    p.decoupled_grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step per tensor: torch.optim.adam.adam on the fp32 master with fp32 moments and gradient; the
+        results stored back (weight in place, remainder, moments in their dtype)."""
+        assert closure is None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.initialize_state(p)
+                g = p.decoupled_grad if self.use_decoupled_grad else p.grad
+                if g is None:
+                    continue
+                s = self.state[p]
+                master = self.master(p)
+                m, v = s["exp_avg"].float(), s["exp_avg_sq"].float()  # the state itself when fp32
+                torch_adam([master], [g.float()], [m], [v], [], [s["step"]], foreach=None, fused=None,
+                           decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)  # fmt: skip
+                for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
+                    if s[name] is not value:
+                        s[name].copy_(value)
+                if p.dtype == torch.bfloat16 and self.master_weights:
+                    if self._remainders(p):
+                        weight, s["master_param"][...] = split_master(master)
+                        p.copy_(weight)
+                    else:
+                        p.copy_(master)
