@@ -377,7 +377,7 @@ def optimizer_config(config_cls, precision: dict, **kwargs):
 
 @contextlib.contextmanager
 def precision_aware_adam(config):
-    """While get_megatron_optimizer builds: optimizer.PrecisionAwareAdam as megatron-core's `Adam` (TE's FusedAdam
+    """While get_megatron_optimizer builds: precision_adam.PrecisionAwareAdam as megatron-core's `Adam` (TE's FusedAdam
     keywords, store_param_remainders included) where the config asks for it and TE's FusedAdam is not importable.
     SHIM(megatron-core 0.19.2): megatron/core/optimizer/__init__.py:556 (and :583)"""
     if not config.use_precision_aware_optimizer or te_fused_adam():
@@ -385,10 +385,10 @@ def precision_aware_adam(config):
         return
     from megatron.core import optimizer as mopt
 
-    import optimizer
+    import precision_adam
 
     saved = {k: getattr(mopt, k) for k in ("Adam", "USING_PYTORCH_OPTIMIZER", "is_te_min_version")}
-    mopt.Adam, mopt.USING_PYTORCH_OPTIMIZER = optimizer.PrecisionAwareAdam, False
+    mopt.Adam, mopt.USING_PYTORCH_OPTIMIZER = precision_adam.PrecisionAwareAdam, False
     mopt.is_te_min_version = lambda version, check_equality=True: True
     try:
         yield
@@ -411,11 +411,11 @@ def _master_as_kept() -> None:
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if tensors.get("param") is not None and tensors["param"].dtype == torch.int16 and not (
                 self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
-            import optimizer
+            import precision_adam
 
             r = self._get_model_param_range_map(model_param)["param"]
             weight = model_param.detach().view(-1)[r.start : r.end]
-            tensors = dict(tensors, param=optimizer.master_from_remainder(weight, tensors["param"]))
+            tensors = dict(tensors, param=precision_adam.master_from_remainder(weight, tensors["param"]))
         return set_states(self, model_param, tensors)
 
     _set_main_param_and_optimizer_states._omni_master = True

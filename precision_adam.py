@@ -1,4 +1,4 @@
-"""The precision-aware Adam without Transformer Engine: bf16 weights with exact fp32 master values, moments in fp32 or bf16.
+"""The precision-aware Adam without Transformer Engine: bf16 weights and their fp32 masters, moments in fp32 or bf16.
 
 `PrecisionAwareAdam` has the interface of TE's FusedAdam that megatron-core's distributed optimizer uses with
 `use_precision_aware_optimizer` (constructor keywords, `initialize_state`, `get_unscaled_state`, `set_scaled_state`,
@@ -15,6 +15,8 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 REMAINDER_MAX = 2**15 - 1  # int16
+STEP_CHUNK = 1 << 22  # elements updated at once: at most ~36 bytes each of fp32 temporaries (STEP_TEMPORARY_BYTES)
+STEP_TEMPORARY_BYTES = 36 * STEP_CHUNK  # gradient, master, two moments, torch's denominator, the split's int32s
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +39,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) over bf16 or fp32 parameter shards.
 
     State per parameter p: `exp_avg`, `exp_avg_sq` (exp_avg_dtype / exp_avg_sq_dtype, computed in fp32), `step`
-    (fp32 0-d, torch's), and for a bf16 p with master_weights `master_param`: the int16 remainder
-    (store_param_remainders) or the fp32 master. Bytes per parameter: 2 + 2 (remainder) + moments (4 + 4 or 2 + 2).
+    (fp32 0-d, torch's), and with master_weights `master_param`: for a bf16 p the int16 remainder
+    (store_param_remainders) or the fp32 master, for an fp32 p p itself. Bytes per bf16 parameter: 2 (the weight) + 2
+    (remainder) + the moments (4 + 4, or 2 + 2 in bf16).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
@@ -69,12 +72,15 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         if self.master_weights and param.dtype == torch.bfloat16:
             keep = self._remainders(param) if store_param_remainders is None else store_param_remainders
             state["master_param"] = torch.zeros_like(param, dtype=torch.int16) if keep else param.detach().float()
+        elif self.master_weights:  # an fp32 param is its own master (megatron-core saves every param's master_param)
+            state["master_param"] = param.detach()
 
     def master(self, param) -> torch.Tensor:
-        """The fp32 master value of `param` (a new tensor, or the state's fp32 master or the fp32 param itself)."""
-        if param.dtype != torch.bfloat16 or not self.master_weights:
+        """The fp32 master value of `param`: rebuilt from the remainder (a new tensor), the state's fp32 master, or
+        the fp32 param itself."""
+        m = self.state[param].get("master_param")
+        if m is None:
             return param.detach()
-        m = self.state[param]["master_param"]
         return master_from_remainder(param.detach(), m) if m.dtype == torch.int16 else m
 
     def get_unscaled_state(self, param, state_name: str) -> torch.Tensor:
@@ -124,29 +130,43 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step per tensor: torch.optim.adam.adam on the fp32 master with fp32 moments and gradient; the
-        results stored back (weight in place, remainder, moments in their dtype)."""
+        """One AdamW step per tensor, in chunks of STEP_CHUNK elements: torch.optim.adam.adam on the fp32 master with
+        fp32 moments and gradient; the results stored back (weight in place, remainder, moments in their dtype)."""
         assert closure is None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if not self.state[p]:
                     self.initialize_state(p)
-                g = p.decoupled_grad if self.use_decoupled_grad else p.grad
+                g = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
                 if g is None:
                     continue
                 s = self.state[p]
-                master = self.master(p)
-                m, v = s["exp_avg"].float(), s["exp_avg_sq"].float()  # the state itself when fp32
-                torch_adam([master], [g.float()], [m], [v], [], [s["step"]], foreach=None, fused=None,
-                           decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)  # fmt: skip
-                for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
-                    if s[name] is not value:
-                        s[name].copy_(value)
-                if p.dtype == torch.bfloat16 and self.master_weights:
-                    if self._remainders(p):
-                        weight, s["master_param"][...] = split_master(master)
-                        p.copy_(weight)
-                    else:
-                        p.copy_(master)
+                step = s["step"].clone()  # each chunk counts from it; the state counts the step once
+                for i in range(0, p.numel(), STEP_CHUNK):  # elementwise: the chunks bound the fp32 temporaries
+                    chunk = slice(i, i + STEP_CHUNK)
+                    self._update([t.view(-1)[chunk] for t in (p, g, s["exp_avg"], s["exp_avg_sq"])],
+                                 s.get("master_param"), chunk, step.clone(), group, beta1, beta2)
+                s["step"] += 1
+
+    def _update(self, tensors, kept, chunk, step, group, beta1, beta2) -> None:
+        """torch's AdamW on one chunk: the fp32 master, gradient and moments, then stored back."""
+        p, g, exp_avg, exp_avg_sq = tensors
+        kept = kept.view(-1)[chunk] if kept is not None else None
+        if kept is None:
+            master = p
+        else:
+            master = master_from_remainder(p, kept) if kept.dtype == torch.int16 else kept
+        m, v = exp_avg.float(), exp_avg_sq.float()  # the state itself when fp32
+        torch_adam([master], [g.float()], [m], [v], [], [step], foreach=None, fused=None, decoupled_weight_decay=True,
+                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                   eps=group["eps"], maximize=False)  # fmt: skip
+        for state, value in ((exp_avg, m), (exp_avg_sq, v)):
+            if state is not value:
+                state.copy_(value)
+        if kept is not None and kept.dtype == torch.int16:
+            weight, remainder = split_master(master)
+            p.copy_(weight)
+            kept.copy_(remainder)
+        elif master.dtype != p.dtype:  # a kept fp32 master of a bf16 weight
+            p.copy_(master)

@@ -1,4 +1,4 @@
-"""optimizer.py, the precision-aware Adam without Transformer Engine, and its [optimizer] settings.
+"""precision_adam.py, the precision-aware Adam without Transformer Engine, and its [optimizer] settings.
 
 The master split (`split_master` / `master_from_remainder`) over every edge class of fp32 bit patterns and a random
 sample against an integer round-to-nearest-even; one step against torch's AdamW on the rebuilt fp32 master; bf16
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import config as config_mod
-import optimizer
+import precision_adam
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ["model.params_dtype=bfloat16"]
@@ -39,14 +39,14 @@ def _check_split(bits: torch.Tensor) -> None:
     """For fp32 bit patterns (uint32 in int64, no NaN): the bf16 weight is the round to nearest even, the rebuilt
     master equals the value except at a tie rounded down (low half 0x8000, even high half), one ulp toward it."""
     x = _from_bits(bits)
-    weight, rem = optimizer.split_master(x)
+    weight, rem = precision_adam.split_master(x)
     assert weight.dtype == torch.bfloat16 and rem.dtype == torch.int16 and weight.shape == rem.shape == x.shape
     assert torch.equal(weight.view(torch.int16).to(torch.int64) & 0xFFFF, _rne_high(bits))
-    back = _bits(optimizer.master_from_remainder(weight, rem))
+    back = _bits(precision_adam.master_from_remainder(weight, rem))
     tie_down = ((bits & 0xFFFF) == 0x8000) & ((bits >> 16) & 1 == 0)
     assert torch.equal(back[~tie_down], bits[~tie_down])
     assert torch.equal(back[tie_down], bits[tie_down] - 1)  # one fp32 ulp nearer zero: the same sign and weight
-    assert torch.equal(optimizer.split_master(_from_bits(back))[0].view(torch.int16), weight.view(torch.int16))
+    assert torch.equal(precision_adam.split_master(_from_bits(back))[0].view(torch.int16), weight.view(torch.int16))
 
 
 # high halves: ±0 and subnormals, the smallest normals, around 1, odd and even weights, the largest finite weights
@@ -60,14 +60,14 @@ def test_split_master_every_low_half_of_the_edge_classes():
     low = torch.arange(1 << 16, dtype=torch.int64)
     bits = torch.cat([(h << 16) | low for h in EDGE_HIGH])
     _check_split(bits)
-    top = optimizer.split_master(_from_bits(torch.tensor([0x7F7FFFFF, 0xFF7FFFFF])))[0]
+    top = precision_adam.split_master(_from_bits(torch.tensor([0x7F7FFFFF, 0xFF7FFFFF])))[0]
     assert top.float().tolist() == [float("inf"), float("-inf")]  # what the fp32-master path copies, too
 
 
 def test_split_master_infinities_zeros_and_nan():
     x = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, float("nan")])
-    weight, rem = optimizer.split_master(x)
-    back = optimizer.master_from_remainder(weight, rem)
+    weight, rem = precision_adam.split_master(x)
+    back = precision_adam.master_from_remainder(weight, rem)
     assert torch.equal(_bits(back[:4]), _bits(x[:4]))  # -0 keeps its sign
     assert torch.isnan(back[4])  # a NaN master stays NaN (train.py stops before a non-finite step)
 
@@ -87,22 +87,23 @@ def test_an_int16_remainder_cannot_hold_every_master_of_an_even_weight():
     assert _rne_high(torch.tensor([(h << 16) - 0x8001, (h << 16) + 0x8001])).tolist() == [h - 1, h + 1]
 
 
-def _adam(params, **kw) -> optimizer.PrecisionAwareAdam:
-    return optimizer.PrecisionAwareAdam(params, lr=3e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
+def _adam(params, **kw) -> precision_adam.PrecisionAwareAdam:
+    return precision_adam.PrecisionAwareAdam(params, lr=3e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
                                         master_weights=True, use_decoupled_grad=True, **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("remainders", [True, False])
-def test_step_is_torch_adamw_on_the_fp32_master(remainders):
+@pytest.mark.parametrize(("remainders", "chunk"), [(True, 1000), (False, precision_adam.STEP_CHUNK)])
+def test_step_is_torch_adamw_on_the_fp32_master(remainders, chunk, monkeypatch):
     """Five steps, each from the optimizer's own state: torch.optim.AdamW on the rebuilt fp32 master (fp32 moments)
     gives the new master (bit for bit, but the tie `split_master` stores one ulp off), the bf16 weight is its round
-    to nearest even, the moments and step are torch's."""
+    to nearest even, the moments and step are torch's; in one chunk or several."""
+    monkeypatch.setattr(precision_adam, "STEP_CHUNK", chunk)
     gen = torch.Generator().manual_seed(1)
     start = torch.randn(4096, generator=gen) * 0.02
     p = start.bfloat16()
     opt = _adam([p], store_param_remainders=remainders)
     opt.initialize_state(p)
-    opt.set_scaled_state(p, "master_param", start if not remainders else optimizer.split_master(start)[1])
+    opt.set_scaled_state(p, "master_param", start if not remainders else precision_adam.split_master(start)[1])
     for _ in range(5):
         master = opt.master(p).clone()
         ref_p = torch.nn.Parameter(master.clone())
@@ -151,7 +152,7 @@ def test_fp32_parameters_are_updated_in_place_as_torch_adamw_does():
         p.decoupled_grad = ref_p.grad = torch.randn(512, generator=gen)
         opt.step()
         ref.step()
-    assert torch.equal(p, ref_p.detach()) and "master_param" not in opt.state[p]
+    assert torch.equal(p, ref_p.detach()) and opt.state[p]["master_param"].data_ptr() == p.data_ptr()
 
 
 def test_state_keys_dtypes_and_round_trip():
@@ -220,7 +221,7 @@ def test_precision_aware_run_equals_the_fp32_master_run_bit_for_bit():
     parameter, the fp32-master path's 12."""
     ref_rows, ref_w, ref_opt = _three_steps()
     rows, w, opt = _three_steps(PA)
-    assert type(opt.optimizer) is optimizer.PrecisionAwareAdam and type(ref_opt.optimizer) is torch.optim.AdamW
+    assert type(opt.optimizer) is precision_adam.PrecisionAwareAdam and type(ref_opt.optimizer) is torch.optim.AdamW
     assert rows == ref_rows and rows[2]["loss"] != rows[0]["loss"]
     assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w)
     def params(o):
@@ -239,3 +240,95 @@ def test_precision_aware_run_equals_the_fp32_master_run_bit_for_bit():
 
     n = sum(p.numel() for p, _ in pairs)
     assert nbytes(ref_opt.optimizer) == 12 * n and nbytes(opt.optimizer) == 10 * n
+
+
+def _masters(s) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(fp32 master, fp32 exp_avg, fp32 exp_avg_sq) of every parameter shard of a tiny_step's optimizer, in order."""
+    import checkpoint
+
+    (o,) = checkpoint._inner_optimizers(s["optimizer"])
+    inner, out = o.optimizer, []
+    for p in (p for g in inner.param_groups for p in g["params"]):
+        st = inner.state[p]
+        master = inner.master(p) if isinstance(inner, precision_adam.PrecisionAwareAdam) else p.detach()
+        out.append((master.clone(), st["exp_avg"].float(), st["exp_avg_sq"].float()))
+    return out
+
+
+def _run_state(step: int, cfg) -> dict:
+    return {"step": step, "world_size": 1, "consumed_pairs": 0, "reward_shift": 0.0, "reward_shift_num_updates": 0,
+            "sampler": {}, "scheduler": {}, "config": config_mod.to_dict(cfg)}  # fmt: skip
+
+
+COMBOS = {  # the tiny policy's dtype and the optimizer's settings
+    "bf16-rem-m32": [*BF16, PA],
+    "bf16-rem-m16-grad16": [*BF16, PA, "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16",
+                            "optimizer.grad_reduce_in_fp32=false"],
+    "bf16-norem-v16": [*BF16, PA, "optimizer.store_param_remainders=false", "optimizer.exp_avg_sq_dtype=bf16"],
+    "fp32-m16": [PA, "optimizer.store_param_remainders=false", "optimizer.exp_avg_dtype=bf16",
+                 "optimizer.exp_avg_sq_dtype=bf16"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_resume_two_plus_two_steps_equal_four_bit_for_bit(combo, tmp_path):
+    """In one process (a world of one): steps 1-2, a checkpoint, steps 3-4; a fresh policy and optimizer loaded from
+    the checkpoint runs steps 3-4 again: the same metrics, weights and optimizer state bit for bit."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    import checkpoint
+
+    a = tiny_step("cpu", *COMBOS[combo])
+    shift, rows = 0.0, []
+    for step in range(1, 5):
+        m, shift = a["run"](a["batches"], shift)
+        rows.append(m)
+        if step == 2:
+            path = checkpoint.save(tmp_path, 2, a["ddp"], a["optimizer"], a["scheduler"], _run_state(2, a["cfg"]))
+            shift2 = shift
+    b = tiny_step("cpu", *COMBOS[combo])
+    checkpoint.load(path, b["ddp"], b["optimizer"], b["scheduler"])
+    again = []
+    for _ in range(2):
+        m, shift2 = b["run"](b["batches"], shift2)
+        again.append(m)
+    assert again == rows[2:] and rows[3]["loss"] != rows[1]["loss"]
+    for (n, x), (_, y) in zip(a["policy"].named_parameters(), b["policy"].named_parameters(), strict=True):
+        assert torch.equal(x, y), n
+    (oa,), (ob,) = checkpoint._inner_optimizers(a["optimizer"]), checkpoint._inner_optimizers(b["optimizer"])
+    for p, q in zip(*[[p for g in o.optimizer.param_groups for p in g["params"]] for o in (oa, ob)], strict=True):
+        sa, sb = oa.optimizer.state[p], ob.optimizer.state[q]
+        assert sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+SWITCHES = [[*BF16], [*BF16, PA, "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"],
+            [*BF16, PA, "optimizer.store_param_remainders=false"], [*BF16, PA], [*BF16]]  # fmt: skip
+
+
+def test_resume_that_switches_the_optimizer_precision_converts_the_state(tmp_path):
+    """fp32 master -> remainders with bf16 moments -> fp32 master in the optimizer state -> remainders -> fp32
+    master, one step and a checkpoint each: every load rebuilds the saved master (one ulp at most where a remainder
+    stores a tie), casts the saved moments, keeps the weights, and check_resume names the switched keys as notices."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from step_cases import tiny_step
+
+    import checkpoint
+
+    src = tiny_step("cpu", *SWITCHES[0])
+    for step, overrides in enumerate(SWITCHES[1:], start=1):
+        src["run"](src["batches"], 0.0)
+        path = checkpoint.save(tmp_path, step, src["ddp"], src["optimizer"], src["scheduler"],
+                               _run_state(step, src["cfg"]))  # fmt: skip
+        dst = tiny_step("cpu", *overrides)
+        changed = checkpoint.check_resume(checkpoint.read_run_state(path), dst["cfg"])
+        assert changed and all(k.startswith("optimizer.") for k in changed)
+        checkpoint.load(path, dst["ddp"], dst["optimizer"], dst["scheduler"])
+        for (n, x), (_, y) in zip(src["policy"].named_parameters(), dst["policy"].named_parameters(), strict=True):
+            assert torch.equal(x, y), n
+        moments = {"exp_avg": dst["cfg"].optimizer.exp_avg_dtype, "exp_avg_sq": dst["cfg"].optimizer.exp_avg_sq_dtype}
+        for (m0, a0, v0), (m1, a1, v1) in zip(_masters(src), _masters(dst), strict=True):
+            assert int((_bits(m0) - _bits(m1)).abs().max()) <= 1
+            for want, got, k in ((a0, a1, "exp_avg"), (v0, v1, "exp_avg_sq")):
+                assert torch.equal(got, want.bfloat16().float() if moments[k] == "bf16" else want), k
+        src = dst
