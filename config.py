@@ -145,7 +145,7 @@ class OptimizerConfig:
     # megatron-core's precision-aware optimizer (needs the distributed optimizer): the optimizer reads the gradient
     # buffers in place and updates the bf16 weights itself; with store_param_remainders (bf16 weights) the fp32 master
     # is the bf16 weight plus an int16 remainder (2 bytes per parameter instead of 4). TE's FusedAdam where installed,
-    # else optimizer.PrecisionAwareAdam. Measured: docs/PERFORMANCE.md, "Optimizer state"
+    # else precision_adam.PrecisionAwareAdam. Measured: docs/PERFORMANCE.md, "Optimizer state"
     use_precision_aware_optimizer: bool = False
     store_param_remainders: bool = True  # megatron-core's default; applies to bf16 weights with the flag above
     exp_avg_dtype: str = "fp32"  # Adam's first moment stored in "fp32" or "bf16" (bf16: precision-aware only)

@@ -31,8 +31,26 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """bf16 `weight` + int16 `remainder` -> the fp32 master `split_master` stored (TE's reconstruction)."""
-    return ((weight.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)).view(torch.float32)
+    """bf16 `weight` + int16 `remainder` -> the fp32 master `split_master` stored (TE's reconstruction): bits
+    (weight << 16) + remainder, written as 16-bit halves (little-endian: low half first); a negative remainder
+    borrows one from the high half."""
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    halves = out.view(torch.int16).view(-1, 2)
+    remainder = remainder.reshape(-1)
+    halves[:, 0] = remainder
+    torch.add(weight.view(torch.int16).reshape(-1), remainder >> 15, out=halves[:, 1])
+    return out
+
+
+def store_master(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
+    """`split_master(master)` written into `weight` (bf16) and `remainder` (int16), 1-D: the round to nearest even,
+    the master's low half, and 2**15 - 1 at the rare ties rounded down (low half 0x8000, high half kept)."""
+    weight.copy_(master)
+    remainder.copy_(master.view(torch.int16).view(-1, 2)[:, 0])
+    ties = (remainder == -(2**15)).nonzero().squeeze(1)
+    if ties.numel():
+        down = (master.view(torch.int32)[ties] >> 16) == weight.view(torch.int16)[ties].to(torch.int32)
+        remainder[ties[down]] = REMAINDER_MAX
 
 
 class PrecisionAwareAdam(torch.optim.Optimizer):
@@ -165,8 +183,6 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             if state is not value:
                 state.copy_(value)
         if kept is not None and kept.dtype == torch.int16:
-            weight, remainder = split_master(master)
-            p.copy_(weight)
-            kept.copy_(remainder)
+            store_master(master, p, kept)
         elif master.dtype != p.dtype:  # a kept fp32 master of a bf16 weight
             p.copy_(master)

@@ -6,6 +6,7 @@ see cli.py for the flags). One module per measure, each importing only the ones 
     workload.py    synthetic MMPR-like lengths and text pairs
     packing.py     item packing      vision.py    item vision      logprobs.py   item logprobs
     train_step.py  item train        shared.py    item shared      data.py       item data      grads.py   item grads
+    optim.py       item optimizer
     gpu_step.py    the GPU item's MPO step, ours vs transformers
     scan.py        the GPU item's Mamba-2 scan kernels
     profiling.py   the GPU item's device time by region (--profile)

@@ -47,6 +47,9 @@ def _check_split(bits: torch.Tensor) -> None:
     assert torch.equal(back[~tie_down], bits[~tie_down])
     assert torch.equal(back[tie_down], bits[tie_down] - 1)  # one fp32 ulp nearer zero: the same sign and weight
     assert torch.equal(precision_adam.split_master(_from_bits(back))[0].view(torch.int16), weight.view(torch.int16))
+    into = torch.empty_like(weight), torch.empty_like(rem)  # the step's in-place form
+    precision_adam.store_master(x, *into)
+    assert torch.equal(into[0].view(torch.int16), weight.view(torch.int16)) and torch.equal(into[1], rem)
 
 
 # high halves: ±0 and subnormals, the smallest normals, around 1, odd and even weights, the largest finite weights
