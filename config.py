@@ -148,8 +148,8 @@ class OptimizerConfig:
     # else precision_adam.PrecisionAwareAdam. Measured: docs/PERFORMANCE.md, "Optimizer state"
     use_precision_aware_optimizer: bool = False
     store_param_remainders: bool = True  # megatron-core's default; applies to bf16 weights with the flag above
-    exp_avg_dtype: str = "fp32"  # Adam's first moment stored in "fp32" or "bf16" (bf16: precision-aware only)
-    exp_avg_sq_dtype: str = "fp32"  # the second moment, likewise
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"  # Adam's first moment stored in (bf16: precision-aware only)
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"  # the second moment, likewise
 
 
 @dataclass
@@ -477,15 +477,10 @@ def validate(cfg: Config) -> None:
     validate_schedule(cfg)
 
 
-MOMENT_DTYPES = ("fp32", "bf16")
-
-
 def validate_optimizer_precision(cfg: Config) -> None:
-    """The precision-aware optimizer's settings, as megatron-core can honour them."""
+    """The precision-aware optimizer's settings, as megatron-core can honour them (the dtypes' names: load_config)."""
     opt = cfg.optimizer
     for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(opt, k) not in MOMENT_DTYPES:
-            raise ConfigError(f"optimizer.{k} = {getattr(opt, k)!r}: choose one of {', '.join(MOMENT_DTYPES)}")
         if getattr(opt, k) != "fp32" and not opt.use_precision_aware_optimizer:
             raise ConfigError(f"optimizer.{k} = {getattr(opt, k)!r} needs optimizer.use_precision_aware_optimizer = "
                               "true (megatron-core keeps fp32 moments otherwise)")

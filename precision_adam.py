@@ -1,18 +1,19 @@
 """The precision-aware Adam without Transformer Engine: bf16 weights and their fp32 masters, moments in fp32 or bf16.
 
-`PrecisionAwareAdam` has the interface of TE's FusedAdam that megatron-core's distributed optimizer uses with
-`use_precision_aware_optimizer` (constructor keywords, `initialize_state`, `get_unscaled_state`, `set_scaled_state`,
-`state_dict` / `load_state_dict`, gradients read from `param.decoupled_grad`); megatron_patches.precision_aware_adam
-lets megatron-core 0.19.2 build it where TE's FusedAdam is not importable. Each step rebuilds a tensor's fp32 master
-(`master_from_remainder`), runs torch's own AdamW arithmetic on it (torch.optim.adam.adam, decoupled weight decay: the
-fp32-master path's update), and stores the bf16 weight in place and the int16 remainder (`split_master`).
-The remainder: docs/DESIGN.md, "Precision-aware optimizer".
+`PrecisionAwareAdam`: the interface of TE's FusedAdam that megatron-core's distributed optimizer calls with
+`use_precision_aware_optimizer` (megatron_patches.precision_aware_adam builds it where TE is absent). Each step
+rebuilds the fp32 master (`master_from_remainder`), runs torch's AdamW arithmetic on it (torch.optim.adam.adam) and
+stores the bf16 weight and int16 remainder (`store_master`). Reasons: docs/DESIGN.md, "Precision-aware optimizer".
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.optim.adam import adam as torch_adam
+
+assert sys.byteorder == "little", "the remainder is the low 16-bit half of an fp32 master"
 
 REMAINDER_MAX = 2**15 - 1  # int16
 STEP_CHUNK = 1 << 22  # elements updated at once: at most ~36 bytes each of fp32 temporaries (STEP_TEMPORARY_BYTES)
@@ -20,20 +21,17 @@ STEP_TEMPORARY_BYTES = 36 * STEP_CHUNK  # gradient, master, two moments, torch's
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `master` -> (bf16 weight, int16 remainder), same shape. The weight is `master.bfloat16()` (round to nearest
-    even: what the fp32-master path copies into the model); the remainder is the master's bit pattern minus the
-    weight's shifted 16 bits, TE's layout (its low 16 bits). Exact except at one tie per even weight: 65537 fp32
-    values round to it, an int16 holds 65536, so the tie rounded down (remainder 2**15) is stored as 2**15 - 1, the
-    master one fp32 ulp nearer the weight."""
+    """fp32 `master` -> (bf16 weight: its round to nearest even, int16 remainder: master bits - weight bits << 16).
+    65537 fp32 values round to an even weight, an int16 holds 65536: the tie rounded down (remainder 2**15) is stored
+    as 2**15 - 1, the master one fp32 ulp nearer the weight."""
     weight = master.bfloat16()
     diff = master.view(torch.int32) - (weight.view(torch.int16).to(torch.int32) << 16)  # int32 wraps: [-2**15, 2**15]
     return weight, diff.clamp_max_(REMAINDER_MAX).to(torch.int16)
 
 
 def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """bf16 `weight` + int16 `remainder` -> the fp32 master `split_master` stored (TE's reconstruction): bits
-    (weight << 16) + remainder, written as 16-bit halves (little-endian: low half first); a negative remainder
-    borrows one from the high half."""
+    """bf16 `weight` + int16 `remainder` -> the fp32 master (bits weight << 16 + remainder, TE's reconstruction),
+    written as 16-bit halves: a negative remainder borrows one from the high half."""
     out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     halves = out.view(torch.int16).view(-1, 2)
     remainder = remainder.reshape(-1)
@@ -43,24 +41,16 @@ def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torc
 
 
 def store_master(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
-    """`split_master(master)` written into `weight` (bf16) and `remainder` (int16), 1-D: the round to nearest even,
-    the master's low half, and 2**15 - 1 at the rare ties rounded down (low half 0x8000, high half kept)."""
+    """`split_master(master)` written into 1-D `weight` and `remainder` (the master's low half but at the ties)."""
     weight.copy_(master)
     remainder.copy_(master.view(torch.int16).view(-1, 2)[:, 0])
-    ties = (remainder == -(2**15)).nonzero().squeeze(1)
-    if ties.numel():
-        down = (master.view(torch.int32)[ties] >> 16) == weight.view(torch.int16)[ties].to(torch.int32)
-        remainder[ties[down]] = REMAINDER_MAX
+    tie_down = (master.view(torch.int32) & 0x1FFFF) == 0x8000  # low half 0x8000, even weight: rounded down
+    remainder.sub_(tie_down.view(torch.int8))  # 0x8000 - 1 wraps to 0x7FFF
 
 
 class PrecisionAwareAdam(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias correction) over bf16 or fp32 parameter shards.
-
-    State per parameter p: `exp_avg`, `exp_avg_sq` (exp_avg_dtype / exp_avg_sq_dtype, computed in fp32), `step`
-    (fp32 0-d, torch's), and with master_weights `master_param`: for a bf16 p the int16 remainder
-    (store_param_remainders) or the fp32 master, for an fp32 p p itself. Bytes per bf16 parameter: 2 (the weight) + 2
-    (remainder) + the moments (4 + 4, or 2 + 2 in bf16).
-    """
+    """AdamW over bf16 or fp32 parameter shards. State per p: `exp_avg`, `exp_avg_sq` (in their dtypes), `step`
+    (torch's fp32 0-d), with master_weights `master_param` (bf16 p: int16 remainder or fp32 master; fp32 p: p)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
                  capturable=False, master_weights=False, master_weight_dtype=torch.float32,
@@ -94,8 +84,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             state["master_param"] = param.detach()
 
     def master(self, param) -> torch.Tensor:
-        """The fp32 master value of `param`: rebuilt from the remainder (a new tensor), the state's fp32 master, or
-        the fp32 param itself."""
+        """The fp32 master of `param`: rebuilt (a new tensor), the state's fp32 master, or the fp32 param itself."""
         m = self.state[param].get("master_param")
         if m is None:
             return param.detach()
@@ -148,8 +137,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step per tensor, in chunks of STEP_CHUNK elements: torch.optim.adam.adam on the fp32 master with
-        fp32 moments and gradient; the results stored back (weight in place, remainder, moments in their dtype)."""
+        """One AdamW step per tensor, in chunks of STEP_CHUNK elements (`_update`)."""
         assert closure is None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]

@@ -260,14 +260,15 @@ def test_a_world_of_one_before_the_plan_is_a_world_of_one_after():
 
 
 def test_two_nodes_shard_the_optimizer_over_dp():
-    """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's fp32
-    master copies of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters exactly (padding holds
-    no main parameter); the fp32 gradient buffer stays whole on each DP rank."""
+    """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's masters
+    (nano.toml: int16 remainders) of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters
+    exactly (padding holds no main parameter), as do the (bf16) moments; the fp32 gradient buffer stays whole on each
+    DP rank."""
     p = plan.make_plan(nano_cfg(), 16)
     first, last = p.ranks if len(p.ranks) == 2 else (p.ranks[0], p.ranks[0])
     assert first.params == last.params
-    assert first.master + last.master == 4 * first.params
-    assert first.moments + last.moments == 2 * 4 * first.params
+    assert first.master + last.master == 2 * first.params
+    assert first.moments + last.moments == 2 * 2 * first.params
     assert first.grads >= 4 * first.params
 
 
