@@ -29,10 +29,11 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, diff.clamp_max_(REMAINDER_MAX).to(torch.int16)
 
 
-def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor, out=None) -> torch.Tensor:
     """bf16 `weight` + int16 `remainder` -> the fp32 master (bits weight << 16 + remainder, TE's reconstruction),
     written as 16-bit halves: a negative remainder borrows one from the high half."""
-    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    if out is None:
+        out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     halves = out.view(torch.int16).view(-1, 2)
     remainder = remainder.reshape(-1)
     halves[:, 0] = remainder
@@ -40,12 +41,13 @@ def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor) -> torc
     return out
 
 
-def store_master(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
+def store_master(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor, scratch=None) -> None:
     """`split_master(master)` written into 1-D `weight` and `remainder` (the master's low half but at the ties)."""
     weight.copy_(master)
     remainder.copy_(master.view(torch.int16).view(-1, 2)[:, 0])
-    tie_down = (master.view(torch.int32) & 0x1FFFF) == 0x8000  # low half 0x8000, even weight: rounded down
-    remainder.sub_(tie_down.view(torch.int8))  # 0x8000 - 1 wraps to 0x7FFF
+    low = torch.bitwise_and(master.view(torch.int32), 0x1FFFF, out=None if scratch is None else scratch[0])
+    tie_down = torch.eq(low, 0x8000, out=None if scratch is None else scratch[1])  # low half 0x8000, even weight
+    remainder.sub_(tie_down.view(torch.int8))  # rounded down: 0x8000 - 1 wraps to 0x7FFF
 
 
 class PrecisionAwareAdam(torch.optim.Optimizer):
@@ -67,6 +69,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders and master_weights
         self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype,
                                   "master_param": master_weight_dtype}  # fmt: skip
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def _remainders(self, param) -> bool:
         return self.store_param_remainders and param.dtype == torch.bfloat16
@@ -154,23 +157,37 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
                     self._update([t.view(-1)[chunk] for t in (p, g, s["exp_avg"], s["exp_avg_sq"])],
                                  s.get("master_param"), chunk, step.clone(), group, beta1, beta2)
                 s["step"] += 1
+        self._scratch.clear()  # allocated once per step (fresh pages per chunk and op cost more than the math)
+
+    def _buffer(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This step's scratch tensor `name`: STEP_CHUNK elements of `dtype` on `like`'s device, its first numel."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.device != like.device:
+            buf = self._scratch[name] = torch.empty(STEP_CHUNK, dtype=dtype, device=like.device)
+        return buf[: like.numel()]
 
     def _update(self, tensors, kept, chunk, step, group, beta1, beta2) -> None:
         """torch's AdamW on one chunk: the fp32 master, gradient and moments, then stored back."""
         p, g, exp_avg, exp_avg_sq = tensors
         kept = kept.view(-1)[chunk] if kept is not None else None
+
+        def fp32(name, t):  # `t` in fp32: itself, or its copy in this step's scratch buffer `name`
+            return t if t.dtype == torch.float32 else self._buffer(name, t, torch.float32).copy_(t)
+
         if kept is None:
             master = p
+        elif kept.dtype == torch.int16:
+            master = master_from_remainder(p, kept, out=self._buffer("master", p, torch.float32))
         else:
-            master = master_from_remainder(p, kept) if kept.dtype == torch.int16 else kept
-        m, v = exp_avg.float(), exp_avg_sq.float()  # the state itself when fp32
-        torch_adam([master], [g.float()], [m], [v], [], [step], foreach=None, fused=None, decoupled_weight_decay=True,
-                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                   eps=group["eps"], maximize=False)  # fmt: skip
+            master = kept
+        m, v = fp32("exp_avg", exp_avg), fp32("exp_avg_sq", exp_avg_sq)
+        torch_adam([master], [fp32("grad", g)], [m], [v], [], [step], foreach=None, fused=None,
+                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)  # fmt: skip
         for state, value in ((exp_avg, m), (exp_avg_sq, v)):
             if state is not value:
                 state.copy_(value)
         if kept is not None and kept.dtype == torch.int16:
-            store_master(master, p, kept)
+            store_master(master, p, kept, (self._buffer("low", p, torch.int32), self._buffer("tie", p, torch.bool)))
         elif master.dtype != p.dtype:  # a kept fp32 master of a bf16 weight
             p.copy_(master)

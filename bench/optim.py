@@ -24,6 +24,7 @@ STEP_NUMEL_QUICK = 1 << 20
 ERROR_STEPS = (1, 10, 100)
 ERROR_STEPS_QUICK = (1, 10)
 PAIRS, PAIRS_PER_STEP = 16, 8  # distinct pair gradients; each step sums PAIRS_PER_STEP of them (a rotation)
+PAIRS_QUICK, PAIRS_PER_STEP_QUICK = 4, 2
 NANO_ADAM = dict(lr=8e-7, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)  # configs/nano.toml, constant lr
 
 
@@ -94,9 +95,9 @@ def step_time(numel: int) -> dict:
             "ratio": {k: v["min"] / base for k, v in times.items() if k.startswith("ours")}}
 
 
-def _pair_gradients(cfg) -> list[list[torch.Tensor]]:
-    """PAIRS bf16 gradients of the MPO loss at step 1 (policy = reference, δ = 0, denominator PAIRS_PER_STEP), one
-    pair each, as train's backward leaves them."""
+def _pair_gradients(cfg, n_pairs: int, per_step: int) -> list[torch.Tensor]:
+    """The policy's bf16 weights and `n_pairs` bf16 gradients of the MPO loss at step 1 (policy = reference, δ = 0,
+    denominator `per_step`), one pair each, as train's backward leaves them; all flat."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     import distributed
@@ -104,28 +105,28 @@ def _pair_gradients(cfg) -> list[list[torch.Tensor]]:
     import train
 
     ctx = distributed.Ctx.current(cfg, torch.device("cpu"))
-    pairs, ids = sample_pairs(TINY, PAIRS)
+    pairs, ids = sample_pairs(TINY, n_pairs)
     policy, _ = _grad_policy(cfg, None)
     reference, _ = _grad_policy(cfg, None)
     reference.eval().requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1.0 / PAIRS_PER_STEP))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1.0 / per_step))
     grads = []
-    for pair in (pairs[i] for i in range(PAIRS)):
+    for pair in (pairs[i] for i in range(n_pairs)):
         batch = pack.pack([pair], cfg.packing.make_sequence_length_divisible_by, ids["image"], ids["pad"])
         ref = reference_logprobs.sums(reference, [batch], ctx)
-        train.policy_forward_backward([batch], ref, policy, ctx, 0.0, PAIRS_PER_STEP, backward=True)
+        train.policy_forward_backward([batch], ref, policy, ctx, 0.0, per_step, backward=True)
         grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]))
         for p in params:
             p.grad = None
     return [torch.cat([p.detach().reshape(-1) for p in params]), *grads]
 
 
-def update_errors(steps: tuple[int, ...]) -> dict:
+def update_errors(steps: tuple[int, ...], n_pairs: int = PAIRS, per_step: int = PAIRS_PER_STEP) -> dict:
     """The update master_n - master_0 after n in `steps` steps of each variant against torch's Adam arithmetic in
     float64 on the float64 gradient sums (the same formula and constants, NANO_ADAM): relative L2 and max-abs errors,
     and the fraction of bf16 weights unlike the float64 master's round to nearest. Step t sums the pair gradients
-    t, t+1, ..., t+PAIRS_PER_STEP-1 (mod PAIRS) in the buffer's dtype (fp32 or bf16, as megatron DDP adds them) or in
+    t, t+1, ..., t+per_step-1 (mod n_pairs) in the buffer's dtype (fp32 or bf16, as megatron DDP adds them) or in
     float64; the weights the gradients were taken at do not move (the optimizer's arithmetic alone)."""
     from torch.optim.adam import adam as torch_adam
 
@@ -135,7 +136,7 @@ def update_errors(steps: tuple[int, ...]) -> dict:
     distributed.init_distributed(device=torch.device("cpu"))
     cfg = _cfg()
     distributed.seed_everything(cfg.mpo.seed)
-    weights, *grads = _pair_gradients(cfg)
+    weights, *grads = _pair_gradients(cfg, n_pairs, per_step)
     variants = {"fp32 moments, fp32 buffers": (torch.float32, torch.float32),
                 "bf16 moments, fp32 buffers": (torch.bfloat16, torch.float32),
                 "fp32 moments, bf16 buffers": (torch.float32, torch.bfloat16),
@@ -150,7 +151,7 @@ def update_errors(steps: tuple[int, ...]) -> dict:
     m64, v64, step64 = torch.zeros_like(exact), torch.zeros_like(exact), torch.tensor(0.0, dtype=torch.float64)
     out: dict = {}
     for t in range(max(steps)):
-        chosen = [grads[(t + k) % PAIRS] for k in range(PAIRS_PER_STEP)]
+        chosen = [grads[(t + k) % n_pairs] for k in range(per_step)]
         sums = {d: torch.zeros_like(weights, dtype=d) for d in (torch.float32, torch.bfloat16, torch.float64)}
         for g in chosen:
             for s in sums.values():
@@ -171,14 +172,15 @@ def update_errors(steps: tuple[int, ...]) -> dict:
                                                                                           want.abs().max()),
                              "weights_off": float((params[name] != exact.float().bfloat16()).double().mean())}
             out[str(t + 1)] = row
-    return {"steps": list(steps), "params": weights.numel(), "pairs": PAIRS, "pairs_per_step": PAIRS_PER_STEP,
+    return {"steps": list(steps), "params": weights.numel(), "pairs": n_pairs, "pairs_per_step": per_step,
             "adam": {k: list(v) if isinstance(v, tuple) else v for k, v in NANO_ADAM.items()}, "errors": out}
 
 
 def bench_optimizer(quick: bool) -> dict:
-    """state_bytes, step_time and update_errors (--quick: a 1M shard, 1 and 10 steps)."""
+    """state_bytes, step_time and update_errors (--quick: a 1M shard, 1 and 10 steps of 2 of 4 pairs)."""
     t = time.perf_counter()
-    res = {"state": state_bytes(), "step": step_time(STEP_NUMEL_QUICK if quick else STEP_NUMEL),
-           "errors": update_errors(ERROR_STEPS_QUICK if quick else ERROR_STEPS)}
+    quick_errors = (ERROR_STEPS_QUICK, PAIRS_QUICK, PAIRS_PER_STEP_QUICK)
+    errors = update_errors(*quick_errors) if quick else update_errors(ERROR_STEPS)
+    res = {"state": state_bytes(), "step": step_time(STEP_NUMEL_QUICK if quick else STEP_NUMEL), "errors": errors}
     res["seconds"] = time.perf_counter() - t
     return res
