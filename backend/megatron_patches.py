@@ -5,13 +5,12 @@ mamba-ssm or without a GPU, and the changes the model needs on every platform.
 else probed once per process by `select_kernels()`) and the model patches (`MODEL_SHIMS`); it is idempotent and runs
 in every process before megatron modules are built (omni_model.build_model and distributed.init_distributed call it).
 `cuda_to_cpu()` wraps optimizer construction, `optimizer.step()` and checkpoint loading; checkpoint.py's save and load
-call the distributed-checkpointing repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`).
+call the distributed-checkpointing repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`);
+train.build_optimizer builds the precision-aware optimizer without TE (`optimizer_config`, `precision_aware_adam`).
 The context variables below are the per-forward state that OmniModel.forward sets and the patched layers read. Each
 patch carries a `SHIM(megatron-core <version>): <upstream file:line>` marker (so do local_spec.py's stand-in layers);
 `apply()` refuses any megatron-core but MEGATRON_CORE_VERSION_CHECKED. Why each exists: docs/DESIGN.md, "Kernels and
-megatron-core patches" (the checkpointing ones: "Checkpoints").
-
-Tests: `pytest tests/test_megatron_patches.py`.
+megatron-core patches" (the checkpointing ones: "Checkpoints"). Tests: `pytest tests/test_megatron_patches.py`.
 """
 
 from __future__ import annotations
