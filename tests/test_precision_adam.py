@@ -219,9 +219,10 @@ def _three_steps(*overrides: str) -> tuple[list[dict], dict, list]:
 
 def test_precision_aware_run_equals_the_fp32_master_run_bit_for_bit():
     """The tiny bf16 policy, three steps: megatron-core's fp32-master path (torch AdamW) and the precision-aware
-    optimizer with remainders and fp32 moments give the same metrics and bf16 weights bit for bit; the masters
-    differ by at most one fp32 ulp (the ties `split_master` stores one ulp off) and its state is 2 + 8 bytes per
-    parameter, the fp32-master path's 12."""
+    optimizer with remainders and fp32 moments give the same metrics and bf16 weights bit for bit (deterministic on
+    the CPU: the masters agree but for the ties `split_master` stores one ulp off, 1 in 2**17 elements per step, and
+    a weight would differ only where such a master then rounds differently); here the masters differ by at most one
+    ulp. Its state is 2 + 8 bytes per parameter, the fp32-master path's 12."""
     ref_rows, ref_w, ref_opt = _three_steps()
     rows, w, opt = _three_steps(PA)
     assert type(opt.optimizer) is precision_adam.PrecisionAwareAdam and type(ref_opt.optimizer) is torch.optim.AdamW
