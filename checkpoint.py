@@ -590,6 +590,9 @@ RESUME_RULES = {
                      "mpo.reward_shift",  # a fresh start's δ only: a resume carries the saved δ
                      "mpo.preference_average_log_probs", "mpo.sft_average_log_probs", "packing.shared_prompt",
                      "optimizer.grad_reduce_in_fp32"], NOTICE),  # buffers start at 0 every step (`name_grad_dtype`)
+    # the saved master converted (int16 remainders <-> fp32, `_read_as_saved`), the saved fp32 moments cast
+    **dict.fromkeys(["optimizer.use_precision_aware_optimizer", "optimizer.store_param_remainders",
+                     "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"], NOTICE),
 }  # fmt: skip
 
 
@@ -707,6 +710,27 @@ def check_parameter_digest(state: RunState, model: torch.nn.Module) -> None:
                           f"hf_export.py {path.parent} OUT) and start a new run with model.hf_path=OUT")
 
 
+def _read_as_saved(tree, shards: Path) -> None:
+    """Give each optimizer tensor of the sharded state dict `tree` the dtype it was saved in, in place: the master
+    is int16 remainders after a precision-aware run with store_param_remainders, fp32 values otherwise; the optimizer
+    converts it to the form it keeps (precision_adam.PrecisionAwareAdam.set_scaled_state,
+    megatron_patches._master_as_kept)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {k: getattr(getattr(m, "properties", None), "dtype", None)
+             for k, m in FileSystemReader(str(shards)).read_metadata().state_dict_metadata.items()}  # fmt: skip
+
+    def walk(node) -> None:
+        for v in node.values() if isinstance(node, dict) else node:
+            if isinstance(v, ShardedTensor) and saved.get(v.key) not in (None, v.data.dtype):
+                v.data, v.dtype = torch.empty_like(v.data, dtype=saved[v.key]), saved[v.key]
+            elif isinstance(v, (dict, list)):
+                walk(v)
+
+    walk(tree)
+
+
 def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> RunState:
     """Restore `ckpt` (RunState or folder) into a fresh model / optimizer / scheduler (collective); RNG at one world."""
     from megatron.core import dist_checkpointing
@@ -723,6 +747,7 @@ def load(ckpt: RunState | str | Path, model: torch.nn.Module, optimizer=None, sc
     if optimizer is not None:  # the gradient-buffer dtype as saved (fp32 before the setting existed), then as now
         saved_fp32 = state.config.get("optimizer", {}).get("grad_reduce_in_fp32", True)
         megatron_patches.name_grad_dtype(sharded["optimizer"], saved_fp32)
+        _read_as_saved(sharded["optimizer"], path / MODEL_OPTIM_DIR)
     loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM_DIR))
     load_model_state(model, loaded["model"])
     if optimizer is not None:

@@ -156,6 +156,14 @@ class OptimizerConfig:
     # model.params_dtype (false: bf16 buffers, plus an fp32 copy of this DP rank's gradients at each optimizer step;
     # measured error and memory: docs/PERFORMANCE.md, "Gradient buffers")
     grad_reduce_in_fp32: bool = True
+    # megatron-core's precision-aware optimizer (needs the distributed optimizer): the optimizer reads the gradient
+    # buffers in place and updates the bf16 weights itself; with store_param_remainders (bf16 weights) the fp32 master
+    # is the bf16 weight plus an int16 remainder (2 bytes per parameter instead of 4). TE's FusedAdam where installed,
+    # else precision_adam.PrecisionAwareAdam. Measured: docs/PERFORMANCE.md, "Optimizer state"
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True  # megatron-core's default; applies to bf16 weights with the flag above
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"  # Adam's first moment stored in (bf16: precision-aware only)
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"  # the second moment, likewise
 
 
 @dataclass
@@ -484,7 +492,26 @@ def validate(cfg: Config) -> None:
     if not opt.adam_eps >= FLOAT32_TINY:  # 0 in fp32 gives 0/0 = NaN for a parameter without gradient yet
         raise ConfigError(f"optimizer.adam_eps = {opt.adam_eps} must be > 0 and at least 1.2e-38 (the smallest "
                           "normal float32), e.g. 1e-8")
+    validate_optimizer_precision(cfg)
     validate_schedule(cfg)
+
+
+def validate_optimizer_precision(cfg: Config) -> None:
+    """The precision-aware optimizer's settings, as megatron-core can honour them (the dtypes' names: load_config)."""
+    opt = cfg.optimizer
+    for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(opt, k) != "fp32" and not opt.use_precision_aware_optimizer:
+            raise ConfigError(f"optimizer.{k} = {getattr(opt, k)!r} needs optimizer.use_precision_aware_optimizer = "
+                              "true (megatron-core keeps fp32 moments otherwise)")
+    if not opt.use_precision_aware_optimizer:
+        return
+    if not opt.use_distributed_optimizer:
+        raise ConfigError("optimizer.use_precision_aware_optimizer = true needs optimizer.use_distributed_optimizer "
+                          "= true (megatron-core's distributed optimizer holds it)")
+    if opt.store_param_remainders and cfg.model.params_dtype != "bfloat16":
+        raise ConfigError(f"optimizer.store_param_remainders = true with model.params_dtype = "
+                          f"{cfg.model.params_dtype!r}: remainders complete bf16 weights to fp32; set "
+                          "optimizer.store_param_remainders = false or model.params_dtype = 'bfloat16'")
 
 
 def validate_reference(cfg: Config) -> None:

@@ -185,11 +185,33 @@ def _model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def optimizer_bytes(optimizer, bf16: bool) -> tuple[int, int]:
-    """(fp32 master copies, Adam's two fp32 moments) in bytes of this rank's main parameters (its DP shard)."""
+def optimizer_bytes_per_param(cfg) -> tuple[int, int]:
+    """(master, Adam moments) bytes per trained parameter as the configured optimizer holds them: bf16 weights' fp32
+    master copies (4), with the precision-aware optimizer and store_param_remainders their int16 remainders (2);
+    each moment in its dtype (fp32 4, bf16 2)."""
+    o = cfg.optimizer
+    master = 0 if cfg.model.params_dtype != "bfloat16" else 2 if (o.use_precision_aware_optimizer
+                                                                   and o.store_param_remainders) else 4
+    return master, sum(4 if d == "fp32" else 2 for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
+
+
+def optimizer_bytes(optimizer, cfg) -> tuple[int, int]:
+    """(master, Adam moments) in bytes of this rank's main parameters (its DP shard): `optimizer_bytes_per_param`."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
     main = sum(p.numel() for o in optimizers for g in o.optimizer.param_groups for p in g["params"])
-    return (4 * main if bf16 else 0), 2 * 4 * main
+    master, moments = optimizer_bytes_per_param(cfg)
+    return master * main, moments * main
+
+
+def step_copy(cfg, fp32_grads: bool, master: int) -> int:
+    """Bytes the optimizer step allocates beside the static ones: megatron-core's fp32 copy of bf16 gradient buffers
+    (as many bytes as fp32 masters: docs/PERFORMANCE.md, "Gradient buffers"); the precision-aware optimizer reads
+    the buffers in place and holds fp32 temporaries for one chunk (precision_adam.STEP_TEMPORARY_BYTES)."""
+    from backend import precision_adam
+
+    if cfg.optimizer.use_precision_aware_optimizer:
+        return precision_adam.STEP_TEMPORARY_BYTES
+    return 0 if fp32_grads else master
 
 
 # ---- Activations ----------
@@ -358,7 +380,7 @@ class RankPlan:
     moments: int
     reference: int  # 0 with reference.offload, reference.logprobs = "precomputed" or LoRA (no reference model)
     reference_offloaded: int  # the reference's bytes when it visits the GPU for its passes (reference.offload)
-    grads_copy: int  # the fp32 copy of bf16 gradient buffers the optimizer step makes (docs/PERFORMANCE.md)
+    grads_copy: int  # the optimizer step's temporaries: `step_copy`
     reference_pass: int  # the reference's bytes in the reference pass (reference.logprobs = "precomputed"), else 0
     adapter_params: int = 0  # LoRA: this rank's adapter parameters (`params` counts the base model's)
     adapters: int = 0  # LoRA: their bytes (in `weights` too)
@@ -443,13 +465,13 @@ def lora_plan(model, cfg, counts: dict[str, int]) -> LoraPlan:
     for name, _, ad in lora.adapted(model):
         target = f"linear_fc{ad.weight_name[-1]}" if ad.kind == "experts" else name.rsplit(".", 1)[-1]
         layers[target] = layers.get(target, 0) + 1
-    bf16 = cfg.model.params_dtype == "bfloat16"
     weight = torch.finfo(omni_model.torch_dtype(cfg.model.params_dtype)).bits // 8
     lo = cfg.lora
     return LoraPlan(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets),
                     components=[c for c in LORA_COMPONENTS if getattr(lo, c)],
                     adapter_params=_global_numel(adapters, model), layers=layers,
-                    bytes_per_param=weight + (4 if bf16 else 0) + 8, full_params=counts["total"])
+                    bytes_per_param=weight + optimizer_bytes_per_param(cfg)[0] + 8,  # moments saved in fp32
+                    full_params=counts["total"])
 
 
 @dataclass
@@ -544,7 +566,6 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
     import lora
 
-    bf16 = cfg.model.params_dtype == "bfloat16"
     rows: list[RankPlan] = []
     counts = lplan = None
     adapter_act: tuple[dict[str, float], float] = ({}, 0.0)
@@ -561,7 +582,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
             if reference is None and lplan is None:
                 lplan = lora_plan(policy, cfg, counts)
                 adapter_act = adapter_bytes_per_token(policy, hf, cfg)
-            master, moments = optimizer_bytes(optimizer, bf16)
+            master, moments = optimizer_bytes(optimizer, cfg)
             # LoRA: the reference is the policy with the adapters off; the reference pass holds the base model
             ref = _model_bytes(reference) if reference is not None else _model_bytes(policy) - adapter_bytes
             buffers = ddp.buffers + ddp.expert_parallel_buffers
@@ -573,7 +594,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
                            reference=0 if cfg.reference.offload or cfg.reference.logprobs == "precomputed"
                            or reference is None else ref,
                            reference_offloaded=ref if cfg.reference.offload and reference is not None else 0,
-                           grads_copy=0 if fp32_grads else master,
+                           grads_copy=step_copy(cfg, fp32_grads, master),
                            reference_pass=ref if cfg.reference.logprobs == "precomputed" else 0,
                            adapter_params=n_adapter, adapters=adapter_bytes)
         same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
@@ -625,7 +646,7 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         f"{cfg.model.recompute}, reference.offload {cfg.reference.offload}, bins of {plan.bin_tokens} tokens "
         f"({plan.image_tokens} image tokens: {plan.image_source}), log-prob chunk {cfg.policy.logprob_chunk_size}",
         "",
-        "| ranks | params (policy / reference) | active | weights | grads | master fp32 | Adam moments | reference "
+        "| ranks | params (policy / reference) | active | weights | grads | master | Adam moments | reference "
         "| activations | total | reserve | 80 GB spare | 141 GB spare |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -638,7 +659,8 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         params = (f"{_b(r.params)} + {_b(r.adapter_params)} adapters / none" if plan.lora
                   else f"{_b(r.params)} / {_b(r.reference_params)}")
         spare = [_gib(cap - total - res.total(total)) for cap in GPUS.values()]
-        grads = _gib(r.grads) + (f" (+{_gib(r.grads_copy)} fp32 at the step)" if r.grads_copy else "")
+        at_step = "step temporaries" if cfg.optimizer.use_precision_aware_optimizer else "fp32 at the step"
+        grads = _gib(r.grads) + (f" (+{_gib(r.grads_copy)} {at_step})" if r.grads_copy else "")
         lines.append(f"| {ranks} | {params} | {_b(r.params_active)} "
                      f"| {_gib(r.weights)} | {grads} | {_gib(r.master)} | {_gib(r.moments)} | {ref} "
                      f"| {_gib(act)} | {_gib(total)} | {_gib(res.total(total))} | {spare[0]} | {spare[1]} |")
@@ -687,11 +709,11 @@ def format_lora(plan: MemoryPlan) -> list[str]:
         f"({layers} layers on rank {r.ranks[0]}): {_b(lp.adapter_params)} adapter parameters, "
         f"{_b(r.adapter_params)} on rank {r.ranks[0]} "
         f"({r.adapters / MiB:.1f} MiB in its weights). The base weights are frozen: no gradients, master copies or "
-        "Adam moments for them (grads, master fp32 and Adam moments above are the adapters'); no reference model "
+        "Adam moments for them (grads, master and Adam moments above are the adapters'); no reference model "
         f"(no second copy of the weights): {ref}. The adapters' saved x·Aᵀ (and their norm's input where the norm is "
         f"fused into the base) add {(with_adapters - without) / MiB:.1f} MiB to the activations.",
         f"LoRA checkpoint: the adapters and their optimizer state, {lp.checkpoint_bytes / MiB:.1f} MiB "
-        f"({lp.bytes_per_param} bytes per parameter: weight, fp32 master copy, Adam moments) against the full run's "
+        f"({lp.bytes_per_param} bytes per parameter: weight, master, Adam moments) against the full run's "
         f"{lp.full_checkpoint_bytes / GiB:.1f} GiB: {lp.checkpoint_ratio:.3%}.",
     ]
 

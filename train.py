@@ -59,7 +59,7 @@ import pack  # noqa: E402
 import preflight  # noqa: E402
 import reference_logprobs  # noqa: E402
 import stop_signals  # noqa: E402
-from backend import kernel_selection, shared_prompt  # noqa: E402
+from backend import kernel_selection, megatron_patches, shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
 # ======================================================================================================================
@@ -248,7 +248,8 @@ def build_scheduler(optimizer, cfg):
 def build_optimizer(policy, cfg):
     """(ddp, optimizer, scheduler): megatron-core DDP around the policy (gradients summed over microbatches, DP and
     CP: mpo_loss's denominator contract; in fp32 or, optimizer.grad_reduce_in_fp32=false, model.params_dtype), its
-    Adam (distributed by default; bf16 params keep fp32 master weights). Both see only the parameters that require a
+    Adam (distributed by default; bf16 params keep fp32 master weights, or with use_precision_aware_optimizer the
+    optimizer updates them itself: megatron_patches.precision_aware_adam). Both see only the parameters that require a
     gradient: with LoRA the adapters (no gradient buffer, optimizer state or master copy for a frozen base weight)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -260,12 +261,17 @@ def build_optimizer(policy, cfg):
                                             use_distributed_optimizer=o.use_distributed_optimizer)
     ddp = DistributedDataParallel(ddp_model_cfg, ddp_cfg, policy)
     bf16 = cfg.model.params_dtype == "bfloat16"
-    optim_cfg = OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+    moments = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    precision = dict(use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+                     store_param_remainders=o.store_param_remainders, exp_avg_dtype=moments[o.exp_avg_dtype],
+                     exp_avg_sq_dtype=moments[o.exp_avg_sq_dtype])  # fmt: skip
+    optim_cfg = megatron_patches.optimizer_config(
+        OptimizerConfig, precision, optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=o.use_distributed_optimizer,
     )  # fmt: skip
-    optimizer = get_megatron_optimizer(optim_cfg, [ddp])
+    with megatron_patches.precision_aware_adam(optim_cfg):
+        optimizer = get_megatron_optimizer(optim_cfg, [ddp])
     return ddp, optimizer, build_scheduler(optimizer, cfg)
 
 

@@ -2,11 +2,12 @@
 mamba-ssm or without a GPU, and the changes the model needs on every platform.
 
 `apply(kernels)` installs, once each, the patches the kernels need (`shims_for`) and the model patches (`MODEL_SHIMS`)
-in every process before megatron modules are built (omni_model.build_model, distributed.init_distributed). On a CPU
-run megatron's optimizers build, step and load in `CudaToCpuMode`. checkpoint.py calls the checkpointing repairs
-(`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`). Each patch carries a `SHIM(megatron-core
-<version>): <upstream file:line>` marker; `apply()` refuses any other megatron-core. Why each exists: docs/DESIGN.md,
-"Kernels and megatron-core patches". Tests: `pytest tests/test_megatron_patches.py`.
+in every process before megatron modules are built (omni_model.build_model, distributed.init_distributed). On a CPU run
+megatron's optimizers build, step and load in `CudaToCpuMode`; without TE, train.build_optimizer builds the
+precision-aware optimizer through `optimizer_config` and `precision_aware_adam`. checkpoint.py calls the checkpointing
+repairs (`name_grad_dtype`, `restore_adam_steps`, `use_in_process_write_queue`). Each patch carries a
+`SHIM(megatron-core <version>): <upstream file:line>` marker; `apply()` refuses any other megatron-core. Why each
+exists: docs/DESIGN.md, "Kernels and megatron-core patches". Tests: `pytest tests/test_megatron_patches.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ TORCH_MAMBA_SHIMS = ("install_torch_mamba",)  # no mamba-ssm kernels, no Triton 
 TRITON_MAMBA_SHIMS = ("install_triton_mamba",)  # mamba-ssm's Triton sources and fla-core instead of mamba-ssm
 # Every platform, after the ones above (the scan hook wraps whichever Mamba kernel is installed by then).
 MODEL_SHIMS = ("install_mamba_scan_hook", "_recompute_in_forward_context", "_fix_router_padding_mask",
-               "_routers_without_statistics_in_context")
+               "_routers_without_statistics_in_context", "_master_as_kept")
 
 _INSTALLED: set[str] = set()
 _KERNELS: Kernels | None = None  # the kernels of the first apply(): passed, or probed once
@@ -343,6 +344,77 @@ def _patch_clip_grads() -> None:
     for mod in (clip_grads, optimizer, distrib_optimizer):
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             mod.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def te_fused_adam() -> bool:
+    """True where Transformer Engine's FusedAdam is importable: megatron-core's own precision-aware path runs."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def optimizer_config(config_cls, precision: dict, **kwargs):
+    """megatron-core's OptimizerConfig(**kwargs, **precision); `precision`: use_precision_aware_optimizer,
+    store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype. Without TE's FusedAdam the config is built without the
+    flag (its check imports TE and turns remainders off below TE 2.1), then given the fields as that check would.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/optimizer_config.py:430 (and :438, :404)"""
+    if not precision.get("use_precision_aware_optimizer") or te_fused_adam():
+        return config_cls(**kwargs, **precision)
+    cfg = config_cls(**kwargs)
+    for k, v in precision.items():
+        setattr(cfg, k, v)
+    assert cfg.optimizer == "adam" and cfg.use_distributed_optimizer and cfg.fp8_recipe is None
+    cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    return cfg
+
+
+@contextlib.contextmanager
+def precision_aware_adam(config):
+    """While get_megatron_optimizer builds: precision_adam.PrecisionAwareAdam as megatron-core's `Adam` (TE's FusedAdam
+    keywords, store_param_remainders included) where the config asks for it and TE's FusedAdam is not importable.
+    SHIM(megatron-core 0.19.2): megatron/core/optimizer/__init__.py:556 (and :583)"""
+    if not config.use_precision_aware_optimizer or te_fused_adam():
+        yield
+        return
+    from megatron.core import optimizer as mopt
+
+    from backend import precision_adam
+
+    saved = {k: getattr(mopt, k) for k in ("Adam", "USING_PYTORCH_OPTIMIZER", "is_te_min_version")}
+    mopt.Adam, mopt.USING_PYTORCH_OPTIMIZER = precision_adam.PrecisionAwareAdam, False
+    mopt.is_te_min_version = lambda version, check_equality=True: True
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(mopt, k, v)
+
+
+def _master_as_kept() -> None:
+    # SHIM(megatron-core 0.19.2): megatron/core/optimizer/distrib_optimizer.py:1193 (and :1225)
+    # A saved master in the other form than this optimizer keeps (int16 remainders of a precision-aware run, fp32
+    # values of the fp32-master path) is converted with the loaded bf16 weight; the precision-aware optimizer converts
+    # in set_scaled_state, the fp32-master path here.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(set_states, "_omni_master", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if tensors.get("param") is not None and tensors["param"].dtype == torch.int16 and not (
+                self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
+            from backend import precision_adam
+
+            r = self._get_model_param_range_map(model_param)["param"]
+            weight = model_param.detach().view(-1)[r.start : r.end]
+            tensors = dict(tensors, param=precision_adam.master_from_remainder(weight, tensors["param"]))
+        return set_states(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._omni_master = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def _cpu_device(device):

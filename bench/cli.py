@@ -31,6 +31,7 @@ from bench.gpu import bench_gpu
 from bench.gpu_step import gpu_step_rows
 from bench.grads import bench_grads
 from bench.logprobs import MEMORY_GOAL, TIME_GOAL, bench_logprobs, logprobs_worker
+from bench.optim import bench_optimizer
 from bench.packing import bench_packing
 from bench.profiling import profile_table
 from bench.scan import scan_rows
@@ -39,7 +40,8 @@ from bench.train_step import bench_train
 from bench.vision import bench_vision
 
 ITEMS = {"packing": bench_packing, "vision": bench_vision, "logprobs": bench_logprobs, "train": bench_train,
-         "shared": bench_shared, "data": bench_data, "gpu": bench_gpu, "grads": bench_grads}
+         "shared": bench_shared, "data": bench_data, "gpu": bench_gpu, "grads": bench_grads,
+         "optimizer": bench_optimizer}
 
 
 def table(res: dict) -> str:
@@ -128,6 +130,20 @@ def table(res: dict) -> str:
             rows.append((f"bf16 vs fp32 gradient buffers, {plural(int(n), 'microbatch')}",
                          "relative L2 error against float64 (max-abs)", f"{b['rel_l2']:.1e} ({b['rel_max']:.1e})",
                          f"{f['rel_l2']:.1e} ({f['rel_max']:.1e})", ratio))
+    if "optimizer" in res:
+        o = res["optimizer"]
+        base = o["state"]["fp32 master (megatron-core's path)"]["bytes_per_param"]
+        rows += [(f"optimizer: {k}", "state bytes per trained parameter", f"{v['bytes_per_param']:.2f}",
+                  f"{base:.2f}", f"{v['bytes_per_param'] / base:.2f}x") for k, v in o["state"].items()]
+        torch_s = o["step"]["seconds"]["torch AdamW (fp32 master)"]
+        rows += [(f"optimizer step, {o['step']['numel']} params", f"{k} vs torch AdamW (CPU)",
+                  f"{o['step']['seconds'][k] * 1e3:.0f} ms", f"{torch_s * 1e3:.0f} ms", f"{r:.2f}x")
+                 for k, r in o["step"]["ratio"].items()]
+        for n, row in o["errors"]["errors"].items():
+            ref = row["fp32 moments, fp32 buffers"]["rel_l2"]
+            rows += [(f"optimizer update after {plural(int(n), 'step')}", f"{k}: rel. L2 error vs float64",
+                      f"{e['rel_l2']:.1e}", f"{ref:.1e}", f"{e['rel_l2'] / ref:.2g}x" if ref else "")
+                     for k, e in row.items() if not k.startswith("fp32 moments, fp32")]
     if "gpu" in res and "skipped" in res["gpu"]:
         rows.append(("GPU", "step time, tokens/s, MFU", res["gpu"]["skipped"], "", ""))
     elif "gpu" in res:

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_item_ran(results):
-    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads"} <= set(results)
+    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads", "optimizer"} <= set(results)
     assert results["quick"] is True and results["command"] == "python -m bench --quick"
 
 
@@ -112,6 +112,19 @@ def test_gradient_buffers_accumulate_within_the_summation_bound(results):
         bf16, fp32 = errors[n]["bf16"], errors[n]["fp32"]
         assert bf16["bound_use"] <= 1 and fp32["bound_use"] <= 1, (n, bf16, fp32)
         assert bf16["rel_l2"] > fp32["rel_l2"] and bf16["rel_max"] > fp32["rel_max"], (n, bf16, fp32)
+
+
+def test_optimizer_state_bytes_and_update_errors(results):
+    """The optimizer's own state tensors hold 12 bytes per trained parameter on megatron-core's fp32-master path, 10
+    with remainders and fp32 moments, 6 with bf16 moments; the first update is computed from zero moments in fp32
+    either way (bf16 storage changes only later steps), so both moment dtypes err alike there."""
+    o = results["optimizer"]
+    assert [v["bytes_per_param"] for v in o["state"].values()] == [12.0, 10.0, 6.0]
+    assert [v["optimizer"] for v in o["state"].values()] == ["AdamW", "PrecisionAwareAdam", "PrecisionAwareAdam"]
+    first = o["errors"]["errors"]["1"]
+    assert first["fp32 moments, fp32 buffers"] == first["bf16 moments, fp32 buffers"]
+    assert 0 < first["fp32 moments, fp32 buffers"]["rel_l2"] < 1 and set(o["step"]["ratio"]) == {
+        "ours, fp32 moments", "ours, bf16 moments"}
 
 
 GPU_SKIP = "no CUDA device: the GPU step time, tokens/s and MFU need an accelerator"

@@ -2,7 +2,8 @@
 
 For 1 rank (`python train.py`) and 2 ranks (torchrun, DP = 2), with and without the distributed optimizer, and with
 fp32 and bf16 gradient buffers (`optimizer.grad_reduce_in_fp32`; each on 1 and 2 ranks): the tiny run in bf16 for 4
-steps with `checkpoint.save_period=2`, then a second run resumed from a copy of its step_2 (2 + 2 steps). Steps 3-4 of
+steps with `checkpoint.save_period=2`, then a second run resumed from a copy of its step_2 (2 + 2 steps); on 2 ranks
+also with the precision-aware optimizer (int16 remainders, bf16 moments). Steps 3-4 of
 the resumed run, its step-4 weights and every optimizer tensor equal the uninterrupted run's. The DP = 2
 distributed-optimizer run with bf16 gradient buffers is exported and loaded by transformers' Omni class (with fp32
 ones: tests/test_checkpoint.py's bf16 segment).
@@ -49,7 +50,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _loaded_state(step_dir: Path, dopt: bool, fp32: bool) -> list[tuple[str, torch.Tensor]]:
+def _loaded_state(step_dir: Path, dopt: bool, fp32: bool, extra=()) -> list[tuple[str, torch.Tensor]]:
     """Policy weights (with dtype) and every optimizer tensor after loading `step_dir` into a fresh bf16 tiny policy
     in this process (a world of one), its optimizer built with `dopt` and `fp32` gradient buffers."""
     import checkpoint
@@ -57,7 +58,7 @@ def _loaded_state(step_dir: Path, dopt: bool, fp32: bool) -> list[tuple[str, tor
 
     distributed.init_distributed()
     keys = [f"optimizer.use_distributed_optimizer={str(dopt).lower()}",
-            f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}"]  # fmt: skip
+            f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}", *extra]  # fmt: skip
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [*BF16, *keys])
     policy = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     ddp, opt, sched = train.build_optimizer(policy, cfg)
@@ -70,20 +71,27 @@ def _loaded_state(step_dir: Path, dopt: bool, fp32: bool) -> list[tuple[str, tor
     return out
 
 
-# (ranks, distributed optimizer, fp32 gradient buffers): each optimizer and each gradient-buffer dtype on 1 and 2 ranks
-@pytest.fixture(scope="module", params=[(1, True, True), (1, False, False), (2, True, False), (2, False, True)],
-                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}-grad{'fp32' if p[2] else 'bf16'}")
+# the precision-aware optimizer with remainders and bf16 moments (tests/test_precision_adam.py: the other settings)
+PRECISION = ("optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_dtype=bf16",
+             "optimizer.exp_avg_sq_dtype=bf16")  # fmt: skip
+
+
+# (ranks, distributed optimizer, fp32 gradient buffers, more settings): each optimizer and each gradient-buffer dtype
+# on 1 and 2 ranks, and the precision-aware optimizer on 2
+@pytest.fixture(scope="module", params=[(1, True, True, ()), (1, False, False, ()), (2, True, False, ()),
+                                        (2, False, True, ()), (2, True, False, PRECISION)],
+                ids=lambda p: f"n{p[0]}-dopt{int(p[1])}-grad{'fp32' if p[2] else 'bf16'}{'-pa' if p[3] else ''}")
 def bf16_runs(request, torchrun, tmp_path_factory):
-    nproc, dopt, fp32 = request.param
+    nproc, dopt, fp32, extra = request.param
     straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
     opt = [f"optimizer.use_distributed_optimizer={str(dopt).lower()}",
-           f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}"]  # fmt: skip
+           f"optimizer.grad_reduce_in_fp32={str(fp32).lower()}", *extra]  # fmt: skip
     _run(torchrun, nproc, straight, *opt, "checkpoint.save_period=2")
     shutil.copytree(straight / "step_2", resumed / "step_2")
     first_two = (straight / "metrics.jsonl").read_text().splitlines()[:2]
     (resumed / "metrics.jsonl").write_text("".join(r + "\n" for r in first_two))
     _run(torchrun, nproc, resumed, *opt, "checkpoint.resume=true")
-    return SimpleNamespace(nproc=nproc, dopt=dopt, fp32=fp32, straight=straight, resumed=resumed)
+    return SimpleNamespace(nproc=nproc, dopt=dopt, fp32=fp32, extra=extra, straight=straight, resumed=resumed)
 
 
 def test_bf16_model_has_one_parameter_dtype():
@@ -145,8 +153,8 @@ def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     for x, y in zip(a, b, strict=True):
         assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
     assert a[3]["loss"] != a[0]["loss"]  # the steps trained something
-    straight = _loaded_state(bf16_runs.straight / "step_4", bf16_runs.dopt, bf16_runs.fp32)
-    resumed = _loaded_state(bf16_runs.resumed / "step_4", bf16_runs.dopt, bf16_runs.fp32)
+    straight = _loaded_state(bf16_runs.straight / "step_4", bf16_runs.dopt, bf16_runs.fp32, bf16_runs.extra)
+    resumed = _loaded_state(bf16_runs.resumed / "step_4", bf16_runs.dopt, bf16_runs.fp32, bf16_runs.extra)
     assert [k for k, _ in straight] == [k for k, _ in resumed]
     assert sum(k.endswith("exp_avg_sq") for k, _ in straight) > 10
     params = [v for k, v in straight if k.startswith("param")]
@@ -156,7 +164,7 @@ def test_bf16_two_plus_two_steps_equal_four_bit_for_bit(bf16_runs):
     assert {float(v) for k, v in straight if k.endswith(".step")} == {4.0}
 
 
-@pytest.mark.parametrize("bf16_runs", [(2, True, False)], indirect=True, ids=["n2-dopt1-gradbf16"])
+@pytest.mark.parametrize("bf16_runs", [(2, True, False, ())], indirect=True, ids=["n2-dopt1-gradbf16"])
 def test_bf16_export_loads_in_transformers(bf16_runs, tmp_path):
     out = tmp_path / "hf"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")

@@ -105,7 +105,9 @@ def test_every_shim_names_an_upstream_line_that_exists():
                                            local_spec.ThdDotProductAttention,
                                            megatron_patches.restore_adam_steps,  # called by checkpoint.py
                                            megatron_patches.name_grad_dtype,
-                                           megatron_patches.use_in_process_write_queue]
+                                           megatron_patches.use_in_process_write_queue,
+                                           megatron_patches.optimizer_config,  # called by train.build_optimizer
+                                           megatron_patches.precision_aware_adam]
     marker = re.compile(r"SHIM\(megatron-core (\S+)\): (megatron/core/\S+\.py):(\d+)")
     for obj in objects:
         found = marker.findall(inspect.getsource(obj))

@@ -259,14 +259,15 @@ def test_a_world_of_one_before_the_plan_is_a_world_of_one_after():
 
 
 def test_two_nodes_shard_the_optimizer_over_dp():
-    """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's fp32
-    master copies of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters exactly (padding holds
-    no main parameter); the fp32 gradient buffer stays whole on each DP rank."""
+    """16 GPUs (DP 2): megatron's gloo side groups run in the fake world too, and the distributed optimizer's masters
+    (nano.toml: int16 remainders) of DP ranks 0 (rank 0) and 1 (rank 15) partition the rank's bf16 parameters
+    exactly (padding holds no main parameter), as do the (bf16) moments; the fp32 gradient buffer stays whole on each
+    DP rank."""
     p = plan.make_plan(nano_cfg(), 16)
     first, last = p.ranks if len(p.ranks) == 2 else (p.ranks[0], p.ranks[0])
     assert first.params == last.params
-    assert first.master + last.master == 4 * first.params
-    assert first.moments + last.moments == 2 * 4 * first.params
+    assert first.master + last.master == 2 * first.params
+    assert first.moments + last.moments == 2 * 2 * first.params
     assert first.grads >= 4 * first.params
 
 
@@ -333,11 +334,30 @@ def test_train_sets_expandable_segments_unless_the_user_chose_an_allocator_setti
         assert proc.stdout.strip() == want
 
 
+FP32_MASTER = ("optimizer.use_precision_aware_optimizer=false", "optimizer.exp_avg_dtype=fp32",
+               "optimizer.exp_avg_sq_dtype=fp32")  # megatron-core's fp32-master optimizer
+
+
+def test_precision_aware_optimizer_counts_remainders_moments_in_their_dtype_and_no_gradient_copy():
+    """nano.toml's precision-aware optimizer holds per parameter of this DP shard a 2-byte remainder (the fp32
+    master's 4) and two bf16 moments (4 bytes, fp32's 8); with bf16 gradient buffers it reads them in place: the step
+    adds only its chunk's temporaries, not megatron-core's fp32 copy."""
+    from backend import precision_adam
+
+    (full,) = plan.make_plan(nano_cfg(*FP32_MASTER), 8).ranks
+    (pa,) = plan.make_plan(nano_cfg(), 8).ranks
+    (pa16,) = plan.make_plan(nano_cfg("optimizer.grad_reduce_in_fp32=false", "optimizer.exp_avg_dtype=fp32",
+                                      "optimizer.exp_avg_sq_dtype=fp32"), 8).ranks  # fmt: skip
+    assert 2 * pa.master == full.master and 2 * pa.moments == full.moments == pa16.moments
+    assert pa.grads == full.grads == 2 * pa16.grads and pa.master == pa16.master
+    assert pa.grads_copy == pa16.grads_copy == precision_adam.STEP_TEMPORARY_BYTES and full.grads_copy == 0
+
+
 def test_bf16_gradient_buffers_count_the_fp32_copy_of_the_optimizer_step():
     """megatron-core's optimizer gives each fp32 main parameter a fresh fp32 copy of its bf16 gradient at the step
     (docs/PERFORMANCE.md, Gradient buffers): the plan's peak holds it in place of the activations it outlives."""
-    p32 = plan.make_plan(nano_cfg(), 8)
-    p16 = plan.make_plan(nano_cfg("optimizer.grad_reduce_in_fp32=false"), 8)
+    p32 = plan.make_plan(nano_cfg(*FP32_MASTER), 8)
+    p16 = plan.make_plan(nano_cfg(*FP32_MASTER, "optimizer.grad_reduce_in_fp32=false"), 8)
     (r32,), (r16,) = p32.ranks, p16.ranks
     assert r32.grads == 2 * r16.grads and r32.grads_copy == 0 and r16.grads_copy == r16.master == r32.master
     act = p16.activations(p16.bin_tokens, p16.image_tokens)
