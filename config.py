@@ -46,6 +46,8 @@ class ModelConfig:
     freeze_vision_encoder: bool = False  # no gradient into the RADIO ViT
     freeze_vision_projector: bool = False  # no gradient into the mlp1 projector
     freeze_language_model: bool = False  # no gradient into the hybrid language model
+    freeze_sound_encoder: bool = False  # no gradient into the Parakeet sound encoder (checkpoints with sound_config)
+    freeze_sound_projector: bool = False  # no gradient into the sound projection
     recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation granularity
     mamba_dt_clamp: bool = True  # clamp softplus(dt) to >= time_step_min as transformers does (False = mcore)
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)

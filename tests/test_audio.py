@@ -1,0 +1,140 @@
+"""The sound path: parity of audio rows with transformers, packed = unpacked with clips, the hub mapping of the sound
+encoder, the freeze switches.
+
+Run: `pytest tests/test_audio.py` (CPU, fp32, in-process world of size 1; about 30 s). The reference is transformers'
+`NemotronH_Omni_Reasoning_V3` loaded from the same files; audio inputs are generated tones (omni_model_cases.tone).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import raises_naming  # noqa: E402
+from omni_model_cases import TINY, audio_batch_fields, media_text_inputs, tone  # noqa: E402
+
+PARITY = 1e-4  # logits max-abs vs transformers, as for images
+INVARIANCE = 1e-5  # packed = unpacked
+SOUND_TOKEN = 27  # <so_embedding>
+
+
+@pytest.fixture(scope="module")
+def world():
+    import distributed
+
+    distributed.init_distributed()
+
+
+@pytest.fixture(scope="module")
+def model(world):
+    import hf_weights
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    m = om.build_model(TINY, ModelConfig(), ParallelConfig())
+    m.load_report = hf_weights.load_hf_weights(m, TINY)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    return NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).eval()
+
+
+@pytest.mark.parametrize("n_audio,image", [(1, False), (2, True)])
+def test_audio_logits_match_transformers(model, reference, n_audio, image):
+    """An audio row, and a row mixing an image with two clips of different lengths (transformers pads them into one
+    batch; ours encodes each at its own length)."""
+    b = media_text_inputs(n_audio, image)
+    ids = b["input_ids"]
+    ours_in = {"input_ids": ids, **audio_batch_fields(b)}
+    if image:
+        ours_in.update(pixel_values=b["pixel_values"], image_grid_hw=b["image_grid_hw"])
+    with torch.no_grad():
+        ref = reference(**b).logits[0]
+        ours = model(ours_in)
+        no_audio = model({**ours_in, "input_ids": ids.masked_fill(ids == SOUND_TOKEN, 100),
+                          "audio_lens": torch.zeros(0, 2, dtype=torch.int64)})
+    assert (ours - ref).abs().max().item() <= PARITY
+    assert (no_audio - ref).abs().max().item() > 1e-2  # the clips' features matter
+
+
+def _audio_pair_batch(seed: int) -> dict:
+    """Two padded rows (lengths 30 and 37), each with its own clip (0.3 s: 4 tokens; 0.5 s: 7 tokens) at position 3."""
+    from transformers import AutoProcessor
+
+    fe = AutoProcessor.from_pretrained(TINY).feature_extractor
+    g = torch.Generator().manual_seed(seed)
+    ids, cu, cu_pad, feats, lens = [], [0], [0], [], []
+    for n, secs in ((30, 0.3), (37, 0.5)):
+        out = fe([tone(secs, 440.0, seed=n)], sampling_rate=16000, return_tensors="pt")
+        frames, valid = out.input_features.shape[1], int(out.attention_mask.sum())
+        n_tok = {0.3: 4, 0.5: 7}[secs]
+        row = torch.randint(32, 1000, (n,), generator=g)
+        row[2], row[3:3 + n_tok], row[3 + n_tok] = 25, SOUND_TOKEN, 26
+        pad = -(-n // 8) * 8
+        ids.append(torch.cat([row, torch.zeros(pad - n, dtype=torch.int64)]))
+        cu.append(cu[-1] + n)
+        cu_pad.append(cu_pad[-1] + pad)
+        feats.append(out.input_features[0])
+        lens.append([frames, valid])
+    return {"input_ids": torch.cat(ids)[None], "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor(cu_pad, dtype=torch.int32), "audio_features": torch.cat(feats),
+            "audio_lens": torch.tensor(lens), "media_index": torch.tensor([0, 1]),
+            "media_audio_offsets": torch.tensor([0, 1, 2])}
+
+
+def test_packed_equals_unpacked_with_audio(model):
+    batch = _audio_pair_batch(3)
+    f0 = int(batch["audio_lens"][0, 0])
+    with torch.no_grad():
+        packed = model(batch)
+        for s, (feat, lens) in enumerate(((batch["audio_features"][:f0], batch["audio_lens"][:1]),
+                                          (batch["audio_features"][f0:], batch["audio_lens"][1:]))):
+            a, b = batch["cu_seqlens_padded"][s:s + 2].tolist()
+            n = int(batch["cu_seqlens"][s + 1] - batch["cu_seqlens"][s])
+            alone = model({"input_ids": batch["input_ids"][:, a:b], "audio_features": feat, "audio_lens": lens,
+                           "cu_seqlens": torch.tensor([0, n], dtype=torch.int32),
+                           "cu_seqlens_padded": torch.tensor([0, b - a], dtype=torch.int32)})
+            assert (packed[a:a + n] - alone[:n]).abs().max().item() <= INVARIANCE
+
+
+def test_sound_token_count_mismatch_names_both_counts(model):
+    batch = _audio_pair_batch(4)
+    batch["media_audio_offsets"] = torch.tensor([0, 2, 2])  # both clips (11 features) on the chosen row (4 tokens)
+    with raises_naming(ValueError, "sequence 0", "4 <so_embedding>", "11 features"), torch.no_grad():
+        model(batch)
+
+
+def test_sound_encoder_is_mapped_and_stays_in_eval_mode(model):
+    """Every hub sound key but NeMo's featurizer buffers has a place in the model (BatchNorm statistics included);
+    train() leaves the encoder's BatchNorm on its running statistics."""
+    assert model.load_report["untouched"]["sound_encoder.encoder.feature_extractor."] == 2
+    assert not any(k.startswith(("sound_encoder.encoder.layers", "sound_projection.")) for k in model.hf_untouched_keys)
+    bn = model.sound_encoder.encoder.layers[0].conv.norm
+    from safetensors import safe_open
+
+    with safe_open(TINY / "model.safetensors", "pt") as f:
+        assert torch.equal(bn.running_var, f.get_tensor("sound_encoder.encoder.layers.0.conv.norm.running_var"))
+    try:
+        model.train()
+        assert model.language_model.training and not bn.training and not model.sound_encoder.encoder.training
+    finally:
+        model.eval()
+
+
+def test_freeze_sound_switches(world):
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    m = om.build_model(TINY, ModelConfig(freeze_sound_encoder=True), ParallelConfig())
+    trainable = {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == {"language_model", "vision_model", "vision_projection", "sound_projection"}
+    m = om.build_model(TINY, ModelConfig(freeze_sound_projector=True), ParallelConfig())
+    assert "sound_projection" not in {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad}
