@@ -67,6 +67,7 @@ class TrainDataConfig:
     shuffle: bool = True  # reshuffle the pair order every epoch
     split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a whole pair count (>= 1); 0 = none
     max_images_per_row: int = 8  # rows with more images are dropped (reason too_many_images)
+    max_audio_seconds: float = 0.0  # rows with a longer audio clip are dropped (audio_too_long); 0 = no limit
 
 
 @dataclass
@@ -434,6 +435,9 @@ def validate(cfg: Config) -> None:
     for k in positive:
         if get_dotted(cfg, k) < 1:
             raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 1")
+    if not (math.isfinite(cfg.data.train.max_audio_seconds) and cfg.data.train.max_audio_seconds >= 0):
+        raise ConfigError(f"data.train.max_audio_seconds = {cfg.data.train.max_audio_seconds} must be >= 0 (0: no "
+                          "limit)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1; set "
                           "parallel.sequence_parallel = false or raise TP")

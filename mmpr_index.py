@@ -53,7 +53,7 @@ from stop_signals import ignore_stop_signals, workers_start_deaf
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 5  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 6  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
@@ -91,6 +91,10 @@ def processor_identity(processor) -> str:
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))).encode())
     h.update(str(processor.chat_template).encode())
     h.update(processor.image_processor.to_json_string().encode())
+    if getattr(processor, "feature_extractor", None) is not None:  # mel features and audio token counts
+        h.update(processor.feature_extractor.to_json_string().encode())
+        h.update(json.dumps([getattr(processor, k, None) for k in ("audio_sampling_rate", "audio_hop_length",
+                                                                   "audio_subsampling_factor")]).encode())
     h.update(type(processor).__name__.encode())
     return h.hexdigest()
 
@@ -136,11 +140,14 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> MMPRIndex:
     """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
-    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length)
+    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.train.max_audio_seconds)
     image_paths: list[str] = []
     path_ids: dict[str, int] = {}
     cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
     img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
+    audio_cols: dict[str, list] = collections.defaultdict(list)  # per-clip columns
+    audio_paths: list[str] = []
+    audio_ids: dict[str, int] = {}
     stats: dict[str, dict] = {}
     first_seen: dict[str, tuple[str, str]] = {}  # a valid row's content digest -> (subset, "file:line") of its first
     pool = None
@@ -212,7 +219,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                 st["notes"] = notes
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
-            first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
+            first_image, first_audio = {}, {}  # valid row -> its first per-image / per-clip slot (repeats share it)
             for k in keep:
                 v = valid[k]
                 if k not in first_image:
@@ -224,12 +231,22 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                         img_cols["path_id"].append(path_ids[p])
                         img_cols["grid"].append(list(g))
                         img_cols["count"].append(n)
+                    first_audio[k] = len(audio_cols["count"])
+                    for p, n_samples, n in zip(v["clips"], v["samples"], v["audio_counts"], strict=True):
+                        audio_cols["path_id"].append(audio_ids.setdefault(p, len(audio_paths)))
+                        if audio_cols["path_id"][-1] == len(audio_paths):
+                            audio_paths.append(p)
+                        audio_cols["samples"].append(n_samples)
+                        audio_cols["count"].append(n)
                 for key in ("line", "offset", "prompt_len", "chosen_len", "rejected_len"):
                     cols[key].append(v[key])
                 cols["subset_id"].append(sid)
                 cols["image_tokens"].append(sum(v["counts"]))
                 cols["image_start"].append(first_image[k])
                 cols["num_images"].append(len(v["imgs"]))
+                cols["audio_tokens"].append(sum(v["audio_counts"]))
+                cols["audio_start"].append(first_audio[k])
+                cols["num_audio"].append(len(v["clips"]))
             st["pairs"] = len(keep)
             if max_samples and len(cols["line"]) >= max_samples:
                 for later in subsets[sid + 1:]:
@@ -251,7 +268,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         chosen_len=t("chosen_len"), rejected_len=t("rejected_len"), image_tokens=t("image_tokens"),
         image_start=t("image_start"), num_images=t("num_images"), image_path_id=t("path_id", img_cols),
         image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols), stats=stats,
-        build_seconds=time.perf_counter() - t0,
+        build_seconds=time.perf_counter() - t0, audio_paths=audio_paths, audio_tokens=t("audio_tokens"),
+        audio_start=t("audio_start"), num_audio=t("num_audio"), audio_path_id=t("path_id", audio_cols),
+        audio_samples=t("samples", audio_cols), audio_token_counts=t("count", audio_cols),
     )
 
 
@@ -330,6 +349,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     sampled = any(s.repeat_time != math.floor(s.repeat_time) for s in subsets)
     settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length,
                 "seed": data.train.seed if sampled else None, "max_images_per_row": data.train.max_images_per_row,
+                "max_audio_seconds": data.train.max_audio_seconds,
                 "data_root": data.train.data_root}
     fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
     folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
@@ -449,7 +469,8 @@ def report(index: MMPRIndex) -> dict:
     """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
-                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("chosen", "chosen_len"),
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("audio_tokens", "audio_tokens"),
+                 ("chosen", "chosen_len"),
                  ("rejected", "rejected_len"))}
 
     subsets = {}
@@ -476,7 +497,7 @@ def format_report(rep: dict) -> str:
             ex = s.get("drop_examples", {}).get(reason, [])
             lines.append(f"    dropped {reason}: {n}" + (f"  e.g. {ex[0]}" if ex else ""))
         for k, p in s.get("lengths", {}).items():
-            if p:
+            if p and (k != "audio_tokens" or p["max"]):  # the audio line only for data with audio
                 lines.append(f"    {k:<12} min {p['min']:>6}  p50 {p['p50']:>8.1f}  p90 {p['p90']:>8.1f}  "
                              f"p99 {p['p99']:>8.1f}  max {p['max']:>6}")
     return "\n".join(lines)
@@ -484,7 +505,7 @@ def format_report(rep: dict) -> str:
 
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
-             "data.train.seed": "--seed"}
+             "data.train.seed": "--seed", "data.train.max_audio_seconds": "--max-audio-seconds"}
 
 
 def cli_text(text: str) -> str:
