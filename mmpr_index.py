@@ -467,10 +467,11 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 def report(index: MMPRIndex) -> dict:
     """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
+    audio = (("audio_tokens", "audio_tokens"),) if bool(index.audio_tokens.any()) else ()  # data with audio only
+
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
-                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("audio_tokens", "audio_tokens"),
-                 ("chosen", "chosen_len"),
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), *audio, ("chosen", "chosen_len"),
                  ("rejected", "rejected_len"))}
 
     subsets = {}

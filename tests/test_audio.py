@@ -138,3 +138,62 @@ def test_freeze_sound_switches(world):
     assert trainable == {"language_model", "vision_model", "vision_projection", "sound_projection"}
     m = om.build_model(TINY, ModelConfig(freeze_sound_projector=True), ParallelConfig())
     assert "sound_projection" not in {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# data: the generated sample (data/mmpr_sample/MMPR-audio) against the processor
+
+
+AUDIO_META = TINY.parents[1] / "data" / "mmpr_sample" / "MMPR-audio" / "meta.json"
+
+
+def test_audio_rows_are_what_the_processor_makes(tmp_path, monkeypatch):
+    """Every generated pair is valid (resampled 8 kHz and 22.05 kHz stereo clips included); each audio row's prompt
+    tokens are the processor's own expansion of the rendered prompt with the clips (and image) decoded as
+    transformers' load_audio does, and its mel features are the processor's."""
+    from PIL import Image
+    from transformers import AutoProcessor
+    from transformers.audio_utils import load_audio
+
+    import mmpr_data
+    import mmpr_index
+    from config import Config
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    proc = AutoProcessor.from_pretrained(TINY)
+    index = mmpr_index.build_index(AUDIO_META, proc, Config().data, use_cache=False)
+    assert len(index) == 18 and mmpr_index.summary_drops(index) == {}
+    ds = mmpr_data.PairDataset(index, proc)
+    audio_pairs = [i for i in range(len(index)) if index.num_audio[i]]
+    assert len(audio_pairs) == 6 and sorted(index.num_audio[audio_pairs].tolist()) == [1, 1, 1, 1, 1, 2]
+    for i in audio_pairs:
+        pair = ds[i]
+        prompt, _, _, images, clips = ds._row_text(i)
+        waves = [load_audio(p, sampling_rate=16000) for p in clips]
+        ref = proc(text=[prompt], audio=waves, images=[Image.open(p) for p in images] or None, return_tensors="pt")
+        n = ref["input_ids"].shape[1]
+        assert pair.chosen_ids[:n].tolist() == ref["input_ids"][0].tolist(), index.source(i)
+        assert int((pair.chosen_ids == SOUND_TOKEN).sum()) == int(pair.audio_token_counts.sum())
+        assert pair.audio_lens[:, 1].tolist() == ref["input_features_mask"].sum(-1).tolist()
+        if len(clips) == 1:
+            assert torch.equal(pair.audio_features, ref["input_features"][0])
+
+
+def test_frozen_sound_towers_get_no_gradient_buffer_or_optimizer_state(world):
+    import omni_model as om
+    import train
+    from config import Config
+
+    cfg = Config()
+    cfg.model.freeze_sound_encoder = cfg.model.freeze_sound_projector = True
+    policy = om.build_model(TINY, cfg.model, cfg.parallel)
+    ddp, opt, _ = train.build_optimizer(policy, cfg)
+    sound = {id(p) for m in (policy.sound_encoder, policy.sound_projection) for p in m.parameters()}
+    in_buffers = {id(p) for b in ddp.buffers for p in b.params}
+    assert sound and not sound & in_buffers
+    assert {id(p) for p in policy.vision_model.parameters()} <= in_buffers  # the other towers train
+    # the optimizer's (fp32 main) parameters cover exactly the trainable elements, the sound towers' none
+    optimized = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert optimized == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert optimized == sum(p.numel() for p in policy.parameters()) - sum(
+        p.numel() for m in (policy.sound_encoder, policy.sound_projection) for p in m.parameters())
