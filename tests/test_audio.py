@@ -7,6 +7,8 @@ Run: `pytest tests/test_audio.py` (CPU, fp32, in-process world of size 1; about 
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -197,3 +199,54 @@ def test_frozen_sound_towers_get_no_gradient_buffer_or_optimizer_state(world):
     assert optimized == sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert optimized == sum(p.numel() for p in policy.parameters()) - sum(
         p.numel() for m in (policy.sound_encoder, policy.sound_projection) for p in m.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# training on image + audio pairs
+
+
+AUDIO_RUN = ["data.train.data_path=data/mmpr_sample/MMPR-audio/meta.json", "mpo.max_num_steps=4",
+             "data.train.split_validation_size=0", "mpo.val_at_end=false", "checkpoint.save_period=4",
+             "model.deterministic_mode=true"]
+
+
+@pytest.fixture(scope="module")
+def audio_runs(torchrun, tmp_path_factory):
+    """The tiny config on the image + audio sample, DP = 2: 4 steps straight, and 2 + 2 in two segments."""
+    env = {"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_cache"))}
+    straight, segments = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("segments")
+
+    def run(run_dir, *more):
+        torchrun("train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *AUDIO_RUN, *more, env=env)
+
+    run(straight)
+    run(segments, "mpo.stop_after_step=2")
+    run(segments)
+    rows = {d: [json.loads(r) for r in (d / "metrics.jsonl").read_text().splitlines()] for d in (straight, segments)}
+    return straight, segments, rows
+
+
+def test_image_and_audio_pairs_train_and_resume_bit_for_bit(audio_runs):
+    from test_train import _loaded_state
+
+    straight, segments, rows = audio_runs
+    first = rows[straight][0]
+    assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert first["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-5)
+    assert first["loss"] == pytest.approx(0.8 * math.log(2) + 0.2 * 2 * math.log(2), abs=1e-5)
+    assert [r["step"] for r in rows[segments]] == [1, 2, 3, 4]
+    keys = ("loss", "preference_loss", "bco_loss", "accuracy", "rewards/margin", "grad_norm", "consumed_pairs")
+    for a, b in zip(rows[straight], rows[segments], strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    state = dict(_loaded_state(straight / "step_4", *AUDIO_RUN))
+    resumed = dict(_loaded_state(segments / "step_4", *AUDIO_RUN))
+    assert state.keys() == resumed.keys()
+    for k in state:
+        assert torch.equal(state[k], resumed[k]), k
+    # the sound towers trained: their weights moved from the checkpoint's
+    from safetensors import safe_open
+
+    with safe_open(TINY / "model.safetensors", "pt") as f:
+        for name, hub in (("sound_encoder.encoder.layers.0.feed_forward1.linear1.weight",) * 2,
+                          ("sound_projection.encoder.linear_fc1.weight", "sound_projection.linear1.weight")):
+            assert not torch.equal(state[f"param {name}"], f.get_tensor(hub)), name
