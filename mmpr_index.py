@@ -529,6 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="data.max_seq_length: longer rows are dropped as too_long (default %(default)s)")
     ap.add_argument("--max-images-per-row", type=int, default=d.train.max_images_per_row,
                     help="data.train.max_images_per_row: more is too_many_images (default %(default)s)")
+    ap.add_argument("--max-audio-seconds", type=float, default=d.train.max_audio_seconds,
+                    help="data.train.max_audio_seconds: a longer clip is audio_too_long; 0 = no limit (default "
+                         "%(default)s)")
     ap.add_argument("--seed", type=int, default=d.train.seed,
                     help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
@@ -544,9 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--max-images-per-row", args.max_images_per_row, 1)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
+    if not (math.isfinite(args.max_audio_seconds) and args.max_audio_seconds >= 0):
+        raise DataError(f"--max-audio-seconds = {args.max_audio_seconds} must be >= 0 (0 = no limit)")
     processor = load_processor(args.model, "--model")
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
     d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
+    d.train.max_audio_seconds = args.max_audio_seconds
     with data_warnings([]) as warned:
         index = build_index(args.meta, processor, d, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:

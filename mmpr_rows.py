@@ -1,6 +1,6 @@
-"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its rendering
-(`TextRenderer.render`), its images (`load_image`, `image_grids`); `checked_rows` applies them to an annotation file.
-A row that fails a rule is a counted drop (DROP_REASONS); a bad meta-recipe is a DataError naming the file and key.
+"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`, `parse_audio`),
+its rendering (`TextRenderer.render`), images (`load_image`, `image_grids`), clips (`load_audio`, `audio_token_count`);
+`checked_rows` applies them to a file. A failing row is a counted drop (DROP_REASONS), a bad meta-recipe a DataError.
 
 A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 

@@ -604,6 +604,8 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         kernels = kernel_selection.select_kernels(te=use_te, dtype=torch_dtype(model_cfg.params_dtype))
     model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernels)
     cast_params_to(model, torch_dtype(model_cfg.params_dtype))
+    if model.sound_encoder is not None:  # BatchNorm's statistics in the input's dtype (torch's CPU kernel asks it)
+        model.sound_encoder.to(torch_dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -250,3 +250,20 @@ def test_image_and_audio_pairs_train_and_resume_bit_for_bit(audio_runs):
         for name, hub in (("sound_encoder.encoder.layers.0.feed_forward1.linear1.weight",) * 2,
                           ("sound_projection.encoder.linear_fc1.weight", "sound_projection.linear1.weight")):
             assert not torch.equal(state[f"param {name}"], f.get_tensor(hub)), name
+
+
+def test_bf16_model_encodes_audio_with_bf16_statistics(world):
+    """torch's BatchNorm wants its statistics in the input's dtype: a bf16 model carries them in bf16 (as
+    transformers' model.to(bfloat16)), loaded from the fp32 checkpoint by rounding."""
+    import hf_weights
+    import omni_model as om
+    from config import ModelConfig, ParallelConfig
+
+    m = om.build_model(TINY, ModelConfig(params_dtype="bfloat16"), ParallelConfig())
+    hf_weights.load_hf_weights(m, TINY)
+    bn = m.sound_encoder.encoder.layers[0].conv.norm
+    assert bn.running_var.dtype == bn.weight.dtype == torch.bfloat16 and bn.num_batches_tracked.dtype == torch.int64
+    b = media_text_inputs(1)
+    with torch.no_grad():
+        logits = m({"input_ids": b["input_ids"], **audio_batch_fields(b)})
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
