@@ -101,6 +101,23 @@ def audio_batch_fields(inputs: dict) -> dict:
             "audio_lens": torch.tensor([[f, int(mask[j].sum())] for j, f in enumerate(frames)])}
 
 
+def with_audio(batch: dict, seconds: float = 0.5, start: int = 12) -> dict:
+    """`batch` (make_pair_batch's) with one clip shared by both rows: its `<so_start>` + n x `<so_embedding>` +
+    `<so_end>` written over each row's tokens from `start` (after the image), its mel features from the tiny
+    processor (a 0.5 s tone: n = 7)."""
+    from transformers import AutoProcessor
+
+    fe = AutoProcessor.from_pretrained(TINY).feature_extractor
+    out = fe([tone(seconds, 523.0, seed=5)], sampling_rate=16000, return_tensors="pt")
+    frames, valid = out["input_features"].shape[1], int(out["attention_mask"].sum())
+    n = {0.5: 7}[seconds]
+    ids = batch["input_ids"].clone()
+    for a in batch["cu_seqlens_padded"][:-1].tolist():
+        ids[0, a + start], ids[0, a + start + 1:a + start + 1 + n], ids[0, a + start + 1 + n] = 25, 27, 26
+    return {**batch, "input_ids": ids, "audio_features": out["input_features"][0],
+            "audio_lens": torch.tensor([[frames, valid]]), "media_audio_offsets": torch.tensor([0, 1])}
+
+
 def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`model(batch)`'s logits and every parameter's gradient of a fixed random weighting of them (seed 11), the
     model's gradients cleared before and after."""

@@ -267,3 +267,13 @@ def test_bf16_model_encodes_audio_with_bf16_statistics(world):
     with torch.no_grad():
         logits = m({"input_ids": b["input_ids"], **audio_batch_fields(b)})
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+
+
+def test_an_unsupported_sound_config_is_one_error_naming_it(tmp_path):
+    import omni_model as om
+
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg["sound_config"]["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with raises_naming(ValueError, f"{tmp_path / 'config.json'}: sound_config", "silu"):
+        om.read_hf_config(tmp_path)
