@@ -576,7 +576,8 @@ RESUME_RULES = {
                      "parallel.tensor_model_parallel_size", "parallel.context_parallel_size",
                      "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size",
                      "optimizer.use_distributed_optimizer", "model.freeze_vision_encoder",  # frozen: no gradient bucket
-                     "model.freeze_vision_projector", "model.freeze_language_model"], LAYOUT),
+                     "model.freeze_vision_projector", "model.freeze_language_model", "model.freeze_sound_encoder",
+                     "model.freeze_sound_projector"], LAYOUT),
     **dict.fromkeys(["lora.rank", "lora.targets", "lora.language_model", "lora.shared_expert", "lora.routed_experts",
                      "lora.vision_tower", "lora.projector"], ADAPTERS),
     "lora.alpha": ADAPTERS,  # the saved B·A were trained at the saved scale alpha / rank

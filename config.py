@@ -49,6 +49,8 @@ class ModelConfig:
     freeze_vision_encoder: bool = False  # no gradient into the RADIO ViT
     freeze_vision_projector: bool = False  # no gradient into the mlp1 projector
     freeze_language_model: bool = False  # no gradient into the hybrid language model
+    freeze_sound_encoder: bool = False  # no gradient into the Parakeet sound encoder (checkpoints with sound_config)
+    freeze_sound_projector: bool = False  # no gradient into the sound projection
     recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation granularity
     mamba_dt_clamp: bool = True  # clamp softplus(dt) to >= time_step_min as transformers does (False = mcore)
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing auxiliary loss coefficient (0 = off)
@@ -68,6 +70,7 @@ class TrainDataConfig:
     shuffle: bool = True  # reshuffle the pair order every epoch
     split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a whole pair count (>= 1); 0 = none
     max_images_per_row: int = 8  # rows with more images are dropped (reason too_many_images)
+    max_audio_seconds: float = 0.0  # rows with a longer audio clip are dropped (audio_too_long); 0 = no limit
 
 
 @dataclass
@@ -455,6 +458,9 @@ def validate(cfg: Config) -> None:
     for k in positive:
         if get_dotted(cfg, k) < 1:
             raise ConfigError(f"{k} = {get_dotted(cfg, k)} must be >= 1")
+    if not (math.isfinite(cfg.data.train.max_audio_seconds) and cfg.data.train.max_audio_seconds >= 0):
+        raise ConfigError(f"data.train.max_audio_seconds = {cfg.data.train.max_audio_seconds} must be >= 0 (0: no "
+                          "limit)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1; set "
                           "parallel.sequence_parallel = false or raise TP")

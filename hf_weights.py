@@ -172,6 +172,9 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "mlp.linear_fc2.weight": _split(p + "mlp.fc2.weight", vffn, dim=1),
                 "mlp.linear_fc2.bias": _whole(p + "mlp.fc2.bias", vh),
             }
+        elif name.startswith("sound_encoder.encoder."):  # transformers' ParakeetEncoder: hub names, replicated
+            maps[name] = ParamMap(0, None, lambda r, s, key=name: [HFSlice(key, 0, None)])
+            continue
         else:
             rest = name
             table = {
@@ -187,6 +190,14 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
                 "vision_projection.encoder.linear_fc2.weight": _split("mlp1.3.weight", hf.projector_hidden_size,
                                                                       dim=1),
             }
+            if hf.sound is not None:
+                sh = hf.sound.projection_hidden_size
+                table.update({
+                    "sound_projection.encoder.linear_fc1.layer_norm_weight": _whole("sound_projection.norm.weight",
+                                                                                    hf.sound.hidden_size),
+                    "sound_projection.encoder.linear_fc1.weight": _split("sound_projection.linear1.weight", sh),
+                    "sound_projection.encoder.linear_fc2.weight": _split("sound_projection.linear2.weight", sh, dim=1),
+                })
         if rest not in table:
             raise ValueError(f"no HF mapping for megatron parameter {name}")
         maps[name] = table[rest]
@@ -194,7 +205,7 @@ def hf_param_map(model: OmniModel) -> dict[str, ParamMap]:
 
 
 # Checkpoint keys of components this project does not train: counted, kept aside, written back on export.
-UNTOUCHED_PREFIXES = ("sound_encoder.", "sound_projection.",
+UNTOUCHED_PREFIXES = ("sound_encoder.encoder.feature_extractor.",  # NeMo's mel featurizer; the processor makes mels
                       "vision_model.radio_model.input_conditioner.",  # CLIP normalisation; the processor normalises
                       "vision_model.radio_model.summary_idxs")  # RADIO summary heads; unused by the VLM
 
@@ -237,7 +248,7 @@ class HFReader:
     def read(self, key: str, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         sl = self._handle(key).get_slice(key)
         if length is None:
-            return sl[:]
+            return sl[:] if sl.get_shape() else self.full(key)  # a 0-d tensor (BatchNorm's num_batches_tracked)
         idx = [slice(None)] * len(sl.get_shape())
         idx[dim] = slice(start, start + length)
         return sl[tuple(idx)]
@@ -255,9 +266,13 @@ def _group(name: str | None):
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> tensor; a 3-D expert weight [E, rows, cols] as its [E·rows, cols] view (E HF matrices stacked)."""
+    """Name -> tensor; a 3-D expert weight [E, rows, cols] as its [E·rows, cols] view (E HF matrices stacked); the
+    routers' expert biases and the sound encoder's persistent buffers (BatchNorm statistics) included."""
     out = {n: p.flatten(0, 1) if EXPERT_WEIGHTS.search(n) else p for n, p in model.named_parameters()}
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    if getattr(model, "sound_encoder", None) is not None:
+        out.update({f"sound_encoder.{n}": b for n, b in model.sound_encoder.state_dict(keep_vars=True).items()
+                    if f"sound_encoder.{n}" not in out})
     return out
 
 
@@ -325,6 +340,9 @@ def export_hf(model: OmniModel, out_dir: str | os.PathLike, src_hf_dir: str | os
                     shape, dtype = src.shape_dtype(s.key)
                     out[s.key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype])
                 dst = out[s.key]
+                if dst.dim() == 0:
+                    dst.copy_(shard)
+                    continue
                 n = dst.shape[pm.dim] if s.length is None else s.length
                 piece, target = shard.narrow(pm.dim, off, n), dst.narrow(pm.dim, s.start, n)
                 if piece.shape != target.shape:

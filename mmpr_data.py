@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_rows import DataError, TextRenderer, _Drop, image_grids, load_image, read_video
+from mmpr_rows import DataError, TextRenderer, _Drop, audio_token_count, image_grids, load_audio, load_image, read_video
 from mmpr_video import expand_video, video_pixels
 from pack import PreferencePair
 from stop_signals import ignore_stop_signals, workers_start_deaf
@@ -61,6 +61,15 @@ class MMPRIndex:
     build_seconds: float = 0.0
     cache_status: str = "disabled"
     cache_dir: str = ""
+    # audio: per pair ([N] int64) `audio_tokens`, `audio_start` / `num_audio` (a slice of the per-clip arrays); per
+    # clip ([K]) `audio_path_id`, `audio_samples` (at the processor's sampling rate), `audio_token_counts`
+    audio_paths: list[str] = field(default_factory=list)
+    audio_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    audio_start: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    num_audio: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    audio_path_id: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    audio_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    audio_token_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def __len__(self) -> int:
         return int(self.line.numel())
@@ -90,6 +99,13 @@ class MMPRIndex:
         s, n = int(self.image_start[i]), int(self.num_images[i])
         return [self.image_paths[j] for j in self.image_path_id[s:s + n].tolist()]
 
+    def audio(self, i: int) -> list[str]:
+        """Pair i's audio clip paths (none for an index without audio)."""
+        if not self.num_audio.numel():
+            return []
+        s, n = int(self.audio_start[i]), int(self.num_audio[i])
+        return [self.audio_paths[j] for j in self.audio_path_id[s:s + n].tolist()]
+
     def state(self) -> dict:
         """The fields the cache saves: all but cache_status and cache_dir."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("cache_")}
@@ -115,9 +131,9 @@ class PairDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def _row_text(self, i: int) -> tuple[str, str, str, list[str], str | list[str] | None]:
-        """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` / `<video>` not yet expanded),
-        images, video (TextRenderer.parse's)."""
+    def _row_text(self, i: int) -> tuple[str, str, str, list[str], str | list[str] | None, list[str]]:
+        """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` / `<video>` / `<so_embedding>`
+        not yet expanded), images, video (TextRenderer.parse's), audio clips."""
         ix = self.index
         sub = int(ix.subset_id[i])
         with open(ix.annotation_files[sub], "rb") as f:
@@ -130,10 +146,14 @@ class PairDataset(torch.utils.data.Dataset):
                 json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
                 raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
-            prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected)
+            question, clips = self.text.parse_audio(json.loads(raw), question, Path(root) if root else None,
+                                                    ix.subsets[sub])
+            if clips != ix.audio(i):
+                raise _Drop("audio_missing", f"row audio {clips} differs from the index's {ix.audio(i)}")
+            prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected, len(clips))
         except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _changed(ix, i, f"the row no longer validates ({e})") from None
-        return prompt, r_c, r_r, images, video
+        return prompt, r_c, r_r, images, video, clips
 
     def _video(self, i: int, prompt: str, video) -> tuple[str, dict]:
         """The prompt with the row's video expanded and PreferencePair's video fields ({}: no video)."""
@@ -152,7 +172,7 @@ class PairDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> PreferencePair:
         i = int(i)
         ix = self.index
-        prompt, chosen, rejected, images, video = self._row_text(i)
+        prompt, chosen, rejected, images, video, clips = self._row_text(i)
         if images:
             try:
                 pil = [load_image(p) for p in images]
@@ -169,6 +189,11 @@ class PairDataset(torch.utils.data.Dataset):
         prompt, videos = self._video(i, prompt, video)  # after the images: their <image> placeholders come first
         merge = round(1 / self.processor.image_processor.downsample_ratio)
         counts = grid.prod(dim=-1) // merge**2
+        audio = self._audio(i, clips)
+        if clips:
+            reps = [self.processor.replace_audio_token({"num_tokens": audio["audio_token_counts"].tolist()}, j)
+                    for j in range(len(clips))]
+            prompt = self.processor.get_text_with_replacements([prompt], audio_replacements=reps)[0][0]
         prompt_ids = self.text.encode(prompt)
         rows = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
@@ -176,18 +201,40 @@ class PairDataset(torch.utils.data.Dataset):
             rows[side] = (torch.tensor(prompt_ids + r_ids, dtype=torch.int64),
                           torch.tensor([False] * len(prompt_ids) + r_mask, dtype=torch.bool))
         s, n = int(ix.image_start[i]), int(ix.num_images[i])
+        a0, na = (int(ix.audio_start[i]), int(ix.num_audio[i])) if clips else (0, 0)
         expect = (int(ix.prompt_len[i]), int(ix.chosen_len[i]), int(ix.rejected_len[i]),
-                  ix.image_token_counts[s:s + n].tolist(), int(ix.video_frames[i]), int(ix.video_tokens[i]))
+                  ix.image_token_counts[s:s + n].tolist(), int(ix.video_frames[i]), int(ix.video_tokens[i]),
+                  ix.audio_token_counts[a0:a0 + na].tolist())
         video_counts = (int(videos["video_grid_thw"][0, 0]), int(videos["video_token_counts"][0])) if videos else (0, 0)
-        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist(), *video_counts)
+        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist(), *video_counts,
+               audio["audio_token_counts"].tolist() if audio else [])
         if got != expect:
-            raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens, video frames, video tokens) = {got}, the "
-                                  f"index says {expect}")
+            raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens, video frames, video tokens, audio "
+                                  f"tokens) = {got}, the index says {expect}")
         return PreferencePair(
             pair_id=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
             chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],
-            pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts, **videos,
+            pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts, **videos, **audio,
         )
+
+    def _audio(self, i: int, clips: list[str]) -> dict[str, torch.Tensor]:
+        """PreferencePair's audio fields of pair i's clips: each decoded and turned into mel features by the
+        processor's feature extractor alone (its own length), with its `<so_embedding>` count."""
+        if not clips:
+            return {}
+        fe = self.processor.feature_extractor
+        feats, lens, counts = [], [], []
+        for path in clips:
+            try:
+                wave = load_audio(path, fe.sampling_rate)
+            except _Drop as d:
+                raise _changed(self.index, i, str(d)) from None
+            out = fe([wave], sampling_rate=fe.sampling_rate, return_tensors="pt")
+            feats.append(out["input_features"][0].float())
+            lens.append([feats[-1].shape[0], int(out["attention_mask"].sum())])
+            counts.append(audio_token_count(self.processor, wave.size))
+        return dict(audio_features=torch.cat(feats), audio_lens=torch.tensor(lens, dtype=torch.int64),
+                    audio_token_counts=torch.tensor(counts, dtype=torch.int64))
 
 
 # ======================================================================================================================

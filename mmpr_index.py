@@ -94,6 +94,10 @@ def processor_identity(processor) -> str:
     h.update(str(processor.chat_template).encode())
     h.update(processor.image_processor.to_json_string().encode())
     h.update(processor.video_processor.to_json_string().encode())  # with data.video's settings on it
+    if getattr(processor, "feature_extractor", None) is not None:  # mel features and audio token counts
+        h.update(processor.feature_extractor.to_json_string().encode())
+        h.update(json.dumps([getattr(processor, k, None) for k in ("audio_sampling_rate", "audio_hop_length",
+                                                                   "audio_subsampling_factor")]).encode())
     h.update(type(processor).__name__.encode())
     return h.hexdigest()
 
@@ -139,11 +143,15 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> MMPRIndex:
     """Check every row of every subset (see build_index)."""
     t0 = time.perf_counter()
-    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.video.max_frames)
+    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.video.max_frames,
+                     data.train.max_audio_seconds)
     image_paths: list[str] = []
     path_ids: dict[str, int] = {}
     cols: dict[str, list] = collections.defaultdict(list)  # per-pair columns
     img_cols: dict[str, list] = collections.defaultdict(list)  # per-image columns
+    audio_cols: dict[str, list] = collections.defaultdict(list)  # per-clip columns
+    audio_paths: list[str] = []
+    audio_ids: dict[str, int] = {}
     stats: dict[str, dict] = {}
     first_seen: dict[str, tuple[str, str]] = {}  # a valid row's content digest -> (subset, "file:line") of its first
     pool = None
@@ -215,7 +223,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                 st["notes"] = notes
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
-            first_image = {}  # valid row -> its first per-image slot (repeats share the slots)
+            first_image, first_audio = {}, {}  # valid row -> its first per-image / per-clip slot (repeats share it)
             for k in keep:
                 v = valid[k]
                 if k not in first_image:
@@ -227,6 +235,13 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                         img_cols["path_id"].append(path_ids[p])
                         img_cols["grid"].append(list(g))
                         img_cols["count"].append(n)
+                    first_audio[k] = len(audio_cols["count"])
+                    for p, n_samples, n in zip(v["clips"], v["samples"], v["audio_counts"], strict=True):
+                        audio_cols["path_id"].append(audio_ids.setdefault(p, len(audio_paths)))
+                        if audio_cols["path_id"][-1] == len(audio_paths):
+                            audio_paths.append(p)
+                        audio_cols["samples"].append(n_samples)
+                        audio_cols["count"].append(n)
                 for key in ("line", "offset", "prompt_len", "chosen_len", "rejected_len"):
                     cols[key].append(v[key])
                 cols["subset_id"].append(sid)
@@ -234,6 +249,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                 cols["video"].append(v["video"])  # [frames, gh, gw, tokens]
                 cols["image_start"].append(first_image[k])
                 cols["num_images"].append(len(v["imgs"]))
+                cols["audio_tokens"].append(sum(v["audio_counts"]))
+                cols["audio_start"].append(first_audio[k])
+                cols["num_audio"].append(len(v["clips"]))
             st["pairs"] = len(keep)
             if max_samples and len(cols["line"]) >= max_samples:
                 for later in subsets[sid + 1:]:
@@ -259,7 +277,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         image_grid_hw=t("grid", img_cols).reshape(-1, 2), image_token_counts=t("count", img_cols),
         video_frames=video[:, 0].contiguous(), video_grid_hw=video[:, 1:3].contiguous(),
         video_tokens=video[:, 3].contiguous(), stats=stats,
-        build_seconds=time.perf_counter() - t0,
+        build_seconds=time.perf_counter() - t0, audio_paths=audio_paths, audio_tokens=t("audio_tokens"),
+        audio_start=t("audio_start"), num_audio=t("num_audio"), audio_path_id=t("path_id", audio_cols),
+        audio_samples=t("samples", audio_cols), audio_token_counts=t("count", audio_cols),
     )
 
 
@@ -339,6 +359,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     sampled = any(s.repeat_time != math.floor(s.repeat_time) for s in subsets)
     settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length,
                 "seed": data.train.seed if sampled else None, "max_images_per_row": data.train.max_images_per_row,
+                "max_audio_seconds": data.train.max_audio_seconds,
                 "data_root": data.train.data_root, "max_frames": data.video.max_frames}
     fingerprint = index_fingerprint(meta_path, subsets, processor, settings)
     folder = _cache_root() / f"{CACHE_PREFIX}{fingerprint[:16]}"
@@ -456,9 +477,11 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 def report(index: MMPRIndex) -> dict:
     """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
+    audio = (("audio_tokens", "audio_tokens"),) if bool(index.audio_tokens.any()) else ()  # data with audio only
+
     def lengths(mask):
         return {k: _percentiles(getattr(index, col)[mask]) for k, col in
-                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("video_tokens", "video_tokens"),
+                (("prompt", "prompt_len"), ("image_tokens", "image_tokens"), ("video_tokens", "video_tokens"), *audio,
                  ("chosen", "chosen_len"),
                  ("rejected", "rejected_len"))}
 
@@ -486,7 +509,7 @@ def format_report(rep: dict) -> str:
             ex = s.get("drop_examples", {}).get(reason, [])
             lines.append(f"    dropped {reason}: {n}" + (f"  e.g. {ex[0]}" if ex else ""))
         for k, p in s.get("lengths", {}).items():
-            if p:
+            if p and (k != "audio_tokens" or p["max"]):  # the audio line only for data with audio
                 lines.append(f"    {k:<12} min {p['min']:>6}  p50 {p['p50']:>8.1f}  p90 {p['p90']:>8.1f}  "
                              f"p99 {p['p99']:>8.1f}  max {p['max']:>6}")
     return "\n".join(lines)
@@ -494,7 +517,8 @@ def format_report(rep: dict) -> str:
 
 CLI_FLAGS = {"data.train.data_root": "--data-root", "data.max_seq_length": "--max-seq-length",
              "data.train.max_samples": "--max-samples", "data.train.max_images_per_row": "--max-images-per-row",
-             "data.train.seed": "--seed", "data.video.max_frames": "--video-max-frames"}
+             "data.train.seed": "--seed", "data.video.max_frames": "--video-max-frames",
+             "data.train.max_audio_seconds": "--max-audio-seconds"}
 
 
 def cli_text(text: str) -> str:
@@ -519,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="data.max_seq_length: longer rows are dropped as too_long (default %(default)s)")
     ap.add_argument("--max-images-per-row", type=int, default=d.train.max_images_per_row,
                     help="data.train.max_images_per_row: more is too_many_images (default %(default)s)")
+    ap.add_argument("--max-audio-seconds", type=float, default=d.train.max_audio_seconds,
+                    help="data.train.max_audio_seconds: a longer clip is audio_too_long; 0 = no limit (default "
+                         "%(default)s)")
     ap.add_argument("--seed", type=int, default=d.train.seed,
                     help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
@@ -546,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--video-target-num-patches", args.video_target_num_patches, 0)):
         if value < least:
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
+    if not (math.isfinite(args.max_audio_seconds) and args.max_audio_seconds >= 0):
+        raise DataError(f"--max-audio-seconds = {args.max_audio_seconds} must be >= 0 (0 = no limit)")
     if args.video_num_frames and args.video_fps:
         raise DataError("--video-num-frames and --video-fps: set one (frames per video, or frames per second)")
     model = args.model
@@ -559,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.target_num_patches = args.video_target_num_patches
     d.max_seq_length, d.num_workers = args.max_seq_length, args.num_workers
     d.train.data_root, d.train.seed, d.train.max_images_per_row = args.data_root, args.seed, args.max_images_per_row
+    d.train.max_audio_seconds = args.max_audio_seconds
     with data_warnings([]) as warned:
         index = build_index(args.meta, processor, d, max_samples=args.max_samples, use_cache=not args.no_cache)
     for note in warned:

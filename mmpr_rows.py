@@ -1,7 +1,7 @@
-"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`), its rendering
-(`TextRenderer.render`), its images (`load_image`, `image_grids`); `checked_rows` applies them to an annotation file.
-A row that fails a rule is a counted drop (DROP_REASONS); a bad meta-recipe is a DataError naming the file and key.
-Why each rule is as it is (InternVL's and NeMo-RL's loaders): docs/DESIGN.md, "Data: the row rules".
+"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`, `parse_audio`),
+its rendering (`TextRenderer.render`), images (`load_image`, `image_grids`), video (`read_video`; mmpr_video.py),
+clips (`load_audio`, `audio_token_count`); `checked_rows` applies them to a file. A failing row is a counted drop
+(DROP_REASONS), a bad meta-recipe a DataError. Why each rule is as it is: docs/DESIGN.md, "Data: the row rules".
 
 A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
@@ -37,10 +37,10 @@ from mmpr_video import VIDEO_DROP_REASONS, VideoDrop, expand_video, load_frames,
 # Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
     "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
-    "missing_field",  # question / chosen / rejected missing or not a string; image or video not a path or paths
+    "missing_field",  # question / chosen / rejected missing or not a string; image, video or audio not a path or paths
     "too_many_images",  # more images than data.train.max_images_per_row
-    "placeholder_mismatch",  # <image> / <image_N> placeholders, but not one per image; <video> not one per video,
-    # or before an <image>, or missing beside <image> placeholders
+    "placeholder_mismatch",  # <image> / <image_N> (<audio>) placeholders, but not one per image (clip); <video> not
+    # one per video, or before an <image>, or missing beside <image> placeholders
     "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
     "unterminated_reasoning",  # a response opens <think> and never closes it
     "malformed_reasoning",  # several reasoning blocks, or text before <think>
@@ -53,13 +53,20 @@ DROP_REASONS = (
     "image_truncated",  # the file ends before the image data does
     "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
     *VIDEO_DROP_REASONS,  # video_missing, video_unreadable, too_many_frames (mmpr_video.py)
+    "no_audio_root",  # relative audio paths in a subset whose meta entry has no root
+    "audio_outside_root",  # a relative audio path whose `..` parts leave the subset's root
+    "audio_missing",  # an audio file does not exist
+    "audio_unreadable",  # it cannot be opened or decoded (soundfile; e.g. a video container), or holds NaN / inf
+    "audio_empty",  # it decodes to zero samples
+    "audio_too_long",  # a clip longer than data.train.max_audio_seconds
     "template_rewrites_text",  # the chat template would change the question, system or response text
-    "too_long",  # a row is longer than data.max_seq_length tokens, expanded image tokens included
+    "too_long",  # a row is longer than data.max_seq_length tokens, expanded image and audio tokens included
 )
 REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may contain
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
+AUDIO_PLACEHOLDER = "<audio>"  # a row's placeholder for its next clip; rendered as the processor's `<so_embedding>`
 # A subset's keys: those read here and InternVL's other ones (no effect here); any other key warns (e.g. repeat_times).
 META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
              "dynamic_image_size", "max_num_image", "min_num_image", "is_chinese", "sampling_method")
@@ -284,6 +291,40 @@ def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
     return grids
 
 
+# ---- Audio ----------
+def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
+    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
+    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
+    from transformers.audio_utils import load_audio as hf_load_audio
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        raise _Drop("audio_missing", f"{path} does not exist") from None
+    except OSError as e:
+        raise _Drop("audio_unreadable", f"{path}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise _Drop("audio_missing", f"{path} is a directory")
+    if not stat.S_ISREG(mode):
+        raise _Drop("audio_unreadable", f"{path} is not a regular file")
+    try:
+        wave = hf_load_audio(str(path), sampling_rate=sampling_rate, backend="soundfile")
+    except Exception as e:  # soundfile's LibsndfileError, RuntimeError (a container soundfile cannot read), ...
+        raise _Drop("audio_unreadable", f"{path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if wave.size == 0:
+        raise _Drop("audio_empty", f"{path} holds no samples")
+    if not np.isfinite(wave).all():
+        raise _Drop("audio_unreadable", f"{path}: NaN or infinite samples")
+    return wave
+
+
+def audio_token_count(processor, samples: int) -> int:
+    """`<so_embedding>` tokens of a clip of `samples` samples: the processor's own estimate (the mel frames
+    1 + samples // hop through the encoder's conv subsampling, at least 1)."""
+    return max(1, int(processor._estimate_audio_num_embeddings(samples)))
+
+
 # ---- Text: validation, chat-template rendering, tokenisation ----------
 def _as_str(row: dict, *keys: str) -> str | None:
     k = next((k for k in keys if k in row), None)
@@ -308,6 +349,7 @@ class TextRenderer:
         self.image_token = processor.image_token  # "<image>"
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.video_token = getattr(processor, "video_token", None) or "<video>"
+        self.audio_token = getattr(processor, "audio_token", None) or "<so_embedding>"
         specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
         self.forbidden = sorted(specials - set(REASONING_TOKENS) - {self.image_token}, key=len, reverse=True)
         # characters absent from the template, to stand in for a directive's '/' while the template renders
@@ -399,6 +441,25 @@ class TextRenderer:
             question = prefix + question
         return question
 
+    def parse_audio(self, row: dict, question: str, root: Path | None, subset: str = "") -> tuple[str, list[str]]:
+        """The row's `audio` (a path or a list of paths; absent: none): (question with `<audio>` as the processor's
+        audio token, clip paths joined to `root`). Run after `parse`, on its question."""
+        audio = row.get("audio")
+        clips = [] if audio is None or audio == "" else [audio] if isinstance(audio, str) else audio
+        if not isinstance(clips, list) or not all(isinstance(a, str) and a for a in clips):
+            raise _Drop("missing_field", f"'audio' must be a path or a list of paths, got {audio!r}")
+        n_ph = question.count(AUDIO_PLACEHOLDER)
+        if n_ph and n_ph != len(clips):
+            raise _Drop("placeholder_mismatch", f"{plural(n_ph, AUDIO_PLACEHOLDER + ' placeholder')} for "
+                                                f"{plural(len(clips), 'audio clip')}")
+        if root is None and (rel := [p for p in clips if not Path(p).is_absolute()]):
+            raise _Drop("no_audio_root", f"subset {subset!r} has no root for {rel[0]!r}")
+        for p in clips:
+            if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
+                raise _Drop("audio_outside_root", f"{p!r} leaves the root {str(root)!r}")
+        return (question.replace(AUDIO_PLACEHOLDER, self.audio_token),
+                [p if root is None else str(root / p) for p in clips])
+
     def _numbered_placeholders(self, question: str, images: list[str]) -> tuple[str, list[str]]:
         """`<image_N>` (N = 1..n, each once) -> `<image>`, the images in placeholder order."""
         if not (numbers := [int(m) for m in NUMBERED_IMAGE.findall(question)]):
@@ -409,9 +470,11 @@ class TextRenderer:
                                                 f"{plural(len(images), 'image')}")
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
-    def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str) -> tuple[str, str, str]:
+    def render(self, system: str, question: str, n_images: int, chosen: str, rejected: str,
+               n_audio: int = 0) -> tuple[str, str, str]:
         """(prompt, chosen, rejected) rendered by the chat template: the generation prompt both start with (up to
-        `<|im_start|>assistant\\n` when only one side reasons), then each response (`... <|im_end|>\\n`)."""
+        `<|im_start|>assistant\\n` when only one side reasons), then each response (`... <|im_end|>\\n`). The
+        template places the images' and clips' tokens unless the question holds them."""
         texts = (system, question, chosen, rejected)
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
@@ -424,7 +487,7 @@ class TextRenderer:
                         else text.replace(d, mark + d[1:]))
             return text
 
-        user = {"role": "user", "content": [{"type": "image"}] * n_images
+        user = {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "audio"}] * n_audio
                 + [{"type": "text", "text": hide(question, False)}]}
         msgs = ([{"role": "system", "content": hide(system, False)}] if system else []) + [user]
         apply = self.processor.apply_chat_template
@@ -456,6 +519,9 @@ class TextRenderer:
         if prompt.count(self.image_token) != n_images:
             raise DataError(f"the chat template renders {prompt.count(self.image_token)} {self.image_token} for "
                             f"{plural(n_images, 'image')}: {prompt!r}")
+        if prompt.count(self.audio_token) != n_audio:
+            raise DataError(f"the chat template renders {prompt.count(self.audio_token)} {self.audio_token} for "
+                            f"{plural(n_audio, 'audio clip')}: {prompt!r}")
         for name, text in (("system", system), ("question", question)):
             if text.strip() and text.strip() not in prompt:
                 raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")
@@ -486,12 +552,13 @@ _CHUNK_CTX: dict[str, Any] = {}
 CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
 
 
-def begin_row_checks(processor, max_images: int, max_len: int, max_frames: int = 32) -> None:
-    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row, data.max_seq_length and
-    data.video.max_frames."""
+def begin_row_checks(processor, max_images: int, max_len: int, max_frames: int = 32,
+                     max_audio_seconds: float = 0.0) -> None:
+    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row, data.max_seq_length,
+    data.video.max_frames and data.train.max_audio_seconds (0: no limit)."""
     _CHUNK_CTX.clear()
     _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor, max_images=max_images,
-                      max_len=max_len, max_frames=max_frames)
+                      max_len=max_len, max_frames=max_frames, processor=processor, max_audio_seconds=max_audio_seconds)
 
 
 def end_row_checks() -> None:
@@ -529,6 +596,23 @@ def _video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None)
     return expand_video(processor, prompt, f, per, metadata), [f, gh, gw, per * tubelets]
 
 
+def _probe_audio(path: str) -> int | tuple[str, str]:
+    """Samples of a decodable clip at the processor's rate, or (drop reason, detail); memoised per process."""
+    cache = _CHUNK_CTX.setdefault("audio", {})
+    if path not in cache:
+        proc = _CHUNK_CTX["processor"]
+        try:
+            cache[path] = int(load_audio(path, proc.feature_extractor.sampling_rate).size)
+        except _Drop as d:
+            cache[path] = (d.reason, d.detail)
+    n = cache[path]
+    limit = _CHUNK_CTX["max_audio_seconds"]
+    rate = _CHUNK_CTX["processor"].feature_extractor.sampling_rate
+    if isinstance(n, int) and limit and n > limit * rate:
+        return ("audio_too_long", f"{path}: {n / rate:.2f} s > data.train.max_audio_seconds = {limit}")
+    return n
+
+
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                  subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
     """[(line, offset, lengths dict or (drop reason, detail))] of rows [(line, byte offset, raw line)]."""
@@ -544,25 +628,32 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                 raise _Drop("invalid_json", str(e)) from None
             system, question, chosen, rejected, imgs, video = text.parse(row, Path(root) if root else None,
                                                                          max_images, subset)
+            question, clips = text.parse_audio(row, question, Path(root) if root else None, subset)
             sizes = [_probe(p) for p in imgs]
             if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
                 raise _Drop(*bad)
             grids = image_grids(ip, sizes, imgs)  # before rendering: the order of DROP_REASONS
-            # the video decoded before rendering (the order of DROP_REASONS), expanded after
+            # the video decoded before rendering (the order of DROP_REASONS), expanded after; then the clips
             loaded = None if video is None else read_video(text.processor, video, _CHUNK_CTX["max_frames"])
-            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected)
+            samples = [_probe_audio(p) for p in clips]
+            if (bad := next((n for n in samples if isinstance(n, tuple)), None)) is not None:
+                raise _Drop(*bad)
+            prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected, len(clips))
             video_prompt, video_counts = _video_counts(text.processor, prompt, loaded)
             counts = [gh * gw // merge**2 for gh, gw in grids]
-            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens)
-            p_len = len(text.encode(video_prompt)) + sum(n + 1 for n in counts)
+            audio_counts = [audio_token_count(_CHUNK_CTX["processor"], n) for n in samples]
+            # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens), each audio one
+            # <so_start> + n x <so_embedding> + <so_end>
+            p_len = len(text.encode(video_prompt)) + sum(n + 1 for n in counts) + sum(n + 1 for n in audio_counts)
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
                 raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
             # the row's content as trained, not its JSON text: mmpr_index notes rows that repeat another
-            digest = hashlib.blake2b(json.dumps([system, question, chosen, rejected, imgs, video]).encode(),
-                                     digest_size=8).hexdigest()
+            fields = [system, question, chosen, rejected, imgs, video] + ([clips] if clips else [])
+            digest = hashlib.blake2b(json.dumps(fields).encode(), digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
-                                             grids=grids, counts=counts, digest=digest, video=video_counts)))
+                                             grids=grids, counts=counts, digest=digest, video=video_counts,
+                                             clips=clips, samples=samples, audio_counts=audio_counts)))
         except _Drop as d:  # a plain tuple: it crosses the process boundary
             out.append((lineno, offset, (d.reason, d.detail)))
     return out

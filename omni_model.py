@@ -5,11 +5,11 @@
     hf_weights.load_hf_weights(model, "assets/tiny-omni")              # each rank reads only its slices
     logits = model(batch)                                              # [T_local, V/TP], one packed THD microbatch
 
-`OmniModel` = RADIO ViT (`vision_model`) + MLP projector (`vision_projection`) + megatron-core `HybridModel`
-(`language_model`: Mamba-2 `M`, attention `*`, MoE `E`, MLP `-` layers). The forward encodes each image once, puts
-the features at the `<image>` tokens of the sequences of its media slot, takes this rank's CP slice, scatters for SP
-and runs the hybrid stack; logits stay vocab-parallel. The spec is Transformer Engine's when it imports with CUDA,
-else local_spec.py's (kernel_selection); build_model installs the megatron-core patches (megatron_patches.apply)."""
+`OmniModel` = RADIO ViT (`vision_model`, images and video tubelets) + projector (`vision_projection`) + Parakeet
+`sound_encoder` + its `sound_projection` + megatron-core `HybridModel` (`language_model`: Mamba-2 `M`, attention `*`,
+MoE `E`, MLP `-`). The forward encodes each image, video and clip once, puts the features at the `<image>` /
+`<so_embedding>` tokens of its media slot's sequences, takes this rank's CP slice, scatters for SP, runs the hybrid
+stack (vocab-parallel logits). Spec: TE's when it imports with CUDA, else local_spec.py's (kernel_selection)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ class OmniHFConfig:
     num_prefix_tokens: int  # class + register tokens of RADIO, dropped after the ViT
     video_temporal_patch_size: int = 1  # frames per tubelet of the ViT's video embedder (1: no video embedder)
     video_pruning_rate: float = 0.0  # EVS: the share of video tokens transformers drops after the ViT
+    sound: Any = None  # transformers ParakeetEncoderConfig of the sound encoder (hub `sound_config`); None: no audio
+    sound_token_id: int | None = None  # `<so_embedding>` (hub `sound_context_token_id`)
 
 
 MODEL_TYPES = ("NemotronH_Nano_Omni_Reasoning_V3", "nemotron_h_omni")  # config.json's model_type: hub, transformers
@@ -106,11 +108,15 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"{path}: {msg}")
+    sound = cfg.audio_config
+    if sound is not None and not (sound.hidden_act == "silu" and sound.subsampling_conv_stride == 2):
+        raise ValueError(f"{path}: sound_config: only silu and stride-2 conv subsampling (the processor's token count)")
     return OmniHFConfig(text=text, vision=vision, pattern=pattern, vision_hidden_size=int(cfg.vision_hidden_size),
                         projector_hidden_size=int(cfg.projector_hidden_size), image_token_id=int(cfg.image_token_id),
                         num_prefix_tokens=int(vision.num_cls_tokens + vision.num_registers),
                         video_temporal_patch_size=int(getattr(vision, "video_temporal_patch_size", None) or 1),
-                        video_pruning_rate=float(cfg.video_pruning_rate or 0.0))
+                        video_pruning_rate=float(cfg.video_pruning_rate or 0.0), sound=sound,
+                        sound_token_id=None if sound is None else int(cfg.audio_token_id))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -192,11 +198,12 @@ def vision_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
     return TransformerConfig(**kw)
 
 
-def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg):
-    """TransformerConfig of the mlp1 projector (RMSNorm eps 1e-5, as transformers')."""
+def projector_config(hf: OmniHFConfig, model_cfg, parallel_cfg, ffn_hidden_size: int | None = None):
+    """TransformerConfig of the mlp1 projector (RMSNorm eps 1e-5, as transformers'); `ffn_hidden_size`: the sound
+    projection's (same layout, `sound_config.projection_hidden_size`)."""
     kw = _common_config_kwargs(model_cfg, parallel_cfg)
     kw.update(
-        num_layers=1, hidden_size=hf.text.hidden_size, ffn_hidden_size=hf.projector_hidden_size,
+        num_layers=1, hidden_size=hf.text.hidden_size, ffn_hidden_size=ffn_hidden_size or hf.projector_hidden_size,
         num_attention_heads=hf.text.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=1e-5,
         activation_func=squared_relu, context_parallel_size=1, sequence_parallel=False,
     )
@@ -268,8 +275,37 @@ def _get(batch, name: str, default=None):
     return getattr(batch, name, default)
 
 
+class SoundEncoder(nn.Module):
+    """transformers' `ParakeetEncoder` (hub `sound_encoder.encoder.*`), replicated on every rank, always in eval mode:
+    its BatchNorm uses the checkpoint's running statistics (a batch's statistics would make a row's logits depend on
+    the other clips of its microbatch and move the statistics every forward); dropout and layerdrop are off."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.parakeet.modeling_parakeet import ParakeetEncoder
+
+        config = copy.deepcopy(config)
+        for name in ("dropout", "dropout_positions", "layerdrop", "activation_dropout", "attention_dropout"):
+            setattr(config, name, 0.0)
+        self.encoder = ParakeetEncoder(config)
+        self.encoder.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.eval()
+        return self
+
+    def forward(self, features: torch.Tensor, valid_frames: int) -> torch.Tensor:
+        """features float [F, n_mels] of one clip (the processor's `input_features`), its first `valid_frames` real
+        (the processor's `input_features_mask`) -> [ceil-subsampled F, hidden] (every output frame is kept, as
+        transformers' get_audio_features)."""
+        mask = (torch.arange(features.shape[0], device=features.device) < valid_frames)[None]
+        return self.encoder(input_features=features[None], attention_mask=mask).last_hidden_state[0]
+
+
 class OmniModel(nn.Module):
-    """Vision tower + projector + hybrid language model; `forward(batch) -> logits [T/CP, V/TP]`.
+    """Vision tower + projector + hybrid language model (+ sound encoder + projection when the checkpoint has a
+    `sound_config`); `forward(batch) -> logits [T/CP, V/TP]`.
 
     `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full row on every CP rank);
     optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
@@ -277,7 +313,8 @@ class OmniModel(nn.Module):
     [N_videos, 3] (encode_media), media_index int64 [S] with media_image_offsets / media_video_offsets int64 [M+1],
     sample_mask [S]
     ([2P] per response in the shared format; weight-0 sequences leave the routers' statistics),
-    span_cu_seqlens_padded int32 [3P+1] (shared prompt).
+    span_cu_seqlens_padded int32 [3P+1] (shared prompt); audio: audio_features float [N_frames, n_mels] with
+    audio_lens int64 [N_clips, 2] (mel frames, valid frames) and media_audio_offsets int64 [M+1].
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
     Raises ValueError when the `<image>` tokens and the image features do not match."""
 
@@ -333,10 +370,21 @@ class OmniModel(nn.Module):
             input_size=hf.vision_hidden_size * 4, tp_group=pg.tp,
         )
         self.pg = pg
+        self.sound_encoder = self.sound_projection = None
+        self.sound_token_id = hf.sound_token_id
+        if hf.sound is not None:
+            self.sound_encoder = SoundEncoder(hf.sound)
+            self.sound_proj_config = projector_config(hf, model_cfg, parallel_cfg, hf.sound.projection_hidden_size)
+            self.sound_projection = MultimodalProjector(
+                config=self.sound_proj_config, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),
+                projector_type="mlp", input_size=hf.sound.hidden_size, tp_group=pg.tp,
+            )
         for flag, module in ((model_cfg.freeze_vision_encoder, self.vision_model),
                              (model_cfg.freeze_vision_projector, self.vision_projection),
+                             (model_cfg.freeze_sound_encoder, self.sound_encoder),
+                             (model_cfg.freeze_sound_projector, self.sound_projection),
                              (model_cfg.freeze_language_model, self.language_model)):
-            if flag:
+            if flag and module is not None:
                 for p in module.parameters():
                     p.requires_grad_(False)
 
@@ -452,6 +500,68 @@ class OmniModel(nn.Module):
             raise ValueError(f"{int(counts[len(media_index):].sum())} <image> tokens lie outside every sequence")
         return positions, torch.cat(rows) if rows else None
 
+    # -- sound --------------------------------------------------------------------------------------------------------
+
+    def encode_sounds(self, features: torch.Tensor, audio_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Parakeet encoder + projection, every clip once (its own length: no padding between clips). features
+        float [N_frames, n_mels]; audio_lens int64 [N_clips, 2] (frames, valid frames; on the host). Returns
+        [n_tokens_j, H] each."""
+        lens = [(int(f), int(v)) for f, v in audio_lens.tolist()]
+        if not lens:
+            return []
+        if self.sound_encoder is None:
+            raise ValueError(f"{len(lens)} audio clips but the checkpoint has no sound_config")
+        if features.shape[0] != sum(f for f, _ in lens):
+            raise ValueError(f"audio_features has {features.shape[0]} frames but audio_lens {lens} needs "
+                             f"{sum(f for f, _ in lens)}")
+        features = features.to(next(self.sound_encoder.parameters()).dtype)
+        outs, start = [], 0
+        for f, v in lens:
+            outs.append(self.sound_encoder(features[start:start + f], v))
+            start += f
+        feats = self.sound_projection(torch.cat(outs)[:, None])[:, 0]
+        return list(feats.split([o.shape[0] for o in outs]))
+
+    def _sound_rows(self, batch, ids: torch.Tensor, cu_pad: torch.Tensor, feats: list[torch.Tensor]):
+        """(positions int64 [N] on the host, rows [N, H]) of the `<so_embedding>` tokens, each sequence's rows from
+        its media slot's clips. batch, ids [T], cu_pad [S+1]: host copies."""
+        is_snd = ids == self.sound_token_id
+        positions = torch.nonzero(is_snd).flatten()
+        media_index, offsets = _get(batch, "media_index"), _get(batch, "media_audio_offsets")
+        if media_index is None or offsets is None:
+            n_feat = sum(f.shape[0] for f in feats)
+            if positions.numel() != n_feat:
+                raise ValueError(f"{positions.numel()} <so_embedding> tokens (id {self.sound_token_id}) but the audio "
+                                 f"clips give {n_feat} features")
+            return positions, torch.cat(feats) if feats else None
+        counts = torch.bincount(token_sequence_ids(cu_pad, ids.numel())[is_snd], minlength=cu_pad.numel() - 1)
+        offsets, rows = offsets.tolist(), []
+        for s, slot in enumerate(media_index.tolist()):
+            slot_feats = feats[offsets[slot]:offsets[slot + 1]]
+            if int(counts[s]) != sum(f.shape[0] for f in slot_feats):
+                raise ValueError(f"sequence {s}: {int(counts[s])} <so_embedding> tokens (id {self.sound_token_id}) "
+                                 f"but its media slot {slot} gives {sum(f.shape[0] for f in slot_feats)} features")
+            rows.extend(slot_feats)
+        if int(counts[len(media_index):].sum()):
+            raise ValueError(f"{int(counts[len(media_index):].sum())} <so_embedding> tokens lie outside every sequence")
+        return positions, torch.cat(rows) if rows else None
+
+    def _merge_sounds(self, batch, host, emb: torch.Tensor, ids_h: torch.Tensor, cu_pad_h: torch.Tensor):
+        """`emb` [T, 1, H] with the audio clips' features at their `<so_embedding>` tokens."""
+        audio_lens = _get(host, "audio_lens")
+        has_audio = audio_lens is not None and audio_lens.numel() > 0
+        n_tokens = 0 if self.sound_token_id is None else int((ids_h == self.sound_token_id).sum())
+        if not (has_audio or n_tokens):
+            return emb
+        if self.sound_encoder is None:
+            raise ValueError("the batch has audio but the checkpoint has no sound_config")
+        feats = self.encode_sounds(_get(batch, "audio_features").to(emb.device), audio_lens) if has_audio else []
+        positions, rows = self._sound_rows(host, ids_h, cu_pad_h, feats)
+        if rows is None:
+            return emb
+        positions = to_device(positions, emb.device)
+        return emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))
+
     # -- forward ------------------------------------------------------------------------------------------------------
 
     def forward(self, batch) -> torch.Tensor:
@@ -483,6 +593,7 @@ class OmniModel(nn.Module):
             if rows is not None:
                 positions = to_device(positions, device)
                 emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))
+        emb = self._merge_sounds(batch, host, emb, ids_h, cu_pad_h)
 
         cp = parallel_state.get_context_parallel_world_size()
         if cp > 1:
@@ -559,6 +670,8 @@ def build_model(hf_dir: str | os.PathLike, model_cfg, parallel_cfg, use_te: bool
         kernels = kernel_selection.select_kernels(te=use_te, dtype=torch_dtype(model_cfg.params_dtype))
     model = OmniModel(hf, model_cfg, parallel_cfg, use_te, kernels)
     cast_params_to(model, torch_dtype(model_cfg.params_dtype))
+    if model.sound_encoder is not None:  # BatchNorm's statistics in the input's dtype (torch's CPU kernel asks it)
+        model.sound_encoder.to(torch_dtype(model_cfg.params_dtype))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -247,6 +247,11 @@ class PreferencePair:
     pixel_values_videos: torch.Tensor | None = None  # [sum of F*gh*gw, 3*16*16] float, each frame's patches
     video_grid_thw: torch.Tensor | None = None  # [n_videos, 3] int64, (frames, gh, gw)
     video_token_counts: torch.Tensor | None = None  # [n_videos] int64, <image> tokens of each video in each row
+    # audio clips, shared by both rows: the processor's mel features, each clip at its own length
+    audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # [sum of frames, n_mels] float
+    audio_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [n_clips, 2]
+    # (mel frames, valid frames: the processor's input_features_mask sum) of each clip
+    audio_token_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [n_clips]
 
 
 @dataclass
@@ -280,6 +285,12 @@ class PackedBatch:
     video_grid_thw: torch.Tensor | None = None  # [N_videos, 3] int64
     video_token_counts: torch.Tensor | None = None  # [N_videos] int64
     media_video_offsets: torch.Tensor | None = None  # [P+1] int64
+    # Audio clips (OmniModel's sound step), once per pair in pair order: features [N_frames, n_mels] float, lens
+    # [N_clips, 2] int64 (frames, valid frames), token counts [N_clips], media_audio_offsets [P+1] (slot m's clips)
+    audio_features: torch.Tensor | None = None
+    audio_lens: torch.Tensor | None = None
+    audio_token_counts: torch.Tensor | None = None
+    media_audio_offsets: torch.Tensor | None = None
     host: PackedBatch | None = field(default=None, repr=False, compare=False)  # the CPU batch, set by `to`
 
     @property
@@ -361,7 +372,7 @@ def _packed_batch(pairs: Sequence[PreferencePair], token_parts: tuple[list, list
         media_index=media_index,
         media_image_offsets=torch.cat([zero, torch.tensor([p.image_grid_hw.shape[0] for p in pairs]).cumsum(0)]),
         media_patch_offsets=torch.cat([zero, torch.tensor([p.pixel_values.shape[0] for p in pairs]).cumsum(0)]),
-        **spans, **_packed_videos(pairs),
+        **spans, **_packed_videos(pairs), **_audio_fields(pairs),
     )
 
 
@@ -379,6 +390,17 @@ def _packed_videos(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:
             "video_grid_thw": torch.cat([g for _, g, _ in parts]),
             "video_token_counts": torch.cat([c for _, _, c in parts]),
             "media_video_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])}
+
+
+def _audio_fields(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor]:
+    """PackedBatch's audio fields of `pairs` (none when no pair has a clip)."""
+    if not any(p.audio_lens.numel() for p in pairs):
+        return {}
+    with_audio = [p.audio_features for p in pairs if p.audio_lens.numel()]
+    zero = torch.zeros(1, dtype=torch.int64)
+    return dict(audio_features=torch.cat(with_audio), audio_lens=torch.cat([p.audio_lens for p in pairs]),
+                audio_token_counts=torch.cat([p.audio_token_counts for p in pairs]),
+                media_audio_offsets=torch.cat([zero, torch.tensor([p.audio_lens.shape[0] for p in pairs]).cumsum(0)]))
 
 
 def pack(

@@ -136,6 +136,7 @@ def build_rank(cfg):
 
 # ---- Counting ----------
 COMPONENTS = ("language_model", "vision_model", "vision_projection")
+SOUND_COMPONENTS = ("sound_encoder", "sound_projection")  # a checkpoint with a sound_config
 
 
 def _routed(model) -> set[int]:
@@ -163,9 +164,10 @@ def global_counts(model, hf) -> dict[str, int]:
 
     out = {}
     with lora.base_view(model):
-        for name in COMPONENTS:
+        names = [n for n in COMPONENTS + SOUND_COMPONENTS if getattr(model, n, None) is not None]
+        for name in names:
             out[name] = _global_numel(getattr(model, name).parameters(), model)
-        out["total"] = sum(out[n] for n in COMPONENTS)
+        out["total"] = sum(out[n] for n in names)
         out["active"] = monitor.active_params(model, hf)
     return out
 
@@ -639,7 +641,9 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
     act = plan.step_activations()
     lines = [
         f"model {cfg.model.hf_path}: language model {_b(c['language_model'])}, vision tower {_b(c['vision_model'])}, "
-        f"projector {_b(c['vision_projection'])}; total {_b(c['total'])}, active per token {_b(c['active'])} "
+        f"projector {_b(c['vision_projection'])}"
+        + (f", sound encoder {_b(c['sound_encoder'])} + projection {_b(c['sound_projection'])}" if "sound_encoder" in c
+           else "") + f"; total {_b(c['total'])}, active per token {_b(c['active'])} "
         "(language model without the input embedding: monitor.active_params)",
         f"layout: {plan.world} GPUs = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x DP {dp} "
         f"(EP {p.expert_model_parallel_size}, SP {p.sequence_parallel}); {cfg.model.params_dtype}, recompute "

@@ -247,17 +247,19 @@ def check_model_config(cfg, hf, kernels=None) -> None:
     checks), plus the rules it enforces later (MoE with TP > 1 needs SP, ETP = 1, vocab % TP, something to train).
     kernels: the run's kernel_selection.Kernels (its spec; None: probed)."""
     m, p = cfg.model, cfg.parallel
-    if m.freeze_vision_encoder and m.freeze_vision_projector and m.freeze_language_model:
+    towers = ["freeze_vision_encoder", "freeze_vision_projector", "freeze_language_model"]
+    towers += ["freeze_sound_encoder", "freeze_sound_projector"] if hf.sound is not None else []
+    if all(getattr(m, k) for k in towers):
         raise config_mod.ConfigError(
-            "model.freeze_vision_encoder, model.freeze_vision_projector and model.freeze_language_model are all true: "
-            "nothing to train; unfreeze at least one"
-        )
+            ", ".join(f"model.{k}" for k in towers) + " are all true: nothing to train; unfreeze at least one")
     use_te = omni_model.uses_te_spec() if kernels is None else kernels.spec == "te"
     parts = (
         ("language model", functools.partial(omni_model.language_config, use_te=use_te)),
         ("vision encoder", omni_model.vision_config),
         ("vision projector", omni_model.projector_config),
-    )
+    ) + ((("sound projector", functools.partial(omni_model.projector_config,
+                                                ffn_hidden_size=hf.sound.projection_hidden_size)),)
+         if hf.sound is not None else ())
     for what, build in parts:
         try:
             mcore = build(hf, m, p)

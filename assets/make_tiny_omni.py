@@ -14,10 +14,13 @@ output is the reference that the tests' golden numbers were recorded on):
   `NemotronH_Omni_Reasoning_V3` initialisation from a fixed seed, written back by transformers' `save_pretrained`
   (which reverses its load-time renames) and then adjusted to the hub layout: RADIO layer-scale tensors (identity in
   C-RADIO, absent from the hub checkpoint) are removed, the input-conditioner buffers the hub stores are added.
+  The sound encoder (`sound_encoder.encoder.*`, transformers' `ParakeetEncoder`) and its projection
+  (`sound_projection.{norm,linear1,linear2}`) are drawn after, from seed + 1, so every other tensor stays as it was.
 - A byte-level BPE `tokenizer.json` trained on the shipped MMPR sample, with the Omni special tokens at the real ids
   (`<|im_start|>`=10, `<|im_end|>`=11, `<think>`=12, `</think>`=13, `<image>`=18, `<img>`=21, `</img>`=22,
   `<so_embedding>`=27), the chat template (`chat_template.jinja`, ChatML with the Omni reasoning rules), and the
-  processor / image-processor configs with a small patch budget (16-64 image tokens per image).
+  processor / image-processor configs with a small patch budget (16-64 image tokens per image) and the Parakeet
+  feature extractor (128 mel bins, 16 kHz, hop 160: one `<so_embedding>` per 80 ms).
 
 Facts about the real layout come from the hub checkpoint's config.json and chat template (numbers only; no code copied).
 """
@@ -100,6 +103,21 @@ VIT = dict(
     qkv_bias=True,
 )
 PROJECTOR_HIDDEN = 96
+# Parakeet / FastConformer sound encoder (hub: 24 layers, d 1024, 128 mel bins, 8x conv subsampling, no conv bias).
+SOUND = dict(
+    model_type="parakeet_encoder",
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    conv_kernel_size=9,
+    subsampling_factor=8,
+    subsampling_conv_channels=16,
+    num_mel_bins=128,
+    projection_hidden_size=48,
+    projection_bias=False,
+    convolution_bias=False,
+)
 # Image processor budget: 64..256 patches of 16 px, i.e. 16..64 `<image>` tokens after the 2x2 pixel shuffle.
 IMAGE_PROC = dict(min_num_patches=64, max_num_patches=256, max_model_len=68, patch_size=16, downsample_ratio=0.5)
 
@@ -107,7 +125,8 @@ IMAGE_PROC = dict(min_num_patches=64, max_num_patches=256, max_model_len=68, pat
 # emitted (empty when absent); an assistant turn renders `<think>\n{reasoning}\n</think>\n{content}` when it has
 # reasoning and `<think></think>{content}` otherwise; reasoning of turns before the last user message is dropped;
 # images in list-style content become an `<image>\n` prefix (numbered when several) unless the text already holds
-# `<image>`; `/think` and `/no_think` in a system or user message toggle the generation prompt and are stripped.
+# `<image>`, then audio parts become one `<so_embedding>\n` each unless the text already holds `<so_embedding>`;
+# `/think` and `/no_think` in a system or user message toggle the generation prompt and are stripped.
 CHAT_TEMPLATE = r"""{%- set ns = namespace(think=true, last_user=-1, system='') -%}
 {%- if enable_thinking is defined and enable_thinking is false -%}{%- set ns.think = false -%}{%- endif -%}
 {%- for m in messages -%}
@@ -120,6 +139,7 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(think=true, last_user=-1, system='') 
   {%- if content is string -%}{{- content -}}
   {%- else -%}
     {%- set imgs = content | selectattr('type', 'equalto', 'image') | list -%}
+    {%- set auds = content | selectattr('type', 'equalto', 'audio') | list -%}
     {%- set txt = content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
     {%- if '<image>' not in txt -%}
       {%- if imgs | length == 1 -%}{{- '<image>\n' -}}
@@ -127,6 +147,7 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(think=true, last_user=-1, system='') 
         {%- for i in imgs -%}{{- '<image ' ~ loop.index ~ '><image>' -}}{%- if not loop.last -%}{{- ' ' -}}{%- endif -%}{%- endfor -%}{{- '\n' -}}
       {%- endif -%}
     {%- endif -%}
+    {%- if '<so_embedding>' not in txt -%}{%- for a in auds -%}{{- '<so_embedding>\n' -}}{%- endfor -%}{%- endif -%}
     {{- txt -}}
   {%- endif -%}
 {%- endmacro -%}
@@ -212,6 +233,7 @@ def hub_config() -> dict:
         "video_context_token_id": 19,
         "sound_context_token_id": 27,
         "video_temporal_patch_size": 2,
+        "sound_config": SOUND,
         "max_sequence_length": 4096,
         "torch_dtype": "float32",
     }
@@ -222,7 +244,10 @@ def build_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
     torch.manual_seed(seed)
-    model = NemotronH_Omni_Reasoning_V3(NemotronH_Omni_Reasoning_V3_Config(**cfg))
+    # the model without its sound branch: the random stream, and so every vision / language tensor, is that of the
+    # asset before the sound encoder was added (tests/golden/ was recorded on it)
+    model = NemotronH_Omni_Reasoning_V3(NemotronH_Omni_Reasoning_V3_Config(
+        **{k: v for k, v in cfg.items() if k != "sound_config"}))
     with torch.no_grad():  # transformers' init leaves these at constants; random values make parity tests bite
         for name, p in model.named_parameters():
             if name.endswith(("mixer.D", "mixer.dt_bias", "e_score_correction_bias")) or "norm" in name:
@@ -241,7 +266,43 @@ def build_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     std = torch.tensor(cfg["vision_config"].get("norm_std", [0.26862954, 0.26130258, 0.27577711]))
     sd["vision_model.radio_model.input_conditioner.norm_mean"] = mean.view(3, 1, 1).float()
     sd["vision_model.radio_model.input_conditioner.norm_std"] = std.view(3, 1, 1).float()
+    sd.update(build_sound_weights(cfg, seed + 1))
     return {k: v.contiguous() for k, v in sorted(sd.items())}
+
+
+def build_sound_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The sound encoder + projection from transformers' init (norms, attention position biases and BatchNorm
+    statistics randomised), under the hub's key names (transformers' conversion map, reversed)."""
+    from transformers import ParakeetFeatureExtractor
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3MultiModalProjector,
+    )
+    from transformers.models.parakeet.modeling_parakeet import ParakeetEncoder
+
+    torch.manual_seed(seed)
+    full = NemotronH_Omni_Reasoning_V3_Config(**cfg)
+    sc = full.audio_config
+    encoder = ParakeetEncoder(sc)
+    projection = NemotronH_Omni_Reasoning_V3MultiModalProjector(
+        sc.hidden_size, sc.projection_hidden_size, full.text_config.hidden_size, bias=sc.projection_bias)
+    with torch.no_grad():
+        for name, t in [*encoder.named_parameters(), *encoder.named_buffers(), *projection.named_parameters()]:
+            if "norm" in name and name.endswith(("weight", "bias", "running_mean")) or name.endswith("bias_u") or \
+                    name.endswith("bias_v"):
+                t.add_(0.1 * torch.randn_like(t))
+            elif name.endswith("running_var"):
+                t.add_(0.5 * torch.rand_like(t))
+    sd = {f"sound_encoder.encoder.{k}": v for k, v in encoder.state_dict().items()}
+    names = {"layer_norm": "norm", "linear_1": "linear1", "linear_2": "linear2"}
+    sd.update({"sound_projection." + ".".join([names[k.split(".")[0]], *k.split(".")[1:]]): v
+               for k, v in projection.state_dict().items()})
+    # The hub also stores NeMo's mel featurizer buffers (the processor computes the mels; models ignore them).
+    fe = ParakeetFeatureExtractor(feature_size=sc.num_mel_bins)
+    sd["sound_encoder.encoder.feature_extractor.featurizer.fb"] = fe.mel_filters.float()[None].contiguous()
+    sd["sound_encoder.encoder.feature_extractor.featurizer.window"] = torch.hann_window(fe.win_length,
+                                                                                       periodic=False)
+    return sd
 
 
 def main() -> None:
@@ -285,7 +346,7 @@ def main() -> None:
         image_processor=NemotronH_Omni_Reasoning_V3ImageProcessor(**IMAGE_PROC),
         video_processor=NemotronH_Omni_Reasoning_V3VideoProcessor(),
         tokenizer=tok,
-        feature_extractor=ParakeetFeatureExtractor(),  # required by the processor class; audio is not trained here
+        feature_extractor=ParakeetFeatureExtractor(feature_size=SOUND["num_mel_bins"]),
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(out))

@@ -76,6 +76,56 @@ def image_text_inputs() -> dict:
     return proc(images=[img], text=text, return_tensors="pt")
 
 
+def tone(seconds: float, hz: float, seed: int = 0, rate: int = 16000):
+    """float32 [seconds·rate] mono clip: a sine of `hz` at amplitude 0.3 plus seeded white noise (0.05)."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * noise).astype(np.float32)
+
+
+def media_text_inputs(n_audio: int = 1, image: bool = False) -> dict:
+    """The tiny processor's inputs for `n_audio` tones (0.5 s, 0.7 s, ...) and optionally the chart image + a short
+    chat (input_ids, input_features [n, F, 128], input_features_mask [n, F], pixel_values, ...)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(TINY)
+    clips = [tone(0.5 + 0.2 * j, 300.0 + 200 * j, seed=j) for j in range(n_audio)]
+    imgs = [Image.open(ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "images" / "ChartQA" / "chart_000.png")] \
+        if image else []
+    content = [{"type": "image"}] * len(imgs) + [{"type": "audio"}] * n_audio + [{"type": "text", "text": "What?"}]
+    text = proc.apply_chat_template([{"role": "user", "content": content}, {"role": "assistant", "content": "A."}],
+                                    tokenize=False)
+    return proc(images=imgs or None, audio=clips, text=text, return_tensors="pt")
+
+
+def audio_batch_fields(inputs: dict) -> dict:
+    """OmniModel's audio fields of processor outputs: every clip's frames (its own length, no batch padding)."""
+    feats, mask = inputs["input_features"], inputs["input_features_mask"]
+    frames = [int(mask[j].sum()) + 1 for j in range(feats.shape[0])]  # the processor's 1 + L // hop frames
+    return {"audio_features": torch.cat([feats[j, :f] for j, f in enumerate(frames)]),
+            "audio_lens": torch.tensor([[f, int(mask[j].sum())] for j, f in enumerate(frames)])}
+
+
+def with_audio(batch: dict, seconds: float = 0.5, start: int = 12) -> dict:
+    """`batch` (make_pair_batch's) with one clip shared by both rows: its `<so_start>` + n x `<so_embedding>` +
+    `<so_end>` written over each row's tokens from `start` (after the image), its mel features from the tiny
+    processor (a 0.5 s tone: n = 7)."""
+    from transformers import AutoProcessor
+
+    fe = AutoProcessor.from_pretrained(TINY).feature_extractor
+    out = fe([tone(seconds, 523.0, seed=5)], sampling_rate=16000, return_tensors="pt")
+    frames, valid = out["input_features"].shape[1], int(out["attention_mask"].sum())
+    n = {0.5: 7}[seconds]
+    ids = batch["input_ids"].clone()
+    for a in batch["cu_seqlens_padded"][:-1].tolist():
+        ids[0, a + start], ids[0, a + start + 1:a + start + 1 + n], ids[0, a + start + 1 + n] = 25, 27, 26
+    return {**batch, "input_ids": ids, "audio_features": out["input_features"][0],
+            "audio_lens": torch.tensor([[frames, valid]]), "media_audio_offsets": torch.tensor([0, 1])}
+
+
 def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`model(batch)`'s logits and every parameter's gradient of a fixed random weighting of them (seed 11), the
     model's gradients cleared before and after."""

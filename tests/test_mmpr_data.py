@@ -80,6 +80,16 @@ def write_set(base: Path, rows: list, images: dict | None = None, name="MMPR-t",
     return d / "meta.json"
 
 
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A PCM-16 WAV of a 440 Hz tone."""
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    t = np.arange(int(seconds * rate)) / rate
+    sf.write(buf, 0.3 * np.sin(2 * np.pi * 440 * t), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
 def row(i=0, image="a.png", q="<image>\nWhat is it?", chosen=None, rejected=None, **extra):
     r = {"question": q, "chosen": chosen or f"A red square {i}.", "rejected": rejected or f"A blue circle {i}."}
     if image is not None:
@@ -534,30 +544,44 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
         row(25, image="../images/a.png"),  # image_outside_root: `..` climbs above the root
         row(26, video="garbage.mp4", image=None, q="What happens?"),  # video_unreadable
         row(27, video=["a.png"] * 3, image=None, q="What happens?"),  # too_many_frames (max 2)
+        row(28, image=None, q="Hear?", audio=5),  # missing_field: audio not a path
+        row(29, image=None, q="<audio> <audio>", audio="t.wav"),  # placeholder_mismatch: 2 placeholders, 1 clip
+        row(30, image=None, q="Hear?", audio="../images/t.wav"),  # audio_outside_root
+        row(31, image=None, q="Hear?", audio="nope.wav"),  # audio_missing
+        row(32, image=None, q="Hear?", audio="garbage.wav"),  # audio_unreadable
+        row(33, image=None, q="Hear?", audio="empty.wav"),  # audio_empty
+        row(34, image=None, q="Hear?", audio="long.wav"),  # audio_too_long (data.train.max_audio_seconds 0.5)
+        row(35, q="<image> <audio> both?", audio="t8k.wav"),  # valid: an image and an 8 kHz clip (resampled)
     ]
     meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
-                                      good[: len(good) // 2], "thin.png": rgb(5000, 1),
+                                      good[: len(good) // 2], "thin.png": rgb(5000, 1), "t.wav": wav(0.3),
+                                      "t8k.wav": wav(0.3, rate=8000), "long.wav": wav(0.6), "empty.wav": wav(0),
+                                      "garbage.wav": b"RIFF not really a wave file",
                                       "garbage.mp4": b"not a video at all"})
     # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
     spec = json.loads(meta.read_text())
-    (meta.parent / "annotations" / "rootless.jsonl").write_text(json.dumps(row(22)) + "\n")
+    (meta.parent / "annotations" / "rootless.jsonl").write_text(
+        json.dumps(row(22)) + "\n" + json.dumps(row(36, image=None, q="Hear?", audio="t.wav")) + "\n")
     spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
     meta.write_text(json.dumps(spec))
-    cfg = data_cfg(max_seq_length=200, train__max_images_per_row=2)
+    cfg = data_cfg(max_seq_length=200, train__max_images_per_row=2, train__max_audio_seconds=0.5)
     cfg.video.max_frames = 2
     index = mi.build_index(meta, processor, cfg)
     st = index.stats["sub"]
-    assert st["dropped"] == {"invalid_json": 2, "missing_field": 2, "video_missing": 1, "video_unreadable": 1,
+    assert st["dropped"] == {"invalid_json": 2, "missing_field": 3, "video_missing": 1, "video_unreadable": 1,
                              "too_many_frames": 1, "too_many_images": 1,
-                             "placeholder_mismatch": 3, "stray_media_token": 3, "unterminated_reasoning": 1,
+                             "audio_outside_root": 1, "audio_missing": 1, "audio_unreadable": 1, "audio_empty": 1,
+                             "audio_too_long": 1, "placeholder_mismatch": 4, "stray_media_token": 3,
+                             "unterminated_reasoning": 1,
                              "malformed_reasoning": 2, "empty_response": 2, "identical_responses": 1,
                              "image_outside_root": 1, "image_missing": 1, "image_unreadable": 1, "image_truncated": 1,
                              "image_unprocessable": 1, "template_rewrites_text": 1, "too_long": 1}
-    assert index.stats["rootless"]["dropped"] == {"no_image_root": 1}
+    assert index.stats["rootless"]["dropped"] == {"no_image_root": 1, "no_audio_root": 1}
     assert index.stats["rootless"]["drop_examples"]["no_image_root"] == [
         f"{tmp_path}/MMPR-t/annotations/rootless.jsonl:1: subset 'rootless' has no root for 'a.png'"]
     assert set(mi.summary_drops(index)) == set(mr.DROP_REASONS)
-    assert st["rows_read"] == 30 and st["valid"] == 3 and len(index) == 3 and index.line.tolist() == [1, 17, 20]
+    assert st["rows_read"] == 38 and st["valid"] == 4 and len(index) == 4 and index.line.tolist() == [1, 17, 20, 39]
+    assert index.num_audio.tolist() == [0, 0, 0, 1] and index.audio_samples.tolist() == [4800]  # 0.3 s at 16 kHz
     assert st["drop_examples"]["image_missing"][0].startswith(f"{tmp_path}/MMPR-t/annotations/sub.jsonl:14: ")
     assert "nope.png does not exist" in st["drop_examples"]["image_missing"][0]
     assert st["drop_examples"]["too_long"][0].endswith("> data.max_seq_length = 200")

@@ -100,8 +100,9 @@ def test_active_params_counts_the_language_models_matmul_parameters(model, refer
     assert (total, embedding, routed) == (262256, 1024 * 64, 2 * 4 * 2 * 32 * 64)
     want = total - embedding - routed + routed * text["num_experts_per_tok"] // text["n_routed_experts"]
     assert monitor.active_params(model, model.hf) == want == 180336
-    vision = sum(p.numel() for m in (model.vision_model, model.vision_projection) for p in m.parameters())
-    assert vision > 0 and sum(p.numel() for p in model.parameters()) == total + vision  # the ViT is left out
+    towers = (model.vision_model, model.vision_projection, model.sound_encoder, model.sound_projection)
+    media = sum(p.numel() for m in towers for p in m.parameters())
+    assert media > 0 and sum(p.numel() for p in model.parameters()) == total + media  # the encoders are left out
 
 
 def test_mamba_dt_clamp_follows_the_switch(model, reference):
@@ -288,11 +289,11 @@ def test_options_freeze_and_no_dt_clamp(world):
     cfg = ModelConfig(freeze_vision_encoder=True, freeze_vision_projector=True, mamba_dt_clamp=False)
     m = om.build_model(TINY, cfg, ParallelConfig())
     trainable = {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad}
-    assert trainable == {"language_model"}
+    assert trainable == {"language_model", "sound_encoder", "sound_projection"}
     assert all(layer.mixer.dt_limit is None for layer in m.language_model.decoder.layers if hasattr(layer, "mixer"))
     m = om.build_model(TINY, ModelConfig(freeze_language_model=True), ParallelConfig())
-    assert {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad} == {"vision_model",
-                                                                                    "vision_projection"}
+    assert {n.split(".")[0] for n, p in m.named_parameters() if p.requires_grad} == {
+        "vision_model", "vision_projection", "sound_encoder", "sound_projection"}
 
 
 @pytest.mark.parametrize("n_shared", [1, 2])
@@ -349,7 +350,8 @@ def test_import_export_is_bit_identical_and_reloads_in_transformers(model, refer
 
     import hf_weights
 
-    assert model.load_report["untouched"] == {"vision_model.radio_model.input_conditioner.": 2,
+    assert model.load_report["untouched"] == {"sound_encoder.encoder.feature_extractor.": 2,
+                                              "vision_model.radio_model.input_conditioner.": 2,
                                               "vision_model.radio_model.summary_idxs": 1}
     out = tmp_path / "export"
     hf_weights.export_hf(model, out, TINY)
@@ -465,6 +467,7 @@ def test_two_rank_layouts_match_one_rank(torchrun):
         assert "error" not in r, (layout, r)
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
+        assert any(k.startswith("sound_encoder.") for k in r["grads_rel"]), r  # the replicated sound encoder too
         # expert-bias token counts: the real tokens (21 + 30) x top-2 per router, padding excluded, in every layout
         assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
         assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(21 + 30) * 2] * 2, (layout, r)

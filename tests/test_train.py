@@ -204,8 +204,10 @@ def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     (["parallel.tensor_model_parallel_size=8", "parallel.sequence_parallel=true"],  # the language model's 4 heads
      ["language model", "num_attention_heads (4)", "tensor_model_parallel_size (8)"]),
     (["parallel.expert_tensor_parallel_size=2"], ["parallel.expert_tensor_parallel_size = 2"]),
-    (["model.freeze_vision_encoder=true", "model.freeze_vision_projector=true", "model.freeze_language_model=true"],
-     ["model.freeze_vision_encoder", "model.freeze_vision_projector", "model.freeze_language_model"]),
+    (["model.freeze_vision_encoder=true", "model.freeze_vision_projector=true", "model.freeze_language_model=true",
+      "model.freeze_sound_encoder=true", "model.freeze_sound_projector=true"],
+     ["model.freeze_vision_encoder", "model.freeze_vision_projector", "model.freeze_language_model",
+      "model.freeze_sound_encoder", "model.freeze_sound_projector"]),
 ])
 def test_megatron_constraints_are_config_errors_before_any_work(overrides, names):
     """megatron-core's own checks (its TransformerConfig __post_init__, and the rules it applies at build

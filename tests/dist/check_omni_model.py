@@ -3,8 +3,9 @@
 
 In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
 parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
-(an image, a 3-frame video and text, padded THD) forward and backward, gather the logits to the full [T, V] in packed order and the
-gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs differences to the reference and
+(an image, a 3-frame video, a clip and text, padded THD) forward and backward, gather the logits to the full [T, V]
+in packed order and the gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs
+differences to the reference and
 each layout's monitor.active_params (rank 0, tests/dist/report.py).
 """
 
@@ -72,7 +73,9 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
     # gradients of replicated parameters (summed over CP ranks, as megatron's grad reduction does over DP x CP)
     grads = {}
     for name in ("vision_model.class_token", "vision_projection.encoder.linear_fc1.layer_norm_weight",
-                 "language_model.decoder.final_norm.weight", "language_model.decoder.layers.2.mlp.router.weight"):
+                 "language_model.decoder.final_norm.weight", "language_model.decoder.layers.2.mlp.router.weight",
+                 "sound_encoder.encoder.subsampling.linear.weight",
+                 "sound_projection.encoder.linear_fc1.layer_norm_weight"):
         p = dict(model.named_parameters())[name]
         g = p.grad.detach().clone()
         if tp > 1 and getattr(p, "sequence_parallel", False):  # what finalize_model_grads does for SP params
@@ -99,13 +102,13 @@ def main() -> None:
     import report
     import torch
     import torch.distributed as dist
-    from omni_model_cases import make_pair_batch
+    from omni_model_cases import make_pair_batch, with_audio
 
     from backend import megatron_patches
 
     megatron_patches.apply()
     dist.init_process_group("gloo")
-    batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8, video=True)  # an image and a video
+    batch = with_audio(make_pair_batch(seed=3, lens=(32, 40), divisible_by=8, video=True), start=20)  # all media
     ref, ref_grads = run_layout(1, 1, 1, False, batch)
     ref_counts = ref_grads.pop("tokens_per_expert")
     ref_active = ref_grads.pop("active_params")
