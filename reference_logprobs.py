@@ -175,6 +175,8 @@ def index_key(index) -> str:
 def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
     """Rank 0: compare `folder`'s manifest with `ident` (written when the folder holds none); the refusal, or None."""
     path = folder / MANIFEST
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file, not the folder of the stored values"
     if not path.exists():
         if any(folder.glob("*.shard")):
             return f"{folder} holds shards but no {MANIFEST}: what they belong to is unknown"
@@ -184,10 +186,13 @@ def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
         return None
     try:
         saved = json.loads(path.read_text())
-        saved_ident = saved["identity"]
-        assert saved["format"] == FORMAT and isinstance(saved_ident, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        saved_ident, saved_format = saved["identity"], saved["format"]
+        if not isinstance(saved_ident, dict):
+            raise TypeError("its identity is not a JSON object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{path} cannot be read ({type(e).__name__}: {e})"
+    if saved_format != FORMAT:
+        return f"{path} is of format {saved_format!r}, this version reads format {FORMAT}"
     differ = [f"{k} {saved_ident.get(k)!r} -> {v!r}" for k, v in ident.items() if saved_ident.get(k) != v]
     differ += [f"{k} {v!r} -> None" for k, v in saved_ident.items() if k not in ident]
     return f"{folder} holds the reference log-probs of another run ({'; '.join(differ)})" if differ else None
@@ -215,10 +220,18 @@ def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
         raise ShardError(f"truncated: {len(payload)} of {size} bytes")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ShardError("its content differs from its checksum")
-    values = torch.load(io.BytesIO(payload), weights_only=True)
-    for v in values.values():
-        n = v["pair_ids"].numel()
-        assert v["sums"].shape == v["tokens"].shape == (n, 2), f"{path}: shapes {v['sums'].shape} for {n} pairs"
+    try:
+        values = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a payload torch cannot read fails with many types (IndexError among them)
+        raise ShardError(f"its payload is not a torch file ({type(e).__name__})") from None
+    try:
+        for v in values.values():
+            n = v["pair_ids"].numel()
+            ok = v["sums"].shape == v["tokens"].shape == (n, 2)
+            if not ok:
+                raise ValueError
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ShardError("its payload is not a table of pair ids, sums and tokens") from None
     return values
 
 
@@ -248,7 +261,7 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str
     for path in sorted(folder.glob("*.shard")):
         try:
             values = read_shard(path)
-        except (ShardError, OSError, RuntimeError, AssertionError) as e:  # RuntimeError, AssertionError: torch.load's
+        except (ShardError, OSError) as e:
             damaged.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
             continue
         for key, v in values.items():
@@ -274,10 +287,16 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     ident = identity(cfg, data.train_split.index, data.val_split.index if data.val_split else None)
     info = {"kernels": kernels.line(), "packing.shared_prompt": cfg.packing.shared_prompt,
             "parallel": dataclasses.asdict(cfg.parallel)}
-    refused = check_manifest(folder, ident, info) if rank == 0 else None
+    refused = None
+    if rank == 0:
+        try:
+            refused = check_manifest(folder, ident, info)
+            if refused:
+                refused += f": remove {folder} to compute them again for this run, or set reference.logprobs=online"
+        except OSError as e:  # a full disk, a read-only file system
+            refused = _write_failed(folder / MANIFEST, e)
     if refused := distributed.from_rank0(refused):
-        raise checkpoint.CheckpointError(f"{refused}: remove {folder} to compute them again for this run, or set "
-                                         "reference.logprobs=online")
+        raise checkpoint.CheckpointError(refused)
     tables = {index_key(index): _Table.empty(len(index)) for index, _, _ in splits}
     damaged = load_shards(folder, tables)
     dist.barrier()  # every rank has read the shards before rank 0 moves the damaged ones aside
@@ -330,6 +349,12 @@ def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tenso
     return out
 
 
+def _write_failed(path: Path, e: OSError) -> str:
+    """The one line of a failed write of the pass (a full disk, a quota), naming the file and the free space."""
+    return (f"cannot write {path}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); make room, then "
+            "start the run again (the values written so far are kept)")
+
+
 def _duration(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
@@ -372,11 +397,20 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
               f"{packing.max_tokens_per_bin} tokens")
 
     def flush() -> None:
+        """This rank's computed values to a new shard; a failed write (a full disk) is a CheckpointError."""
         if writer and buffer:
             values = {k: {"pair_ids": torch.cat([b[0] for b in v]), "sums": torch.cat([b[1] for b in v]),
                           "tokens": torch.cat([b[2] for b in v])} for k, v in buffer.items()}  # fmt: skip
-            write_shard(folder / f"rank{rank:05d}-{next(shard):06d}.shard", values)
+            path = folder / f"rank{rank:05d}-{next(shard):06d}.shard"
+            try:
+                write_shard(path, values)
+            except OSError as e:
+                buffer.clear()
+                raise checkpoint.CheckpointError(_write_failed(path, e)) from None
         buffer.clear()
+
+    def flush_agreed() -> None:  # collective: one rank's failed write stops every rank in one line
+        distributed.agreed(flush, ctx, (checkpoint.CheckpointError,))
 
     done, t0, last_flush, last_print = 0, time.perf_counter(), time.perf_counter(), 0.0
     try:
@@ -393,8 +427,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
                 buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
                 done += len(step.pair_ids)
                 now = time.perf_counter()
-                if now - last_flush >= SHARD_SECONDS:
-                    flush()
+                if distributed.from_rank0(now - last_flush >= SHARD_SECONDS):  # every rank flushes at once
+                    flush_agreed()
                     last_flush = now
                 if rank == 0 and (now - last_print >= PROGRESS_SECONDS or done == to_do):
                     rate = done / (now - t0)
@@ -402,12 +436,14 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
                           f"{_duration((to_do - done) / rate)}", flush=True)
                     last_print = now
                 if stopper.should_stop(ctx.device):
-                    flush()
+                    flush_agreed()
                     if rank == 0:
                         print(f"reference pass: stopped after {done} of {to_do} pairs (signal); stored in {folder}, "
                               "the next start continues from there", flush=True)
                     return False
             del loader  # its DataLoader workers stop here
+        flush_agreed()
     finally:
-        flush()  # what is computed is kept, whatever ends the pass (a DataError, a bug)
+        with contextlib.suppress(checkpoint.CheckpointError):  # a failed write was raised already
+            flush()  # what is computed is kept, whatever ends the pass (a DataError, a bug)
     return True

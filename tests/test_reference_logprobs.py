@@ -8,6 +8,9 @@ SIGTERM during the pass and started again. The tiny run in both modes, with a re
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
+import json
 import math
 import os
 import signal
@@ -34,7 +37,8 @@ def _values(pairs: list[int], offset: float = 0.0) -> dict:
 
 
 def test_a_shard_reads_back_whole_or_is_refused(tmp_path):
-    good, short, changed, junk = (tmp_path / f"{n}.shard" for n in ("good", "short", "changed", "junk"))
+    good, short, changed, junk, untorch = (tmp_path / f"{n}.shard" for n in ("good", "short", "changed", "junk",
+                                                                             "untorch"))
     rl.write_shard(good, _values([3, 1]))
     got = rl.read_shard(good)
     assert all(torch.equal(got["k"][f], _values([3, 1])["k"][f]) for f in ("pair_ids", "sums", "tokens"))
@@ -42,12 +46,15 @@ def test_a_shard_reads_back_whole_or_is_refused(tmp_path):
     short.write_bytes(data[:-5])
     changed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     junk.write_bytes(b"not a shard")
-    for path, why in ((short, "truncated"), (changed, "checksum"), (junk, "shard header")):  # the check that failed
-        with raises_naming(rl.ShardError, why):
+    payload = b"a checksum of its own, no torch file"  # a header that fits, a payload torch.load cannot read
+    header = {"format": rl.FORMAT, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    untorch.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    for path, why in ((short, "truncated"), (changed, "checksum"), (junk, "shard header"), (untorch, "torch")):
+        with raises_naming(rl.ShardError, why):  # the check that failed
             rl.read_shard(path)
     table = {"k": rl._Table.empty(4)}
     damaged = rl.load_shards(tmp_path, table)
-    assert sorted(p.name for p, _ in damaged) == ["changed.shard", "junk.shard", "short.shard"]
+    assert sorted(p.name for p, _ in damaged) == ["changed.shard", "junk.shard", "short.shard", "untorch.shard"]
     assert table["k"].missing([0, 1, 2, 3]) == [0, 2]  # only the good shard was read
     assert table["k"].sums[3].tolist() == [-0.0, -1.0] and table["k"].tokens[1].tolist() == [3, 4]
     assert not list(tmp_path.glob(".*.tmp"))  # written under a temporary name, then renamed
@@ -64,6 +71,11 @@ def test_the_manifest_is_written_once_and_names_what_differs(tmp_path):
     other.mkdir()
     (other / "rank00000-000000.shard").write_bytes(b"x")
     assert rl.MANIFEST in rl.check_manifest(other, ident, {})  # shards of unknown origin are not adopted
+    (folder / rl.MANIFEST).write_text(json.dumps({"format": rl.FORMAT + 1, "identity": ident}))
+    assert f"format {rl.FORMAT + 1}" in rl.check_manifest(folder, ident, {})  # a newer version's store: said so
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert str(a_file) in rl.check_manifest(a_file, ident, {})  # no FileExistsError
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -180,6 +192,19 @@ def test_a_stopped_pass_continues_without_computing_a_pair_twice(tiny, counted, 
     with raises_naming(rl.checkpoint.CheckpointError, "data.max_seq_length 2048 -> 1024", folder) as e:
         rl.precompute(other, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(None))
     assert str(folder) in str(e.value) and "\n" not in str(e.value) and counted == []
+
+
+def test_a_full_disk_during_the_pass_is_one_line(tiny, monkeypatch, tmp_path):
+    def full(path, values):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rl, "write_shard", full)
+    cfg = copy.deepcopy(tiny.cfg)
+    cfg.checkpoint.dir = str(tmp_path)
+    with raises_naming(rl.checkpoint.CheckpointError, tmp_path / rl.FOLDER / "rank00000-000000.shard",
+                       os.strerror(errno.ENOSPC)) as e:
+        rl.precompute(cfg, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(1))  # the stop writes the first round
+    assert "\n" not in str(e.value)
 
 
 def _bins(tiny, split, pair_ids):
