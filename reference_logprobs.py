@@ -12,11 +12,14 @@ model. Either way the step asks `sums(reference, batches, ctx)`.
     <checkpoint.dir>/reference_logprobs/
         manifest.json          what the values belong to (`identity`): another model, data index or dtype is refused
         rank<r>-<n>.shard      pairs computed by global rank r: one JSON header line (bytes, sha256), then torch.save of
-                               {index key: {"pair_ids" [n] int64, "sums" [n, 2] float64, "tokens" [n, 2] int64}}
+                               {index key: {"pair_ids" [n] int64, "sums" [n, 2] float64, "tokens" [n, 2] int64,
+                                            "media" [n] int64}}
 
 Column 0 is the chosen response, 1 the rejected one; `sums` are Σ_t log π_ref over the response tokens (the fp32
-values of the forward, held exactly in float64), `tokens` their count. A shard is written under a temporary name and
-renamed, so a stop or a kill never leaves half of one; a damaged shard is moved aside and its pairs computed again.
+values of the forward, held exactly in float64), `tokens` their count, `media` a stamp of the pair's image files
+(`media_stamps`: sizes and mtimes; a pair whose images changed is computed again). A shard is written under a temporary
+name and renamed, so a stop or a kill never leaves half of one; a damaged shard is moved aside and its pairs computed
+again.
 A stop signal during the pass keeps the shards written (the next start continues). Tests:
 tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_train.py.
 """
@@ -30,6 +33,7 @@ import gc
 import hashlib
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,7 +51,7 @@ import pack
 
 FOLDER = "reference_logprobs"
 MANIFEST = "manifest.json"
-FORMAT = 1  # the shard and manifest layout above
+FORMAT = 2  # the shard and manifest layout above
 SHARD_SECONDS = 60.0  # a rank writes its computed pairs at least this often (wall seconds): what a kill -9 loses
 PROGRESS_SECONDS = 30.0  # rank 0 prints a progress line at most this often
 
@@ -227,7 +231,7 @@ def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     try:
         for v in values.values():
             n = v["pair_ids"].numel()
-            ok = v["sums"].shape == v["tokens"].shape == (n, 2)
+            ok = v["sums"].shape == v["tokens"].shape == (n, 2) and v["media"].shape == (n,)
             if not ok:
                 raise ValueError
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -237,17 +241,25 @@ def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 @dataclasses.dataclass
 class _Table:
-    """One data index's values while they are gathered: rows = pair ids (see `Stored`)."""
+    """One data index's values while they are gathered: rows = pair ids (see `Stored`); `media` [N] int64 the pairs'
+    media stamps now (`media_stamps`); a stored value of another stamp is not taken (its pair id goes to `stale`)."""
 
     sums: torch.Tensor
     tokens: torch.Tensor
+    media: torch.Tensor | None = None
+    stale: set = dataclasses.field(default_factory=set)
 
     @classmethod
-    def empty(cls, num_pairs: int) -> _Table:
+    def empty(cls, num_pairs: int, media: torch.Tensor | None = None) -> _Table:
         return cls(torch.full((num_pairs, 2), float("nan"), dtype=torch.float64),
-                   torch.full((num_pairs, 2), -1, dtype=torch.int64))
+                   torch.full((num_pairs, 2), -1, dtype=torch.int64), media)
 
-    def put(self, pair_ids: torch.Tensor, sums: torch.Tensor, tokens: torch.Tensor) -> None:
+    def put(self, pair_ids: torch.Tensor, sums: torch.Tensor, tokens: torch.Tensor,
+            media: torch.Tensor | None = None) -> None:
+        if self.media is not None and media is not None:
+            same = self.media[pair_ids] == media
+            self.stale.update(pair_ids[~same].tolist())
+            pair_ids, sums, tokens = pair_ids[same], sums[same], tokens[same]
         self.sums[pair_ids], self.tokens[pair_ids] = sums.double(), tokens.long()
 
     def missing(self, pair_ids: list[int]) -> list[int]:
@@ -266,7 +278,7 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str
             continue
         for key, v in values.items():
             if key in tables:  # the manifest names the indexes; another index's values are not this run's
-                tables[key].put(v["pair_ids"], v["sums"], v["tokens"])
+                tables[key].put(v["pair_ids"], v["sums"], v["tokens"], v["media"])
     return damaged
 
 
@@ -297,7 +309,11 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
             refused = _write_failed(folder / MANIFEST, e)
     if refused := distributed.from_rank0(refused):
         raise checkpoint.CheckpointError(refused)
-    tables = {index_key(index): _Table.empty(len(index)) for index, _, _ in splits}
+    wanted: dict[str, tuple] = {}  # index key -> (index, the pair ids of every split reading it)
+    for index, _, ids in splits:
+        wanted[index_key(index)] = (index, [*wanted.get(index_key(index), (None, []))[1], *ids])
+    media = {key: media_stamps(index, ids, ctx) for key, (index, ids) in wanted.items()}
+    tables = {key: _Table.empty(len(index), media[key]) for key, (index, _) in wanted.items()}
     damaged = load_shards(folder, tables)
     dist.barrier()  # every rank has read the shards before rank 0 moves the damaged ones aside
     if rank == 0:
@@ -306,7 +322,11 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
         for path, why in damaged:
             path.rename(path.with_name(path.name + ".damaged"))
             print(f"reference: {path} is damaged ({why}): moved to {path.name}.damaged, its pairs are computed again")
-    todo = [(index, dataset, missing) for index, dataset, ids in splits
+    for key, t in tables.items():
+        if rank == 0 and (stale := t.missing(sorted(t.stale))):
+            print(f"reference: {len(stale)} pairs read image files changed since their values were stored (e.g. pair "
+                  f"{stale[0]}: {', '.join(wanted[key][0].images(stale[0]))}): they are computed again")
+    todo = [(index, dataset, missing, media[index_key(index)]) for index, dataset, ids in splits
             if (missing := tables[index_key(index)].missing(ids))]
     total = sum(len(ids) for _, _, ids in splits)
     if todo:
@@ -318,7 +338,7 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
             torch.cuda.empty_cache()
         if not finished:
             return None
-        tables = {key: _Table.empty(t.sums.shape[0]) for key, t in tables.items()}  # every rank's shards, read back
+        tables = {key: _Table.empty(t.sums.shape[0], t.media) for key, t in tables.items()}  # all ranks' shards
         dist.barrier()  # every rank's shards are written
         if damaged := load_shards(folder, tables):
             raise checkpoint.CheckpointError(f"{damaged[0][0]} was written by this pass and reads back damaged "
@@ -331,6 +351,31 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
         print(f"reference: the log-probs of {total} pairs are stored in {folder}; no reference model is built")
     stored = {key: Stored(folder, t.sums, t.tokens) for key, t in tables.items()}
     return stored[index_key(splits[0][0])], (stored[index_key(splits[-1][0])] if validates else None)
+
+
+def media_stamps(index, pair_ids: list[int], ctx) -> torch.Tensor:
+    """[len(index)] int64: for each of `pair_ids` a hash of its image files' (size, mtime in ns), in order (0 for the
+    other pairs and a pair without images). Collective: each rank stats a share of the files."""
+    paths = sorted({p for i in pair_ids for p in index.images(i)})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stat = torch.zeros(len(paths), 2, dtype=torch.int64)
+    for j in range(rank, len(paths), world):
+        try:
+            st = os.stat(paths[j])
+            stat[j] = torch.tensor([st.st_size, st.st_mtime_ns])
+        except OSError:  # a missing image: its pair's DataError comes from the loader
+            stat[j] = torch.tensor([-1, 0])
+    if world > 1:
+        stat = stat.to(ctx.device)
+        dist.all_reduce(stat)
+        stat = stat.cpu()
+    of = dict(zip(paths, stat.tolist(), strict=True))
+    out = torch.zeros(len(index), dtype=torch.int64)
+    for i in pair_ids:
+        if files := index.images(i):
+            digest = hashlib.blake2b(json.dumps([of[p] for p in files]).encode(), digest_size=8).digest()
+            out[i] = int.from_bytes(digest, "little", signed=True)
+    return out
 
 
 def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -391,7 +436,7 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
     numbers = [int(p.name.split("-")[1].split(".")[0]) for p in folder.glob(f"rank{rank:05d}-*.shard*")]
     shard = iter(range(max(numbers, default=-1) + 1, 1 << 62))
     buffer: dict[str, list] = {}
-    to_do = sum(len(p) for _, _, p in todo)
+    to_do = sum(len(p) for _, _, p, _ in todo)
     if rank == 0:
         print(f"reference pass: {to_do} of {total} pairs to compute ({total - to_do} stored in {folder}), bins of "
               f"{packing.max_tokens_per_bin} tokens")
@@ -400,7 +445,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
         """This rank's computed values to a new shard; a failed write (a full disk) is a CheckpointError."""
         if writer and buffer:
             values = {k: {"pair_ids": torch.cat([b[0] for b in v]), "sums": torch.cat([b[1] for b in v]),
-                          "tokens": torch.cat([b[2] for b in v])} for k, v in buffer.items()}  # fmt: skip
+                          "tokens": torch.cat([b[2] for b in v]), "media": torch.cat([b[3] for b in v])}
+                      for k, v in buffer.items()}  # fmt: skip
             path = folder / f"rank{rank:05d}-{next(shard):06d}.shard"
             try:
                 write_shard(path, values)
@@ -414,7 +460,7 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
 
     done, t0, last_flush, last_print = 0, time.perf_counter(), time.perf_counter(), 0.0
     try:
-        for index, dataset, pair_ids in todo:
+        for index, dataset, pair_ids, media in todo:
             def plan(round_ids, index=index):
                 p = pack.plan_step(index.lengths(round_ids), packing, ctx.dp, index.shared_lengths(round_ids))
                 return p, [q for b in p.ranks[ctx.dp_rank] for q in b.pair_ids]
@@ -424,7 +470,8 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
             for _ in rounds:
                 step = distributed.agreed(functools.partial(next, loader), ctx)  # one rank's DataError stops all
                 batches = pack.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
-                buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
+                scored = [(p, s, n, media[p]) for p, s, n in score(model, batches, ctx)]
+                buffer.setdefault(index_key(index), []).extend(scored)
                 done += len(step.pair_ids)
                 now = time.perf_counter()
                 if distributed.from_rank0(now - last_flush >= SHARD_SECONDS):  # every rank flushes at once

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _values(pairs: list[int], offset: float = 0.0) -> dict:
     n = len(pairs)
     return {"k": {"pair_ids": torch.tensor(pairs), "sums": -torch.arange(2.0 * n).reshape(n, 2).double() - offset,
-                  "tokens": torch.arange(2 * n).reshape(n, 2) + 1}}
+                  "tokens": torch.arange(2 * n).reshape(n, 2) + 1, "media": torch.zeros(n, dtype=torch.int64)}}
 
 
 def test_a_shard_reads_back_whole_or_is_refused(tmp_path):
@@ -41,7 +42,7 @@ def test_a_shard_reads_back_whole_or_is_refused(tmp_path):
                                                                              "untorch"))
     rl.write_shard(good, _values([3, 1]))
     got = rl.read_shard(good)
-    assert all(torch.equal(got["k"][f], _values([3, 1])["k"][f]) for f in ("pair_ids", "sums", "tokens"))
+    assert all(torch.equal(got["k"][f], _values([3, 1])["k"][f]) for f in ("pair_ids", "sums", "tokens", "media"))
     data = good.read_bytes()
     short.write_bytes(data[:-5])
     changed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
@@ -194,6 +195,37 @@ def test_a_stopped_pass_continues_without_computing_a_pair_twice(tiny, counted, 
     assert str(folder) in str(e.value) and "\n" not in str(e.value) and counted == []
 
 
+def test_a_pair_whose_image_changed_is_computed_again_alone(tiny, counted, tmp_path, capsys):
+    """An image rewritten in place (inverted, same pixel size) after the pass: the pairs reading it, and only those,
+    are computed again, to the values the model gives now."""
+    from PIL import Image, ImageOps
+
+    import omni_model
+    import train
+
+    shutil.copytree(ROOT / "data" / "mmpr_sample", tmp_path / "data")
+    cfg = copy.deepcopy(tiny.cfg)
+    cfg.checkpoint.dir, cfg.data.train.data_path = str(tmp_path / "run"), str(tmp_path / "data/MMPR-sample/meta.json")
+    cfg.mpo.val_at_end, cfg.data.train.max_samples = False, 12
+    data = train.load_data(cfg, omni_model.read_hf_config(cfg.model.hf_path), rank=1)
+    before, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    index = data.train_split.index
+    image = Path(index.images(data.train_split.pair_ids[0])[0])
+    readers = sorted(p for p in data.train_split.pair_ids if str(image) in index.images(p))
+    ImageOps.invert(Image.open(image).convert("RGB")).save(image)
+    counted.clear()
+    capsys.readouterr()
+    after, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    assert sorted(counted) == readers and f"{len(readers)} pairs read image files changed" in capsys.readouterr().out
+    now = {}
+    for pair_ids, sums, _ in rl.score(tiny.model, _bins(tiny, data.train_split, readers, data.train_set), tiny.ctx):
+        now.update(zip(pair_ids.tolist(), sums, strict=True))
+    for p in readers:
+        assert torch.equal(after.sums[p], now[p].double()) and not torch.equal(after.sums[p], before.sums[p])
+    others = sorted(set(data.train_split.pair_ids) - set(readers))
+    assert torch.equal(after.sums[others], before.sums[others])
+
+
 def test_a_full_disk_during_the_pass_is_one_line(tiny, monkeypatch, tmp_path):
     def full(path, values):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -207,11 +239,11 @@ def test_a_full_disk_during_the_pass_is_one_line(tiny, monkeypatch, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def _bins(tiny, split, pair_ids):
+def _bins(tiny, split, pair_ids, dataset=None):
     import pack
 
     plan = pack.plan_step(split.index.lengths(pair_ids), tiny.cfg.packing, 1, split.index.shared_lengths(pair_ids))
-    dataset = tiny.data.train_set if split is tiny.data.train_split else tiny.data.val_set
+    dataset = dataset or (tiny.data.train_set if split is tiny.data.train_split else tiny.data.val_set)
     pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
     return pack.load_bins(plan, pairs, tiny.ctx, tiny.data.ids["image"], tiny.data.ids["pad"])
 
