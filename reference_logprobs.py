@@ -330,8 +330,12 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
             if (missing := tables[index_key(index)].missing(ids))]
     total = sum(len(ids) for _, _, ids in splits)
     if todo:
+        rng = checkpoint.rng_state()  # the pass (its model's initialisation) leaves the training RNG as it found it
         model = load_model(cfg, ctx, kernels)  # the base model (LoRA: the policy's adapters off, bit for bit)
-        finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
+        try:
+            finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
+        finally:
+            checkpoint.set_rng_state(rng)
         del model  # the policy is built next: memory holds no reference from here on
         gc.collect()
         if ctx.device.type == "cuda":
