@@ -113,10 +113,27 @@ def read_model_config(hf_path: str) -> omni_model.OmniHFConfig:
             f"model.hf_path = {hf_path!r}: {path} has model_type {obj.get('model_type')!r}, not Nemotron-3-Nano-Omni's "
             f"({' or '.join(map(repr, omni_model.MODEL_TYPES))})"
         )
+    text = obj.get("llm_config") or obj.get("text_config") or {}
+    pattern = text.get("hybrid_override_pattern") if isinstance(text, dict) else None
+    symbols = set(omni_model._BLOCK_TO_SYMBOL.values())
+    if pattern is not None and (not isinstance(pattern, str) or not pattern or set(pattern) - symbols):
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: {path} has hybrid_override_pattern {pattern!r}: one character per layer "
+            f"from {''.join(sorted(symbols))} (M Mamba, * attention, E MoE, - MLP)"
+        )
     try:
-        return omni_model.read_hf_config(hf_path)
+        hf = omni_model.read_hf_config(hf_path)
     except ValueError as e:  # a setting this implementation does not support
         raise config_mod.ConfigError(f"model.hf_path = {hf_path!r}: {e}") from None
+    if hf_weights.has_safetensors(hf_path):  # the weights' layers are the pattern's (plan.py may plan a bare config)
+        layers = {int(k.split(".")[3]) for k in hf_weights.HFReader(hf_path).weight_map
+                  if k.startswith("language_model.backbone.layers.")}
+        if layers and max(layers) + 1 != len(hf.pattern):
+            raise config_mod.ConfigError(
+                f"model.hf_path = {hf_path!r}: {path} has hybrid_override_pattern {hf.pattern!r} ({len(hf.pattern)} "
+                f"layers), the weights hold {max(layers) + 1} language-model layers"
+            )
+    return hf
 
 
 def _checkpoint_around(path: Path) -> Path | None:

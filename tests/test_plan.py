@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import raises_naming
 
 import config as config_mod
 import hf_weights
@@ -231,6 +233,23 @@ def test_an_unsupported_omni_setting_is_one_config_error_naming_the_key(tmp_path
         preflight.read_model_config(str(tmp_path))
     assert str(e.value).startswith(f"model.hf_path = '{tmp_path}': ") and "ps_version" in str(e.value)
     assert preflight.read_model_config(str(NANO)).pattern == omni_model.read_hf_config(NANO).pattern
+
+
+@pytest.mark.parametrize("pattern", ["M*EQ-E", "M*E"])  # an unknown layer symbol; 3 layers, the weights hold 6
+def test_a_malformed_layer_pattern_is_one_line_in_plan_and_train(tmp_path, pattern, capsys):
+    import preflight
+
+    tiny = ROOT / "assets" / "tiny-omni"
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model, ignore=lambda d, names: [n for n in names if n == "config.json"])
+    hub = json.loads((tiny / "config.json").read_text())
+    hub["llm_config"]["hybrid_override_pattern"] = pattern
+    (model / "config.json").write_text(json.dumps(hub))
+    with raises_naming(config_mod.ConfigError, "hybrid_override_pattern", model):
+        preflight.read_model_config(str(model))  # train.py's check_inputs reads it so
+    assert plan.main([str(ROOT / "configs" / "tiny.toml"), f"model.hf_path={model}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid_override_pattern" in err[0]
 
 
 @pytest.mark.parametrize("flags, flag", [(["--gpus", "-2"], "--gpus"), (["--gpus", "0"], "--gpus"),
