@@ -284,6 +284,7 @@ def check_model_config(cfg, hf, kernels=None) -> None:
             ) from None
         if what == "language model":
             lm = mcore
+    check_lora(cfg, hf)
     tp = p.tensor_model_parallel_size
     if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
         raise config_mod.ConfigError(
@@ -299,6 +300,54 @@ def check_model_config(cfg, hf, kernels=None) -> None:
         raise config_mod.ConfigError(
             f"parallel.tensor_model_parallel_size = {tp} must divide the vocabulary size {hf.text.vocab_size} "
             f"({m.hf_path}/config.json): the output layer stays vocab-parallel"
+        )
+
+
+def lora_layers(hf) -> dict[str, dict[str, int]]:
+    """{lora component flag: {target layer name: its smaller dimension min(in, out)}}: the layers lora.apply_lora
+    finds in the model of `hf` (omni_model.OmniHFConfig), by the layer pattern and sizes of its config.json."""
+    t, h, vh = hf.text, hf.text.hidden_size, hf.vision_hidden_size
+    heads, kv, head_dim = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    lm: dict[str, int] = {}
+    if "M" in hf.pattern:
+        lm.update(in_proj=h, out_proj=min(h, t.mamba_num_heads * t.mamba_head_dim))
+    if "*" in hf.pattern:
+        lm.update(linear_qkv=min(h, (heads + 2 * kv) * head_dim), linear_proj=min(h, heads * head_dim))
+    if "-" in hf.pattern:
+        lm.update(linear_fc1=min(h, t.intermediate_size), linear_fc2=min(h, t.intermediate_size))
+    moe = "E" in hf.pattern
+    shared = getattr(t, "moe_shared_expert_intermediate_size", 0) or 0
+    mlp_ratio_size = int(vh * getattr(hf.vision, "mlp_ratio", 4.0))
+    return {
+        "language_model": lm,
+        "shared_expert": dict.fromkeys(("linear_fc1", "linear_fc2"), min(h, shared)) if moe and shared else {},
+        "routed_experts": dict.fromkeys(("linear_fc1", "linear_fc2"), min(h, t.moe_intermediate_size)) if moe else {},
+        "vision_tower": {"linear_qkv": vh, "linear_proj": vh, "linear_fc1": min(vh, mlp_ratio_size),
+                         "linear_fc2": min(vh, mlp_ratio_size)},
+        "projector": {"linear_fc1": min(4 * vh, hf.projector_hidden_size),
+                      "linear_fc2": min(hf.projector_hidden_size, h)},
+    }  # fmt: skip
+
+
+def check_lora(cfg, hf) -> None:
+    """With lora.rank > 0: lora.targets match a layer of an adapted component (`lora_layers`), and lora.rank is at
+    most the smaller dimension of every targeted layer (a wider adapter adds nothing a full update lacks)."""
+    lo = cfg.lora
+    if lo.rank <= 0:
+        return
+    layers = lora_layers(hf)
+    matched = [(c, t, d) for c, by in layers.items() if getattr(lo, c) for t, d in by.items() if t in lo.targets]
+    if not matched:
+        has = "; ".join(f"lora.{c}: {sorted(layers[c]) or 'none'}" for c in layers if getattr(lo, c))
+        raise config_mod.ConfigError(
+            f"lora.targets = {lo.targets} match no layer of the adapted components ({has}; {cfg.model.hf_path}"
+            "/config.json): name one of those layers or set another component flag"
+        )
+    component, target, dim = min(matched, key=lambda m: m[2])
+    if lo.rank > dim:
+        raise config_mod.ConfigError(
+            f"lora.rank = {lo.rank} exceeds the smaller dimension {dim} of a targeted layer (lora.{component}'s "
+            f"{target}, {cfg.model.hf_path}/config.json): set lora.rank <= {dim}"
         )
 
 

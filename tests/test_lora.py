@@ -177,6 +177,30 @@ def test_bad_lora_settings_are_one_line_config_errors(overrides, key):
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("overrides, names", [
+    (["lora.language_model=false", "lora.targets=linear_qkv"], ["lora.targets", "linear_qkv"]),  # shared expert: fc
+    (["lora.rank=1000000000"], ["lora.rank", "1000000000"]),
+    (["lora.rank=50", "lora.targets=linear_fc1"], ["lora.rank", "shared_expert", "linear_fc1"]),  # 48 x 64; dense: 96
+])  # fmt: skip
+def test_lora_settings_the_model_cannot_take_are_one_line_in_train_and_plan(overrides, names, capsys):
+    """Checked against model.hf_path's config.json (preflight.check_model_config, train.py's and plan.py's): a target
+    no adapted component has, a rank above a targeted layer's smaller dimension (tiny-omni's shared expert: 48)."""
+    import plan
+    import preflight
+    from config import ConfigError, load_config
+
+    args = [str(ROOT / "configs" / "tiny.toml"), f"model.hf_path={ROOT / 'assets' / 'tiny-omni'}",
+            "lora.rank=4", "model.moe_router_bias_update_rate=0", *overrides]
+    cfg = load_config(args[0], args[1:])
+    with raises_naming(ConfigError, *names):
+        preflight.check_model_config(cfg, preflight.read_model_config(cfg.model.hf_path))
+    assert plan.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(str(n) in err[0] for n in names), err
+    cfg = load_config(args[0], [*args[1:4], "lora.rank=32", "lora.targets=linear_qkv"])  # the LM's qkv: 64 x 128
+    preflight.check_model_config(cfg, preflight.read_model_config(cfg.model.hf_path))
+
+
 def test_lora_section_loads_from_toml_and_round_trips(tmp_path):
     from config import from_dict, load_config, to_dict
 
