@@ -329,6 +329,21 @@ def test_image_tokens_come_from_the_data_index_else_the_processors_largest_image
     assert n == want > 0 and cfg.data.train.data_path in source
 
 
+def test_the_bins_plan_advises_are_bins_it_plans_as_fitting_and_train_accepts(capsys):
+    """nano.toml, no data index (one image of 3328 tokens per pair): bins of 8 tokens hold no pair (train.py refuses
+    them), and the largest bin the plan of 8 advises is one whose own plan fits, at its own image tokens."""
+    small = plan.make_plan(nano_cfg("packing.max_tokens_per_bin=8"), 8)
+    assert small.min_bin_tokens == 3328 and not small.fits(plan.GPUS["141 GB"])
+    best = small.largest_bin(plan.GPUS["141 GB"], 8)
+    assert best >= 3328
+    advised = plan.make_plan(nano_cfg(f"packing.max_tokens_per_bin={best}"), 8)
+    assert advised.image_tokens == 3328 and advised.fits(plan.GPUS["141 GB"])
+    assert advised.largest_bin(plan.GPUS["141 GB"], 8) == best
+    assert plan.main([*NANO_ARGS, "packing.max_tokens_per_bin=8"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" not in out.split("141 GB GPUs")[1].split(";")[0] and "packing.max_tokens_per_bin" in out
+
+
 def test_plan_of_nano_toml_as_shipped_uses_the_shipped_config(capsys):
     """Issue 43.3: `python plan.py configs/nano.toml` (model.hf_path, the hub id) was a FileNotFoundError traceback."""
     assert plan.main(["configs/nano.toml"]) == 0
