@@ -280,7 +280,8 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     step = _step_with_config(run, 2)
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
-    for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)")]:
+    for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)"),
+                       (run / "step_9", "inside the run directory"), (run / "hf", "inside the run directory")]:
         with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", named):
             hf_export.check_export_dir(out, step)
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
@@ -299,7 +300,7 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
     (tmp_path / "old_export" / checkpoint.EXPORT_INFO_FILE).write_text("{}")  # an earlier export: overwritten
-    for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
+    for fine in (tmp_path / "new", tmp_path / "old_export"):
         hf_export.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
         hf_export.export(run, run)  # before any model is built
