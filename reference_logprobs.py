@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import gc
 import hashlib
@@ -299,16 +300,43 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     ident = identity(cfg, data.train_split.index, data.val_split.index if data.val_split else None)
     info = {"kernels": kernels.line(), "packing.shared_prompt": cfg.packing.shared_prompt,
             "parallel": dataclasses.asdict(cfg.parallel)}
-    refused = None
+    refused, lock = None, None
     if rank == 0:
         try:
             refused = check_manifest(folder, ident, info)
             if refused:
                 refused += f": remove {folder} to compute them again for this run, or set reference.logprobs=online"
+            else:
+                lock, refused = _lock(folder)
         except OSError as e:  # a full disk, a read-only file system
             refused = _write_failed(folder / MANIFEST, e)
     if refused := distributed.from_rank0(refused):
         raise checkpoint.CheckpointError(refused)
+    try:
+        return _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock(folder: Path) -> tuple[int | None, str | None]:
+    """Rank 0: flock `folder`/.lock for the pass (one writer per store, also through a symlink): (fd, None), or
+    (None, the refusal) while another run holds it; (None, None) on a file system without locks."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            return None, (f"{folder.resolve()} is in use by another run's reference pass (lock file "
+                          f"{folder / '.lock'}): wait until its pass ends, or give this run a store of its own")
+        return None, None
+    return fd, None
+
+
+def _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder):
+    """`precompute` once the store is this run's (the manifest checked, the lock held)."""
+    rank = dist.get_rank()
     wanted: dict[str, tuple] = {}  # index key -> (index, the pair ids of every split reading it)
     for index, _, ids in splits:
         wanted[index_key(index)] = (index, [*wanted.get(index_key(index), (None, []))[1], *ids])

@@ -226,6 +226,22 @@ def test_a_pair_whose_image_changed_is_computed_again_alone(tiny, counted, tmp_p
     assert torch.equal(after.sums[others], before.sums[others])
 
 
+def test_a_store_whose_pass_another_run_holds_is_refused_in_one_line(tiny, counted):
+    """Two runs sharing one store (a symlink): the second start's pass waits for none and writes no shard."""
+    import fcntl
+
+    folder = Path(tiny.cfg.checkpoint.dir) / rl.FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other run's pass
+    try:
+        with raises_naming(rl.checkpoint.CheckpointError, folder.resolve(), "another run"):
+            rl.precompute(tiny.cfg, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(None))
+    finally:
+        os.close(fd)
+    assert counted == []
+
+
 def test_a_full_disk_during_the_pass_is_one_line(tiny, monkeypatch, tmp_path):
     def full(path, values):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
