@@ -219,7 +219,7 @@ def test_run_state_tmp_and_keep_last(dist_result, variant):
     assert r["state"]["consumed_pairs"] == 8
 
 
-def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path):
+def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path, capsys):
     """RESUME_RULES: a changed layout (QA 3: it failed deep in dist_checkpointing), β or quality flag (QA3 4: δ is an
     EMA of rewards in the saved units) or LR schedule (chained segments) is refused in one error naming every refused
     key; the loss weights, δ's momentum, the DPO / SFT flags, the pair format and model.hf_path are returned as
@@ -244,13 +244,20 @@ def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_res
     notices = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
                "mpo.reward_shift_momentum=0.9", "mpo.preference_average_log_probs=true",
                "mpo.sft_average_log_probs=false", "model.hf_path=/elsewhere",
-               "optimizer.grad_reduce_in_fp32=false"]  # fmt: skip
+               "optimizer.grad_reduce_in_fp32=false", "lora.dropout=0.3"]  # fmt: skip
     assert checkpoint.check_resume(state, config_mod.load_config(tiny, saved + notices)) == {
+        "lora.dropout": (0.0, 0.3),
         "model.hf_path": ("assets/tiny-omni", "/elsewhere"), "mpo.bco_loss_weight": (0.2, 0.5),
         "mpo.sft_loss_weight": (0.0, 0.1), "mpo.reward_shift_momentum": (0.99, 0.9),
         "mpo.preference_average_log_probs": (False, True), "mpo.sft_average_log_probs": (True, False),
         "packing.shared_prompt": (False, True), "optimizer.grad_reduce_in_fp32": (True, False),
     }  # fmt: skip
+    import monitor
+
+    for lora_rank, says in ((0, "the frozen reference model"), (4, "the base model under the adapters")):
+        lora_state = dataclasses.replace(state, config={**state.config, "lora": {"rank": lora_rank}})
+        monitor.print_resume(lora_state, {"model.hf_path": ("a", "b")}, None, rank=0)
+        assert says in capsys.readouterr().out
     older = dict(state.config, optimizer={k: v for k, v in state.config["optimizer"].items() if k != "lr"})
     older_state = dataclasses.replace(state, config=older)  # saved before optimizer.lr existed
     assert checkpoint.check_resume(older_state, config_mod.load_config(tiny, [*saved, "optimizer.lr=0.5"])) == {}
