@@ -362,6 +362,12 @@ def check_splits(train_split, val_split, cfg):
             f"validation: data.validation.data_path shares {len(same)} annotation file(s) with the training data "
             f"(e.g. {same[0]}): those validation pairs are training pairs"
         )
+    size = cfg.data.train.split_validation_size
+    if val_split is not None and val_split.index is train_split.index and size >= 1 and len(val_split.pair_ids) > size:
+        notes.append(
+            f"validation: data.train.split_validation_size = {size} gave {len(val_split.pair_ids)} validation pairs: "
+            "the repeats of a row (repeat_time) stay together in one split"
+        )
     if val_split is not None and not val_split.pair_ids:
         notes.append(
             f"validation: data.train.split_validation_size = {cfg.data.train.split_validation_size} of "
