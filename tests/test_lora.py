@@ -224,6 +224,9 @@ def test_peft_export_loads_in_transformers_with_our_logits(world, tmp_path):
     m = build(kw)
     randomize_b(m, std=0.05)
     lora.save_peft(m, tmp_path, TINY, LoraConfig(**kw))
+    lora.save_peft(m, tmp_path / "relative", os.path.relpath(TINY), LoraConfig(**kw))  # what PEFT users load: absolute
+    saved = json.loads((tmp_path / "relative" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert saved == os.path.abspath(TINY)
     ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).eval()
     with torch.no_grad():
