@@ -290,7 +290,8 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str
 def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None] | None:
     """The stored reference sums of the training and the validation split (None: no validation runs), computing what
     is missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is
-    kept). CheckpointError when the folder belongs to another run; `data` is train.Data."""
+    kept). CheckpointError when the folder belongs to another run, another run's pass holds it, or a write fails (a
+    full disk: on every rank); `data` is train.Data."""
     folder, rank = Path(cfg.checkpoint.dir) / FOLDER, dist.get_rank()
     splits = [(data.train_split.index, data.train_set, data.train_split.pair_ids)]
     validates = data.val_split is not None and bool(cfg.mpo.val_period or cfg.mpo.val_at_end)
@@ -386,27 +387,30 @@ def _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder):
 
 
 def media_stamps(index, pair_ids: list[int], ctx) -> torch.Tensor:
-    """[len(index)] int64: for each of `pair_ids` a hash of its image files' (size, mtime in ns), in order (0 for the
-    other pairs and a pair without images). Collective: each rank stats a share of the files."""
-    paths = sorted({p for i in pair_ids for p in index.images(i)})
+    """[len(index)] int64: for each of `pair_ids` a hash of its image files' (size, mtime in ns) and their order (0
+    for the other pairs and a pair without images). Collective: each rank stats a share of the files."""
+    ids = torch.as_tensor(pair_ids, dtype=torch.long)
+    counts, first = index.num_images[ids].long(), index.image_start[ids].long()
+    owner = torch.repeat_interleave(torch.arange(len(ids)), counts)  # per image of the pairs: its pair's row in ids
+    order = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    files, which = torch.unique(index.image_path_id[first[owner] + order].long(), return_inverse=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    stat = torch.zeros(len(paths), 2, dtype=torch.int64)
-    for j in range(rank, len(paths), world):
+    stat = torch.zeros(len(files), 2, dtype=torch.int64)
+    for j in range(rank, len(files), world):
         try:
-            st = os.stat(paths[j])
-            stat[j] = torch.tensor([st.st_size, st.st_mtime_ns])
+            st = os.stat(index.image_paths[int(files[j])])
+            stat[j, 0], stat[j, 1] = st.st_size, st.st_mtime_ns
         except OSError:  # a missing image: its pair's DataError comes from the loader
-            stat[j] = torch.tensor([-1, 0])
+            stat[j, 0] = -1
     if world > 1:
         stat = stat.to(ctx.device)
         dist.all_reduce(stat)
         stat = stat.cpu()
-    of = dict(zip(paths, stat.tolist(), strict=True))
+    size, mtime = stat[which].unbind(1)
+    h = size * 0x5851F42D4C957F2D + mtime * 0x14057B7EF767814F + (order + 1) * 0x2545F4914F6CDD1D  # wraps in int64
+    h = (h ^ (h >> 29)) * 0x5851F42D4C957F2D
     out = torch.zeros(len(index), dtype=torch.int64)
-    for i in pair_ids:
-        if files := index.images(i):
-            digest = hashlib.blake2b(json.dumps([of[p] for p in files]).encode(), digest_size=8).digest()
-            out[i] = int.from_bytes(digest, "little", signed=True)
+    out[ids] = torch.zeros(len(ids), dtype=torch.int64).index_add_(0, owner, h)
     return out
 
 
