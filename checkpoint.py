@@ -590,7 +590,8 @@ RESUME_RULES = {
                      "mpo.sft_loss_weight", "mpo.reward_shift_momentum",
                      "mpo.reward_shift",  # a fresh start's δ only: a resume carries the saved δ
                      "mpo.preference_average_log_probs", "mpo.sft_average_log_probs", "packing.shared_prompt",
-                     "optimizer.grad_reduce_in_fp32"], NOTICE),  # buffers start at 0 every step (`name_grad_dtype`)
+                     "optimizer.grad_reduce_in_fp32",  # buffers start at 0 every step (`name_grad_dtype`)
+                     "lora.dropout"], NOTICE),  # acts in the forward only: nothing saved depends on it
     # the saved master converted (int16 remainders <-> fp32, `_read_as_saved`), the saved fp32 moments cast
     **dict.fromkeys(["optimizer.use_precision_aware_optimizer", "optimizer.store_param_remainders",
                      "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"], NOTICE),

@@ -172,12 +172,12 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def agreed(load, ctx: Ctx):
-    """`load()` on every rank (collective): its result, or the DataError of the lowest failing rank, raised on every
-    rank, so that none waits in a collective for a rank that stopped."""
+def agreed(load, ctx: Ctx, errors: tuple[type[Exception], ...] = (DataError,)):
+    """`load()` on every rank (collective): its result, or the error (one of `errors`, DataError by default) of the
+    lowest failing rank, raised on every rank, so that none waits in a collective for a rank that stopped."""
     try:
         result, error = load(), None
-    except DataError as e:  # e.g. an image changed since the index was built
+    except errors as e:  # e.g. an image changed since the index was built
         result, error = None, e
     flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=ctx.device)
     dist.all_reduce(flag)

@@ -41,8 +41,8 @@ from checkpoint import (
 
 
 def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Path | None = None) -> None:
-    """Refuse an export directory that is the run's `model.hf_path`, in the checkpoint `source`, a run directory, a
-    file, or a non-empty directory that is not an earlier export (EXPORT_INFO_FILE)."""
+    """Refuse an export directory that is the run's `model.hf_path`, in the checkpoint `source`, a run directory or
+    inside the checkpoint's, a file, or a non-empty directory that is not an earlier export (EXPORT_INFO_FILE)."""
     out, src = Path(out_dir).resolve(), Path(source).resolve()
     if hf_path is not None and out == Path(hf_path).resolve():
         what = f"the run's model.hf_path ({hf_path}: the source of its reference weights and of every resume)"
@@ -50,6 +50,8 @@ def check_export_dir(out_dir: str | Path, source: str | Path, hf_path: str | Pat
         what = f"the checkpoint it exports ({src.name}) or inside it"
     elif out == src.parent:
         what = "the run directory of the checkpoint it exports (its config.json would be overwritten)"
+    elif src.parent in out.parents:  # e.g. RUN/step_9: a folder the run's resume would read as a damaged checkpoint
+        what = f"inside the run directory of the checkpoint it exports ({src.parent})"
     elif out.is_dir() and (out / "config.json").is_file() and (held := sorted(
             p.name for p in out.iterdir() if p.name == "metrics.jsonl" or (STEP_RE.match(p.name) and p.is_dir()))):
         what = f"a directory that holds a training run (config.json, {', '.join(held)})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -438,7 +439,8 @@ def save_peft(model: nn.Module, out_dir, hf_dir, lcfg) -> dict | None:
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in sd})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": str(hf_dir), "r": lcfg.rank,
+    base = os.path.abspath(hf_dir) if Path(hf_dir).is_dir() else str(hf_dir)  # a local base: loadable from anywhere
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": base, "r": lcfg.rank,
               "lora_alpha": lcfg.alpha, "lora_dropout": lcfg.dropout, "target_modules": modules, "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None}

@@ -367,6 +367,7 @@ class StepLoader:
         loader = torch.utils.data.DataLoader(
             _ReturnDataErrors(self.dataset), batch_sampler=_BatchIds(steps), collate_fn=_collate_pairs,
             num_workers=self.num_workers, worker_init_fn=ignore_stop_signals,
+            generator=torch.Generator(),  # its workers' base seed: not drawn from the training RNG (dropout's)
         )
         with workers_start_deaf():
             batches = iter(loader)

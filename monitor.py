@@ -324,8 +324,11 @@ def print_resume(saved, notices: dict, data_changed: str | None, rank: int) -> N
     if data_changed:
         print(f"resume: the training data changed since step {saved.step} ({data_changed})")
     if notices:
+        lora_run = (saved.config.get("lora") or {}).get("rank", 0) > 0
         note = {"mpo.reward_shift": " (a fresh start's δ only: a resume carries the saved δ)",
-                "model.hf_path": " (the frozen reference model; the policy continues from the checkpoint)"}
+                "model.hf_path": " (the base model under the adapters, the same weights: its digest is checked; the "
+                                 "reference is that base with the adapters off)" if lora_run else
+                                 " (the frozen reference model; the policy continues from the checkpoint)"}
         changes = ", ".join(f"{k} {a!r} -> {b!r}{note.get(k, '')}" for k, (a, b) in notices.items())
         print(f"resume: changed settings from step {saved.step + 1} on: {changes}; the settings of steps "
               f"up to {saved.step}: config.step_{saved.step}.json")

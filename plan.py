@@ -490,13 +490,19 @@ class MemoryPlan:
     pass_image_tokens: int
     reference_forward: bool = False  # a reference forward in each step (reference.logprobs = "online")
     lora: LoraPlan | None = None
+    pairs_image_tokens: int = 0  # the planned pairs' image tokens before the cap at a bin's size
+    min_bin_tokens: int = 0  # the smallest packing.max_tokens_per_bin train.py accepts for the data (0: any)
+    min_bin_source: str = ""  # what needs min_bin_tokens
 
     def step_activations(self, bin_tokens: int | None = None) -> float:
         """Peak activation bytes of a step's bin: the policy's forward and backward, or, when larger, the online
-        reference's forward without gradients (`forward_only`; freed before the policy's forward)."""
+        reference's forward without gradients (`forward_only`; freed before the policy's forward). A bin of another
+        size holds the planned pairs' image tokens up to its size."""
         tokens = self.bin_tokens if bin_tokens is None else bin_tokens
-        act = self.activations(tokens, self.image_tokens)
-        return max(act, self.activations.forward_only(tokens, self.image_tokens)) if self.reference_forward else act
+        image = self.image_tokens if bin_tokens is None else min(max(self.pairs_image_tokens, self.image_tokens),
+                                                                 tokens)
+        act = self.activations(tokens, image)
+        return max(act, self.activations.forward_only(tokens, image)) if self.reference_forward else act
 
     def spare(self, capacity: float, bin_tokens: int | None = None) -> float:
         """The least bytes left on any rank's GPU of `capacity` after the plan and the reserve (negative: OOM)."""
@@ -510,18 +516,19 @@ class MemoryPlan:
         return max((r.reference_pass + act if r.reference_pass else 0) for r in self.ranks)
 
     def fits(self, capacity: float, bin_tokens: int | None = None) -> bool:
-        """At least MARGIN to spare after the reserve."""
-        return self.spare(capacity, bin_tokens) >= MARGIN
+        """At least MARGIN to spare after the reserve, in bins train.py accepts (at least `min_bin_tokens`)."""
+        tokens = self.bin_tokens if bin_tokens is None else bin_tokens
+        return tokens >= self.min_bin_tokens and self.spare(capacity, bin_tokens) >= MARGIN
 
     def largest_bin(self, capacity: float, multiple: int) -> int:
         """The largest packing.max_tokens_per_bin (a multiple of `multiple`) that fits `capacity`; 0 if none."""
         lo, hi = 0, 1
-        while self.fits(capacity, hi * multiple) and hi < 2**24:
+        while self.spare(capacity, hi * multiple) >= MARGIN and hi < 2**24:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(capacity, mid * multiple) else (lo, mid)
-        return lo * multiple
+            lo, hi = (mid, hi) if self.spare(capacity, mid * multiple) >= MARGIN else (lo, mid)
+        return lo * multiple if lo * multiple >= self.min_bin_tokens else 0
 
 
 def default_world(cfg) -> int:
@@ -532,35 +539,51 @@ def default_world(cfg) -> int:
 
 
 def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
-    """(image tokens the plan puts in a bin, where the number comes from): the `packing.max_sequences_per_bin` pairs
-    with the most image and video tokens in the training data's index when data.train.data_path is a file and
-    model.hf_path holds the processor; else that many pairs of one image at the processor's most patches
-    (vision_config.args max_num_patches x downsample_ratio²). At most the bin."""
+    """(image tokens the plan puts in a bin, where the number comes from): `plan_inputs`' count, at most the bin."""
+    n, source, _, _ = plan_inputs(cfg, hf)
+    return min(n, cfg.packing.max_tokens_per_bin), source
+
+
+def plan_inputs(cfg, hf) -> tuple[int, str, int, str]:
+    """(image tokens of the planned pairs, where the number comes from, the smallest packing.max_tokens_per_bin
+    train.py accepts, what needs it): the `packing.max_sequences_per_bin` pairs with the most image and video tokens in
+    the training data's index when data.train.data_path is a file and model.hf_path holds the processor, and the largest
+    pair's bin tokens (preflight.check_splits; with packing.drop_oversized_pairs the smallest); else that many pairs
+    of one image at the processor's most patches (vision_config.args max_num_patches x downsample_ratio²), one pair's
+    image tokens."""
     import mmpr_index
     import mmpr_rows
+    import pack
 
-    k, bin_tokens = cfg.packing.max_sequences_per_bin, cfg.packing.max_tokens_per_bin
+    k = cfg.packing.max_sequences_per_bin
     data_path = cfg.data.train.data_path
     if Path(data_path).is_file() and (Path(cfg.model.hf_path) / "processor_config.json").is_file():
         processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
         with mmpr_rows.data_warnings([]):
             train_split, _ = mmpr_index.load_splits(processor, cfg.data)
-        ix, ids = train_split.index, torch.as_tensor(train_split.pair_ids, dtype=torch.long)
-        per_pair = ix.image_tokens[ids] + ix.video_tokens[ids]  # a video's tubelets pass the ViT as images do
+        ix, ids = train_split.index, train_split.pair_ids
+        rows = torch.as_tensor(ids, dtype=torch.long)
+        per_pair = ix.image_tokens[rows] + ix.video_tokens[rows]  # a video's tubelets pass the ViT as images do
         n = int(per_pair.topk(min(k, len(per_pair))).values.sum()) if len(per_pair) else 0
-        return min(n, bin_tokens), f"the {k} pair(s) with the most image tokens in {data_path}"
+        pk = cfg.packing
+        shared = ix.shared_lengths(ids) if pack.shared_prompt_on(pk) else None
+        sizes = pack.pair_bin_tokens(ix.lengths(ids), pk.make_sequence_length_divisible_by, shared).values()
+        need = (min if pk.drop_oversized_pairs else max)(sizes, default=0)
+        which = "the smallest" if pk.drop_oversized_pairs else "the largest"
+        return n, f"the {k} pair(s) with the most image tokens in {data_path}", need, f"{which} pair of {data_path}"
     patches = (getattr(hf.vision, "args", None) or {}).get("max_num_patches", 0)
-    n = k * int(patches * 0.25)  # the 2x2 pixel shuffle (omni_model.read_hf_config refuses other ratios)
-    return min(n, bin_tokens), f"{k} pair(s) of one image of {patches} patches (the processor's most; no data index)"
+    one = int(patches * 0.25)  # the 2x2 pixel shuffle (omni_model.read_hf_config refuses other ratios)
+    return (k * one, f"{k} pair(s) of one image of {patches} patches (the processor's most; no data index)", one,
+            f"a pair of one image of {patches} patches")
 
 
 def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) -> MemoryPlan:
     """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding);
     `image_tokens` per bin (None: `image_tokens_per_bin`)."""
     hf = preflight.read_model_config(cfg.model.hf_path)
-    image_source = "--image-tokens"
+    image_source, need, need_source = "--image-tokens", 0, ""
     if image_tokens is None:
-        image_tokens, image_source = image_tokens_per_bin(cfg, hf)
+        image_tokens, image_source, need, need_source = plan_inputs(cfg, hf)
     world = default_world(cfg) if world is None else world
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))  # as train.py
@@ -609,7 +632,9 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
     activations = activation_model(cfg, hf)
     activations.adapters, activations.vit_adapters_per_image_token = adapter_act
     return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activations,
-                bin_tokens=cfg.packing.max_tokens_per_bin, image_tokens=image_tokens, image_source=image_source,
+                bin_tokens=cfg.packing.max_tokens_per_bin,
+                image_tokens=min(image_tokens, cfg.packing.max_tokens_per_bin), image_source=image_source,
+                pairs_image_tokens=image_tokens, min_bin_tokens=need, min_bin_source=need_source,
                 reserve=reserve(cfg, world), pass_bin_tokens=pass_bin,
                 pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin),
                 reference_forward=cfg.reference.logprobs == "online", lora=lplan)
@@ -686,11 +711,14 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
                      f"({plan.pass_image_tokens} image tokens), {_gib(pass_total)} GiB per GPU + the reserve: "
                      f"{verdicts}.")
     multiple = cfg.packing.make_sequence_length_divisible_by
+    refused = plan.bin_tokens < plan.min_bin_tokens  # train.py's preflight.check_splits
     for name, cap in GPUS.items():
         best = plan.largest_bin(cap, multiple)
-        lines.append(f"{name} GPUs ({_gib(cap)} GiB): {verdict(plan.spare(cap))}; the largest "
-                     "packing.max_tokens_per_bin that fits: "
-                     + (str(best) if best else f"none (no bin leaves {_gib(MARGIN)} GiB to spare)"))
+        said = (f"train.py refuses these bins ({plan.min_bin_source} needs {plan.min_bin_tokens} tokens)" if refused
+                else verdict(plan.spare(cap)))
+        none = f"none (no bin leaves {_gib(MARGIN)} GiB to spare)"  # among the bins train.py accepts
+        lines.append(f"{name} GPUs ({_gib(cap)} GiB): {said}; the largest packing.max_tokens_per_bin that fits: "
+                     + (str(best) if best else none))
     return "\n".join(lines)
 
 

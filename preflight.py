@@ -116,10 +116,27 @@ def read_model_config(hf_path: str) -> omni_model.OmniHFConfig:
             f"model.hf_path = {hf_path!r}: {path} has model_type {obj.get('model_type')!r}, not Nemotron-3-Nano-Omni's "
             f"({' or '.join(map(repr, omni_model.MODEL_TYPES))})"
         )
+    text = obj.get("llm_config") or obj.get("text_config") or {}
+    pattern = text.get("hybrid_override_pattern") if isinstance(text, dict) else None
+    symbols = set(omni_model._BLOCK_TO_SYMBOL.values())
+    if pattern is not None and (not isinstance(pattern, str) or not pattern or set(pattern) - symbols):
+        raise config_mod.ConfigError(
+            f"model.hf_path = {hf_path!r}: {path} has hybrid_override_pattern {pattern!r}: one character per layer "
+            f"from {''.join(sorted(symbols))} (M Mamba, * attention, E MoE, - MLP)"
+        )
     try:
-        return omni_model.read_hf_config(hf_path)
+        hf = omni_model.read_hf_config(hf_path)
     except ValueError as e:  # a setting this implementation does not support
         raise config_mod.ConfigError(f"model.hf_path = {hf_path!r}: {e}") from None
+    if hf_weights.has_safetensors(hf_path):  # the weights' layers are the pattern's (plan.py may plan a bare config)
+        layers = {int(k.split(".")[3]) for k in hf_weights.HFReader(hf_path).weight_map
+                  if k.startswith("language_model.backbone.layers.")}
+        if layers and max(layers) + 1 != len(hf.pattern):
+            raise config_mod.ConfigError(
+                f"model.hf_path = {hf_path!r}: {path} has hybrid_override_pattern {hf.pattern!r} ({len(hf.pattern)} "
+                f"layers), the weights hold {max(layers) + 1} language-model layers"
+            )
+    return hf
 
 
 def _checkpoint_around(path: Path) -> Path | None:
@@ -272,6 +289,7 @@ def check_model_config(cfg, hf, kernels=None) -> None:
             ) from None
         if what == "language model":
             lm = mcore
+    check_lora(cfg, hf)
     tp = p.tensor_model_parallel_size
     if lm.num_moe_experts and tp > 1 and not p.sequence_parallel:
         raise config_mod.ConfigError(
@@ -290,6 +308,54 @@ def check_model_config(cfg, hf, kernels=None) -> None:
         )
 
 
+def lora_layers(hf) -> dict[str, dict[str, int]]:
+    """{lora component flag: {target layer name: its smaller dimension min(in, out)}}: the layers lora.apply_lora
+    finds in the model of `hf` (omni_model.OmniHFConfig), by the layer pattern and sizes of its config.json."""
+    t, h, vh = hf.text, hf.text.hidden_size, hf.vision_hidden_size
+    heads, kv, head_dim = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    lm: dict[str, int] = {}
+    if "M" in hf.pattern:
+        lm.update(in_proj=h, out_proj=min(h, t.mamba_num_heads * t.mamba_head_dim))
+    if "*" in hf.pattern:
+        lm.update(linear_qkv=min(h, (heads + 2 * kv) * head_dim), linear_proj=min(h, heads * head_dim))
+    if "-" in hf.pattern:
+        lm.update(linear_fc1=min(h, t.intermediate_size), linear_fc2=min(h, t.intermediate_size))
+    moe = "E" in hf.pattern
+    shared = getattr(t, "moe_shared_expert_intermediate_size", 0) or 0
+    mlp_ratio_size = int(vh * getattr(hf.vision, "mlp_ratio", 4.0))
+    return {
+        "language_model": lm,
+        "shared_expert": dict.fromkeys(("linear_fc1", "linear_fc2"), min(h, shared)) if moe and shared else {},
+        "routed_experts": dict.fromkeys(("linear_fc1", "linear_fc2"), min(h, t.moe_intermediate_size)) if moe else {},
+        "vision_tower": {"linear_qkv": vh, "linear_proj": vh, "linear_fc1": min(vh, mlp_ratio_size),
+                         "linear_fc2": min(vh, mlp_ratio_size)},
+        "projector": {"linear_fc1": min(4 * vh, hf.projector_hidden_size),
+                      "linear_fc2": min(hf.projector_hidden_size, h)},
+    }  # fmt: skip
+
+
+def check_lora(cfg, hf) -> None:
+    """With lora.rank > 0: lora.targets match a layer of an adapted component (`lora_layers`), and lora.rank is at
+    most the smaller dimension of every targeted layer (a wider adapter adds nothing a full update lacks)."""
+    lo = cfg.lora
+    if lo.rank <= 0:
+        return
+    layers = lora_layers(hf)
+    matched = [(c, t, d) for c, by in layers.items() if getattr(lo, c) for t, d in by.items() if t in lo.targets]
+    if not matched:
+        has = "; ".join(f"lora.{c}: {sorted(layers[c]) or 'none'}" for c in layers if getattr(lo, c))
+        raise config_mod.ConfigError(
+            f"lora.targets = {lo.targets} match no layer of the adapted components ({has}; {cfg.model.hf_path}"
+            "/config.json): name one of those layers or set another component flag"
+        )
+    component, target, dim = min(matched, key=lambda m: m[2])
+    if lo.rank > dim:
+        raise config_mod.ConfigError(
+            f"lora.rank = {lo.rank} exceeds the smaller dimension {dim} of a targeted layer (lora.{component}'s "
+            f"{target}, {cfg.model.hf_path}/config.json): set lora.rank <= {dim}"
+        )
+
+
 def check_splits(train_split, val_split, cfg):
     """The loaded splits against the batch and bin sizes -> (train split, validation split or None, console notes).
     With packing.drop_oversized_pairs, pairs larger than a bin are dropped here (`Split.dropped_oversized`)."""
@@ -300,6 +366,12 @@ def check_splits(train_split, val_split, cfg):
         notes.append(
             f"validation: data.validation.data_path shares {len(same)} annotation file(s) with the training data "
             f"(e.g. {same[0]}): those validation pairs are training pairs"
+        )
+    size = cfg.data.train.split_validation_size
+    if val_split is not None and val_split.index is train_split.index and size >= 1 and len(val_split.pair_ids) > size:
+        notes.append(
+            f"validation: data.train.split_validation_size = {size} gave {len(val_split.pair_ids)} validation pairs: "
+            "the repeats of a row (repeat_time) stay together in one split"
         )
     if val_split is not None and not val_split.pair_ids:
         notes.append(

@@ -2,10 +2,11 @@
 
 `reference.logprobs = "online"`: `build_reference` loads a frozen copy of model.hf_path beside the policy (with LoRA
 none: the policy with its adapters off, `AdaptersOff`) and `sums` runs it on each microbatch before the policy.
-`"precomputed"`: `precompute` runs the reference once over every training and validation pair at the start of the
-job (the reference pass), writes each pair's sums under <checkpoint.dir>/reference_logprobs/ as it goes and frees the
-model; `sums` looks the values up. Either way the step asks `sums(reference, batches, ctx)`: Σ_t log π_ref over each
-response's tokens. The pass, its files and their checks: docs/DESIGN.md, "Reference log-probs computed once".
+`"precomputed"`: `precompute` runs the reference once over every training and validation pair at the start of the job
+(the reference pass), writes each pair's sums under <checkpoint.dir>/reference_logprobs/ as it goes and frees the model;
+`sums` looks the values up (a pair whose media files changed is computed again). Either way the step asks
+`sums(reference, batches, ctx)`: Σ_t log π_ref over each response's tokens. The pass, its files and their checks:
+docs/DESIGN.md, "Reference log-probs computed once".
 Tests: tests/test_reference_logprobs.py, and the tiny run in both modes in tests/test_train.py.
 """
 
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import gc
 import hashlib
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +39,7 @@ import pack
 
 FOLDER = "reference_logprobs"
 MANIFEST = "manifest.json"
-FORMAT = 1  # the shard and manifest layout above
+FORMAT = 2  # the shard and manifest layout above
 SHARD_SECONDS = 60.0  # a rank writes its computed pairs at least this often (wall seconds): what a kill -9 loses
 PROGRESS_SECONDS = 30.0  # rank 0 prints a progress line at most this often
 
@@ -164,6 +167,8 @@ def index_key(index) -> str:
 def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
     """Rank 0: compare `folder`'s manifest with `ident` (written when the folder holds none); the refusal, or None."""
     path = folder / MANIFEST
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file, not the folder of the stored values"
     if not path.exists():
         if any(folder.glob("*.shard")):
             return f"{folder} holds shards but no {MANIFEST}: what they belong to is unknown"
@@ -173,10 +178,13 @@ def check_manifest(folder: Path, ident: dict, info: dict) -> str | None:
         return None
     try:
         saved = json.loads(path.read_text())
-        saved_ident = saved["identity"]
-        assert saved["format"] == FORMAT and isinstance(saved_ident, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        saved_ident, saved_format = saved["identity"], saved["format"]
+        if not isinstance(saved_ident, dict):
+            raise TypeError("its identity is not a JSON object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{path} cannot be read ({type(e).__name__}: {e})"
+    if saved_format != FORMAT:
+        return f"{path} is of format {saved_format!r}, this version reads format {FORMAT}"
     differ = [f"{k} {saved_ident.get(k)!r} -> {v!r}" for k, v in ident.items() if saved_ident.get(k) != v]
     differ += [f"{k} {v!r} -> None" for k, v in saved_ident.items() if k not in ident]
     return f"{folder} holds the reference log-probs of another run ({'; '.join(differ)})" if differ else None
@@ -204,26 +212,42 @@ def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
         raise ShardError(f"truncated: {len(payload)} of {size} bytes")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ShardError("its content differs from its checksum")
-    values = torch.load(io.BytesIO(payload), weights_only=True)
-    for v in values.values():
-        n = v["pair_ids"].numel()
-        assert v["sums"].shape == v["tokens"].shape == (n, 2), f"{path}: shapes {v['sums'].shape} for {n} pairs"
+    try:
+        values = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a payload torch cannot read fails with many types (IndexError among them)
+        raise ShardError(f"its payload is not a torch file ({type(e).__name__})") from None
+    try:
+        for v in values.values():
+            n = v["pair_ids"].numel()
+            ok = v["sums"].shape == v["tokens"].shape == (n, 2) and v["media"].shape == (n,)
+            if not ok:
+                raise ValueError
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ShardError("its payload is not a table of pair ids, sums and tokens") from None
     return values
 
 
 @dataclasses.dataclass
 class _Table:
-    """One data index's values while they are gathered: rows = pair ids (see `Stored`)."""
+    """One data index's values while they are gathered: rows = pair ids (see `Stored`); `media` [N] int64 the pairs'
+    media stamps now (`media_stamps`); a stored value of another stamp is not taken (its pair id goes to `stale`)."""
 
     sums: torch.Tensor
     tokens: torch.Tensor
+    media: torch.Tensor | None = None
+    stale: set = dataclasses.field(default_factory=set)
 
     @classmethod
-    def empty(cls, num_pairs: int) -> _Table:
+    def empty(cls, num_pairs: int, media: torch.Tensor | None = None) -> _Table:
         return cls(torch.full((num_pairs, 2), float("nan"), dtype=torch.float64),
-                   torch.full((num_pairs, 2), -1, dtype=torch.int64))
+                   torch.full((num_pairs, 2), -1, dtype=torch.int64), media)
 
-    def put(self, pair_ids: torch.Tensor, sums: torch.Tensor, tokens: torch.Tensor) -> None:
+    def put(self, pair_ids: torch.Tensor, sums: torch.Tensor, tokens: torch.Tensor,
+            media: torch.Tensor | None = None) -> None:
+        if self.media is not None and media is not None:
+            same = self.media[pair_ids] == media
+            self.stale.update(pair_ids[~same].tolist())
+            pair_ids, sums, tokens = pair_ids[same], sums[same], tokens[same]
         self.sums[pair_ids], self.tokens[pair_ids] = sums.double(), tokens.long()
 
     def missing(self, pair_ids: list[int]) -> list[int]:
@@ -237,12 +261,12 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str
     for path in sorted(folder.glob("*.shard")):
         try:
             values = read_shard(path)
-        except (ShardError, OSError, RuntimeError, AssertionError) as e:  # RuntimeError, AssertionError: torch.load's
+        except (ShardError, OSError) as e:
             damaged.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
             continue
         for key, v in values.items():
             if key in tables:  # the manifest names the indexes; another index's values are not this run's
-                tables[key].put(v["pair_ids"], v["sums"], v["tokens"])
+                tables[key].put(v["pair_ids"], v["sums"], v["tokens"], v["media"])
     return damaged
 
 
@@ -253,7 +277,8 @@ def load_shards(folder: Path, tables: dict[str, _Table]) -> list[tuple[Path, str
 def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None] | None:
     """The stored reference sums of the training and the validation split (None: no validation runs), computing what
     is missing with the reference pass first (collective); None when a stop signal ended the pass (what is done is
-    kept). CheckpointError when the folder belongs to another run; `data` is train.Data."""
+    kept). CheckpointError when the folder belongs to another run, another run's pass holds it, or a write fails (a
+    full disk: on every rank); `data` is train.Data."""
     folder, rank = Path(cfg.checkpoint.dir) / FOLDER, dist.get_rank()
     splits = [(data.train_split.index, data.train_set, data.train_split.pair_ids)]
     validates = data.val_split is not None and bool(cfg.mpo.val_period or cfg.mpo.val_at_end)
@@ -263,11 +288,48 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
     ident = identity(cfg, data.train_split.index, data.val_split.index if data.val_split else None)
     info = {"kernels": kernels.line(), "packing.shared_prompt": cfg.packing.shared_prompt,
             "parallel": dataclasses.asdict(cfg.parallel)}
-    refused = check_manifest(folder, ident, info) if rank == 0 else None
+    refused, lock = None, None
+    if rank == 0:
+        try:
+            refused = check_manifest(folder, ident, info)
+            if refused:
+                refused += f": remove {folder} to compute them again for this run, or set reference.logprobs=online"
+            else:
+                lock, refused = _lock(folder)
+        except OSError as e:  # a full disk, a read-only file system
+            refused = _write_failed(folder / MANIFEST, e)
     if refused := distributed.from_rank0(refused):
-        raise checkpoint.CheckpointError(f"{refused}: remove {folder} to compute them again for this run, or set "
-                                         "reference.logprobs=online")
-    tables = {index_key(index): _Table.empty(len(index)) for index, _, _ in splits}
+        raise checkpoint.CheckpointError(refused)
+    try:
+        return _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock(folder: Path) -> tuple[int | None, str | None]:
+    """Rank 0: flock `folder`/.lock for the pass (one writer per store, also through a symlink): (fd, None), or
+    (None, the refusal) while another run holds it; (None, None) on a file system without locks."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            return None, (f"{folder.resolve()} is in use by another run's reference pass (lock file "
+                          f"{folder / '.lock'}): wait until its pass ends, or give this run a store of its own")
+        return None, None
+    return fd, None
+
+
+def _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder):
+    """`precompute` once the store is this run's (the manifest checked, the lock held)."""
+    rank = dist.get_rank()
+    wanted: dict[str, tuple] = {}  # index key -> (index, the pair ids of every split reading it)
+    for index, _, ids in splits:
+        wanted[index_key(index)] = (index, [*wanted.get(index_key(index), (None, []))[1], *ids])
+    media = {key: media_stamps(index, ids, ctx) for key, (index, ids) in wanted.items()}
+    tables = {key: _Table.empty(len(index), media[key]) for key, (index, _) in wanted.items()}
     damaged = load_shards(folder, tables)
     dist.barrier()  # every rank has read the shards before rank 0 moves the damaged ones aside
     if rank == 0:
@@ -276,19 +338,27 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
         for path, why in damaged:
             path.rename(path.with_name(path.name + ".damaged"))
             print(f"reference: {path} is damaged ({why}): moved to {path.name}.damaged, its pairs are computed again")
-    todo = [(index, dataset, missing) for index, dataset, ids in splits
+    for key, t in tables.items():
+        if rank == 0 and (stale := t.missing(sorted(t.stale))):
+            print(f"reference: {len(stale)} pairs read image files changed since their values were stored (e.g. pair "
+                  f"{stale[0]}: {', '.join(wanted[key][0].images(stale[0]))}): they are computed again")
+    todo = [(index, dataset, missing, media[index_key(index)]) for index, dataset, ids in splits
             if (missing := tables[index_key(index)].missing(ids))]
     total = sum(len(ids) for _, _, ids in splits)
     if todo:
+        rng = checkpoint.rng_state()  # the pass (its model's initialisation) leaves the training RNG as it found it
         model = load_model(cfg, ctx, kernels)  # the base model (LoRA: the policy's adapters off, bit for bit)
-        finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
+        try:
+            finished = _run_pass(model, todo, total, folder, data.ids, cfg, ctx, stopper)
+        finally:
+            checkpoint.set_rng_state(rng)
         del model  # the policy is built next: memory holds no reference from here on
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         if not finished:
             return None
-        tables = {key: _Table.empty(t.sums.shape[0]) for key, t in tables.items()}  # every rank's shards, read back
+        tables = {key: _Table.empty(t.sums.shape[0], t.media) for key, t in tables.items()}  # all ranks' shards
         dist.barrier()  # every rank's shards are written
         if damaged := load_shards(folder, tables):
             raise checkpoint.CheckpointError(f"{damaged[0][0]} was written by this pass and reads back damaged "
@@ -301,6 +371,39 @@ def precompute(cfg, ctx, kernels, data, stopper) -> tuple[Stored, Stored | None]
         print(f"reference: the log-probs of {total} pairs are stored in {folder}; no reference model is built")
     stored = {key: Stored(folder, t.sums, t.tokens) for key, t in tables.items()}
     return stored[index_key(splits[0][0])], (stored[index_key(splits[-1][0])] if validates else None)
+
+
+def media_stamps(index, pair_ids: list[int], ctx) -> torch.Tensor:
+    """[len(index)] int64: for each of `pair_ids` a hash of its image and audio files' (size, mtime in ns) and their
+    order (0 for the other pairs and a pair without them). Collective: each rank stats a share of the files."""
+    ids = torch.as_tensor(pair_ids, dtype=torch.long)
+    out = torch.zeros(len(index), dtype=torch.int64)
+    for paths, path_id, start, num, salt in (
+            (index.image_paths, index.image_path_id, index.image_start, index.num_images, 0),
+            (index.audio_paths, index.audio_path_id, index.audio_start, index.num_audio, 1)):
+        if len(num) == 0:  # an index without audio columns
+            continue
+        counts, first = num[ids].long(), start[ids].long()
+        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)  # per file of the pairs: its pair's row in ids
+        order = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        files, which = torch.unique(path_id[first[owner] + order].long(), return_inverse=True)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stat = torch.zeros(len(files), 2, dtype=torch.int64)
+        for j in range(rank, len(files), world):
+            try:
+                st = os.stat(paths[int(files[j])])
+                stat[j, 0], stat[j, 1] = st.st_size, st.st_mtime_ns
+            except OSError:  # a missing file: its pair's DataError comes from the loader
+                stat[j, 0] = -1
+        if world > 1:
+            stat = stat.to(ctx.device)
+            dist.all_reduce(stat)
+            stat = stat.cpu()
+        size, mtime = stat[which].unbind(1)
+        h = size * 0x5851F42D4C957F2D + mtime * 0x14057B7EF767814F + (order + 1 + salt * 0x10000) * 0x2545F4914F6CDD1D
+        h = (h ^ (h >> 29)) * 0x5851F42D4C957F2D  # wraps in int64
+        out[ids] += torch.zeros(len(ids), dtype=torch.int64).index_add_(0, owner, h)
+    return out
 
 
 def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -317,6 +420,12 @@ def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tenso
         s, n = s.cpu(), n.cpu()
         out.append((pair_ids, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
     return out
+
+
+def _write_failed(path: Path, e: OSError) -> str:
+    """The one line of a failed write of the pass (a full disk, a quota), naming the file and the free space."""
+    return (f"cannot write {path}: {type(e).__name__}: {e} ({checkpoint.free_space(path.parent)}); make room, then "
+            "start the run again (the values written so far are kept)")
 
 
 def _duration(seconds: float) -> str:
@@ -355,21 +464,31 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
     numbers = [int(p.name.split("-")[1].split(".")[0]) for p in folder.glob(f"rank{rank:05d}-*.shard*")]
     shard = iter(range(max(numbers, default=-1) + 1, 1 << 62))
     buffer: dict[str, list] = {}
-    to_do = sum(len(p) for _, _, p in todo)
+    to_do = sum(len(p) for _, _, p, _ in todo)
     if rank == 0:
         print(f"reference pass: {to_do} of {total} pairs to compute ({total - to_do} stored in {folder}), bins of "
               f"{packing.max_tokens_per_bin} tokens")
 
     def flush() -> None:
+        """This rank's computed values to a new shard; a failed write (a full disk) is a CheckpointError."""
         if writer and buffer:
             values = {k: {"pair_ids": torch.cat([b[0] for b in v]), "sums": torch.cat([b[1] for b in v]),
-                          "tokens": torch.cat([b[2] for b in v])} for k, v in buffer.items()}  # fmt: skip
-            write_shard(folder / f"rank{rank:05d}-{next(shard):06d}.shard", values)
+                          "tokens": torch.cat([b[2] for b in v]), "media": torch.cat([b[3] for b in v])}
+                      for k, v in buffer.items()}  # fmt: skip
+            path = folder / f"rank{rank:05d}-{next(shard):06d}.shard"
+            try:
+                write_shard(path, values)
+            except OSError as e:
+                buffer.clear()
+                raise checkpoint.CheckpointError(_write_failed(path, e)) from None
         buffer.clear()
+
+    def flush_agreed() -> None:  # collective: one rank's failed write stops every rank in one line
+        distributed.agreed(flush, ctx, (checkpoint.CheckpointError,))
 
     done, t0, last_flush, last_print = 0, time.perf_counter(), time.perf_counter(), 0.0
     try:
-        for index, dataset, pair_ids in todo:
+        for index, dataset, pair_ids, media in todo:
             def plan(round_ids, index=index):
                 p = pack.plan_step(index.lengths(round_ids), packing, ctx.dp, index.shared_lengths(round_ids))
                 return p, [q for b in p.ranks[ctx.dp_rank] for q in b.pair_ids]
@@ -379,11 +498,12 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
             for _ in rounds:
                 step = distributed.agreed(functools.partial(next, loader), ctx)  # one rank's DataError stops all
                 batches = pack.load_bins(step.plan, step.pairs, ctx, ids["image"], ids["pad"])
-                buffer.setdefault(index_key(index), []).extend(score(model, batches, ctx))
+                scored = [(p, s, n, media[p]) for p, s, n in score(model, batches, ctx)]
+                buffer.setdefault(index_key(index), []).extend(scored)
                 done += len(step.pair_ids)
                 now = time.perf_counter()
-                if now - last_flush >= SHARD_SECONDS:
-                    flush()
+                if distributed.from_rank0(now - last_flush >= SHARD_SECONDS):  # every rank flushes at once
+                    flush_agreed()
                     last_flush = now
                 if rank == 0 and (now - last_print >= PROGRESS_SECONDS or done == to_do):
                     rate = done / (now - t0)
@@ -391,12 +511,14 @@ def _run_pass(model, todo, total: int, folder: Path, ids: dict, cfg, ctx, stoppe
                           f"{_duration((to_do - done) / rate)}", flush=True)
                     last_print = now
                 if stopper.should_stop(ctx.device):
-                    flush()
+                    flush_agreed()
                     if rank == 0:
                         print(f"reference pass: stopped after {done} of {to_do} pairs (signal); stored in {folder}, "
                               "the next start continues from there", flush=True)
                     return False
             del loader  # its DataLoader workers stop here
+        flush_agreed()
     finally:
-        flush()  # what is computed is kept, whatever ends the pass (a DataError, a bug)
+        with contextlib.suppress(checkpoint.CheckpointError):  # a failed write was raised already
+            flush()  # what is computed is kept, whatever ends the pass (a DataError, a bug)
     return True

@@ -219,7 +219,7 @@ def test_run_state_tmp_and_keep_last(dist_result, variant):
     assert r["state"]["consumed_pairs"] == 8
 
 
-def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path):
+def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_rest(tmp_path, capsys):
     """RESUME_RULES: a changed layout (it failed deep in dist_checkpointing), β or quality flag (δ is an
     EMA of rewards in the saved units) or LR schedule (chained segments) is refused in one error naming every refused
     key; the loss weights, δ's momentum, the DPO / SFT flags, the pair format and model.hf_path are returned as
@@ -244,13 +244,20 @@ def test_check_resume_refuses_layout_reward_units_and_schedule_and_notes_the_res
     notices = ["mpo.bco_loss_weight=0.5", "mpo.sft_loss_weight=0.1", "packing.shared_prompt=true",
                "mpo.reward_shift_momentum=0.9", "mpo.preference_average_log_probs=true",
                "mpo.sft_average_log_probs=false", "model.hf_path=/elsewhere",
-               "optimizer.grad_reduce_in_fp32=false"]  # fmt: skip
+               "optimizer.grad_reduce_in_fp32=false", "lora.dropout=0.3"]  # fmt: skip
     assert checkpoint.check_resume(state, config_mod.load_config(tiny, saved + notices)) == {
+        "lora.dropout": (0.0, 0.3),
         "model.hf_path": ("assets/tiny-omni", "/elsewhere"), "mpo.bco_loss_weight": (0.2, 0.5),
         "mpo.sft_loss_weight": (0.0, 0.1), "mpo.reward_shift_momentum": (0.99, 0.9),
         "mpo.preference_average_log_probs": (False, True), "mpo.sft_average_log_probs": (True, False),
         "packing.shared_prompt": (False, True), "optimizer.grad_reduce_in_fp32": (True, False),
     }  # fmt: skip
+    import monitor
+
+    for lora_rank, says in ((0, "the frozen reference model"), (4, "the base model under the adapters")):
+        lora_state = dataclasses.replace(state, config={**state.config, "lora": {"rank": lora_rank}})
+        monitor.print_resume(lora_state, {"model.hf_path": ("a", "b")}, None, rank=0)
+        assert says in capsys.readouterr().out
     older = dict(state.config, optimizer={k: v for k, v in state.config["optimizer"].items() if k != "lr"})
     older_state = dataclasses.replace(state, config=older)  # saved before optimizer.lr existed
     assert checkpoint.check_resume(older_state, config_mod.load_config(tiny, [*saved, "optimizer.lr=0.5"])) == {}
@@ -280,7 +287,8 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     step = _step_with_config(run, 2)
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
-    for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)")]:
+    for out, named in [(run, "config.json"), (step, "(step_2)"), (step / "hf", "(step_2)"),
+                       (run / "step_9", "inside the run directory"), (run / "hf", "inside the run directory")]:
         with raises_naming(checkpoint.CheckpointError, f"export directory {out} ", named):
             hf_export.check_export_dir(out, step)
     other = tmp_path / "other"  # another run: config.json + a checkpoint, no metrics
@@ -299,7 +307,7 @@ def test_export_refuses_a_directory_that_holds_a_run(tmp_path):
     (tmp_path / "old_export").mkdir()
     (tmp_path / "old_export" / "config.json").write_text("{}")
     (tmp_path / "old_export" / checkpoint.EXPORT_INFO_FILE).write_text("{}")  # an earlier export: overwritten
-    for fine in (run / "hf", tmp_path / "new", tmp_path / "old_export"):
+    for fine in (tmp_path / "new", tmp_path / "old_export"):
         hf_export.check_export_dir(fine, step)
     with pytest.raises(checkpoint.CheckpointError, match="is the run directory of the checkpoint"):
         hf_export.export(run, run)  # before any model is built

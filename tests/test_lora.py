@@ -177,6 +177,30 @@ def test_bad_lora_settings_are_one_line_config_errors(overrides, key):
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("overrides, names", [
+    (["lora.language_model=false", "lora.targets=linear_qkv"], ["lora.targets", "linear_qkv"]),  # shared expert: fc
+    (["lora.rank=1000000000"], ["lora.rank", "1000000000"]),
+    (["lora.rank=50", "lora.targets=linear_fc1"], ["lora.rank", "shared_expert", "linear_fc1"]),  # 48 x 64; dense: 96
+])  # fmt: skip
+def test_lora_settings_the_model_cannot_take_are_one_line_in_train_and_plan(overrides, names, capsys):
+    """Checked against model.hf_path's config.json (preflight.check_model_config, train.py's and plan.py's): a target
+    no adapted component has, a rank above a targeted layer's smaller dimension (tiny-omni's shared expert: 48)."""
+    import plan
+    import preflight
+    from config import ConfigError, load_config
+
+    args = [str(ROOT / "configs" / "tiny.toml"), f"model.hf_path={ROOT / 'assets' / 'tiny-omni'}",
+            "lora.rank=4", "model.moe_router_bias_update_rate=0", *overrides]
+    cfg = load_config(args[0], args[1:])
+    with raises_naming(ConfigError, *names):
+        preflight.check_model_config(cfg, preflight.read_model_config(cfg.model.hf_path))
+    assert plan.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(str(n) in err[0] for n in names), err
+    cfg = load_config(args[0], [*args[1:4], "lora.rank=32", "lora.targets=linear_qkv"])  # the LM's qkv: 64 x 128
+    preflight.check_model_config(cfg, preflight.read_model_config(cfg.model.hf_path))
+
+
 def test_lora_section_loads_from_toml_and_round_trips(tmp_path):
     from config import from_dict, load_config, to_dict
 
@@ -200,6 +224,9 @@ def test_peft_export_loads_in_transformers_with_our_logits(world, tmp_path):
     m = build(kw)
     randomize_b(m, std=0.05)
     lora.save_peft(m, tmp_path, TINY, LoraConfig(**kw))
+    lora.save_peft(m, tmp_path / "relative", os.path.relpath(TINY), LoraConfig(**kw))  # what PEFT users load: absolute
+    saved = json.loads((tmp_path / "relative" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert saved == os.path.abspath(TINY)
     ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).eval()
     with torch.no_grad():
@@ -590,3 +617,22 @@ def test_peft_export_of_routed_expert_adapters_is_refused_in_one_line(lora_layou
     with raises_naming(hf_export.CheckpointError, str(step), "lora.routed_experts", "without --adapter"):
         hf_export.export(step, tmp_path / "peft", adapter=True)
     assert not (tmp_path / "peft").exists()
+
+
+def test_dropout_resumes_and_precomputes_bit_for_bit(tmp_path):
+    """lora.dropout = 0.3 (one rank, `python train.py`, 16 pairs): 3 online steps, and a precomputed run stopped after
+    2 and resumed to 3, have the same metrics: the reference pass and the data loader draw nothing from the training
+    RNG."""
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "disabled", "HF_DATASETS_CACHE": str(tmp_path)}
+    common = [*LORA, "lora.dropout=0.3", "mpo.max_num_steps=3", "mpo.val_at_end=false", "data.train.max_samples=16"]
+
+    def run(run_dir, *overrides):
+        proc = subprocess.run([sys.executable, "train.py", "configs/tiny.toml", f"checkpoint.dir={run_dir}", *common,
+                               *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(tmp_path / "online")
+    run(tmp_path / "stored", "reference.logprobs=precomputed", "mpo.stop_after_step=2")
+    run(tmp_path / "stored", "reference.logprobs=precomputed")
+    online, stored = _rows(tmp_path / "online"), _rows(tmp_path / "stored")
+    assert len(online) == 3 and [_untimed(r) for r in stored] == [_untimed(r) for r in online]

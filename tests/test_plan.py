@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import raises_naming
 
 import config as config_mod
 import hf_weights
@@ -239,6 +241,23 @@ def test_an_unsupported_omni_setting_is_one_config_error_naming_the_key(tmp_path
     assert preflight.read_model_config(str(NANO)).pattern == omni_model.read_hf_config(NANO).pattern
 
 
+@pytest.mark.parametrize("pattern", ["M*EQ-E", "M*E"])  # an unknown layer symbol; 3 layers, the weights hold 6
+def test_a_malformed_layer_pattern_is_one_line_in_plan_and_train(tmp_path, pattern, capsys):
+    import preflight
+
+    tiny = ROOT / "assets" / "tiny-omni"
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model, ignore=lambda d, names: [n for n in names if n == "config.json"])
+    hub = json.loads((tiny / "config.json").read_text())
+    hub["llm_config"]["hybrid_override_pattern"] = pattern
+    (model / "config.json").write_text(json.dumps(hub))
+    with raises_naming(config_mod.ConfigError, "hybrid_override_pattern", model):
+        preflight.read_model_config(str(model))  # train.py's check_inputs reads it so
+    assert plan.main([str(ROOT / "configs" / "tiny.toml"), f"model.hf_path={model}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid_override_pattern" in err[0]
+
+
 @pytest.mark.parametrize("flags, flag", [(["--gpus", "-2"], "--gpus"), (["--gpus", "0"], "--gpus"),
                                          (["--image-tokens", "-5"], "--image-tokens")])
 def test_plan_flags_out_of_range_are_one_line(flags, flag, capsys):
@@ -315,6 +334,21 @@ def test_image_tokens_come_from_the_data_index_else_the_processors_largest_image
     want = max(int(train_split.index.image_tokens[i]) for i in train_split.pair_ids)
     n, source = plan.image_tokens_per_bin(cfg, omni_model.read_hf_config(cfg.model.hf_path))
     assert n == want > 0 and cfg.data.train.data_path in source
+
+
+def test_the_bins_plan_advises_are_bins_it_plans_as_fitting_and_train_accepts(capsys):
+    """nano.toml, no data index (one image of 3328 tokens per pair): bins of 8 tokens hold no pair (train.py refuses
+    them), and the largest bin the plan of 8 advises is one whose own plan fits, at its own image tokens."""
+    small = plan.make_plan(nano_cfg("packing.max_tokens_per_bin=8"), 8)
+    assert small.min_bin_tokens == 3328 and not small.fits(plan.GPUS["141 GB"])
+    best = small.largest_bin(plan.GPUS["141 GB"], 8)
+    assert best >= 3328
+    advised = plan.make_plan(nano_cfg(f"packing.max_tokens_per_bin={best}"), 8)
+    assert advised.image_tokens == 3328 and advised.fits(plan.GPUS["141 GB"])
+    assert advised.largest_bin(plan.GPUS["141 GB"], 8) == best
+    assert plan.main([*NANO_ARGS, "packing.max_tokens_per_bin=8"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" not in out.split("141 GB GPUs")[1].split(";")[0] and "packing.max_tokens_per_bin" in out
 
 
 def test_plan_of_nano_toml_as_shipped_uses_the_shipped_config(capsys):

@@ -8,8 +8,12 @@ SIGTERM during the pass and started again. The tiny run in both modes, with a re
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
+import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,24 +34,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _values(pairs: list[int], offset: float = 0.0) -> dict:
     n = len(pairs)
     return {"k": {"pair_ids": torch.tensor(pairs), "sums": -torch.arange(2.0 * n).reshape(n, 2).double() - offset,
-                  "tokens": torch.arange(2 * n).reshape(n, 2) + 1}}
+                  "tokens": torch.arange(2 * n).reshape(n, 2) + 1, "media": torch.zeros(n, dtype=torch.int64)}}
 
 
 def test_a_shard_reads_back_whole_or_is_refused(tmp_path):
-    good, short, changed, junk = (tmp_path / f"{n}.shard" for n in ("good", "short", "changed", "junk"))
+    good, short, changed, junk, untorch = (tmp_path / f"{n}.shard" for n in ("good", "short", "changed", "junk",
+                                                                             "untorch"))
     rl.write_shard(good, _values([3, 1]))
     got = rl.read_shard(good)
-    assert all(torch.equal(got["k"][f], _values([3, 1])["k"][f]) for f in ("pair_ids", "sums", "tokens"))
+    assert all(torch.equal(got["k"][f], _values([3, 1])["k"][f]) for f in ("pair_ids", "sums", "tokens", "media"))
     data = good.read_bytes()
     short.write_bytes(data[:-5])
     changed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     junk.write_bytes(b"not a shard")
-    for path, why in ((short, "truncated"), (changed, "checksum"), (junk, "shard header")):  # the check that failed
-        with raises_naming(rl.ShardError, why):
+    payload = b"a checksum of its own, no torch file"  # a header that fits, a payload torch.load cannot read
+    header = {"format": rl.FORMAT, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    untorch.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    for path, why in ((short, "truncated"), (changed, "checksum"), (junk, "shard header"), (untorch, "torch")):
+        with raises_naming(rl.ShardError, why):  # the check that failed
             rl.read_shard(path)
     table = {"k": rl._Table.empty(4)}
     damaged = rl.load_shards(tmp_path, table)
-    assert sorted(p.name for p, _ in damaged) == ["changed.shard", "junk.shard", "short.shard"]
+    assert sorted(p.name for p, _ in damaged) == ["changed.shard", "junk.shard", "short.shard", "untorch.shard"]
     assert table["k"].missing([0, 1, 2, 3]) == [0, 2]  # only the good shard was read
     assert table["k"].sums[3].tolist() == [-0.0, -1.0] and table["k"].tokens[1].tolist() == [3, 4]
     assert not list(tmp_path.glob(".*.tmp"))  # written under a temporary name, then renamed
@@ -64,6 +72,11 @@ def test_the_manifest_is_written_once_and_names_what_differs(tmp_path):
     other.mkdir()
     (other / "rank00000-000000.shard").write_bytes(b"x")
     assert rl.MANIFEST in rl.check_manifest(other, ident, {})  # shards of unknown origin are not adopted
+    (folder / rl.MANIFEST).write_text(json.dumps({"format": rl.FORMAT + 1, "identity": ident}))
+    assert f"format {rl.FORMAT + 1}" in rl.check_manifest(folder, ident, {})  # a newer version's store: said so
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert str(a_file) in rl.check_manifest(a_file, ident, {})  # no FileExistsError
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -182,11 +195,71 @@ def test_a_stopped_pass_continues_without_computing_a_pair_twice(tiny, counted, 
     assert str(folder) in str(e.value) and "\n" not in str(e.value) and counted == []
 
 
-def _bins(tiny, split, pair_ids):
+def test_a_pair_whose_image_changed_is_computed_again_alone(tiny, counted, tmp_path, capsys):
+    """An image rewritten in place (inverted, same pixel size) after the pass: the pairs reading it, and only those,
+    are computed again, to the values the model gives now."""
+    from PIL import Image, ImageOps
+
+    import omni_model
+    import train
+
+    shutil.copytree(ROOT / "data" / "mmpr_sample", tmp_path / "data")
+    cfg = copy.deepcopy(tiny.cfg)
+    cfg.checkpoint.dir, cfg.data.train.data_path = str(tmp_path / "run"), str(tmp_path / "data/MMPR-sample/meta.json")
+    cfg.mpo.val_at_end, cfg.data.train.max_samples = False, 12
+    data = train.load_data(cfg, omni_model.read_hf_config(cfg.model.hf_path), rank=1)
+    before, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    index = data.train_split.index
+    image = Path(index.images(data.train_split.pair_ids[0])[0])
+    readers = sorted(p for p in data.train_split.pair_ids if str(image) in index.images(p))
+    ImageOps.invert(Image.open(image).convert("RGB")).save(image)
+    counted.clear()
+    capsys.readouterr()
+    after, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    assert sorted(counted) == readers and f"{len(readers)} pairs read image files changed" in capsys.readouterr().out
+    now = {}
+    for pair_ids, sums, _ in rl.score(tiny.model, _bins(tiny, data.train_split, readers, data.train_set), tiny.ctx):
+        now.update(zip(pair_ids.tolist(), sums, strict=True))
+    for p in readers:
+        assert torch.equal(after.sums[p], now[p].double()) and not torch.equal(after.sums[p], before.sums[p])
+    others = sorted(set(data.train_split.pair_ids) - set(readers))
+    assert torch.equal(after.sums[others], before.sums[others])
+
+
+def test_a_store_whose_pass_another_run_holds_is_refused_in_one_line(tiny, counted):
+    """Two runs sharing one store (a symlink): the second start's pass waits for none and writes no shard."""
+    import fcntl
+
+    folder = Path(tiny.cfg.checkpoint.dir) / rl.FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other run's pass
+    try:
+        with raises_naming(rl.checkpoint.CheckpointError, folder.resolve(), "another run"):
+            rl.precompute(tiny.cfg, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(None))
+    finally:
+        os.close(fd)
+    assert counted == []
+
+
+def test_a_full_disk_during_the_pass_is_one_line(tiny, monkeypatch, tmp_path):
+    def full(path, values):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rl, "write_shard", full)
+    cfg = copy.deepcopy(tiny.cfg)
+    cfg.checkpoint.dir = str(tmp_path)
+    with raises_naming(rl.checkpoint.CheckpointError, tmp_path / rl.FOLDER / "rank00000-000000.shard",
+                       os.strerror(errno.ENOSPC)) as e:
+        rl.precompute(cfg, tiny.ctx, tiny.kernels, tiny.data, _StopAfter(1))  # the stop writes the first round
+    assert "\n" not in str(e.value)
+
+
+def _bins(tiny, split, pair_ids, dataset=None):
     import pack
 
     plan = pack.plan_step(split.index.lengths(pair_ids), tiny.cfg.packing, 1, split.index.shared_lengths(pair_ids))
-    dataset = tiny.data.train_set if split is tiny.data.train_split else tiny.data.val_set
+    dataset = dataset or (tiny.data.train_set if split is tiny.data.train_split else tiny.data.val_set)
     pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
     return pack.load_bins(plan, pairs, tiny.ctx, tiny.data.ids["image"], tiny.data.ids["pad"])
 

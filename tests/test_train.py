@@ -292,6 +292,20 @@ def test_check_splits_notes_a_validation_meta_that_reads_training_files():
     assert preflight.check_splits(train, Split(_FakeIndex({0: (10, 10)}, ["/e/a.jsonl"]), [0]), cfg)[2] == []
 
 
+def test_check_splits_notes_a_validation_split_larger_than_its_size_for_repeated_rows():
+    """repeat_time 30 and data.train.split_validation_size = 4: 30 validation pairs (a repeated row stays in one
+    split), said in a note naming the key and both counts."""
+    from mmpr_index import Split
+
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["policy.train_global_batch_size=2", SEPARATE,
+                                                                  "data.train.split_validation_size=2"])
+    index = _FakeIndex({i: (10, 10) for i in range(6)})
+    _, _, notes = preflight.check_splits(Split(index, [0, 1]), Split(index, [2, 3, 4, 5]), cfg)
+    assert any("data.train.split_validation_size = 2" in n and "4 validation pairs" in n for n in notes), notes
+    _, _, notes = preflight.check_splits(Split(index, [0, 1, 2, 3]), Split(index, [4, 5]), cfg)
+    assert notes == []
+
+
 def test_validation_max_samples_without_a_validation_meta_is_a_notice():
     """QA: data.validation.max_samples = 2 without data.validation.data_path left the 4 pairs of
     data.train.split_validation_size, without a word."""
