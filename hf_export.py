@@ -110,11 +110,14 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
         cfg = config_mod.from_dict(state.config)
     except config_mod.ConfigError as e:
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its config does not load in this version: {e}") from None
-    try:  # a hub id: the snapshot of the commit the run recorded, from the hub cache (downloaded when missing)
-        snapshot = model_hub.resolve_model(cfg)
-    except config_mod.ConfigError as e:
-        raise CheckpointError(f"{path / RUN_STATE_FILE}: {e}") from None
-    folder = model_hub.model_dir(cfg.model)
+    if state.model_snapshot is None and not cfg.model.hf_revision:  # the run read a local folder: a path, not an id
+        snapshot, folder = None, cfg.model.hf_path
+    else:
+        try:  # a hub id: the snapshot of the commit the run recorded, from the hub cache (downloaded when missing)
+            snapshot = model_hub.resolve_model(cfg)
+        except config_mod.ConfigError as e:
+            raise CheckpointError(f"{path / RUN_STATE_FILE}: {e}") from None
+        folder = model_hub.model_dir(cfg.model)
     check_export_dir(out_dir, path, folder)
     if not (Path(folder) / "config.json").is_file():  # the architecture and the files copied to out_dir
         raise CheckpointError(f"{path / RUN_STATE_FILE}: its model.hf_path = {cfg.model.hf_path!r} has no config.json "

@@ -170,7 +170,7 @@ def test_audio_rows_are_what_the_processor_makes(tmp_path, monkeypatch):
     assert len(audio_pairs) == 6 and sorted(index.num_audio[audio_pairs].tolist()) == [1, 1, 1, 1, 1, 2]
     for i in audio_pairs:
         pair = ds[i]
-        prompt, _, _, images, clips = ds._row_text(i)
+        prompt, _, _, images, _, clips = ds._row_text(i)
         waves = [load_audio(p, sampling_rate=16000) for p in clips]
         ref = proc(text=[prompt], audio=waves, images=[Image.open(p) for p in images] or None, return_tensors="pt")
         n = ref["input_ids"].shape[1]
