@@ -43,7 +43,6 @@ def state_bytes() -> dict:
     import hf_weights
     import omni_model as om
     import train
-    from backend import megatron_patches
 
     distributed.init_distributed(device=torch.device("cpu"))
     out = {}
@@ -53,9 +52,8 @@ def state_bytes() -> dict:
         hf_weights.load_hf_weights(policy, cfg.model.hf_path)
         ddp, opt, _ = train.build_optimizer(policy, cfg)
         trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-        with megatron_patches.cuda_to_cpu():
-            for o in checkpoint._inner_optimizers(opt):
-                o._init_optimizer_states_with_dummy_values()  # a step with zero gradients: the state exists
+        for o in checkpoint._inner_optimizers(opt):
+            o._init_optimizer_states_with_dummy_values()  # a step with zero gradients: the state exists
         weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         held, seen = 0, set()
         for o in checkpoint._inner_optimizers(opt):
