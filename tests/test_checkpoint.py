@@ -487,7 +487,7 @@ def test_export_refuses_the_run_dir_and_writes_files_readable_as_the_umask_allow
     latest = checkpoint.list_checkpoints(run)[-1]  # step_1, or step_2 after the module's resume test
     assert info.pop("date")[:2] == "20" and info == {
         "source": str(latest[1]), "step": latest[0], "model.hf_path": str(ROOT / "assets" / "tiny-omni"),
-        "complete": True}  # fmt: skip
+        "model_snapshot": None, "complete": True}  # fmt: skip (a local folder: no hub snapshot)
     before = (out / "model.safetensors").read_bytes()
     (out / "model-00002-of-00002.safetensors").write_bytes(b"x")  # a shard of an earlier export of another base
     proc = _cli("hf_export.py", str(run), str(out))  # into an earlier export: allowed
