@@ -279,6 +279,7 @@ def _inner_optimizers(optimizer) -> list:
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
     """megatron-core sharded state dict of `model`; for a plain module (omni_model.OmniModel), its children's; with
     LoRA adapters only theirs (lora.sharded_state_dict: the base weights are model.hf_path's, read at every start)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.utils import sharded_state_dict_default
 
     import lora
@@ -291,7 +292,10 @@ def model_sharded_state_dict(model: torch.nn.Module) -> dict:
     assert all("." in k for k in module.state_dict(keep_vars=True)), "tensors outside the child modules"
     out: dict = {}
     for name, child in module.named_children():
-        out.update(sharded_state_dict_default(child, prefix=f"{name}."))
+        # plain modules (the sound encoder) are replicated over TP: their replica ids need the TP group, which
+        # megatron-core 0.19.2 does not default to (every TP rank would claim replica 0)
+        out.update(sharded_state_dict_default(child, prefix=f"{name}.",
+                                              tp_group=parallel_state.get_tensor_model_parallel_group()))
     return out
 
 

@@ -289,7 +289,7 @@ def test_path_keys_list_every_path_field():
             elif tp is str:
                 yield f"{prefix}{f.name}"
 
-    assert sorted(str_fields(Config)) == sorted([*config.PATH_KEYS, "logging.wandb_project"])
+    assert sorted(str_fields(Config)) == sorted([*config.PATH_KEYS, "logging.wandb_project", "model.hf_revision"])
 
 
 def test_preflight_checks_the_expanded_path_the_loader_reads(tmp_path, monkeypatch):
