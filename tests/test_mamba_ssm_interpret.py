@@ -95,7 +95,7 @@ def test_fla_conv_equals_mamba_torch(mamba_ssm_src):
     """mamba_triton.causal_conv1d_fn (fla-core's Triton conv) on 3 packed sequences, offsets read from seq_idx and
     precomputed (mamba_triton.CONV_OFFSETS): output and the gradients of x, weight, bias; its chunk_indices are
     fla's own."""
-    worst = _interpret(mamba_ssm_src, "conv", module="mamba_triton")
+    worst = _interpret(mamba_ssm_src, "conv", module="backend.mamba_triton")
     assert worst.pop("chunk_indices") == 0 and len(worst) == 8 and max(worst.values()) <= TOL, worst
 
 
@@ -103,7 +103,7 @@ def test_fla_conv_equals_mamba_torch(mamba_ssm_src):
 def test_triton_mixer_body_equals_mamba_torch(mamba_ssm_src):
     """The `mamba triton` fused mixer body (what megatron's MambaMixer calls in training) with the gate in the scan
     and with the gated norm inside: output and the gradient of every input."""
-    worst = _interpret(mamba_ssm_src, "mixer", module="mamba_triton")
+    worst = _interpret(mamba_ssm_src, "mixer", module="backend.mamba_triton")
     assert len(worst) == 7 + 9 and max(worst.values()) <= TOL, worst
 
 
@@ -117,8 +117,8 @@ def test_tiny_omni_on_the_triton_set_equals_the_torch_set(mamba_ssm_src, tmp_pat
     is the PackedSeqParams' own, shared_prompt.RowSpans, so the conv takes the batch's offsets there too)."""
     import torch
 
-    _interpret(mamba_ssm_src, "model", "mamba_torch", "torch", str(tmp_path / "torch.pt"), pair_format)
-    _interpret(mamba_ssm_src, "model", "mamba_triton", "triton", str(tmp_path / "triton.pt"), pair_format)
+    _interpret(mamba_ssm_src, "model", "backend.mamba_torch", "torch", str(tmp_path / "torch.pt"), pair_format)
+    _interpret(mamba_ssm_src, "model", "backend.mamba_triton", "triton", str(tmp_path / "triton.pt"), pair_format)
     want, got = torch.load(tmp_path / "torch.pt"), torch.load(tmp_path / "triton.pt")
     assert got.pop("conv_offsets_from_the_batch").item()  # every conv call took OmniModel.forward's offsets
     assert got.keys() == want.keys() and len(want) > 40  # the logits and every parameter's gradient

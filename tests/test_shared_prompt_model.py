@@ -39,9 +39,10 @@ def check_equal(d: dict, n_params: int) -> None:
 
 
 def reached(model) -> int:
-    """The trainable parameters the pairs' gradients reach: all but the sound towers (the pairs carry no audio)."""
-    return sum(p.requires_grad for n, p in model.named_parameters() if not n.startswith(("sound_encoder.",
-                                                                                        "sound_projection.")))
+    """The trainable parameters the pairs' gradients reach: all but the sound towers and the ViT's video embedder (the
+    pairs carry neither audio nor video)."""
+    return sum(p.requires_grad for n, p in model.named_parameters()
+               if not n.startswith(("sound_encoder.", "sound_projection.")) and "video_embedder" not in n)
 
 
 @pytest.fixture(scope="module")
