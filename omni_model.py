@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -261,12 +262,18 @@ class OmniRADIOViT(RADIOViTModel):
     """megatron-core's RADIOViTModel whose tubelet grouping keeps this module's packed-attention conventions: the
     grouped items' host offsets (class tokens included) for local_spec's varlen attention and int max lengths."""
 
-    def _apply_temporal_grouping(self, *args, **kwargs):
-        x, sizes, num_frames, psp, is_image = super()._apply_temporal_grouping(*args, **kwargs)
-        lens = [(int(h) // self.patch_dim) * (int(w) // self.patch_dim) for h, w in sizes.tolist()]
+    host_grids: list = []  # (gh, gw) patches of each frame, in order: set by the caller beside the device sizes
+
+    def _apply_temporal_grouping(self, x, imgs_sizes, num_frames, *args, **kwargs):
+        x, sizes, frames, psp, is_image = super()._apply_temporal_grouping(x, imgs_sizes, num_frames, *args, **kwargs)
+        lens, i = [], 0  # each image one item, each video ceil(frames / T) tubelets of its frame size
+        for nf in num_frames:
+            gh, gw = self.host_grids[i]
+            lens += [gh * gw] * (1 if nf == 1 else math.ceil(nf / self.temporal_patch_dim))
+            i += nf
         psp.max_seqlen_q = psp.max_seqlen_kv = max(lens)
         psp.cu_seqlens_padded_host = tuple(itertools.accumulate([0] + [n + self.class_token_len for n in lens]))
-        return x, sizes, num_frames, psp, is_image
+        return x, sizes, frames, psp, is_image
 
 
 def _get(batch, name: str, default=None):
@@ -447,6 +454,7 @@ class OmniModel(nn.Module):
         psp.cu_seqlens_padded_host = tuple(itertools.accumulate([0] + [n + self.num_prefix_tokens for n in lens]))
         sizes = to_device(torch.tensor(frame_grids, device="cpu") * self.patch_size, x.device)
         kw = {"num_frames": [1] * len(grids) + frames} if t > 1 else {}
+        self.vision_model.host_grids = [tuple(g) for g in frame_grids]
         out = self.vision_model(x[None], imgs_sizes=sizes, packed_seq_params=psp, **kw)
         x = (out[0] if t > 1 else out)[0]
         # the ViT's items: each image, then each video's tubelets
