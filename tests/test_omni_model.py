@@ -468,9 +468,9 @@ def test_two_rank_layouts_match_one_rank(torchrun):
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
         assert any(k.startswith("sound_encoder.") for k in r["grads_rel"]), r  # the replicated sound encoder too
-        # expert-bias token counts: the real tokens (21 + 30) x top-2 per router, padding excluded, in every layout
+        # expert-bias token counts: the real tokens (32 + 40) x top-2 per router, padding excluded, in every layout
         assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
-        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(21 + 30) * 2] * 2, (layout, r)
+        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(32 + 40) * 2] * 2, (layout, r)
         # monitor.active_params is global: the one-rank count (test_active_params_...) in every layout
         assert r["active_params"] == r["ref_active_params"] == 180336, (layout, r)
 
