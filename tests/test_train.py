@@ -1519,8 +1519,8 @@ def test_the_reference_pass_runs_on_the_training_layout(train_run, tmp_path, tp2
     for a, b in zip(tp2, _rows(tmp_path), strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {k: v for k, v in b.items()
                                                                         if k not in TIMING_KEYS}, a["step"]
-    assert sorted(p.name for p in (tmp_path / "reference_logprobs").iterdir()) == ["manifest.json",
-                                                                                    "rank00000-000000.shard"]
+    assert sorted(p.name for p in (tmp_path / "reference_logprobs").iterdir()) == [
+        ".lock", "manifest.json", "rank00000-000000.shard"]  # .lock: the store's owner (reference_logprobs)
 
 
 def _assert_same_state(a: list, b: list, what: str, atol: float = 1e-7) -> None:
