@@ -49,7 +49,7 @@ from mmpr_rows import (
     plural,
     read_meta,
 )
-from mmpr_video import apply_video_settings
+from mmpr_video import apply_video_settings, fill_video_norm
 from stop_signals import ignore_stop_signals, workers_start_deaf
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
@@ -77,7 +77,9 @@ def load_processor(model_dir: str | Path, key: str):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(model_dir)
+        processor = AutoProcessor.from_pretrained(model_dir)
+        fill_video_norm(processor)  # a property of the loaded processor, not of data.video's settings
+        return processor
     except (OSError, ValueError, KeyError, TypeError) as e:
         reason = " ".join(str(e).split())
         raise DataError(f"{key} {str(model_dir)!r}: transformers cannot load its processor: {reason}") from None

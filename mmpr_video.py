@@ -31,16 +31,21 @@ class VideoDrop(Exception):
 
 
 def apply_video_settings(processor, video_cfg) -> None:
-    """Set data.video's non-zero num_frames / fps / target_num_patches on `processor.video_processor`; the image
-    processor's mean and std where the video processor has none (RADIO has one input conditioner)."""
-    vp, ip = processor.video_processor, processor.image_processor
+    """Set data.video's non-zero num_frames / fps / target_num_patches on `processor.video_processor`."""
+    vp = processor.video_processor
+    fill_video_norm(processor)
     if video_cfg.num_frames:
         vp.num_frames, vp.fps = int(video_cfg.num_frames), None
     if video_cfg.fps:
         vp.fps, vp.num_frames = float(video_cfg.fps), None
     if video_cfg.target_num_patches:
         vp.video_target_num_patches = int(video_cfg.target_num_patches)
-    if vp.norm_mean is None or vp.norm_std is None:
+
+
+def fill_video_norm(processor) -> None:
+    """The image processor's mean and std on a video processor that has none (RADIO has one input conditioner)."""
+    vp, ip = getattr(processor, "video_processor", None), processor.image_processor
+    if vp is not None and (vp.norm_mean is None or vp.norm_std is None):
         vp.norm_mean, vp.norm_std = list(ip.image_mean), list(ip.image_std)
 
 

@@ -37,9 +37,7 @@ IMAGE_ID, IMG_START, IMG_END, IM_END, THINK, THINK_END = 18, 21, 22, 11, 12, 13
 
 @pytest.fixture(scope="module")
 def processor():
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(TINY)
+    return mi.load_processor(TINY, "--model")  # as train.py loads it
 
 
 @pytest.fixture(autouse=True)
