@@ -81,7 +81,7 @@ class ValidationDataConfig:
 
 @dataclass
 class VideoDataConfig:
-    """How a row's video becomes frames (mmpr_video.py); 0 = the checkpoint's video processor's value."""
+    """How a row's video becomes frames (mmpr_media.py); 0 = the checkpoint's video processor's value."""
 
     num_frames: int = 0  # frames sampled uniformly from a video file (0: the processor's num_frames)
     fps: float = 0.0  # else frames sampled per second (0: the processor's fps; neither: every frame)

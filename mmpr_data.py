@@ -1,7 +1,7 @@
 """Pairs for the training step: `MMPRIndex` (the validated pairs' lengths and images, built by mmpr_index.py),
 `PairDataset` (pair id -> pack.PreferencePair),
 `PairSampler` (the seeded, resumable global pair order) and `StepLoader` (a step's pairs, decoded by DataLoader
-workers, deaf to the stop signals: stop_signals.py)."""
+workers, deaf to the stop signals: distributed.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpr_rows import DataError, TextRenderer, _Drop, audio_token_count, image_grids, load_audio, load_image, read_video
-from mmpr_video import expand_video, video_pixels
+from distributed import ignore_stop_signals, workers_start_deaf
+from mmpr_media import (
+    Drop,
+    audio_token_count,
+    expand_video,
+    image_grids,
+    load_audio,
+    load_frames,
+    load_image,
+    video_pixels,
+)
+from mmpr_rows import DataError, TextRenderer
 from pack import PreferencePair
-from stop_signals import ignore_stop_signals, workers_start_deaf
 
 # ======================================================================================================================
 # Dataset
@@ -145,13 +154,13 @@ class PairDataset(torch.utils.data.Dataset):
             system, question, chosen, rejected, imgs, video = self.text.parse(
                 json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
-                raise _Drop("image_missing", f"row images {imgs} differ from the index's {images}")
+                raise Drop("image_missing", f"row images {imgs} differ from the index's {images}")
             question, clips = self.text.parse_audio(json.loads(raw), question, Path(root) if root else None,
                                                     ix.subsets[sub])
             if clips != ix.audio(i):
-                raise _Drop("audio_missing", f"row audio {clips} differs from the index's {ix.audio(i)}")
+                raise Drop("audio_missing", f"row audio {clips} differs from the index's {ix.audio(i)}")
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected, len(clips))
-        except (_Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _changed(ix, i, f"the row no longer validates ({e})") from None
         return prompt, r_c, r_r, images, video, clips
 
@@ -160,8 +169,8 @@ class PairDataset(torch.utils.data.Dataset):
         if video is None:
             return prompt, {}
         try:
-            frames, metadata = read_video(self.processor, video, max(int(self.index.video_frames[i]), 1))
-        except _Drop as d:
+            frames, metadata = load_frames(video, self.processor, max(int(self.index.video_frames[i]), 1))
+        except Drop as d:
             raise _changed(self.index, i, str(d)) from None
         rows, thw, per = video_pixels(self.processor, frames)
         tokens = -(-int(thw[0, 0]) // self.processor.video_temporal_patch_dim) * per
@@ -178,7 +187,7 @@ class PairDataset(torch.utils.data.Dataset):
                 pil = [load_image(p) for p in images]
                 # an image replaced by one too thin for the processor: this error, not its ZeroDivisionError
                 image_grids(self.processor.image_processor, [(im.height, im.width) for im in pil], images)
-            except _Drop as d:
+            except Drop as d:
                 raise _changed(ix, i, str(d)) from None
             media = self.processor.image_processor(images=pil, return_tensors="pt")
             pixel_values, grid = media["pixel_values"].float(), media["image_grid_hw"].long()
@@ -227,7 +236,7 @@ class PairDataset(torch.utils.data.Dataset):
         for path in clips:
             try:
                 wave = load_audio(path, fe.sampling_rate)
-            except _Drop as d:
+            except Drop as d:
                 raise _changed(self.index, i, str(d)) from None
             out = fe([wave], sampling_rate=fe.sampling_rate, return_tensors="pt")
             feats.append(out["input_features"][0].float())

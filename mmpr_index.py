@@ -36,7 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from distributed import ignore_stop_signals, workers_start_deaf
 from mmpr_data import MMPRIndex
+from mmpr_media import apply_video_settings, fill_video_norm
 from mmpr_rows import (
     DataError,
     DataWarning,
@@ -49,8 +51,6 @@ from mmpr_rows import (
     plural,
     read_meta,
 )
-from mmpr_video import apply_video_settings, fill_video_norm
-from stop_signals import ignore_stop_signals, workers_start_deaf
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 

@@ -1,7 +1,7 @@
 """The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`, `parse_audio`),
-its rendering (`TextRenderer.render`), images (`load_image`, `image_grids`), video (`read_video`; mmpr_video.py),
-clips (`load_audio`, `audio_token_count`); `checked_rows` applies them to a file. A failing row is a counted drop
-(DROP_REASONS), a bad meta-recipe a DataError. Why each rule is as it is: docs/DESIGN.md, "Data: the row rules".
+its rendering (`TextRenderer.render`); `checked_rows` applies them to a file, with each image, video and clip decoded
+and counted by mmpr_media.py. A failing row is a counted drop (DROP_REASONS), a bad meta-recipe a DataError.
+Why each rule is as it is: docs/DESIGN.md, "Data: the row rules".
 
 A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
@@ -16,23 +16,28 @@ from __future__ import annotations
 import collections
 import contextlib
 import difflib
-import errno
 import hashlib
 import json
 import math
 import os
 import random
 import re
-import stat
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from mmpr_video import VIDEO_DROP_REASONS, VideoDrop, expand_video, load_frames, video_layout
+from mmpr_media import (
+    VIDEO_DROP_REASONS,
+    Drop,
+    audio_token_count,
+    image_grids,
+    load_audio,
+    load_frames,
+    load_image,
+    video_counts,
+)
 
 # Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
@@ -52,7 +57,7 @@ DROP_REASONS = (
     "image_unreadable",  # it cannot be opened (a symbolic link loop, no permission) or PIL cannot decode it
     "image_truncated",  # the file ends before the image data does
     "image_unprocessable",  # the image processor cannot size it: too thin or too wide for the patch budget
-    *VIDEO_DROP_REASONS,  # video_missing, video_unreadable, too_many_frames (mmpr_video.py)
+    *VIDEO_DROP_REASONS,  # video_missing, video_unreadable, too_many_frames (mmpr_media.py)
     "no_audio_root",  # relative audio paths in a subset whose meta entry has no root
     "audio_outside_root",  # a relative audio path whose `..` parts leave the subset's root
     "audio_missing",  # an audio file does not exist
@@ -98,14 +103,6 @@ def data_warnings(notes: list[str]) -> Iterator[list[str]]:
 
 class DataError(ValueError):
     """Bad meta-recipe, path or model directory, or (with data.strict) a dropped row; the message names the file."""
-
-
-class _Drop(Exception):
-    """A row rejected for `reason` (one of DROP_REASONS)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
 
 
 # ---- Meta-recipe ----------
@@ -223,108 +220,6 @@ def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[
     return list(range(n)) * whole + sorted(rng.sample(range(n), extra))
 
 
-# ---- Images ----------
-def load_image(path: str | Path):
-    """An image decoded as 8-bit RGB (PIL.Image): EXIF orientation applied, palette and alpha composited onto white
-    (transformers' `convert_to_rgb`), 16-bit grayscale scaled to 8 bits."""
-    from PIL import Image, ImageOps
-    from transformers.image_transforms import convert_to_rgb
-
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode  # follows symbolic links
-    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL or a lone surrogate in the name
-        raise _Drop("image_missing", f"{path} does not exist") from None
-    except OSError as e:  # a symbolic link loop, a name too long, no permission
-        raise _Drop("image_unreadable", f"{path}: " + ("a symbolic link loop" if e.errno == errno.ELOOP
-                                                       else e.strerror or str(e))) from None
-    if stat.S_ISDIR(mode):
-        raise _Drop("image_missing", f"{path} is a directory")
-    if not stat.S_ISREG(mode):  # a FIFO would block the reader
-        raise _Drop("image_unreadable", f"{path} is not a regular file")
-    try:
-        with Image.open(path) as im:
-            im.load()
-            im = ImageOps.exif_transpose(im)  # a transposed copy; the file handle can close
-        if im.mode.startswith("I"):  # 16/32-bit integer grayscale: 0..65535 -> 0..255 (PIL's own clips at 255)
-            a = np.asarray(im, dtype=np.float64) / 257.0
-            im = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
-        elif im.mode == "F":
-            im = Image.fromarray(np.clip(np.rint(np.asarray(im)), 0, 255).astype(np.uint8), mode="L")
-        return Image.fromarray(convert_to_rgb(im, return_numpy=True))
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
-        if "truncated" in str(e):
-            raise _Drop("image_truncated", f"{path}: {e}") from None
-        raise _Drop("image_unreadable", f"{path}: {type(e).__name__}: {e}") from None
-
-
-def image_patch_budget(image_processor, n_images: int) -> int:
-    """Most 16-px patches per image when `n_images` images are processed in one call (transformers' Omni image
-    processor): clamp(max((max_model_len - 4) * m^2, min_num_patches * n), min, max), m = 1/downsample_ratio."""
-    ip = image_processor
-    merge = round(1 / ip.downsample_ratio)
-    budget = max((ip.max_model_len - 4) * merge**2, ip.min_num_patches * n_images)
-    if ip.max_num_patches:
-        budget = min(budget, ip.max_num_patches)
-    return max(budget, ip.min_num_patches)
-
-
-def image_grids(image_processor, sizes: Sequence[tuple[int, int]],
-                paths: Sequence[str] = ()) -> list[tuple[int, int]]:
-    """Patch grids (gh, gw) of images of `sizes` [(h, w) px] processed together (transformers' get_patch_grid_size)."""
-    from transformers.models.nemotron_h_omni.image_processing_nemotron_h_omni import get_patch_grid_size
-
-    ip = image_processor
-    budget = image_patch_budget(ip, len(sizes))
-    merge = round(1 / ip.downsample_ratio)
-    grids = []
-    for j, (h, w) in enumerate(sizes):
-        try:  # only this image's arithmetic: any other error is a bug and stays visible
-            grid = get_patch_grid_size(h, w, ip.patch_size, merge, ip.min_num_patches, budget)
-        except ZeroDivisionError:
-            grid = (0, 0)
-        if min(grid) < 1:
-            name = paths[j] if j < len(paths) else f"image {j + 1}"
-            raise _Drop("image_unprocessable", f"{name}: {w}x{h} px, in {ip.patch_size}-px patches one side more "
-                                               f"than {budget} times the other: the image processor cannot size it")
-        grids.append(grid)
-    return grids
-
-
-# ---- Audio ----------
-def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
-    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
-    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
-    from transformers.audio_utils import load_audio as hf_load_audio
-
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        raise _Drop("audio_missing", f"{path} does not exist") from None
-    except OSError as e:
-        raise _Drop("audio_unreadable", f"{path}: {e.strerror or e}") from None
-    if stat.S_ISDIR(mode):
-        raise _Drop("audio_missing", f"{path} is a directory")
-    if not stat.S_ISREG(mode):
-        raise _Drop("audio_unreadable", f"{path} is not a regular file")
-    try:
-        wave = hf_load_audio(str(path), sampling_rate=sampling_rate, backend="soundfile")
-    except Exception as e:  # soundfile's LibsndfileError, RuntimeError (a container soundfile cannot read), ...
-        raise _Drop("audio_unreadable", f"{path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-    if wave.size == 0:
-        raise _Drop("audio_empty", f"{path} holds no samples")
-    if not np.isfinite(wave).all():
-        raise _Drop("audio_unreadable", f"{path}: NaN or infinite samples")
-    return wave
-
-
-def audio_token_count(processor, samples: int) -> int:
-    """`<so_embedding>` tokens of a clip of `samples` samples: the processor's own estimate (the mel frames
-    1 + samples // hop through the encoder's conv subsampling, at least 1)."""
-    return max(1, int(processor._estimate_audio_num_embeddings(samples)))
-
-
 # ---- Text: validation, chat-template rendering, tokenisation ----------
 def _as_str(row: dict, *keys: str) -> str | None:
     k = next((k for k in keys if k in row), None)
@@ -332,12 +227,12 @@ def _as_str(row: dict, *keys: str) -> str | None:
 
 
 def check_reasoning(name: str, response: str) -> None:
-    """_Drop unless `response` has no reasoning block or one at its start (a lone `</think>`: the prompt opened it)."""
+    """Drop unless `response` has no reasoning block or one at its start (a lone `</think>`: the prompt opened it)."""
     opens, closes = response.count("<think>"), response.count("</think>")
     if opens and not closes:
-        raise _Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
+        raise Drop("unterminated_reasoning", f"{name} opens <think> and never closes it")
     if closes > 1 or opens > 1 or opens and not response.startswith("<think>"):
-        raise _Drop("malformed_reasoning", f"{name}: {opens} <think> and {closes} </think>, not one block at its start")
+        raise Drop("malformed_reasoning", f"{name}: {opens} <think> and {closes} </think>, not one block at its start")
 
 
 class TextRenderer:
@@ -368,52 +263,52 @@ class TextRenderer:
         a list of frame paths or None), the responses stripped, `<image_N>` turned into `<image>`, relative paths
         joined to `root`, the question's placeholders completed for a video (`_place_video`)."""
         if not isinstance(row, dict):
-            raise _Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
+            raise Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
         system = row.get("system_prompt", row.get("system"))
         fields = {"question": _as_str(row, "question"), "chosen": _as_str(row, "chosen", "chosen_response"),
                   "rejected": _as_str(row, "rejected", "rejected_response"),
                   "system": "" if system is None else system if isinstance(system, str) else None}
         for name, v in fields.items():
             if v is None:
-                raise _Drop("missing_field", f"{name!r} is missing or not a string")
+                raise Drop("missing_field", f"{name!r} is missing or not a string")
             if (m := _SURROGATE.search(v)) is not None:
-                raise _Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
+                raise Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
         question, chosen, rejected, system = fields.values()
         image = row.get("image")
         images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
-            raise _Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
+            raise Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
         video = row.get("video")
         video = None if video in (None, "", []) else video
         if video is not None and not (isinstance(video, str) or isinstance(video, list) and all(
                 isinstance(v, str) and v for v in video)):
-            raise _Drop("missing_field", f"'video' must be a path or a list of frame paths, got {video!r}")
+            raise Drop("missing_field", f"'video' must be a path or a list of frame paths, got {video!r}")
         if len(images) > max_images:
-            raise _Drop("too_many_images", f"{plural(len(images), 'image')} > data.train.max_images_per_row = "
+            raise Drop("too_many_images", f"{plural(len(images), 'image')} > data.train.max_images_per_row = "
                                            f"{max_images}")
         question, images = self._numbered_placeholders(question, images)
         n_ph = question.count(self.image_token)
         if n_ph and n_ph != len(images):
-            raise _Drop("placeholder_mismatch", f"{plural(n_ph, self.image_token + ' placeholder')} for "
+            raise Drop("placeholder_mismatch", f"{plural(n_ph, self.image_token + ' placeholder')} for "
                                                 f"{plural(len(images), 'image')}")
         question = self._place_video(question, len(images), video is not None)
         for name, text in (("question", question), ("system", system), ("chosen", chosen), ("rejected", rejected)):
             if (t := self._stray(text, name == "question")) is not None:
-                raise _Drop("stray_media_token", f"{name} contains {t!r}")
+                raise Drop("stray_media_token", f"{name} contains {t!r}")
         chosen, rejected = chosen.strip(), rejected.strip()
         for name, text in (("chosen", chosen), ("rejected", rejected)):
             check_reasoning(name, text)
         for name, text in (("chosen", chosen), ("rejected", rejected)):
             if not text.split("</think>")[-1].strip():
-                raise _Drop("empty_response", f"{name} is empty")
+                raise Drop("empty_response", f"{name} is empty")
         if chosen == rejected:
-            raise _Drop("identical_responses", "chosen and rejected are the same text")
+            raise Drop("identical_responses", "chosen and rejected are the same text")
         frames = [] if video is None else [video] if isinstance(video, str) else video
         if root is None and (rel := [p for p in images + frames if not Path(p).is_absolute()]):
-            raise _Drop("no_image_root", f"subset {subset!r} has no root for {rel[0]!r}")
+            raise Drop("no_image_root", f"subset {subset!r} has no root for {rel[0]!r}")
         for p in images + frames:
             if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
-                raise _Drop("image_outside_root", f"{p!r} leaves the root {str(root)!r}")
+                raise Drop("image_outside_root", f"{p!r} leaves the root {str(root)!r}")
         if root is not None and video is not None:
             video = str(root / video) if isinstance(video, str) else [str(root / p) for p in video]
         return system, question, chosen, rejected, [p if root is None else str(root / p) for p in images], video
@@ -424,16 +319,16 @@ class TextRenderer:
         `<image 1><image> <image 2><image> ...\\n`), which the template then leaves as it is."""
         n_video, v = question.count(self.video_token), self.video_token
         if n_video > int(has_video):
-            raise _Drop("placeholder_mismatch", f"{plural(n_video, v + ' placeholder')} for "
+            raise Drop("placeholder_mismatch", f"{plural(n_video, v + ' placeholder')} for "
                                                 f"{plural(int(has_video), 'video')}")
         if not has_video:
             return question
         has_image_ph = self.image_token in question
         if n_video and has_image_ph and question.rindex(self.image_token) > question.index(v):
-            raise _Drop("placeholder_mismatch", f"an {self.image_token} placeholder after the {v}: the video's "
+            raise Drop("placeholder_mismatch", f"an {self.image_token} placeholder after the {v}: the video's "
                                                 "features follow the images'")
         if not n_video and has_image_ph:
-            raise _Drop("placeholder_mismatch", f"{self.image_token} placeholders but no {v} for the video")
+            raise Drop("placeholder_mismatch", f"{self.image_token} placeholders but no {v} for the video")
         question = question if n_video else f"{v}\n{question}"
         if n_images and not has_image_ph:
             prefix = (f"{self.image_token}\n" if n_images == 1 else " ".join(
@@ -447,16 +342,16 @@ class TextRenderer:
         audio = row.get("audio")
         clips = [] if audio is None or audio == "" else [audio] if isinstance(audio, str) else audio
         if not isinstance(clips, list) or not all(isinstance(a, str) and a for a in clips):
-            raise _Drop("missing_field", f"'audio' must be a path or a list of paths, got {audio!r}")
+            raise Drop("missing_field", f"'audio' must be a path or a list of paths, got {audio!r}")
         n_ph = question.count(AUDIO_PLACEHOLDER)
         if n_ph and n_ph != len(clips):
-            raise _Drop("placeholder_mismatch", f"{plural(n_ph, AUDIO_PLACEHOLDER + ' placeholder')} for "
+            raise Drop("placeholder_mismatch", f"{plural(n_ph, AUDIO_PLACEHOLDER + ' placeholder')} for "
                                                 f"{plural(len(clips), 'audio clip')}")
         if root is None and (rel := [p for p in clips if not Path(p).is_absolute()]):
-            raise _Drop("no_audio_root", f"subset {subset!r} has no root for {rel[0]!r}")
+            raise Drop("no_audio_root", f"subset {subset!r} has no root for {rel[0]!r}")
         for p in clips:
             if not Path(p).is_absolute() and os.path.normpath(p).split(os.sep)[0] == os.pardir:
-                raise _Drop("audio_outside_root", f"{p!r} leaves the root {str(root)!r}")
+                raise Drop("audio_outside_root", f"{p!r} leaves the root {str(root)!r}")
         return (question.replace(AUDIO_PLACEHOLDER, self.audio_token),
                 [p if root is None else str(root / p) for p in clips])
 
@@ -466,7 +361,7 @@ class TextRenderer:
             return question, images
         if self.image_token in question or sorted(numbers) != list(range(1, len(images) + 1)):
             mixed = f" and {self.image_token}" if self.image_token in question else ""
-            raise _Drop("placeholder_mismatch", f"<image_N> placeholders {numbers}{mixed} for "
+            raise Drop("placeholder_mismatch", f"<image_N> placeholders {numbers}{mixed} for "
                                                 f"{plural(len(images), 'image')}")
         return NUMBERED_IMAGE.sub(self.image_token, question), [images[n - 1] for n in numbers]
 
@@ -479,7 +374,7 @@ class TextRenderer:
         mark = "/"  # the identity, unless the row has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
             if not (mark := next((m for m in self._marks if not any(m in t for t in texts)), "")):
-                raise _Drop("template_rewrites_text", "no free character left to hide /think from the template")
+                raise Drop("template_rewrites_text", "no free character left to hide /think from the template")
 
         def hide(text: str, keep_think_end: bool) -> str:
             for d in TEMPLATE_DIRECTIVES if mark != "/" else ():
@@ -524,14 +419,14 @@ class TextRenderer:
                             f"{plural(n_audio, 'audio clip')}: {prompt!r}")
         for name, text in (("system", system), ("question", question)):
             if text.strip() and text.strip() not in prompt:
-                raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")
+                raise Drop("template_rewrites_text", f"the chat template changes the {name} text: {prompt!r}")
         for (_, rendered), (name, response) in zip(out, (("chosen", chosen), ("rejected", rejected)), strict=True):
             parts = response.split("</think>")
             for part in (parts[0].split("<think>")[-1].strip(), parts[-1].strip()) if len(parts) > 1 else parts:
                 if part not in rendered:
-                    raise _Drop("template_rewrites_text", f"the chat template changes the {name} text: {rendered!r}")
+                    raise Drop("template_rewrites_text", f"the chat template changes the {name} text: {rendered!r}")
         if out[0][1] == out[1][1]:  # e.g. "<think></think>A cat." and "A cat.": the template drops empty reasoning
-            raise _Drop("identical_responses", f"chosen and rejected render to the same text {out[0][1]!r}")
+            raise Drop("identical_responses", f"chosen and rejected render to the same text {out[0][1]!r}")
         return prompt, out[0][1], out[1][1]
 
     def encode(self, text: str) -> list[int]:
@@ -572,28 +467,9 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
         try:
             im = load_image(path)
             cache[path] = (im.height, im.width)
-        except _Drop as d:
+        except Drop as d:
             cache[path] = (d.reason, d.detail)
     return cache[path]
-
-
-def read_video(processor, video: str | list[str], max_frames: int) -> tuple[np.ndarray, Any]:
-    """mmpr_video.load_frames with its drops as this module's (frame images decoded by `load_image`)."""
-    try:
-        return load_frames(video, processor, max_frames, load_image)
-    except VideoDrop as d:
-        raise _Drop(d.reason, d.detail) from None
-
-
-def _video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) -> tuple[str, list[int]]:
-    """(prompt with its `<video>` expanded, [frames, gh, gw, video tokens]) of a row's decoded video (read_video's
-    frames and metadata; None: no video, [0, 0, 0, 0])."""
-    if loaded is None:
-        return prompt, [0, 0, 0, 0]
-    frames, metadata = loaded
-    f, h, w = frames.shape[:3]
-    gh, gw, per, tubelets = video_layout(processor, f, h, w)
-    return expand_video(processor, prompt, f, per, metadata), [f, gh, gw, per * tubelets]
 
 
 def _probe_audio(path: str) -> int | tuple[str, str]:
@@ -603,7 +479,7 @@ def _probe_audio(path: str) -> int | tuple[str, str]:
         proc = _CHUNK_CTX["processor"]
         try:
             cache[path] = int(load_audio(path, proc.feature_extractor.sampling_rate).size)
-        except _Drop as d:
+        except Drop as d:
             cache[path] = (d.reason, d.detail)
     n = cache[path]
     limit = _CHUNK_CTX["max_audio_seconds"]
@@ -625,21 +501,21 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             try:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise _Drop("invalid_json", str(e)) from None
+                raise Drop("invalid_json", str(e)) from None
             system, question, chosen, rejected, imgs, video = text.parse(row, Path(root) if root else None,
                                                                          max_images, subset)
             question, clips = text.parse_audio(row, question, Path(root) if root else None, subset)
             sizes = [_probe(p) for p in imgs]
             if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
-                raise _Drop(*bad)
+                raise Drop(*bad)
             grids = image_grids(ip, sizes, imgs)  # before rendering: the order of DROP_REASONS
             # the video decoded before rendering (the order of DROP_REASONS), expanded after; then the clips
-            loaded = None if video is None else read_video(text.processor, video, _CHUNK_CTX["max_frames"])
+            loaded = None if video is None else load_frames(video, text.processor, _CHUNK_CTX["max_frames"])
             samples = [_probe_audio(p) for p in clips]
             if (bad := next((n for n in samples if isinstance(n, tuple)), None)) is not None:
-                raise _Drop(*bad)
+                raise Drop(*bad)
             prompt, r_c, r_r = text.render(system, question, len(imgs), chosen, rejected, len(clips))
-            video_prompt, video_counts = _video_counts(text.processor, prompt, loaded)
+            video_prompt, video_sizes = video_counts(text.processor, prompt, loaded)
             counts = [gh * gw // merge**2 for gh, gw in grids]
             audio_counts = [audio_token_count(_CHUNK_CTX["processor"], n) for n in samples]
             # each <image> placeholder (1 token) becomes <img> + n x <image> + </img> (n + 2 tokens), each audio one
@@ -647,14 +523,14 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             p_len = len(text.encode(video_prompt)) + sum(n + 1 for n in counts) + sum(n + 1 for n in audio_counts)
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
-                raise _Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
+                raise Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
             # the row's content as trained, not its JSON text: mmpr_index notes rows that repeat another
             fields = [system, question, chosen, rejected, imgs, video] + ([clips] if clips else [])
             digest = hashlib.blake2b(json.dumps(fields).encode(), digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
-                                             grids=grids, counts=counts, digest=digest, video=video_counts,
+                                             grids=grids, counts=counts, digest=digest, video=video_sizes,
                                              clips=clips, samples=samples, audio_counts=audio_counts)))
-        except _Drop as d:  # a plain tuple: it crosses the process boundary
+        except Drop as d:  # a plain tuple: it crosses the process boundary
             out.append((lineno, offset, (d.reason, d.detail)))
     return out
 

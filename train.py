@@ -58,7 +58,6 @@ import omni_model  # noqa: E402
 import pack  # noqa: E402
 import preflight  # noqa: E402
 import reference_logprobs  # noqa: E402
-import stop_signals  # noqa: E402
 from backend import kernel_selection, megatron_patches, shared_prompt  # noqa: E402
 from distributed import Ctx  # noqa: E402
 
@@ -94,7 +93,7 @@ def main(cfg) -> int:
         return 0
     # metrics.jsonl and W&B before the data and the models: a W&B that cannot start fails in seconds, on every rank
     log = monitor.MetricsLog(cfg, saved.wandb_run_id if saved else None, saved.step if saved else 0, rank)
-    stopper = stop_signals.StopSignal()
+    stopper = distributed.StopSignal()
     monitor.Console.install()  # a hung-up terminal or a closed pipe no longer kills a rank before the stop's save
 
     # -- data -------------------------------------------------------------------------------------------------------

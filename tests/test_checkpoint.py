@@ -5,7 +5,7 @@ part; without a launcher: the one-line refusals of a resume with another layout 
 notice and kept config of a resume with other loss weights, and the export's refusal of the run's own directories
 and model.hf_path. The run-directory lock (a held lock, no flock support, a refused torchrun launch), removal
 of unfinished step_N.tmp saves, a failed save on one rank (in the harness), damaged checkpoints refused naming the
-missing files, and a rank whose launcher died stopping after its step (stop_signals.StopSignal). Files that
+missing files, and a rank whose launcher died stopping after its step (distributed.StopSignal). Files that
 differ from their saved checksums (1 and 2 ranks), a non-finite first step after a resume, full disks (metrics.jsonl,
 torch's zip writer, the export).
 """
@@ -1038,8 +1038,8 @@ def test_non_finite_first_step_after_a_resume_names_the_checkpoint_not_the_lr(on
 ORPHAN = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-import torch, stop_signals
-stopper = stop_signals.StopSignal()
+import torch, distributed
+stopper = distributed.StopSignal()
 print("ready", os.getpid(), flush=True)
 deadline = time.time() + 60
 while time.time() < deadline and not stopper.should_stop(torch.device("cpu")):  # one "step" each
@@ -1083,11 +1083,11 @@ def test_rank_whose_launcher_died_stops_after_its_step(tmp_path, sig):
 def test_launcher_check_only_under_torchrun(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    import stop_signals
+    import distributed
 
-    previous = {sig: signal.getsignal(sig) for sig in stop_signals.StopSignal.SIGNALS}
+    previous = {sig: signal.getsignal(sig) for sig in distributed.StopSignal.SIGNALS}
     try:
-        assert stop_signals.StopSignal().launcher is None
+        assert distributed.StopSignal().launcher is None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

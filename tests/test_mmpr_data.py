@@ -25,6 +25,7 @@ from PIL import Image
 
 import mmpr_data as md
 import mmpr_index as mi
+import mmpr_media as mm
 import mmpr_rows as mr
 from config import Config, DataConfig
 from pack import pack, plan_step
@@ -368,11 +369,11 @@ def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
     with raises_naming(mr.DataError, f"{meta}: ", "'MMPR-t/images'",
                        f"{tmp_path / 'MMPR-t' / 'images'} is a directory"):  # fmt: skip
         mr.read_meta(meta)
-    with pytest.raises(mr._Drop) as e:
-        mr.load_image(tmp_path)
+    with pytest.raises(mm.Drop) as e:
+        mm.load_image(tmp_path)
     assert (e.value.reason, e.value.detail) == ("image_missing", f"{tmp_path} is a directory")
-    with pytest.raises(mr._Drop) as e:
-        mr.load_image(tmp_path / "nope.png")
+    with pytest.raises(mm.Drop) as e:
+        mm.load_image(tmp_path / "nope.png")
     assert e.value.detail == f"{tmp_path / 'nope.png'} does not exist"
 
 
@@ -841,8 +842,8 @@ def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor)
 def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
     """A symbolic link loop was reported as "does not exist"."""
     (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
-    with pytest.raises(mr._Drop) as e:
-        mr.load_image(tmp_path / "loop.png")
+    with pytest.raises(mm.Drop) as e:
+        mm.load_image(tmp_path / "loop.png")
     assert e.value.reason == "image_unreadable" and "symbolic link loop" in e.value.detail
 
 
@@ -986,7 +987,7 @@ def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
 def test_image_modes_are_converted_to_rgb(tmp_path):
     def save(name, img, **kw):
         img.save(tmp_path / name, **kw)
-        return mr.load_image(tmp_path / name)
+        return mm.load_image(tmp_path / name)
 
     pal = Image.new("P", (4, 4), 1)
     pal.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
@@ -1015,7 +1016,7 @@ def test_exif_orientation_is_applied(tmp_path, processor):
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation 6: display rotated 90 degrees clockwise
     img.save(tmp_path / "rot.jpg", exif=exif, quality=95)
-    out = mr.load_image(tmp_path / "rot.jpg")
+    out = mm.load_image(tmp_path / "rot.jpg")
     assert out.size == (32, 64)  # now 32 wide x 64 high
     top, bottom = np.asarray(out)[5, 16].astype(int), np.asarray(out)[58, 16].astype(int)
     assert abs(top - [255, 0, 0]).max() < 40 and abs(bottom - [0, 0, 255]).max() < 40  # the left edge is on top
@@ -1034,11 +1035,11 @@ def test_index_image_grids_equal_the_processor(processor, sizes, budget):
     if budget == "larger":  # a budget that depends on the image count: (36 - 4) * 4 = 128 patches, 64 per image
         ip = copy.deepcopy(ip)
         ip.max_num_patches, ip.max_model_len = 2048, 36
-        assert mr.image_patch_budget(ip, len(sizes)) == max(128, 64 * len(sizes))
+        assert mm.image_patch_budget(ip, len(sizes)) == max(128, 64 * len(sizes))
     else:  # the asset: (68 - 4) * 4 = 256 = max_num_patches
-        assert mr.image_patch_budget(ip, len(sizes)) == 256
+        assert mm.image_patch_budget(ip, len(sizes)) == 256
     ref = ip(images=[Image.new("RGB", (w, h)) for h, w in sizes], return_tensors="pt")["image_grid_hw"].tolist()
-    assert [list(g) for g in mr.image_grids(ip, sizes)] == ref
+    assert [list(g) for g in mm.image_grids(ip, sizes)] == ref
 
 
 def _unprocessable(path, w: int, h: int, own: str = "") -> str:
@@ -1085,8 +1086,8 @@ def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
                        _unprocessable(images / "wide.png", 5000, 8, "313x1"), "data.strict = true"):  # fmt: skip
         mi.build_index(meta, processor, cfg, use_cache=False)
     # image_grids names an image by its position when no paths are given
-    with pytest.raises(mr._Drop) as d:
-        mr.image_grids(ip, [(40, 48), (1, 5000)])
+    with pytest.raises(mm.Drop) as d:
+        mm.image_grids(ip, [(40, 48), (1, 5000)])
     assert d.value.reason == "image_unprocessable" and d.value.detail == _unprocessable("image 2", 5000, 1, "313x1")
 
 

@@ -123,7 +123,7 @@ def test_video_rules_are_counted_drops(tmp_path, processor):
 
 def test_video_settings_are_checked_and_reach_the_processor(processor):
     import config
-    from mmpr_video import apply_video_settings
+    from mmpr_media import apply_video_settings
 
     cfg = config.Config()
     cfg.data.video.num_frames, cfg.data.video.fps = 4, 2.0

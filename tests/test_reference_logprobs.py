@@ -133,7 +133,7 @@ def tiny(tmp_path_factory):
 
 
 class _StopAfter:
-    """stop_signals.StopSignal's should_stop, saying stop at its `n`-th call."""
+    """distributed.StopSignal's should_stop, saying stop at its `n`-th call."""
 
     def __init__(self, n: int | None):
         self.n, self.calls = n, 0
