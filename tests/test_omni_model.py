@@ -1,4 +1,4 @@
-"""omni_model: parity with transformers, packing / vision-once-per-pair invariances, HF import/export, 2-rank TP/EP/CP.
+"""omni_model: parity with transformers, packing / vision-once-per-pair invariances, HF import/export, 2 ranks.
 
 Run: `pytest tests/test_omni_model.py` (CPU, fp32, gloo; about a minute: one in-process world of size 1 plus one
 2-rank torchrun launch). The reference is transformers' own implementation loaded from the same files
