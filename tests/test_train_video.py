@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omni_model_cases import audio_batch_fields, media_text_inputs, video_text_inputs  # noqa: E402
 from test_train import ROOT, _loaded_state, _rows  # noqa: E402
 
-# the three samples' subsets in one meta-recipe (absolute roots), written by the `runs` fixture
+# the video sample and the image + audio sample: their subsets in one meta-recipe (absolute paths), written by `runs`
 SUBSETS = (ROOT / "data" / "mmpr_video_sample" / "MMPR-video-sample", ROOT / "data" / "mmpr_sample" / "MMPR-audio")
-VIDEO_RUN = ("data.video.target_num_patches=24", "data.train.split_validation_size=0", "mpo.val_at_end=false",
+MEDIA_RUN = ("data.video.target_num_patches=24", "data.train.split_validation_size=0", "mpo.val_at_end=false",
              "mpo.max_num_steps=4", "packing.max_sequences_per_bin=4", "checkpoint.save_period=2")
 KEYS = ("loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/margin", "reward_shift", "lr",
         "grad_norm", "consumed_pairs", "tokens")
@@ -42,7 +42,7 @@ def runs(torchrun, tmp_path_factory):
     meta_path = tmp_path_factory.mktemp("meta") / "meta.json"
     meta_path.write_text(json.dumps(meta))
     straight, resumed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
-    run_args = ("train.py", "configs/tiny.toml", f"data.train.data_path={meta_path}", *VIDEO_RUN)
+    run_args = ("train.py", "configs/tiny.toml", f"data.train.data_path={meta_path}", *MEDIA_RUN)
     run = torchrun(*run_args, f"checkpoint.dir={straight}", nproc=1, env=env)
     assert "30 train pairs" in run.stdout  # 12 video, 12 image, 6 audio
     shutil.rmtree(resumed)
@@ -63,7 +63,7 @@ def test_step_one_is_the_closed_form_and_the_media_towers_train(runs):
     assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["bco_loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
     assert first["loss"] == pytest.approx(0.8 * math.log(2) + 0.2 * 2 * math.log(2), abs=1e-6)
-    state = dict(_loaded_state(straight / "step_4", *VIDEO_RUN))
+    state = dict(_loaded_state(straight / "step_4", *MEDIA_RUN))
     with safe_open(ROOT / "assets" / "tiny-omni" / "model.safetensors", "pt") as f:
         for ours, hub in (("vision_model.video_embedder.weight",
                            "vision_model.radio_model.model.patch_generator.video_embedder.weight"),
@@ -78,7 +78,7 @@ def test_resume_two_plus_two_equals_four_bit_for_bit(runs):
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b, strict=True):
         assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
-    one, two = _loaded_state(straight / "step_4", *VIDEO_RUN), _loaded_state(resumed / "step_4", *VIDEO_RUN)
+    one, two = _loaded_state(straight / "step_4", *MEDIA_RUN), _loaded_state(resumed / "step_4", *MEDIA_RUN)
     assert [k for k, _ in one] == [k for k, _ in two]
     for (k, x), (_, y) in zip(one, two, strict=True):
         assert torch.equal(x, y), k
@@ -102,7 +102,7 @@ def test_export_loads_in_transformers_with_our_logits_on_video_and_audio_prompts
                           env=dict(os.environ, TORCHDYNAMO_DISABLE="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     distributed.init_distributed()
-    cfg = config.load_config(ROOT / "configs" / "tiny.toml", VIDEO_RUN)
+    cfg = config.load_config(ROOT / "configs" / "tiny.toml", MEDIA_RUN)
     ours = omni_model.build_model(ROOT / cfg.model.hf_path, cfg.model, cfg.parallel)
     checkpoint.load(straight / "step_4", ours)
     ours.eval()
