@@ -583,7 +583,7 @@ RESUME_RULES = {
                      "model.freeze_vision_projector", "model.freeze_language_model", "model.freeze_sound_encoder",
                      "model.freeze_sound_projector"], LAYOUT),
     **dict.fromkeys(["lora.rank", "lora.targets", "lora.language_model", "lora.shared_expert", "lora.routed_experts",
-                     "lora.vision_tower", "lora.projector"], ADAPTERS),
+                     "lora.vision_tower", "lora.projector", "lora.sound_projector"], ADAPTERS),
     "lora.alpha": ADAPTERS,  # the saved B·A were trained at the saved scale alpha / rank
     **dict.fromkeys(["mpo.reference_policy_kl_penalty",  # β
                      "mpo.quality_average_log_probs"], REWARD_UNITS),  # L a sum or a per-token mean

@@ -222,6 +222,7 @@ class LoraConfig:
     routed_experts: bool = False  # ... and on every routed expert's fc1 / fc2 (one adapter pair per expert)
     vision_tower: bool = False  # adapters on the RADIO ViT's targets
     projector: bool = False  # adapters on the mlp1 projector's linear_fc1 / linear_fc2 (when targeted)
+    sound_projector: bool = False  # adapters on the sound projection's linear_fc1 / linear_fc2 (when targeted)
 
 
 @dataclass
@@ -549,7 +550,7 @@ def validate_lora(cfg: Config) -> None:
         return
     frozen = (("language_model", "freeze_language_model"), ("shared_expert", "freeze_language_model"),
               ("routed_experts", "freeze_language_model"), ("vision_tower", "freeze_vision_encoder"),
-              ("projector", "freeze_vision_projector"))
+              ("projector", "freeze_vision_projector"), ("sound_projector", "freeze_sound_projector"))
     for flag, freeze in frozen:
         if getattr(lo, flag) and getattr(m, freeze):
             raise ConfigError(f"lora.{flag} = true with model.{freeze} = true: adapters on a frozen component; "
@@ -559,15 +560,15 @@ def validate_lora(cfg: Config) -> None:
                           "or set lora.rank = 0")
     mlp = {"linear_fc1", "linear_fc2"}  # the targets of the components that are off by default
     for flag, names in (("routed_experts", mlp), ("vision_tower", {"linear_qkv", "linear_proj", *mlp}),
-                        ("projector", mlp)):
+                        ("projector", mlp), ("sound_projector", mlp)):
         if getattr(lo, flag) and not names & set(lo.targets):
             raise ConfigError(f"lora.{flag} = true but lora.targets = {lo.targets} names none of its layers "
                               f"{sorted(names)}")
     if not any(getattr(lo, f) for f in ("language_model", "shared_expert", "routed_experts", "vision_tower",
-                                        "projector")):
+                                        "projector", "sound_projector")):
         raise ConfigError(f"lora.rank = {lo.rank} but every lora component flag is false: no adapter; set one of "
                           "lora.language_model, lora.shared_expert, lora.routed_experts, lora.vision_tower, "
-                          "lora.projector, or lora.rank = 0")
+                          "lora.projector, lora.sound_projector, or lora.rank = 0")
     if cfg.reference.offload:
         raise ConfigError(f"reference.offload = true with lora.rank = {lo.rank}: there is no reference model to "
                           "offload (the reference is the policy with its adapters off); set reference.offload = false")

@@ -127,9 +127,9 @@ def export(ckpt: str | Path, out_dir: str | Path, adapter: bool = False) -> Path
                               "without --adapter")
     unmapped = [f"lora.{k}" for k in ("routed_experts", "vision_tower", "projector") if getattr(cfg.lora, k)]
     if adapter and cfg.lora.rank and unmapped:
-        raise CheckpointError(f"{path}: the PEFT adapter format here covers the language model's linears and the "
-                              f"shared expert, not {', '.join(unmapped)} = true; export the merged model (without "
-                              "--adapter)")
+        raise CheckpointError(f"{path}: the PEFT adapter format here covers the language model's linears, the "
+                              f"shared expert and the sound projection, not {', '.join(unmapped)} = true; export the "
+                              "merged model (without --adapter)")
     if cfg.lora.rank and state.base_model_digest and (digest := model_hub.base_model_digest(folder)) != \
             state.base_model_digest:
         raise CheckpointError(f"{path}: its LoRA adapters were trained on base weights with digest "

@@ -141,6 +141,8 @@ def _component(name: str, lcfg) -> bool:
         return lcfg.vision_tower
     if name.startswith("vision_projection."):
         return lcfg.projector
+    if name.startswith("sound_projection."):
+        return lcfg.sound_projector
     if ".mlp.shared_experts." in name:
         return lcfg.shared_expert
     if ".mlp.experts." in name:
@@ -411,18 +413,22 @@ def set_hf_adapter_state(model: nn.Module, state: dict[str, tuple[torch.Tensor, 
             ad.B.copy_(state[segments[0].key][1])
 
 
-HF_MODULE_PREFIXES = {"language_model.backbone.": "language_model.model."}  # checkpoint key -> transformers module
+# checkpoint key prefix -> transformers module (its conversion mapping renames the sound projection)
+HF_MODULE_PREFIXES = {"language_model.backbone.": "language_model.model.",
+                      "sound_projection.linear1.": "embed_audio.linear_1.",
+                      "sound_projection.linear2.": "embed_audio.linear_2."}
 
 
 def peft_state_dict(model: nn.Module, hf_dir) -> dict[str, torch.Tensor]:
     """PEFT's adapter_model.safetensors keys (`base_model.model.<transformers module>.lora_{A,B}.weight`, fp32) of the
-    language model's adapters (collective); the vision tower / projector: NotImplementedError (not mapped yet)."""
+    language model's and the sound projection's adapters (collective); the vision tower / projector:
+    NotImplementedError (not mapped yet)."""
     sd = {}
     for key, (a, b) in hf_adapter_state(model, hf_dir).items():
         prefix = next((p for p in HF_MODULE_PREFIXES if key.startswith(p)), None)
         if prefix is None:
             raise NotImplementedError(f"{key}: no PEFT module name mapped for this component yet")
-        module = HF_MODULE_PREFIXES[prefix] + key[len(prefix):].removesuffix(".weight")
+        module = (HF_MODULE_PREFIXES[prefix] + key[len(prefix):]).removesuffix(".weight")
         sd[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
         sd[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
     return sd

@@ -331,6 +331,9 @@ def lora_layers(hf) -> dict[str, dict[str, int]]:
                          "linear_fc2": min(vh, mlp_ratio_size)},
         "projector": {"linear_fc1": min(4 * vh, hf.projector_hidden_size),
                       "linear_fc2": min(hf.projector_hidden_size, h)},
+        "sound_projector": {} if hf.sound is None else {
+            "linear_fc1": min(hf.sound.hidden_size, hf.sound.projection_hidden_size),
+            "linear_fc2": min(hf.sound.projection_hidden_size, h)},
     }  # fmt: skip
 
 

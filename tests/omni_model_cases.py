@@ -85,9 +85,12 @@ def tone(seconds: float, hz: float, seed: int = 0, rate: int = 16000):
     return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * noise).astype(np.float32)
 
 
-def media_text_inputs(n_audio: int = 1, image: bool = False) -> dict:
-    """The tiny processor's inputs for `n_audio` tones (0.5 s, 0.7 s, ...) and optionally the chart image + a short
-    chat (input_ids, input_features [n, F, 128], input_features_mask [n, F], pixel_values, ...)."""
+def media_text_inputs(n_audio: int = 1, image: bool = False, video_frames: int = 0) -> dict:
+    """The tiny processor's inputs for `n_audio` tones (0.5 s, 0.7 s, ...), optionally the chart image and a random
+    `video_frames`-frame video (as video_text_inputs') + a short chat, in the prompt order image, clips, video
+    (input_ids, input_features [n, F, 128], input_features_mask [n, F], pixel_values, pixel_values_videos, ...; with a
+    video also ours: video_patches and video_grid_thw)."""
+    import numpy as np
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -95,10 +98,21 @@ def media_text_inputs(n_audio: int = 1, image: bool = False) -> dict:
     clips = [tone(0.5 + 0.2 * j, 300.0 + 200 * j, seed=j) for j in range(n_audio)]
     imgs = [Image.open(ROOT / "data" / "mmpr_sample" / "MMPR-sample" / "images" / "ChartQA" / "chart_000.png")] \
         if image else []
-    content = [{"type": "image"}] * len(imgs) + [{"type": "audio"}] * n_audio + [{"type": "text", "text": "What?"}]
+    videos = [np.random.default_rng(0).integers(0, 256, (video_frames, 40, 56, 3), dtype=np.uint8)] \
+        if video_frames else []
+    vp, ip = proc.video_processor, proc.image_processor
+    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = 24, list(ip.image_mean), list(ip.image_std)
+    # the template has no video item: the `<video>` placeholder in the text (as data rows carry it)
+    content = [{"type": "image"}] * len(imgs) + [{"type": "audio"}] * n_audio + \
+        [{"type": "text", "text": "<video>\n" * len(videos) + "What?"}]
     text = proc.apply_chat_template([{"role": "user", "content": content}, {"role": "assistant", "content": "A."}],
                                     tokenize=False)
-    return proc(images=imgs or None, audio=clips, text=text, return_tensors="pt")
+    out = proc(images=imgs or None, videos=videos or None, audio=clips, text=text, return_tensors="pt")
+    if videos:
+        f, _, h, w = out["pixel_values_videos"].shape
+        out["video_patches"] = video_patch_rows(out["pixel_values_videos"])
+        out["video_grid_thw"] = torch.tensor([[f, h // 16, w // 16]])
+    return out
 
 
 def audio_batch_fields(inputs: dict) -> dict:

@@ -1,5 +1,5 @@
-"""The sound path: parity of audio rows with transformers, packed = unpacked with clips, the hub mapping of the sound
-encoder, the freeze switches.
+"""The sound path: parity of audio rows (and of one row mixing an image, a clip and a video) with transformers, packed =
+unpacked with clips, the hub mapping of the sound encoder, the freeze switches.
 
 Run: `pytest tests/test_audio.py` (CPU, fp32, in-process world of size 1; about 30 s). The reference is transformers'
 `NemotronH_Omni_Reasoning_V3` loaded from the same files; audio inputs are generated tones (omni_model_cases.tone).
@@ -65,6 +65,33 @@ def test_audio_logits_match_transformers(model, reference, n_audio, image):
                           "audio_lens": torch.zeros(0, 2, dtype=torch.int64)})
     assert (ours - ref).abs().max().item() <= PARITY
     assert (no_audio - ref).abs().max().item() > 1e-2  # the clips' features matter
+
+
+def test_image_video_and_audio_row_logits_match_transformers(model, reference):
+    """One prompt holding the chart image, a clip and a 3-frame video (2 tubelets). transformers' forward places image
+    and video features on the same `<image>` token and takes only one of them per call: the reference is its
+    get_image_features and get_video_features in prompt order (image, then tubelets) given as the image features of
+    `forward`, whose audio tower encodes the clip."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    b = media_text_inputs(1, image=True, video_frames=3)
+    ids = b["input_ids"]
+    assert int((ids == 18).sum()) == 60 + 2 * 6 and int((ids == SOUND_TOKEN).sum()) == 7
+    with torch.no_grad():
+        image = reference.get_image_features(b["pixel_values"], b["image_grid_hw"]).pooler_output
+        tubelets = reference.get_video_features(b["pixel_values_videos"]).pooler_output
+        both = BaseModelOutputWithPooling(pooler_output=(*image, *tubelets))
+        ref = reference(input_ids=ids, input_features=b["input_features"],
+                        input_features_mask=b["input_features_mask"], mm_encoder_outputs={"image": both}).logits[0]
+        ours = model({"input_ids": ids, "pixel_values": b["pixel_values"], "image_grid_hw": b["image_grid_hw"],
+                      "pixel_values_videos": b["video_patches"], "video_grid_thw": b["video_grid_thw"],
+                      **audio_batch_fields(b)})
+        swapped = BaseModelOutputWithPooling(pooler_output=(*image, *tubelets.flip(0)))  # the tubelets' order matters
+        wrong = reference(input_ids=ids, input_features=b["input_features"],
+                          input_features_mask=b["input_features_mask"],
+                          mm_encoder_outputs={"image": swapped}).logits[0]
+    assert (ours - ref).abs().max().item() <= PARITY
+    assert (ours - wrong).abs().max().item() > 1e-2
 
 
 def _audio_pair_batch(seed: int) -> dict:

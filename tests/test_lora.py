@@ -28,11 +28,11 @@ import torch
 from conftest import raises_naming
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from omni_model_cases import TINY, make_pair_batch  # noqa: E402
+from omni_model_cases import TINY, audio_batch_fields, make_pair_batch, media_text_inputs, with_audio  # noqa: E402
 
 PARITY = 1e-4  # tests/test_omni_model.py: logits vs transformers
 INVARIANCE = 1e-5  # tests/test_omni_model.py: a reordering of the same fp32 sums (layouts, packing)
-ALL = dict(rank=4, alpha=8.0, routed_experts=True, vision_tower=True, projector=True)  # every component
+ALL = dict(rank=4, alpha=8.0, routed_experts=True, vision_tower=True, projector=True, sound_projector=True)  # all
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def randomize_b(model, seed: int = 1, std: float = 0.1) -> None:
 
 @pytest.fixture(scope="module")
 def batch():
-    return make_pair_batch()
+    return with_audio(make_pair_batch())  # an image and a clip: every adapted component sees tokens
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,8 @@ def test_zero_b_is_the_base_model_and_only_adapters_train(world, batch, base_log
     names = {n for n, p in m.named_parameters() if p.requires_grad}
     adapters = {f"{n}.{ad_name}.{x}" for n, mod, ad in lora.adapted(m) for ad_name, c in mod.named_children()
                 if c is ad for x in ("A", "B")}
-    assert names == adapters and len(adapters) == 2 * 26  # LM 16 (2 routed-expert pairs per MoE layer), ViT 8, mlp1 2
+    # LM 16 (2 routed-expert pairs per MoE layer), ViT 8, mlp1 2, sound projection 2
+    assert names == adapters and len(adapters) == 2 * 28
     logits = m(batch)
     assert torch.equal(logits.detach(), base_logits)  # B = 0: bit for bit
     (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
@@ -165,6 +166,10 @@ def test_merged_weights_give_the_adapted_outputs(world, batch):
       "model.freeze_vision_projector=true"], "model.freeze_vision_projector"),
     (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.targets=in_proj", "lora.projector=true"],
      "lora.projector"),
+    (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.sound_projector=true",
+      "model.freeze_sound_projector=true"], "model.freeze_sound_projector"),
+    (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.targets=in_proj", "lora.sound_projector=true"],
+     "lora.sound_projector"),
     (["lora.rank=8", "model.moe_router_bias_update_rate=0", "lora.targets=[]"], "lora.targets"),
     (["lora.rank=8"], "model.moe_router_bias_update_rate"),
     (["lora.rank=8", "model.moe_router_bias_update_rate=0", "reference.offload=true"], "reference.offload"),
@@ -220,7 +225,8 @@ def test_peft_export_loads_in_transformers_with_our_logits(world, tmp_path):
     import lora
     from config import LoraConfig
 
-    kw = dict(rank=4, alpha=8.0)  # the language model's targets and the shared experts
+    kw = dict(rank=4, alpha=8.0, sound_projector=True)  # the language model's targets, the shared experts, the sound
+    # projection
     m = build(kw)
     randomize_b(m, std=0.05)
     lora.save_peft(m, tmp_path, TINY, LoraConfig(**kw))
@@ -228,17 +234,28 @@ def test_peft_export_loads_in_transformers_with_our_logits(world, tmp_path):
     saved = json.loads((tmp_path / "relative" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert saved == os.path.abspath(TINY)
     ids = torch.randint(32, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    audio = media_text_inputs(1)
+    sound = [ad for n, _, ad in lora.adapted(m) if n.startswith("sound_projection.")]
     ref = NemotronH_Omni_Reasoning_V3.from_pretrained(TINY).eval()
     with torch.no_grad():
         base = ref.language_model(input_ids=ids).logits[0]
         peft_model = PeftModel.from_pretrained(ref, tmp_path).eval()
         theirs = peft_model.base_model.model.language_model(input_ids=ids).logits[0]
+        theirs_audio = peft_model(input_ids=audio["input_ids"], input_features=audio["input_features"],
+                                  input_features_mask=audio["input_features_mask"]).logits[0]
         ours = m({"input_ids": ids})
+        ours_audio = m({"input_ids": audio["input_ids"], **audio_batch_fields(audio)})
+        for ad in sound:
+            ad.enabled = False
+        without_sound = m({"input_ids": audio["input_ids"], **audio_batch_fields(audio)})
     print(f"peft: vs base {(ours - base).abs().max():.3g}, vs transformers + peft {(ours - theirs).abs().max():.3g}")
     assert (ours - base).abs().max() > 100 * PARITY  # the adapters matter ...
     assert (ours - theirs).abs().max() <= PARITY  # ... and transformers + peft apply them as we do
+    assert len(sound) == 2 and (ours_audio - without_sound).abs().max() > 100 * PARITY  # on audio prompts too
+    assert (ours_audio - theirs_audio).abs().max() <= PARITY
     n_lora = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
-    assert n_lora == 2 + 4 + 2 + 2 + 2 + 2  # layers M * E M - E: in/out, q/k/v/o, shared up/down, in/out, up/down, ...
+    # layers M * E M - E: in/out, q/k/v/o, shared up/down, in/out, up/down, ...; the sound projection's linear_1 / 2
+    assert n_lora == 2 + 4 + 2 + 2 + 2 + 2 + 2
     # q / k / v share A; B is split by rows (GQA: k and v have half of q's rows here)
     sd = dict(peft_model.named_parameters())
     qa, ka = (sd[f"base_model.model.language_model.model.layers.1.mixer.{p}_proj.lora_A.default.weight"] for p in "qk")

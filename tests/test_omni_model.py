@@ -1,4 +1,4 @@
-"""omni_model: parity with transformers, packing / vision-once-per-pair invariances, HF import/export, 2-rank TP/EP/CP.
+"""omni_model: parity with transformers, packing / vision-once-per-pair invariances, HF import/export, 2 ranks.
 
 Run: `pytest tests/test_omni_model.py` (CPU, fp32, gloo; about a minute: one in-process world of size 1 plus one
 2-rank torchrun launch). The reference is transformers' own implementation loaded from the same files
@@ -456,21 +456,23 @@ def test_core_attention_per_sequence_equals_dense_reference(causal, monkeypatch)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 2 ranks: TP=2 (+SP), EP=2, CP=2 against one rank, weights from the same HF files
+# 2 ranks: TP=2 (+SP), EP=2, CP=2, DP=2 against one rank, weights from the same HF files
 
 
 def test_two_rank_layouts_match_one_rank(torchrun):
     worker = Path(__file__).resolve().parent / "dist" / "check_omni_model.py"
     result = torchrun(worker, env={"OMP_NUM_THREADS": "1"}).result
-    assert set(result) == {"tp2_sp", "ep2", "cp2"}
+    assert set(result) == {"tp2_sp", "ep2", "cp2", "dp2"}
     for layout, r in result.items():
+        pairs = 2 if layout == "dp2" else 1  # DP=2: one pair per rank, the reference both
         assert "error" not in r, (layout, r)
         assert r["logits"] <= INVARIANCE, (layout, r)
         assert max(r["grads_rel"].values()) <= INVARIANCE, (layout, r)
         assert any(k.startswith("sound_encoder.") for k in r["grads_rel"]), r  # the replicated sound encoder too
-        # expert-bias token counts: the real tokens (32 + 40) x top-2 per router, padding excluded, in every layout
+        # expert-bias token counts: the real tokens (32 + 40 a pair) x top-2 per router, padding excluded, in every
+        # layout
         assert r["tokens_per_expert"] == r["ref_tokens_per_expert"], (layout, r)
-        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [(32 + 40) * 2] * 2, (layout, r)
+        assert [sum(c) for c in r["ref_tokens_per_expert"]] == [pairs * (32 + 40) * 2] * 2, (layout, r)
         # monitor.active_params is global: the one-rank count (test_active_params_...) in every layout
         assert r["active_params"] == r["ref_active_params"] == 180336, (layout, r)
 

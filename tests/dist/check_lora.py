@@ -2,10 +2,10 @@
 `torchrun --standalone --nproc-per-node 2 tests/dist/check_lora.py`).
 
 In ONE launch: the TP=1 reference (each rank alone) gets adapters on every component but the routed experts, its B
-drawn at random, and runs one packed image + text pair forward and backward; the adapters in HF layout
+drawn at random, and runs one packed image + clip + text pair forward and backward; the adapters in HF layout
 (lora.hf_adapter_state) go to the TP=2 layout with sequence parallelism (MoE with TP needs SP). The language
-model's adapters take the SP paths (u all-gathered / reduce-scattered over the sequence), the ViT's and the
-projector's, which run without SP in the same forward, the others (u copied / all-reduced).
+model's adapters take the SP paths (u all-gathered / reduce-scattered over the sequence), the ViT's and the two
+projectors', which run without SP in the same forward, the others (u copied / all-reduced).
 Reported (rank 0): max-abs logits difference, the largest relative difference of the adapters' gradients in HF
 layout (replicated gradients of SP-tagged adapters summed over TP first, as finalize_model_grads does), and how far
 the adapters move the logits from the base model.
@@ -22,7 +22,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: omni_model_cases
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, first
 
-LORA = dict(rank=4, alpha=8.0, vision_tower=True, projector=True)
+LORA = dict(rank=4, alpha=8.0, vision_tower=True, projector=True, sound_projector=True)
 
 
 def run_layout(tp: int, sp: bool, batch: dict, state: dict | None):
@@ -82,13 +82,13 @@ def run_layout(tp: int, sp: bool, batch: dict, state: dict | None):
 def main() -> None:
     import report
     import torch.distributed as dist
-    from omni_model_cases import make_pair_batch
+    from omni_model_cases import make_pair_batch, with_audio
 
     from backend import megatron_patches
 
     megatron_patches.apply()
     dist.init_process_group("gloo")
-    batch = make_pair_batch(seed=3, lens=(21, 30), divisible_by=8)
+    batch = with_audio(make_pair_batch(seed=3, lens=(21, 30), divisible_by=8))
     ref, ref_grads, state, changed = run_layout(1, False, batch, None)
     result = {}
     for name, (tp, sp) in {"tp2_sp": (2, True)}.items():

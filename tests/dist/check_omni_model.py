@@ -1,12 +1,13 @@
 """2-rank checks of omni_model (run by tests/test_omni_model.py through the `torchrun` fixture; by hand:
 `torchrun --standalone --nproc-per-node 2 tests/dist/check_omni_model.py`).
 
-In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2): set up megatron-core's
-parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one packed pair
-(an image, a 3-frame video, a clip and text, padded THD) forward and backward, gather the logits to the full [T, V]
-in packed order and the gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs
-differences to the reference and
-each layout's monitor.active_params (rank 0, tests/dist/report.py).
+In ONE launch, for each layout (TP=1 reference, TP=2 with sequence parallelism, EP=2, CP=2, DP=2): set up
+megatron-core's parallel_state, build the model, load the weights from the same HF files (assets/tiny-omni), run one
+packed pair (an image, a 3-frame video, a clip and text, padded THD) forward and backward, gather the logits to the
+full [T, V] in packed order and the gradient of a fixed scalar loss w.r.t. a few parameters, and report the max-abs
+differences to the reference and each layout's monitor.active_params (rank 0, tests/dist/report.py). DP=2: rank r
+runs pair r of two such pairs; the reference runs both one after the other, its gradients and expert token counts
+their sums (what the DP all-reduce of finalize_model_grads gives), its logits each pair's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: omni_mod
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, first
 
 
-def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
+def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict, dp: int = 1):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -70,6 +71,10 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
         out = torch.empty_like(full.new_zeros(T, full.shape[1]))
         out[order] = torch.cat(parts)
         full = out
+    if dp > 1:  # each DP rank's pair: [dp, T, V]
+        parts = [torch.empty_like(full) for _ in range(dp)]
+        dist.all_gather(parts, full.contiguous(), group=parallel_state.get_data_parallel_group())
+        full = torch.stack(parts)
     # gradients of replicated parameters (summed over CP ranks, as megatron's grad reduction does over DP x CP)
     grads = {}
     for name in ("vision_model.class_token", "vision_projection.encoder.linear_fc1.layer_norm_weight",
@@ -82,6 +87,8 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
             dist.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
         if cp > 1:
             dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        if dp > 1:
+            dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
         grads[name] = g
     # MoE routing statistics (expert-bias token counts) summed over the ranks that split the tokens (TP under SP,
     # CP), as finalize_model_grads does: only real tokens count, whatever the layout
@@ -91,6 +98,8 @@ def run_layout(tp: int, ep: int, cp: int, sp: bool, batch: dict):
         dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
     if cp > 1:
         dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
+    if dp > 1:
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     grads["tokens_per_expert"] = counts
     grads["active_params"] = monitor.active_params(model, model.hf)  # global count: the same in every layout
     destroy_moe_metrics_tracker()
@@ -108,15 +117,20 @@ def main() -> None:
 
     megatron_patches.apply()
     dist.init_process_group("gloo")
-    batch = with_audio(make_pair_batch(seed=3, lens=(32, 40), divisible_by=8, video=True), start=20)  # all media
-    ref, ref_grads = run_layout(1, 1, 1, False, batch)
-    ref_counts = ref_grads.pop("tokens_per_expert")
-    ref_active = ref_grads.pop("active_params")
+    # all media; the second pair (DP rank 1's) has other tokens, pixels and row lengths
+    batches = [with_audio(make_pair_batch(seed=3 + i, lens=lens, divisible_by=8, video=True), start=20)
+               for i, lens in enumerate(((32, 40), (40, 32)))]
+    one = [run_layout(1, 1, 1, False, b) for b in batches]
+    ref_active = [g.pop("active_params") for _, g in one][0]
     result = {}
-    for name, (tp, ep, cp, sp) in {"tp2_sp": (2, 1, 1, True), "ep2": (1, 2, 1, False),
-                                   "cp2": (1, 1, 2, False)}.items():
+    for name, (tp, ep, cp, sp, dp) in {"tp2_sp": (2, 1, 1, True, 1), "ep2": (1, 2, 1, False, 1),
+                                       "cp2": (1, 1, 2, False, 1), "dp2": (1, 1, 1, False, 2)}.items():
+        # the reference: pair 0, or under DP both pairs (logits each, gradients and counts summed)
+        ref = one[0][0] if dp == 1 else torch.stack([logits for logits, _ in one])
+        ref_grads = {k: sum(g[k] for _, g in one[:dp]) for k in one[0][1]}
+        ref_counts = ref_grads.pop("tokens_per_expert")
         try:
-            full, grads = run_layout(tp, ep, cp, sp, batch)
+            full, grads = run_layout(tp, ep, cp, sp, batches[dist.get_rank()] if dp > 1 else batches[0], dp)
             counts = grads.pop("tokens_per_expert")
             active = grads.pop("active_params")
             result[name] = {"logits": (full - ref).abs().max().item(),
