@@ -138,22 +138,23 @@ def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return logits.detach(), grads
 
 
-def video_text_inputs(frames: int = 3, seed: int = 0) -> dict:
-    """The tiny processor's inputs for one random `frames`-frame video (uint8, 40x56 px, resized to a 4x6-patch tile:
-    video_target_num_patches 24) + a short chat: input_ids with `Frame k ...: <img> <image>*6 </img>` per tubelet,
-    pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768] and video_grid_thw [[F, 4, 6]].
+def video_text_inputs(frames: int = 3, seed: int = 0, size: tuple[int, int] = (40, 56), patches: int = 24) -> dict:
+    """The tiny processor's inputs for one random `frames`-frame video (uint8, `size` px, by default resized to a
+    4x6-patch tile: video_target_num_patches `patches`) + a short chat: input_ids with `Frame k ...: <img>
+    <image>*6 </img>` per tubelet, pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768]
+    and video_grid_thw [[F, 4, 6]]. (64, 64) px at 16 patches: a 4x4 tile, 4 tokens per tubelet.
     The tiny asset's video processor has no norm_mean / norm_std: the image processor's (the one RADIO conditioner)."""
     import numpy as np
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(TINY)
     rng = np.random.default_rng(seed)
-    video = rng.integers(0, 256, (frames, 40, 56, 3), dtype=np.uint8)
+    video = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
     text = proc.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": "<video>\nWhat moves?"}]},
          {"role": "assistant", "content": "Dots."}], tokenize=False)
     vp, ip = proc.video_processor, proc.image_processor
-    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = 24, list(ip.image_mean), list(ip.image_std)
+    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = patches, list(ip.image_mean), list(ip.image_std)
     out = proc(videos=[video], text=text, return_tensors="pt")
     f, c, h, w = out["pixel_values_videos"].shape
     out["video_patches"] = video_patch_rows(out["pixel_values_videos"])
