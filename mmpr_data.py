@@ -96,10 +96,6 @@ class MMPRIndex:
         ids = [int(i) for i in pair_ids]
         return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
 
-    def video_pairs(self, pair_ids: Sequence[int]) -> int:
-        """How many of `pair_ids` carry a video."""
-        return int((self.video_frames[torch.as_tensor(list(pair_ids), dtype=torch.long)] > 0).sum())
-
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""
         return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"

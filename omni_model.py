@@ -106,6 +106,8 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
         (raw.get("ps_version", "v2") == "v2", f"ps_version {raw.get('ps_version')!r}: only 'v2' pixel shuffle"),
         (cfg.downsample_ratio == 0.5, f"downsample_ratio {cfg.downsample_ratio}: only the 2x2 pixel shuffle (0.5)"),
         (not getattr(vision, "use_swiglu_ffn", False), "RADIO SwiGLU FFN is not supported"),
+        (0 <= (cfg.video_pruning_rate or 0) <= 1, f"video_pruning_rate {cfg.video_pruning_rate}: EVS drops this share "
+                                                  "of a video's tokens, in [0, 1]"),
     ]
     for ok, msg in checks:
         if not ok:
