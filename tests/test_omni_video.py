@@ -247,27 +247,31 @@ def test_video_embedder_is_loaded_and_exported_exactly(model, tmp_path):
     assert not any(k.startswith(key.rsplit(".", 1)[0]) for k in model.hf_untouched_keys)
 
 
-def _with_video(p, seed: int):
+def _with_video(p, seed: int, evs: bool):
     """pack.PreferencePair `p` with a 3-frame video of 4x4-patch frames (2 tubelets x 4 tokens) at the end of its
-    prompt, after its image's tokens."""
+    prompt, after its image's tokens; with evs=True a 5-frame one (3 tubelets) as laid out at video_pruning_rate 0.5
+    (6 kept tokens in its 3 chunks)."""
     import pack
 
     n_prompt = int((~p.chosen_loss_mask).sum())
-    chunk = torch.tensor([21] + [18] * 8 + [22])
+    chunk = torch.tensor([21, *[18] * 4, 22, 21, 18, 18, 22, 21, 22] if evs else [21] + [18] * 8 + [22])
     rows = [torch.cat([r[:n_prompt], chunk, r[n_prompt:]]) for r in (p.chosen_ids, p.rejected_ids)]
-    masks = [torch.cat([m[:n_prompt], torch.zeros(10, dtype=torch.bool), m[n_prompt:]])
+    masks = [torch.cat([m[:n_prompt], torch.zeros(chunk.numel(), dtype=torch.bool), m[n_prompt:]])
              for m in (p.chosen_loss_mask, p.rejected_loss_mask)]
-    frames = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
+    n_frames = 5 if evs else 3
+    frames = torch.randn(n_frames, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
     return pack.PreferencePair(pair_id=p.pair_id, chosen_ids=rows[0], rejected_ids=rows[1], chosen_loss_mask=masks[0],
                                rejected_loss_mask=masks[1], pixel_values=p.pixel_values, image_grid_hw=p.image_grid_hw,
                                image_token_counts=p.image_token_counts, pixel_values_videos=video_patch_rows(frames),
-                               video_grid_thw=torch.tensor([[3, 4, 4]]), video_token_counts=torch.tensor([8]))
+                               video_grid_thw=torch.tensor([[n_frames, 4, 4]]),
+                               video_token_counts=torch.tensor([int((chunk == 18).sum())]))
 
 
-def test_shared_prompt_format_with_video_equals_separate_rows(model):
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_shared_prompt_format_with_video_equals_separate_rows(model, rate):
     """Pairs with image + video, video only, image only and text only in one bin: the shared-prompt format (each
     prompt and its media once) gives the separate rows' log-probs, MPO metrics and every gradient, the video
-    embedder's included (tests/test_shared_prompt_model.py's check)."""
+    embedder's included (tests/test_shared_prompt_model.py's check); under EVS too."""
     from shared_prompt_cases import make_pairs, max_differences, mpo_step
     from step_cases import tiny_config
 
@@ -275,8 +279,9 @@ def test_shared_prompt_format_with_video_equals_separate_rows(model):
 
     ctx = distributed.Ctx.current(tiny_config("packing.shared_prompt=true"), torch.device("cpu"))
     pairs = make_pairs()
-    pairs[0], pairs[1] = _with_video(pairs[0], 1), _with_video(pairs[1], 2)
+    pairs[0], pairs[1] = _with_video(pairs[0], 1, rate > 0), _with_video(pairs[1], 2, rate > 0)
     model.train()
+    model.hf.video_pruning_rate = rate
     try:
         d = max_differences(mpo_step(model, ctx, [pairs], shared=False), mpo_step(model, ctx, [pairs], shared=True))
         assert d["num_response_tokens_equal"] and d["grad_names_differ"] == []
@@ -285,5 +290,6 @@ def test_shared_prompt_format_with_video_equals_separate_rows(model):
         assert d["n_grads"] == sum(p.requires_grad for n, p in model.named_parameters()
                                    if not n.startswith(("sound_encoder.", "sound_projection.")))  # no audio here
     finally:
+        model.hf.video_pruning_rate = 0.0
         model.eval()
         model.zero_grad(set_to_none=True)
