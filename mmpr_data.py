@@ -169,8 +169,7 @@ class PairDataset(torch.utils.data.Dataset):
         except Drop as d:
             raise _changed(self.index, i, str(d)) from None
         rows, thw, per = video_pixels(self.processor, frames)
-        tokens = -(-int(thw[0, 0]) // self.processor.video_temporal_patch_dim) * per
-        prompt = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
+        prompt, tokens = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
         return prompt, dict(pixel_values_videos=rows, video_grid_thw=thw,
                             video_token_counts=torch.tensor([tokens], dtype=torch.int64))
 
