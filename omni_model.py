@@ -536,10 +536,10 @@ class OmniModel(nn.Module):
         the data reader fills the first chunks), so the row's length is known before the forward; the text between
         chunks keeps its order. positions, starts: _image_rows' (host); kept: evs_keep of each video (device)."""
         img, device = self.image_token_id, ids.device
-        ids, positions = ids.clone(), to_device(positions, device)
+        pos_h, ids, positions = positions, ids.clone(), to_device(positions, device).clone()
         bounds = cu_pad_h.tolist()
         for c0, v in starts:
-            first, n_tub, n, keep = int(positions[c0]), tubelets[v], per[v], kept[v]
+            first, n_tub, n, keep = int(pos_h[c0]), tubelets[v], per[v], kept[v]
             s = max(i for i, b in enumerate(bounds[:-1]) if b <= first)
             a1, seg = first - 1, ids_h[max(first - 1, 0):bounds[s + 1]]
             opens = torch.nonzero(seg == seg[0]).flatten()[:n_tub]
@@ -557,7 +557,7 @@ class OmniModel(nn.Module):
             k = torch.zeros(n_tub * n, dtype=torch.int64, device=device).index_fill_(0, keep, 1).view(n_tub, n).sum(1)
             k_incl = k.cumsum(0)
             tub_d, is_open_d = to_device(tub, device), to_device(is_open, device)
-            new_text = a1 + to_device(torch.arange(text.numel()), device) + torch.where(
+            new_text = a1 + torch.arange(text.numel(), device=device) + torch.where(
                 is_open_d, (k_incl - k)[tub_d], k_incl[tub_d])
             new_ph = a1 + to_device(g, device)[keep // n] + torch.arange(keep.numel(), device=device)
             ids[new_text] = to_device(region[text], device)

@@ -1,7 +1,7 @@
 """The data reader's video rows: the generated video sample (data/mmpr_video_sample) indexed and decoded as the
 tiny checkpoint's processor gives it, and every video rule a counted, named drop.
 
-Run: `pytest tests/test_mmpr_video.py` (CPU; about 15 s).
+Run: `pytest tests/test_mmpr_video.py` (CPU; about 30 s).
 """
 
 from __future__ import annotations

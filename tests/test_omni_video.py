@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import raises_naming  # noqa: E402
 from omni_model_cases import TINY, video_patch_rows, video_text_inputs  # noqa: E402
+from step_cases import DeviceAudit  # noqa: E402
 
 PARITY = 1e-4  # logits max-abs vs transformers, as for images (tests/test_omni_model.py)
 INVARIANCE = 1e-5  # packed = unpacked
@@ -194,7 +196,8 @@ def _evs_slot(seed: int, frames: int, lens: tuple[int, int], rate: float) -> tup
 def test_evs_packed_equals_each_row_alone(model):
     """Two pairs in one THD row, each slot an image and its own video (5 and 7 frames: 3 and 4 tubelets) pruned at
     0.5: each row's logits equal the row run alone with its slot's media. EVS is per video (a pair's kept tokens do not
-    depend on the other videos of the bin), and the pruned video's frames matter."""
+    depend on the other videos of the bin), and the pruned video's frames matter. The forward keeps the device rule
+    (tests/step_cases.DeviceAudit: no device value read on the host)."""
     slots = [_evs_slot(5, 5, (40, 47), 0.5), _evs_slot(6, 7, (52, 45), 0.5)]
     ids, cu, cu_pad = [], [0], [0]
     for rows, _ in slots:
@@ -210,9 +213,11 @@ def test_evs_packed_equals_each_row_alone(model):
              "media_index": torch.tensor([0, 0, 1, 1]), "media_image_offsets": torch.tensor([0, 1, 2]),
              "media_video_offsets": torch.tensor([0, 1, 2])}
     model.hf.video_pruning_rate = 0.5
+    audit = DeviceAudit("cpu", host=[SimpleNamespace(host=SimpleNamespace(**batch))])
     try:
         with torch.no_grad():
-            packed = model(batch)
+            with audit:
+                packed = model(batch)
             for s in range(4):
                 a, n = cu_pad[s], cu[s + 1] - cu[s]
                 alone = model({"input_ids": batch["input_ids"][:, a:a + n]} | media[s // 2])
@@ -221,6 +226,7 @@ def test_evs_packed_equals_each_row_alone(model):
     finally:
         model.hf.video_pruning_rate = 0.0
     assert (other - packed).abs().max().item() > 1e-3
+    assert audit.calls and audit.violations == [] and audit.reads == []  # EVS's layout reads no device value
 
 
 def test_video_embedder_is_loaded_and_exported_exactly(model, tmp_path):
