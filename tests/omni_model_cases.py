@@ -16,13 +16,13 @@ TINY = ROOT / "assets" / "tiny-omni"
 
 
 def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int = 8, image_token_id: int = 18,
-                    duplicate_media: bool = False, video: bool = False, evs: bool = False) -> dict:
+                    duplicate_media: bool = False, video: bool = False) -> dict:
     """One pair: two rows (chosen, rejected) of lengths `lens`, each `<img> <image>*N </img>` after a short prefix,
     padded to `divisible_by`; one image of patch grid `grid`. With duplicate_media=True each row gets its own copy of
     the image (media_index [0, 1]) instead of sharing it (media_index [0, 0]). With video=True the slot also holds a
-    3-frame video of 4x4-patch frames (2 tubelets x 4 tokens at row positions 12..19, after the image's); with
-    evs=True instead a 5-frame one (3 tubelets) as the data reader lays it out at video_pruning_rate 0.5: the 6 kept
-    tokens in its chunks `<img> <image>*4 </img> <img> <image>*2 </img> <img> </img>` at positions 11..22."""
+    5-frame video of 4x4-patch frames (3 tubelets x 4 tokens) for a model at video_pruning_rate 0.5: the 6 tokens EVS
+    keeps in its chunks as the data reader fills them, `<img> <image>*4 <img> <image>*2 <img>` at row positions 11..19
+    (after the image's; each chunk opened by its `<img>`, the closing `</img>`s left out)."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = grid
     n_img = gh * gw // 4
@@ -32,12 +32,9 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         body[3] = 21
         body[4:4 + n_img] = image_token_id
         body[4 + n_img] = 22
-        if video and evs:
-            assert 4 + n_img < 11 and n >= 23 and not duplicate_media
-            body[11:23] = torch.tensor([21] + [image_token_id] * 4 + [22, 21] + [image_token_id] * 2 + [22, 21, 22])
-        elif video:
-            assert 4 + n_img < 12 and n >= 21 and not duplicate_media
-            body[12:20] = image_token_id
+        if video:
+            assert 4 + n_img < 11 and n >= 21 and not duplicate_media
+            body[11:20] = torch.tensor([21] + [image_token_id] * 4 + [21] + [image_token_id] * 2 + [21])
         rows.append(body)
     ids, cu, cu_pad = [], [0], [0]
     for r in rows:
@@ -58,9 +55,8 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         "media_image_offsets": torch.tensor([0, 1]),
     }
     if video:
-        n_frames = 5 if evs else 3
-        frames = torch.randn(n_frames, 3, 64, 64, generator=g)
-        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[n_frames, 4, 4]]),
+        frames = torch.randn(5, 3, 64, 64, generator=g)
+        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[5, 4, 4]]),
                      media_video_offsets=torch.tensor([0, 1]))
     if duplicate_media:
         batch.update(pixel_values=torch.cat([pixel, pixel]), image_grid_hw=torch.cat([grid_t, grid_t]),
