@@ -106,6 +106,23 @@ def test_evs_logits_match_transformers(model, rate):
     assert om.evs_keep(feats, 5, rate).tolist() != list(range(n_kept))
 
 
+@pytest.mark.parametrize("rate", [0.7, 0.5, 0.3])
+def test_evs_keep_is_transformers_retention_mask(rate):
+    """evs_keep = transformers' compute_retention_mask on one video's features (6 tubelets of a 4x4 grid of tokens, the
+    fourth a copy of the third: dissimilarity about 0), and on a non-square 2x3 grid given to transformers as its
+    real (T, 2, 3)."""
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
+
+    import omni_model as om
+
+    g = torch.Generator().manual_seed(0)
+    for h, w in ((4, 4), (2, 3)):
+        x = torch.randn(6, h * w, 16, generator=g)
+        x[3] = x[2]
+        ref = compute_retention_mask(video_embeds=x.reshape(-1, 16), thw=(6, h, w), spatial_merge_size=1, q=rate)
+        assert om.evs_keep(x.reshape(-1, 16), 6, rate).tolist() == torch.nonzero(ref).flatten().tolist()
+
+
 def _mixed_pair(seed: int) -> dict:
     """One pair (chosen 30, rejected 41 tokens, padded to 8) sharing a media slot of one 4x6 image (6 tokens) then one
     3-frame 4x4 video (2 tubelets x 4 tokens): the rows' <image> runs are the image's, then the video's."""
