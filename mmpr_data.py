@@ -96,10 +96,6 @@ class MMPRIndex:
         ids = [int(i) for i in pair_ids]
         return dict(zip(ids, (self.prompt_len[ids] - 1).tolist(), strict=True))
 
-    def video_pairs(self, pair_ids: Sequence[int]) -> int:
-        """How many of `pair_ids` carry a video."""
-        return int((self.video_frames[torch.as_tensor(list(pair_ids), dtype=torch.long)] > 0).sum())
-
     def source(self, i: int) -> str:
         """'annotation.jsonl:line' of pair i (for messages)."""
         return f"{self.annotation_files[int(self.subset_id[i])]}:{int(self.line[i])}"
@@ -173,8 +169,7 @@ class PairDataset(torch.utils.data.Dataset):
         except Drop as d:
             raise _changed(self.index, i, str(d)) from None
         rows, thw, per = video_pixels(self.processor, frames)
-        tokens = -(-int(thw[0, 0]) // self.processor.video_temporal_patch_dim) * per
-        prompt = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
+        prompt, tokens = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
         return prompt, dict(pixel_values_videos=rows, video_grid_thw=thw,
                             video_token_counts=torch.tensor([tokens], dtype=torch.int64))
 

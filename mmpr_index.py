@@ -79,6 +79,9 @@ def load_processor(model_dir: str | Path, key: str):
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         fill_video_norm(processor)  # a property of the loaded processor, not of data.video's settings
+        # the model's EVS rate: a row holds the video tokens the model keeps (mmpr_media.expand_video)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        processor.video_pruning_rate = float(config.get("video_pruning_rate") or 0.0)
         return processor
     except (OSError, ValueError, KeyError, TypeError) as e:
         reason = " ".join(str(e).split())
@@ -86,9 +89,9 @@ def load_processor(model_dir: str | Path, key: str):
 
 
 def processor_identity(processor) -> str:
-    """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template
-    and image- and video-processor config; by content, so a copied model folder hits the same cache and an edited one
-    misses."""
+    """sha256 of what the index depends on in the processor: tokenizer (vocab, merges, added tokens), chat template,
+    image- and video-processor config and the model's video_pruning_rate; by content, so a copied model folder hits
+    the same cache and an edited one misses."""
     tok = processor.tokenizer
     backend = getattr(tok, "backend_tokenizer", None)
     h = hashlib.sha256()
@@ -96,6 +99,7 @@ def processor_identity(processor) -> str:
     h.update(str(processor.chat_template).encode())
     h.update(processor.image_processor.to_json_string().encode())
     h.update(processor.video_processor.to_json_string().encode())  # with data.video's settings on it
+    h.update(repr(getattr(processor, "video_pruning_rate", 0.0)).encode())  # EVS: the video tokens a row keeps
     if getattr(processor, "feature_extractor", None) is not None:  # mel features and audio token counts
         h.update(processor.feature_extractor.to_json_string().encode())
         h.update(json.dumps([getattr(processor, k, None) for k in ("audio_sampling_rate", "audio_hop_length",

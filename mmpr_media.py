@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pack import video_row_tokens
+
 
 class Drop(Exception):
     """A row rejected for `reason` (one of mmpr_rows.DROP_REASONS), `detail` naming the file or the numbers."""
@@ -181,12 +183,20 @@ def video_layout(processor, num_frames: int, height: int, width: int) -> tuple[i
     return hp, wp, hp * wp // merge**2, math.ceil(num_frames / processor.video_temporal_patch_dim)
 
 
-def expand_video(processor, prompt: str, num_frames: int, tokens_per_tubelet: int, metadata) -> str:
-    """`prompt` with its one `<video>` replaced as the processor does (replace_video_token: a labelled
-    `<img>...</img>` chunk per tubelet, timestamps when the file gives its fps)."""
-    text = processor.replace_video_token({"num_tokens": [tokens_per_tubelet]}, 0, num_frames=num_frames,
-                                         video_metadata=metadata)
-    return processor.get_text_with_replacements([prompt], videos_replacements=[text])[0][0]
+def expand_video(processor, prompt: str, num_frames: int, tokens_per_tubelet: int, metadata) -> tuple[str, int]:
+    """(`prompt` with its one `<video>` replaced as the processor does (replace_video_token: a labelled
+    `<img>...</img>` chunk per tubelet, timestamps when the file gives its fps), the video's `<image>` tokens in it).
+    Under EVS (the checkpoint's video_pruning_rate, on the processor by mmpr_index.load_processor) the chunks hold the
+    kept count (pack.video_row_tokens), filling the first ones; omni_model moves them where EVS keeps them."""
+    n, tubelets = tokens_per_tubelet, math.ceil(num_frames / processor.video_temporal_patch_dim)
+    kept = video_row_tokens(tubelets, n, getattr(processor, "video_pruning_rate", 0.0))
+    text = processor.replace_video_token({"num_tokens": [n]}, 0, num_frames=num_frames, video_metadata=metadata)
+    if kept < tubelets * n:
+        chunk = lambda c: processor.image_start_token + processor.image_token * c + processor.image_end_token  # noqa: E731
+        labels = text.split(chunk(n))
+        assert len(labels) == tubelets + 1, (len(labels), tubelets)
+        text = labels[0] + "".join(chunk(min(n, max(kept - t * n, 0))) + label for t, label in enumerate(labels[1:]))
+    return processor.get_text_with_replacements([prompt], videos_replacements=[text])[0][0], kept
 
 
 def video_pixels(processor, frames: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -208,8 +218,9 @@ def video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) 
         return prompt, [0, 0, 0, 0]
     frames, metadata = loaded
     f, h, w = frames.shape[:3]
-    gh, gw, per, tubelets = video_layout(processor, f, h, w)
-    return expand_video(processor, prompt, f, per, metadata), [f, gh, gw, per * tubelets]
+    gh, gw, per, _ = video_layout(processor, f, h, w)
+    text, tokens = expand_video(processor, prompt, f, per, metadata)
+    return text, [f, gh, gw, tokens]
 
 
 # ---- Audio ----------

@@ -50,6 +50,7 @@ from pack import (
     thd_packed_seq_params,
     to_device,
     token_sequence_ids,
+    video_row_tokens,
 )
 
 # ======================================================================================================================
@@ -105,6 +106,8 @@ def read_hf_config(hf_dir: str | os.PathLike) -> OmniHFConfig:
         (raw.get("ps_version", "v2") == "v2", f"ps_version {raw.get('ps_version')!r}: only 'v2' pixel shuffle"),
         (cfg.downsample_ratio == 0.5, f"downsample_ratio {cfg.downsample_ratio}: only the 2x2 pixel shuffle (0.5)"),
         (not getattr(vision, "use_swiglu_ffn", False), "RADIO SwiGLU FFN is not supported"),
+        (0 <= (cfg.video_pruning_rate or 0) <= 1, f"video_pruning_rate {cfg.video_pruning_rate}: EVS drops this share "
+                                                  "of a video's tokens, in [0, 1]"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -282,6 +285,18 @@ def _get(batch, name: str, default=None):
     return getattr(batch, name, default)
 
 
+def evs_keep(feats: torch.Tensor, tubelets: int, pruning_rate: float) -> torch.Tensor:
+    """EVS (Efficient Video Sampling) of one video: the indices int64 [R] (ascending; R = pack.video_row_tokens) of
+    its projected features feats [T·n, H] (tubelet-major, n per tubelet) that stay. transformers' compute_retention_mask
+    on the real grid (thw = (T, n); it assumes h = w = sqrt(n)): the first tubelet's tokens score 255, token i of
+    tubelet t > 0 scores 1 - cos(feats[t, i], feats[t - 1, i]); the R highest stay, a tie to the earlier token."""
+    n = feats.shape[0] // tubelets
+    x = feats.detach().reshape(tubelets, n, -1)
+    score = torch.cat([torch.full_like(x[:1, :, 0], 255), 1 - F.cosine_similarity(x[1:], x[:-1], dim=-1)])
+    order = torch.argsort(score.flatten(), descending=True, stable=True)
+    return order[:video_row_tokens(tubelets, n, pruning_rate)].sort().values
+
+
 class SoundEncoder(nn.Module):
     """transformers' `ParakeetEncoder` (hub `sound_encoder.encoder.*`), replicated on every rank, always in eval mode:
     its BatchNorm uses the checkpoint's running statistics (a batch's statistics would make a row's logits depend on
@@ -323,6 +338,8 @@ class OmniModel(nn.Module):
     span_cu_seqlens_padded int32 [3P+1] (shared prompt); audio: audio_features float [N_frames, n_mels] with
     audio_lens int64 [N_clips, 2] (mel frames, valid frames) and media_audio_offsets int64 [M+1].
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
+    EVS (config.json's video_pruning_rate > 0): a video's sequences hold the `<image>` tokens transformers keeps
+    (pack.video_row_tokens), laid out before the CP slice as its pruning leaves them (`_evs_layout`).
     Raises ValueError when the `<image>` tokens and the image features do not match."""
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool, kernels=None):
@@ -417,9 +434,6 @@ class OmniModel(nn.Module):
         t = self.temporal_patch
         if videos and t < 2:
             raise ValueError("video input needs a ViT video embedder (vision_config.video_temporal_patch_size >= 2)")
-        if videos and self.hf.video_pruning_rate > 0:
-            raise ValueError(f"video_pruning_rate {self.hf.video_pruning_rate} (config.json): EVS drops video tokens "
-                             "by feature similarity after packing; training supports 0 only (docs/RUNNING.md)")
         parts = []
         for name, values, items in (("pixel_values", pixel_values, [(1, h, w) for h, w in grids]),
                                     ("pixel_values_videos", pixel_values_videos, videos)):
@@ -475,9 +489,10 @@ class OmniModel(nn.Module):
 
     def _image_rows(self, batch, ids: torch.Tensor, cu_pad: torch.Tensor, feats: list[torch.Tensor],
                     video_feats: list[torch.Tensor] = ()):
-        """(positions int64 [N] on the host, rows [N, H]) of the `<image>` tokens, each sequence's
+        """(positions int64 [N] on the host, rows [N, H], video starts) of the `<image>` tokens, each sequence's
         rows from its media slot: its images, then its videos (video tokens are `<image>` tokens too, as the
-        processor expands them). batch, ids [T], cu_pad [S+1]: host copies."""
+        processor expands them); video starts: (index into positions, video) of each video's first token.
+        batch, ids [T], cu_pad [S+1]: host copies."""
         is_img = ids == self.image_token_id
         positions = torch.nonzero(is_img).flatten()
         media_index = _get(batch, "media_index")
@@ -489,10 +504,11 @@ class OmniModel(nn.Module):
                 raise ValueError(f"{positions.numel()} <image> tokens (id {self.image_token_id}) but the images give "
                                  f"{n_feat} features")
             rows = [*feats, *video_feats]
-            return positions, torch.cat(rows) if rows else None
+            starts = list(itertools.accumulate([f.shape[0] for f in rows], initial=0))[len(feats):len(rows)]
+            return positions, torch.cat(rows) if rows else None, list(zip(starts, range(len(video_feats)), strict=True))
         if video_feats and video_offsets is None:
             raise ValueError("a batch with videos and media slots needs media_video_offsets")
-        rows = []
+        rows, starts, start = [], [], 0
         counts = torch.bincount(token_sequence_ids(cu_pad, ids.numel())[is_img], minlength=cu_pad.numel() - 1)
         offsets = offsets.tolist()
         video_offsets = [0] * len(offsets) if video_offsets is None else video_offsets.tolist()
@@ -503,10 +519,51 @@ class OmniModel(nn.Module):
             if int(counts[s]) != n:
                 raise ValueError(f"sequence {s}: {int(counts[s])} <image> tokens (id {self.image_token_id}) but its "
                                  f"media slot {slot} gives {n} features")
+            start += sum(f.shape[0] for f in feats[offsets[slot]:offsets[slot + 1]])
+            for v in range(video_offsets[slot], video_offsets[slot + 1]):
+                starts.append((start, v))
+                start += video_feats[v].shape[0]
             rows.extend(slot_feats)
         if int(counts[len(media_index):].sum()):
             raise ValueError(f"{int(counts[len(media_index):].sum())} <image> tokens lie outside every sequence")
-        return positions, torch.cat(rows) if rows else None
+        return positions, torch.cat(rows) if rows else None, starts
+
+    def _evs_layout(self, ids: torch.Tensor, ids_h: torch.Tensor, cu_pad_h: torch.Tensor, positions: torch.Tensor,
+                    starts: list, kept: list[torch.Tensor], tubelets: list[int], per: list[int]):
+        """(ids [T] on the device, positions [N] on the device) with each pruned video's span in the layout
+        transformers' EVS leaves: tubelet t's chunk `<img>` then its k_t kept tokens. The row holds a video's R kept
+        `<image>` tokens in its T `<img>` chunks in any split with the first chunk non-empty (pack.video_row_tokens;
+        the data reader fills the first chunks), so the row's length is known before the forward; the text between
+        chunks keeps its order. positions, starts: _image_rows' (host); kept: evs_keep of each video (device)."""
+        img, device = self.image_token_id, ids.device
+        pos_h, ids, positions = positions, ids.clone(), to_device(positions, device).clone()
+        bounds = cu_pad_h.tolist()
+        for c0, v in starts:
+            first, n_tub, n, keep = int(pos_h[c0]), tubelets[v], per[v], kept[v]
+            s = max(i for i, b in enumerate(bounds[:-1]) if b <= first)
+            a1, seg = first - 1, ids_h[max(first - 1, 0):bounds[s + 1]]
+            opens = torch.nonzero(seg == seg[0]).flatten()[:n_tub]
+            tail = torch.nonzero(seg[int(opens[-1]) + 1:] != img).flatten()  # after the last chunk's <image> run
+            region = seg[:int(opens[-1]) + 1 + int(tail[0])] if tail.numel() else seg
+            is_ph = region == img
+            if a1 < bounds[s] or int(seg[0]) == img or opens.numel() < n_tub or int(is_ph.sum()) != keep.numel():
+                raise ValueError(f"sequence {s}: video {v} needs {n_tub} chunks holding its {keep.numel()} <image> "
+                                 f"tokens (EVS, video_pruning_rate {self.hf.video_pruning_rate}), each opened by the "
+                                 "<img> token before its first <image>")
+            text = torch.nonzero(~is_ph).flatten()
+            is_open = region[text] == seg[0]
+            tub = is_open.cumsum(0) - 1  # the chunk of each text token
+            g = torch.nonzero(is_open).flatten() + 1  # text tokens up to each chunk's opening, itself included
+            k = torch.zeros(n_tub * n, dtype=torch.int64, device=device).index_fill_(0, keep, 1).view(n_tub, n).sum(1)
+            k_incl = k.cumsum(0)
+            tub_d, is_open_d = to_device(tub, device), to_device(is_open, device)
+            new_text = a1 + torch.arange(text.numel(), device=device) + torch.where(
+                is_open_d, (k_incl - k)[tub_d], k_incl[tub_d])
+            new_ph = a1 + to_device(g, device)[keep // n] + torch.arange(keep.numel(), device=device)
+            ids[new_text] = to_device(region[text], device)
+            ids[new_ph] = img
+            positions[c0:c0 + keep.numel()] = new_ph
+        return ids, positions
 
     # -- sound --------------------------------------------------------------------------------------------------------
 
@@ -588,19 +645,28 @@ class OmniModel(nn.Module):
         cu_pad, cu = to_device(cu_pad, device), to_device(cu, device)
         assert int(cu_pad_h[-1]) == T, (int(cu_pad_h[-1]), T)
 
-        emb = self.language_model.embedding(input_ids=ids[None], position_ids=None)  # [T, 1, H], TP-reduced
         pixel_values, grid = _get(batch, "pixel_values"), _get(host, "image_grid_hw")
         videos, video_grid = _get(batch, "pixel_values_videos"), _get(host, "video_grid_thw")
         grid = grid if grid is not None and grid.numel() else None
         video_grid = video_grid if video_grid is not None and video_grid.numel() else None
         feats, video_feats = self.encode_media(None if grid is None else pixel_values.to(device), grid,
                                                None if video_grid is None else videos.to(device), video_grid)
+        kept = []
+        if video_feats and (rate := self.hf.video_pruning_rate) > 0:  # EVS: each video's kept features, in order
+            tubelets = [-(-f // self.temporal_patch) for f, _, _ in video_grid.tolist()]
+            per = [h * w // 4 for _, h, w in video_grid.tolist()]
+            kept = [evs_keep(f, t, rate) for f, t in zip(video_feats, tubelets, strict=True)]
+            video_feats = [f[k] for f, k in zip(video_feats, kept, strict=True)]
         n_tokens = int((ids_h == self.image_token_id).sum())
+        positions = rows = None
         if n_tokens or feats or video_feats:
-            positions, rows = self._image_rows(host, ids_h, cu_pad_h, feats, video_feats)
-            if rows is not None:
-                positions = to_device(positions, device)
-                emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))
+            positions, rows, starts = self._image_rows(host, ids_h, cu_pad_h, feats, video_feats)
+            if kept and rows is not None:
+                ids, positions = self._evs_layout(ids, ids_h, cu_pad_h, positions, starts, kept, tubelets, per)
+        emb = self.language_model.embedding(input_ids=ids[None], position_ids=None)  # [T, 1, H], TP-reduced
+        if rows is not None:
+            positions = to_device(positions, device)
+            emb = emb.index_put((positions, torch.zeros_like(positions)), rows.to(emb.dtype))
         emb = self._merge_sounds(batch, host, emb, ids_h, cu_pad_h)
 
         cp = parallel_state.get_context_parallel_world_size()

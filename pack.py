@@ -231,6 +231,13 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
 # Packing one bin into THD tensors
 
 
+def video_row_tokens(tubelets: int, tokens_per_tubelet: int, pruning_rate: float) -> int:
+    """`<image>` tokens a video of `tubelets` tubelets of `tokens_per_tubelet` (n) tokens takes in a row: T·n, or under
+    EVS (config.json's video_pruning_rate q > 0) those transformers keeps, max(n, int(T·n·(1 - q))) (NemotronH_Omni's
+    compute_retention_mask, the same float expression)."""
+    return max(tokens_per_tubelet, int(tubelets * tokens_per_tubelet * (1 - pruning_rate)))
+
+
 @dataclass
 class PreferencePair:
     """One preference pair from the data module (CPU tensors)."""
@@ -247,6 +254,7 @@ class PreferencePair:
     pixel_values_videos: torch.Tensor | None = None  # [sum of F*gh*gw, 3*16*16] float, each frame's patches
     video_grid_thw: torch.Tensor | None = None  # [n_videos, 3] int64, (frames, gh, gw)
     video_token_counts: torch.Tensor | None = None  # [n_videos] int64, <image> tokens of each video in each row
+    # (video_row_tokens: EVS's retained count)
     # audio clips, shared by both rows: the processor's mel features, each clip at its own length
     audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # [sum of frames, n_mels] float
     audio_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [n_clips, 2]

@@ -563,7 +563,8 @@ def plan_inputs(cfg, hf) -> tuple[int, str, int, str]:
             train_split, _ = mmpr_index.load_splits(processor, cfg.data)
         ix, ids = train_split.index, train_split.pair_ids
         rows = torch.as_tensor(ids, dtype=torch.long)
-        per_pair = ix.image_tokens[rows] + ix.video_tokens[rows]  # a video's tubelets pass the ViT as images do
+        # a video's every tubelet (2 frames) passes the ViT as an image does: EVS drops video tokens after it
+        per_pair = ix.image_tokens[rows] + ix.video_grid_hw[rows].prod(-1) // 4 * -(-ix.video_frames[rows] // 2)
         n = int(per_pair.topk(min(k, len(per_pair))).values.sum()) if len(per_pair) else 0
         pk = cfg.packing
         shared = ix.shared_lengths(ids) if pack.shared_prompt_on(pk) else None

@@ -414,13 +414,6 @@ def check_splits(train_split, val_split, cfg):
             f"and are dropped at start (largest: {split.index.source(big[0])}, {sizes[big[0]]} tokens) {where}"
         )
     train_split, val_split = kept["training"], kept.get("validation")
-    videos = sum(s.index.video_pairs(s.pair_ids) for s in (train_split, val_split) if s is not None)
-    if videos and (rate := read_model_config(cfg.model.hf_path).video_pruning_rate) > 0:
-        raise config_mod.ConfigError(
-            f"model.hf_path = {cfg.model.hf_path!r}: config.json's video_pruning_rate = {rate} with {videos} video "
-            "pairs: EVS drops video tokens by feature similarity inside the model, so a packed row would change "
-            "length; set video_pruning_rate to 0 in a copy of the checkpoint to train on video"
-        )
     if val_split is None and cfg.mpo.val_period:
         notes.append(
             f"validation: mpo.val_period = {cfg.mpo.val_period} is ignored: there is no validation data (set "

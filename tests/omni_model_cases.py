@@ -20,7 +20,9 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
     """One pair: two rows (chosen, rejected) of lengths `lens`, each `<img> <image>*N </img>` after a short prefix,
     padded to `divisible_by`; one image of patch grid `grid`. With duplicate_media=True each row gets its own copy of
     the image (media_index [0, 1]) instead of sharing it (media_index [0, 0]). With video=True the slot also holds a
-    3-frame video of 4x4-patch frames (2 tubelets x 4 tokens at row positions 12..19, after the image's)."""
+    5-frame video of 4x4-patch frames (3 tubelets x 4 tokens) for a model at video_pruning_rate 0.5: the 6 tokens EVS
+    keeps in its chunks as the data reader fills them, `<img> <image>*4 <img> <image>*2 <img>` at row positions 11..19
+    (after the image's; each chunk opened by its `<img>`, the closing `</img>`s left out)."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = grid
     n_img = gh * gw // 4
@@ -31,8 +33,8 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         body[4:4 + n_img] = image_token_id
         body[4 + n_img] = 22
         if video:
-            assert 4 + n_img < 12 and n >= 21 and not duplicate_media
-            body[12:20] = image_token_id
+            assert 4 + n_img < 11 and n >= 21 and not duplicate_media
+            body[11:20] = torch.tensor([21] + [image_token_id] * 4 + [21] + [image_token_id] * 2 + [21])
         rows.append(body)
     ids, cu, cu_pad = [], [0], [0]
     for r in rows:
@@ -53,8 +55,8 @@ def make_pair_batch(seed: int = 0, grid=(4, 6), lens=(21, 30), divisible_by: int
         "media_image_offsets": torch.tensor([0, 1]),
     }
     if video:
-        frames = torch.randn(3, 3, 64, 64, generator=g)
-        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[3, 4, 4]]),
+        frames = torch.randn(5, 3, 64, 64, generator=g)
+        batch.update(pixel_values_videos=video_patch_rows(frames), video_grid_thw=torch.tensor([[5, 4, 4]]),
                      media_video_offsets=torch.tensor([0, 1]))
     if duplicate_media:
         batch.update(pixel_values=torch.cat([pixel, pixel]), image_grid_hw=torch.cat([grid_t, grid_t]),
@@ -152,22 +154,23 @@ def logits_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return logits.detach(), grads
 
 
-def video_text_inputs(frames: int = 3, seed: int = 0) -> dict:
-    """The tiny processor's inputs for one random `frames`-frame video (uint8, 40x56 px, resized to a 4x6-patch tile:
-    video_target_num_patches 24) + a short chat: input_ids with `Frame k ...: <img> <image>*6 </img>` per tubelet,
-    pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768] and video_grid_thw [[F, 4, 6]].
+def video_text_inputs(frames: int = 3, seed: int = 0, size: tuple[int, int] = (40, 56), patches: int = 24) -> dict:
+    """The tiny processor's inputs for one random `frames`-frame video (uint8, `size` px, by default resized to a
+    4x6-patch tile: video_target_num_patches `patches`) + a short chat: input_ids with `Frame k ...: <img>
+    <image>*6 </img>` per tubelet, pixel_values_videos [F, 3, 64, 96]; plus ours: the frames as patch rows [F·24, 768]
+    and video_grid_thw [[F, 4, 6]]. (64, 64) px at 16 patches: a 4x4 tile, 4 tokens per tubelet.
     The tiny asset's video processor has no norm_mean / norm_std: the image processor's (the one RADIO conditioner)."""
     import numpy as np
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(TINY)
     rng = np.random.default_rng(seed)
-    video = rng.integers(0, 256, (frames, 40, 56, 3), dtype=np.uint8)
+    video = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
     text = proc.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": "<video>\nWhat moves?"}]},
          {"role": "assistant", "content": "Dots."}], tokenize=False)
     vp, ip = proc.video_processor, proc.image_processor
-    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = 24, list(ip.image_mean), list(ip.image_std)
+    vp.video_target_num_patches, vp.norm_mean, vp.norm_std = patches, list(ip.image_mean), list(ip.image_std)
     out = proc(videos=[video], text=text, return_tensors="pt")
     f, c, h, w = out["pixel_values_videos"].shape
     out["video_patches"] = video_patch_rows(out["pixel_values_videos"])

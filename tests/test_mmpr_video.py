@@ -1,7 +1,7 @@
 """The data reader's video rows: the generated video sample (data/mmpr_video_sample) indexed and decoded as the
 tiny checkpoint's processor gives it, and every video rule a counted, named drop.
 
-Run: `pytest tests/test_mmpr_video.py` (CPU; about 15 s).
+Run: `pytest tests/test_mmpr_video.py` (CPU; about 30 s).
 """
 
 from __future__ import annotations
@@ -137,21 +137,62 @@ def test_video_settings_are_checked_and_reach_the_processor(processor):
     assert mr.DROP_REASONS.index("too_many_frames") < mr.DROP_REASONS.index("template_rewrites_text")
 
 
-def test_a_checkpoint_with_video_pruning_is_refused_before_a_video_run(video_sample, tmp_path):
-    """EVS (video_pruning_rate > 0, the hub checkpoint's 0.7) is refused at start, naming the key, once the data holds
-    video pairs; the same checkpoint with image pairs only is fine."""
+def test_an_evs_checkpoint_indexes_and_runs_the_kept_video_tokens(video_sample, tmp_path):
+    """A checkpoint with EVS (config.json's video_pruning_rate 0.7, the hub's) trains on video as is: the index counts
+    the tokens a video keeps (2 tubelets of 6: max(6, int(12·0.3)) = 6), its rows are the processor's without the
+    video's last 6 `<image>` tokens (the first chunk full, the second empty), preflight takes the split, and the model
+    runs a bin of a clip, a frame list and an image + clip pair."""
     import config
+    import distributed
+    import hf_weights
+    import omni_model
+    import pack
     import preflight
 
-    index, _ = video_sample
+    index, ds = video_sample
+    for f in TINY.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
     hub = json.loads((TINY / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(hub | {"video_pruning_rate": 0.7}))
+    processor = mi.load_processor(tmp_path, "model.hf_path")
+    evs = mi.build_index(VIDEO_META, processor, video_cfg(), use_cache=False)
+    assert mi.summary_drops(evs) == {} and evs.video_tokens.tolist() == [6] * 12
+    assert (index.prompt_len - evs.prompt_len).tolist() == [6] * 12
+    pairs = [md.PairDataset(evs, processor)[i] for i in (0, 4, 8)]
+    for i, p in zip((0, 4, 8), pairs, strict=True):
+        full = ds[i].chosen_ids
+        dropped = torch.nonzero(full == 18).flatten()[-6:]  # the video's <image> tokens come last
+        assert torch.equal(p.chosen_ids, full[torch.isin(torch.arange(full.numel()), dropped, invert=True)])
+        assert p.video_token_counts.tolist() == [6]
+    assert "<img></img>" in processor.tokenizer.decode(pairs[0].chosen_ids)
     cfg = config.Config()
     cfg.model.hf_path, cfg.policy.train_global_batch_size, cfg.packing.shared_prompt = str(tmp_path), 4, False
-    with pytest.raises(config.ConfigError, match=r"config\.json's video_pruning_rate = 0\.7 with 12 video pairs"):
-        preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)
-    cfg.model.hf_path = str(TINY)
-    assert preflight.check_splits(mi.Split(index, list(range(12))), None, cfg)[0].pair_ids == list(range(12))
+    assert preflight.check_splits(mi.Split(evs, list(range(12))), None, cfg)[0].pair_ids == list(range(12))
+    distributed.init_distributed()
+    model = omni_model.build_model(tmp_path, config.ModelConfig(), config.ParallelConfig())
+    hf_weights.load_hf_weights(model, tmp_path)
+    assert model.hf.video_pruning_rate == 0.7
+    batch = pack.pack(pairs, 8, 18)
+    with torch.no_grad():
+        logits = model.eval()(batch)
+    assert logits.shape[0] == batch.input_ids.shape[1] and bool(torch.isfinite(logits).all())
+
+
+def test_evs_expansion_fills_the_first_chunks(processor):
+    """At video_pruning_rate 0.3 a 4-frame video of 6-token tubelets keeps max(6, int(12·0.7)) = 8 tokens: the
+    prompt's chunks hold 6 and 2 (omni_model moves them where EVS keeps them)."""
+    from mmpr_media import expand_video
+
+    assert processor.video_pruning_rate == 0.0  # the tiny asset's config.json has none
+    processor.video_pruning_rate = 0.3
+    try:
+        text, kept = expand_video(processor, "<video>\nWhat moves?", 4, 6, None)
+    finally:
+        processor.video_pruning_rate = 0.0
+    assert kept == 8
+    assert text == "Frame 1 and frame 2: <img>" + "<image>" * 6 + "</img>\nFrame 3 and frame 4: <img>" + \
+        "<image>" * 2 + "</img>\nWhat moves?"
 
 
 def test_index_cli_takes_the_video_settings(capsys):

@@ -276,6 +276,11 @@ def test_config_mapping_hub_and_native_layouts(tmp_path, model):
     v = model.vit_config
     assert (v.num_layers, v.hidden_size, v.ffn_hidden_size, v.layernorm_epsilon, v.normalization) == \
         (2, 32, 128, 1e-6, "LayerNorm")
+    (tmp_path / "config.json").write_text(json.dumps(hub | {"video_pruning_rate": 0.7}))  # the hub checkpoint's EVS
+    assert (a.video_pruning_rate, om.read_hf_config(tmp_path).video_pruning_rate) == (0.0, 0.7)
+    (tmp_path / "config.json").write_text(json.dumps(hub | {"video_pruning_rate": -0.5}))
+    with raises_naming(ValueError, f"{tmp_path / 'config.json'}: ", "video_pruning_rate -0.5", "[0, 1]"):
+        om.read_hf_config(tmp_path)
     hub["ps_version"] = "v1"
     (tmp_path / "config.json").write_text(json.dumps(hub))
     with raises_naming(ValueError, f"{tmp_path / 'config.json'}: ", "ps_version 'v1'", "'v2'"):

@@ -151,9 +151,6 @@ class _FakeIndex:
     def source(self, i):
         return f"a.jsonl:{i + 1}"
 
-    def video_pairs(self, ids):
-        return 0
-
 
 def test_check_inputs_names_the_key_before_any_distributed_work(tmp_path):
     import torch.distributed as dist
