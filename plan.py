@@ -709,8 +709,9 @@ def format_media(plan: MemoryPlan, cfg) -> list[str]:
     m, act = plan.media, plan.activations
     if m is None or not (m.video_frames or m.audio_samples):
         return []
-    said = [f"{m.video_frames} video frames ({m.video_tokens} of the {plan.image_tokens} image tokens)"] * bool(
-        m.video_frames)
+    said = []
+    if m.video_frames:
+        said.append(f"{m.video_frames} video frames ({m.video_tokens} of the {plan.image_tokens} image tokens)")
     if m.audio_samples:
         state = ", ".join(f"{n} {'frozen' if getattr(cfg.model, f'freeze_sound_{k}') else 'trained'}"
                           for n, k in (("sound encoder", "encoder"), ("projection", "projector")))

@@ -177,20 +177,19 @@ def sound_activations(cfg, hf, dtype: torch.dtype, clips: list[int], tokens: int
     """(bytes a training step keeps for the sound towers' backward, bytes a forward without gradients holds at once)
     for a bin of `clips` (samples each; the encoder takes them one by one, replicated on every rank) and `tokens`
     `<so_embedding>` tokens. A trained encoder keeps every layer's saved tensors: per clip of 1 + samples // hop mel
-    frames, S(1) + (L - 1)·(S(2) - S(1)) with S(l) = `sound_saved_bytes` of l layers; a frozen one keeps none and holds
-    S(1) at most. The projection, trained or feeding a trained encoder, keeps per token its input and norm output
-    (2·h_s) and fc1's output and activation (2·f/TP) in b bytes."""
+    frames, S(1) + (L - 1)·(S(2) - S(1)) with S(l) = `sound_saved_bytes` of l layers; a frozen one saves none, and its
+    forward's S(1) at most is counted. The projection, trained or feeding a trained encoder, keeps per token its input
+    and norm output (2·h_s) and fc1's output and activation (2·f/TP) in b bytes."""
     if hf.sound is None or not clips:
         return 0.0, 0.0
     one = {n: sound_saved_bytes(hf.sound, dtype, 1 + n // hop, 1) for n in set(clips)}
     working = max(one.values())
     m = cfg.model
-    kept = 0.0
     if not m.freeze_sound_encoder:
         layer = {n: sound_saved_bytes(hf.sound, dtype, 1 + n // hop, 2) - one[n] for n in one}
         kept = sum(one[n] + (hf.sound.num_hidden_layers - 1) * layer[n] for n in clips)
-    else:
-        kept = working  # the frozen encoder's forward, its output kept while the projection runs
+    else:  # nothing saved; its forward's working set, an upper bound as forward_only counts the ViT's
+        kept = working
     if not (m.freeze_sound_encoder and m.freeze_sound_projector):
         b, tp = torch.finfo(dtype).bits // 8, cfg.parallel.tensor_model_parallel_size
         kept += tokens * (2 * hf.sound.hidden_size + 2 * hf.sound.projection_hidden_size / tp) * b
