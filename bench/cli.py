@@ -76,7 +76,7 @@ def table(res: dict) -> str:
         e = res["encoders"]
         what = (f"one pair: an image ({e['image_tokens']} tokens), {e['video_frames']} video frames "
                 f"({e['video_tokens']}), {e['audio_seconds']:.1f} s of audio ({e['audio_tokens']})")
-        rows += [(f"encoders' share of a step, {what}", f"{name} fwd+bwd / the pair's fwd+bwd",
+        rows += [(f"encoders' share of a step, {what}", f"{name} fwd+bwd / the pair's fwd+bwd ({e['clock']})",
                   f"{e[k + '_fwd_bwd_s'] * 1e3:.1f} ms", f"{e['step_fwd_bwd_s'] * 1e3:.1f} ms",
                   f"{e[k + '_share']:.1%}")
                  for k, name in (("vit_images", "ViT on the image"), ("vit_video", "ViT on the video"),

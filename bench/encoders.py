@@ -3,11 +3,12 @@ tiny asset's sound encoder): one pair whose prompt holds a chart of the shipped 
 sample (the processor's 1024-patch tile) and a generated 10-s tone;
 the ViT on the image, the ViT on the video, the ViT on both in one call (as the step runs it) and the sound encoder +
 projection, each forward + backward alone, against the pair's whole forward + backward, as ratios of minimum times
-from one interleaved run."""
+from one interleaved run; on the CPU its process time at one thread (what a shared machine's load changes least)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -87,10 +88,18 @@ def bench_encoders(quick: bool) -> dict:
 
     fns = {"step": step, "vit_images": lambda: vit(True, False), "vit_video": lambda: vit(False, True),
            "vit": lambda: vit(True, True), "sound": sound}
-    for fn in fns.values():  # warm-up
-        fn()
-    t = {k: v["min"] for k, v in interleaved_times(fns, 2 if quick else 10).items()}
-    return {"pair_tokens": int(batch.cu_seqlens[-1]), "image_tokens": int(pair.image_token_counts.sum()),
+    threads = torch.get_num_threads()
+    cpu = device.type == "cpu"
+    torch.set_num_threads(1 if cpu else threads)
+    try:
+        for fn in fns.values():  # warm-up
+            fn()
+        times = interleaved_times(fns, 2 if quick else 10, time.process_time if cpu else time.perf_counter)
+    finally:
+        torch.set_num_threads(threads)
+    t = {k: v["min"] for k, v in times.items()}
+    return {"clock": "process time, 1 thread" if cpu else "wall time", "pair_tokens": int(batch.cu_seqlens[-1]),
+            "image_tokens": int(pair.image_token_counts.sum()),
             "video_frames": int(pair.video_grid_thw[0, 0]), "video_tokens": int(pair.video_token_counts.sum()),
             "audio_tokens": int(pair.audio_token_counts.sum()), "audio_seconds": seconds,
             **{f"{k}_fwd_bwd_s": v for k, v in t.items()},
