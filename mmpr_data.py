@@ -120,7 +120,7 @@ class MMPRIndex:
         return [self.video_paths[j] for j in self.video_path_id[s:s + n].tolist()]
 
     def media(self, i: int) -> list[str]:
-        """Pair i's media files in the order of its stamps: images, video files, audio clips."""
+        """Pair i's media files: images, video files, audio clips (what its stored reference values' stamps cover)."""
         return self.images(i) + self.videos(i) + self.audio(i)
 
     def state(self) -> dict:

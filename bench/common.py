@@ -39,9 +39,9 @@ SMALL_PROJECTOR_HIDDEN = 512
 
 
 def interleaved_times(fns: dict, reps: int, clock=time.perf_counter) -> dict[str, dict[str, float]]:
-    """Wall times (seconds; `clock`'s) of each fn over `reps` rounds, the fns called in turn within a round so that
-    load from other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use the minimum, the
-    estimate least inflated by contention on a shared machine."""
+    """Times in seconds by `clock` (wall time by default) of each fn over `reps` rounds, the fns called in turn within
+    a round so that load from other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use
+    the minimum, the estimate least inflated by contention on a shared machine."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work is asynchronous
     for _ in range(reps):
