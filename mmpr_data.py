@@ -79,6 +79,12 @@ class MMPRIndex:
     audio_path_id: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     audio_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     audio_token_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # the video's files: per pair ([N] int64) `video_file_start` / `num_video_files` (a slice of `video_path_id` [V],
+    # ids into `video_paths`): one video file, or the frame images of a frame list
+    video_paths: list[str] = field(default_factory=list)
+    video_file_start: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    num_video_files: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    video_path_id: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def __len__(self) -> int:
         return int(self.line.numel())
@@ -110,6 +116,17 @@ class MMPRIndex:
             return []
         s, n = int(self.audio_start[i]), int(self.num_audio[i])
         return [self.audio_paths[j] for j in self.audio_path_id[s:s + n].tolist()]
+
+    def videos(self, i: int) -> list[str]:
+        """Pair i's video files: [the video file], the frame images of a frame list, or [] (no video)."""
+        if not self.num_video_files.numel():
+            return []
+        s, n = int(self.video_file_start[i]), int(self.num_video_files[i])
+        return [self.video_paths[j] for j in self.video_path_id[s:s + n].tolist()]
+
+    def media(self, i: int) -> list[str]:
+        """Pair i's media files: images, video files, audio clips (what its stored reference values' stamps cover)."""
+        return self.images(i) + self.videos(i) + self.audio(i)
 
     def state(self) -> dict:
         """The fields the cache saves: all but cache_status and cache_dir."""
@@ -151,6 +168,9 @@ class PairDataset(torch.utils.data.Dataset):
                 json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
                 raise Drop("image_missing", f"row images {imgs} differ from the index's {images}")
+            files = [] if video is None else [video] if isinstance(video, str) else video
+            if files != ix.videos(i):
+                raise Drop("video_missing", f"row video {files} differs from the index's {ix.videos(i)}")
             question, clips = self.text.parse_audio(json.loads(raw), question, Path(root) if root else None,
                                                     ix.subsets[sub])
             if clips != ix.audio(i):

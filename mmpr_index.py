@@ -54,7 +54,7 @@ from mmpr_rows import (
 
 logger = logging.getLogger("omni_mpo.mmpr_index")
 
-CACHE_VERSION = 6  # bump when the index layout or the validation rules change: old caches are then ignored
+CACHE_VERSION = 7  # bump when the index layout or the validation rules change: old caches are then ignored
 CACHE_PREFIX = "omni_mpo_mmpr_"
 # How long the other ranks wait for rank 0's build: hours over a full MMPR release (NCCL's default is 10 minutes).
 INDEX_BUILD_TIMEOUT = timedelta(hours=24)
@@ -158,6 +158,9 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     audio_cols: dict[str, list] = collections.defaultdict(list)  # per-clip columns
     audio_paths: list[str] = []
     audio_ids: dict[str, int] = {}
+    video_cols: dict[str, list] = collections.defaultdict(list)  # per-video-file columns
+    video_paths: list[str] = []
+    video_ids: dict[str, int] = {}
     stats: dict[str, dict] = {}
     first_seen: dict[str, tuple[str, str]] = {}  # a valid row's content digest -> (subset, "file:line") of its first
     pool = None
@@ -229,7 +232,8 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                 st["notes"] = notes
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
-            first_image, first_audio = {}, {}  # valid row -> its first per-image / per-clip slot (repeats share it)
+            # valid row -> its first per-image / per-clip / per-video-file slot (repeats share it)
+            first_image, first_audio, first_video = {}, {}, {}
             for k in keep:
                 v = valid[k]
                 if k not in first_image:
@@ -248,6 +252,11 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                             audio_paths.append(p)
                         audio_cols["samples"].append(n_samples)
                         audio_cols["count"].append(n)
+                    first_video[k] = len(video_cols["path_id"])
+                    for p in v["video_files"]:
+                        video_cols["path_id"].append(video_ids.setdefault(p, len(video_paths)))
+                        if video_cols["path_id"][-1] == len(video_paths):
+                            video_paths.append(p)
                 for key in ("line", "offset", "prompt_len", "chosen_len", "rejected_len"):
                     cols[key].append(v[key])
                 cols["subset_id"].append(sid)
@@ -258,6 +267,8 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                 cols["audio_tokens"].append(sum(v["audio_counts"]))
                 cols["audio_start"].append(first_audio[k])
                 cols["num_audio"].append(len(v["clips"]))
+                cols["video_file_start"].append(first_video[k])
+                cols["num_video_files"].append(len(v["video_files"]))
             st["pairs"] = len(keep)
             if max_samples and len(cols["line"]) >= max_samples:
                 for later in subsets[sid + 1:]:
@@ -286,6 +297,8 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
         build_seconds=time.perf_counter() - t0, audio_paths=audio_paths, audio_tokens=t("audio_tokens"),
         audio_start=t("audio_start"), num_audio=t("num_audio"), audio_path_id=t("path_id", audio_cols),
         audio_samples=t("samples", audio_cols), audio_token_counts=t("count", audio_cols),
+        video_paths=video_paths, video_file_start=t("video_file_start"), num_video_files=t("num_video_files"),
+        video_path_id=t("path_id", video_cols),
     )
 
 

@@ -529,7 +529,9 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             digest = hashlib.blake2b(json.dumps(fields).encode(), digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
                                              grids=grids, counts=counts, digest=digest, video=video_sizes,
-                                             clips=clips, samples=samples, audio_counts=audio_counts)))
+                                             clips=clips, samples=samples, audio_counts=audio_counts,
+                                             video_files=[] if video is None else [video] if isinstance(video, str)
+                                             else video)))
         except Drop as d:  # a plain tuple: it crosses the process boundary
             out.append((lineno, offset, (d.reason, d.detail)))
     return out

@@ -32,6 +32,7 @@ import distributed  # noqa: E402
 import mmpr_rows  # noqa: E402
 import model_hub  # noqa: E402
 import omni_model  # noqa: E402
+import plan_media  # noqa: E402
 import preflight  # noqa: E402
 from backend import kernel_selection  # noqa: E402
 
@@ -251,7 +252,7 @@ def mamba_body_bytes_per_token(hf, tp: int, dtype: torch.dtype, tokens: tuple[in
 @dataclass
 class ActivationModel:
     """Per-rank activation bytes of one bin: every layer (the layer inputs under "full" recompute), the largest layer
-    once more for its backward (twice under "full"), the head, the ViT and the log-prob chunk."""
+    once more for its backward (twice under "full"), the head, the ViT, the sound towers and the log-prob chunk."""
 
     per_token: dict[str, float]  # bytes per rank-token of one layer of each kind ("M", "*", "E", "-"), and "head"
     pattern: str
@@ -266,6 +267,10 @@ class ActivationModel:
     # of every adapter of the ViT and the projector
     adapters: dict[str, float] = field(default_factory=dict)
     vit_adapters_per_image_token: float = 0.0
+    # the bin's audio (plan_media.sound_activations): what a step keeps for the sound towers' backward, and what a
+    # forward without gradients holds at once
+    sound_kept: float = 0.0
+    sound_working: float = 0.0
 
     def layer(self, kind: str, tokens: float) -> float:
         return (self.per_token[kind] + self.adapters.get(kind, 0.0)) * tokens
@@ -277,7 +282,7 @@ class ActivationModel:
         s = bin_tokens / self.cp
         largest = max(self.per_token[k] * s for k in set(self.pattern))
         vit = self.vit_layer_per_image_token * image_tokens
-        return self.input_bytes * s + largest + self.per_token["head"] * s + vit + self.chunk_bytes
+        return self.input_bytes * s + largest + self.per_token["head"] * s + vit + self.sound_working + self.chunk_bytes
 
     def __call__(self, bin_tokens: int, image_tokens: int = 0) -> float:
         """Peak activation bytes of a bin of `bin_tokens` tokens (`image_tokens` of them images)."""
@@ -288,7 +293,7 @@ class ActivationModel:
         else:
             kept = sum(self.layer(k, s) for k in self.pattern) + largest
         vit = (self.vit_per_image_token + self.vit_adapters_per_image_token) * image_tokens
-        return kept + self.per_token["head"] * s + vit + self.chunk_bytes
+        return kept + self.per_token["head"] * s + vit + self.sound_kept + self.chunk_bytes
 
 
 def activation_model(cfg, hf) -> ActivationModel:
@@ -493,6 +498,7 @@ class MemoryPlan:
     pairs_image_tokens: int = 0  # the planned pairs' image tokens before the cap at a bin's size
     min_bin_tokens: int = 0  # the smallest packing.max_tokens_per_bin train.py accepts for the data (0: any)
     min_bin_source: str = ""  # what needs min_bin_tokens
+    media: plan_media.MediaInputs | None = None  # the bin's media: video frames, audio clips and their tokens
 
     def step_activations(self, bin_tokens: int | None = None) -> float:
         """Peak activation bytes of a step's bin: the policy's forward and backward, or, when larger, the online
@@ -539,52 +545,23 @@ def default_world(cfg) -> int:
 
 
 def image_tokens_per_bin(cfg, hf) -> tuple[int, str]:
-    """(image tokens the plan puts in a bin, where the number comes from): `plan_inputs`' count, at most the bin."""
-    n, source, _, _ = plan_inputs(cfg, hf)
-    return min(n, cfg.packing.max_tokens_per_bin), source
+    """(the ViT's tokens the plan puts in a bin, images' and videos', where the number comes from), at most the bin:
+    plan_media.media_inputs'."""
+    got = plan_media.media_inputs(cfg, hf)
+    return min(got.vit_tokens, cfg.packing.max_tokens_per_bin), got.source
 
 
-def plan_inputs(cfg, hf) -> tuple[int, str, int, str]:
-    """(image tokens of the planned pairs, where the number comes from, the smallest packing.max_tokens_per_bin
-    train.py accepts, what needs it): the `packing.max_sequences_per_bin` pairs with the most image and video tokens in
-    the training data's index when data.train.data_path is a file and model.hf_path holds the processor, and the largest
-    pair's bin tokens (preflight.check_splits; with packing.drop_oversized_pairs the smallest); else that many pairs
-    of one image at the processor's most patches (vision_config.args max_num_patches x downsample_ratio²), one pair's
-    image tokens."""
-    import mmpr_index
-    import mmpr_rows
-    import pack
-
-    k = cfg.packing.max_sequences_per_bin
-    data_path = cfg.data.train.data_path
-    if Path(data_path).is_file() and (Path(cfg.model.hf_path) / "processor_config.json").is_file():
-        processor = mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path")
-        with mmpr_rows.data_warnings([]):
-            train_split, _ = mmpr_index.load_splits(processor, cfg.data)
-        ix, ids = train_split.index, train_split.pair_ids
-        rows = torch.as_tensor(ids, dtype=torch.long)
-        # a video's every tubelet (2 frames) passes the ViT as an image does: EVS drops video tokens after it
-        per_pair = ix.image_tokens[rows] + ix.video_grid_hw[rows].prod(-1) // 4 * -(-ix.video_frames[rows] // 2)
-        n = int(per_pair.topk(min(k, len(per_pair))).values.sum()) if len(per_pair) else 0
-        pk = cfg.packing
-        shared = ix.shared_lengths(ids) if pack.shared_prompt_on(pk) else None
-        sizes = pack.pair_bin_tokens(ix.lengths(ids), pk.make_sequence_length_divisible_by, shared).values()
-        need = (min if pk.drop_oversized_pairs else max)(sizes, default=0)
-        which = "the smallest" if pk.drop_oversized_pairs else "the largest"
-        return n, f"the {k} pair(s) with the most image tokens in {data_path}", need, f"{which} pair of {data_path}"
-    patches = (getattr(hf.vision, "args", None) or {}).get("max_num_patches", 0)
-    one = int(patches * 0.25)  # the 2x2 pixel shuffle (omni_model.read_hf_config refuses other ratios)
-    return (k * one, f"{k} pair(s) of one image of {patches} patches (the processor's most; no data index)", one,
-            f"a pair of one image of {patches} patches")
-
-
-def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) -> MemoryPlan:
+def make_plan(cfg, world: int | None = None, image_tokens: int | None = None, video_frames: int | None = None,
+              audio_seconds: float | None = None) -> MemoryPlan:
     """Build and count the first and last rank of `cfg`'s layout on the meta device (others differ only in padding);
-    `image_tokens` per bin (None: `image_tokens_per_bin`)."""
+    `image_tokens`, `video_frames` and `audio_seconds` per bin (None: plan_media.media_inputs' from the data)."""
     hf = preflight.read_model_config(cfg.model.hf_path)
-    image_source, need, need_source = "--image-tokens", 0, ""
-    if image_tokens is None:
-        image_tokens, image_source, need, need_source = plan_inputs(cfg, hf)
+    media = plan_media.media_inputs(cfg, hf, image_tokens, video_frames, audio_seconds)
+    if media.audio_samples and hf.sound is None:
+        raise config_mod.ConfigError(f"model.hf_path = {cfg.model.hf_path!r} has no sound_config: a bin of "
+                                     f"{media.audio_seconds:g} s of audio ({media.media_source}) cannot be planned")
+    image_tokens, image_source = media.vit_tokens, media.source
+    need, need_source = media.min_bin_tokens, media.min_bin_source
     world = default_world(cfg) if world is None else world
     preflight.check_packing(cfg)  # train.py's checks in its order, before anything is built
     kernels = kernel_selection.select_kernels(dtype=omni_model.torch_dtype(cfg.model.params_dtype))  # as train.py
@@ -632,13 +609,16 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None) ->
     pass_pairs = cfg.reference.max_sequences_per_bin or cfg.packing.max_sequences_per_bin
     activations = activation_model(cfg, hf)
     activations.adapters, activations.vit_adapters_per_image_token = adapter_act
+    activations.sound_kept, activations.sound_working = plan_media.sound_activations(
+        cfg, hf, omni_model.torch_dtype(cfg.model.params_dtype), media.audio_samples, media.audio_tokens,
+        media.hop_length)
     return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activations,
                 bin_tokens=cfg.packing.max_tokens_per_bin,
                 image_tokens=min(image_tokens, cfg.packing.max_tokens_per_bin), image_source=image_source,
                 pairs_image_tokens=image_tokens, min_bin_tokens=need, min_bin_source=need_source,
                 reserve=reserve(cfg, world), pass_bin_tokens=pass_bin,
                 pass_image_tokens=min(pass_bin, image_tokens * pass_pairs // cfg.packing.max_sequences_per_bin),
-                reference_forward=cfg.reference.logprobs == "online", lora=lplan)
+                reference_forward=cfg.reference.logprobs == "online", lora=lplan, media=media)
 
 
 # ---- The report ----------
@@ -675,6 +655,7 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         f"(EP {p.expert_model_parallel_size}, SP {p.sequence_parallel}); {cfg.model.params_dtype}, recompute "
         f"{cfg.model.recompute}, reference.offload {cfg.reference.offload}, bins of {plan.bin_tokens} tokens "
         f"({plan.image_tokens} image tokens: {plan.image_source}), log-prob chunk {cfg.policy.logprob_chunk_size}",
+        *format_media(plan, cfg),
         "",
         "| ranks | params (policy / reference) | active | weights | grads | master | Adam moments | reference "
         "| activations | total | reserve | 80 GB spare | 141 GB spare |",
@@ -721,6 +702,23 @@ def format_plan(plan: MemoryPlan, cfg) -> str:
         lines.append(f"{name} GPUs ({_gib(cap)} GiB): {said}; the largest packing.max_tokens_per_bin that fits: "
                      + (str(best) if best else none))
     return "\n".join(lines)
+
+
+def format_media(plan: MemoryPlan, cfg) -> list[str]:
+    """The line on a bin's video and audio (none for images alone)."""
+    m, act = plan.media, plan.activations
+    if m is None or not (m.video_frames or m.audio_samples):
+        return []
+    said = []
+    if m.video_frames:
+        said.append(f"{m.video_frames} video frames ({m.video_tokens} of the {plan.image_tokens} image tokens)")
+    if m.audio_samples:
+        state = ", ".join(f"{n} {'frozen' if getattr(cfg.model, f'freeze_sound_{k}') else 'trained'}"
+                          for n, k in (("sound encoder", "encoder"), ("projection", "projector")))
+        said.append(f"{m.audio_seconds:.1f} s of audio in {len(m.audio_samples)} clip(s) ({m.audio_tokens} "
+                    f"<so_embedding> tokens; {state}: {_gib(act.sound_kept)} GiB of the activations, replicated on "
+                    "every rank)")
+    return [f"media per bin: {'; '.join(said)} ({m.media_source})"]
 
 
 def format_lora(plan: MemoryPlan) -> list[str]:
@@ -774,14 +772,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, help="the world size (default: the smallest the layout runs on)")
     ap.add_argument("--image-tokens", type=int, help="image tokens per bin (default: from the data index, else the "
                     "processor's largest image per pair)")
+    ap.add_argument("--video-frames", type=int, help="video frames per bin, as one video (default: from the data "
+                    "index, else none)")
+    ap.add_argument("--audio-seconds", type=float, help="seconds of audio per bin, as one clip (default: from the "
+                    "data index, else none)")
     args = ap.parse_intermixed_args(argv)  # flags before or after the overrides
     try:
-        for flag, value, least in (("--gpus", args.gpus, 1), ("--image-tokens", args.image_tokens, 0)):
-            if value is not None and value < least:
+        for flag, value, least in (("--gpus", args.gpus, 1), ("--image-tokens", args.image_tokens, 0),
+                                   ("--video-frames", args.video_frames, 0),
+                                   ("--audio-seconds", args.audio_seconds, 0)):
+            if value is not None and not (value >= least and math.isfinite(value)):  # NaN, inf too
                 raise config_mod.ConfigError(f"{flag} = {value}: must be at least {least}")
         cfg = config_mod.load_config(args.config, args.overrides)
         cfg.model.hf_path = plan_model_dir(cfg)
-        plan = make_plan(cfg, args.gpus, args.image_tokens)
+        plan = make_plan(cfg, args.gpus, args.image_tokens, args.video_frames, args.audio_seconds)
     except (config_mod.ConfigError, mmpr_rows.DataError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -340,8 +340,8 @@ def _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder):
             print(f"reference: {path} is damaged ({why}): moved to {path.name}.damaged, its pairs are computed again")
     for key, t in tables.items():
         if rank == 0 and (stale := t.missing(sorted(t.stale))):
-            print(f"reference: {len(stale)} pairs read image files changed since their values were stored (e.g. pair "
-                  f"{stale[0]}: {', '.join(wanted[key][0].images(stale[0]))}): they are computed again")
+            print(f"reference: {len(stale)} pairs read media files changed since their values were stored (e.g. pair "
+                  f"{stale[0]}: {', '.join(wanted[key][0].media(stale[0]))}): they are computed again")
     todo = [(index, dataset, missing, media[index_key(index)]) for index, dataset, ids in splits
             if (missing := tables[index_key(index)].missing(ids))]
     total = sum(len(ids) for _, _, ids in splits)
@@ -374,14 +374,16 @@ def _precompute(cfg, ctx, kernels, data, stopper, splits, validates, folder):
 
 
 def media_stamps(index, pair_ids: list[int], ctx) -> torch.Tensor:
-    """[len(index)] int64: for each of `pair_ids` a hash of its image and audio files' (size, mtime in ns) and their
-    order (0 for the other pairs and a pair without them). Collective: each rank stats a share of the files."""
+    """[len(index)] int64: for each of `pair_ids` a hash of its image, video (the file, or a frame list's images)
+    and audio files' (size, mtime in ns), their kind and order (0 for the other pairs and a pair without them).
+    Collective: each rank stats a share of the files."""
     ids = torch.as_tensor(pair_ids, dtype=torch.long)
     out = torch.zeros(len(index), dtype=torch.int64)
     for paths, path_id, start, num, salt in (
             (index.image_paths, index.image_path_id, index.image_start, index.num_images, 0),
-            (index.audio_paths, index.audio_path_id, index.audio_start, index.num_audio, 1)):
-        if len(num) == 0:  # an index without audio columns
+            (index.audio_paths, index.audio_path_id, index.audio_start, index.num_audio, 1),
+            (index.video_paths, index.video_path_id, index.video_file_start, index.num_video_files, 2)):
+        if len(num) == 0:  # an index without audio or video-file columns
             continue
         counts, first = num[ids].long(), start[ids].long()
         owner = torch.repeat_interleave(torch.arange(len(ids)), counts)  # per file of the pairs: its pair's row in ids

@@ -27,6 +27,7 @@ from bench import common
 from bench.ablation import ablation_rows
 from bench.common import ROOT, _mib, machine, run_section
 from bench.data import bench_data
+from bench.encoders import bench_encoders
 from bench.gpu import bench_gpu
 from bench.gpu_step import gpu_step_rows
 from bench.grads import bench_grads
@@ -41,7 +42,7 @@ from bench.vision import bench_vision
 
 ITEMS = {"packing": bench_packing, "vision": bench_vision, "logprobs": bench_logprobs, "train": bench_train,
          "shared": bench_shared, "data": bench_data, "gpu": bench_gpu, "grads": bench_grads,
-         "optimizer": bench_optimizer}
+         "optimizer": bench_optimizer, "encoders": bench_encoders}
 
 
 def table(res: dict) -> str:
@@ -71,6 +72,15 @@ def table(res: dict) -> str:
             ("vision once per pair", "whole pair fwd+bwd", f"{v['pair_fwd_bwd_s_shared'] * 1e3:.1f} ms",
              f"{v['pair_fwd_bwd_s_per_row'] * 1e3:.1f} ms", f"{v['pair_step_ratio']:.2f}x"),
         ]
+    if "encoders" in res:
+        e = res["encoders"]
+        what = (f"one pair: an image ({e['image_tokens']} tokens), {e['video_frames']} video frames "
+                f"({e['video_tokens']}), {e['audio_seconds']:.1f} s of audio ({e['audio_tokens']})")
+        rows += [(f"encoders' share of a step, {what}", f"{name} fwd+bwd / the pair's fwd+bwd ({e['clock']})",
+                  f"{e[k + '_fwd_bwd_s'] * 1e3:.1f} ms", f"{e['step_fwd_bwd_s'] * 1e3:.1f} ms",
+                  f"{e[k + '_share']:.1%}")
+                 for k, name in (("vit_images", "ViT on the image"), ("vit_video", "ViT on the video"),
+                                 ("vit", "ViT on both (one call)"), ("sound", "sound encoder + projection"))]
     if "logprobs" in res:
         lp = res["logprobs"]
         shape = f"T={lp['T']} V={lp['V']}"
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(kernel_selection.select_kernels().line(), file=sys.stderr, flush=True)
     flags = (" --gpu" if args.gpu else "") + (" --quick" if args.quick else "") + (" --profile" if args.profile else "")
     flags += " --ablation" if args.ablation else ""
+    flags += f" --only {args.only}" if args.only and not args.gpu else ""
     flags += f" --timed-steps {args.timed_steps}" if args.timed_steps else ""
     res: dict = {"quick": args.quick, "machine": machine(), "date": datetime.date.today().isoformat(),
                  "command": "python -m bench" + flags}

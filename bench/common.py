@@ -38,19 +38,19 @@ SMALL_VIT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4)
 SMALL_PROJECTOR_HIDDEN = 512
 
 
-def interleaved_times(fns: dict, reps: int) -> dict[str, dict[str, float]]:
-    """Wall times (seconds) of each fn over `reps` rounds, the fns called in turn within a round so that load from
-    other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use the minimum, the estimate
-    least inflated by contention on a shared machine."""
+def interleaved_times(fns: dict, reps: int, clock=time.perf_counter) -> dict[str, dict[str, float]]:
+    """Times in seconds by `clock` (wall time by default) of each fn over `reps` rounds, the fns called in turn within
+    a round so that load from other processes hits all of them alike. Returns {name: {"min", "median"}}; ratios use
+    the minimum, the estimate least inflated by contention on a shared machine."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work is asynchronous
     for _ in range(reps):
         for k, fn in fns.items():
             sync()
-            t = time.perf_counter()
+            t = clock()
             fn()
             sync()
-            times[k].append(time.perf_counter() - t)
+            times[k].append(clock() - t)
     return {k: {"min": min(v), "median": statistics.median(v)} for k, v in times.items()}
 
 

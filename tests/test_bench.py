@@ -42,7 +42,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_item_ran(results):
-    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads", "optimizer"} <= set(results)
+    assert {"packing", "vision", "logprobs", "train", "shared", "data", "gpu", "grads", "optimizer",
+            "encoders"} <= set(results)
     assert results["quick"] is True and results["command"] == "python -m bench --quick"
 
 
@@ -64,6 +65,17 @@ def test_vision_once_per_pair_matches_per_row(results):
     v = results["vision"]
     assert v["logits_max_abs_diff"] <= 1e-5
     assert v["grads_max_rel_diff"] <= 1e-5
+
+
+def test_encoders_item_times_the_mixed_pairs_media(results):
+    """The pair's media as the processor counts them: 4 frames of 48 x 32 px at the 1024-patch target are a 26 x 38
+    tile (aspect 1.5: round(sqrt(1024 / 1.5)) = 26 rows, 39 columns rounded down to even), 247 tokens per tubelet, 2
+    tubelets; 10 s at 16 kHz are 1001 mel frames, 501, 251, 126 after the three stride-2 stages. Each share is its
+    encoder's time over the pair's (timings themselves are not asserted)."""
+    e = results["encoders"]
+    assert (e["video_frames"], e["video_tokens"], e["audio_seconds"], e["audio_tokens"]) == (4, 2 * 247, 10.0, 126)
+    for k in ("vit_images", "vit_video", "vit", "sound"):
+        assert e[f"{k}_share"] == e[f"{k}_fwd_bwd_s"] / e["step_fwd_bwd_s"]
 
 
 def test_training_step_matches_transformers(results):

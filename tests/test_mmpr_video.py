@@ -58,6 +58,24 @@ def test_video_sample_is_indexed_with_the_processors_counts(video_sample):
         assert int((p.chosen_ids == 18).sum()) == int((p.rejected_ids == 18).sum()) == n_media
 
 
+def test_the_index_keeps_each_pairs_video_files_and_the_dataset_reads_the_same(video_sample, processor):
+    """A clip row's one file, a frame list's frame images in order (what the stored reference values' stamps cover);
+    a row whose video is no longer the index's is the changed-row DataError naming its annotation line."""
+    import copy
+
+    index, _ = video_sample
+    media = VIDEO_META.parent / "media"
+    assert index.videos(0) == [str(media / "clips" / "clip_0.mp4")]
+    assert index.videos(5) == [str(media / "frames" / f"clip_1_{k}.png") for k in range(3)]
+    assert index.videos(8) == [str(media / "clips" / "clip_0.mp4")] and index.images(8)
+    assert index.media(8) == index.images(8) + index.videos(8)
+    moved = copy.deepcopy(index)
+    moved.video_paths = [p.replace("clip_0.mp4", "clip_9.mp4") for p in moved.video_paths]
+    with pytest.raises(mr.DataError) as e:
+        md.PairDataset(moved, processor)[0]
+    assert index.source(0) in str(e.value) and "video_missing" in str(e.value)
+
+
 def test_clip_row_equals_the_processors_own_output(video_sample, processor):
     """A clip row's prompt ids and pixels = the transformers processor called on the rendered prompt with the
     decoded frames and their metadata (timestamps in the frame labels)."""

@@ -259,7 +259,10 @@ def test_a_malformed_layer_pattern_is_one_line_in_plan_and_train(tmp_path, patte
 
 
 @pytest.mark.parametrize("flags, flag", [(["--gpus", "-2"], "--gpus"), (["--gpus", "0"], "--gpus"),
-                                         (["--image-tokens", "-5"], "--image-tokens")])
+                                         (["--image-tokens", "-5"], "--image-tokens"),
+                                         (["--video-frames", "-1"], "--video-frames"),
+                                         (["--audio-seconds", "nan"], "--audio-seconds"),
+                                         (["--audio-seconds", "inf"], "--audio-seconds")])
 def test_plan_flags_out_of_range_are_one_line(flags, flag, capsys):
     """--gpus -2 was torch's AssertionError, --gpus 0 silently the default, --image-tokens -5 accepted."""
     assert plan.main([*NANO_ARGS, *flags]) == 1
@@ -551,3 +554,88 @@ def test_lora_optimizer_state_is_sharded_over_dp():
     assert first.adapter_params == last.adapter_params == n
     assert first.master + last.master == 4 * n and first.moments + last.moments == 8 * n
     assert first.grads >= 4 * n
+
+
+# ---- Video and audio per bin ----------
+def tiny_media_cfg(data_path: str, *overrides: str):
+    cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"data.train.data_path={ROOT / data_path}",
+                                                                  *overrides])
+    cfg.model.hf_path = str(ROOT / cfg.model.hf_path)
+    return cfg
+
+
+def test_video_frames_and_audio_seconds_flags_plan_the_processors_tokens_and_the_encoders_memory(capsys):
+    """nano.toml with --video-frames 32 --audio-seconds 30, no processor files (transformers' defaults): 32 frames are
+    16 tubelets of the 1024-patch tile (32 x 32 patches, 2x2 shuffled: 256 tokens), 4096 ViT tokens beside the 3328
+    of the image; 30 s at 16 kHz are 1 + 480000 // 160 = 3001 mel frames, (n - 1) // 2 + 1 three times: 1501, 751, 376
+    <so_embedding> tokens. Frozen sound towers (nano.toml) keep nothing and hold S(1), one layer's forward (S(l): the
+    saved bytes of an l-layer encoder); the activations are the image-only model's plus the ViT's bytes of the video
+    tokens plus that. Trained (model.freeze_sound_* = false; TP 8, DP 1): the fp32 gradient buffer grows by 4 bytes,
+    the int16 remainders by 2 and the two bf16 moments by 4 per sound parameter on the rank (the replicated encoder
+    whole, the projection's TP shard and its input norm's h_s weights); the activations keep S(1) + 23 (S(2) - S(1)),
+    which is a 24-layer encoder's measured whole, and the projection's 2·h_s + 2·f/TP bf16 elements per token."""
+    import plan_media
+
+    hf = omni_model.read_hf_config(NANO)
+    frozen = plan.make_plan(nano_cfg(), 8, video_frames=32, audio_seconds=30)
+    m, act = frozen.media, frozen.activations
+    assert (m.video_frames, m.video_tokens, m.image_tokens, frozen.image_tokens) == (32, 16 * 256, 3328, 3328 + 4096)
+    assert (m.audio_samples, m.audio_tokens, m.audio_seconds) == ([480000], 376, 30.0)
+    s1, s2 = (plan_media.sound_saved_bytes(hf.sound, torch.bfloat16, 3001, k) for k in (1, 2))
+    assert act.sound_kept == act.sound_working == s1 > 0
+    images_only = plan.ActivationModel(**{**vars(act), "sound_kept": 0.0, "sound_working": 0.0})
+    assert frozen.step_activations() == images_only(frozen.bin_tokens, 3328) + act.vit_per_image_token * 4096 + s1
+
+    trained = plan.make_plan(nano_cfg("model.freeze_sound_encoder=false", "model.freeze_sound_projector=false"), 8,
+                             audio_seconds=30)
+    (f,), (t,) = frozen.ranks, trained.ranks
+    h_s, f_s = hf.sound.hidden_size, hf.sound.projection_hidden_size
+    n = trained.counts["sound_encoder"] + (trained.counts["sound_projection"] - h_s) // 8 + h_s
+    assert (t.grads - f.grads, t.master - f.master, t.moments - f.moments) == (4 * n, 2 * n, 4 * n)
+    assert t.weights == f.weights and t.params == f.params
+    assert s1 + 23 * (s2 - s1) == plan_media.sound_saved_bytes(hf.sound, torch.bfloat16, 3001, 24)
+    assert trained.activations.sound_kept == s1 + 23 * (s2 - s1) + 376 * (2 * h_s + 2 * f_s / 8) * 2
+    assert trained.activations.sound_working == s1
+
+    assert plan.main([*NANO_ARGS, "--video-frames", "32", "--audio-seconds", "30"]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.startswith("media per bin: 32 video frames (4096 of the 7424 image tokens); 30.0 s of audio in 1 "
+                           "clip(s) (376 <so_embedding> tokens; sound encoder frozen, projection frozen")
+
+
+@pytest.mark.parametrize("data_path, overrides", [
+    ("data/mmpr_sample/MMPR-audio/meta.json", ()),
+    ("data/mmpr_video_sample/MMPR-video-sample/meta.json", ("data.video.target_num_patches=24",)),
+], ids=["audio", "video"])
+def test_video_frames_and_audio_come_from_the_data_index(data_path, overrides, tmp_path, monkeypatch):
+    """tiny.toml, two pairs per bin: the two pairs with the most image + video tokens give the ViT's tokens and the
+    frames, the two with the most audio samples give the clips (each pair's files summed from the index here)."""
+    import mmpr_index
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    cfg = tiny_media_cfg(data_path, "packing.max_sequences_per_bin=2", "data.train.split_validation_size=0", *overrides)
+    train_split, _ = mmpr_index.load_splits(mmpr_index.load_processor(cfg.model.hf_path, "model.hf_path"), cfg.data)
+    ix, ids = train_split.index, train_split.pair_ids
+    vit = sorted(ids, key=lambda i: -int(ix.image_tokens[i] + ix.video_tokens[i]))[:2]
+    samples = {i: [int(ix.audio_samples[j]) for j in range(int(ix.audio_start[i]), int(ix.audio_start[i] +
+                                                                                       ix.num_audio[i]))] for i in ids}
+    loud = sorted(ids, key=lambda i: -sum(samples[i]))[:2]
+    m = plan.plan_media.media_inputs(cfg, omni_model.read_hf_config(cfg.model.hf_path))
+    assert (m.image_tokens, m.video_tokens) == (sum(int(ix.image_tokens[i]) for i in vit),
+                                                sum(int(ix.video_tokens[i]) for i in vit))
+    assert m.video_frames == sum(int(ix.video_frames[i]) for i in vit)
+    assert sorted(m.audio_samples) == sorted(n for i in loud for n in samples[i])
+    assert (m.video_frames > 0) == ("video" in data_path) and (m.audio_tokens > 0) == ("audio" in data_path)
+    assert m.media_source == f"the training data's index ({cfg.data.train.data_path})"
+
+
+def test_audio_for_a_model_without_a_sound_encoder_is_one_line(tmp_path, capsys):
+    tiny = ROOT / "assets" / "tiny-omni"
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model, ignore=lambda d, names: [n for n in names if n == "config.json"])
+    hub = json.loads((tiny / "config.json").read_text())
+    del hub["sound_config"]
+    (model / "config.json").write_text(json.dumps(hub))
+    assert plan.main([str(ROOT / "configs" / "tiny.toml"), f"model.hf_path={model}", "--audio-seconds", "5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ConfigError: model.hf_path = ") and "sound_config" in err[0]

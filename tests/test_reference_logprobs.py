@@ -216,13 +216,49 @@ def test_a_pair_whose_image_changed_is_computed_again_alone(tiny, counted, tmp_p
     counted.clear()
     capsys.readouterr()
     after, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
-    assert sorted(counted) == readers and f"{len(readers)} pairs read image files changed" in capsys.readouterr().out
+    assert sorted(counted) == readers and f"{len(readers)} pairs read media files changed" in capsys.readouterr().out
     now = {}
     for pair_ids, sums, _ in rl.score(tiny.model, _bins(tiny, data.train_split, readers, data.train_set), tiny.ctx):
         now.update(zip(pair_ids.tolist(), sums, strict=True))
     for p in readers:
         assert torch.equal(after.sums[p], now[p].double()) and not torch.equal(after.sums[p], before.sums[p])
     others = sorted(set(data.train_split.pair_ids) - set(readers))
+    assert torch.equal(after.sums[others], before.sums[others])
+
+
+def test_a_pair_whose_video_changed_is_computed_again_alone(tiny, counted, tmp_path, capsys):
+    """The image test's twin for video: a clip file replaced by another clip of the same frames and size, and one
+    frame image of a frame-list video inverted, after the pass: the pairs reading either, and only those, are computed
+    again, to the values the model gives now."""
+    from PIL import Image, ImageOps
+
+    import omni_model
+    import train
+
+    shutil.copytree(ROOT / "data" / "mmpr_video_sample", tmp_path / "data")
+    cfg = copy.deepcopy(tiny.cfg)
+    cfg.checkpoint.dir = str(tmp_path / "run")
+    cfg.data.train.data_path = str(tmp_path / "data/MMPR-video-sample/meta.json")
+    cfg.data.video.target_num_patches, cfg.data.train.split_validation_size, cfg.mpo.val_at_end = 24, 0, False
+    data = train.load_data(cfg, omni_model.read_hf_config(cfg.model.hf_path), rank=1)
+    before, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    index, ids = data.train_split.index, data.train_split.pair_ids
+    media = tmp_path / "data/MMPR-video-sample/media"
+    clip, frame = media / "clips/clip_0.mp4", media / "frames/clip_2_1.png"
+    readers = sorted(p for p in ids if str(clip) in index.videos(p) or str(frame) in index.videos(p))
+    assert len(readers) == 3  # clip_0 in a clip row and an image + clip row; the frame in one frame list
+    clip.write_bytes((media / "clips/clip_1.mp4").read_bytes())
+    ImageOps.invert(Image.open(frame).convert("RGB")).save(frame)
+    counted.clear()
+    capsys.readouterr()
+    after, _ = rl.precompute(cfg, tiny.ctx, tiny.kernels, data, _StopAfter(None))
+    assert sorted(counted) == readers and f"{len(readers)} pairs read media files changed" in capsys.readouterr().out
+    now = {}
+    for pair_ids, sums, _ in rl.score(tiny.model, _bins(tiny, data.train_split, readers, data.train_set), tiny.ctx):
+        now.update(zip(pair_ids.tolist(), sums, strict=True))
+    for p in readers:
+        assert torch.equal(after.sums[p], now[p].double()) and not torch.equal(after.sums[p], before.sums[p])
+    others = sorted(set(ids) - set(readers))
     assert torch.equal(after.sums[others], before.sums[others])
 
 
