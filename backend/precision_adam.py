@@ -16,7 +16,7 @@ import torch
 assert sys.byteorder == "little", "the remainder is the low 16-bit half of an fp32 master"
 
 REMAINDER_MAX = 2**15 - 1  # int16
-STEP_CHUNK = 1 << 22  # elements updated at once: at most 21 bytes each of temporaries (STEP_TEMPORARY_BYTES)
+STEP_CHUNK = 1 << 22  # elements per op: large (each op is a kernel launch or a parallel region), 84 MiB of scratch
 STEP_TEMPORARY_BYTES = 21 * STEP_CHUNK  # fp32 master, denominator (the split's int32s after), gradient, moments; bool
 
 

@@ -70,7 +70,9 @@ def state_bytes() -> dict:
 def step_time(numel: int) -> dict:
     """One AdamW step over a flat shard of `numel` parameters, ours (bf16 weight + int16 remainder, fp32 moments and
     bf16 moments, the gradient read from an fp32 buffer) against torch.optim.AdamW on the fp32 master (megatron-core's
-    path on this machine); minimum of 5 interleaved rounds."""
+    path on this machine); minimum of 5 interleaved rounds, with torch's intra-op threads as set ("seconds",
+    "ratio") and with one ("one_thread": on shared cores each parallel op waits for its slowest thread, and ours
+    runs 15 elementwise ops to torch's 8, so contention from other processes inflates the first ratio)."""
     from backend import precision_adam
 
     gen = torch.Generator().manual_seed(0)
@@ -87,10 +89,22 @@ def step_time(numel: int) -> dict:
                                                        store_param_remainders=True, exp_avg_dtype=dtype,
                                                        exp_avg_sq_dtype=dtype)  # fmt: skip
     fns = {"torch AdamW (fp32 master)": torch_opt.step, **{f"ours, {k}": o.step for k, o in ours.items()}}
-    times = interleaved_times(fns, reps=5)
-    base = times["torch AdamW (fp32 master)"]["min"]
-    return {"numel": numel, "seconds": {k: v["min"] for k, v in times.items()},
-            "ratio": {k: v["min"] / base for k, v in times.items() if k.startswith("ours")}}
+    out: dict = {"numel": numel, "threads": torch.get_num_threads()}
+    threads = out["threads"]
+    for key, n in ((None, threads), ("one_thread", 1)):
+        torch.set_num_threads(n)
+        try:
+            times = interleaved_times(fns, reps=5)
+        finally:
+            torch.set_num_threads(threads)
+        base = times["torch AdamW (fp32 master)"]["min"]
+        res = {"seconds": {k: v["min"] for k, v in times.items()},
+               "ratio": {k: v["min"] / base for k, v in times.items() if k.startswith("ours")}}
+        if key is None:
+            out.update(res)
+        else:
+            out[key] = res
+    return out
 
 
 def _pair_gradients(cfg, n_pairs: int, per_step: int) -> list[torch.Tensor]:
