@@ -337,3 +337,30 @@ def test_resume_that_switches_the_optimizer_precision_converts_the_state(tmp_pat
             for want, got, k in ((a0, a1, "exp_avg"), (v0, v1, "exp_avg_sq")):
                 assert torch.equal(got, want.bfloat16().float() if moments[k] == "bf16" else want), k
         src = dst
+
+
+@pytest.fixture(scope="module")
+def tp_ep_resume(torchrun, tmp_path_factory) -> dict:
+    """tests/dist/check_precision_resume.py on 2 ranks: {f"{layout}-{moments}": {rank: report}}."""
+    launch = torchrun(ROOT / "tests" / "dist" / "check_precision_resume.py", tmp_path_factory.mktemp("pa_resume"),
+                      timeout=600)  # fmt: skip
+    return {case: {r: rep[case] for r, rep in launch.ranks.items()} for case in launch.result}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tp2_sp-m32", "tp2_sp-m16", "ep2-m32", "ep2-m16"])
+def test_resume_two_plus_two_equals_four_at_tp2_and_ep2(tp_ep_resume, case):
+    """On 2 ranks at TP = 2 (+SP) and at EP = 2 (DP = 2 for the dense parameters), remainders with fp32 or bf16
+    moments: steps 3-4 of a fresh setup loaded from the step-2 checkpoint equal the uninterrupted run's (metrics),
+    and so do every rank's weights and every optimizer state tensor of its shard, dtype included."""
+    tp, ep = (2, 1) if case.startswith("tp2") else (1, 2)
+    moments = "torch.float32" if case.endswith("m32") else "torch.bfloat16"
+    ranks = tp_ep_resume[case]
+    assert sorted(ranks) == [0, 1]
+    for rep in ranks.values():
+        assert "error" not in rep, rep
+        assert rep["world"] == [tp, ep, 2 // tp]
+        assert rep["metrics_equal"] and rep["trained"]
+        assert rep["opt_dtypes"] == sorted(["step torch.float32", "master_param torch.int16",
+                                            f"exp_avg {moments}", f"exp_avg_sq {moments}"])  # fmt: skip
+        assert rep["count"] > 20 and rep["unequal"] == []
