@@ -16,8 +16,8 @@ import torch
 assert sys.byteorder == "little", "the remainder is the low 16-bit half of an fp32 master"
 
 REMAINDER_MAX = 2**15 - 1  # int16
-STEP_CHUNK = 1 << 22  # elements per op: large (each op is a kernel launch or a parallel region), 84 MiB of scratch
-STEP_TEMPORARY_BYTES = 21 * STEP_CHUNK  # fp32 master, denominator (the split's int32s after), gradient, moments; bool
+STEP_CHUNK = 1 << 23  # elements per op: large (each op is a kernel launch or a parallel region), 136 MiB of scratch
+STEP_TEMPORARY_BYTES = 17 * STEP_CHUNK  # fp32 master, moments, gradient then denominator then the split's int32s; bool
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +181,8 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             master = master_from_remainder(p, kept, out=self._buffer("master", p, torch.float32))
         else:
             master = kept
-        grad, m, v = fp32("grad", g), fp32("exp_avg", exp_avg), fp32("exp_avg_sq", exp_avg_sq)
+        grad = fp32("denom", g)  # the denominator overwrites it once the moments have it
+        m, v = fp32("exp_avg", exp_avg), fp32("exp_avg_sq", exp_avg_sq)
         if weight_decay != 0:
             master.mul_(1 - lr * weight_decay)
         m.lerp_(grad, 1 - beta1)
