@@ -2,8 +2,9 @@
 
 The master split (`split_master` / `master_from_remainder`) over every edge class of fp32 bit patterns and a random
 sample against an integer round-to-nearest-even; one step against torch's AdamW on the rebuilt fp32 master; bf16
-moments; the state's keys, dtypes and round trip; the settings' one-line errors; and, in a tiny bf16 run, the
-precision-aware optimizer with fp32 moments equal to the fp32-master path bit for bit.
+moments; the state's keys, dtypes and round trip; the settings' one-line errors; in a tiny bf16 run, the
+precision-aware optimizer with fp32 moments equal to the fp32-master path bit for bit; resumes 2 + 2 = 4 bit for bit
+in one process and on 2 ranks at TP 2 + SP and EP 2 (tests/dist/check_precision_resume.py, one launch).
 """
 
 from __future__ import annotations
