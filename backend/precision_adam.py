@@ -2,8 +2,9 @@
 
 `PrecisionAwareAdam`: the interface of TE's FusedAdam that megatron-core's distributed optimizer calls with
 `use_precision_aware_optimizer` (megatron_patches.precision_aware_adam builds it where TE is absent). Each step
-rebuilds the fp32 master (`master_from_remainder`), runs torch's AdamW arithmetic on it (torch.optim.adam.adam) and
-stores the bf16 weight and int16 remainder (`store_master`). Reasons: docs/DESIGN.md, "Precision-aware optimizer".
+rebuilds the fp32 master (`master_from_remainder`), runs torch's single-tensor AdamW ops on it (the CPU path of
+torch.optim.AdamW, megatron-core's fp32-master optimizer here) and stores the bf16 weight and int16 remainder
+(`store_master`), a chunk at a time into preallocated scratch. Reasons: docs/DESIGN.md, "Precision-aware optimizer".
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.optim.adam import adam as torch_adam
 
 assert sys.byteorder == "little", "the remainder is the low 16-bit half of an fp32 master"
 
 REMAINDER_MAX = 2**15 - 1  # int16
-STEP_CHUNK = 1 << 22  # elements updated at once: at most ~36 bytes each of fp32 temporaries (STEP_TEMPORARY_BYTES)
-STEP_TEMPORARY_BYTES = 36 * STEP_CHUNK  # gradient, master, two moments, torch's denominator, the split's int32s
+STEP_CHUNK = 1 << 23  # elements per op: large (each op is a kernel launch or a parallel region), 136 MiB of scratch
+STEP_TEMPORARY_BYTES = 17 * STEP_CHUNK  # fp32 master, moments, gradient then denominator then the split's int32s; bool
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,22 +30,22 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def master_from_remainder(weight: torch.Tensor, remainder: torch.Tensor, out=None) -> torch.Tensor:
-    """bf16 `weight` + int16 `remainder` -> the fp32 master (bits weight << 16 + remainder, TE's reconstruction),
-    written as 16-bit halves: a negative remainder borrows one from the high half."""
+    """bf16 `weight` + int16 `remainder` -> the fp32 master: bits (weight bits << 16) + remainder in int32, TE's
+    reconstruction (a negative remainder borrows one from the high half)."""
     if out is None:
         out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-    halves = out.view(torch.int16).view(-1, 2)
-    remainder = remainder.reshape(-1)
-    halves[:, 0] = remainder
-    torch.add(weight.view(torch.int16).reshape(-1), remainder >> 15, out=halves[:, 1])
+    out.copy_(weight)  # exact: the fp32 bits are the bf16 bits << 16
+    out.view(torch.int32).add_(remainder)  # int32 wraps
     return out
 
 
 def store_master(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor, scratch=None) -> None:
-    """`split_master(master)` written into 1-D `weight` and `remainder` (the master's low half but at the ties)."""
+    """`split_master(master)` written into `weight` and `remainder` (of `master`'s shape): the master's low half but
+    at the ties; `scratch`: (int32, bool) tensors of that shape, else allocated."""
+    bits = master.view(torch.int32)
     weight.copy_(master)
-    remainder.copy_(master.view(torch.int16).view(-1, 2)[:, 0])
-    low = torch.bitwise_and(master.view(torch.int32), 0x1FFFF, out=None if scratch is None else scratch[0])
+    remainder.copy_(bits)  # int32 -> int16 keeps the low half
+    low = torch.bitwise_and(bits, 0x1FFFF, out=None if scratch is None else scratch[0])
     tie_down = torch.eq(low, 0x8000, out=None if scratch is None else scratch[1])  # low half 0x8000, even weight
     remainder.sub_(tie_down.view(torch.int8))  # rounded down: 0x8000 - 1 wraps to 0x7FFF
 
@@ -143,7 +143,6 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         """One AdamW step per tensor, in chunks of STEP_CHUNK elements (`_update`)."""
         assert closure is None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if not self.state[p]:
                     self.initialize_state(p)
@@ -151,27 +150,29 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
                 if g is None:
                     continue
                 s = self.state[p]
-                step = s["step"].clone()  # each chunk counts from it; the state counts the step once
-                for i in range(0, p.numel(), STEP_CHUNK):  # elementwise: the chunks bound the fp32 temporaries
+                s["step"] += 1  # torch's fp32 count, read as a Python float as torch's single-tensor AdamW reads it
+                step = s["step"].item()
+                kept = s.get("master_param")
+                for i in range(0, p.numel(), STEP_CHUNK):  # elementwise: the chunks bound the temporaries
                     chunk = slice(i, i + STEP_CHUNK)
-                    self._update([t.view(-1)[chunk] for t in (p, g, s["exp_avg"], s["exp_avg_sq"])],
-                                 s.get("master_param"), chunk, step.clone(), group, beta1, beta2)
-                s["step"] += 1
-        self._scratch.clear()  # allocated once per step (fresh pages per chunk and op cost more than the math)
+                    self._update(*[None if t is None else t.view(-1)[chunk]
+                                   for t in (p, g, s["exp_avg"], s["exp_avg_sq"], kept)], step, group)  # fmt: skip
 
     def _buffer(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """This step's scratch tensor `name`: STEP_CHUNK elements of `dtype` on `like`'s device, its first numel."""
+        """Scratch tensor `name`: STEP_CHUNK elements of `dtype` on `like`'s device, its first numel; kept between
+        steps (fresh pages each step cost the CPU more than an op)."""
         buf = self._scratch.get(name)
         if buf is None or buf.device != like.device:
             buf = self._scratch[name] = torch.empty(STEP_CHUNK, dtype=dtype, device=like.device)
         return buf[: like.numel()]
 
-    def _update(self, tensors, kept, chunk, step, group, beta1, beta2) -> None:
-        """torch's AdamW on one chunk: the fp32 master, gradient and moments, then stored back."""
-        p, g, exp_avg, exp_avg_sq = tensors
-        kept = kept.view(-1)[chunk] if kept is not None else None
+    def _update(self, p, g, exp_avg, exp_avg_sq, kept, step: float, group) -> None:
+        """torch's single-tensor AdamW (torch.optim.adam._single_tensor_adam, decoupled weight decay: its ops, in its
+        order, with its Python-float constants) on one chunk's fp32 master, then the weight and remainder stored."""
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
 
-        def fp32(name, t):  # `t` in fp32: itself, or its copy in this step's scratch buffer `name`
+        def fp32(name, t):  # `t` in fp32: itself, or its copy in the scratch buffer `name`
             return t if t.dtype == torch.float32 else self._buffer(name, t, torch.float32).copy_(t)
 
         if kept is None:
@@ -180,14 +181,21 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             master = master_from_remainder(p, kept, out=self._buffer("master", p, torch.float32))
         else:
             master = kept
+        grad = fp32("denom", g)  # the denominator overwrites it once the moments have it
         m, v = fp32("exp_avg", exp_avg), fp32("exp_avg_sq", exp_avg_sq)
-        torch_adam([master], [fp32("grad", g)], [m], [v], [], [step], foreach=None, fused=None,
-                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)  # fmt: skip
+        if weight_decay != 0:
+            master.mul_(1 - lr * weight_decay)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = lr / (1 - beta1**step)
+        denom = torch.sqrt(v, out=self._buffer("denom", p, torch.float32))
+        denom.div_((1 - beta2**step) ** 0.5).add_(eps)
+        master.addcdiv_(m, denom, value=-step_size)
         for state, value in ((exp_avg, m), (exp_avg_sq, v)):
             if state is not value:
                 state.copy_(value)
         if kept is not None and kept.dtype == torch.int16:
-            store_master(master, p, kept, (self._buffer("low", p, torch.int32), self._buffer("tie", p, torch.bool)))
+            low = self._buffer("denom", p, torch.float32).view(torch.int32)  # the denominator is spent
+            store_master(master, p, kept, (low, self._buffer("tie", p, torch.bool)))
         elif master.dtype != p.dtype:  # a kept fp32 master of a bf16 weight
             p.copy_(master)

@@ -145,10 +145,13 @@ def table(res: dict) -> str:
         base = o["state"]["fp32 master (megatron-core's path)"]["bytes_per_param"]
         rows += [(f"optimizer: {k}", "state bytes per trained parameter", f"{v['bytes_per_param']:.2f}",
                   f"{base:.2f}", f"{v['bytes_per_param'] / base:.2f}x") for k, v in o["state"].items()]
-        torch_s = o["step"]["seconds"]["torch AdamW (fp32 master)"]
-        rows += [(f"optimizer step, {o['step']['numel']} params", f"{k} vs torch AdamW (CPU)",
-                  f"{o['step']['seconds'][k] * 1e3:.0f} ms", f"{torch_s * 1e3:.0f} ms", f"{r:.2f}x")
-                 for k, r in o["step"]["ratio"].items()]
+        st, gpu = o["step"], o.get("step_cuda")
+        for where, t in ((f"CPU, {st.get('threads', '')} threads", st), ("CPU, 1 thread", st.get("one_thread")),
+                         ("GPU", gpu)):  # fmt: skip
+            torch_s = t["seconds"]["torch AdamW (fp32 master)"] if t else 0
+            rows += [(f"optimizer step, {st['numel']} params", f"{k} vs torch AdamW ({where})",
+                      f"{t['seconds'][k] * 1e3:.1f} ms", f"{torch_s * 1e3:.1f} ms", f"{r:.2f}x")
+                     for k, r in (t["ratio"].items() if t else ())]
         for n, row in o["errors"]["errors"].items():
             ref = row["fp32 moments, fp32 buffers"]["rel_l2"]
             rows += [(f"optimizer update after {plural(int(n), 'step')}", f"{k}: rel. L2 error vs float64",

@@ -67,15 +67,18 @@ def state_bytes() -> dict:
     return out
 
 
-def step_time(numel: int) -> dict:
-    """One AdamW step over a flat shard of `numel` parameters, ours (bf16 weight + int16 remainder, fp32 moments and
-    bf16 moments, the gradient read from an fp32 buffer) against torch.optim.AdamW on the fp32 master (megatron-core's
-    path on this machine); minimum of 5 interleaved rounds."""
+def step_time(numel: int, device: str = "cpu") -> dict:
+    """One AdamW step over a flat shard of `numel` parameters on `device`, ours (bf16 weight + int16 remainder, fp32
+    moments and bf16 moments, the gradient read from an fp32 buffer) against torch.optim.AdamW on the fp32 master
+    (megatron-core's path without TE); minimum of 5 interleaved rounds, with torch's intra-op threads as set
+    ("seconds", "ratio") and, on the CPU, with one ("one_thread": on shared cores each parallel op waits for its
+    slowest thread, and ours runs 15 elementwise ops to torch's 8, so contention from other processes inflates the
+    first ratio)."""
     from backend import precision_adam
 
     gen = torch.Generator().manual_seed(0)
-    master = torch.randn(numel, generator=gen) * 0.02
-    grad = torch.randn(numel, generator=gen)
+    master = (torch.randn(numel, generator=gen) * 0.02).to(device)
+    grad = torch.randn(numel, generator=gen).to(device)
     ref = torch.nn.Parameter(master.clone())
     ref.grad = grad
     torch_opt = torch.optim.AdamW([ref], **NANO_ADAM)
@@ -87,10 +90,22 @@ def step_time(numel: int) -> dict:
                                                        store_param_remainders=True, exp_avg_dtype=dtype,
                                                        exp_avg_sq_dtype=dtype)  # fmt: skip
     fns = {"torch AdamW (fp32 master)": torch_opt.step, **{f"ours, {k}": o.step for k, o in ours.items()}}
-    times = interleaved_times(fns, reps=5)
-    base = times["torch AdamW (fp32 master)"]["min"]
-    return {"numel": numel, "seconds": {k: v["min"] for k, v in times.items()},
-            "ratio": {k: v["min"] / base for k, v in times.items() if k.startswith("ours")}}
+    out: dict = {"numel": numel, "device": device, "threads": torch.get_num_threads()}
+    threads = out["threads"]
+    for key, n in ((None, threads), ("one_thread", 1))[: 2 if device == "cpu" else 1]:
+        torch.set_num_threads(n)
+        try:
+            times = interleaved_times(fns, reps=5)
+        finally:
+            torch.set_num_threads(threads)
+        base = times["torch AdamW (fp32 master)"]["min"]
+        res = {"seconds": {k: v["min"] for k, v in times.items()},
+               "ratio": {k: v["min"] / base for k, v in times.items() if k.startswith("ours")}}
+        if key is None:
+            out.update(res)
+        else:
+            out[key] = res
+    return out
 
 
 def _pair_gradients(cfg, n_pairs: int, per_step: int) -> list[torch.Tensor]:
@@ -175,10 +190,14 @@ def update_errors(steps: tuple[int, ...], n_pairs: int = PAIRS, per_step: int = 
 
 
 def bench_optimizer(quick: bool) -> dict:
-    """state_bytes, step_time and update_errors (--quick: a 1M shard, 1 and 10 steps of 2 of 4 pairs)."""
+    """state_bytes, step_time (on the CPU, and with CUDA on the GPU) and update_errors (--quick: a 1M shard, 1 and 10
+    steps of 2 of 4 pairs)."""
     t = time.perf_counter()
     quick_errors = (ERROR_STEPS_QUICK, PAIRS_QUICK, PAIRS_PER_STEP_QUICK)
     errors = update_errors(*quick_errors) if quick else update_errors(ERROR_STEPS)
-    res = {"state": state_bytes(), "step": step_time(STEP_NUMEL_QUICK if quick else STEP_NUMEL), "errors": errors}
+    numel = STEP_NUMEL_QUICK if quick else STEP_NUMEL
+    res = {"state": state_bytes(), "step": step_time(numel), "errors": errors}
+    if torch.cuda.is_available():  # the step on the GPU as well (the pip path there, where TE is absent)
+        res["step_cuda"] = step_time(numel, "cuda")
     res["seconds"] = time.perf_counter() - t
     return res

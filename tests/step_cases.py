@@ -170,8 +170,8 @@ def tiny_config(*overrides: str):
 
 def tiny_step(device, *overrides: str) -> dict:
     """What train.main sets up for one rank with configs/tiny.toml (+ overrides), on `device`, and the first step's
-    packed microbatches. Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, plan, batches,
-    run(batches, reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
+    packed microbatches (this DP rank's). Returns a dict: cfg, ctx, policy, reference, ddp, optimizer, scheduler, plan,
+    batches, run(batches, reward_shift) -> (metrics, new shift) (train.train_step with these objects)."""
     import distributed
     import hf_weights
     import omni_model as om
@@ -209,8 +209,9 @@ def tiny_step(device, *overrides: str) -> dict:
         train_split, _ = mmpr_index.load_splits(processor, cfg.data)
         dataset = mmpr_data.PairDataset(train_split.index, processor)
         ids = train_split.pair_ids[: cfg.policy.train_global_batch_size]
-        plan = pack.plan_step(train_split.index.lengths(ids), cfg.packing, 1, train_split.index.shared_lengths(ids))
-        pairs = {p: dataset[p] for b in plan.ranks[0] for p in b.pair_ids}
+        lengths, shared = train_split.index.lengths(ids), train_split.index.shared_lengths(ids)
+        plan = pack.plan_step(lengths, cfg.packing, ctx.dp, shared)  # this rank's bins: plan.ranks[ctx.dp_rank]
+        pairs = {p: dataset[p] for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids}
         hf = om.read_hf_config(cfg.model.hf_path)
         batches = pack.load_bins(plan, pairs, ctx, hf.image_token_id, processor.tokenizer.pad_token_id or 0)
     finally:

@@ -2,8 +2,9 @@
 
 The master split (`split_master` / `master_from_remainder`) over every edge class of fp32 bit patterns and a random
 sample against an integer round-to-nearest-even; one step against torch's AdamW on the rebuilt fp32 master; bf16
-moments; the state's keys, dtypes and round trip; the settings' one-line errors; and, in a tiny bf16 run, the
-precision-aware optimizer with fp32 moments equal to the fp32-master path bit for bit.
+moments; the state's keys, dtypes and round trip; the settings' one-line errors; in a tiny bf16 run, the
+precision-aware optimizer with fp32 moments equal to the fp32-master path bit for bit; resumes 2 + 2 = 4 bit for bit
+in one process and on 2 ranks at TP 2 + SP and EP 2 (tests/dist/check_precision_resume.py, one launch).
 """
 
 from __future__ import annotations
@@ -95,11 +96,12 @@ def _adam(params, **kw) -> precision_adam.PrecisionAwareAdam:
                                         master_weights=True, use_decoupled_grad=True, **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize(("remainders", "chunk"), [(True, 1000), (False, precision_adam.STEP_CHUNK)])
+@pytest.mark.parametrize(("remainders", "chunk"), [(True, 1000), (False, precision_adam.STEP_CHUNK), (False, 999)])
 def test_step_is_torch_adamw_on_the_fp32_master(remainders, chunk, monkeypatch):
     """Five steps, each from the optimizer's own state: torch.optim.AdamW on the rebuilt fp32 master (fp32 moments)
     gives the new master (bit for bit, but the tie `split_master` stores one ulp off), the bf16 weight is its round
-    to nearest even, the moments and step are torch's; in one chunk or several."""
+    to nearest even, the moments and step are torch's; in one chunk or several (999: the vector kernels' scalar
+    tails fall inside the tensor, where torch's fall at its end)."""
     monkeypatch.setattr(precision_adam, "STEP_CHUNK", chunk)
     gen = torch.Generator().manual_seed(1)
     start = torch.randn(4096, generator=gen) * 0.02
@@ -336,3 +338,30 @@ def test_resume_that_switches_the_optimizer_precision_converts_the_state(tmp_pat
             for want, got, k in ((a0, a1, "exp_avg"), (v0, v1, "exp_avg_sq")):
                 assert torch.equal(got, want.bfloat16().float() if moments[k] == "bf16" else want), k
         src = dst
+
+
+@pytest.fixture(scope="module")
+def tp_ep_resume(torchrun, tmp_path_factory) -> dict:
+    """tests/dist/check_precision_resume.py on 2 ranks: {f"{layout}-{moments}": {rank: report}}."""
+    launch = torchrun(ROOT / "tests" / "dist" / "check_precision_resume.py", tmp_path_factory.mktemp("pa_resume"),
+                      timeout=600)  # fmt: skip
+    return {case: {r: rep[case] for r, rep in launch.ranks.items()} for case in launch.result}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tp2_sp-m32", "tp2_sp-m16", "ep2-m32", "ep2-m16"])
+def test_resume_two_plus_two_equals_four_at_tp2_and_ep2(tp_ep_resume, case):
+    """On 2 ranks at TP = 2 (+SP) and at EP = 2 (DP = 2 for the dense parameters), remainders with fp32 or bf16
+    moments: steps 3-4 of a fresh setup loaded from the step-2 checkpoint equal the uninterrupted run's (metrics),
+    and so do every rank's weights and every optimizer state tensor of its shard, dtype included."""
+    tp, ep = (2, 1) if case.startswith("tp2") else (1, 2)
+    moments = "torch.float32" if case.endswith("m32") else "torch.bfloat16"
+    ranks = tp_ep_resume[case]
+    assert sorted(ranks) == [0, 1]
+    for rep in ranks.values():
+        assert "error" not in rep, rep
+        assert rep["world"] == [tp, ep, 2 // tp]
+        assert rep["metrics_equal"] and rep["trained"]
+        assert rep["opt_dtypes"] == sorted(["step torch.float32", "master_param torch.int16",
+                                            f"exp_avg {moments}", f"exp_avg_sq {moments}"])  # fmt: skip
+        assert rep["count"] > 20 and rep["unequal"] == []
