@@ -120,13 +120,22 @@ def fill_video_norm(processor) -> None:
         vp.norm_mean, vp.norm_std = list(ip.image_mean), list(ip.image_std)
 
 
-def _sampler(num_frames: int | None, fps: float | None) -> Callable:
-    """transformers' default_sample_indices_fn, num_frames capped at the clip's frame count (a short clip: all)."""
+def _sampler(num_frames: int | None, fps: float | None, max_frames: int, path: Path) -> Callable:
+    """transformers' default_sample_indices_fn, its frame count (num_frames, or fps' int(frames / clip fps * fps) >= 1)
+    capped at the clip's frame count (a short clip: all); more than `max_frames` is a Drop here, from the container's
+    frame count, before a frame is decoded."""
     from transformers.video_utils import default_sample_indices_fn
 
     def sample(metadata, **kwargs):
-        n = min(num_frames, metadata.total_num_frames) if num_frames else None
-        return default_sample_indices_fn(metadata, num_frames=n, fps=None if n else fps)
+        total = metadata.total_num_frames
+        if total < 1:  # PyAV's stream.frames is 0 where the container does not store it (Matroska, WebM)
+            raise Drop("video_unreadable", f"{path}: the container gives no frame count; re-mux it as MP4")
+        n = num_frames or (max(1, int(min(total, total / metadata.fps * fps))) if fps and metadata.fps else None)
+        indices = default_sample_indices_fn(metadata, num_frames=min(n, total) if n else None, fps=None if n else fps)
+        if len(indices) > max_frames:
+            raise Drop("too_many_frames", f"{path}: {len(indices)} frames sampled > data.video.max_frames = "
+                                          f"{max_frames}")
+        return indices
 
     return sample
 
@@ -159,16 +168,13 @@ def load_frames(video: str | Sequence[str], processor, max_frames: int) -> tuple
     try:
         frames, metadata = load_video(str(path), backend="pyav",
                                       sample_indices_fn=_sampler(getattr(vp, "num_frames", None),
-                                                                 getattr(vp, "fps", None)))
-    except IndexError:  # read_video_pyav's indices[-1] of a stream without frames
-        raise Drop("video_unreadable", f"{path}: zero-length (no frame)") from None
+                                                                 getattr(vp, "fps", None), max_frames, path))
+    except Drop:
+        raise
+    except IndexError:  # read_video_pyav's streams.video[0] of a file without a video stream
+        raise Drop("video_unreadable", f"{path}: no video stream") from None
     except Exception as e:  # PyAV raises av.error.* (OSError subclasses), ValueError, ...
         raise Drop("video_unreadable", f"{path}: {type(e).__name__}: {e}") from None
-    if len(frames) == 0:
-        raise Drop("video_unreadable", f"{path}: zero-length (no frame)")
-    if len(frames) > max_frames:
-        raise Drop("too_many_frames", f"{path}: {len(frames)} frames sampled > data.video.max_frames = "
-                                           f"{max_frames}")
     return frames, metadata
 
 
