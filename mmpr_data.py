@@ -19,6 +19,7 @@ import torch
 from distributed import ignore_stop_signals, workers_start_deaf
 from mmpr_media import (
     Drop,
+    audio_samples,
     audio_token_count,
     expand_video,
     image_grids,
@@ -233,8 +234,11 @@ class PairDataset(torch.utils.data.Dataset):
             return {}
         fe = self.processor.feature_extractor
         feats, lens, counts = [], [], []
-        for path in clips:
-            try:
+        a0 = int(self.index.audio_start[i])
+        for path, indexed in zip(clips, self.index.audio_samples[a0:a0 + len(clips)].tolist(), strict=True):
+            try:  # the header first: a clip grown since the index is not decoded
+                if (n := audio_samples(path, fe.sampling_rate)) != indexed:
+                    raise _changed(self.index, i, f"{path}: {n} audio samples, the index has {indexed}")
                 wave = load_audio(path, fe.sampling_rate)
             except Drop as d:
                 raise _changed(self.index, i, str(d)) from None

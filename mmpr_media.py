@@ -1,7 +1,8 @@
 """The media of a row, decoded and counted as the checkpoint's processor does: images (`load_image`, `image_grids`),
 video (`load_frames`: a file sampled through PyAV, or a list of frame images; `video_layout`, `expand_video`,
-`video_pixels`, `apply_video_settings` for data.video), audio clips (`load_audio`, `audio_token_count`). A file that
-fails raises `Drop` naming one of mmpr_rows.DROP_REASONS. The text each becomes: docs/RUNNING.md, "Video rows"."""
+`video_pixels`, `apply_video_settings` for data.video), audio clips (`audio_samples`, `load_audio`,
+`audio_token_count`). A file that fails raises `Drop` naming one of mmpr_rows.DROP_REASONS. The text each becomes:
+docs/RUNNING.md, "Video rows"."""
 
 from __future__ import annotations
 
@@ -219,11 +220,8 @@ def video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) 
 
 
 # ---- Audio ----------
-def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
-    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
-    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
-    from transformers.audio_utils import load_audio as hf_load_audio
-
+def _audio_file(path: str | Path) -> Path:
+    """`path` as a Path, or a Drop unless it is a regular file (audio_missing / audio_unreadable)."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -235,6 +233,30 @@ def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
         raise Drop("audio_missing", f"{path} is a directory")
     if not stat.S_ISREG(mode):
         raise Drop("audio_unreadable", f"{path} is not a regular file")
+    return path
+
+
+def audio_samples(path: str | Path, sampling_rate: int) -> int:
+    """Samples `load_audio` gives (at `sampling_rate` Hz) from the file's header, nothing decoded: its frames, or
+    ceil(frames * sampling_rate / file rate) resampled (transformers' soundfile backend)."""
+    import soundfile
+
+    path = _audio_file(path)
+    try:
+        info = soundfile.info(str(path))
+    except Exception as e:  # soundfile's LibsndfileError (a format it cannot read), RuntimeError, ...
+        raise Drop("audio_unreadable", f"{path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if info.samplerate == sampling_rate:
+        return int(info.frames)
+    return math.ceil(info.frames * sampling_rate / info.samplerate)
+
+
+def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
+    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
+    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
+    from transformers.audio_utils import load_audio as hf_load_audio
+
+    path = _audio_file(path)
     try:
         wave = hf_load_audio(str(path), sampling_rate=sampling_rate, backend="soundfile")
     except Exception as e:  # soundfile's LibsndfileError, RuntimeError (a container soundfile cannot read), ...

@@ -31,6 +31,7 @@ from typing import Any
 from mmpr_media import (
     VIDEO_DROP_REASONS,
     Drop,
+    audio_samples,
     audio_token_count,
     image_grids,
     load_audio,
@@ -63,7 +64,8 @@ DROP_REASONS = (
     "audio_missing",  # an audio file does not exist
     "audio_unreadable",  # it cannot be opened or decoded (soundfile; e.g. a video container), or holds NaN / inf
     "audio_empty",  # it decodes to zero samples
-    "audio_too_long",  # a clip longer than data.train.max_audio_seconds
+    "audio_too_long",  # longer than data.train.max_audio_seconds, or its tokens alone > data.max_seq_length (from
+    # the file's header, before decoding)
     "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image and audio tokens included
 )
@@ -473,20 +475,23 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
 
 
 def _probe_audio(path: str) -> int | tuple[str, str]:
-    """Samples of a decodable clip at the processor's rate, or (drop reason, detail); memoised per process."""
+    """Samples of a decodable clip at the processor's rate, or (drop reason, detail); memoised per process. The
+    length limits apply to the header's count, before decoding: a long clip is not decoded just to be dropped."""
     cache = _CHUNK_CTX.setdefault("audio", {})
     if path not in cache:
-        proc = _CHUNK_CTX["processor"]
+        proc, limit, max_len = _CHUNK_CTX["processor"], _CHUNK_CTX["max_audio_seconds"], _CHUNK_CTX["max_len"]
+        rate = proc.feature_extractor.sampling_rate
         try:
-            cache[path] = int(load_audio(path, proc.feature_extractor.sampling_rate).size)
+            n = audio_samples(path, rate)
+            if limit and n > limit * rate:
+                raise Drop("audio_too_long", f"{path}: {n / rate:.2f} s > data.train.max_audio_seconds = {limit}")
+            if (tokens := audio_token_count(proc, n)) > max_len:
+                raise Drop("audio_too_long", f"{path}: {n / rate:.2f} s = {tokens} audio tokens > "
+                                             f"data.max_seq_length = {max_len}")
+            cache[path] = int(load_audio(path, rate).size)
         except Drop as d:
             cache[path] = (d.reason, d.detail)
-    n = cache[path]
-    limit = _CHUNK_CTX["max_audio_seconds"]
-    rate = _CHUNK_CTX["processor"].feature_extractor.sampling_rate
-    if isinstance(n, int) and limit and n > limit * rate:
-        return ("audio_too_long", f"{path}: {n / rate:.2f} s > data.train.max_audio_seconds = {limit}")
-    return n
+    return cache[path]
 
 
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],

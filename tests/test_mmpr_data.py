@@ -595,6 +595,41 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert str(index.cache_dir) not in str(e.value)
 
 
+def test_a_long_clip_is_dropped_from_its_header_not_decoded(tmp_path, processor, monkeypatch):
+    """audio_too_long is judged from the file's header: a clip over data.train.max_audio_seconds and a 1 Hz WAV of
+    400 samples (400 s: 6.4 M samples at 16 kHz, 5001 audio tokens > data.max_seq_length) are dropped with nothing
+    decoded; a clip replaced after indexing by a longer one is a DataError naming the row, again not decoded."""
+    rows = [row(0, image=None, q="Hear?", audio="t.wav"), row(1, image=None, q="Hear?", audio="long.wav"),
+            row(2, image=None, q="Hear?", audio="slow.wav")]
+    meta = write_set(tmp_path, rows, {"t.wav": wav(0.3), "long.wav": wav(0.6), "slow.wav": wav(400, rate=1)})
+    decoded = []
+
+    def spy(path, rate):
+        decoded.append(Path(path).name)
+        return mm.load_audio(path, rate)
+
+    monkeypatch.setattr(mr, "load_audio", spy)
+    index = mi.build_index(meta, processor, data_cfg(max_seq_length=200, train__max_audio_seconds=0.5),
+                           use_cache=False)
+    assert index.stats["sub"]["dropped"] == {"audio_too_long": 2} and decoded == ["t.wav"]
+    assert index.line.tolist() == [1] and index.audio_samples.tolist() == [4800]
+    decoded.clear()
+    no_limit = mi.build_index(meta, processor, data_cfg(max_seq_length=200), use_cache=False)  # tokens alone too many
+    assert no_limit.stats["sub"]["dropped"] == {"audio_too_long": 1} and decoded == ["t.wav", "long.wav"]
+    assert "slow.wav" in no_limit.stats["sub"]["drop_examples"]["audio_too_long"][0]
+    assert "data.max_seq_length = 200" in no_limit.stats["sub"]["drop_examples"]["audio_too_long"][0]
+    ds = md.PairDataset(index, processor)
+    assert int(ds[0].audio_token_counts.sum()) == int(index.audio_tokens[0])
+    shutil.copy(meta.parent / "images" / "slow.wav", meta.parent / "images" / "t.wav")
+
+    def not_decoded(path, rate):
+        raise AssertionError(f"{path} decoded")
+
+    monkeypatch.setattr(md, "load_audio", not_decoded)
+    with raises_naming(mr.DataError, f"{meta.parent / 'annotations' / 'sub.jsonl'}:1", "t.wav"):
+        ds[0]
+
+
 def test_identical_responses_are_a_counted_drop(tmp_path, processor):
     """`chosen == rejected` after stripping surrounding whitespace is a drop with file:line examples (and a
     DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
