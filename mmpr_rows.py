@@ -44,10 +44,12 @@ from mmpr_media import (
 DROP_REASONS = (
     "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
     "missing_field",  # question / chosen / rejected missing or not a string; image, video or audio not a path or paths
+    # (or under a key this reader does not read: images, videos, audios)
     "too_many_images",  # more images than data.train.max_images_per_row
     "placeholder_mismatch",  # <image> / <image_N> (<audio>) placeholders, but not one per image (clip); <video> not
     # one per video, or before an <image>, or missing beside <image> placeholders
-    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
+    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders, or
+    # <audio> outside the question
     "unterminated_reasoning",  # a response opens <think> and never closes it
     "malformed_reasoning",  # several reasoning blocks, or text before <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
@@ -73,6 +75,7 @@ REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may co
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
+OTHER_MEDIA_KEYS = ("images", "videos", "audios")  # other formats' media keys (e.g. ms-swift's): a drop, not ignored
 AUDIO_PLACEHOLDER = "<audio>"  # a row's placeholder for its next clip; rendered as the processor's `<so_embedding>`
 # A subset's keys: those read here and InternVL's other ones (no effect here); any other key warns (e.g. repeat_times).
 META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
@@ -257,7 +260,7 @@ class TextRenderer:
         for t in self.forbidden:
             if t in text and not (allow_image and t == self.video_token):
                 return t
-        return None if allow_image or self.image_token not in text else self.image_token
+        return None if allow_image else next((t for t in (self.image_token, AUDIO_PLACEHOLDER) if t in text), None)
 
     def parse(self, row: Any, root: Path | None, max_images: int,
               subset: str = "") -> tuple[str, str, str, str, list[str], str | list[str] | None]:
@@ -276,6 +279,8 @@ class TextRenderer:
             if (m := _SURROGATE.search(v)) is not None:
                 raise Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
         question, chosen, rejected, system = fields.values()
+        if (key := next((k for k in OTHER_MEDIA_KEYS if k in row), None)) is not None:  # else a silent text-only row
+            raise Drop("missing_field", f"{key!r} is not read: name the field {key[:-1]!r}")
         image = row.get("image")
         images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):

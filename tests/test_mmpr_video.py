@@ -218,3 +218,24 @@ def test_frame_count_is_decided_before_decoding(tmp_path, processor, monkeypatch
     with pytest.raises(Drop) as e:
         load_frames(str(clip), processor, max_frames=3)
     assert e.value.reason == "too_many_frames"
+
+
+def test_media_under_other_keys_and_placeholders_in_responses_are_drops(tmp_path, processor):
+    """`images` / `videos` / `audios` (other formats' keys, which this reader does not read) are missing_field, not a
+    text-only row; `<audio>` outside the question (system, chosen, rejected) is stray_media_token as `<image>` is."""
+    rows = [
+        row(0, image=None, q="Which?"),  # valid: text only
+        row(1, image=None, q="What moves?", videos=["clip.mp4"]),
+        row(2, image=None, q="Hear?", audios=["t.wav"]),
+        row(3, image=None, images=["a.png"]),
+        row(4, image=None, q="Hear?", audio="t.wav", chosen="A tone <audio>."),
+        row(5, image=None, q="Hear?", rejected="No <audio> here."),
+        row(6, image=None, q="Hear?", system="Listen to <audio>."),
+    ]
+    meta = write_set(tmp_path, rows)
+    index = mi.build_index(meta, processor, video_cfg(), use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"missing_field": 3, "stray_media_token": 3} and index.line.tolist() == [1]
+    assert [e.split(": ", 1)[1].split()[0] for e in st["drop_examples"]["missing_field"]] == [
+        "'videos'", "'audios'", "'images'"]
+    assert all("'<audio>'" in e for e in st["drop_examples"]["stray_media_token"])
