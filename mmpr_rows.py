@@ -14,6 +14,7 @@ A row rendered by the Omni chat template (the hub checkpoint's chat_template.jin
 from __future__ import annotations
 
 import collections
+import concurrent.futures.process
 import contextlib
 import difflib
 import hashlib
@@ -567,14 +568,24 @@ def checked_rows(pool, workers: int, root: str, path: Path,
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)
         return
-    window: collections.deque = collections.deque()
+    window: collections.deque = collections.deque()  # (future, first line, last line) of each chunk in flight
+
+    def settle() -> list:
+        fut, first, last = window.popleft()
+        try:
+            return fut.result()
+        except concurrent.futures.process.BrokenProcessPool:  # a worker killed (out of memory) or crashed (a decoder)
+            last = window[-1][2] if window else last
+            raise DataError(f"{path}: lines {first}-{last}: a row-checking process died (killed, e.g. out of memory, "
+                            "or a decoder crashed); data.num_workers = 0 (--num-workers 0) checks in-process") from None
+
     try:
         for chunk in _read_chunks(path):
-            window.append(pool.submit(_check_chunk, root, chunk, subset))
+            window.append((pool.submit(_check_chunk, root, chunk, subset), chunk[0][0], chunk[-1][0]))
             if len(window) >= 2 * workers:
-                yield from window.popleft().result()
+                yield from settle()
         while window:
-            yield from window.popleft().result()
+            yield from settle()
     finally:  # stopped early (max_samples) or failed: drop the chunks not yet started
-        for fut in window:
+        for fut, _, _ in window:
             fut.cancel()

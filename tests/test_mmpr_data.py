@@ -711,6 +711,22 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
     assert forked.stats["sub"]["rows_read"] == 9 and forked.stats["sub"]["dropped"] == {"image_missing": 2}
 
 
+def test_a_checking_process_that_dies_is_one_error_naming_the_lines(tmp_path, processor, monkeypatch):
+    """A forked checking process killed while it decodes (out of memory, a decoder's crash) is a DataError naming the
+    annotation file and the lines in flight, the killing row among them, not BrokenProcessPool's traceback."""
+    import re
+    import signal
+
+    monkeypatch.setattr(mr, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(mr, "load_frames", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+    rows = [row(i, image=None, q="Q?", **({"video": "v.mp4"} if i == 3 else {})) for i in range(8)]
+    meta = write_set(tmp_path, rows)
+    with raises_naming(mr.DataError, meta.parent / "annotations" / "sub.jsonl") as e:
+        mi.build_index(meta, processor, data_cfg(num_workers=2), use_cache=False)
+    first, last = map(int, re.search(r"lines (\d+)-(\d+)", str(e.value)).groups())
+    assert first <= 4 <= last  # the video row is line 4
+
+
 def test_no_valid_pair_is_an_error(tmp_path, processor):
     meta = write_set(tmp_path, [row(0, image="nope.png")], {})
     with raises_naming(mr.DataError, f"{meta}: ", "{'image_missing': 1}"):
