@@ -1353,6 +1353,22 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
         next(iter(loader))
 
 
+def test_a_loader_worker_that_dies_is_one_error_naming_its_pairs(tmp_path, processor, monkeypatch):
+    """A DataLoader worker killed while it decodes a pair (out of memory, a decoder's crash) is a DataError naming
+    the pairs it was loading (file:line), not torch's traceback."""
+    import signal
+
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    index = mi.build_index(meta, processor, data_cfg())
+    real = md.load_image
+    monkeypatch.setattr(md, "load_image", lambda p: os.kill(os.getpid(), signal.SIGKILL) if p.endswith("b.png")
+                        else real(p))
+    loader = md.StepLoader(md.PairDataset(index, processor), md.PairSampler([0, 1], seed=0, shuffle=False),
+                           global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
+    with raises_naming(mr.DataError, f"{tmp_path / 'MMPR-t' / 'annotations' / 'sub.jsonl'}:2", "data.num_workers"):
+        next(iter(loader))
+
+
 def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, processor, monkeypatch):
     """A SIGTERM from torchrun (another process than the worker's parent) that reached a DataLoader worker after its
     fork but before its worker_init_fn killed it (torch's worker handler re-raises such a SIGTERM), and the rank's step
