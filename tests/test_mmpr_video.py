@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import raises_naming  # noqa: E402
 from test_mmpr_data import TINY, data_cfg, rgb, row, write_set  # noqa: E402
 
 import mmpr_data as md  # noqa: E402
@@ -163,6 +164,9 @@ def test_index_cli_takes_the_video_settings(capsys):
     assert "    dropped too_many_frames: 8\n" in out and "4 frames sampled > --video-max-frames = 3" in out
     with pytest.raises(mr.DataError, match="--video-num-frames and --video-fps"):
         mi.main([str(VIDEO_META), "--model", str(TINY), "--video-num-frames", "2", "--video-fps", "1"])
+    for value in ("nan", "inf", "-1"):  # argparse's float() takes nan and inf; the config refuses them
+        with raises_naming(mr.DataError, "--video-fps", value):
+            mi.main([str(VIDEO_META), "--model", str(TINY), "--video-fps", value])
 
 
 def test_frame_count_is_decided_before_decoding(tmp_path, processor, monkeypatch):
