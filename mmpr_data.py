@@ -19,6 +19,7 @@ import torch
 from distributed import ignore_stop_signals, workers_start_deaf
 from mmpr_media import (
     Drop,
+    audio_samples,
     audio_token_count,
     expand_video,
     image_grids,
@@ -248,8 +249,11 @@ class PairDataset(torch.utils.data.Dataset):
             return {}
         fe = self.processor.feature_extractor
         feats, lens, counts = [], [], []
-        for path in clips:
-            try:
+        a0 = int(self.index.audio_start[i])
+        for path, indexed in zip(clips, self.index.audio_samples[a0:a0 + len(clips)].tolist(), strict=True):
+            try:  # the header first: a clip grown since the index is not decoded
+                if (n := audio_samples(path, fe.sampling_rate)) != indexed:
+                    raise _changed(self.index, i, f"{path}: {n} audio samples, the index has {indexed}")
                 wave = load_audio(path, fe.sampling_rate)
             except Drop as d:
                 raise _changed(self.index, i, str(d)) from None
@@ -385,7 +389,7 @@ class StepLoader:
                 ids = self.sampler.take(self.global_batch_size)
                 plan, load = self.plan_fn(ids)
                 load = list(dict.fromkeys(int(i) for i in load))  # dummy bins repeat a pair: load it once
-                pending.append((ids, plan, self.sampler.state_dict()))
+                pending.append((ids, plan, self.sampler.state_dict(), load))
                 yield load
 
         loader = torch.utils.data.DataLoader(
@@ -396,10 +400,19 @@ class StepLoader:
         with workers_start_deaf():
             batches = iter(loader)
         while True:  # endless; batches come back in order, so they match `pending` first-in first-out
-            pairs = next(batches)
+            try:
+                pairs = next(batches)
+            except RuntimeError as e:  # torch's own line for a worker that died: killed (out of memory), a crash
+                if not str(e).startswith("DataLoader worker (pid"):
+                    raise
+                del batches
+                loading = [self.dataset.index.source(i) for _, _, _, load in pending for i in load]
+                more = f" and {len(loading) - 4} more" if len(loading) > 4 else ""
+                raise DataError(f"{', '.join(loading[:4])}{more}: a DataLoader worker died loading these pairs "
+                                f"({e}); data.num_workers = 0 loads them in-process") from None
             error = next((p for p in pairs if isinstance(p, DataError)), None)
             if error is not None:
                 del batches  # stop the workers now (the iterator's last reference), not while the process exits
                 raise DataError(str(error)) from None
-            ids, plan, state = pending.popleft()
+            ids, plan, state, _ = pending.popleft()
             yield StepData(ids, plan, {p.pair_id: p for p in pairs}, state)

@@ -590,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--video-num-frames", args.video_num_frames, 0), ("--video-fps", args.video_fps, 0),
                                ("--video-max-frames", args.video_max_frames, 1),
                                ("--video-target-num-patches", args.video_target_num_patches, 0)):
-        if value < least:
+        if not (math.isfinite(value) and value >= least):  # argparse's float() takes nan and inf
             raise DataError(f"{flag} = {value} must be >= {least}" + (" (0 = all)" if least == 0 else ""))
     if not (math.isfinite(args.max_audio_seconds) and args.max_audio_seconds >= 0):
         raise DataError(f"--max-audio-seconds = {args.max_audio_seconds} must be >= 0 (0 = no limit)")

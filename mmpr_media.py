@@ -1,7 +1,8 @@
 """The media of a row, decoded and counted as the checkpoint's processor does: images (`load_image`, `image_grids`),
 video (`load_frames`: a file sampled through PyAV, or a list of frame images; `video_layout`, `expand_video`,
-`video_pixels`, `apply_video_settings` for data.video), audio clips (`load_audio`, `audio_token_count`). A file that
-fails raises `Drop` naming one of mmpr_rows.DROP_REASONS. The text each becomes: docs/RUNNING.md, "Video rows"."""
+`video_pixels`, `apply_video_settings` for data.video), audio clips (`audio_samples`, `load_audio`,
+`audio_token_count`). A file that fails raises `Drop` naming one of mmpr_rows.DROP_REASONS. The text each becomes:
+docs/RUNNING.md, "Video rows"."""
 
 from __future__ import annotations
 
@@ -122,13 +123,22 @@ def fill_video_norm(processor) -> None:
         vp.norm_mean, vp.norm_std = list(ip.image_mean), list(ip.image_std)
 
 
-def _sampler(num_frames: int | None, fps: float | None) -> Callable:
-    """transformers' default_sample_indices_fn, num_frames capped at the clip's frame count (a short clip: all)."""
+def _sampler(num_frames: int | None, fps: float | None, max_frames: int, path: Path) -> Callable:
+    """transformers' default_sample_indices_fn, its frame count (num_frames, or fps' int(frames / clip fps * fps) >= 1)
+    capped at the clip's frame count (a short clip: all); more than `max_frames` is a Drop here, from the container's
+    frame count, before a frame is decoded."""
     from transformers.video_utils import default_sample_indices_fn
 
     def sample(metadata, **kwargs):
-        n = min(num_frames, metadata.total_num_frames) if num_frames else None
-        return default_sample_indices_fn(metadata, num_frames=n, fps=None if n else fps)
+        total = metadata.total_num_frames
+        if total < 1:  # PyAV's stream.frames is 0 where the container does not store it (Matroska, WebM)
+            raise Drop("video_unreadable", f"{path}: the container gives no frame count; re-mux it as MP4")
+        n = num_frames or (max(1, int(min(total, total / metadata.fps * fps))) if fps and metadata.fps else None)
+        indices = default_sample_indices_fn(metadata, num_frames=min(n, total) if n else None, fps=None if n else fps)
+        if len(indices) > max_frames:
+            raise Drop("too_many_frames", f"{path}: {len(indices)} frames sampled > data.video.max_frames = "
+                                          f"{max_frames}")
+        return indices
 
     return sample
 
@@ -161,16 +171,13 @@ def load_frames(video: str | Sequence[str], processor, max_frames: int) -> tuple
     try:
         frames, metadata = load_video(str(path), backend="pyav",
                                       sample_indices_fn=_sampler(getattr(vp, "num_frames", None),
-                                                                 getattr(vp, "fps", None)))
-    except IndexError:  # read_video_pyav's indices[-1] of a stream without frames
-        raise Drop("video_unreadable", f"{path}: zero-length (no frame)") from None
+                                                                 getattr(vp, "fps", None), max_frames, path))
+    except Drop:
+        raise
+    except IndexError:  # read_video_pyav's streams.video[0] of a file without a video stream
+        raise Drop("video_unreadable", f"{path}: no video stream") from None
     except Exception as e:  # PyAV raises av.error.* (OSError subclasses), ValueError, ...
         raise Drop("video_unreadable", f"{path}: {type(e).__name__}: {e}") from None
-    if len(frames) == 0:
-        raise Drop("video_unreadable", f"{path}: zero-length (no frame)")
-    if len(frames) > max_frames:
-        raise Drop("too_many_frames", f"{path}: {len(frames)} frames sampled > data.video.max_frames = "
-                                           f"{max_frames}")
     return frames, metadata
 
 
@@ -224,11 +231,8 @@ def video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) 
 
 
 # ---- Audio ----------
-def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
-    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
-    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
-    from transformers.audio_utils import load_audio as hf_load_audio
-
+def _audio_file(path: str | Path) -> Path:
+    """`path` as a Path, or a Drop unless it is a regular file (audio_missing / audio_unreadable)."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -240,6 +244,30 @@ def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
         raise Drop("audio_missing", f"{path} is a directory")
     if not stat.S_ISREG(mode):
         raise Drop("audio_unreadable", f"{path} is not a regular file")
+    return path
+
+
+def audio_samples(path: str | Path, sampling_rate: int) -> int:
+    """Samples `load_audio` gives (at `sampling_rate` Hz) from the file's header, nothing decoded: its frames, or
+    ceil(frames * sampling_rate / file rate) resampled (transformers' soundfile backend)."""
+    import soundfile
+
+    path = _audio_file(path)
+    try:
+        info = soundfile.info(str(path))
+    except Exception as e:  # soundfile's LibsndfileError (a format it cannot read), RuntimeError, ...
+        raise Drop("audio_unreadable", f"{path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if info.samplerate == sampling_rate:
+        return int(info.frames)
+    return math.ceil(info.frames * sampling_rate / info.samplerate)
+
+
+def load_audio(path: str | Path, sampling_rate: int) -> np.ndarray:
+    """A clip decoded as transformers' processor does (audio_utils.load_audio, soundfile backend: channels averaged,
+    resampled with soxr to `sampling_rate` Hz): float32 [samples]."""
+    from transformers.audio_utils import load_audio as hf_load_audio
+
+    path = _audio_file(path)
     try:
         wave = hf_load_audio(str(path), sampling_rate=sampling_rate, backend="soundfile")
     except Exception as e:  # soundfile's LibsndfileError, RuntimeError (a container soundfile cannot read), ...

@@ -14,6 +14,7 @@ A row rendered by the Omni chat template (the hub checkpoint's chat_template.jin
 from __future__ import annotations
 
 import collections
+import concurrent.futures.process
 import contextlib
 import difflib
 import hashlib
@@ -31,6 +32,7 @@ from typing import Any
 from mmpr_media import (
     VIDEO_DROP_REASONS,
     Drop,
+    audio_samples,
     audio_token_count,
     image_grids,
     load_audio,
@@ -43,10 +45,12 @@ from mmpr_media import (
 DROP_REASONS = (
     "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
     "missing_field",  # question / chosen / rejected missing or not a string; image, video or audio not a path or paths
+    # (or under a key this reader does not read: images, videos, audios)
     "too_many_images",  # more images than data.train.max_images_per_row
     "placeholder_mismatch",  # <image> / <image_N> (<audio>) placeholders, but not one per image (clip); <video> not
     # one per video, or before an <image>, or missing beside <image> placeholders
-    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders
+    "stray_media_token",  # a special-token string (<image>, <img>, <|im_end|>, ...) beyond the real placeholders, or
+    # <audio> outside the question
     "unterminated_reasoning",  # a response opens <think> and never closes it
     "malformed_reasoning",  # several reasoning blocks, or text before <think>
     "empty_response",  # chosen or rejected is empty after stripping (or after its </think>)
@@ -63,7 +67,8 @@ DROP_REASONS = (
     "audio_missing",  # an audio file does not exist
     "audio_unreadable",  # it cannot be opened or decoded (soundfile; e.g. a video container), or holds NaN / inf
     "audio_empty",  # it decodes to zero samples
-    "audio_too_long",  # a clip longer than data.train.max_audio_seconds
+    "audio_too_long",  # longer than data.train.max_audio_seconds, or its tokens alone > data.max_seq_length (from
+    # the file's header, before decoding)
     "template_rewrites_text",  # the chat template would change the question, system or response text
     "too_long",  # a row is longer than data.max_seq_length tokens, expanded image and audio tokens included
 )
@@ -71,6 +76,7 @@ REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may co
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
+OTHER_MEDIA_KEYS = ("images", "videos", "audios")  # other formats' media keys (e.g. ms-swift's): a drop, not ignored
 AUDIO_PLACEHOLDER = "<audio>"  # a row's placeholder for its next clip; rendered as the processor's `<so_embedding>`
 # A subset's keys: those read here and InternVL's other ones (no effect here); any other key warns (e.g. repeat_times).
 META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
@@ -255,7 +261,7 @@ class TextRenderer:
         for t in self.forbidden:
             if t in text and not (allow_image and t == self.video_token):
                 return t
-        return None if allow_image or self.image_token not in text else self.image_token
+        return None if allow_image else next((t for t in (self.image_token, AUDIO_PLACEHOLDER) if t in text), None)
 
     def parse(self, row: Any, root: Path | None, max_images: int,
               subset: str = "") -> tuple[str, str, str, str, list[str], str | list[str] | None]:
@@ -274,6 +280,8 @@ class TextRenderer:
             if (m := _SURROGATE.search(v)) is not None:
                 raise Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
         question, chosen, rejected, system = fields.values()
+        if (key := next((k for k in OTHER_MEDIA_KEYS if k in row), None)) is not None:  # else a silent text-only row
+            raise Drop("missing_field", f"{key!r} is not read: name the field {key[:-1]!r}")
         image = row.get("image")
         images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
@@ -473,20 +481,23 @@ def _probe(path: str) -> tuple[int, int] | tuple[str, str]:
 
 
 def _probe_audio(path: str) -> int | tuple[str, str]:
-    """Samples of a decodable clip at the processor's rate, or (drop reason, detail); memoised per process."""
+    """Samples of a decodable clip at the processor's rate, or (drop reason, detail); memoised per process. The
+    length limits apply to the header's count, before decoding: a long clip is not decoded just to be dropped."""
     cache = _CHUNK_CTX.setdefault("audio", {})
     if path not in cache:
-        proc = _CHUNK_CTX["processor"]
+        proc, limit, max_len = _CHUNK_CTX["processor"], _CHUNK_CTX["max_audio_seconds"], _CHUNK_CTX["max_len"]
+        rate = proc.feature_extractor.sampling_rate
         try:
-            cache[path] = int(load_audio(path, proc.feature_extractor.sampling_rate).size)
+            n = audio_samples(path, rate)
+            if limit and n > limit * rate:
+                raise Drop("audio_too_long", f"{path}: {n / rate:.2f} s > data.train.max_audio_seconds = {limit}")
+            if (tokens := audio_token_count(proc, n)) > max_len:
+                raise Drop("audio_too_long", f"{path}: {n / rate:.2f} s = {tokens} audio tokens > "
+                                             f"data.max_seq_length = {max_len}")
+            cache[path] = int(load_audio(path, rate).size)
         except Drop as d:
             cache[path] = (d.reason, d.detail)
-    n = cache[path]
-    limit = _CHUNK_CTX["max_audio_seconds"]
-    rate = _CHUNK_CTX["processor"].feature_extractor.sampling_rate
-    if isinstance(n, int) and limit and n > limit * rate:
-        return ("audio_too_long", f"{path}: {n / rate:.2f} s > data.train.max_audio_seconds = {limit}")
-    return n
+    return cache[path]
 
 
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
@@ -559,14 +570,24 @@ def checked_rows(pool, workers: int, root: str, path: Path,
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)
         return
-    window: collections.deque = collections.deque()
+    window: collections.deque = collections.deque()  # (future, first line, last line) of each chunk in flight
+
+    def settle() -> list:
+        fut, first, last = window.popleft()
+        try:
+            return fut.result()
+        except concurrent.futures.process.BrokenProcessPool:  # a worker killed (out of memory) or crashed (a decoder)
+            last = window[-1][2] if window else last
+            raise DataError(f"{path}: lines {first}-{last}: a row-checking process died (killed, e.g. out of memory, "
+                            "or a decoder crashed); data.num_workers = 0 (--num-workers 0) checks in-process") from None
+
     try:
         for chunk in _read_chunks(path):
-            window.append(pool.submit(_check_chunk, root, chunk, subset))
+            window.append((pool.submit(_check_chunk, root, chunk, subset), chunk[0][0], chunk[-1][0]))
             if len(window) >= 2 * workers:
-                yield from window.popleft().result()
+                yield from settle()
         while window:
-            yield from window.popleft().result()
+            yield from settle()
     finally:  # stopped early (max_samples) or failed: drop the chunks not yet started
-        for fut in window:
+        for fut, _, _ in window:
             fut.cancel()

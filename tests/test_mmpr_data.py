@@ -595,6 +595,41 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     assert str(index.cache_dir) not in str(e.value)
 
 
+def test_a_long_clip_is_dropped_from_its_header_not_decoded(tmp_path, processor, monkeypatch):
+    """audio_too_long is judged from the file's header: a clip over data.train.max_audio_seconds and a 1 Hz WAV of
+    400 samples (400 s: 6.4 M samples at 16 kHz, 5001 audio tokens > data.max_seq_length) are dropped with nothing
+    decoded; a clip replaced after indexing by a longer one is a DataError naming the row, again not decoded."""
+    rows = [row(0, image=None, q="Hear?", audio="t.wav"), row(1, image=None, q="Hear?", audio="long.wav"),
+            row(2, image=None, q="Hear?", audio="slow.wav")]
+    meta = write_set(tmp_path, rows, {"t.wav": wav(0.3), "long.wav": wav(0.6), "slow.wav": wav(400, rate=1)})
+    decoded = []
+
+    def spy(path, rate):
+        decoded.append(Path(path).name)
+        return mm.load_audio(path, rate)
+
+    monkeypatch.setattr(mr, "load_audio", spy)
+    index = mi.build_index(meta, processor, data_cfg(max_seq_length=200, train__max_audio_seconds=0.5),
+                           use_cache=False)
+    assert index.stats["sub"]["dropped"] == {"audio_too_long": 2} and decoded == ["t.wav"]
+    assert index.line.tolist() == [1] and index.audio_samples.tolist() == [4800]
+    decoded.clear()
+    no_limit = mi.build_index(meta, processor, data_cfg(max_seq_length=200), use_cache=False)  # tokens alone too many
+    assert no_limit.stats["sub"]["dropped"] == {"audio_too_long": 1} and decoded == ["t.wav", "long.wav"]
+    assert "slow.wav" in no_limit.stats["sub"]["drop_examples"]["audio_too_long"][0]
+    assert "data.max_seq_length = 200" in no_limit.stats["sub"]["drop_examples"]["audio_too_long"][0]
+    ds = md.PairDataset(index, processor)
+    assert int(ds[0].audio_token_counts.sum()) == int(index.audio_tokens[0])
+    shutil.copy(meta.parent / "images" / "slow.wav", meta.parent / "images" / "t.wav")
+
+    def not_decoded(path, rate):
+        raise AssertionError(f"{path} decoded")
+
+    monkeypatch.setattr(md, "load_audio", not_decoded)
+    with raises_naming(mr.DataError, f"{meta.parent / 'annotations' / 'sub.jsonl'}:1", "t.wav"):
+        ds[0]
+
+
 def test_identical_responses_are_a_counted_drop(tmp_path, processor):
     """`chosen == rejected` after stripping surrounding whitespace is a drop with file:line examples (and a
     DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
@@ -674,6 +709,22 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
         forked = mi.build_index(meta, processor, data_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
         assert _same(serial, forked) and len(forked) == (16 if max_samples == 0 else 7)
     assert forked.stats["sub"]["rows_read"] == 9 and forked.stats["sub"]["dropped"] == {"image_missing": 2}
+
+
+def test_a_checking_process_that_dies_is_one_error_naming_the_lines(tmp_path, processor, monkeypatch):
+    """A forked checking process killed while it decodes (out of memory, a decoder's crash) is a DataError naming the
+    annotation file and the lines in flight, the killing row among them, not BrokenProcessPool's traceback."""
+    import re
+    import signal
+
+    monkeypatch.setattr(mr, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(mr, "load_frames", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+    rows = [row(i, image=None, q="Q?", **({"video": "v.mp4"} if i == 3 else {})) for i in range(8)]
+    meta = write_set(tmp_path, rows)
+    with raises_naming(mr.DataError, meta.parent / "annotations" / "sub.jsonl") as e:
+        mi.build_index(meta, processor, data_cfg(num_workers=2), use_cache=False)
+    first, last = map(int, re.search(r"lines (\d+)-(\d+)", str(e.value)).groups())
+    assert first <= 4 <= last  # the video row is line 4
 
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
@@ -1299,6 +1350,22 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
     with raises_naming(mr.DataError, f"{annotation}:2: image_truncated: {image}: ", "image file is truncated",
                        index.cache_dir):  # PIL's words for the cause, and the index cache to delete  # fmt: skip
+        next(iter(loader))
+
+
+def test_a_loader_worker_that_dies_is_one_error_naming_its_pairs(tmp_path, processor, monkeypatch):
+    """A DataLoader worker killed while it decodes a pair (out of memory, a decoder's crash) is a DataError naming
+    the pairs it was loading (file:line), not torch's traceback."""
+    import signal
+
+    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    index = mi.build_index(meta, processor, data_cfg())
+    real = md.load_image
+    monkeypatch.setattr(md, "load_image", lambda p: os.kill(os.getpid(), signal.SIGKILL) if p.endswith("b.png")
+                        else real(p))
+    loader = md.StepLoader(md.PairDataset(index, processor), md.PairSampler([0, 1], seed=0, shuffle=False),
+                           global_batch_size=2, plan_fn=lambda ids: (None, ids), num_workers=1)
+    with raises_naming(mr.DataError, f"{tmp_path / 'MMPR-t' / 'annotations' / 'sub.jsonl'}:2", "data.num_workers"):
         next(iter(loader))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import raises_naming  # noqa: E402
 from test_mmpr_data import TINY, data_cfg, rgb, row, write_set  # noqa: E402
 
 import mmpr_data as md  # noqa: E402
@@ -222,3 +223,82 @@ def test_index_cli_takes_the_video_settings(capsys):
     assert "    dropped too_many_frames: 8\n" in out and "4 frames sampled > --video-max-frames = 3" in out
     with pytest.raises(mr.DataError, match="--video-num-frames and --video-fps"):
         mi.main([str(VIDEO_META), "--model", str(TINY), "--video-num-frames", "2", "--video-fps", "1"])
+    for value in ("nan", "inf", "-1"):  # argparse's float() takes nan and inf; the config refuses them
+        with raises_naming(mr.DataError, "--video-fps", value):
+            mi.main([str(VIDEO_META), "--model", str(TINY), "--video-fps", value])
+
+
+def test_frame_count_is_decided_before_decoding(tmp_path, processor, monkeypatch):
+    """A file's frames sampled follow from its container's frame count: more than data.video.max_frames is
+    too_many_frames before any frame is decoded (a long video decoded whole would not fit in memory); data.video.fps
+    above the clip's rate takes every frame, as num_frames does; a container without a frame count (Matroska) and a
+    file without a video stream are video_unreadable naming the file."""
+    import av
+    import numpy as np
+
+    from mmpr_media import Drop, load_frames
+
+    sys.path.insert(0, str(VIDEO_META.parents[1]))
+    from make_sample import frame, write_clip
+
+    clip, mkv, sound = tmp_path / "clip.mp4", tmp_path / "clip.mkv", tmp_path / "sound.mp4"
+    write_clip(clip, [frame(i, "right", "red") for i in range(4)])  # 4 frames at 2 fps
+    with av.open(str(mkv), "w", format="matroska") as c:
+        s = c.add_stream("mpeg4", rate=2)
+        s.width, s.height, s.pix_fmt = 48, 32, "yuv420p"
+        c.mux(s.encode(av.VideoFrame.from_ndarray(frame(0, "right", "red"), format="rgb24")))
+        c.mux(s.encode())
+    with av.open(str(sound), "w", format="mp4") as c:
+        s = c.add_stream("aac", rate=16000)
+        a = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        a.sample_rate = 16000
+        c.mux(s.encode(a))
+        c.mux(s.encode(None))
+    vp = processor.video_processor
+    monkeypatch.setattr(vp, "num_frames", None)
+    monkeypatch.setattr(vp, "fps", 8.0)  # 4x the clip's rate: every frame
+    frames, metadata = load_frames(str(clip), processor, max_frames=4)
+    assert frames.shape == (4, 32, 48, 3) and metadata.frames_indices.tolist() == [0, 1, 2, 3]
+    for path, reason in ((mkv, "video_unreadable"), (sound, "video_unreadable"), (clip, "too_many_frames")):
+        with pytest.raises(Drop) as e:
+            load_frames(str(path), processor, max_frames=3)
+        assert e.value.reason == reason and str(path) in e.value.detail
+
+    real_open = av.open
+
+    class NoDecode:  # the container, but decoding a frame fails the test
+        def __init__(self, container):
+            self.container = container
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def decode(self, *args, **kwargs):
+            raise AssertionError("a frame was decoded")
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: NoDecode(real_open(*a, **k)))
+    monkeypatch.setattr(vp, "fps", None)  # every frame: 4 > 3
+    with pytest.raises(Drop) as e:
+        load_frames(str(clip), processor, max_frames=3)
+    assert e.value.reason == "too_many_frames"
+
+
+def test_media_under_other_keys_and_placeholders_in_responses_are_drops(tmp_path, processor):
+    """`images` / `videos` / `audios` (other formats' keys, which this reader does not read) are missing_field, not a
+    text-only row; `<audio>` outside the question (system, chosen, rejected) is stray_media_token as `<image>` is."""
+    rows = [
+        row(0, image=None, q="Which?"),  # valid: text only
+        row(1, image=None, q="What moves?", videos=["clip.mp4"]),
+        row(2, image=None, q="Hear?", audios=["t.wav"]),
+        row(3, image=None, images=["a.png"]),
+        row(4, image=None, q="Hear?", audio="t.wav", chosen="A tone <audio>."),
+        row(5, image=None, q="Hear?", rejected="No <audio> here."),
+        row(6, image=None, q="Hear?", system="Listen to <audio>."),
+    ]
+    meta = write_set(tmp_path, rows)
+    index = mi.build_index(meta, processor, video_cfg(), use_cache=False)
+    st = index.stats["sub"]
+    assert st["dropped"] == {"missing_field": 3, "stray_media_token": 3} and index.line.tolist() == [1]
+    assert [e.split(": ", 1)[1].split()[0] for e in st["drop_examples"]["missing_field"]] == [
+        "'videos'", "'audios'", "'images'"]
+    assert all("'<audio>'" in e for e in st["drop_examples"]["stray_media_token"])
