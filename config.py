@@ -69,8 +69,8 @@ class TrainDataConfig:
     seed: int = 42  # seed of repeat_time subsampling, the validation split and the per-epoch shuffle
     shuffle: bool = True  # reshuffle the pair order every epoch
     split_validation_size: float = 0.0  # validation split: a fraction (< 1) or a whole pair count (>= 1); 0 = none
-    max_images_per_row: int = 8  # rows with more images are dropped (reason too_many_images)
-    max_audio_seconds: float = 0.0  # rows with a longer audio clip are dropped (audio_too_long); 0 = no limit
+    max_images_per_row: int = 8  # records with more images are dropped (reason too_many_images)
+    max_audio_seconds: float = 0.0  # records with a longer audio clip are dropped (audio_too_long); 0 = no limit
 
 
 @dataclass
@@ -81,19 +81,19 @@ class ValidationDataConfig:
 
 @dataclass
 class VideoDataConfig:
-    """How a row's video becomes frames (mmpr_media.py); 0 = the checkpoint's video processor's value."""
+    """How a record's video becomes frames (mmpr_media.py); 0 = the checkpoint's video processor's value."""
 
     num_frames: int = 0  # frames sampled uniformly from a video file (0: the processor's num_frames)
     fps: float = 0.0  # else frames sampled per second (0: the processor's fps; neither: every frame)
-    max_frames: int = 32  # rows whose video gives more frames are dropped (too_many_frames); frame lists too
+    max_frames: int = 32  # records whose video gives more frames are dropped (too_many_frames); frame lists too
     target_num_patches: int = 0  # 16-px patches per frame tile (0: the processor's video_target_num_patches)
 
 
 @dataclass
 class DataConfig:
-    max_seq_length: int = 8192  # longest row in tokens, expanded image tokens included; longer pairs are dropped
+    max_seq_length: int = 8192  # longest sequence in tokens, expanded image tokens included; longer pairs are dropped
     num_workers: int = 0  # DataLoader workers decoding and processing images (0 = in the main process)
-    strict: bool = False  # turn every dropped row into an error naming its file and line
+    strict: bool = False  # turn every dropped record into an error naming its file and line
     train: TrainDataConfig = field(default_factory=TrainDataConfig)
     validation: ValidationDataConfig = field(default_factory=ValidationDataConfig)
     video: VideoDataConfig = field(default_factory=VideoDataConfig)
@@ -178,13 +178,13 @@ class SchedulerConfig:
 
 @dataclass
 class PackingConfig:
-    max_tokens_per_bin: int = 4096  # tokens per packed microbatch (both rows of a pair count), after padding
+    max_tokens_per_bin: int = 4096  # tokens per packed microbatch (both sequences of a pair count), after padding
     max_sequences_per_bin: int = 1  # pairs per packed microbatch (a pair, chosen + rejected, counts once; 1 = one pair)
     make_sequence_length_divisible_by: int = 8  # pad each sequence to this multiple (2*CP and TP with SP divide it)
     pair_grouping_key: Literal["pair_index"] = "pair_index"  # the only accepted value: a pair is never split
     drop_oversized_pairs: bool = False  # pairs larger than a bin: dropped at start (true) or a ConfigError (false)
     # one THD span [prompt | chosen | rejected] per pair (pack.pack_shared_prompt); "auto": resolved at start by
-    # shared_prompt.resolve (on where checked exact against separate rows); true refused with CP
+    # shared_prompt.resolve (on where checked exact against separate sequences); true refused with CP
     shared_prompt: bool | Literal["auto"] = "auto"
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_mod
-from mmpr_rows import DataError
+from mmpr_records import DataError
 
 
 @dataclass

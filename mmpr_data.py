@@ -28,7 +28,7 @@ from mmpr_media import (
     load_image,
     video_pixels,
 )
-from mmpr_rows import DataError, TextRenderer
+from mmpr_records import DataError, TextRenderer
 from pack import PreferencePair
 
 # ======================================================================================================================
@@ -38,13 +38,13 @@ from pack import PreferencePair
 # ---- The index: what a step reads of it ----------
 @dataclass
 class MMPRIndex:
-    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated row appears under several ids).
+    """Validated pairs, columnar; pair ids are positions 0..N-1 (a repeated record appears under several ids).
 
     Per pair ([N] int64): `subset_id`, `line` (1-based), `offset` (bytes) in the subset's annotation file,
     `prompt_len`, `chosen_len`, `rejected_len` (tokens, image tokens included), `image_tokens`, `image_start` /
     `num_images` (a slice of the per-image arrays). Per image ([M]): `image_path_id`, `image_grid_hw` [M, 2] (16-px
     patches), `image_token_counts`. Per pair, its video: `video_frames`, `video_grid_hw` [N, 2], `video_tokens`.
-    `stats[subset]`: rows read, valid, pairs, drops by reason with examples."""
+    `stats[subset]`: records read, valid, pairs, drops by reason with examples."""
 
     meta_path: str
     fingerprint: str
@@ -140,9 +140,10 @@ def _changed(ix: MMPRIndex, i: int, what: str) -> DataError:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """`dataset[pair_id] -> PreferencePair`: the row rendered as the index did, its images decoded (`pixel_values`
+    """`dataset[pair_id] -> PreferencePair`: the record rendered as the index did, its images decoded (`pixel_values`
     [sum gh*gw, 768] float32, `image_grid_hw` [n, 2], `image_token_counts` [n]) and expanded (`<img>` + n x `<image>`
-    + `</img>`), both rows tokenised ([L] int64; loss masks [L] bool, True on the response and its `<|im_end|>`)."""
+    + `</img>`), both sequences tokenised ([L] int64; loss masks [L] bool, True on the response and its
+    `<|im_end|>`)."""
 
     def __init__(self, index: MMPRIndex, processor):
         self.index = index
@@ -154,7 +155,7 @@ class PairDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def _row_text(self, i: int) -> tuple[str, str, str, list[str], str | list[str] | None, list[str]]:
+    def _record_text(self, i: int) -> tuple[str, str, str, list[str], str | list[str] | None, list[str]]:
         """(prompt, chosen, rejected) rendered as the index did (the prompt's `<image>` / `<video>` / `<so_embedding>`
         not yet expanded), images, video (TextRenderer.parse's), audio clips."""
         ix = self.index
@@ -168,36 +169,36 @@ class PairDataset(torch.utils.data.Dataset):
             system, question, chosen, rejected, imgs, video = self.text.parse(
                 json.loads(raw), Path(root) if root else None, self.max_images, ix.subsets[sub])
             if imgs != images:
-                raise Drop("image_missing", f"row images {imgs} differ from the index's {images}")
+                raise Drop("image_missing", f"record images {imgs} differ from the index's {images}")
             files = [] if video is None else [video] if isinstance(video, str) else video
             if files != ix.videos(i):
-                raise Drop("video_missing", f"row video {files} differs from the index's {ix.videos(i)}")
+                raise Drop("video_missing", f"record video {files} differs from the index's {ix.videos(i)}")
             question, clips = self.text.parse_audio(json.loads(raw), question, Path(root) if root else None,
                                                     ix.subsets[sub])
             if clips != ix.audio(i):
-                raise Drop("audio_missing", f"row audio {clips} differs from the index's {ix.audio(i)}")
+                raise Drop("audio_missing", f"record audio {clips} differs from the index's {ix.audio(i)}")
             prompt, r_c, r_r = self.text.render(system, question, len(imgs), chosen, rejected, len(clips))
         except (Drop, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _changed(ix, i, f"the row no longer validates ({e})") from None
+            raise _changed(ix, i, f"the record no longer validates ({e})") from None
         return prompt, r_c, r_r, images, video, clips
 
     def _video(self, i: int, prompt: str, video) -> tuple[str, dict]:
-        """The prompt with the row's video expanded and PreferencePair's video fields ({}: no video)."""
+        """The prompt with the record's video expanded and PreferencePair's video fields ({}: no video)."""
         if video is None:
             return prompt, {}
         try:
             frames, metadata = load_frames(video, self.processor, max(int(self.index.video_frames[i]), 1))
         except Drop as d:
             raise _changed(self.index, i, str(d)) from None
-        rows, thw, per = video_pixels(self.processor, frames)
+        pixels, thw, per = video_pixels(self.processor, frames)
         prompt, tokens = expand_video(self.processor, prompt, int(thw[0, 0]), per, metadata)
-        return prompt, dict(pixel_values_videos=rows, video_grid_thw=thw,
+        return prompt, dict(pixel_values_videos=pixels, video_grid_thw=thw,
                             video_token_counts=torch.tensor([tokens], dtype=torch.int64))
 
     def __getitem__(self, i: int) -> PreferencePair:
         i = int(i)
         ix = self.index
-        prompt, chosen, rejected, images, video, clips = self._row_text(i)
+        prompt, chosen, rejected, images, video, clips = self._record_text(i)
         if images:
             try:
                 pil = [load_image(p) for p in images]
@@ -220,10 +221,10 @@ class PairDataset(torch.utils.data.Dataset):
                     for j in range(len(clips))]
             prompt = self.processor.get_text_with_replacements([prompt], audio_replacements=reps)[0][0]
         prompt_ids = self.text.encode(prompt)
-        rows = {}
+        seqs = {}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
             r_ids, r_mask = self.text.response_ids(response)
-            rows[side] = (torch.tensor(prompt_ids + r_ids, dtype=torch.int64),
+            seqs[side] = (torch.tensor(prompt_ids + r_ids, dtype=torch.int64),
                           torch.tensor([False] * len(prompt_ids) + r_mask, dtype=torch.bool))
         s, n = int(ix.image_start[i]), int(ix.num_images[i])
         a0, na = (int(ix.audio_start[i]), int(ix.num_audio[i])) if clips else (0, 0)
@@ -231,14 +232,14 @@ class PairDataset(torch.utils.data.Dataset):
                   ix.image_token_counts[s:s + n].tolist(), int(ix.video_frames[i]), int(ix.video_tokens[i]),
                   ix.audio_token_counts[a0:a0 + na].tolist())
         video_counts = (int(videos["video_grid_thw"][0, 0]), int(videos["video_token_counts"][0])) if videos else (0, 0)
-        got = (len(prompt_ids), rows["chosen"][0].numel(), rows["rejected"][0].numel(), counts.tolist(), *video_counts,
+        got = (len(prompt_ids), seqs["chosen"][0].numel(), seqs["rejected"][0].numel(), counts.tolist(), *video_counts,
                audio["audio_token_counts"].tolist() if audio else [])
         if got != expect:
             raise _changed(ix, i, f"(prompt, chosen, rejected, image tokens, video frames, video tokens, audio "
                                   f"tokens) = {got}, the index says {expect}")
         return PreferencePair(
-            pair_id=i, chosen_ids=rows["chosen"][0], rejected_ids=rows["rejected"][0],
-            chosen_loss_mask=rows["chosen"][1], rejected_loss_mask=rows["rejected"][1],
+            pair_id=i, chosen_ids=seqs["chosen"][0], rejected_ids=seqs["rejected"][0],
+            chosen_loss_mask=seqs["chosen"][1], rejected_loss_mask=seqs["rejected"][1],
             pixel_values=pixel_values, image_grid_hw=grid, image_token_counts=counts, **videos, **audio,
         )
 

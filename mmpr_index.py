@@ -1,9 +1,9 @@
-"""The MMPR index: every row of a meta-recipe checked once (mmpr_rows.checked_rows), its lengths cached, the splits,
-and the pre-flight report.
+"""The MMPR index: every record of a meta-recipe checked once (mmpr_records.checked_records), its lengths cached, the
+splits, and the pre-flight report.
 
 `build_index(meta_path, processor, cfg.data) -> MMPRIndex` keeps per pair its source (subset, file, line, byte offset),
-its image paths and grids, and the token lengths of its prompt and rows: enough for pack.py to plan bins without
-opening an image. Dropped rows are counted by reason (mmpr_rows.DROP_REASONS). The index is cached under the HF
+its image paths and grids, and the token lengths of its prompt and sequences: enough for pack.py to plan bins without
+opening an image. Dropped records are counted by reason (mmpr_records.DROP_REASONS). The index is cached under the HF
 datasets cache in a folder named by a fingerprint of the meta file, the annotation files (size, mtime), the processor
 and the settings that change it; under torch.distributed global rank 0 builds it while the others wait.
 `load_splits(processor, cfg.data)` gives the train and validation `Split`s.
@@ -39,15 +39,15 @@ import torch
 from distributed import ignore_stop_signals, workers_start_deaf
 from mmpr_data import MMPRIndex
 from mmpr_media import apply_video_settings, fill_video_norm
-from mmpr_rows import (
+from mmpr_records import (
     DataError,
     DataWarning,
     Subset,
     apply_repeat_time,
-    begin_row_checks,
-    checked_rows,
+    begin_record_checks,
+    checked_records,
     data_warnings,
-    end_row_checks,
+    end_record_checks,
     plural,
     read_meta,
 )
@@ -79,7 +79,7 @@ def load_processor(model_dir: str | Path, key: str):
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         fill_video_norm(processor)  # a property of the loaded processor, not of data.video's settings
-        # the model's EVS rate: a row holds the video tokens the model keeps (mmpr_media.expand_video)
+        # the model's EVS rate: a record holds the video tokens the model keeps (mmpr_media.expand_video)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         processor.video_pruning_rate = float(config.get("video_pruning_rate") or 0.0)
         return processor
@@ -99,7 +99,7 @@ def processor_identity(processor) -> str:
     h.update(str(processor.chat_template).encode())
     h.update(processor.image_processor.to_json_string().encode())
     h.update(processor.video_processor.to_json_string().encode())  # with data.video's settings on it
-    h.update(repr(getattr(processor, "video_pruning_rate", 0.0)).encode())  # EVS: the video tokens a row keeps
+    h.update(repr(getattr(processor, "video_pruning_rate", 0.0)).encode())  # EVS: the video tokens a record keeps
     if getattr(processor, "feature_extractor", None) is not None:  # mel features and audio token counts
         h.update(processor.feature_extractor.to_json_string().encode())
         h.update(json.dumps([getattr(processor, k, None) for k in ("audio_sampling_rate", "audio_hop_length",
@@ -123,9 +123,9 @@ def index_fingerprint(meta_path: str | Path, subsets: Sequence[Subset], processo
 
 # ---- Build, cache, load ----------
 def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
-    """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some rows are invalid_json and its first
-    line opens a JSON array (a `json.dump(rows, indent=...)` export), or all rows are."""
-    bad, rows = st.get("dropped", {}).get("invalid_json", 0), st.get("rows_read", 0)
+    """Why `annotation` (a subset with stats `st`) is not JSON Lines, or None: some records are invalid_json and its
+    first line opens a JSON array (a `json.dump(records, indent=...)` export), or all records are."""
+    bad, records = st.get("dropped", {}).get("invalid_json", 0), st.get("rows_read", 0)
     if not bad:
         return None
     with open(annotation, "rb") as f:
@@ -137,8 +137,8 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
         opens_array = first.startswith(b"[")
     if opens_array:
         why = "its first line opens a JSON array"
-    elif bad == rows:
-        why = f"none of its {rows} non-blank lines is a JSON object"
+    elif bad == records:
+        why = f"none of its {records} non-blank lines is a JSON object"
     else:
         return None
     example = st.get("drop_examples", {}).get("invalid_json", ["?"])[0]
@@ -147,9 +147,9 @@ def not_jsonl_hint(annotation: str | Path, st: dict) -> str | None:
 
 
 def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples: int, fingerprint: str) -> MMPRIndex:
-    """Check every row of every subset (see build_index)."""
+    """Check every record of every subset (see build_index)."""
     t0 = time.perf_counter()
-    begin_row_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.video.max_frames,
+    begin_record_checks(processor, data.train.max_images_per_row, data.max_seq_length, data.video.max_frames,
                      data.train.max_audio_seconds)
     image_paths: list[str] = []
     path_ids: dict[str, int] = {}
@@ -162,7 +162,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     video_paths: list[str] = []
     video_ids: dict[str, int] = {}
     stats: dict[str, dict] = {}
-    first_seen: dict[str, tuple[str, str]] = {}  # a valid row's content digest -> (subset, "file:line") of its first
+    first_seen: dict[str, tuple[str, str]] = {}  # a valid record's content digest -> (subset, "file:line") of its first
     pool = None
     if data.num_workers >= 2:  # forked workers inherit the processor (no pickling); rendering is CPU bound
         import multiprocessing
@@ -174,7 +174,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
 
     def drop(st: dict, where: str, reason: str, detail: str) -> None:
         if data.strict:
-            raise DataError(f"{where}: row dropped ({reason}: {detail}) and data.strict = true")
+            raise DataError(f"{where}: record dropped ({reason}: {detail}) and data.strict = true")
         st["dropped"][reason] = st["dropped"].get(reason, 0) + 1
         st.setdefault("first_drop", {"where": where, "reason": reason, "detail": detail})
         ex = st["drop_examples"].setdefault(reason, [])
@@ -188,11 +188,11 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     try:
         for sid, sub in enumerate(subsets):
             st = stats[sub.name] = new_stats(sub)
-            exact = sub.repeat_time == 1.0  # rows map 1:1 to pairs: reading can stop at max_samples
+            exact = sub.repeat_time == 1.0  # records map 1:1 to pairs: reading can stop at max_samples
             valid: list[dict] = []
             stopped_early = False
-            rows = checked_rows(pool, data.num_workers, str(sub.root or ""), sub.annotation, sub.name)
-            for lineno, offset, res in rows:  # settled in file order, so stats stop exactly where reading stops
+            records = checked_records(pool, data.num_workers, str(sub.root or ""), sub.annotation, sub.name)
+            for lineno, offset, res in records:  # settled in file order, so stats stop exactly where reading stops
                 st["rows_read"] += 1
                 if isinstance(res, tuple):
                     drop(st, f"{sub.annotation}:{lineno}", *res)
@@ -205,34 +205,34 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
                     st.setdefault("first_repeat", f"{where} repeats {first[1]}{other}")
                 if exact and max_samples and len(cols["line"]) + len(valid) >= max_samples:
                     stopped_early = True
-                    rows.close()
+                    records.close()
                     break
             notes = []  # kept in the index's stats, so that a cache hit repeats them (build_index warns them)
             where, n_read = f"{meta_path}: subset {sub.name!r}", st["rows_read"]
             if (hint := not_jsonl_hint(sub.annotation, st)) is not None:  # its drops say invalid_json, not why
                 notes.append(hint)
             if sub.length is not None and sub.length != n_read and not stopped_early:
-                notes.append(f"{where}: the meta says length = {sub.length} but {sub.annotation} has {n_read} rows")
+                notes.append(f"{where}: the meta says length = {sub.length} but {sub.annotation} has {n_read} records")
             elif n_read == 0:  # an empty file (or blank lines only)
-                notes.append(f"{where}: {sub.annotation} holds no rows, so the subset adds no pair")
+                notes.append(f"{where}: {sub.annotation} holds no records, so the subset adds no pair")
             if n_read and not valid and hint is None:
-                notes.append(f"{where}: all {n_read} rows of {sub.annotation} were dropped ({st['dropped']}), so the "
-                             "subset adds no pair")
-            if st.get("repeats"):  # e.g. a file listed under two subsets, or rows copied within a file
+                notes.append(f"{where}: all {n_read} records of {sub.annotation} were dropped ({st['dropped']}), "
+                             "so the subset adds no pair")
+            if st.get("repeats"):  # e.g. a file listed under two subsets, or records copied within a file
                 verb = "repeats" if st["repeats"] == 1 else "repeat"
-                notes.append(f"{where}: {plural(st['repeats'], 'row')} {verb} an earlier row word for word (e.g. "
+                notes.append(f"{where}: {plural(st['repeats'], 'record')} {verb} an earlier record word for word (e.g. "
                              f"{st['first_repeat']}): each copy is its own pair, and a validation split of these "
                              "pairs can hold copies of training pairs")
             st["valid"] = len(valid)
             keep = apply_repeat_time(len(valid), sub.repeat_time, data.train.seed, sub.name)
             if valid and not keep:
-                notes.append(f"{where}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} valid rows "
+                notes.append(f"{where}: repeat_time = {sub.repeat_time} keeps none of its {len(valid)} valid records "
                              f"(floor({len(valid)} x {sub.repeat_time}) = 0)")
             if notes:
                 st["notes"] = notes
             if max_samples:
                 keep = keep[: max(0, max_samples - len(cols["line"]))]
-            # valid row -> its first per-image / per-clip / per-video-file slot (repeats share it)
+            # valid record -> its first per-image / per-clip / per-video-file slot (repeats share it)
             first_image, first_audio, first_video = {}, {}, {}
             for k in keep:
                 v = valid[k]
@@ -277,7 +277,7 @@ def _build(meta_path: Path, subsets: list[Subset], processor, data, max_samples:
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-        end_row_checks()
+        end_record_checks()
 
     def t(key, src=cols):
         return torch.tensor(src[key], dtype=torch.int64)
@@ -374,7 +374,7 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     max_samples = data.train.max_samples if max_samples is None else max_samples
     subsets = read_meta(meta_path, data.train.data_root)
     apply_video_settings(processor, data.video)  # the processor holds them for the dataset too
-    # the seed changes the index only through a fractional repeat_time (apply_repeat_time's random rows)
+    # the seed changes the index only through a fractional repeat_time (apply_repeat_time's random records)
     sampled = any(s.repeat_time != math.floor(s.repeat_time) for s in subsets)
     settings = {"max_samples": max_samples, "max_seq_length": data.max_seq_length,
                 "seed": data.train.seed if sampled else None, "max_images_per_row": data.train.max_images_per_row,
@@ -410,17 +410,17 @@ def build_index(meta_path: str | Path, processor, data, *, max_samples: int | No
     if data.strict:  # a cached index keeps its drops: strict must fail on a cache hit as on a build
         first = next((st["first_drop"] for st in index.stats.values() if "first_drop" in st), None)
         if first is not None:
-            raise DataError(f"{first['where']}: row dropped ({first['reason']}: {first['detail']}) and "
+            raise DataError(f"{first['where']}: record dropped ({first['reason']}: {first['detail']}) and "
                             f"data.strict = true (cached index {index.cache_dir})")
     if len(index) == 0:
         emptied = {name: st for name, st in index.stats.items() if st.get("valid")}
-        if emptied:  # valid rows, but repeat_time < 1 kept none of them
-            what = ", ".join(f"{name!r}: repeat_time {st['repeat_time']} x {st['valid']} valid rows -> 0 pairs"
+        if emptied:  # valid records, but repeat_time < 1 kept none of them
+            what = ", ".join(f"{name!r}: repeat_time {st['repeat_time']} x {st['valid']} valid records -> 0 pairs"
                              for name, st in emptied.items())
-            raise DataError(f"{meta_path}: no preference pair: repeat_time kept none of the valid rows ({what}); "
+            raise DataError(f"{meta_path}: no preference pair: repeat_time kept none of the valid records ({what}); "
                             f"drops: {summary_drops(index)}")
         empty = [name for name, st in index.stats.items() if st["rows_read"] == 0 and "not_read" not in st]
-        hint = f"; no rows in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
+        hint = f"; no records in subset(s) {', '.join(repr(n) for n in empty)}" if empty else ""
         for name, ann in zip(index.subsets, index.annotation_files, strict=True):
             if (not_jsonl := not_jsonl_hint(ann, index.stats.get(name, {}))) is not None:
                 hint += f"; {not_jsonl}"
@@ -495,7 +495,8 @@ def _percentiles(x: torch.Tensor) -> dict[str, float]:
 
 
 def report(index: MMPRIndex) -> dict:
-    """Per subset and in total: rows read, valid, pairs, drops by reason and token-length percentiles (JSON-ready)."""
+    """Per subset and in total: records read, valid, pairs, drops by reason and token-length percentiles
+    (JSON-ready)."""
     audio = (("audio_tokens", "audio_tokens"),) if bool(index.audio_tokens.any()) else ()  # data with audio only
 
     def lengths(mask):
@@ -520,7 +521,7 @@ def format_report(rep: dict) -> str:
     """The `report` as text: a table of counts, then length percentiles and drop examples per subset."""
     lines = [f"MMPR index {rep['meta_path']}: {rep['num_pairs']} pairs (cache {rep['cache']}"
              + (f", {rep['cache_dir']}" if rep["cache_dir"] else "") + ")",
-             f"{'subset':<56} {'rows':>7} {'valid':>7} {'pairs':>7} {'dropped':>8}"]
+             f"{'subset':<56} {'records':>7} {'valid':>7} {'pairs':>7} {'dropped':>8}"]
     for name, s in [*rep["subsets"].items(), ("TOTAL", rep["total"])]:
         lines.append(f"{name[:56]:<56} {s.get('rows_read', 0):>7} {s.get('valid', 0):>7} {s.get('pairs', 0):>7} "
                      f"{sum(s.get('dropped', {}).values()):>8}" + (f"  ({s['not_read']})" if "not_read" in s else ""))
@@ -552,21 +553,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from config import Config, ConfigError
 
     ap = argparse.ArgumentParser(description="Validate an MMPR meta-recipe for a model and print the pre-flight "
-                                             "report (rows, pairs, drops by reason, length percentiles).")
+                                             "report (records, pairs, drops by reason, length percentiles).")
     ap.add_argument("meta", help="MMPR meta-recipe JSON")
     ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, processor) or hub id "
                     "(its config, tokenizer and processor: from the hub cache, downloaded when missing)")
     d = Config().data
     ap.add_argument("--max-samples", type=int, default=0, help="keep the first N valid pairs (default 0 = all)")
     ap.add_argument("--max-seq-length", type=int, default=d.max_seq_length,
-                    help="data.max_seq_length: longer rows are dropped as too_long (default %(default)s)")
+                    help="data.max_seq_length: longer records are dropped as too_long (default %(default)s)")
     ap.add_argument("--max-images-per-row", type=int, default=d.train.max_images_per_row,
                     help="data.train.max_images_per_row: more is too_many_images (default %(default)s)")
     ap.add_argument("--max-audio-seconds", type=float, default=d.train.max_audio_seconds,
                     help="data.train.max_audio_seconds: a longer clip is audio_too_long; 0 = no limit (default "
                          "%(default)s)")
     ap.add_argument("--seed", type=int, default=d.train.seed,
-                    help="data.train.seed: a fractional repeat_time's row sample (default %(default)s)")
+                    help="data.train.seed: a fractional repeat_time's record sample (default %(default)s)")
     ap.add_argument("--data-root", default="",
                     help="data.train.data_root (default: the meta file's grandparent, then its folder)")
     v = d.video
@@ -579,11 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--video-target-num-patches", type=int, default=v.target_num_patches,
                     help="data.video.target_num_patches: patches per frame tile (default 0 = the processor's)")
     ap.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes checking rows; < 2 = in-process (default %(default)s = min(8, CPUs))")
+                    help="processes checking records; < 2 = in-process (default %(default)s = min(8, CPUs))")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the index cache")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):  # a drop example can quote a row's lone surrogate (e.g. in an image path)
+    if hasattr(sys.stdout, "reconfigure"):  # a drop example can quote a record's lone surrogate (e.g. in an image path)
         sys.stdout.reconfigure(errors="backslashreplace")
     for flag, value, least in (("--max-samples", args.max_samples, 0), ("--max-seq-length", args.max_seq_length, 1),
                                ("--max-images-per-row", args.max_images_per_row, 1),

@@ -1,8 +1,8 @@
-"""The media of a row, decoded and counted as the checkpoint's processor does: images (`load_image`, `image_grids`),
+"""The media of a record, decoded and counted as the checkpoint's processor does: images (`load_image`, `image_grids`),
 video (`load_frames`: a file sampled through PyAV, or a list of frame images; `video_layout`, `expand_video`,
 `video_pixels`, `apply_video_settings` for data.video), audio clips (`audio_samples`, `load_audio`,
-`audio_token_count`). A file that fails raises `Drop` naming one of mmpr_rows.DROP_REASONS. The text each becomes:
-docs/RUNNING.md, "Video rows"."""
+`audio_token_count`). A file that fails raises `Drop` naming one of mmpr_records.DROP_REASONS. The text each becomes:
+docs/RUNNING.md, "Video records"."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pack import video_row_tokens
+from pack import video_sequence_tokens
 
 
 class Drop(Exception):
-    """A row rejected for `reason` (one of mmpr_rows.DROP_REASONS), `detail` naming the file or the numbers."""
+    """A record rejected for `reason` (one of mmpr_records.DROP_REASONS), `detail` naming the file or the numbers."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -194,9 +194,9 @@ def expand_video(processor, prompt: str, num_frames: int, tokens_per_tubelet: in
     """(`prompt` with its one `<video>` replaced as the processor does (replace_video_token: a labelled
     `<img>...</img>` chunk per tubelet, timestamps when the file gives its fps), the video's `<image>` tokens in it).
     Under EVS (the checkpoint's video_pruning_rate, on the processor by mmpr_index.load_processor) the chunks hold the
-    kept count (pack.video_row_tokens), filling the first ones; omni_model moves them where EVS keeps them."""
+    kept count (pack.video_sequence_tokens), filling the first ones; omni_model moves them where EVS keeps them."""
     n, tubelets = tokens_per_tubelet, math.ceil(num_frames / processor.video_temporal_patch_dim)
-    kept = video_row_tokens(tubelets, n, getattr(processor, "video_pruning_rate", 0.0))
+    kept = video_sequence_tokens(tubelets, n, getattr(processor, "video_pruning_rate", 0.0))
     text = processor.replace_video_token({"num_tokens": [n]}, 0, num_frames=num_frames, video_metadata=metadata)
     if kept < tubelets * n:
         chunk = lambda c: processor.image_start_token + processor.image_token * c + processor.image_end_token  # noqa: E731
@@ -214,12 +214,12 @@ def video_pixels(processor, frames: np.ndarray) -> tuple[torch.Tensor, torch.Ten
     x = out["pixel_values_videos"].float()  # [F, 3, H, W]
     f, c, h, w = x.shape
     p = vp.patch_size
-    rows = x.reshape(f, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(f * (h // p) * (w // p), c * p * p)
-    return rows, torch.tensor([[f, h // p, w // p]], dtype=torch.int64), int(out["num_tokens"][0])
+    pixels = x.reshape(f, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(f * (h // p) * (w // p), c * p * p)
+    return pixels, torch.tensor([[f, h // p, w // p]], dtype=torch.int64), int(out["num_tokens"][0])
 
 
 def video_counts(processor, prompt: str, loaded: tuple[np.ndarray, Any] | None) -> tuple[str, list[int]]:
-    """(prompt with its `<video>` expanded, [frames, gh, gw, video tokens]) of a row's decoded video (load_frames'
+    """(prompt with its `<video>` expanded, [frames, gh, gw, video tokens]) of a record's decoded video (load_frames'
     frames and metadata; None: no video, [0, 0, 0, 0])."""
     if loaded is None:
         return prompt, [0, 0, 0, 0]

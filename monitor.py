@@ -21,7 +21,7 @@ import checkpoint
 import config as config_mod
 import distributed
 import mmpr_index
-import mmpr_rows
+import mmpr_records
 import pack
 
 
@@ -189,10 +189,10 @@ def wandb_failed(cfg, e: Exception) -> str:
             f"`wandb sync {Path(cfg.checkpoint.dir) / 'wandb'}/offline-run-*`")
 
 
-def _row_step(row: str) -> float:
-    """The "step" of one metrics.jsonl row; -inf (kept by any resume) for a row without an integer step."""
+def _line_step(line: str) -> float:
+    """The "step" of one metrics.jsonl line; -inf (kept by any resume) for a line without an integer step."""
     try:
-        step = json.loads(row)["step"]
+        step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError, IndexError):
         return -math.inf
     return step if isinstance(step, int) and not isinstance(step, bool) else -math.inf
@@ -205,7 +205,7 @@ class MetricsError(RuntimeError):
 
 class MetricsLog:
     """`<checkpoint.dir>/metrics.jsonl` (one object per step) and W&B, written by rank 0; the first `log` moves an
-    earlier file to `metrics.<n>.jsonl` or drops its rows after `resumed_step`. A failed wandb.init: ConfigError."""
+    earlier file to `metrics.<n>.jsonl` or drops its lines after `resumed_step`. A failed wandb.init: ConfigError."""
 
     def __init__(self, cfg, run_id: str | None, resumed_step: int, rank: int) -> None:
         self.rank, self.run, self.run_id = rank, None, run_id
@@ -241,31 +241,31 @@ class MetricsLog:
         return None
 
     def _tidy(self, resumed_step: int) -> None:
-        """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside or drop its rows after the resume."""
+        """Rank 0, at the first `log`: move an earlier run's metrics.jsonl aside or drop its lines after the resume."""
         # surrogateescape: bytes that are not UTF-8 (a damaged or hand-edited file) are kept as they are
         text = self.path.read_text(errors="surrogateescape") if self.path.exists() else ""
-        rows = [r for r in text.splitlines() if r.strip()]
-        # a last row without its newline that is not JSON: a cut-off write, which the next row would merge into
-        torn = bool(rows) and not text.endswith("\n") and _row_step(rows[-1]) == -math.inf
-        if rows and resumed_step == 0:  # a run that saved no checkpoint here: keep its rows in a file of their own
+        lines = [r for r in text.splitlines() if r.strip()]
+        # a last line without its newline that is not JSON: a cut-off write, which the next line would merge into
+        torn = bool(lines) and not text.endswith("\n") and _line_step(lines[-1]) == -math.inf
+        if lines and resumed_step == 0:  # a run that saved no checkpoint here: keep its lines in a file of their own
             n = 1
             while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
                 n += 1
             self.path.rename(old)
-            print(f"metrics: {self.path} held {mmpr_rows.plural(len(rows), 'row')} of an earlier run without a "
+            print(f"metrics: {self.path} held {mmpr_records.plural(len(lines), 'line')} of an earlier run without a "
                   f"checkpoint; moved to {old.name}, this run starts a new {self.path.name}")
-        elif rows:  # rows after the resumed step belong to a segment that died before saving
-            keep = [r for r in rows[: len(rows) - torn] if _row_step(r) <= resumed_step]
-            after = len(rows) - torn - len(keep)
+        elif lines:  # lines after the resumed step belong to a segment that died before saving
+            keep = [r for r in lines[: len(lines) - torn] if _line_step(r) <= resumed_step]
+            after = len(lines) - torn - len(keep)
             if after or torn or not text.endswith("\n"):
                 self.path.write_text("".join(r + "\n" for r in keep), errors="surrogateescape")
             if after:
-                print(f"metrics: dropped {mmpr_rows.plural(after, 'row')} after step {resumed_step} from {self.path} "
-                      "(logged after the checkpoint this run resumes from: a segment that stopped before saving them, "
-                      "or a later checkpoint moved away)")
+                print(f"metrics: dropped {mmpr_records.plural(after, 'line')} after step {resumed_step} "
+                      f"from {self.path} (logged after the checkpoint this run resumes from: a "
+                      "segment that stopped before saving them, or a later checkpoint moved away)")
             if torn:
-                print(f"metrics: dropped the cut-off last row of {self.path} (a write that did not finish): "
-                      f"{rows[-1][:80]!r}")
+                print(f"metrics: dropped the cut-off last line of {self.path} (a write that did not finish): "
+                      f"{lines[-1][:80]!r}")
 
     def log(self, step: int, metrics: dict, split: str = "train") -> None:
         """Rank 0 appends {"step", "split", **metrics} to metrics.jsonl and W&B (`<split>/<name>`); collective."""
@@ -277,7 +277,7 @@ class MetricsLog:
                     self._tidy_after = None
                 with open(self.path, "a") as f:
                     f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
-            except OSError as e:  # a row cut off by it is dropped by the next resume (`_tidy`)
+            except OSError as e:  # a line cut off by it is dropped by the next resume (`_tidy`)
                 failed = (f"cannot write step {step} to {self.path}: {type(e).__name__}: {e} "
                           f"({checkpoint.free_space(self.path.parent)}); the run stopped without saving step {step}: "
                           "make room, then resume from the latest checkpoint")  # fmt: skip
@@ -303,15 +303,15 @@ def print_layout(ctx, world: int, kernels, pair_format: str) -> None:
 
 
 def print_data(train_split, val_split, notes: list[str], rank: int) -> None:
-    """The data lines (rank 0): pairs per split, the index's cache status, rows dropped by reason, the notes."""
+    """The data lines (rank 0): pairs per split, the index's cache status, records dropped by reason, the notes."""
     if rank != 0:
         return
     status = train_split.index.cache_status.split(":")[0]
     status = {"hit": "cached", "disabled": "not cached"}.get(status, status)
     print(f"data: {len(train_split.pair_ids)} train pairs, {len(val_split.pair_ids) if val_split else 0} "
-          f"validation pairs (index {status}), dropped rows {mmpr_index.summary_drops(train_split.index)}")
+          f"validation pairs (index {status}), dropped records {mmpr_index.summary_drops(train_split.index)}")
     if val_split is not None and val_split.index is not train_split.index:
-        print(f"validation data: dropped rows {mmpr_index.summary_drops(val_split.index)}")
+        print(f"validation data: dropped records {mmpr_index.summary_drops(val_split.index)}")
     for note in notes:
         print(note)
 
@@ -373,4 +373,4 @@ def print_validation(step: int, vm: dict, rank: int) -> None:
     """The console line of a validation (rank 0)."""
     if rank == 0:
         print(f"validation step {step}: loss {vm['loss']:.4f} acc {vm['accuracy']:.3f} "
-              f"margin {vm['rewards/margin']:.4f} ({mmpr_rows.plural(vm['val_batches'], 'batch')})")
+              f"margin {vm['rewards/margin']:.4f} ({mmpr_records.plural(vm['val_batches'], 'batch')})")

@@ -5,7 +5,7 @@ MPO (Wang et al. 2024, arXiv 2411.10442 §3.2) on (chosen c, rejected r) pairs, 
     pref  = −log σ(β·(L_c − L_r))                          DPO (Rafailov et al. 2023, arXiv 2305.18290)
     bco   = −log σ(β·L_c − δ) − log σ(−(β·L_r − δ))         paired BCO, no ½ (Jung et al. 2024, arXiv 2404.04656)
     sft   = −Σ_t log πθ(c_t)   (÷ |c| when sft_average_log_probs)
-    L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over row y's response tokens (÷ their count with *_average_log_probs)
+    L_y   = Σ_t (log πθ(y_t) − log π_ref(y_t)) over y's response tokens (÷ their count with *_average_log_probs)
 
 Denominator: each term's sum over a microbatch's valid pairs ÷ `num_global_pairs` (`count_global_pairs`: the whole
 step's, all microbatches and DP ranks); DP and CP gradients are summed. δ changes only between steps.
@@ -34,7 +34,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[label] over a TP-sharded vocabulary in token chunks; saves only lse [T] for backward."""
 
     @staticmethod
-    def forward(ctx, logits, labels, tp_group, chunk_size, inplace_backward):
+    def forward(fn_ctx, logits, labels, tp_group, chunk_size, inplace_backward):
         num_local_tokens, partition_vocab = logits.shape
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp32, fp64 in tests
         rank, world = group_rank_size(tp_group)
@@ -61,23 +61,23 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             lse[s:e] = x_max + log_z
         valid = (labels >= 0) & (labels < partition_vocab * world)  # e.g. −100 at padding positions
         logprobs = torch.where(valid, logprobs, torch.zeros((), dtype=compute_dtype, device=logprobs.device))
-        ctx.save_for_backward(logits, labels, lse, valid)
-        ctx.vocab_range = (vocab_start, vocab_end)
-        ctx.chunk_size = chunk_size
-        ctx.inplace_backward = inplace_backward
+        fn_ctx.save_for_backward(logits, labels, lse, valid)
+        fn_ctx.vocab_range = (vocab_start, vocab_end)
+        fn_ctx.chunk_size = chunk_size
+        fn_ctx.inplace_backward = inplace_backward
         return logprobs
 
     @staticmethod
-    def backward(ctx, grad_logprobs):
-        logits, labels, lse, valid = ctx.saved_tensors
-        vocab_start, vocab_end = ctx.vocab_range
+    def backward(fn_ctx, grad_logprobs):
+        logits, labels, lse, valid = fn_ctx.saved_tensors
+        vocab_start, vocab_end = fn_ctx.vocab_range
         compute_dtype = lse.dtype
         # in place: chunk s:e is copied before its gradient overwrites it (another reader fails the version check)
-        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        grad_logits = logits if fn_ctx.inplace_backward else torch.empty_like(logits)
         # d logp / d logits = onehot(label) − softmax; megatron's helpers compute (softmax − onehot)·grad_output.
         neg_grad = -(grad_logprobs.to(compute_dtype) * valid)
-        for s in range(0, logits.shape[0], ctx.chunk_size):
-            e = min(logits.shape[0], s + ctx.chunk_size)
+        for s in range(0, logits.shape[0], fn_ctx.chunk_size):
+            e = min(logits.shape[0], s + fn_ctx.chunk_size)
             softmax = logits[s:e].to(compute_dtype, copy=True)
             softmax.sub_(lse[s:e].unsqueeze(-1)).exp_()
             target = labels[s:e]
@@ -191,11 +191,12 @@ def forward_logprobs(model, batch: pack.PackedBatch, ctx: Ctx) -> tuple[torch.Te
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Pair rows and validity
+# Pair sequences and validity
 
 
-def pair_rows(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pair_index [S], is_chosen [S] -> each pair's rows (chosen [P], rejected [P], pair_ids [P]), ascending ids."""
+def pair_sequences(pair_index: torch.Tensor,
+                   is_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pair_index [S], is_chosen [S] -> (chosen [P], rejected [P]: each pair's sequences; pair_ids [P] ascending)."""
     assert pair_index.dim() == 1 and pair_index.shape == is_chosen.shape, (pair_index.shape, is_chosen.shape)
     pair_ids, inverse = torch.unique(pair_index, return_inverse=True)
     chosen_mask = is_chosen.bool()
@@ -206,26 +207,26 @@ def pair_rows(pair_index: torch.Tensor, is_chosen: torch.Tensor) -> tuple[torch.
     if bool(bad.any()):
         k = int(bad.nonzero()[0, 0])
         raise ValueError(
-            f"pair {int(pair_ids[k])} must have exactly one chosen and one rejected row in the bin; it has "
+            f"pair {int(pair_ids[k])} must have exactly one chosen and one rejected sequence in the bin; it has "
             f"{int(n_chosen[k])} chosen and {int(n_rejected[k])} rejected (pair_index={pair_index.tolist()}, "
             f"is_chosen={chosen_mask.long().tolist()})"
         )
-    rows = torch.arange(pair_index.numel(), device=pair_index.device)
+    seqs = torch.arange(pair_index.numel(), device=pair_index.device)
     chosen = torch.empty(num_pairs, dtype=torch.long, device=pair_index.device)
     rejected = torch.empty_like(chosen)
-    chosen[inverse[chosen_mask]] = rows[chosen_mask]
-    rejected[inverse[~chosen_mask]] = rows[~chosen_mask]
+    chosen[inverse[chosen_mask]] = seqs[chosen_mask]
+    rejected[inverse[~chosen_mask]] = seqs[~chosen_mask]
     return chosen, rejected, pair_ids
 
 
 def valid_pairs(
     num_response_tokens: torch.Tensor, pair_index: torch.Tensor, is_chosen: torch.Tensor, sample_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen [P], rejected [P], valid [P] bool): valid = both rows have sample_mask 1 and a response token."""
+    """(chosen [P], rejected [P], valid [P] bool): valid = both sequences have sample_mask 1 and a response token."""
     assert sample_mask.shape == pair_index.shape == num_response_tokens.shape
-    chosen, rejected, _ = pair_rows(pair_index, is_chosen)
-    row_ok = sample_mask.bool() & (num_response_tokens > 0)
-    return chosen, rejected, row_ok[chosen] & row_ok[rejected]
+    chosen, rejected, _ = pair_sequences(pair_index, is_chosen)
+    seq_ok = sample_mask.bool() & (num_response_tokens > 0)
+    return chosen, rejected, seq_ok[chosen] & seq_ok[rejected]
 
 
 def count_valid_pairs(
@@ -281,17 +282,17 @@ def mpo_loss(
     reward_shift: float,
     num_global_pairs: int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The MPO loss of one packed microbatch. Inputs [S] (policy_logprobs, ref_logprobs: Σ_t log π over each row's
+    """The MPO loss of one packed microbatch. Inputs [S] (policy_logprobs, ref_logprobs: Σ_t log π over each sequence's
     response tokens; pair metadata on the CPU in training). Returns (loss = Σ over valid pairs ÷ num_global_pairs,
-    metrics as METRIC_REDUCTION says, (Σ β·L_y over valid rows, their count): δ's statistics)."""
+    metrics as METRIC_REDUCTION says, (Σ β·L_y over valid sequences, their count): δ's statistics)."""
     assert policy_logprobs.dim() == 1 and policy_logprobs.shape == ref_logprobs.shape == num_response_tokens.shape
     assert pair_index.shape == sample_mask.shape == num_response_tokens.shape
     device = policy_logprobs.device
     num_response_tokens = num_response_tokens.to(device)
-    chosen, rejected, _ = pair_rows(pair_index, is_chosen)  # where the metadata is (the host in training)
+    chosen, rejected, _ = pair_sequences(pair_index, is_chosen)  # where the metadata is (the host in training)
     chosen, rejected = pack.to_device(chosen, device), pack.to_device(rejected, device)
-    row_ok = pack.to_device(sample_mask, device).bool() & (num_response_tokens > 0)
-    valid = row_ok[chosen] & row_ok[rejected]
+    seq_ok = pack.to_device(sample_mask, device).bool() & (num_response_tokens > 0)
+    valid = seq_ok[chosen] & seq_ok[rejected]
     num_local = valid.sum()  # on the device: checked there, read with the step's metrics
     torch._assert_async(num_local <= num_global_pairs, "num_global_pairs is smaller than this microbatch's valid pairs")
     denom = float(max(int(num_global_pairs), 1))  # 0 only when no pair anywhere is valid: the loss is then 0

@@ -50,7 +50,7 @@ from pack import (
     thd_packed_seq_params,
     to_device,
     token_sequence_ids,
-    video_row_tokens,
+    video_sequence_tokens,
 )
 
 # ======================================================================================================================
@@ -286,7 +286,7 @@ def _get(batch, name: str, default=None):
 
 
 def evs_keep(feats: torch.Tensor, tubelets: int, pruning_rate: float) -> torch.Tensor:
-    """EVS (Efficient Video Sampling) of one video: the indices int64 [R] (ascending; R = pack.video_row_tokens) of
+    """EVS (Efficient Video Sampling) of one video: the indices int64 [R] (ascending; R = pack.video_sequence_tokens) of
     its projected features feats [T·n, H] (tubelet-major, n per tubelet) that stay. transformers' compute_retention_mask
     on the real grid (thw = (T, n); it assumes h = w = sqrt(n)): the first tubelet's tokens score 255, token i of
     tubelet t > 0 scores 1 - cos(feats[t, i], feats[t - 1, i]); the R highest stay, a tie to the earlier token."""
@@ -294,7 +294,7 @@ def evs_keep(feats: torch.Tensor, tubelets: int, pruning_rate: float) -> torch.T
     x = feats.detach().reshape(tubelets, n, -1)
     score = torch.cat([torch.full_like(x[:1, :, 0], 255), 1 - F.cosine_similarity(x[1:], x[:-1], dim=-1)])
     order = torch.argsort(score.flatten(), descending=True, stable=True)
-    return order[:video_row_tokens(tubelets, n, pruning_rate)].sort().values
+    return order[:video_sequence_tokens(tubelets, n, pruning_rate)].sort().values
 
 
 class SoundEncoder(nn.Module):
@@ -329,8 +329,8 @@ class OmniModel(nn.Module):
     """Vision tower + projector + hybrid language model (+ sound encoder + projection when the checkpoint has a
     `sound_config`); `forward(batch) -> logits [T/CP, V/TP]`.
 
-    `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full row on every CP rank);
-    optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
+    `batch` is a pack.PackedBatch (or a dict of its fields): input_ids int64 [1, T] (the full packed row on every CP
+    rank); optional cu_seqlens_padded / cu_seqlens int32 [S+1], max_seqlen, pixel_values float [N_patches, 3·P·P] with
     image_grid_hw int64 [N_images, 2], pixel_values_videos float [N_video_patches, 3·P·P] with video_grid_thw int64
     [N_videos, 3] (encode_media), media_index int64 [S] with media_image_offsets / media_video_offsets int64 [M+1],
     sample_mask [S]
@@ -339,7 +339,7 @@ class OmniModel(nn.Module):
     audio_lens int64 [N_clips, 2] (mel frames, valid frames) and media_audio_offsets int64 [M+1].
     T divides by 2·CP (and TP under SP). The logits' rows are in this CP rank's order (pack.cp_partition_index).
     EVS (config.json's video_pruning_rate > 0): a video's sequences hold the `<image>` tokens transformers keeps
-    (pack.video_row_tokens), laid out before the CP slice as its pruning leaves them (`_evs_layout`).
+    (pack.video_sequence_tokens), laid out before the CP slice as its pruning leaves them (`_evs_layout`).
     Raises ValueError when the `<image>` tokens and the image features do not match."""
 
     def __init__(self, hf: OmniHFConfig, model_cfg, parallel_cfg, use_te: bool, kernels=None):
@@ -532,9 +532,10 @@ class OmniModel(nn.Module):
                     starts: list, kept: list[torch.Tensor], tubelets: list[int], per: list[int]):
         """(ids [T] on the device, positions [N] on the device) with each pruned video's span in the layout
         transformers' EVS leaves: tubelet t's chunk `<img>` then its k_t kept tokens. The row holds a video's R kept
-        `<image>` tokens in its T `<img>` chunks in any split with the first chunk non-empty (pack.video_row_tokens;
-        the data reader fills the first chunks), so the row's length is known before the forward; the text between
-        chunks keeps its order. positions, starts: _image_rows' (host); kept: evs_keep of each video (device)."""
+        `<image>` tokens in its T `<img>` chunks in any split with the first chunk non-empty
+        (pack.video_sequence_tokens; the data reader fills the first chunks), so the row's length is known before the
+        forward; the text between chunks keeps its order. positions, starts: _image_rows' (host); kept: evs_keep of each
+        video (device)."""
         img, device = self.image_token_id, ids.device
         pos_h, ids, positions = positions, ids.clone(), to_device(positions, device).clone()
         bounds = cu_pad_h.tolist()
@@ -693,7 +694,7 @@ class OmniModel(nn.Module):
             tp = parallel_state.get_tensor_model_parallel_world_size()
             pad = pad.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         conv = mamba_triton.CONV_OFFSETS.set(self._conv_offsets(psp, cu_pad, device))
-        spans = shared_prompt.ROW_SPANS.set(row_spans)  # the Mamba and attention layers read them; None: separate rows
+        spans = shared_prompt.ROW_SPANS.set(row_spans)  # for the Mamba and attention layers; None: separate sequences
         try:
             with megatron_patches.routers_without_statistics(no_real_token and self.training):
                 logits = self.language_model(input_ids=None, position_ids=None, attention_mask=None,
@@ -704,7 +705,7 @@ class OmniModel(nn.Module):
         return logits[0]
 
     def _conv_offsets(self, psp, cu_pad: torch.Tensor, device):
-        """mamba_triton.CONV_OFFSETS of this row for the triton set, else None."""
+        """mamba_triton.CONV_OFFSETS of this packed row for the triton set, else None."""
         if self.mamba_kernels != "triton":
             return None
         chunks = mamba_triton.conv_chunk_indices(list(psp.cu_seqlens_padded_host))

@@ -1,9 +1,9 @@
-"""Pair-atomic THD packing for MPO (separate rows, or one span per pair with a shared prompt), CP slicing, DP balancing.
+"""Pair-atomic THD packing (separate sequences, or one span per pair with a shared prompt), CP slicing, DP balancing.
 
-- Planning: `plan_step` / `plan_bins` bin a step's pairs (both rows together) first-fit-decreasing and deal the bins
-  to DP ranks by cost (`deal_greedy`); every rank computes the same `StepPlan`.
-- Packing: `pack` -> `PackedBatch`, one [1, T] THD row; `thd_packed_seq_params` for megatron-core; `load_bins`, a DP
-  rank's bins of a plan on its device.
+- Planning: `plan_step` / `plan_bins` bin a step's pairs (both sequences together) first-fit-decreasing and deal the
+  bins to DP ranks by cost (`deal_greedy`); every rank computes the same `BinPlan`.
+- Packing: `pack` -> `PackedBatch`, one packed row [1, T] (THD); `thd_packed_seq_params` for megatron-core; `load_bins`,
+  a DP rank's bins of a bin plan on its device.
 - Shared-prompt format (`packing.shared_prompt`, switch `shared_prompt_on`): each pair one THD span
   [prompt | chosen | rejected], the prompt stored once (`prefix_length`, `pack_shared_prompt`; offsets `pair_spans`,
   `response_sequence_ids`); its layers are shared_prompt.py's.
@@ -52,7 +52,7 @@ class Bin:
 
 
 @dataclass
-class StepPlan:
+class BinPlan:
     """One step's microbatches: ranks[r][m] is microbatch m of DP rank r; `dropped`: oversized pairs dropped."""
 
     ranks: list[list[Bin]]
@@ -67,7 +67,7 @@ def _pair_sizes(lens: tuple[int, int], divisible_by: int, cost_fn: Callable[[int
 
 def _sizes(lengths: Mapping[int, tuple[int, int]], divisible_by: int, cost_fn: Callable[[int], float],
            shared_lengths: Mapping[int, int] | None) -> dict[int, tuple[int, int, float]]:
-    """Pair id -> (padded tokens, real tokens, cost): two rows, or one span with `shared_lengths`."""
+    """Pair id -> (padded tokens, real tokens, cost): two sequences, or one span with `shared_lengths`."""
     if shared_lengths is not None:
         return _span_sizes(lengths, shared_lengths, divisible_by, cost_fn)
     return {pid: _pair_sizes(tuple(lens), divisible_by, cost_fn) for pid, lens in lengths.items()}
@@ -89,7 +89,7 @@ def _span_sizes(lengths: Mapping[int, tuple[int, int]], shared_lengths: Mapping[
 def pair_bin_tokens(
     lengths: Mapping[int, tuple[int, int]], divisible_by: int, shared_lengths: Mapping[int, int] | None = None
 ) -> dict[int, int]:
-    """Pair id -> tokens it takes in a bin (separate rows, or a span with `shared_lengths`)."""
+    """Pair id -> tokens it takes in a bin (separate sequences, or a span with `shared_lengths`)."""
     return {pid: v[0] for pid, v in _sizes(lengths, divisible_by, float, shared_lengths).items()}  # float: no cost
 
 
@@ -159,8 +159,8 @@ def plan_bins(
     divisible_by: int = 1,
     drop_oversized: bool = False,
     shared_lengths: Mapping[int, int] | None = None,
-) -> StepPlan:
-    """Plan one step's microbatches. lengths: pair id -> (chosen, rejected) row tokens, unpadded; shared_lengths:
+) -> BinPlan:
+    """Plan one step's microbatches. lengths: pair id -> (chosen, rejected) sequence tokens, unpadded; shared_lengths:
     pair id -> prompt tokens stored once (shared-prompt format). ValueError: an oversized pair (unless drop_oversized).
     """
     assert min(max_tokens_per_bin, max_sequences_per_bin, dp_size, divisible_by) >= 1  # config.validate
@@ -199,7 +199,7 @@ def plan_bins(
     smallest = min(sizes, key=lambda p: (sizes[p], p))
     n_dummy = (-len(bins)) % dp_size
     bins += [make_bin([smallest], dummy=True) for _ in range(n_dummy)]
-    return StepPlan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
+    return BinPlan(ranks=deal_greedy(bins, dp_size), num_microbatches=len(bins) // dp_size, dropped=dropped)
 
 
 def shared_prompt_on(packing) -> bool:
@@ -211,7 +211,7 @@ def shared_prompt_on(packing) -> bool:
 
 
 def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
-              shared_lengths: Mapping[int, int] | None = None) -> StepPlan:
+              shared_lengths: Mapping[int, int] | None = None) -> BinPlan:
     """`plan_bins` with the settings of `packing`; `shared_lengths` counts only if `shared_prompt_on(packing)`."""
     pk = packing
     shared = shared_prompt_on(pk)
@@ -231,10 +231,10 @@ def plan_step(lengths: Mapping[int, tuple[int, int]], packing, dp_size: int,
 # Packing one bin into THD tensors
 
 
-def video_row_tokens(tubelets: int, tokens_per_tubelet: int, pruning_rate: float) -> int:
-    """`<image>` tokens a video of `tubelets` tubelets of `tokens_per_tubelet` (n) tokens takes in a row: T·n, or under
-    EVS (config.json's video_pruning_rate q > 0) those transformers keeps, max(n, int(T·n·(1 - q))) (NemotronH_Omni's
-    compute_retention_mask, the same float expression)."""
+def video_sequence_tokens(tubelets: int, tokens_per_tubelet: int, pruning_rate: float) -> int:
+    """`<image>` tokens a video of `tubelets` tubelets of `tokens_per_tubelet` (n) tokens takes in a sequence: T·n, or
+    under EVS (config.json's video_pruning_rate q > 0) those transformers keeps, max(n, int(T·n·(1 - q)))
+    (NemotronH_Omni's compute_retention_mask, the same float expression)."""
     return max(tokens_per_tubelet, int(tubelets * tokens_per_tubelet * (1 - pruning_rate)))
 
 
@@ -243,19 +243,19 @@ class PreferencePair:
     """One preference pair from the data module (CPU tensors)."""
 
     pair_id: int
-    chosen_ids: torch.Tensor  # [L_c] int64, the full row (prompt + response), unpadded
+    chosen_ids: torch.Tensor  # [L_c] int64, the full sequence (prompt + response), unpadded
     rejected_ids: torch.Tensor  # [L_r] int64
     chosen_loss_mask: torch.Tensor  # [L_c] bool, True on the response tokens of the last assistant turn; [0] False
     rejected_loss_mask: torch.Tensor  # [L_r] bool
-    pixel_values: torch.Tensor  # [sum of gh*gw over the images, 3*16*16] float, shared by both rows
+    pixel_values: torch.Tensor  # [sum of gh*gw over the images, 3*16*16] float, shared by both sequences
     image_grid_hw: torch.Tensor  # [n_images, 2] int64, (gh, gw) patches
-    image_token_counts: torch.Tensor  # [n_images] int64, <image> tokens of each image in each row
+    image_token_counts: torch.Tensor  # [n_images] int64, <image> tokens of each image in each sequence
     # the pair's videos (omni_model.encode_media), their <image> tokens after the images'; None: no video
     pixel_values_videos: torch.Tensor | None = None  # [sum of F*gh*gw, 3*16*16] float, each frame's patches
     video_grid_thw: torch.Tensor | None = None  # [n_videos, 3] int64, (frames, gh, gw)
-    video_token_counts: torch.Tensor | None = None  # [n_videos] int64, <image> tokens of each video in each row
-    # (video_row_tokens: EVS's retained count)
-    # audio clips, shared by both rows: the processor's mel features, each clip at its own length
+    video_token_counts: torch.Tensor | None = None  # [n_videos] int64, <image> tokens of each video in each sequence
+    # (video_sequence_tokens: EVS's retained count)
+    # audio clips, shared by both sequences: the processor's mel features, each clip at its own length
     audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # [sum of frames, n_mels] float
     audio_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))  # [n_clips, 2]
     # (mel frames, valid frames: the processor's input_features_mask sum) of each clip
@@ -268,9 +268,9 @@ class PackedBatch:
     S = P spans; pair_index / is_chosen / sample_mask stay per response [2P].
     """
 
-    input_ids: torch.Tensor  # [1, T] int64, the rows, each padded with pad_token_id to a multiple of divisible_by
+    input_ids: torch.Tensor  # [1, T] int64, the sequences, each padded with pad_token_id to a multiple of divisible_by
     labels: torch.Tensor  # [1, T] int64, input_ids[t + 1] inside a sequence, IGNORE_INDEX at its end and on padding
-    loss_mask: torch.Tensor  # [1, T] bool, the response mask shifted by one: loss_mask[t] = row_loss_mask[t + 1]
+    loss_mask: torch.Tensor  # [1, T] bool, the response mask shifted by one: loss_mask[t] = seq_loss_mask[t + 1]
     position_ids: torch.Tensor  # [1, T] int64, 0, 1, ... from each sequence start (padding continues the count)
     cu_seqlens: torch.Tensor  # [S+1] int32, cumulative real lengths
     cu_seqlens_padded: torch.Tensor  # [S+1] int32, cumulative padded lengths: sequence s is [cu_pad[s], cu_pad[s+1])
@@ -285,7 +285,7 @@ class PackedBatch:
     media_image_offsets: torch.Tensor  # [P+1] int64, the images of slot m: image_grid_hw[off[m]:off[m+1]]
     media_patch_offsets: torch.Tensor  # [P+1] int64, the same in rows of pixel_values
     # Shared-prompt format only: [3P+1] int32 cumulative real lengths of the spans prompt_0, chosen_0, rejected_0,
-    # prompt_1, ..., and their boundaries in the row (a pair's padding belongs to its rejected span).
+    # prompt_1, ..., and their boundaries in the packed row (a pair's padding belongs to its rejected span).
     span_cu_seqlens: torch.Tensor | None = None
     span_cu_seqlens_padded: torch.Tensor | None = None
     # videos (PreferencePair's), once per pair in pair order; the videos of slot m: video_grid_thw[off[m]:off[m+1]]
@@ -338,7 +338,7 @@ class PackedBatch:
 
 
 def _media_tokens(p: PreferencePair) -> int:
-    """<image> tokens of a pair's row: its images' and its videos'."""
+    """<image> tokens of a pair's sequence: its images' and its videos'."""
     videos = 0 if p.video_token_counts is None else int(p.video_token_counts.sum())
     return int(p.image_token_counts.sum()) + videos
 
@@ -346,7 +346,7 @@ def _media_tokens(p: PreferencePair) -> int:
 def _check_pair(p: PreferencePair, image_token_id: int) -> None:
     n_img = _media_tokens(p)
     for ids, mask in ((p.chosen_ids, p.chosen_loss_mask), (p.rejected_ids, p.rejected_loss_mask)):
-        assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_id}: row ids"
+        assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.numel() >= 1, f"pair {p.pair_id}: sequence ids"
         assert mask.shape == ids.shape and mask.dtype == torch.bool and not bool(mask[0]), f"pair {p.pair_id}: mask"
         assert int((ids == image_token_id).sum()) == n_img, f"pair {p.pair_id}: <image> tokens"
     grid = p.image_grid_hw
@@ -418,7 +418,7 @@ def pack(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack one bin (see `PackedBatch`): pair 0 chosen, pair 0 rejected, pair 1 chosen, ..., each row padded to a
+    """Pack one bin (see `PackedBatch`): pair 0 chosen, pair 0 rejected, pair 1 chosen, ..., each sequence padded to a
     multiple of `divisible_by`. `dummy=True`: sample_mask 0, pair_index -1.
     """
     assert pairs and divisible_by >= 1
@@ -428,14 +428,14 @@ def pack(
     for p in pairs:
         _check_pair(p, image_token_id)
         for chosen in (True, False):
-            row = p.chosen_ids if chosen else p.rejected_ids
+            seq = p.chosen_ids if chosen else p.rejected_ids
             rmask = p.chosen_loss_mask if chosen else p.rejected_loss_mask
-            n = row.numel()
+            n = seq.numel()
             n_pad = padded_length(n, divisible_by)
             seq_ids = torch.full((n_pad,), pad_token_id, dtype=torch.int64)
-            seq_ids[:n] = row
+            seq_ids[:n] = seq
             seq_labels = torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64)
-            seq_labels[: n - 1] = row[1:]
+            seq_labels[: n - 1] = seq[1:]
             seq_mask = torch.zeros(n_pad, dtype=torch.bool)
             seq_mask[: n - 1] = rmask[1:]
             ids.append(seq_ids)
@@ -524,12 +524,12 @@ def routing_padding_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
 # ======================================================================================================================
 # The shared-prompt format: one THD span [prompt | chosen | rejected] per pair, the prompt stored once. The rejected
 # span attends to the prompt but not to the chosen one (shared_prompt.py's layers), so each response token sees what
-# it sees as a separate row, with the same labels, loss mask and positions.
+# it sees as a separate sequence, with the same labels, loss mask and positions.
 
 
 def prefix_length(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_loss_mask: torch.Tensor,
                   rejected_loss_mask: torch.Tensor) -> int:
-    """k = m - 1, m the rows' common prefix outside both response masks (row[k] starts each response)."""
+    """k = m - 1, m the sequences' common prefix outside both response masks (seq[k] starts each response)."""
     n = min(chosen_ids.numel(), rejected_ids.numel())
     same = (chosen_ids[:n] == rejected_ids[:n]) & ~chosen_loss_mask[:n] & ~rejected_loss_mask[:n]
     m = int(same.long().cumprod(0).sum())
@@ -543,7 +543,7 @@ def pack_shared_prompt(
     pad_token_id: int = 0,
     dummy: bool = False,
 ) -> PackedBatch:
-    """Pack one bin in the shared-prompt format: per pair [row[:k] | chosen[k:] | rejected[k:] | padding],
+    """Pack one bin in the shared-prompt format: per pair [seq[:k] | chosen[k:] | rejected[k:] | padding],
     k = `prefix_length`. ValueError: k = 0, or `<image>` past the prompt."""
     assert pairs and divisible_by >= 1
     ids, labels, lmask, pos = [], [], [], []
@@ -553,25 +553,25 @@ def pack_shared_prompt(
         _check_pair(p, image_token_id)
         k = prefix_length(p.chosen_ids, p.rejected_ids, p.chosen_loss_mask, p.rejected_loss_mask)
         if k < 1:
-            raise ValueError(f"pair {p.pair_id}: the chosen and rejected rows share no prompt token "
-                             "(pack.prefix_length 0); use the separate-rows format for such data")
+            raise ValueError(f"pair {p.pair_id}: the chosen and rejected sequences share no prompt token "
+                             "(pack.prefix_length 0); use the separate-sequences format for such data")
         n_img = _media_tokens(p)
         if int((p.chosen_ids[:k] == image_token_id).sum()) != n_img:
             raise ValueError(f"pair {p.pair_id}: {n_img} <image> tokens expected inside the shared prompt "
                              f"(first {k} tokens), found {int((p.chosen_ids[:k] == image_token_id).sum())}")
-        row_c, row_r = p.chosen_ids, p.rejected_ids
-        # Labels and masks of the whole rows first (pre-rolled as in `pack`), then cut into spans.
-        parts = [(row_c[:k], row_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
-        for row, rmask in ((row_c, p.chosen_loss_mask), (row_r, p.rejected_loss_mask)):
-            n = row.numel()
+        seq_c, seq_r = p.chosen_ids, p.rejected_ids
+        # Labels and masks of the whole sequences first (pre-rolled as in `pack`), then cut into spans.
+        parts = [(seq_c[:k], seq_c[1:k + 1], p.chosen_loss_mask[1:k + 1], torch.arange(k))]
+        for seq, rmask in ((seq_c, p.chosen_loss_mask), (seq_r, p.rejected_loss_mask)):
+            n = seq.numel()
             lab = torch.full((n - k,), IGNORE_INDEX, dtype=torch.int64)
-            lab[: n - k - 1] = row[k + 1:]
+            lab[: n - k - 1] = seq[k + 1:]
             msk = torch.zeros(n - k, dtype=torch.bool)
             msk[: n - k - 1] = rmask[k + 1:]
-            parts.append((row[k:], lab, msk, torch.arange(k, n)))
+            parts.append((seq[k:], lab, msk, torch.arange(k, n)))
         real = sum(t[0].numel() for t in parts)
         n_pad = padded_length(real, divisible_by) - real
-        last = row_r.numel()
+        last = seq_r.numel()
         parts.append((torch.full((n_pad,), pad_token_id, dtype=torch.int64),
                       torch.full((n_pad,), IGNORE_INDEX, dtype=torch.int64),
                       torch.zeros(n_pad, dtype=torch.bool), torch.arange(last, last + n_pad)))
@@ -619,7 +619,7 @@ def response_sequence_ids(span_cu_seqlens_padded: torch.Tensor, total_tokens: in
 # A DP rank's microbatches of a step
 
 
-def load_bins(plan: StepPlan, pairs: Mapping[int, PreferencePair], ctx, image_token_id: int,
+def load_bins(plan: BinPlan, pairs: Mapping[int, PreferencePair], ctx, image_token_id: int,
               pad_id: int) -> list[PackedBatch]:
     """This DP rank's packed microbatches of `plan` (`pack`, or `pack_shared_prompt` when `shared_prompt_on`), moved
     to its device once. ctx: distributed.Ctx (cfg, dp_rank, device)."""

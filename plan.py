@@ -29,7 +29,7 @@ import config as config_mod  # noqa: E402
 
 config_mod.quiet_known_warnings()  # before megatron-core is imported
 import distributed  # noqa: E402
-import mmpr_rows  # noqa: E402
+import mmpr_records  # noqa: E402
 import model_hub  # noqa: E402
 import omni_model  # noqa: E402
 import plan_media  # noqa: E402
@@ -375,7 +375,7 @@ def adapter_bytes_per_token(model, hf, cfg) -> tuple[dict[str, float], float]:
 # ---- The plan ----------
 @dataclass
 class RankPlan:
-    """One distinct rank's parameters and bytes (a row of the table)."""
+    """One distinct rank's parameters and bytes (a table row)."""
 
     ranks: list[int]
     params: int
@@ -569,7 +569,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None, vi
     config_mod.validate_parallel(cfg, world, getattr(hf.text, "n_routed_experts", None))
     import lora
 
-    rows: list[RankPlan] = []
+    table_rows: list[RankPlan] = []
     counts = lplan = None
     adapter_act: tuple[dict[str, float], float] = ({}, 0.0)
     for rank in sorted({0, world - 1}):
@@ -600,11 +600,11 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None, vi
                            grads_copy=step_copy(cfg, fp32_grads, master),
                            reference_pass=ref if cfg.reference.logprobs == "precomputed" else 0,
                            adapter_params=n_adapter, adapters=adapter_bytes)
-        same = next((r for r in rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
+        same = next((r for r in table_rows if {**vars(r), "ranks": 0} == {**vars(row), "ranks": 0}), None)
         if same is not None:
             same.ranks.append(rank)
         else:
-            rows.append(row)
+            table_rows.append(row)
     pass_bin = cfg.reference.max_tokens_per_bin or cfg.packing.max_tokens_per_bin
     pass_pairs = cfg.reference.max_sequences_per_bin or cfg.packing.max_sequences_per_bin
     activations = activation_model(cfg, hf)
@@ -612,7 +612,7 @@ def make_plan(cfg, world: int | None = None, image_tokens: int | None = None, vi
     activations.sound_kept, activations.sound_working = plan_media.sound_activations(
         cfg, hf, omni_model.torch_dtype(cfg.model.params_dtype), media.audio_samples, media.audio_tokens,
         media.hop_length)
-    return MemoryPlan(world=world, counts=counts, ranks=rows, activations=activations,
+    return MemoryPlan(world=world, counts=counts, ranks=table_rows, activations=activations,
                 bin_tokens=cfg.packing.max_tokens_per_bin,
                 image_tokens=min(image_tokens, cfg.packing.max_tokens_per_bin), image_source=image_source,
                 pairs_image_tokens=image_tokens, min_bin_tokens=need, min_bin_source=need_source,
@@ -786,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_mod.load_config(args.config, args.overrides)
         cfg.model.hf_path = plan_model_dir(cfg)
         plan = make_plan(cfg, args.gpus, args.image_tokens, args.video_frames, args.audio_seconds)
-    except (config_mod.ConfigError, mmpr_rows.DataError) as e:
+    except (config_mod.ConfigError, mmpr_records.DataError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(format_plan(plan, cfg))

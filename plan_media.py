@@ -92,7 +92,7 @@ def media_inputs(cfg, hf, image_tokens: int | None = None, video_frames: int | N
     Without an index: that many pairs of one image at the processor's most patches (vision_config.args
     max_num_patches / 4). A flag replaces its count: `image_tokens` (then no index is read), `video_frames` (one video
     per bin) and `audio_seconds` (one clip per bin: the encoder's attention grows with a clip's length squared)."""
-    import mmpr_rows
+    import mmpr_records
     import pack
 
     k = cfg.packing.max_sequences_per_bin
@@ -103,7 +103,7 @@ def media_inputs(cfg, hf, image_tokens: int | None = None, video_frames: int | N
     if from_index and processor is not None:
         import mmpr_index
 
-        with mmpr_rows.data_warnings([]):
+        with mmpr_records.data_warnings([]):
             train_split, _ = mmpr_index.load_splits(processor, cfg.data)
         ix, ids = train_split.index, train_split.pair_ids
         rows = torch.as_tensor(ids, dtype=torch.long)

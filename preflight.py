@@ -79,7 +79,7 @@ def check_packing(cfg) -> None:
     if pk.shared_prompt is True and cp > 1:
         raise config_mod.ConfigError(
             f"packing.shared_prompt = true is not supported with parallel.context_parallel_size = {cp} yet; set "
-            'packing.shared_prompt = "auto" (separate rows with CP) or false, or context_parallel_size = 1'
+            'packing.shared_prompt = "auto" (separate sequences with CP) or false, or context_parallel_size = 1'
         )
     need = (2 * cp if cp > 1 else 1) * (tp if sp and tp > 1 else 1)
     if pk.make_sequence_length_divisible_by % need != 0:
@@ -374,7 +374,7 @@ def check_splits(train_split, val_split, cfg):
     if val_split is not None and val_split.index is train_split.index and size >= 1 and len(val_split.pair_ids) > size:
         notes.append(
             f"validation: data.train.split_validation_size = {size} gave {len(val_split.pair_ids)} validation pairs: "
-            "the repeats of a row (repeat_time) stay together in one split"
+            "the repeats of a record (repeat_time) stay together in one split"
         )
     if val_split is not None and not val_split.pair_ids:
         notes.append(
@@ -424,7 +424,7 @@ def check_splits(train_split, val_split, cfg):
         raise config_mod.ConfigError(
             f"policy.train_global_batch_size = {gbs} pairs per step but only {n_train} training pairs (after "
             f"data.train.max_samples = {cfg.data.train.max_samples}, data.train.split_validation_size = "
-            f"{cfg.data.train.split_validation_size}, dropped rows and {train_split.dropped_oversized} oversized "
+            f"{cfg.data.train.split_validation_size}, dropped records and {train_split.dropped_oversized} oversized "
             "pairs): a step would repeat pairs; lower the batch or use more data"
         )
     return train_split, val_split, notes

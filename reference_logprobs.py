@@ -32,7 +32,7 @@ import distributed
 import hf_weights
 import lora
 import mmpr_data
-import mmpr_rows
+import mmpr_records
 import model_hub
 import mpo_loss
 import pack
@@ -54,8 +54,8 @@ class ShardError(ValueError):
 
 @dataclasses.dataclass(eq=False)
 class Stored:
-    """The stored reference sums of one data index, row = pair id: `sums` [N, 2] float64 (chosen, rejected; NaN not
-    computed) and `tokens` [N, 2] int64 (their response tokens; -1 not computed)."""
+    """The stored reference sums of one data index, table row = pair id: `sums` [N, 2] float64 (chosen, rejected; NaN
+    not computed) and `tokens` [N, 2] int64 (their response tokens; -1 not computed)."""
 
     folder: Path
     sums: torch.Tensor
@@ -70,20 +70,20 @@ class Stored:
         return cls(Path(folder), table.sums, table.tokens)
 
     def lookup(self, batch: pack.PackedBatch, device: torch.device) -> torch.Tensor:
-        """Reference sums [S] float32 of one microbatch, on `device` (0 for a dummy bin's rows), from the host copy;
-        DataError when a row's stored token count is not the batch's (its tokens changed since the pass)."""
+        """Reference sums [S] float32 of one microbatch, on `device` (0 for a dummy bin's sequences), from the host
+        copy; DataError when a sequence's stored token count is not the batch's (its tokens changed since the pass)."""
         host = pack.host_view(batch)
         real = host.pair_index >= 0
-        rows, col = host.pair_index.clamp_min(0), (~host.is_chosen).long()
+        table_rows, col = host.pair_index.clamp_min(0), (~host.is_chosen).long()
         tokens = mpo_loss.sequence_sums(host.loss_mask[0].long(), host.loss_seq_ids(), host.num_responses)
-        stored = torch.where(real, self.tokens[rows, col], tokens)
+        stored = torch.where(real, self.tokens[table_rows, col], tokens)
         if not torch.equal(stored, tokens):
             s = int((stored != tokens).nonzero()[0, 0])
-            raise mmpr_rows.DataError(
+            raise mmpr_records.DataError(
                 f"the stored reference log-probs of pair {int(host.pair_index[s])} in {self.folder} cover "
                 f"{int(stored[s])} response tokens, the pair has {int(tokens[s])} now (a file changed since the "
                 "reference pass): remove that folder to compute them again")
-        return pack.to_device(torch.where(real, self.sums[rows, col], 0.0).to(torch.float32), device)
+        return pack.to_device(torch.where(real, self.sums[table_rows, col], 0.0).to(torch.float32), device)
 
 
 @dataclasses.dataclass(eq=False)
@@ -229,8 +229,9 @@ def read_shard(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 @dataclasses.dataclass
 class _Table:
-    """One data index's values while they are gathered: rows = pair ids (see `Stored`); `media` [N] int64 the pairs'
-    media stamps now (`media_stamps`); a stored value of another stamp is not taken (its pair id goes to `stale`)."""
+    """One data index's values while they are gathered: table rows = pair ids (see `Stored`); `media` [N] int64 the
+    pairs' media stamps now (`media_stamps`); a stored value of another stamp is not taken (its pair id goes to
+    `stale`)."""
 
     sums: torch.Tensor
     tokens: torch.Tensor
@@ -386,7 +387,7 @@ def media_stamps(index, pair_ids: list[int], ctx) -> torch.Tensor:
         if len(num) == 0:  # an index without audio or video-file columns
             continue
         counts, first = num[ids].long(), start[ids].long()
-        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)  # per file of the pairs: its pair's row in ids
+        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)  # per file: its pair's position in ids
         order = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         files, which = torch.unique(path_id[first[owner] + order].long(), return_inverse=True)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -418,7 +419,7 @@ def score(model, batches: list[pack.PackedBatch], ctx) -> list[tuple[torch.Tenso
         host = pack.host_view(b)
         if int(host.pair_index[0]) < 0:  # a dummy bin: its pair is scored where it is real
             continue
-        chosen, rejected, pair_ids = mpo_loss.pair_rows(host.pair_index, host.is_chosen)
+        chosen, rejected, pair_ids = mpo_loss.pair_sequences(host.pair_index, host.is_chosen)
         s, n = s.cpu(), n.cpu()
         out.append((pair_ids, torch.stack([s[chosen], s[rejected]], 1), torch.stack([n[chosen], n[rejected]], 1)))
     return out

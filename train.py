@@ -50,7 +50,7 @@ import hf_weights  # noqa: E402
 import lora  # noqa: E402
 import mmpr_data  # noqa: E402
 import mmpr_index  # noqa: E402
-import mmpr_rows  # noqa: E402
+import mmpr_records  # noqa: E402
 import model_hub  # noqa: E402
 import monitor  # noqa: E402
 import mpo_loss  # noqa: E402
@@ -123,7 +123,7 @@ def main(cfg) -> int:
     # -- resume: the run state (step, δ, data position, W&B id) -----------------------------------------------------
     run_state = resume(saved, notices, ddp, optimizer, scheduler, data.sampler, cfg, rank)
     run_state["wandb_run_id"] = log.run_id
-    planner = functools.partial(plan_and_select, data.train_split.index, ctx)
+    planner = functools.partial(plan_bins_and_select, data.train_split.index, ctx)
     loader = iter(mmpr_data.StepLoader(data.train_set, data.sampler, cfg.policy.train_global_batch_size, planner,
                                        cfg.data.num_workers))
     if stopper.interrupted(ctx.device):  # a Ctrl-C while the data and models loaded: stop before any step
@@ -167,12 +167,12 @@ def main(cfg) -> int:
                 saved_step = step
             if at_end or segment_end or stop:
                 break
-    except mmpr_rows.DataError as e:  # raised on every rank (distributed.agreed): keep the finished steps, then stop
+    except mmpr_records.DataError as e:  # raised on every rank (distributed.agreed): keep the finished steps, then stop
         if run_state["step"] > saved_step:
             save_checkpoint(run_state, ddp, optimizer, scheduler, cfg, rank)
         # saved now or before
         where = f"before step {run_state['step'] + 1}; {monitor.last_saved(run_state['step'], cfg)}"
-        raise mmpr_rows.DataError(f"{e} ({where})") from None
+        raise mmpr_records.DataError(f"{e} ({where})") from None
     except RuntimeError as e:
         if not (isinstance(e, DivergedError) or str(e) == NOT_FINITE):  # NOT_FINITE: check_finite's assertion
             raise
@@ -209,7 +209,7 @@ class Data:
 def load_data(cfg, hf, rank: int) -> Data:
     """Load and check the splits (preflight.check_splits); rank 0 prints the data lines and warnings, once."""
     processor = mmpr_index.load_processor(model_hub.model_dir(cfg.model), "model.hf_path")
-    with mmpr_rows.data_warnings([]) as warned:
+    with mmpr_records.data_warnings([]) as warned:
         train_split, val_split = mmpr_index.load_splits(processor, cfg.data)
     train_split, val_split, notes = preflight.check_splits(train_split, val_split, cfg)
     monitor.print_data(train_split, val_split, warned + notes, rank)
@@ -349,8 +349,8 @@ def check_finite(ddp, local: dict, reward_sum, ctx: Ctx) -> None:
 # One microbatch, one step, one validation
 
 
-def plan_and_select(index: mmpr_data.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.StepPlan, list[int]]:
-    """(plan of the step's bins over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
+def plan_bins_and_select(index: mmpr_data.MMPRIndex, ctx: Ctx, pair_ids: list[int]) -> tuple[pack.BinPlan, list[int]]:
+    """(the step's bin plan over all DP ranks, the pair ids this DP rank loads): mmpr_data.StepLoader's plan_fn."""
     plan = pack.plan_step(index.lengths(pair_ids), ctx.cfg.packing, ctx.dp, index.shared_lengths(pair_ids))
     return plan, [p for b in plan.ranks[ctx.dp_rank] for p in b.pair_ids]
 
@@ -444,7 +444,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: KeyboardInterrupt from here on
     path, overrides = config_mod.parse_cli(None, "torchrun --standalone --nproc-per-node N train.py",
                                            "MPO training (README.md).")
-    known = (config_mod.ConfigError, mmpr_rows.DataError, checkpoint.CheckpointError, DivergedError,
+    known = (config_mod.ConfigError, mmpr_records.DataError, checkpoint.CheckpointError, DivergedError,
              monitor.MetricsError)  # a bad setting, input or run directory: one line says what to change
     code = monitor.exit_in_one_line(lambda: main(config_mod.load_config(path, overrides)), known)
     distributed.destroy_distributed()

@@ -1,5 +1,5 @@
 """The layers of a shared-prompt row (`packing.shared_prompt`; the format, one THD span [prompt | chosen | rejected] per
-pair, is pack.py's `pack_shared_prompt`): each response token sees what it sees as a separate row.
+pair, is pack.py's `pack_shared_prompt`): each response token sees what it sees as a separate sequence.
 
 - Switch: `resolve` ("auto" at start, by the kernels); at run time `ROW_SPANS`, set by OmniModel.forward around the
   language model; `RowSpans`, a row's offsets as the index tensors its layers need.
@@ -40,7 +40,7 @@ def resolve(cfg, kernels) -> tuple[bool, str]:
     mamba_torch and no CP; a bool is itself. kernels: kernel_selection.Kernels. The caller stores the value."""
     pk = cfg.packing
     if pk.shared_prompt != "auto":
-        return pk.shared_prompt, "shared prompt" if pk.shared_prompt else "separate rows"
+        return pk.shared_prompt, "shared prompt" if pk.shared_prompt else "separate sequences"
     cp = cfg.parallel.context_parallel_size
     why = []
     if cp > 1:
@@ -53,16 +53,16 @@ def resolve(cfg, kernels) -> tuple[bool, str]:
     if not why:
         return True, "shared prompt (auto)"
     opt_in = "" if cp > 1 else "; packing.shared_prompt=true turns it on"
-    return False, f"separate rows (auto: {'; '.join(why)}{opt_in})"
+    return False, f"separate sequences (auto: {'; '.join(why)}{opt_in})"
 
 
-# The `RowSpans` of the shared-prompt row running now; None: separate rows. A context variable, so activation
+# The `RowSpans` of the shared-prompt row running now; None: separate sequences. A context variable, so activation
 # recomputation sees it too (megatron_patches._recompute_in_forward_context).
 ROW_SPANS: contextvars.ContextVar = contextvars.ContextVar("omni_shared_prompt_row_spans", default=None)
 
 
 def span_sample_mask(sample_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Per response [2P] -> per pair span [P] (the routers see one sequence per span; both rows share it)."""
+    """Per response [2P] -> per pair span [P] (the routers see one sequence per span; both sequences share it)."""
     return None if sample_mask is None else sample_mask.view(-1, 2).amax(dim=1)
 
 

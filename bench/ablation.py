@@ -81,8 +81,8 @@ def fallback(models, which: str):
 
 
 def kernel_ablation(device, shape: dict, timed: int, out: dict | None = None) -> dict:
-    """The step of mpo_step_bench (ours, separate rows) on one built system with the kernel line's set, then with each
-    of its fast kernels swapped for its portable fallback (`fallback`), one at a time: per variant the step seconds
+    """The step of mpo_step_bench (ours, separate sequences) on one built system with the kernel line's set, then with
+    each of its fast kernels swapped for its portable fallback (`fallback`), one at a time: per variant the step seconds
     (min of `timed` steps after one warm-up step), tokens/s and MFU, and the fallback's step time over the set's
     ("slowdown"); a variant that fails is {"error": ...} and the next one runs. `out` (run_section's entry) is
     filled and written as each variant ends. Raises when the set's own step fails."""

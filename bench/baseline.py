@@ -21,20 +21,20 @@ def _conventional_mpo_loss(pol: torch.Tensor, ref: torch.Tensor, n_tok: torch.Te
 
 
 def _row_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive per-row response log-prob sums from [B, L, V] logits: log_softmax + gather, the usual way."""
+    """Naive per-sequence response log-prob sums from [B, L, V] logits: log_softmax + gather, the usual way."""
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     m = mask[:, 1:]
     return torch.where(m, lp, torch.zeros((), dtype=lp.dtype)).sum(1), m.sum(1)
 
 
 def _padded_pair(p, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One pair's rows right-padded to [2, L]: (input_ids int64, attention_mask int64, response mask bool)."""
-    rows, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
-    L = max(r.numel() for r in rows)
+    """One pair's sequences right-padded to [2, L]: (input_ids int64, attention_mask int64, response mask bool)."""
+    seqs, masks = (p.chosen_ids, p.rejected_ids), (p.chosen_loss_mask, p.rejected_loss_mask)
+    L = max(r.numel() for r in seqs)
     input_ids = torch.full((2, L), pad_id, dtype=torch.int64)
     attn = torch.zeros(2, L, dtype=torch.int64)
     resp = torch.zeros(2, L, dtype=torch.bool)
-    for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
+    for j, (r, m) in enumerate(zip(seqs, masks, strict=True)):
         input_ids[j, :r.numel()], attn[j, :r.numel()], resp[j, :r.numel()] = r, 1, m
     return input_ids.to(device), attn.to(device), resp.to(device)
 

@@ -47,7 +47,7 @@ ITEMS = {"packing": bench_packing, "vision": bench_vision, "logprobs": bench_log
 
 def table(res: dict) -> str:
     """The results as one Markdown table: item | metric | ours | baseline | ratio."""
-    from mmpr_rows import plural
+    from mmpr_records import plural
 
     rows = [(name, "failed", r["error"][:100], "", "") for name, r in res.items() if "error" in r]
     res = {name: r for name, r in res.items() if "error" not in r}
@@ -117,10 +117,10 @@ def table(res: dict) -> str:
     if "shared" in res:
         sh = res["shared"]
         rows += [
-            ("shared prompt vs separate rows", f"LM tokens, {sh['count_pairs']} MMPR-like pairs (bins of "
+            ("shared prompt vs separate sequences", f"LM tokens, {sh['count_pairs']} MMPR-like pairs (bins of "
              f"{sh['count_bin_tokens']})", f"{sh['count_tokens_shared']}", f"{sh['count_tokens_separate']}",
              f"{sh['count_token_ratio']:.2f}x fewer"),
-            ("shared prompt vs separate rows", f"MPO step pairs/s ({sh['pairs']} pairs, lengths / "
+            ("shared prompt vs separate sequences", f"MPO step pairs/s ({sh['pairs']} pairs, lengths / "
              f"{sh['length_scale']}, {sh['tokens_shared']} vs {sh['tokens_separate']} tokens)",
              f"{sh['pairs_per_s_shared']:.2f}", f"{sh['pairs_per_s_separate']:.2f}",
              f"{sh['speed_ratio']:.2f}x the speed"),

@@ -201,7 +201,7 @@ def _bench_cfg(model_dir: Path, n_pairs: int):
     # the config's packing defaults: one pair (~300 tokens here) per packed microbatch (bench_train also times 8)
     cfg.packing.max_tokens_per_bin = 8192
     cfg.packing.max_sequences_per_bin = 1
-    cfg.packing.shared_prompt = False  # separate rows; the shared-prompt format is timed apart (bench_shared)
+    cfg.packing.shared_prompt = False  # separate sequences; the shared-prompt format is timed apart (bench_shared)
     cfg.scheduler.lr_warmup_steps = 0  # a real update from step 1 on (megatron: step 1 uses lr_warmup_init otherwise)
     cfg.mpo.max_num_steps = 100
     return cfg

@@ -1,4 +1,4 @@
-"""Item 5, data: mmpr_index.build_index of the sample repeated to ~5,000 rows (fresh build vs cache load) and
+"""Item 5, data: mmpr_index.build_index of the sample repeated to ~5,000 records (fresh build vs cache load) and
 pairs/s of image decoding + processing (PairDataset) through a DataLoader with 0 and 2 workers."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from bench.common import SAMPLE_META, TINY, _processor
 
 
 def _repeated_meta(folder: Path, repeat: int) -> Path:
-    """A copy of the sample's meta-recipe whose annotations hold every row `repeat` times (absolute image roots)."""
-    import mmpr_rows
+    """A copy of the sample's meta-recipe whose annotations hold every record `repeat` times (absolute image roots)."""
+    import mmpr_records
 
     meta = json.loads(SAMPLE_META.read_text())
-    subsets = {s.name: s for s in mmpr_rows.read_meta(SAMPLE_META)}
+    subsets = {s.name: s for s in mmpr_records.read_meta(SAMPLE_META)}
     for name, entry in meta.items():
         s = subsets[name]
         lines = [ln for ln in s.annotation.read_text().splitlines() if ln.strip()]
@@ -32,7 +32,7 @@ def _repeated_meta(folder: Path, repeat: int) -> Path:
 
 
 def bench_data(quick: bool) -> dict:
-    """Index build (no cache) vs cache load of the sample repeated to ~5,000 rows; pairs/s with 0 and 2 workers."""
+    """Index build (no cache) vs cache load of the sample repeated to ~5,000 records; pairs/s with 0 and 2 workers."""
     import mmpr_data
     import mmpr_index
     from config import Config

@@ -1,4 +1,4 @@
-"""The GPU item's MPO step (mpo_step_bench): one optimizer step of our system (train.train_step, separate rows and
+"""The GPU item's MPO step (mpo_step_bench): one optimizer step of our system (train.train_step, separate sequences and
 the shared-prompt format) against transformers' padded per-pair step on the same text pairs, with the step-1 losses
 against their closed form next to the noise floor measured in the same run; and the set-up the profile and the kernel
 ablation share (_step_setup, _ours_system, _drop_system). Runs on the CPU at a small shape too (tests)."""
@@ -84,7 +84,7 @@ def _check_closed_form(what: str, loss: float, want: float, tol: float | None) -
 
 
 def _ours_step_bench(device, setup: dict, tol: float | None, timed, timed_steps) -> dict:
-    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate rows
+    """mpo_step_bench's system under test: train.train_step as train.main sets it up (one rank), with separate sequences
     (the default) and with the shared-prompt format; and the noise floor of its step-1 loss: the reference forward
     twice on the same bins and the policy (before any update, no grad) against the reference, as the max |difference|
     of the per-sequence log-prob sums."""
@@ -133,7 +133,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
     del batches, ref_a, ref_b, pol
 
     # The shared-prompt format (packing.shared_prompt) on the same pairs and bin budget, its step-1 loss computed before
-    # any update (policy = reference: the closed-form loss), timed after the separate-rows steps.
+    # any update (policy = reference: the closed-form loss), timed after the separate-sequences steps.
     cfg_shared = copy.deepcopy(cfg)
     cfg_shared.packing.shared_prompt = True
     ctx_shared = dataclasses.replace(ctx, cfg=cfg_shared)
@@ -163,7 +163,7 @@ def _ours_steps(device, setup, tol, timed, timed_steps, ddp, reference, optimize
 
 def _baseline_step_bench(device, setup: dict, tol: float | None, timed, timed_steps) -> dict:
     """mpo_step_bench's baseline: transformers' model, one padded [2, L] batch per pair, torch Adam. Its noise floor:
-    max |policy - reference| of the per-row log-prob sums at step 1."""
+    max |policy - reference| of the per-sequence log-prob sums at step 1."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
     cfg, pairs, ids, want = setup["cfg"], setup["pairs"], setup["ids"], setup["want"]
@@ -203,8 +203,8 @@ def _baseline_step_bench(device, setup: dict, tol: float | None, timed, timed_st
 
 def _step_setup(device: torch.device, shape: dict) -> dict:
     """What both systems of mpo_step_bench (and profile_step) share: the config (configs/tiny.toml at `shape`, separate
-    rows), the checkpoint folder of `shape`, its HF config, dtype, the text pairs, their row lengths, token ids and the
-    closed-form step-1 loss `want` = w_p·ln 2 + w_q·2 ln 2 (policy = reference, δ = 0, no SFT term)."""
+    sequences), the checkpoint folder of `shape`, its HF config, dtype, the text pairs, their sequence lengths, token
+    ids and the closed-form step-1 loss `want` = w_p·ln 2 + w_q·2 ln 2 (policy = reference, δ = 0, no SFT term)."""
     import math
 
     import distributed
@@ -224,7 +224,7 @@ def _step_setup(device: torch.device, shape: dict) -> dict:
 
 def step_config(ckpt, shape: dict):
     """The config of the GPU step (mpo_step_bench, profile_step; plan.py's calibration): configs/tiny.toml with the
-    checkpoint folder `ckpt` of `shape`, its dtype, pairs and pairs per bin, separate rows (shared timed apart)."""
+    checkpoint folder `ckpt` of `shape`, its dtype, pairs and pairs per bin, separate sequences (shared timed apart)."""
     import config as config_mod
 
     return config_mod.load_config(str(ROOT / "configs" / "tiny.toml"), [
@@ -264,7 +264,7 @@ def mpo_step_bench(device, shape: dict, timed: int) -> dict:
     expert whole, plus top_k/n_routed of the routed experts; the vision tower is not counted), and the speed
     ratio; plus our step in the shared-prompt format (packing.shared_prompt, same pairs and bin budget; its loss
     before any update is the same closed form): its tokens, step seconds, pairs/s, peak memory and the speed ratio
-    over our separate-rows step (the shared-prompt format's GPU ratio).
+    over our separate-sequences step (the shared-prompt format's GPU ratio).
     Raises AssertionError when a step-1 loss is off on the CPU.
     """
     import monitor
@@ -326,7 +326,7 @@ def gpu_step_rows(st: dict) -> list[tuple[str, ...]]:
          base("tokens_per_s_baseline", ".0f"), ratio),
         (what, "pairs/s", f"{st['pairs_per_s_ours']:.2f}", base("pairs_per_s_baseline", ".2f"), ratio),
         (what, "peak memory", *peak, ""),
-        ("shared prompt vs separate rows (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
+        ("shared prompt vs separate sequences (ours)", f"pairs/s ({st['tokens_shared']} vs {st['tokens']} tokens)",
          f"{st['pairs_per_s_shared']:.2f}", f"{st['pairs_per_s_ours']:.2f}",
          f"{st['shared_speed_ratio']:.2f}x the speed"),
         (what, "step-1 loss (policy = reference)", f"{st['loss_ours']:.6f}", base("loss_baseline", ".6f"),

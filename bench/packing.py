@@ -13,7 +13,7 @@ def deal_round_robin(bins, dp_size: int) -> list[list[pack.Bin]]:
     return [list(bins[r::dp_size]) for r in range(dp_size)]
 
 
-def round_robin_ranks(plan: pack.StepPlan, lengths) -> list[list[pack.Bin]]:
+def round_robin_ranks(plan: pack.BinPlan, lengths) -> list[list[pack.Bin]]:
     """The bins of `plan` in the step's data order (dummies last), dealt round-robin: pack.deal_greedy's baseline."""
     arrival = {pid: i for i, pid in enumerate(lengths)}
     bins = [b for r in plan.ranks for b in r]
@@ -30,8 +30,8 @@ def rank_imbalance(ranks, key: str = "tokens") -> float:
 
 def shared_prompt_token_counts(parts, max_tokens_per_bin: int, max_sequences_per_bin: int, dp_size: int,
                                divisible_by: int = 1) -> dict:
-    """LM tokens of the same pairs (`synthetic_mmpr_parts`) as separate rows and in the shared-prompt format under one
-    bin budget (pack.plan_bins): tokens_*, useful_*, bins_* and token_ratio = tokens_separate / tokens_shared."""
+    """LM tokens of the same pairs (`synthetic_mmpr_parts`) as separate sequences and in the shared-prompt format under
+    one bin budget (pack.plan_bins): tokens_*, useful_*, bins_* and token_ratio = tokens_separate / tokens_shared."""
     # tokens_* count padding and dummies, useful_* the real tokens; the shared format stores prompt - 1 tokens once
     lengths = {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     shared = {i: p - 1 for i, (p, _, _) in parts.items()}
@@ -53,8 +53,8 @@ def bench_packing(quick: bool) -> dict:
     """Useful-token fraction, busiest rank's token share and the padding compute of (c) against (a) of three ways to lay
     out one MMPR-like step: (a) ours, (b) round-robin, (c) padded pairs."""
     # Setup: synthetic_mmpr_lengths(256, seed=0) (prompts ~300-3400 tokens, mostly image tokens; responses 50-1500), 8
-    # DP ranks, rows padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's default); the
-    # same numbers in --quick (no cost to compute).
+    # DP ranks, sequences padded to a multiple of 8, bins of <= 10240 tokens, one pair per bin (the config's default);
+    # the same numbers in --quick (no cost to compute).
     n_pairs, dp, cap, div = 256, 8, 10240, 8
     lengths = synthetic_mmpr_lengths(n_pairs, seed=0)
     useful = sum(c + r for c, r in lengths.values())
@@ -67,7 +67,7 @@ def bench_packing(quick: bool) -> dict:
 
     ours = pack.plan_bins(lengths, cap, 1, dp, divisible_by=div)
     rr = round_robin_ranks(ours, lengths)
-    # (c): one pair per microbatch as a [2, L] batch, L = the longer row padded to the multiple; in data order,
+    # (c): one pair per microbatch as a [2, L] batch, L = the longer sequence padded to the multiple; in data order,
     # dealt round-robin like the reference system.
     padded = []
     for pid, (c, r) in lengths.items():

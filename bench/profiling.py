@@ -222,7 +222,7 @@ def attribute_profile(events, cuda: bool) -> dict:
 
 
 def profile_step(device, shape: dict) -> dict:
-    """torch.profiler over one MPO step of our system (train.train_step, separate rows, `shape` as mpo_step_bench,
+    """torch.profiler over one MPO step of our system (train.train_step, separate sequences, `shape` as mpo_step_bench,
     after one unprofiled warm-up step: allocations, cuBLAS handles, Triton autotuning) with profile_regions' ranges:
     attribute_profile's time by region."""
     import train

@@ -1,4 +1,4 @@
-"""Item 4b, shared: the shared-prompt pair format (packing.shared_prompt) vs separate rows, same pairs and bin
+"""Item 4b, shared: the shared-prompt pair format (packing.shared_prompt) vs separate sequences, same pairs and bin
 budget: LM tokens computed for 10,000 MMPR-like pairs (exact arithmetic), and one MPO step (train.train_step, small
 config) on 8 MMPR-like text pairs at full length (--quick: lengths / 16): pairs/s and the ratio; the step-1 loss of
 both formats must agree to 1e-5 (asserted)."""
@@ -18,12 +18,12 @@ SHARED_GOAL = 1.4  # goal of the shared-prompt format: >= 1.4x pairs/s on the MM
 
 
 def bench_shared(quick: bool) -> dict:
-    """Shared-prompt format (packing.shared_prompt, pack.pack_shared_prompt) vs separate rows (pack.pack), same pairs,
-    same bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs (shared_prompt_token_counts,
-    budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO optimizer step
-    (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts divided
-    by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time, pairs/s
-    and their ratio; the step-1 loss of both formats must agree to VALUE_TOL (asserted)."""
+    """Shared-prompt format (packing.shared_prompt, pack.pack_shared_prompt) vs separate sequences (pack.pack), same
+    pairs, same bin budget: (a) tokens the language model computes for 10,000 MMPR-like pairs
+    (shared_prompt_token_counts, budget SHARED_BIN_TOKENS, 1 pair per bin, 8 DP ranks; exact arithmetic); (b) one MPO
+    optimizer step (train.train_step) of the small Omni config on MMPR-like text pairs (lengths of synthetic_mmpr_parts
+    divided by a scale: 1, or 16 in --quick; bins of SHARED_BIN_TOKENS / scale tokens and up to 8 pairs): step time,
+    pairs/s and their ratio; the step-1 loss of both formats must agree to VALUE_TOL (asserted)."""
     import dataclasses
 
     import distributed

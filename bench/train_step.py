@@ -1,11 +1,11 @@
 """Item 4, train: one MPO optimizer step on the shipped sample with the small Omni config (common.SMALL_LLM: hidden
 256, 8 layers M*EM-M*E, ViT 2 blocks): ours (train.train_step: packed THD microbatches, reference forward without
 grad, vision once per pair, megatron DDP + Adam) vs transformers' NemotronH_Omni_Reasoning_V3 with the same weights
-doing the conventional step (baseline.py: each pair a padded [2, L] batch, the image once per row, policy and reference
-forwards, log_softmax+gather, torch Adam). Same step-1 loss to 1e-4 and gradient norm to 1e-4 relative (asserted);
-pairs/s, tokens/s and the speed ratio. Also, interleaved with them on the same bins: our step with the reference's
-sums stored (reference.logprobs = "precomputed": no reference forward; the stored sums equal the forward's, asserted)
-and the reference pass alone (reference_logprobs.score)."""
+doing the conventional step (baseline.py: each pair a padded [2, L] batch, the image once per sequence, policy and
+reference forwards, log_softmax+gather, torch Adam). Same step-1 loss to 1e-4 and gradient norm to 1e-4 relative
+(asserted); pairs/s, tokens/s and the speed ratio. Also, interleaved with them on the same bins: our step with the
+reference's sums stored (reference.logprobs = "precomputed": no reference forward; the stored sums equal the forward's,
+asserted) and the reference pass alone (reference_logprobs.score)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def bench_train(quick: bool) -> dict:
     state = {"shift": cfg.mpo.reward_shift}
 
     cfg_packed = copy.deepcopy(cfg)
-    cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 rows) in one THD microbatch
+    cfg_packed.packing.max_sequences_per_bin = 8  # up to 8 pairs (16 sequences) in one THD microbatch
 
     def bins(plan_cfg=cfg) -> list[pack.PackedBatch]:
         return pack.load_bins(pack.plan_step(lengths, plan_cfg.packing, 1), pairs, ctx, ids["image"], ids["pad"])
@@ -89,7 +89,7 @@ def bench_train(quick: bool) -> dict:
         for p in pairs.values():
             input_ids, attn, resp = _padded_pair(p, ids["pad"], ctx.device)
             kw = dict(input_ids=input_ids, attention_mask=attn, pixel_values=torch.cat([p.pixel_values] * 2),
-                      image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per row
+                      image_grid_hw=torch.cat([p.image_grid_hw] * 2))  # the image encoded once per sequence
             kw.update(pixel_values=kw["pixel_values"].to(ctx.device), image_grid_hw=kw["image_grid_hw"].to(ctx.device))
             with torch.no_grad():
                 ref, _ = _row_logprobs(hf_ref(**kw).logits, input_ids, resp)

@@ -1,5 +1,5 @@
 """Item 2, vision: one pair through the Omni model with the image encoded once and shared by chosen and rejected
-vs encoded once per row: vision tower + projector time per pair, whole forward+backward time; the logits and every
+vs encoded once per sequence: vision tower + projector time per pair, whole forward+backward time; the logits and every
 gradient must match (asserted)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from bench.common import VALUE_TOL, _build_ours, _device, interleaved_times, sam
 
 
 def _per_row_media(batch: pack.PackedBatch) -> dict:
-    """The same packed pair with each row holding its own copy of the images (the reference system's format)."""
+    """The same packed pair with each sequence holding its own copy of the images (the reference system's format)."""
     d = {k: getattr(batch, k) for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
     s = batch.num_sequences
     n_img = batch.image_grid_hw.shape[0]
@@ -23,7 +23,7 @@ def _per_row_media(batch: pack.PackedBatch) -> dict:
 
 
 def bench_vision(quick: bool) -> dict:
-    """Vision tower + projector cost per pair, shared vs per row, and the equality of logits and gradients."""
+    """Vision tower + projector cost per pair, shared vs per sequence, and the equality of logits and gradients."""
     import distributed
 
     distributed.init_distributed(device=_device())
@@ -44,10 +44,10 @@ def bench_vision(quick: bool) -> dict:
     l1, g1 = fwd_bwd(shared)
     l2, g2 = fwd_bwd(per_row)
     logits_diff = (l1 - l2).abs().max().item()
-    assert logits_diff <= VALUE_TOL, f"vision: shared vs per-row logits differ by {logits_diff}"
+    assert logits_diff <= VALUE_TOL, f"vision: shared vs per-sequence logits differ by {logits_diff}"
     assert set(g1) == set(g2) and any(n.startswith("vision_model.") for n in g1), "vision: gradient sets differ"
     grad_rel = max((g1[n] - g2[n]).abs().max().item() / max(g2[n].abs().max().item(), 1e-6) for n in g1)
-    assert grad_rel <= VALUE_TOL, f"vision: shared vs per-row gradients differ by {grad_rel} (relative)"
+    assert grad_rel <= VALUE_TOL, f"vision: shared vs per-sequence gradients differ by {grad_rel} (relative)"
 
     def encode(copies: int):
         model.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""The benchmark's synthetic inputs: MMPR-like lengths and text pairs, with their row and shared-prompt lengths."""
+"""The benchmark's synthetic inputs: MMPR-like lengths and text pairs, with their sequence and shared-prompt lengths."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pack
 
 
 def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int, int]]:
-    """Pair id -> (prompt, chosen, rejected) tokens like Nemotron-Omni MMPR rows; deterministic per (n_pairs, seed)."""
+    """Pair id -> (prompt, chosen, rejected) tokens like Nemotron-Omni MMPR records, fixed by (n_pairs, seed)."""
     # Prompt = one image of gh x gw 16-px patches (gh in 32..128, gw in 32..104, even; gh*gw/4 tokens after the 2x2
     # pixel shuffle) + 40..72 text tokens; responses log-uniform in 50..1500, the rejected one the chosen length times
     # exp(N(0, 0.3)), clipped to 50..1500.
@@ -27,7 +27,7 @@ def synthetic_mmpr_parts(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, in
 
 
 def synthetic_mmpr_lengths(n_pairs: int, seed: int = 0) -> dict[int, tuple[int, int]]:
-    """Pair id -> (chosen row, rejected row) tokens: the rows prompt + response of `synthetic_mmpr_parts`."""
+    """Pair id -> (chosen, rejected) sequence tokens: prompt + response of `synthetic_mmpr_parts`."""
     return {i: (p + c, p + r) for i, (p, c, r) in synthetic_mmpr_parts(n_pairs, seed).items()}
 
 
@@ -48,11 +48,11 @@ def mmpr_like_text_pairs(parts: dict, scale: int, vocab: int, seed: int = 0) -> 
 
 def text_pair(pair_id: int, prompt: torch.Tensor, chosen: torch.Tensor,
               rejected: torch.Tensor) -> pack.PreferencePair:
-    """A text-only pair: rows [prompt | response] (int64 ids), loss masks on the responses, no image."""
-    rows = [torch.cat([prompt, x]) for x in (chosen, rejected)]
+    """A text-only pair: sequences [prompt | response] (int64 ids), loss masks on the responses, no image."""
+    seqs = [torch.cat([prompt, x]) for x in (chosen, rejected)]
     masks = [torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(x.numel(), dtype=torch.bool)])
              for x in (chosen, rejected)]
-    return pack.PreferencePair(pair_id=pair_id, chosen_ids=rows[0], rejected_ids=rows[1],
+    return pack.PreferencePair(pair_id=pair_id, chosen_ids=seqs[0], rejected_ids=seqs[1],
                                chosen_loss_mask=masks[0], rejected_loss_mask=masks[1],
                                pixel_values=torch.zeros(0, 3 * 16 * 16),
                                image_grid_hw=torch.zeros(0, 2, dtype=torch.int64),
@@ -66,7 +66,7 @@ def shared_lengths(pairs: dict) -> dict[int, int]:
 
 
 def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> dict:
-    """n text pairs, no image: one U[prompt]-token prompt for both rows, then each its U[response]-token response."""
+    """n text-only pairs: one U[prompt]-token prompt for both sequences, then each its U[response]-token response."""
     g = torch.Generator().manual_seed(seed)
 
     def rint(lo_hi):
@@ -81,5 +81,5 @@ def text_pairs(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab
 
 
 def pair_lengths(pairs: dict) -> dict:
-    """{pair id: (chosen row tokens, rejected row tokens)} of pack.PreferencePairs (pack.plan_step's lengths)."""
+    """{pair id: (chosen, rejected) sequence tokens} of pack.PreferencePairs (pack.plan_step's lengths)."""
     return {i: (p.chosen_ids.numel(), p.rejected_ids.numel()) for i, p in pairs.items()}

@@ -1,8 +1,8 @@
 """Test oracles of pack.py: the inverses of packing and of the CP slicing, and plan measures.
 
-`unpack` / `unpack_shared` give back the separate rows of a `pack.pack` / `pack.pack_shared_prompt` batch; `cp_gather`
-puts the CP ranks' slices (`pack.cp_partition_index`) back in row order; `packing_efficiency` is a plan's useful-token
-fraction.
+`unpack` / `unpack_shared` give back the separate sequences of a `pack.pack` / `pack.pack_shared_prompt` batch;
+`cp_gather` puts the CP ranks' slices (`pack.cp_partition_index`) back in row order; `packing_efficiency` is a plan's
+useful-token fraction.
 Training uses none of these.
 """
 
@@ -19,22 +19,22 @@ TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids")
 
 def unpack(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
     """The sequences of a `pack` batch, padding removed: per sequence input_ids, labels, loss_mask, position_ids
-    ([L_s] each) and row_loss_mask [L_s] bool, the un-shifted response mask (row_loss_mask[t + 1] = loss_mask[t])."""
+    ([L_s] each) and seq_loss_mask [L_s] bool, the un-shifted response mask (seq_loss_mask[t + 1] = loss_mask[t])."""
     out = []
     for s in range(batch.num_sequences):
         a = int(batch.cu_seqlens_padded[s])
         n = int(batch.cu_seqlens[s + 1] - batch.cu_seqlens[s])
         d = {k: getattr(batch, k)[0, a : a + n] for k in TOKEN_FIELDS}
-        row_mask = torch.zeros(n, dtype=torch.bool)
-        row_mask[1:] = d["loss_mask"][: n - 1]
-        d["row_loss_mask"] = row_mask
+        seq_mask = torch.zeros(n, dtype=torch.bool)
+        seq_mask[1:] = d["loss_mask"][: n - 1]
+        d["seq_loss_mask"] = seq_mask
         out.append(d)
     return out
 
 
 def unpack_shared(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
-    """The separate rows of a `pack.pack_shared_prompt` batch, per response (chosen 0, rejected 0, chosen 1, ...), as
-    `unpack`."""
+    """The separate sequences of a `pack.pack_shared_prompt` batch, per response (chosen 0, rejected 0, chosen 1, ...),
+    as `unpack`."""
     out = []
     seg = batch.span_cu_seqlens.long()
     spans = pack.pair_spans(batch.span_cu_seqlens_padded, batch.input_ids.shape[1])
@@ -43,9 +43,9 @@ def unpack_shared(batch: pack.PackedBatch) -> list[dict[str, torch.Tensor]]:
         for start, n in ((c0, int(seg[3 * i + 2] - seg[3 * i + 1])), (r0, int(seg[3 * i + 3] - seg[3 * i + 2]))):
             d = {f: torch.cat([getattr(batch, f)[0, a:a + k], getattr(batch, f)[0, start:start + n]])
                  for f in TOKEN_FIELDS}
-            row_mask = torch.zeros(k + n, dtype=torch.bool)
-            row_mask[1:] = d["loss_mask"][:-1]
-            d["row_loss_mask"] = row_mask
+            seq_mask = torch.zeros(k + n, dtype=torch.bool)
+            seq_mask[1:] = d["loss_mask"][:-1]
+            d["seq_loss_mask"] = seq_mask
             out.append(d)
     return out
 
@@ -60,7 +60,7 @@ def cp_gather(slices: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, d
     return out
 
 
-def packing_efficiency(plan: pack.StepPlan) -> float:
+def packing_efficiency(plan: pack.BinPlan) -> float:
     """Real tokens of real pairs / padded tokens of all bins (dummies included)."""
     total = sum(b.tokens for r in plan.ranks for b in r)
     useful = sum(b.useful for r in plan.ranks for b in r)

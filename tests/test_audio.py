@@ -176,7 +176,7 @@ def test_freeze_sound_switches(world):
 AUDIO_META = TINY.parents[1] / "data" / "mmpr_sample" / "MMPR-audio" / "meta.json"
 
 
-def test_audio_rows_are_what_the_processor_makes(tmp_path, monkeypatch):
+def test_audio_records_are_what_the_processor_makes(tmp_path, monkeypatch):
     """Every generated pair is valid (resampled 8 kHz and 22.05 kHz stereo clips included); each audio row's prompt
     tokens are the processor's own expansion of the rendered prompt with the clips (and image) decoded as
     transformers' load_audio does, and its mel features are the processor's."""
@@ -197,7 +197,7 @@ def test_audio_rows_are_what_the_processor_makes(tmp_path, monkeypatch):
     assert len(audio_pairs) == 6 and sorted(index.num_audio[audio_pairs].tolist()) == [1, 1, 1, 1, 1, 2]
     for i in audio_pairs:
         pair = ds[i]
-        prompt, _, _, images, _, clips = ds._row_text(i)
+        prompt, _, _, images, _, clips = ds._record_text(i)
         waves = [load_audio(p, sampling_rate=16000) for p in clips]
         ref = proc(text=[prompt], audio=waves, images=[Image.open(p) for p in images] or None, return_tensors="pt")
         n = ref["input_ids"].shape[1]

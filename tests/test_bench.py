@@ -61,7 +61,7 @@ def test_logprobs_values_and_memory(results):
     assert 2.5 * lp["logits_bytes"] <= lp["peak_bytes_naive"] <= 4 * lp["logits_bytes"]
 
 
-def test_vision_once_per_pair_matches_per_row(results):
+def test_vision_once_per_pair_matches_per_sequence(results):
     v = results["vision"]
     assert v["logits_max_abs_diff"] <= 1e-5
     assert v["grads_max_rel_diff"] <= 1e-5
@@ -93,7 +93,7 @@ def test_shared_prompt_item(results):
     assert sh["loss_abs_diff"] <= 1e-5  # the step-1 loss of both formats (asserted by the benchmark too)
     # exact arithmetic: each prompt once; the 1.62x on the MMPR-like mix (2,000 pairs in --quick)
     assert sh["count_tokens_shared"] < sh["count_tokens_separate"] and 1.5 < sh["count_token_ratio"] < 1.75
-    # the timed step's tokens: separate rows hold each prompt (minus the shared last token) twice
+    # the timed step's tokens: separate sequences hold each prompt (minus the shared last token) twice
     assert sh["tokens_separate"] > sh["tokens_shared"] and sh["pairs"] == 8
 
 
@@ -200,7 +200,7 @@ def test_gpu_bench_at_a_tiny_shape_on_the_cpu():
     assert st["loss_shared"] == pytest.approx(want, abs=1e-5)
     assert 0 < st["tokens_shared"] < st["tokens"] and st["microbatches_shared"] >= 1
     assert st["shared_speed_ratio"] == pytest.approx(st["step_s_ours"] / st["step_s_shared"])
-    assert "shared prompt vs separate rows (ours)" in cli.table({"gpu": r})
+    assert "shared prompt vs separate sequences (ours)" in cli.table({"gpu": r})
     assert r["kernels"] == "kernels: spec local; attention sdpa; experts grouped-loop; mamba torch; device cpu"
     assert r["versions"]["torch"] == torch.__version__ and r["versions"]["cuda"] == torch.version.cuda
     assert set(k for k in r["scan"] if isinstance(r["scan"][k], dict)) == {"torch"}

@@ -381,7 +381,7 @@ def loss_change(tmp_path_factory):
     run = tmp_path_factory.mktemp("loss_change")
     short = ["mpo.max_num_steps=2", "scheduler.lr_warmup_steps=1", "data.train.split_validation_size=0",
              "mpo.val_at_end=false"]  # fmt: skip
-    # the first segment in separate rows (tiny.toml's), resumed in the shared format ("auto" on the CPU)
+    # the first segment in separate sequences (tiny.toml's), resumed in the shared format ("auto" on the CPU)
     first = _cli("train.py", "configs/tiny.toml", f"checkpoint.dir={run}", *short, "mpo.stop_after_step=1",
                  "packing.shared_prompt=false")  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

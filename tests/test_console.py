@@ -64,19 +64,19 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     old = "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(old)
     (tmp_path / "metrics.1.jsonl").write_text("earlier\n")
-    log = monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)  # a fresh start over rows of a run that never saved
+    log = monitor.MetricsLog(cfg, None, resumed_step=0, rank=0)  # a fresh start over lines of a run that never saved
     log.log(1, {"loss": 0.5})
     assert (tmp_path / "metrics.2.jsonl").read_text() == old
     assert (tmp_path / "metrics.1.jsonl").read_text() == "earlier\n"
     assert [json.loads(r)["loss"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0.5]
-    assert capsys.readouterr().out == (f"metrics: {tmp_path / 'metrics.jsonl'} held 3 rows of an earlier run without a "
-                                       "checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
+    assert capsys.readouterr().out == (f"metrics: {tmp_path / 'metrics.jsonl'} held 3 lines of an earlier run without "
+                                       "a checkpoint; moved to metrics.2.jsonl, this run starts a new metrics.jsonl\n")
     (tmp_path / "metrics.jsonl").write_text(old)
     log = monitor.MetricsLog(cfg, None, resumed_step=2, rank=0)
-    assert (tmp_path / "metrics.jsonl").read_text() == old  # a start refused before its first row changes nothing
+    assert (tmp_path / "metrics.jsonl").read_text() == old  # a start refused before its first line changes nothing
     assert capsys.readouterr().out == ""
     log.log(3, {"loss": 0.25})
-    assert capsys.readouterr().out == (f"metrics: dropped 1 row after step 2 from {tmp_path / 'metrics.jsonl'} "
+    assert capsys.readouterr().out == (f"metrics: dropped 1 line after step 2 from {tmp_path / 'metrics.jsonl'} "
                                        "(logged after the checkpoint this run resumes from: a segment that stopped "
                                        "before saving them, or a later checkpoint moved away)\n")
     assert [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
@@ -87,26 +87,26 @@ def test_metrics_log_never_restarts_a_file_silently(tmp_path, capsys):
     assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
-def test_metrics_log_keeps_rows_it_cannot_read(tmp_path, capsys):
-    """A hand-edited metrics.jsonl (a row that is not JSON, or has no integer step) is kept by a resume, never a
-    traceback; the readable rows after the resumed step are dropped as usual."""
+def test_metrics_log_keeps_lines_it_cannot_read(tmp_path, capsys):
+    """A hand-edited metrics.jsonl (a line that is not JSON, or has no integer step) is kept by a resume, never a
+    traceback; the readable lines after the resumed step are dropped as usual."""
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
-    rows = ['{"step": 1}', "# my note", '{"step": "2"}', '[3]', '{"step": true}', '{"step": 2}', '{"step": 5}']
-    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    lines = ['{"step": 1}', "# my note", '{"step": "2"}', '[3]', '{"step": true}', '{"step": 2}', '{"step": 5}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     monitor.MetricsLog(cfg, None, resumed_step=1, rank=0).log(2, {"loss": 0.5})
     got = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert got == rows[:5] + [json.dumps({"step": 2, "split": "train", "loss": 0.5})]
-    assert "dropped 2 rows after step 1" in capsys.readouterr().out
-    # QA: bytes that are not UTF-8 were a UnicodeDecodeError traceback after the step; a last row cut off mid-write
-    # (no newline) had the next row appended to it, so that row was lost too
+    assert got == lines[:5] + [json.dumps({"step": 2, "split": "train", "loss": 0.5})]
+    assert "dropped 2 lines after step 1" in capsys.readouterr().out
+    # QA: bytes that are not UTF-8 were a UnicodeDecodeError traceback after the step; a last line cut off mid-write
+    # (no newline) had the next line appended to it, so that line was lost too
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n\x00\xff\xfe\n{"step": 2}\n{"step": 3, "split": "tr')
     monitor.MetricsLog(cfg, None, resumed_step=2, rank=0).log(3, {"loss": 0.5})
     assert path.read_bytes() == b'{"step": 1}\n\x00\xff\xfe\n{"step": 2}\n' + json.dumps(
         {"step": 3, "split": "train", "loss": 0.5}).encode() + b"\n"
-    assert capsys.readouterr().out == (f"metrics: dropped the cut-off last row of {path} (a write that did not "
+    assert capsys.readouterr().out == (f"metrics: dropped the cut-off last line of {path} (a write that did not "
                                        "finish): '{\"step\": 3, \"split\": \"tr'\n")
-    path.write_text('{"step": 1}')  # a whole last row without its newline (an editor's save) is kept
+    path.write_text('{"step": 1}')  # a whole last line without its newline (an editor's save) is kept
     monitor.MetricsLog(cfg, None, resumed_step=1, rank=0).log(2, {"loss": 0.5})
     assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2] and not capsys.readouterr().out
 
@@ -162,8 +162,8 @@ def test_ctrl_c_under_torchrun_finishes_the_step_saves_and_the_console_is_short(
             break
         time.sleep(0.2)
     out, err = proc.communicate(timeout=300)
-    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
-    last = rows[-1]["step"]
+    lines = [json.loads(r) for r in metrics.read_text().splitlines()]
+    last = lines[-1]["step"]
     assert 2 <= last < 20
     assert f"stopped after step {last} (signal)" in out and f"saved {run_dir / f'step_{last}'}" in out
     assert json.loads((run_dir / f"step_{last}" / "run_state.json").read_text())["step"] == last
@@ -190,7 +190,7 @@ def test_tensor_parallel_run_prints_only_its_own_lines(torchrun, tmp_path):
     assert proc.stderr == "", proc.stderr[-3000:]
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == [
         "kernels:", "world", "data:", "config:", "step", "step", "saved", "stopped"], proc.stdout  # fmt: skip
-    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: separate rows\n" in proc.stdout
+    assert "world 2: TP 2 CP 1 DP 1 EP 1 on cpu; pairs: separate sequences\n" in proc.stdout
 
 
 @pytest.mark.parametrize("value, shown", [(0.3851, " mfu 38.5% "), (2.3e-6, " mfu 0.00023% "), (None, None)])

@@ -4,7 +4,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
 1. CUDA fp32 parity with transformers (text; image+text; logits max-abs <= 1e-4) for each spec that imports (local
    always; Transformer Engine's when it imports, <= 5e-3 relative to the largest logit: TE's fp32 GEMMs run in TF32).
 2. The tiny main job on one GPU (`torchrun --nproc-per-node 1 train.py configs/tiny.toml`; items 2-4 in separate
-   rows, tiny.toml's `packing.shared_prompt=false`, kept explicit), 4 steps: step-1
+   sequences, tiny.toml's `packing.shared_prompt=false`, kept explicit), 4 steps: step-1
    preference loss ln 2 and BCO loss 2 ln 2 within 1e-4, every logged number finite, and no tensor off the step's
    device (tests/step_cases.DeviceAudit around one in-process step, the CPU test's audit).
 3. 2 steps, then resume for 2 more = the 4 straight steps (losses, δ, grad norm within 1e-6).
@@ -19,7 +19,7 @@ root: `pytest -q -rs tests/test_gpu.py` (tests/gpu_check.sh runs it with the GPU
    kernels (shared_prompt.mamba_kernels; without the compiled packages, mamba-ssm's Triton scan and norm from
    $OMNI_MAMBA_SSM_SRC) against the same mixer with mamba_torch's, output and every input gradient (bf16, point 5's
    tolerance); and the tiny main job with `packing.shared_prompt=true` and
-   `model.recompute=full`: step 1 equals the separate-rows run's (losses, log-probs, grad norm; rel. 5e-3).
+   `model.recompute=full`: step 1 equals the separate-sequences run's (losses, log-probs, grad norm; rel. 5e-3).
 8. The local spec's portable kernels against their references on CUDA, forward and backward:
    local_spec.GroupedExperts (torch's grouped GEMM) against SequentialMLP (bf16, fp32; 128 experts, some empty), and
    ThdDotProductAttention's varlen backend (one torch varlen_attn call) against its per-sequence SDPA (bf16, fp16;
@@ -120,7 +120,7 @@ def runs(train_run, tmp_path_factory):  # noqa: F811  (train_run: test_train's f
     # log-prob sums is nondeterministic, so policy and reference could differ by fp32 ulps at step 1 and the accuracy
     # of a tie flip between the runs
     det = "model.deterministic_mode=true"
-    # separate rows (tiny.toml's setting, kept explicit): the shared run below is compared with the straight run
+    # separate sequences (tiny.toml's setting, kept explicit): the shared run below is compared with the straight run
     four.append("packing.shared_prompt=false")
     straight, seg, bf16 = (tmp_path_factory.mktemp(n) for n in ("straight", "segments", "bf16"))
     out = train_run(1, straight, *four, det).stdout
@@ -317,9 +317,9 @@ def test_shared_prompt_mamba_with_mamba_ssm_kernels_equals_torch_kernels():
     assert max(worst.values()) <= KERNEL_TOL[dtype], worst
 
 
-def test_shared_prompt_main_job_with_recompute_equals_separate_rows_at_step_1(runs):
+def test_shared_prompt_main_job_with_recompute_equals_separate_sequences_at_step_1(runs):
     """The tiny main job with packing.shared_prompt=true and model.recompute=full on one GPU: step 1 (weights not yet
-    updated, same pairs) gives the separate-rows run's losses, log-probs and grad norm; later steps may depart (the
+    updated, same pairs) gives the separate-sequences run's losses, log-probs and grad norm; later steps may depart (the
     routers count each prompt token once, README)."""
     shared, straight = runs.shared, runs.straight
     assert [r["step"] for r in shared] == [1, 2, 3, 4] and _finite(shared)

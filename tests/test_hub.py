@@ -22,7 +22,7 @@ from huggingface_hub import errors as hub_errors
 
 import config as config_mod
 import mmpr_index
-import mmpr_rows
+import mmpr_records
 import model_hub
 import plan
 import preflight
@@ -179,7 +179,7 @@ def test_mmpr_index_model_may_be_a_hub_id(cache, capsys):
     assert mmpr_index.main([str(meta), "--model", HUB_ID, "--max-samples", "2", "--num-workers", "0",
                             "--no-cache"]) == 0  # fmt: skip
     assert "pairs" in capsys.readouterr().out
-    with raises_naming(mmpr_rows.DataError, "--model = 'omni-mpo-test/absent'", "HF_HUB_OFFLINE=1"):
+    with raises_naming(mmpr_records.DataError, "--model = 'omni-mpo-test/absent'", "HF_HUB_OFFLINE=1"):
         mmpr_index.main([str(meta), "--model", "omni-mpo-test/absent"])
 
 

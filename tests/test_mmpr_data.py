@@ -1,6 +1,6 @@
-"""mmpr_rows.py, mmpr_index.py, mmpr_data.py: meta-recipe parsing and path rules, row validation and every drop reason,
-image decoding, template rendering and loss masks (checked token by token and against the processor end to end), the
-index cache, splits, the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
+"""mmpr_records.py, mmpr_index.py, mmpr_data.py: meta-recipe parsing and path rules, record validation and every drop
+reason, image decoding, template rendering and loss masks (checked token by token and against the processor end to end),
+the index cache, splits, the resumable sampler, the step loader, the report and the rank-0 cache build under torchrun.
 
 Every test writes its cache under tmp_path (HF_DATASETS_CACHE is monkeypatched), never to ~/.cache.
 """
@@ -26,7 +26,7 @@ from PIL import Image
 import mmpr_data as md
 import mmpr_index as mi
 import mmpr_media as mm
-import mmpr_rows as mr
+import mmpr_records as mr
 from config import Config, DataConfig
 from pack import pack, plan_step
 
@@ -61,7 +61,7 @@ def rgb(w=48, h=40, color=(200, 30, 30)):
     return Image.new("RGB", (w, h), color)
 
 
-def write_set(base: Path, rows: list, images: dict | None = None, name="MMPR-t", subset="sub", spec=None) -> Path:
+def write_set(base: Path, records: list, images: dict | None = None, name="MMPR-t", subset="sub", spec=None) -> Path:
     """The official layout: base/name/meta.json with paths `name/images`, `name/annotations/<subset>.jsonl`."""
     d = base / name
     (d / "images").mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def write_set(base: Path, rows: list, images: dict | None = None, name="MMPR-t",
             (d / "images" / fname).write_bytes(img)
         else:
             img.save(d / "images" / fname)
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
     (d / "annotations" / f"{subset}.jsonl").write_text("\n".join(lines) + "\n")
     meta = {subset: {"root": f"{name}/images", "annotation": f"{name}/annotations/{subset}.jsonl",
                      "data_augment": False, "repeat_time": 1, **(spec or {})}}
@@ -89,7 +89,7 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-def row(i=0, image="a.png", q="<image>\nWhat is it?", chosen=None, rejected=None, **extra):
+def record(i=0, image="a.png", q="<image>\nWhat is it?", chosen=None, rejected=None, **extra):
     r = {"question": q, "chosen": chosen or f"A red square {i}.", "rejected": rejected or f"A blue circle {i}."}
     if image is not None:
         r["image"] = image
@@ -127,7 +127,7 @@ def test_sample_index(sample):
 
 @pytest.mark.parametrize("i", [0, 5, 12, 21, 22, 33])
 def test_sample_pair_equals_processor_end_to_end(sample, processor, i):
-    """The pair's rows and media equal what the processor produces for the template-rendered conversation."""
+    """The pair's sequences and media equal what the processor produces for the template-rendered conversation."""
     index, ds = sample
     pair = ds[i]
     lines = Path(index.annotation_files[int(index.subset_id[i])]).read_text().splitlines()
@@ -170,7 +170,7 @@ def test_loss_mask_boundaries_token_by_token(sample, processor):
         assert tok.decode(ids[start:end + 1]) == raw[side] + "<|im_end|>"
         assert tok.decode(ids[:start]).endswith("<|im_end|>\n<|im_start|>assistant\n<think></think>")
         assert start == int(index.prompt_len[3])
-        # the row decodes to exactly the rendered template (image placeholder expanded)
+        # the sequence decodes to exactly the rendered template (image placeholder expanded)
         text = processor.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]},
              {"role": "assistant", "content": raw[side]}], tokenize=False)
@@ -183,10 +183,10 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
     like the bare text; a pair mixing the two is kept (NeMo-RL's rule): the prompt is what both generation prompts
     share, and each response opens its own block, token for token the template's rendering of the conversation."""
     meta = write_set(tmp_path, [
-        row(0, chosen="<think>\nlook at it\n</think>\nRed.", rejected="<think>guess</think>Blue."),
-        row(1, chosen="<think></think>\n\nRed.", rejected="Blue."),
-        row(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
-        row(3, chosen="Red.", rejected="too short</think>Blue."),  # the block opened by the generation prompt
+        record(0, chosen="<think>\nlook at it\n</think>\nRed.", rejected="<think>guess</think>Blue."),
+        record(1, chosen="<think></think>\n\nRed.", rejected="Blue."),
+        record(2, chosen="<think>hmm</think>Red.", rejected="Blue."),
+        record(3, chosen="Red.", rejected="too short</think>Blue."),  # the block opened by the generation prompt
     ], {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg())
     assert len(index) == 4 and mi.summary_drops(index) == {}
@@ -211,7 +211,7 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
         assert not pair.chosen_loss_mask[:p].any() and pair.chosen_loss_mask[p] and pair.rejected_loss_mask[p]
         raw = json.loads((tmp_path / "MMPR-t" / "annotations" / "sub.jsonl").read_text().splitlines()[i])
         user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": raw["question"]}]}
-        for side in ("chosen", "rejected"):  # the rows are the template's rendering of each conversation
+        for side in ("chosen", "rejected"):  # the sequences are the template's rendering of each conversation
             text = processor.apply_chat_template([user, {"role": "assistant", "content": raw[side]}], tokenize=False)
             ref = processor(images=[img], text=text, return_tensors="pt")["input_ids"][0]
             assert torch.equal(getattr(pair, f"{side}_ids"), ref)
@@ -224,19 +224,19 @@ def test_reasoning_responses_and_think_normalisation(tmp_path, processor):
 def test_path_resolution_rules(tmp_path, processor):
     cfg = data_cfg()
     # 1. grandparent (official layout)
-    meta = write_set(tmp_path / "g", [row()], {"a.png": rgb()})
+    meta = write_set(tmp_path / "g", [record()], {"a.png": rgb()})
     subs = mr.read_meta(meta)
     assert subs[0].annotation == (tmp_path / "g" / "MMPR-t" / "annotations" / "sub.jsonl").resolve()
     # 2. the meta file's own folder
     d = tmp_path / "own"
     (d / "imgs").mkdir(parents=True)
     rgb().save(d / "imgs" / "a.png")
-    (d / "rows.jsonl").write_text(json.dumps(row()) + "\n")
-    (d / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
+    (d / "data.jsonl").write_text(json.dumps(record()) + "\n")
+    (d / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "data.jsonl"}}))
     assert len(mi.build_index(d / "meta.json", processor, cfg)) == 1
     # 3. data.train.data_root, for a meta that lives elsewhere
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "rows.jsonl"}}))
+    (tmp_path / "elsewhere" / "meta.json").write_text(json.dumps({"s": {"root": "imgs", "annotation": "data.jsonl"}}))
     with pytest.raises(mr.DataError):
         mr.read_meta(tmp_path / "elsewhere" / "meta.json")
     subs = mr.read_meta(tmp_path / "elsewhere" / "meta.json", data_root=str(d))
@@ -245,8 +245,8 @@ def test_path_resolution_rules(tmp_path, processor):
     assert len(index) == 1
     # absolute paths are used as they are
     (tmp_path / "abs.json").write_text(json.dumps({"s": {"root": str(d / "imgs"),
-                                                         "annotation": str(d / "rows.jsonl")}}))
-    assert mr.read_meta(tmp_path / "abs.json")[0].annotation == d / "rows.jsonl"
+                                                         "annotation": str(d / "data.jsonl")}}))
+    assert mr.read_meta(tmp_path / "abs.json")[0].annotation == d / "data.jsonl"
     # the error lists every path tried
     (tmp_path / "x" / "y").mkdir(parents=True)
     (tmp_path / "x" / "y" / "meta.json").write_text(json.dumps({"s": {"root": "nope", "annotation": "no.jsonl"}}))
@@ -281,12 +281,12 @@ def test_meta_errors(tmp_path):
 
 
 def test_meta_warnings_length_and_data_augment(tmp_path, processor):
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True,
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True,
                                                                          "max_dynamic_patch": 6})
     with pytest.warns(UserWarning) as rec:
         index = mi.build_index(meta, processor, data_cfg())
     msgs = " ".join(str(w.message) for w in rec)
-    assert "data_augment is not supported" in msgs and "length = 5 but" in msgs and "has 2 rows" in msgs
+    assert "data_augment is not supported" in msgs and "length = 5 but" in msgs and "has 2 records" in msgs
     assert len(index) == 2
 
 
@@ -295,7 +295,7 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
     line; other warnings still print; mmpr_index.py prints them as 'warning: ...' on stderr."""
     import warnings
 
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()}, spec={"length": 5, "data_augment": True})
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
         with mr.data_warnings([]) as notes:
@@ -304,7 +304,7 @@ def test_data_warnings_are_collected_as_plain_lines_once(tmp_path, processor, ca
             warnings.warn("something else", UserWarning, stacklevel=1)
     assert notes == [f"{meta}: subset 'sub': data_augment is not supported; images are not augmented",
                      f"{meta}: subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl "
-                     "has 2 rows"]
+                     "has 2 records"]
     assert [str(w.message) for w in outside] == ["something else"]  # not a data notice: passed through
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--no-cache"]) == 0
     err = capsys.readouterr().err
@@ -315,13 +315,13 @@ def test_bad_meta_paths_name_the_real_cause(tmp_path):
     """An empty path and an annotation file (JSON Lines) given as the meta-recipe say so."""
     with raises_naming(mr.DataError, "data.train.data_path"):
         mr.read_meta("")
-    for n in (2, 1):  # several rows (json: "Extra data") and a single row (a JSON object without subsets)
-        jsonl = tmp_path / f"rows{n}.jsonl"
-        jsonl.write_text("".join(json.dumps(row(i)) + "\n" for i in range(n)))
+    for n in (2, 1):  # several records (json: "Extra data") and a single record (a JSON object without subsets)
+        jsonl = tmp_path / f"records{n}.jsonl"
+        jsonl.write_text("".join(json.dumps(record(i)) + "\n" for i in range(n)))
         with raises_naming(mr.DataError, f"{jsonl}: ", "(JSON Lines)"):
             mr.read_meta(jsonl)
     broken = tmp_path / "broken.json"
-    broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not rows: still the JSON error
+    broken.write_text('{"a": 1}\n{"b": 2}\n')  # two objects that are not records: still the JSON error
     with raises_naming(mr.DataError, f"{broken}:2:1: ", "Extra data"):
         mr.read_meta(broken)
     for flag, value, bound in (("--max-samples", "-3", ">= 0"), ("--max-seq-length", "0", ">= 1")):
@@ -336,18 +336,18 @@ def test_a_meta_recipe_that_is_not_utf8_is_one_line(tmp_path):
     nonutf.write_bytes(b"\xff\xfe{}")  # a UTF-16 byte-order mark (Windows) before the text
     with raises_naming(mr.DataError, f"{nonutf}: ", "UTF-8", "byte 0xff at offset 0"):
         mr.read_meta(nonutf)
-    jsonl = tmp_path / "rows.jsonl"  # an annotation file with one row that is not UTF-8, given as the meta
-    jsonl.write_bytes(json.dumps(row(0)).encode() + b"\n" + json.dumps(row(1)).encode()[:-2] + b"\xe9\"}\n")
+    jsonl = tmp_path / "data.jsonl"  # an annotation file with one record that is not UTF-8, given as the meta
+    jsonl.write_bytes(json.dumps(record(0)).encode() + b"\n" + json.dumps(record(1)).encode()[:-2] + b"\xe9\"}\n")
     with raises_naming(mr.DataError, f"{jsonl}: ", "(JSON Lines)"):
         mr.read_meta(jsonl)
-    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0)], {"a.png": rgb()})
     meta.write_bytes(b"\xef\xbb\xbf" + meta.read_bytes())  # a UTF-8 byte-order mark is tolerated
     assert [s.name for s in mr.read_meta(meta)] == ["sub"]
 
 
 def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
     """Keys with typos were ignored silently and a repeated subset name kept only the last subset."""
-    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()},
+    meta = write_set(tmp_path, [record(0)], {"a.png": rgb()},
                      spec={"repeat_times": 2, "lenght": 3, "max_dynamic_patch": 6, "color": "red"})
     with mr.data_warnings([]) as notes:
         mr.read_meta(meta)
@@ -365,7 +365,7 @@ def test_meta_unknown_keys_warn_and_repeated_names_are_errors(tmp_path):
 
 def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
     """An image path or an annotation path naming a directory was reported as not existing."""
-    meta = write_set(tmp_path, [row(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
+    meta = write_set(tmp_path, [record(0)], {"a.png": rgb()}, spec={"annotation": "MMPR-t/images"})
     with raises_naming(mr.DataError, f"{meta}: ", "'MMPR-t/images'",
                        f"{tmp_path / 'MMPR-t' / 'images'} is a directory"):  # fmt: skip
         mr.read_meta(meta)
@@ -377,9 +377,9 @@ def test_a_directory_where_a_file_belongs_is_called_a_directory(tmp_path):
     assert e.value.detail == f"{tmp_path / 'nope.png'} does not exist"
 
 
-def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(processor, monkeypatch):
+def test_sequences_longer_than_the_tokenizer_maximum_give_no_transformers_warning(processor, monkeypatch):
     """transformers' "Token indices sequence length is longer than the specified maximum sequence length"
-    reached the console for any row over the tokenizer's model_max_length; the row is checked against
+    reached the console for any record over the tokenizer's model_max_length; the record is checked against
     data.max_seq_length by the index, so the tokenizer is called without its warning."""
     import transformers.tokenization_utils_base as tub
 
@@ -394,9 +394,9 @@ def test_rows_longer_than_the_tokenizer_maximum_give_no_transformers_warning(pro
 
 
 def test_drop_messages_count_images_in_the_singular_and_plural(tmp_path, processor):
-    rows = [row(0, q="<image> and <image>?"), row(1, image=["a.png", "a.png"], q="<image> only"),
-            row(2, image=["a.png"] * 3, q="Three?"), row(3)]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    records = [record(0, q="<image> and <image>?"), record(1, image=["a.png", "a.png"], q="<image> only"),
+            record(2, image=["a.png"] * 3, q="Three?"), record(3)]
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     st = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False).stats["sub"]
     sub = f"{tmp_path}/MMPR-t/annotations/sub.jsonl"
     assert st["drop_examples"] == {
@@ -417,14 +417,14 @@ def test_repeat_time(tmp_path, processor):
     counts = np.bincount(high, minlength=10)
     assert len(high) == 25 and set(counts.tolist()) == {2, 3} and (counts == 3).sum() == 5
 
-    rows = [row(i) for i in range(10)]
+    records = [record(i) for i in range(10)]
     for r, expect in ((0.5, 5), (2.5, 25)):
-        meta = write_set(tmp_path / str(r), rows, {"a.png": rgb()}, spec={"repeat_time": r})
+        meta = write_set(tmp_path / str(r), records, {"a.png": rgb()}, spec={"repeat_time": r})
         index = mi.build_index(meta, processor, data_cfg(train__seed=3))
         assert len(index) == expect and index.stats["sub"]["valid"] == 10 and index.stats["sub"]["pairs"] == expect
         lines = index.line.tolist()
         assert lines == [v + 1 for v in mr.apply_repeat_time(10, r, 3, "sub")]
-        # repeats of a row share its image slots (images are stored once per row)
+        # repeats of a record share its image slots (images are stored once per record)
         assert len(index.image_token_counts) == len(set(lines))
     ds = md.PairDataset(index, processor)
     a, b = [i for i, ln in enumerate(lines) if ln == lines[0]][:2]
@@ -441,7 +441,7 @@ def test_max_samples_keeps_the_first_valid_pairs(processor):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# rows: aliases, multi-image, drops
+# records: aliases, multi-image, drops
 
 
 def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
@@ -489,14 +489,14 @@ def test_aliases_system_multi_image_and_text_only(tmp_path, processor):
     assert batch.pixel_values.shape[0] == sum(int(ds[i].image_grid_hw.prod(-1).sum()) for i in range(4))
 
 
-def test_an_empty_image_field_is_a_text_only_row(tmp_path, processor):
-    """InternVL reads `"image": ""` (or []) as a pure-text row; it was dropped as missing_field."""
+def test_an_empty_image_field_is_a_text_only_record(tmp_path, processor):
+    """InternVL reads `"image": ""` (or []) as a pure-text record; it was dropped as missing_field."""
     text = {"question": "What is 9 - 4?", "chosen": "5", "rejected": "3"}
     meta = write_set(tmp_path, [text, {"image": "", **text}, {"image": [], **text}])
     with mr.data_warnings([]):
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 3 and mi.summary_drops(index) == {} and index.num_images.tolist() == [0, 0, 0]
-    assert index.stats["sub"]["repeats"] == 2  # the same pair as the row without an image key
+    assert index.stats["sub"]["repeats"] == 2  # the same pair as the record without an image key
     ds = md.PairDataset(index, processor)
     for i in (1, 2):
         assert ds[i].pixel_values.shape == (0, 768) and torch.equal(ds[i].chosen_ids, ds[0].chosen_ids)
@@ -510,49 +510,49 @@ def _png_bytes(img, fmt="PNG") -> bytes:
 
 def test_every_drop_reason_is_counted(tmp_path, processor):
     good = _png_bytes(rgb(80, 60))
-    rows = [
-        row(0),  # valid
+    records = [
+        record(0),  # valid
         '{"image": "a.png", "question": "<image>\\nBroken',  # invalid_json
         "[1, 2]",  # invalid_json (not an object)
         {"image": "a.png", "question": "<image> Q", "chosen": "x", "rejected": None},  # missing_field (null rejected)
-        row(1, system=["not", "a", "string"]),  # missing_field (system must be a string)
-        row(2, image=["a.png", "a.png", "a.png"], q="Three?"),  # too_many_images (max 2)
-        row(3, q="<image> and <image>?"),  # placeholder_mismatch: 2 placeholders, 1 image
-        row(4, image=None),  # placeholder_mismatch: a placeholder, no image
-        row(5, chosen="See <img> here."),  # stray_media_token in a response
-        row(6, q="<image>\nQ<|im_end|>"),  # stray_media_token in the question
-        row(7, rejected="A <image> token."),  # stray_media_token: <image> in a response
-        row(8, chosen="   "),  # empty_response (missing-ish: whitespace only)
-        row(9, rejected="<think>only reasoning</think>  "),  # empty_response
-        row(10, image="nope.png"),  # image_missing
-        row(11, image="garbage.png"),  # image_unreadable
-        row(12, image="half.png"),  # image_truncated
-        row(13, chosen="<think>r</think>Red.", rejected="Blue."),  # valid: a mixed reasoning pair is kept
-        row(14, chosen="word " * 200),  # too_long
-        "",  # blank line: not a row
-        row(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
-        row(16, video="clip.mp4", image=None, q="What happens?"),  # video_missing
-        row(17, chosen="<think>cut off while", rejected="<think>also cut"),  # unterminated_reasoning
-        row(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
-        row(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
-        row(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
+        record(1, system=["not", "a", "string"]),  # missing_field (system must be a string)
+        record(2, image=["a.png", "a.png", "a.png"], q="Three?"),  # too_many_images (max 2)
+        record(3, q="<image> and <image>?"),  # placeholder_mismatch: 2 placeholders, 1 image
+        record(4, image=None),  # placeholder_mismatch: a placeholder, no image
+        record(5, chosen="See <img> here."),  # stray_media_token in a response
+        record(6, q="<image>\nQ<|im_end|>"),  # stray_media_token in the question
+        record(7, rejected="A <image> token."),  # stray_media_token: <image> in a response
+        record(8, chosen="   "),  # empty_response (missing-ish: whitespace only)
+        record(9, rejected="<think>only reasoning</think>  "),  # empty_response
+        record(10, image="nope.png"),  # image_missing
+        record(11, image="garbage.png"),  # image_unreadable
+        record(12, image="half.png"),  # image_truncated
+        record(13, chosen="<think>r</think>Red.", rejected="Blue."),  # valid: a mixed reasoning pair is kept
+        record(14, chosen="word " * 200),  # too_long
+        "",  # blank line: not a record
+        record(15, image=["a.png", "a.png"], q="<image> vs <image>"),  # valid, 2 images
+        record(16, video="clip.mp4", image=None, q="What happens?"),  # video_missing
+        record(17, chosen="<think>cut off while", rejected="<think>also cut"),  # unterminated_reasoning
+        record(18, chosen="Sure. <think>r</think>Red."),  # malformed_reasoning: text before <think>
+        record(19, rejected="<think>a</think>b<think>c</think>Blue."),  # malformed_reasoning: two blocks
+        record(20, q="See <image> <image_1>"),  # placeholder_mismatch: <image> and <image_N> mixed
         # template_rewrites_text: no character is left to hide the /think from the template with
-        row(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
-        row(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
-        row(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
-        row(25, image="../images/a.png"),  # image_outside_root: `..` climbs above the root
-        row(26, video="garbage.mp4", image=None, q="What happens?"),  # video_unreadable
-        row(27, video=["a.png"] * 3, image=None, q="What happens?"),  # too_many_frames (max 2)
-        row(28, image=None, q="Hear?", audio=5),  # missing_field: audio not a path
-        row(29, image=None, q="<audio> <audio>", audio="t.wav"),  # placeholder_mismatch: 2 placeholders, 1 clip
-        row(30, image=None, q="Hear?", audio="../images/t.wav"),  # audio_outside_root
-        row(31, image=None, q="Hear?", audio="nope.wav"),  # audio_missing
-        row(32, image=None, q="Hear?", audio="garbage.wav"),  # audio_unreadable
-        row(33, image=None, q="Hear?", audio="empty.wav"),  # audio_empty
-        row(34, image=None, q="Hear?", audio="long.wav"),  # audio_too_long (data.train.max_audio_seconds 0.5)
-        row(35, q="<image> <audio> both?", audio="t8k.wav"),  # valid: an image and an 8 kHz clip (resampled)
+        record(21, q="<image>\nA/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
+        record(23, chosen="Same.", rejected=" Same.\n"),  # identical_responses (after stripping)
+        record(24, image="thin.png"),  # image_unprocessable: too thin for the processor's patch budget
+        record(25, image="../images/a.png"),  # image_outside_root: `..` climbs above the root
+        record(26, video="garbage.mp4", image=None, q="What happens?"),  # video_unreadable
+        record(27, video=["a.png"] * 3, image=None, q="What happens?"),  # too_many_frames (max 2)
+        record(28, image=None, q="Hear?", audio=5),  # missing_field: audio not a path
+        record(29, image=None, q="<audio> <audio>", audio="t.wav"),  # placeholder_mismatch: 2 placeholders, 1 clip
+        record(30, image=None, q="Hear?", audio="../images/t.wav"),  # audio_outside_root
+        record(31, image=None, q="Hear?", audio="nope.wav"),  # audio_missing
+        record(32, image=None, q="Hear?", audio="garbage.wav"),  # audio_unreadable
+        record(33, image=None, q="Hear?", audio="empty.wav"),  # audio_empty
+        record(34, image=None, q="Hear?", audio="long.wav"),  # audio_too_long (data.train.max_audio_seconds 0.5)
+        record(35, q="<image> <audio> both?", audio="t8k.wav"),  # valid: an image and an 8 kHz clip (resampled)
     ]
-    meta = write_set(tmp_path, rows, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
+    meta = write_set(tmp_path, records, {"a.png": good, "garbage.png": b"not an image at all", "half.png":
                                       good[: len(good) // 2], "thin.png": rgb(5000, 1), "t.wav": wav(0.3),
                                       "t8k.wav": wav(0.3, rate=8000), "long.wav": wav(0.6), "empty.wav": wav(0),
                                       "garbage.wav": b"RIFF not really a wave file",
@@ -560,7 +560,7 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
     # a second subset without root (InternVL accepts "root": null): its relative image path is a drop naming it
     spec = json.loads(meta.read_text())
     (meta.parent / "annotations" / "rootless.jsonl").write_text(
-        json.dumps(row(22)) + "\n" + json.dumps(row(36, image=None, q="Hear?", audio="t.wav")) + "\n")
+        json.dumps(record(22)) + "\n" + json.dumps(record(36, image=None, q="Hear?", audio="t.wav")) + "\n")
     spec["rootless"] = {"root": None, "annotation": "MMPR-t/annotations/rootless.jsonl"}
     meta.write_text(json.dumps(spec))
     cfg = data_cfg(max_seq_length=200, train__max_images_per_row=2, train__max_audio_seconds=0.5)
@@ -598,10 +598,10 @@ def test_every_drop_reason_is_counted(tmp_path, processor):
 def test_a_long_clip_is_dropped_from_its_header_not_decoded(tmp_path, processor, monkeypatch):
     """audio_too_long is judged from the file's header: a clip over data.train.max_audio_seconds and a 1 Hz WAV of
     400 samples (400 s: 6.4 M samples at 16 kHz, 5001 audio tokens > data.max_seq_length) are dropped with nothing
-    decoded; a clip replaced after indexing by a longer one is a DataError naming the row, again not decoded."""
-    rows = [row(0, image=None, q="Hear?", audio="t.wav"), row(1, image=None, q="Hear?", audio="long.wav"),
-            row(2, image=None, q="Hear?", audio="slow.wav")]
-    meta = write_set(tmp_path, rows, {"t.wav": wav(0.3), "long.wav": wav(0.6), "slow.wav": wav(400, rate=1)})
+    decoded; a clip replaced after indexing by a longer one is a DataError naming the record, again not decoded."""
+    records = [record(0, image=None, q="Hear?", audio="t.wav"), record(1, image=None, q="Hear?", audio="long.wav"),
+            record(2, image=None, q="Hear?", audio="slow.wav")]
+    meta = write_set(tmp_path, records, {"t.wav": wav(0.3), "long.wav": wav(0.6), "slow.wav": wav(400, rate=1)})
     decoded = []
 
     def spy(path, rate):
@@ -633,23 +633,23 @@ def test_a_long_clip_is_dropped_from_its_header_not_decoded(tmp_path, processor,
 def test_identical_responses_are_a_counted_drop(tmp_path, processor):
     """`chosen == rejected` after stripping surrounding whitespace is a drop with file:line examples (and a
     DataError under data.strict); responses that differ inside (inner whitespace, reasoning only) are kept."""
-    rows = [
-        row(0),  # valid
-        row(1, chosen="Red.", rejected="Red."),  # identical
-        row(2, chosen="  Red.\n", rejected="Red. "),  # identical after stripping
-        row(3, chosen="Red  square.", rejected="Red square."),  # kept: inner whitespace differs
-        row(4, chosen="<think>a</think>Red.", rejected="<think>b</think>Red."),  # kept: the reasoning differs
-        row(5, chosen="<think>a</think>Red.", rejected="<think>a</think>Red.\t"),  # identical, reasoning included
+    records = [
+        record(0),  # valid
+        record(1, chosen="Red.", rejected="Red."),  # identical
+        record(2, chosen="  Red.\n", rejected="Red. "),  # identical after stripping
+        record(3, chosen="Red  square.", rejected="Red square."),  # kept: inner whitespace differs
+        record(4, chosen="<think>a</think>Red.", rejected="<think>b</think>Red."),  # kept: the reasoning differs
+        record(5, chosen="<think>a</think>Red.", rejected="<think>a</think>Red.\t"),  # identical, reasoning included
         # the same rendered tokens: the template drops an empty reasoning block (QA: kept with no signal before)
-        row(6, chosen="<think></think>Red.", rejected="Red."),
-        row(7, chosen="Red.", rejected="<think>\n</think>\nRed."),
-        row(8, chosen="<think>a</think>Red.", rejected="Red."),  # kept: one side reasons
+        record(6, chosen="<think></think>Red.", rejected="Red."),
+        record(7, chosen="Red.", rejected="<think>\n</think>\nRed."),
+        record(8, chosen="<think>a</think>Red.", rejected="Red."),  # kept: one side reasons
     ]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     st = index.stats["sub"]
     assert st["dropped"] == {"identical_responses": 5} and index.line.tolist() == [1, 4, 5, 9]
-    only_rendered = mi.build_index(write_set(tmp_path / "r", [rows[0], rows[6], rows[7]], {"a.png": rgb()}),
+    only_rendered = mi.build_index(write_set(tmp_path / "r", [records[0], records[6], records[7]], {"a.png": rgb()}),
                                    processor, data_cfg(), use_cache=False).stats["sub"]["drop_examples"]
     assert [e.split(": ", 1)[1] for e in only_rendered["identical_responses"]] == [
         "chosen and rejected render to the same text 'Red.<|im_end|>\\n'"] * 2
@@ -666,14 +666,14 @@ def test_identical_responses_are_a_counted_drop(tmp_path, processor):
 def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(tmp_path, processor):
     """QA: a lone surrogate escape ("\\ud83d", valid JSON) crashed the index build in the tokenizer (TypeError), and
     an image name longer than the file system allows in Path.is_file (OSError); both are counted drops now."""
-    rows = [
-        row(0),  # valid
-        row(1, chosen="A cat \ud83d"),  # a truncated emoji: half of a surrogate pair
-        row(2, q="<image>\ncaf\udce9?"),  # Latin-1 bytes read with errors="surrogateescape"
-        row(3, system_prompt="Be \udcff brief."),
-        row(4, image="a" * 300 + ".png"),  # NAME_MAX is 255 bytes
+    records = [
+        record(0),  # valid
+        record(1, chosen="A cat \ud83d"),  # a truncated emoji: half of a surrogate pair
+        record(2, q="<image>\ncaf\udce9?"),  # Latin-1 bytes read with errors="surrogateescape"
+        record(3, system_prompt="Be \udcff brief."),
+        record(4, image="a" * 300 + ".png"),  # NAME_MAX is 255 bytes
     ]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     assert "\\ud83d" in (meta.parent / "annotations" / "sub.jsonl").read_text()  # JSON's escape, as scraped data has
     index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     st = index.stats["sub"]
@@ -689,7 +689,7 @@ def test_text_that_is_not_unicode_and_an_unusable_image_path_are_counted_drops(t
 def test_an_index_cache_that_cannot_be_written_is_a_warning(tmp_path, processor, monkeypatch, caplog):
     """QA: a cache folder that cannot be created (HF_DATASETS_CACHE under a file, a read-only disk) ended the build
     in a NotADirectoryError after all the work; now a warning, and the index is used uncached."""
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()})
     (tmp_path / "afile").write_text("")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "afile" / "cache"))
     with caplog.at_level("WARNING", logger="omni_mpo.mmpr_index"):
@@ -700,10 +700,10 @@ def test_an_index_cache_that_cannot_be_written_is_a_warning(tmp_path, processor,
 
 
 def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
-    """Forked row checking (data.num_workers >= 2) gives the serial index: same order, lengths, drops, early stop."""
-    monkeypatch.setattr(mr, "CHUNK_ROWS", 3)  # many chunks, a window of 4 in flight
-    rows = [row(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    """Forked record checking (data.num_workers >= 2) gives the serial index: same order, lengths, drops, early stop."""
+    monkeypatch.setattr(mr, "CHUNK_RECORDS", 3)  # many chunks, a window of 4 in flight
+    records = [record(i, image="nope.png" if i % 5 == 2 else "a.png") for i in range(20)]
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     for max_samples in (0, 7):
         serial = mi.build_index(meta, processor, data_cfg(num_workers=0), max_samples=max_samples, use_cache=False)
         forked = mi.build_index(meta, processor, data_cfg(num_workers=2), max_samples=max_samples, use_cache=False)
@@ -713,28 +713,28 @@ def test_parallel_build_equals_serial(tmp_path, processor, monkeypatch):
 
 def test_a_checking_process_that_dies_is_one_error_naming_the_lines(tmp_path, processor, monkeypatch):
     """A forked checking process killed while it decodes (out of memory, a decoder's crash) is a DataError naming the
-    annotation file and the lines in flight, the killing row among them, not BrokenProcessPool's traceback."""
+    annotation file and the lines in flight, the killing record among them, not BrokenProcessPool's traceback."""
     import re
     import signal
 
-    monkeypatch.setattr(mr, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(mr, "CHUNK_RECORDS", 2)
     monkeypatch.setattr(mr, "load_frames", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
-    rows = [row(i, image=None, q="Q?", **({"video": "v.mp4"} if i == 3 else {})) for i in range(8)]
-    meta = write_set(tmp_path, rows)
+    records = [record(i, image=None, q="Q?", **({"video": "v.mp4"} if i == 3 else {})) for i in range(8)]
+    meta = write_set(tmp_path, records)
     with raises_naming(mr.DataError, meta.parent / "annotations" / "sub.jsonl") as e:
         mi.build_index(meta, processor, data_cfg(num_workers=2), use_cache=False)
     first, last = map(int, re.search(r"lines (\d+)-(\d+)", str(e.value)).groups())
-    assert first <= 4 <= last  # the video row is line 4
+    assert first <= 4 <= last  # the video record is line 4
 
 
 def test_no_valid_pair_is_an_error(tmp_path, processor):
-    meta = write_set(tmp_path, [row(0, image="nope.png")], {})
+    meta = write_set(tmp_path, [record(0, image="nope.png")], {})
     with raises_naming(mr.DataError, f"{meta}: ", "{'image_missing': 1}"):
         mi.build_index(meta, processor, data_cfg())
 
 
 def test_no_valid_pair_names_the_empty_subsets(tmp_path, processor):
-    """An empty annotation file said only 'drops: {}'; the subsets without a row are named."""
+    """An empty annotation file said only 'drops: {}'; the subsets without a record are named."""
     meta = write_set(tmp_path, [], {})
     with raises_naming(mr.DataError, f"{meta}: ", "drops: {}", "subset(s) 'sub'"):
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
@@ -746,26 +746,27 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
     gets the same hint; one other subset with pairs turns it into a warning naming the file."""
     meta = write_set(tmp_path, [], {"a.png": rgb()})
     annotation = meta.parent / "annotations" / "sub.jsonl"
-    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")  # 2 rows -> 14 lines, each invalid JSON
+    annotation.write_text(json.dumps([record(0), record(1)], indent=2) + "\n")  # 2 records: 14 lines, each invalid JSON
     with warns_naming(mr.DataWarning, annotation, "JSON Lines"), raises_naming(
             mr.DataError, f"{meta}: ", "{'invalid_json': 14}", f"{annotation} ", "JSON Lines", "JSON array",
             f"(e.g. {annotation}:1: Expecting value: line 2 column 1 (char 2))"):  # fmt: skip
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
     # a compact array on one line, then lines of a JSON array's objects: none is a JSON object on its own line
-    annotation.write_text(json.dumps([row(0)]) + "\n" + "\n".join(json.dumps(row(i)) + "," for i in (1, 2)) + "\n")
+    annotation.write_text(json.dumps([record(0)]) + "\n"
+                          + "\n".join(json.dumps(record(i)) + "," for i in (1, 2)) + "\n")
     with warns_naming(mr.DataWarning, annotation, "JSON Lines"), raises_naming(
             mr.DataError, f"{meta}: ", "{'invalid_json': 3}", f"{annotation} ", "JSON Lines", "3 non-blank lines",
             f"(e.g. {annotation}:1: expected a JSON object, got list)"):  # fmt: skip
         mi.build_index(meta, processor, data_cfg(), use_cache=False)  # the subset's note, then the error
-    # a JSONL with one bad row is not called an array, whatever that row is: the message is the usual one
-    annotation.write_text("[1, 2]\n" + json.dumps(row(0, image="nope.png")) + "\n")
+    # a JSONL with one bad record is not called an array, whatever that record is: the message is the usual one
+    annotation.write_text("[1, 2]\n" + json.dumps(record(0, image="nope.png")) + "\n")
     with raises_naming(mr.DataError, f"{meta}: ", "{'invalid_json': 1, 'image_missing': 1}") as e:
         mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert "JSON Lines" not in str(e.value)  # the usual error: no array hint
     # the array as one subset beside a good one: the index builds, and a warning names the array file
-    annotation.write_text(json.dumps([row(0), row(1)], indent=2) + "\n")
+    annotation.write_text(json.dumps([record(0), record(1)], indent=2) + "\n")
     spec = json.loads(meta.read_text())
-    (meta.parent / "annotations" / "good.jsonl").write_text(json.dumps(row(5)) + "\n")
+    (meta.parent / "annotations" / "good.jsonl").write_text(json.dumps(record(5)) + "\n")
     spec["good"] = {"root": "MMPR-t/images", "annotation": "MMPR-t/annotations/good.jsonl"}
     meta.write_text(json.dumps(spec))
     with pytest.warns(mr.DataWarning) as warned:
@@ -777,7 +778,7 @@ def test_an_annotation_that_is_a_json_array_says_jsonl(tmp_path, processor):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# rows as real MMPR / NeMo-RL data writes them: the R1 prompt, directives, null roots, video, reasoning, <image_N>
+# records as real MMPR / NeMo-RL data writes them: the R1 prompt, directives, null roots, video, reasoning, <image_N>
 
 R1_QUESTION = ("<image>\nEnclose this entire thinking process within <think> and </think> tags.\nWhat is 2+2?")
 
@@ -787,17 +788,17 @@ def _user_turn(question: str, n_tokens: int, system: str = "") -> str:
             + question.replace("<image>", "<img>" + "<image>" * n_tokens + "</img>") + "<|im_end|>\n")
 
 
-def test_row_text_is_rendered_as_written(tmp_path, processor):
+def test_record_text_is_rendered_as_written(tmp_path, processor):
     """The template strips `/think` / `/no_think` wherever they occur (in `</think>`, a word, a URL) and obeys them;
-    a row's text reaches the model as written instead, and the pair's reasoning mode comes from its responses."""
+    a record's text reaches the model as written instead, and the pair's reasoning mode comes from its responses."""
     url_q = "<image>\nOpen https://example.com/thinking-maps/no_thinking.png: a/think b /no_think c?"
     meta = write_set(tmp_path, [
-        row(0, q=R1_QUESTION, chosen="<think>\n2+2=4\n</think>\n4", rejected="<think>\n2+2=5\n</think>\n5"),
-        row(1, q=url_q, chosen="Red.", rejected="Blue."),
-        row(2, q="<image>\nWhat? /think", chosen="Red.", rejected="Blue."),  # a directive against plain responses
-        row(3, system="/no_think", chosen="<think>r</think>Red.", rejected="<think>s</think>Blue."),
+        record(0, q=R1_QUESTION, chosen="<think>\n2+2=4\n</think>\n4", rejected="<think>\n2+2=5\n</think>\n5"),
+        record(1, q=url_q, chosen="Red.", rejected="Blue."),
+        record(2, q="<image>\nWhat? /think", chosen="Red.", rejected="Blue."),  # a directive against plain responses
+        record(3, system="/no_think", chosen="<think>r</think>Red.", rejected="<think>s</think>Blue."),
     ], {"a.png": rgb(640, 480)})
-    # the template on its own: these rewrites are what the renderer prevents (the rows crashed the build before)
+    # the template on its own: these rewrites are what the renderer prevents (the records crashed the build before)
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": R1_QUESTION}]}]
     assert "within <think> and <> tags." in processor.apply_chat_template(user, tokenize=False)
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": url_q}]}]
@@ -836,8 +837,8 @@ def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
     tpl = (model / "chat_template.jinja").read_text()
     (model / "chat_template.jinja").write_text(tpl.replace("| trim -}}", "| replace('colour', 'color') | trim -}}"))
     other = AutoProcessor.from_pretrained(model)
-    meta = write_set(tmp_path, [row(0, q="<image>\nWhich colour?"), row(1, q="<image>\nWhich color?"),
-                                row(2, system="Say colour.")], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0, q="<image>\nWhich colour?"), record(1, q="<image>\nWhich color?"),
+                                record(2, system="Say colour.")], {"a.png": rgb()})
     index = mi.build_index(meta, other, data_cfg())
     assert index.line.tolist() == [2] and index.stats["sub"]["dropped"] == {"template_rewrites_text": 2}
     ex = index.stats["sub"]["drop_examples"]["template_rewrites_text"]
@@ -847,14 +848,14 @@ def test_template_that_rewrites_text_is_a_counted_drop(tmp_path, processor):
 
 
 def test_subset_without_root(tmp_path, processor):
-    """InternVL's text-only subsets have "root": null (or none): accepted; rows that need a root are dropped."""
+    """InternVL's text-only subsets have "root": null (or none): accepted; records that need a root are dropped."""
     d = tmp_path / "set"
     d.mkdir()
     rgb().save(d / "abs.png")
     (d / "text.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"question": "What is 2+2?", "chosen": "4", "rejected": "5"},
-        row(1, image=str(d / "abs.png")),  # an absolute image path needs no root
-        row(2, image="rel.png"),
+        record(1, image=str(d / "abs.png")),  # an absolute image path needs no root
+        record(2, image="rel.png"),
     )) + "\n")
     (d / "meta.json").write_text(json.dumps({"text_null": {"root": None, "annotation": "text.jsonl"},
                                              "text_missing": {"annotation": "text.jsonl", "repeat_time": 1}}))
@@ -875,14 +876,14 @@ def test_image_paths_that_leave_the_root_are_a_counted_drop(tmp_path, processor)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     rgb().save(outside / "b.png")
-    rows = [
-        row(0, image="../../../../../../../../etc/passwd"),  # image_outside_root
-        row(1, image="sub/../a.png"),  # kept: `..` inside the root
-        row(2, image="link.png"),  # kept: a symbolic link in the root may point elsewhere
-        row(3, image=str(outside / "b.png")),  # kept: an absolute path is used as written
-        row(4, image="../images/a.png"),  # image_outside_root: the check reads the path as written
+    records = [
+        record(0, image="../../../../../../../../etc/passwd"),  # image_outside_root
+        record(1, image="sub/../a.png"),  # kept: `..` inside the root
+        record(2, image="link.png"),  # kept: a symbolic link in the root may point elsewhere
+        record(3, image=str(outside / "b.png")),  # kept: an absolute path is used as written
+        record(4, image="../images/a.png"),  # image_outside_root: the check reads the path as written
     ]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     (meta.parent / "images" / "link.png").symlink_to(outside / "b.png")
     (meta.parent / "images" / "sub").mkdir()
     index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
@@ -900,12 +901,12 @@ def test_a_symbolic_link_loop_is_named_as_one(tmp_path):
 
 def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
     meta = write_set(tmp_path, [
-        row(0, chosen="<think>\nThe image is plain grey, so", rejected="<think>\nThere is a cat."),
-        row(1, chosen="<think>a</think>Red.", rejected="<think>\nThere is a"),
-        row(2, chosen="<think>a</think>Red.<think>b</think>Really red.", rejected="Blue."),
-        row(3, chosen="Red. <think>why</think>Yes.", rejected="Blue."),
-        row(4, chosen="a</think>b</think>Red.", rejected="Blue."),
-        row(5, chosen="<think>a</think>Red.", rejected="Blue."),
+        record(0, chosen="<think>\nThe image is plain grey, so", rejected="<think>\nThere is a cat."),
+        record(1, chosen="<think>a</think>Red.", rejected="<think>\nThere is a"),
+        record(2, chosen="<think>a</think>Red.<think>b</think>Really red.", rejected="Blue."),
+        record(3, chosen="Red. <think>why</think>Yes.", rejected="Blue."),
+        record(4, chosen="a</think>b</think>Red.", rejected="Blue."),
+        record(5, chosen="<think>a</think>Red.", rejected="Blue."),
     ], {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg())
     st = index.stats["sub"]
@@ -919,17 +920,17 @@ def test_reasoning_blocks_must_be_closed_and_single(tmp_path, processor):
 
 
 def test_numbered_image_placeholders(tmp_path, processor):
-    """`<image_N>` (NeMo-RL's placeholder) is the N-th image at that place: the pair equals the `<image>` row with
+    """`<image_N>` (NeMo-RL's placeholder) is the N-th image at that place: the pair equals the `<image>` record with
     the images in placeholder order."""
     imgs = {"a.png": rgb(64, 40, (255, 0, 0)), "b.png": rgb(30, 90, (0, 0, 255))}
     meta = write_set(tmp_path, [
-        row(0, image=["a.png", "b.png"], q="<image_1> <image_2> Same?", chosen="Yes.", rejected="No."),
-        row(1, image=["a.png", "b.png"], q="<image> <image> Same?", chosen="Yes.", rejected="No."),
-        row(2, image=["b.png", "a.png"], q="<image_2> <image_1> Same?", chosen="Yes.", rejected="No."),
-        row(3, image="a.png", q="<image_1>\nWhat is it?"),
-        row(4, image=["a.png", "b.png"], q="<image_1> <image_3>"),
-        row(5, image=["a.png", "b.png"], q="<image_1> <image_1>"),
-        row(6, image=["a.png", "b.png"], q="<image_1> only"),
+        record(0, image=["a.png", "b.png"], q="<image_1> <image_2> Same?", chosen="Yes.", rejected="No."),
+        record(1, image=["a.png", "b.png"], q="<image> <image> Same?", chosen="Yes.", rejected="No."),
+        record(2, image=["b.png", "a.png"], q="<image_2> <image_1> Same?", chosen="Yes.", rejected="No."),
+        record(3, image="a.png", q="<image_1>\nWhat is it?"),
+        record(4, image=["a.png", "b.png"], q="<image_1> <image_3>"),
+        record(5, image=["a.png", "b.png"], q="<image_1> <image_1>"),
+        record(6, image=["a.png", "b.png"], q="<image_1> only"),
     ], imgs)
     index = mi.build_index(meta, processor, data_cfg())
     st = index.stats["sub"]
@@ -950,25 +951,25 @@ def test_subset_notices_repeat_on_a_cache_hit(tmp_path, processor, monkeypatch):
     """The meta-length notice was raised while building the index only, so a run on the cached index said
     nothing; the notices are kept in the index's stats and repeat on every build_index."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()}, spec={"length": 5})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()}, spec={"length": 5})
     seen = []
     for _ in range(2):  # a build, then a cache hit
         with mr.data_warnings([]) as notes:
             index = mi.build_index(meta, processor, data_cfg())
         seen.append((index.cache_status, notes))
     length = (f"{meta}: subset 'sub': the meta says length = 5 but {tmp_path}/MMPR-t/annotations/sub.jsonl has 2 "
-              "rows")
+              "records")
     assert seen == [("built", [length]), ("hit", [length])]
 
 
 def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
-    """QA: a subset whose annotation file is empty (no `length` in the meta), or whose rows are all dropped, vanished
+    """QA: a subset whose annotation file is empty (no `length` in the meta), or whose records are all dropped, vanished
     into the totals of train.py's data line; each is a notice now (the run goes on with the other subsets)."""
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()})
     spec = json.loads(meta.read_text())
     ann = meta.parent / "annotations"
-    (ann / "empty.jsonl").write_text("\n\n")  # blank lines are not rows
-    gone = (row(2, image="nope.png"), row(3, chosen=" "))  # image_missing, empty_response
+    (ann / "empty.jsonl").write_text("\n\n")  # blank lines are not records
+    gone = (record(2, image="nope.png"), record(3, chosen=" "))  # image_missing, empty_response
     (ann / "gone.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gone))
     for name in ("empty", "gone"):
         spec[name] = dict(spec["sub"], annotation=f"MMPR-t/annotations/{name}.jsonl")
@@ -976,18 +977,19 @@ def test_a_subset_that_adds_no_pair_is_a_notice(tmp_path, processor):
     with mr.data_warnings([]) as notes:
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 2 and [str(n) for n in notes] == [
-        f"{meta}: subset 'empty': {ann / 'empty.jsonl'} holds no rows, so the subset adds no pair",
-        f"{meta}: subset 'gone': all 2 rows of {ann / 'gone.jsonl'} were dropped ({{'image_missing': 1, "
+        f"{meta}: subset 'empty': {ann / 'empty.jsonl'} holds no records, so the subset adds no pair",
+        f"{meta}: subset 'gone': all 2 records of {ann / 'gone.jsonl'} were dropped ({{'image_missing': 1, "
         "'empty_response': 1}), so the subset adds no pair",
     ]
 
 
-def test_rows_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor):
-    """QA: duplicated rows (a file copied onto itself, the same file under two subsets) were trained as separate pairs
-    and leaked into the validation split without a word; they are counted per subset and noted (the pairs stay:
+def test_records_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor):
+    """QA: duplicated records (a file copied onto itself, the same file under two subsets) were trained as separate
+    pairs and leaked into the validation split without a word; they are counted per subset and noted (the pairs stay:
     repetition may be intended, as repeat_time does)."""
-    rows = [row(0), row(1), row(0), {**row(1), "extra": "ignored"}, row(2, chosen="  A red square 0.")]
-    meta = write_set(tmp_path, rows, {"a.png": rgb()})
+    records = [record(0), record(1), record(0), {**record(1), "extra": "ignored"},
+               record(2, chosen="  A red square 0.")]
+    meta = write_set(tmp_path, records, {"a.png": rgb()})
     spec = json.loads(meta.read_text())
     spec["again"] = dict(spec["sub"])  # the same annotation file under a second subset
     meta.write_text(json.dumps(spec))
@@ -996,31 +998,32 @@ def test_rows_that_repeat_another_word_for_word_are_a_notice(tmp_path, processor
         index = mi.build_index(meta, processor, data_cfg(), use_cache=False)
     assert len(index) == 10 and index.stats["sub"]["repeats"] == 2 and index.stats["again"]["repeats"] == 5
     assert [str(n) for n in notes] == [
-        f"{meta}: subset 'sub': 2 rows repeat an earlier row word for word (e.g. {ann}:3 repeats {ann}:1): each copy "
-        "is its own pair, and a validation split of these pairs can hold copies of training pairs",
-        f"{meta}: subset 'again': 5 rows repeat an earlier row word for word (e.g. {ann}:1 repeats {ann}:1 of subset "
-        "'sub'): each copy is its own pair, and a validation split of these pairs can hold copies of training pairs",
+        f"{meta}: subset 'sub': 2 records repeat an earlier record word for word (e.g. {ann}:3 repeats {ann}:1): each "
+        "copy is its own pair, and a validation split of these pairs can hold copies of training pairs",
+        f"{meta}: subset 'again': 5 records repeat an earlier record word for word (e.g. {ann}:1 repeats {ann}:1 of "
+        "subset 'sub'): each copy is its own pair, and a validation split of these pairs can hold copies of training "
+        "pairs",
     ]
 
 
 def test_repeat_time_that_empties_the_data_says_so(tmp_path, processor):
-    meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
-    with warns_naming(UserWarning, f"{meta}: subset 'sub'", "repeat_time = 0.005", "3 valid rows"):
-        with raises_naming(mr.DataError, f"{meta}: ", "'sub': repeat_time 0.005 x 3 valid rows -> 0 pairs",
+    meta = write_set(tmp_path, [record(i) for i in range(3)], {"a.png": rgb()}, spec={"repeat_time": 0.005})
+    with warns_naming(UserWarning, f"{meta}: subset 'sub'", "repeat_time = 0.005", "3 valid records"):
+        with raises_naming(mr.DataError, f"{meta}: ", "'sub': repeat_time 0.005 x 3 valid records -> 0 pairs",
                            "drops: {}"):
             mi.build_index(meta, processor, data_cfg())
 
 
 def test_report_cli_shows_the_new_drop_reasons(tmp_path, capsys):
     meta = write_set(tmp_path, [
-        row(0),
+        record(0),
         {"video": "clip.mp4", "question": "What happens?", "chosen": "x", "rejected": "y"},
-        row(2, chosen="<think>cut", rejected="<think>off"),
-        row(3, chosen="Well <think>a</think>Red."),
-        row(4, q="<image>\n/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
+        record(2, chosen="<think>cut", rejected="<think>off"),
+        record(3, chosen="Well <think>a</think>Red."),
+        record(4, q="<image>\n/think" + "".join(chr(c) for c in range(0xE000, 0xF900))),
     ], {"a.png": rgb()})
     spec = json.loads(meta.read_text())
-    (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(row(5)) + "\n")
+    (meta.parent / "annotations" / "noroot.jsonl").write_text(json.dumps(record(5)) + "\n")
     spec["noroot"] = {"root": None, "annotation": "MMPR-t/annotations/noroot.jsonl"}
     meta.write_text(json.dumps(spec))
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0"]) == 0
@@ -1072,7 +1075,7 @@ def test_exif_orientation_is_applied(tmp_path, processor):
     top, bottom = np.asarray(out)[5, 16].astype(int), np.asarray(out)[58, 16].astype(int)
     assert abs(top - [255, 0, 0]).max() < 40 and abs(bottom - [0, 0, 255]).max() < 40  # the left edge is on top
     # the index sizes the image in its displayed orientation, as the processor sees it
-    meta = write_set(tmp_path / "set", [row(0, image="rot.jpg")], {})
+    meta = write_set(tmp_path / "set", [record(0, image="rot.jpg")], {})
     (tmp_path / "set" / "MMPR-t" / "images" / "rot.jpg").write_bytes((tmp_path / "rot.jpg").read_bytes())
     index = mi.build_index(meta, processor, data_cfg())
     gh, gw = index.image_grid_hw[0].tolist()
@@ -1102,8 +1105,8 @@ def _unprocessable(path, w: int, h: int, own: str = "") -> str:
 def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
     """An image whose patch grid is more than the patch budget (256 for the asset) times longer on one side than on
     the other (5000x1 px: 313x1 patches) crashed the index build in transformers' get_patch_grid_size with a
-    ZeroDivisionError naming no file; such a row is now the drop image_unprocessable with file:line, the other rows
-    still index, and data.strict makes it an error naming file:line."""
+    ZeroDivisionError naming no file; such a record is now the drop image_unprocessable with file:line, the other
+    records still index, and data.strict makes it an error naming file:line."""
     ip = processor.image_processor
     sizes = {"wide.png": (5000, 8), "tall.png": (2, 5000), "edge.png": (4097, 1),  # refused (width, height)
              "ok_edge.png": (4096, 1), "ok_long.png": (3000, 5), "ok_thin.png": (500, 1)}  # kept
@@ -1113,10 +1116,10 @@ def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
         else:
             with pytest.raises(ZeroDivisionError):
                 ip(images=[rgb(w, h)], return_tensors="pt")
-    rows = [row(0), row(1, image="wide.png"), row(2, image="ok_edge.png"), row(3, image="tall.png"),
-            row(4, image="ok_long.png"), row(5, image=["a.png", "edge.png"], q="<image> vs <image>"),
-            row(6, image="ok_thin.png")]
-    meta = write_set(tmp_path, rows, {"a.png": rgb(), **{n: rgb(w, h) for n, (w, h) in sizes.items()}})
+    records = [record(0), record(1, image="wide.png"), record(2, image="ok_edge.png"), record(3, image="tall.png"),
+            record(4, image="ok_long.png"), record(5, image=["a.png", "edge.png"], q="<image> vs <image>"),
+            record(6, image="ok_thin.png")]
+    meta = write_set(tmp_path, records, {"a.png": rgb(), **{n: rgb(w, h) for n, (w, h) in sizes.items()}})
     index = mi.build_index(meta, processor, data_cfg(train__max_images_per_row=2), use_cache=False)
     st, images = index.stats["sub"], tmp_path / "MMPR-t" / "images"
     annotation = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
@@ -1124,7 +1127,7 @@ def test_thin_or_wide_images_are_a_counted_drop(tmp_path, processor):
     assert st["drop_examples"]["image_unprocessable"] == [
         f"{annotation}:2: " + _unprocessable(images / "wide.png", 5000, 8, "313x1"),
         f"{annotation}:4: " + _unprocessable(images / "tall.png", 2, 5000, "1x313"),
-        f"{annotation}:6: " + _unprocessable(images / "edge.png", 4097, 1, "257x1"),  # the second image of the row
+        f"{annotation}:6: " + _unprocessable(images / "edge.png", 4097, 1, "257x1"),  # the second image of the record
     ]
     assert (f"    dropped image_unprocessable: 3  e.g. {annotation}:2: "
             + _unprocessable(images / "wide.png", 5000, 8, "313x1")) in mi.format_report(mi.report(index)).splitlines()
@@ -1146,7 +1149,7 @@ def test_an_image_made_too_thin_after_indexing_is_one_line_in_training(tmp_path,
     """A training step re-processes a pair's images; an image replaced in place (same path: the same index
     fingerprint) by one too thin for the processor is the DataError naming file:line and the cache to delete, not the
     processor's ZeroDivisionError in a DataLoader worker."""
-    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    meta = write_set(tmp_path, [record(0), record(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
     index = mi.build_index(meta, processor, data_cfg(strict=True))
     image = tmp_path / "MMPR-t" / "images" / "b.png"
     rgb(1, 5000).save(image)
@@ -1169,7 +1172,7 @@ def _same(a: mi.MMPRIndex, b: mi.MMPRIndex) -> bool:
 
 
 def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
-    meta = write_set(tmp_path, [row(i) for i in range(4)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(i) for i in range(4)], {"a.png": rgb()})
     cfg = data_cfg()
     first = mi.build_index(meta, processor, cfg)
     assert first.cache_status == "built" and Path(first.cache_dir).parent == hf_cache
@@ -1180,7 +1183,7 @@ def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
     assert [p.name for p in hf_cache.iterdir()] == [Path(first.cache_dir).name]
     # changed annotation file -> miss, new content indexed
     ann = tmp_path / "MMPR-t" / "annotations" / "sub.jsonl"
-    ann.write_text(ann.read_text() + json.dumps(row(9)) + "\n")
+    ann.write_text(ann.read_text() + json.dumps(record(9)) + "\n")
     changed = mi.build_index(meta, processor, cfg)
     assert changed.cache_status == "built" and changed.cache_dir != first.cache_dir and len(changed) == 5
     # changed tokenizer (one more token) -> miss; changed settings -> miss
@@ -1194,7 +1197,7 @@ def test_cache_hit_miss_and_invalidation(tmp_path, processor, hf_cache):
 
 
 def test_corrupt_or_partial_cache_is_reported_and_rebuilt(tmp_path, processor):
-    meta = write_set(tmp_path, [row(i) for i in range(3)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(i) for i in range(3)], {"a.png": rgb()})
     cfg = data_cfg()
     good = mi.build_index(meta, processor, cfg)
     folder = Path(good.cache_dir)
@@ -1234,8 +1237,8 @@ def test_validation_split(sample, tmp_path, processor):
     assert len(mi.split_validation(index, 0.25, seed=0)[1]) == 8  # floor(0.25 * 34)
     with raises_naming(mr.DataError, "data.train.split_validation_size = 34", "of 34"):
         mi.split_validation(index, 34, seed=0)
-    # repeats of one row stay on one side
-    meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 3})
+    # repeats of one record stay on one side
+    meta = write_set(tmp_path, [record(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 3})
     rep = mi.build_index(meta, processor, data_cfg())
     tr, va = mi.split_validation(rep, 0.5, seed=5)
     assert not {int(rep.line[i]) for i in tr} & {int(rep.line[i]) for i in va} and len(va) == 9
@@ -1304,7 +1307,7 @@ def test_step_loader_with_workers_and_packer(sample, processor):
     index, ds = sample
     cfg = Config()
     cfg.packing.max_tokens_per_bin, cfg.packing.max_sequences_per_bin = 1024, 2
-    cfg.packing.shared_prompt = False  # separate rows (the plan reads no prompt lengths)
+    cfg.packing.shared_prompt = False  # separate records (the plan reads no prompt lengths)
     dp, rank = 2, 1
 
     def plan_fn(ids):
@@ -1340,8 +1343,8 @@ def test_a_data_error_in_a_loader_worker_keeps_its_one_line_message(tmp_path, pr
     the worker's own one-line message (file:line: reason)."""
     buf = io.BytesIO()
     rgb(64, 64).save(buf, format="PNG")
-    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": buf.getvalue()})
-    index = mi.build_index(meta, processor, data_cfg(strict=True))  # every row good at build time
+    meta = write_set(tmp_path, [record(0), record(1, image="b.png")], {"a.png": rgb(), "b.png": buf.getvalue()})
+    index = mi.build_index(meta, processor, data_cfg(strict=True))  # every record good at build time
     image = tmp_path / "MMPR-t" / "images" / "b.png"
     image.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])  # the image changes after the index was built
     ds = md.PairDataset(index, processor)
@@ -1358,7 +1361,7 @@ def test_a_loader_worker_that_dies_is_one_error_naming_its_pairs(tmp_path, proce
     the pairs it was loading (file:line), not torch's traceback."""
     import signal
 
-    meta = write_set(tmp_path, [row(0), row(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
+    meta = write_set(tmp_path, [record(0), record(1, image="b.png")], {"a.png": rgb(), "b.png": rgb(64, 64)})
     index = mi.build_index(meta, processor, data_cfg())
     real = md.load_image
     monkeypatch.setattr(md, "load_image", lambda p: os.kill(os.getpid(), signal.SIGKILL) if p.endswith("b.png")
@@ -1377,7 +1380,7 @@ def test_a_stop_signal_while_a_loader_worker_starts_does_not_kill_it(tmp_path, p
 
     import psutil
 
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg())
     ds = md.PairDataset(index, processor)
     loader = md.StepLoader(ds, md.PairSampler([0, 1], seed=0, shuffle=False), global_batch_size=2,
@@ -1435,7 +1438,7 @@ def test_the_wait_for_rank_0s_index_build_uses_a_gloo_group_with_a_long_timeout(
     rank 1 sees it here, torch.distributed replaced by recorders)."""
     import datetime
 
-    meta = write_set(tmp_path, [row(0), row(1)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1)], {"a.png": rgb()})
     dist, calls, group = torch.distributed, [], object()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
@@ -1490,7 +1493,7 @@ def test_cli_help_shows_the_defaults(capsys):
 def test_cli_names_its_own_flags_where_the_messages_name_config_keys(tmp_path, capsys):
     """The report said `> data.max_seq_length = 1000` and a missing root `(set data.train.data_root to its base)`:
     config keys that this command line spells --max-seq-length and --data-root."""
-    meta = write_set(tmp_path, [row(0), row(1, chosen="word " * 3000)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1, chosen="word " * 3000)], {"a.png": rgb()})
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--max-seq-length", "1000",
                     "--no-cache"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -1507,7 +1510,7 @@ def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, 
     repeat_time."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     processor = mi.load_processor(TINY, "--model")
-    meta = write_set(tmp_path, [row(i) for i in range(6)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(i) for i in range(6)], {"a.png": rgb()})
     assert mi.main([str(meta), "--model", str(TINY), "--num-workers", "0", "--max-images-per-row", "3",
                     "--seed", "7"]) == 0  # fmt: skip
     assert "(cache hit" not in capsys.readouterr().out
@@ -1515,13 +1518,13 @@ def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, 
     assert mi.build_index(meta, processor, run).cache_status == "hit"  # the run's seed (42) does not matter here
     run.train.max_images_per_row = 2
     assert mi.build_index(meta, processor, run).cache_status == "built"
-    half = write_set(tmp_path / "h", [row(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 0.5})
+    half = write_set(tmp_path / "h", [record(i) for i in range(6)], {"a.png": rgb()}, spec={"repeat_time": 0.5})
     picked = {}
     for seed, status in ((42, "built"), (42, "hit"), (7, "built")):
         index = mi.build_index(half, processor, data_cfg(num_workers=0, train__seed=seed))
         assert index.cache_status == status and len(index) == 3
         picked[seed] = index.line.tolist()
-    assert picked[42] != picked[7]  # the seed picks other rows: it must be in the fingerprint
+    assert picked[42] != picked[7]  # the seed picks other records: it must be in the fingerprint
     with raises_naming(mr.DataError, "--max-images-per-row = 0", ">= 1"):
         mi.main([str(meta), "--model", str(TINY), "--max-images-per-row", "0"])
 
@@ -1529,7 +1532,7 @@ def test_cli_prebuilds_the_cache_a_run_with_other_data_settings_finds(tmp_path, 
 def test_cli_report_quotes_a_lone_surrogate_without_a_crash(tmp_path):
     """QA: an image path with a lone surrogate escape ("chart_\\ud83d.png", an image_missing drop) ended the report in
     UnicodeEncodeError while printing its drop example."""
-    meta = write_set(tmp_path, [row(0), row(1, image="chart_\ud83d.png")], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1, image="chart_\ud83d.png")], {"a.png": rgb()})
     proc = subprocess.run([sys.executable, "mmpr_index.py", str(meta), "--model", str(TINY), "--num-workers", "0",
                            "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -1571,7 +1574,7 @@ def test_model_without_processor_files_is_one_line_naming_the_setting(tmp_path, 
 
 
 def test_report_text_and_values(tmp_path, processor):
-    meta = write_set(tmp_path, [row(0), row(1, image="nope.png"), row(2)], {"a.png": rgb()})
+    meta = write_set(tmp_path, [record(0), record(1, image="nope.png"), record(2)], {"a.png": rgb()})
     index = mi.build_index(meta, processor, data_cfg())
     rep = mi.report(index)
     assert rep["total"]["rows_read"] == 3 and rep["total"]["pairs"] == 2 and rep["total"]["dropped"] == {
@@ -1589,7 +1592,7 @@ def test_report_text_and_values(tmp_path, processor):
 
 @pytest.mark.slow  # two processes importing transformers: ~25 s on 2 busy cores
 def test_rank0_builds_and_others_read_under_torchrun(torchrun, tmp_path):
-    bad = write_set(tmp_path / "bad", [row(0, image="nope.png")], {})
+    bad = write_set(tmp_path / "bad", [record(0, image="nope.png")], {})
     env = {"MODEL": str(TINY), "META": str(SAMPLE_META), "BAD_META": str(bad),
            "HF_DATASETS_CACHE": str(tmp_path / "shared_cache"), "OMP_NUM_THREADS": "1"}  # fmt: skip
     res = torchrun(Path(__file__).resolve().parent / "dist" / "check_mmpr_index.py", env=env).ranks
@@ -1597,6 +1600,6 @@ def test_rank0_builds_and_others_read_under_torchrun(torchrun, tmp_path):
     assert res[0]["status"] == "built" and res[1]["status"] == "hit"
     assert res[0]["n"] == res[1]["n"] == 34 and res[0]["lens"] == res[1]["lens"]
     assert res[0]["order"] == res[1]["order"]  # the same global order on every rank
-    assert "sub.jsonl:1: row dropped (image_missing" in res[0]["err"]
+    assert "sub.jsonl:1: record dropped (image_missing" in res[0]["err"]
     assert res[1]["err"].startswith("rank 0 failed to build the MMPR index: DataError:")
     assert "sub.jsonl:1" in res[1]["err"]

@@ -1,4 +1,4 @@
-"""The data reader's video rows: the generated video sample (data/mmpr_video_sample) indexed and decoded as the
+"""The data reader's video records: the generated video sample (data/mmpr_video_sample) indexed and decoded as the
 tiny checkpoint's processor gives it, and every video rule a counted, named drop.
 
 Run: `pytest tests/test_mmpr_video.py` (CPU; about 30 s).
@@ -15,11 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import raises_naming  # noqa: E402
-from test_mmpr_data import TINY, data_cfg, rgb, row, write_set  # noqa: E402
+from test_mmpr_data import TINY, data_cfg, record, rgb, write_set  # noqa: E402
 
 import mmpr_data as md  # noqa: E402
 import mmpr_index as mi  # noqa: E402
-import mmpr_rows as mr  # noqa: E402
+import mmpr_records as mr  # noqa: E402
 
 VIDEO_META = Path(__file__).resolve().parents[1] / "data" / "mmpr_video_sample" / "MMPR-video-sample" / "meta.json"
 
@@ -44,8 +44,8 @@ def video_sample(processor, tmp_path_factory):
 
 
 def test_video_sample_is_indexed_with_the_processors_counts(video_sample):
-    """4 clips (4 frames at 2 fps: 2 tubelets), 4 frame lists (3 frames: 2 tubelets, the last repeats), 4 rows of an
-    image + a clip; every tubelet a 4x6 tile = 6 tokens; the pairs' rows hold images' + videos' <image> tokens."""
+    """4 clips (4 frames at 2 fps: 2 tubelets), 4 frame lists (3 frames: 2 tubelets, the last repeats), 4 records of an
+    image + a clip; every tubelet a 4x6 tile = 6 tokens; the pairs' sequences hold images' + videos' <image> tokens."""
     index, ds = video_sample
     assert len(index) == 12 and mi.summary_drops(index) == {}
     assert index.video_frames.tolist() == [4] * 4 + [3] * 4 + [4] * 4
@@ -60,8 +60,8 @@ def test_video_sample_is_indexed_with_the_processors_counts(video_sample):
 
 
 def test_the_index_keeps_each_pairs_video_files_and_the_dataset_reads_the_same(video_sample, processor):
-    """A clip row's one file, a frame list's frame images in order (what the stored reference values' stamps cover);
-    a row whose video is no longer the index's is the changed-row DataError naming its annotation line."""
+    """A clip record's one file, a frame list's frame images in order (what the stored reference values' stamps cover);
+    a record whose video is no longer the index's is the changed-row DataError naming its annotation line."""
     import copy
 
     index, _ = video_sample
@@ -77,41 +77,41 @@ def test_the_index_keeps_each_pairs_video_files_and_the_dataset_reads_the_same(v
     assert index.source(0) in str(e.value) and "video_missing" in str(e.value)
 
 
-def test_clip_row_equals_the_processors_own_output(video_sample, processor):
-    """A clip row's prompt ids and pixels = the transformers processor called on the rendered prompt with the
+def test_clip_record_equals_the_processors_own_output(video_sample, processor):
+    """A clip record's prompt ids and pixels = the transformers processor called on the rendered prompt with the
     decoded frames and their metadata (timestamps in the frame labels)."""
     from transformers.video_utils import load_video
 
     index, ds = video_sample
     p = ds[0]
-    prompt, *_ = ds._row_text(0)
+    prompt, *_ = ds._record_text(0)
     frames, metadata = load_video(str(VIDEO_META.parent / "media" / "clips" / "clip_0.mp4"), backend="pyav")
     ref = processor(text=prompt, videos=[frames], videos_kwargs={"video_metadata": metadata}, return_tensors="pt")
     n = int(index.prompt_len[0])
     assert torch.equal(p.chosen_ids[:n], ref["input_ids"][0])
     assert "sampled at 0.50 seconds" in processor.tokenizer.decode(ref["input_ids"][0])
     x = ref["pixel_values_videos"]  # [F, 3, 64, 96]
-    rows = x.reshape(4, 3, 4, 16, 6, 16).permute(0, 2, 4, 1, 3, 5).reshape(96, 768)
-    assert torch.equal(p.pixel_values_videos, rows)
+    pixels = x.reshape(4, 3, 4, 16, 6, 16).permute(0, 2, 4, 1, 3, 5).reshape(96, 768)
+    assert torch.equal(p.pixel_values_videos, pixels)
 
 
 def test_video_rules_are_counted_drops(tmp_path, processor):
-    rows = [
-        row(0, video="clip.mp4", image=None, q="What moves?"),  # valid
-        row(1, video="nope.mp4", image=None, q="What moves?"),  # video_missing
-        row(2, video="empty.mp4", image=None, q="What moves?"),  # video_unreadable: zero bytes
-        row(3, video="garbage.mp4", image=None, q="What moves?"),  # video_unreadable
-        row(4, video=["a.png"] * 3, image=None, q="What moves?"),  # too_many_frames (max 2)
-        row(5, video=["a.png", "wide.png"], image=None, q="What moves?"),  # video_unreadable: sizes differ
-        row(6, video=5, image=None, q="What moves?"),  # missing_field
-        row(7, video="clip.mp4", image=None, q="<video> then <video>?"),  # placeholder_mismatch: 2 for 1
-        row(8, image=None, q="<video>\nWhat moves?"),  # placeholder_mismatch: no video
-        row(9, video="clip.mp4", q="<video> vs <image>"),  # placeholder_mismatch: <image> after <video>
-        row(10, video="clip.mp4", q="<image> and the clip?"),  # placeholder_mismatch: <image> but no <video>
-        row(11, video=["a.png", "a.png"], q="Same square?"),  # valid: image + 2-frame list, placeholders added
-        row(12, video="../clip.mp4", image=None, q="What moves?"),  # image_outside_root
+    records = [
+        record(0, video="clip.mp4", image=None, q="What moves?"),  # valid
+        record(1, video="nope.mp4", image=None, q="What moves?"),  # video_missing
+        record(2, video="empty.mp4", image=None, q="What moves?"),  # video_unreadable: zero bytes
+        record(3, video="garbage.mp4", image=None, q="What moves?"),  # video_unreadable
+        record(4, video=["a.png"] * 3, image=None, q="What moves?"),  # too_many_frames (max 2)
+        record(5, video=["a.png", "wide.png"], image=None, q="What moves?"),  # video_unreadable: sizes differ
+        record(6, video=5, image=None, q="What moves?"),  # missing_field
+        record(7, video="clip.mp4", image=None, q="<video> then <video>?"),  # placeholder_mismatch: 2 for 1
+        record(8, image=None, q="<video>\nWhat moves?"),  # placeholder_mismatch: no video
+        record(9, video="clip.mp4", q="<video> vs <image>"),  # placeholder_mismatch: <image> after <video>
+        record(10, video="clip.mp4", q="<image> and the clip?"),  # placeholder_mismatch: <image> but no <video>
+        record(11, video=["a.png", "a.png"], q="Same square?"),  # valid: image + 2-frame list, placeholders added
+        record(12, video="../clip.mp4", image=None, q="What moves?"),  # image_outside_root
     ]
-    meta = write_set(tmp_path, rows, {"a.png": rgb(), "wide.png": rgb(64, 40), "garbage.mp4": b"not a video",
+    meta = write_set(tmp_path, records, {"a.png": rgb(), "wide.png": rgb(64, 40), "garbage.mp4": b"not a video",
                                       "empty.mp4": b""})
     sys.path.insert(0, str(VIDEO_META.parents[1]))
     from make_sample import frame, write_clip
@@ -158,7 +158,7 @@ def test_video_settings_are_checked_and_reach_the_processor(processor):
 
 def test_an_evs_checkpoint_indexes_and_runs_the_kept_video_tokens(video_sample, tmp_path):
     """A checkpoint with EVS (config.json's video_pruning_rate 0.7, the hub's) trains on video as is: the index counts
-    the tokens a video keeps (2 tubelets of 6: max(6, int(12·0.3)) = 6), its rows are the processor's without the
+    the tokens a video keeps (2 tubelets of 6: max(6, int(12·0.3)) = 6), its records are the processor's without the
     video's last 6 `<image>` tokens (the first chunk full, the second empty), preflight takes the split, and the model
     runs a bin of a clip, a frame list and an image + clip pair."""
     import config
@@ -285,17 +285,17 @@ def test_frame_count_is_decided_before_decoding(tmp_path, processor, monkeypatch
 
 def test_media_under_other_keys_and_placeholders_in_responses_are_drops(tmp_path, processor):
     """`images` / `videos` / `audios` (other formats' keys, which this reader does not read) are missing_field, not a
-    text-only row; `<audio>` outside the question (system, chosen, rejected) is stray_media_token as `<image>` is."""
-    rows = [
-        row(0, image=None, q="Which?"),  # valid: text only
-        row(1, image=None, q="What moves?", videos=["clip.mp4"]),
-        row(2, image=None, q="Hear?", audios=["t.wav"]),
-        row(3, image=None, images=["a.png"]),
-        row(4, image=None, q="Hear?", audio="t.wav", chosen="A tone <audio>."),
-        row(5, image=None, q="Hear?", rejected="No <audio> here."),
-        row(6, image=None, q="Hear?", system="Listen to <audio>."),
+    text-only record; `<audio>` outside the question (system, chosen, rejected) is stray_media_token as `<image>` is."""
+    records = [
+        record(0, image=None, q="Which?"),  # valid: text only
+        record(1, image=None, q="What moves?", videos=["clip.mp4"]),
+        record(2, image=None, q="Hear?", audios=["t.wav"]),
+        record(3, image=None, images=["a.png"]),
+        record(4, image=None, q="Hear?", audio="t.wav", chosen="A tone <audio>."),
+        record(5, image=None, q="Hear?", rejected="No <audio> here."),
+        record(6, image=None, q="Hear?", system="Listen to <audio>."),
     ]
-    meta = write_set(tmp_path, rows)
+    meta = write_set(tmp_path, records)
     index = mi.build_index(meta, processor, video_cfg(), use_cache=False)
     st = index.stats["sub"]
     assert st["dropped"] == {"missing_field": 3, "stray_media_token": 3} and index.line.tolist() == [1]

@@ -23,7 +23,7 @@ from mpo_loss import (
     count_valid_pairs,
     mpo_loss,
     packed_sequence_logprobs,
-    pair_rows,
+    pair_sequences,
     sequence_logprobs,
     sequence_logratios,
     sequence_sums,
@@ -194,15 +194,15 @@ def test_malformed_pair_metadata_raises_naming_the_pair():
     with raises_naming(ValueError, "pair 0 ", "1 chosen and 0 rejected", "pair_index=[1, 0, 2, 1]"):
         mpo_loss(pol, pol, n, torch.tensor([1, 0, 2, 1]), torch.tensor([1, 1, 0, 0]), torch.ones(4), cfg(), 0.0, 2)
     with raises_naming(ValueError, "pair 5 ", "2 chosen and 0 rejected"):
-        pair_rows(torch.tensor([5, 5]), torch.tensor([1, 1]))
+        pair_sequences(torch.tensor([5, 5]), torch.tensor([1, 1]))
     with raises_naming(ValueError, "pair 3 ", "1 chosen and 2 rejected"):
-        pair_rows(torch.tensor([3, 3, 3]), torch.tensor([1, 0, 0]))
+        pair_sequences(torch.tensor([3, 3, 3]), torch.tensor([1, 0, 0]))
     with pytest.raises(AssertionError):
-        pair_rows(torch.tensor([3, 3]), torch.tensor([1, 0, 0]))
+        pair_sequences(torch.tensor([3, 3]), torch.tensor([1, 0, 0]))
 
 
-def test_pair_rows_any_order():
-    chosen, rejected, ids = pair_rows(torch.tensor([9, 4, 4, 9]), torch.tensor([False, False, True, True]))
+def test_pair_sequences_any_order():
+    chosen, rejected, ids = pair_sequences(torch.tensor([9, 4, 4, 9]), torch.tensor([False, False, True, True]))
     assert ids.tolist() == [4, 9] and chosen.tolist() == [2, 3] and rejected.tolist() == [1, 0]
 
 

@@ -174,7 +174,7 @@ def test_packed_equals_unpacked(model):
     assert (whole[a:a + n] - packed[a:a + n]).abs().max().item() > 1e-3
 
 
-def test_vision_once_per_pair_equals_per_row_encoding(model):
+def test_vision_once_per_pair_equals_per_sequence_encoding(model):
     shared = make_pair_batch(seed=9, lens=(21, 30))
     per_row = make_pair_batch(seed=9, lens=(21, 30), duplicate_media=True)
     assert torch.equal(shared["input_ids"], per_row["input_ids"])

@@ -1,5 +1,5 @@
-"""omni_model's video path: parity with transformers on video rows, with and without EVS (video_pruning_rate), packing
-with images and video (and the shared-prompt format), the video embedder's import / export.
+"""omni_model's video path: parity with transformers on video sequences, with and without EVS (video_pruning_rate),
+packing with images and video (and the shared-prompt format), the video embedder's import / export.
 
 Run: `pytest tests/test_omni_video.py` (CPU, fp32, one in-process world of size 1; about 50 s alone). transformers
 5.23's `NemotronH_Omni_Reasoning_V3.forward(pixel_values_videos=...)` fails on its own `get_video_features` output
@@ -74,10 +74,10 @@ def test_video_text_logits_match_transformers(model, reference, frames):
 
 @pytest.mark.parametrize("rate", [0.7, 0.5])
 def test_evs_logits_match_transformers(model, rate):
-    """EVS at video_pruning_rate 0.7 / 0.5 on a 10-frame video (5 tubelets of a 4x4 tile, 4 tokens each): our row holds
-    the kept count max(4, int(20·(1 - q))) of `<image>` tokens in the first chunks (the data reader's layout), the
-    processor's row all 20; the logits equal transformers' on its pruned sequence. EVS keeps tokens of later tubelets,
-    so the layout the model rebuilds differs from the row's."""
+    """EVS at video_pruning_rate 0.7 / 0.5 on a 10-frame video (5 tubelets of a 4x4 tile, 4 tokens each): our sequence
+    holds the kept count max(4, int(20·(1 - q))) of `<image>` tokens in the first chunks (the data reader's layout), the
+    processor's sequence all 20; the logits equal transformers' on its pruned sequence. EVS keeps tokens of later
+    tubelets, so the layout the model rebuilds differs from the sequence's."""
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
     import omni_model as om
@@ -85,7 +85,7 @@ def test_evs_logits_match_transformers(model, rate):
 
     b = video_text_inputs(10, size=(64, 64), patches=16)
     assert b["video_grid_thw"].tolist() == [[10, 4, 4]]
-    n_kept = pack.video_row_tokens(5, 4, rate)
+    n_kept = pack.video_sequence_tokens(5, 4, rate)
     assert n_kept == {0.7: 6, 0.5: 10}[rate]
     ids = b["input_ids"][0]
     placeholders = torch.nonzero(ids == 18).flatten()
@@ -125,7 +125,7 @@ def test_evs_keep_is_transformers_retention_mask(rate):
 
 def _mixed_pair(seed: int) -> dict:
     """One pair (chosen 30, rejected 41 tokens, padded to 8) sharing a media slot of one 4x6 image (6 tokens) then one
-    3-frame 4x4 video (2 tubelets x 4 tokens): the rows' <image> runs are the image's, then the video's."""
+    3-frame 4x4 video (2 tubelets x 4 tokens): the sequences' <image> runs are the image's, then the video's."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for n in (30, 41):
@@ -190,13 +190,13 @@ def test_video_token_count_mismatch_and_evs_layout_are_errors(model):
 def _evs_slot(seed: int, frames: int, lens: tuple[int, int], rate: float) -> tuple[list[torch.Tensor], dict]:
     """(chosen and rejected rows of `lens` tokens, their slot's media): a 4x6 image's `<img>` chunk (6 tokens), then a
     `frames`-frame video of 4x4-patch frames as the data reader lays it out under EVS (per tubelet a 2-token label and
-    an `<img>` chunk; the kept count of `<image>` tokens, pack.video_row_tokens, filling the first chunks), then
+    an `<img>` chunk; the kept count of `<image>` tokens, pack.video_sequence_tokens, filling the first chunks), then
     text."""
     import pack
 
     g = torch.Generator().manual_seed(seed)
     tubelets = -(-frames // 2)
-    left = pack.video_row_tokens(tubelets, 4, rate)
+    left = pack.video_sequence_tokens(tubelets, 4, rate)
     prompt = [torch.randint(32, 1000, (3,), generator=g), torch.tensor([21] + [18] * 6 + [22])]
     for _ in range(tubelets):
         c = min(4, left)
@@ -291,9 +291,9 @@ def _with_video(p, seed: int, evs: bool):
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.5])
-def test_shared_prompt_format_with_video_equals_separate_rows(model, rate):
+def test_shared_prompt_format_with_video_equals_separate_sequences(model, rate):
     """Pairs with image + video, video only, image only and text only in one bin: the shared-prompt format (each
-    prompt and its media once) gives the separate rows' log-probs, MPO metrics and every gradient, the video
+    prompt and its media once) gives the separate sequences' log-probs, MPO metrics and every gradient, the video
     embedder's included (tests/test_shared_prompt_model.py's check); under EVS too."""
     from shared_prompt_cases import make_pairs, max_differences, mpo_step
     from step_cases import tiny_config

@@ -247,7 +247,7 @@ def test_imbalance_and_efficiency_closed_form():
     greedy = pack.deal_greedy(bins, 2)  # 40 -> r0, 30 -> r1, 20 -> r1, 10 -> r0: 50 / 50
     assert [[b.tokens for b in r] for r in greedy] == [[40, 10], [30, 20]]
     assert packing.rank_imbalance(greedy) == 1.0
-    plan = pack.StepPlan(ranks=greedy, num_microbatches=2)
+    plan = pack.BinPlan(ranks=greedy, num_microbatches=2)
     assert oracles.packing_efficiency(plan) == pytest.approx(96 / 100)
 
 
@@ -283,7 +283,7 @@ def test_pack_unpack_roundtrip_and_labels(specs, div):
         a, e = int(b.cu_seqlens_padded[s]), int(b.cu_seqlens_padded[s + 1])
         assert (e - a) % div == 0 and e - a - n < div and int(b.cu_seqlens[s + 1] - b.cu_seqlens[s]) == n
         seq_of[a : a + n] = s
-        assert torch.equal(d["input_ids"], ids) and torch.equal(d["row_loss_mask"], mask)
+        assert torch.equal(d["input_ids"], ids) and torch.equal(d["seq_loss_mask"], mask)
         assert torch.equal(d["labels"][:-1], ids[1:]) and int(d["labels"][-1]) == pack.IGNORE_INDEX
         assert torch.equal(d["loss_mask"][:-1], mask[1:]) and not bool(d["loss_mask"][-1])
         assert torch.equal(b.position_ids[0, a:e], torch.arange(e - a))

@@ -331,9 +331,9 @@ def test_stored_values_are_the_online_forwards_and_validation_reads_them(tiny):
     assert vm["rewards/chosen"] == pytest.approx(-beta, rel=1e-6) and vm["rewards/rejected"] == 0.0
 
     wrong = rl.Stored(val_stored.folder, val_stored.sums, val_stored.tokens + 1)  # other tokens than the batch's
-    import mmpr_rows
+    import mmpr_records
 
-    with raises_naming(mmpr_rows.DataError, val_stored.folder, "response tokens"):
+    with raises_naming(mmpr_records.DataError, val_stored.folder, "response tokens"):
         rl.sums(wrong, _bins(tiny, val, val.pair_ids), tiny.ctx)
 
 

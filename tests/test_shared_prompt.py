@@ -1,6 +1,6 @@
 """Tests of the shared-prompt pair format: packing, Mamba-2, attention and loss accounting.
 
-Every check compares the shared format [prompt | chosen | rejected] against the separate-rows format computed
+Every check compares the shared format [prompt | chosen | rejected] against the separate-sequences format computed
 independently in float64: a token-by-token Mamba-2 recurrence, an explicit softmax attention, the existing packed
 mixer and `pack.pack`, and a toy causal model (embedding, Mamba mixer, GQA attention, LM head) through the MPO loss.
 
@@ -43,7 +43,7 @@ def row_offsets(spans, tail=0):
     return torch.tensor(seg, dtype=torch.int32), seg[-1] + tail
 
 
-def separate_rows(seg, T):
+def separate_sequences(seg, T):
     """Token indices of the separate sequences a shared row stands for: per pair [prompt | chosen] and
     [prompt | rejected], then the bin tail; with the row positions each sequence's outputs land on
     (the rejected sequence's prompt outputs are not part of the shared row)."""
@@ -104,7 +104,7 @@ def test_scan_equals_separate_sequences_values_and_gradients(chunk_size, generic
     ref = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
     expected = torch.zeros(T, h, p, dtype=F64)
     loss = 0.0
-    for idx, dest in separate_rows(seg, T):
+    for idx, dest in separate_sequences(seg, T):
         dtp = F.softplus(ref["dt"][0, idx] + ref["dt_bias"])
         y = recurrence(ref["x"][0, idx], dtp, ref["A"], ref["B"][0, idx], ref["C"][0, idx])
         y = (y + ref["D"][:, None] * ref["x"][0, idx]) * F.silu(ref["z"][0, idx])
@@ -140,7 +140,7 @@ def test_conv_rejected_sees_the_prompt_window():
     w = torch.randn(6, 4, generator=gen, dtype=F64)
     b = torch.randn(6, generator=gen, dtype=F64)
     out = shared_prompt.causal_conv1d(x, w, b, seg, activation="silu")
-    for idx, dest in separate_rows(seg, T):
+    for idx, dest in separate_sequences(seg, T):
         y = F.silu(explicit_conv(x[0][:, idx], w, b))[:, idx.numel() - dest.numel():]
         assert (out[0][:, dest] - y).abs().max() < 1e-13
     with raises_naming(ValueError, "span_cu_seqlens_padded", "3P+1 offsets", f"T = {T}"):
@@ -163,7 +163,7 @@ def mixer_tensors(T, h=4, p=2, g=2, n=3, width=4, seed=4):
     ), dict(headdim=p, ngroups=g, norm_before_gate=False, rmsnorm_eps=1e-5)
 
 
-def test_mixer_equals_separate_rows_with_conv_gradients():
+def test_mixer_equals_separate_sequences_with_conv_gradients():
     """The fused mixer body on a shared row equals the existing mixer on each separate row, outputs and the gradients
     of zxbcdt (so of x, B, C, z, dt), conv weight and bias, dt_bias, A, D, norm weight and out_proj."""
     seg, T = row_offsets(SPANS, tail=1)
@@ -175,7 +175,7 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
     (out * weight).sum().backward()
     b = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
     loss = 0.0
-    for idx, dest in separate_rows(seg, T):
+    for idx, dest in separate_sequences(seg, T):
         alone = mt.mamba_split_conv1d_scan_combined(**dict(b, zxbcdt=b["zxbcdt"][:, idx]), chunk_size=4, **kw)
         alone = alone[:, idx.numel() - dest.numel():]
         assert (out[:, dest] - alone).abs().max() < 1e-12
@@ -195,8 +195,8 @@ def test_mixer_equals_separate_rows_with_conv_gradients():
 
 
 def test_mixer_bf16_agrees_with_float64():
-    """bf16 (the recipe's dtype): the shared-prompt mixer is finite and as close to the float64 separate rows as the
-    existing packed mixer in bf16 is (its error is bf16 rounding, not a format error)."""
+    """bf16 (the recipe's dtype): the shared-prompt mixer is finite and as close to the float64 separate sequences as
+    the existing packed mixer in bf16 is (its error is bf16 rounding, not a format error)."""
     seg, T = row_offsets(SPANS)
     tensors, kw = mixer_tensors(T)
     exact = shared_prompt.mamba_split_conv1d_scan(**tensors, chunk_size=4, row_spans=seg, **kw)
@@ -205,7 +205,7 @@ def test_mixer_bf16_agrees_with_float64():
     assert shared.dtype == torch.bfloat16 and bool(torch.isfinite(shared).all())
     err_shared = (shared.double() - exact).abs().max()
     err_sep = 0.0
-    for idx, dest in separate_rows(seg, T):
+    for idx, dest in separate_sequences(seg, T):
         alone = mt.mamba_split_conv1d_scan_combined(**dict(low, zxbcdt=low["zxbcdt"][:, idx]), chunk_size=4, **kw)
         err_sep = max(err_sep, float((alone[:, idx.numel() - dest.numel():].double() - exact[:, dest]).abs().max()))
     scale = float(exact.abs().max())
@@ -227,7 +227,7 @@ def explicit_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (8, 2)])
-def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
+def test_attention_equals_separate_sequences_values_and_gradients(heads, groups):
     seg, T = row_offsets(SPANS, tail=2)
     d = 6
     gen = torch.Generator().manual_seed(2)
@@ -240,7 +240,7 @@ def test_attention_equals_separate_rows_values_and_gradients(heads, groups):
     (out * weight).sum().backward()
     q2, k2, v2 = (t.clone().requires_grad_(True) for t in leaves)
     loss = 0.0
-    for idx, dest in separate_rows(seg, T):
+    for idx, dest in separate_sequences(seg, T):
         y = explicit_attention(q2[idx], k2[idx], v2[idx], 0.3)[idx.numel() - dest.numel():]
         assert (out[dest] - y).abs().max() < 1e-12
         loss = loss + (y * weight[dest]).sum()
@@ -300,7 +300,7 @@ def test_shared_prefix_length_closed_form():
 
 
 @pytest.mark.parametrize("div", [1, 8])
-def test_pack_shared_matches_separate_rows(div):
+def test_pack_shared_matches_separate_sequences(div):
     pairs = make_pairs()
     sep = pack.pack(pairs, div, IMG)
     shr = pack.pack_shared_prompt(pairs, div, IMG)
@@ -309,7 +309,7 @@ def test_pack_shared_matches_separate_rows(div):
     assert torch.equal(moved.span_cu_seqlens_padded, shr.span_cu_seqlens_padded) and moved.shared_prompt
     assert shr.num_responses == sep.num_responses == 6 and shr.num_sequences == 3
     for a, b in zip(oracles.unpack_shared(shr), oracles.unpack(sep), strict=True):
-        for key in ("input_ids", "labels", "loss_mask", "position_ids", "row_loss_mask"):
+        for key in ("input_ids", "labels", "loss_mask", "position_ids", "seq_loss_mask"):
             assert torch.equal(a[key], b[key]), key
     for key in ("pair_index", "is_chosen", "sample_mask", "pixel_values", "image_grid_hw", "image_token_counts",
                 "media_image_offsets", "media_patch_offsets"):
@@ -373,7 +373,7 @@ def test_planner_sizes_match_packed_rows():
 
 
 def test_synthetic_mmpr_token_ratio():
-    """The issue's measure: on 10,000 MMPR-like pairs separate rows hold 1.62x the tokens of the shared format."""
+    """The issue's measure: on 10,000 MMPR-like pairs separate sequences hold 1.62x the tokens of the shared format."""
     parts = workload.synthetic_mmpr_parts(10_000, seed=0)
     assert workload.synthetic_mmpr_lengths(10_000, seed=0) == {i: (p + c, p + r) for i, (p, c, r) in parts.items()}
     separate = sum(2 * p + c + r for p, c, r in parts.values())
@@ -430,7 +430,7 @@ def toy_logits(params, kw, dims, batch):
     return h @ params["head"].T
 
 
-def test_toy_model_mpo_loss_and_gradients_equal_separate_rows():
+def test_toy_model_mpo_loss_and_gradients_equal_separate_sequences():
     pairs = make_pairs()
     cfg = SimpleNamespace(reference_policy_kl_penalty=0.1, preference_loss_weight=0.8, bco_loss_weight=0.2,
                           sft_loss_weight=0.5, preference_average_log_probs=False, quality_average_log_probs=True,

@@ -1,7 +1,7 @@
 """The shared-prompt format wired into the model and the step: `packing.shared_prompt`.
 
 The tiny model (assets/tiny-omni: Mamba, attention, MoE and MLP layers) in fp32 on the CPU runs the same bins in the
-separate-rows format (pack.pack) and the shared-prompt format (pack.pack_shared_prompt) through train.py's own
+separate-sequences format (pack.pack) and the shared-prompt format (pack.pack_shared_prompt) through train.py's own
 functions (count_global_pairs, reference_logprobs, forward_logprobs, policy_forward_backward): per-response log-prob
 sums, every MPO metric (the loss included) and every parameter gradient agree to 1e-5, for bins of one and of several
 pairs with image and text-only pairs and prompts not a multiple of the Mamba chunk (16); in process (TP = DP = 1),
@@ -69,7 +69,7 @@ def test_pairs_cover_the_cases():
 
 
 @pytest.mark.parametrize("bins", ["bins_of_1", "one_bin_of_4"])
-def test_shared_format_equals_separate_rows_logprobs_loss_and_every_gradient(tiny, bins):
+def test_shared_format_equals_separate_sequences_logprobs_loss_and_every_gradient(tiny, bins):
     model, ctx = tiny
     pairs = make_pairs()
     b = [[p] for p in pairs] if bins == "bins_of_1" else [pairs]
@@ -77,7 +77,7 @@ def test_shared_format_equals_separate_rows_logprobs_loss_and_every_gradient(tin
     shr = mpo_step(model, ctx, b, shared=True)
     check_equal(max_differences(sep, shr), reached(model))
     assert sep["num_global_pairs"] == shr["num_global_pairs"] == 4
-    # each prompt computed once: the separate rows hold every prompt's tokens twice (minus the one shared token
+    # each prompt computed once: the separate sequences hold every prompt's tokens twice (minus the one shared token
     # that starts both responses), nothing else changes
     assert sep["tokens"] - shr["tokens"] == sum(p - 1 for p, _, _, _ in PAIR_SPECS)
 
@@ -121,7 +121,7 @@ def test_offsets_that_are_not_the_pair_spans_are_refused(tiny):
             model(dataclasses.replace(b, cu_seqlens=whole, cu_seqlens_padded=whole, max_seqlen=T))
 
 
-def test_tp2_and_dp2_shared_format_equals_separate_rows(torchrun):
+def test_tp2_and_dp2_shared_format_equals_separate_sequences(torchrun):
     launch = torchrun(DIST_WORKER, timeout=600)
     for rank, result in launch.ranks.items():
         for layout, per_bins in result.items():
@@ -157,7 +157,7 @@ def test_one_step_with_the_switch_is_ln2_keeps_the_device_rule_and_fills_the_pla
         metrics, _ = s["run"](s["batches"], 0.0)
     assert audit.calls > 1000 and audit.violations == []
     # the layers' index tensors come from the host offsets (shared_prompt.RowSpans, made once per forward): the
-    # project reads the device as in separate rows (tests/test_train.py), plus mamba_torch's (the CPU set's) own
+    # project reads the device as in separate sequences (tests/test_train.py), plus mamba_torch's (the CPU set's) own
     sites = sorted({re.sub(r":\d+ ", " ", r) for r in audit.reads if not r.startswith("mamba_torch.py")})
     assert sites == ["mpo_loss.py count_global_pairs: TensorBase.item",
                      "mpo_loss.py reduce_metrics: TensorBase.tolist"], sites
@@ -206,22 +206,22 @@ def test_context_parallelism_is_a_config_error_at_start_and_te_is_not(monkeypatc
 
 @pytest.mark.parametrize("spec, mamba, cp, want, pair_format", [
     ("local", "torch", 1, True, "shared prompt (auto)"),
-    ("te", "torch", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not run "
-                              "on a GPU yet; packing.shared_prompt=true turns it on)"),
-    ("local", "mamba-ssm", 1, False, "separate rows (auto: mamba-ssm's kernels in the shared-prompt scan have not run "
-                                     "on a GPU yet; packing.shared_prompt=true turns it on)"),
-    ("local", "triton", 1, False, "separate rows (auto: the Triton Mamba kernels in the shared-prompt scan have not "
+    ("te", "torch", 1, False, "separate sequences (auto: the Transformer Engine spec's shared-prompt attention has "
+                              "not run on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("local", "mamba-ssm", 1, False, "separate sequences (auto: mamba-ssm's kernels in the shared-prompt scan have "
+                                     "not run on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("local", "triton", 1, False, "separate sequences (auto: the Triton Mamba kernels in the shared-prompt scan have "
+                                  "not run on a GPU yet; packing.shared_prompt=true turns it on)"),
+    ("te", "mamba-ssm", 1, False, "separate sequences (auto: the Transformer Engine spec's shared-prompt attention "
+                                  "has not run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not "
                                   "run on a GPU yet; packing.shared_prompt=true turns it on)"),
-    ("te", "mamba-ssm", 1, False, "separate rows (auto: the Transformer Engine spec's shared-prompt attention has not "
-                                  "run on a GPU yet; mamba-ssm's kernels in the shared-prompt scan have not run on a "
-                                  "GPU yet; packing.shared_prompt=true turns it on)"),
-    ("local", "torch", 2, False, "separate rows (auto: the shared-prompt format is not supported with "
+    ("local", "torch", 2, False, "separate sequences (auto: the shared-prompt format is not supported with "
                                  "parallel.context_parallel_size = 2)"),
 ])
 def test_auto_is_on_exactly_where_the_format_is_checked_exact(spec, mamba, cp, want, pair_format):
     """packing.shared_prompt = "auto" (the default) resolves by the kernels of the process: on with the local spec and
     mamba_torch (this file's equalities), off elsewhere with the reason on the world line; the resolved value passes
-    the start-up checks (auto with CP is separate rows, not the ConfigError of an explicit true)."""
+    the start-up checks (auto with CP is separate sequences, not the ConfigError of an explicit true)."""
     from step_cases import TINY_TOML
 
     import pack
@@ -238,8 +238,8 @@ def test_auto_is_on_exactly_where_the_format_is_checked_exact(spec, mamba, cp, w
     cfg.packing.shared_prompt = value  # train.main stores it
     assert cfg.packing.shared_prompt is want and pack.shared_prompt_on(cfg.packing) is want
     assert config_mod.to_dict(cfg)["packing"]["shared_prompt"] is want  # what config.json records
-    assert shared_prompt.resolve(cfg, kernels) == (want, "shared prompt" if want else "separate rows")  # explicit
-    preflight.check_packing(cfg)  # no error, CP included: auto chose separate rows there
+    assert shared_prompt.resolve(cfg, kernels) == (want, "shared prompt" if want else "separate sequences")  # explicit
+    preflight.check_packing(cfg)  # no error, CP included: auto chose separate sequences there
 
 
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("true", True), ("false", False), ("'auto'", "auto")])
@@ -266,7 +266,7 @@ def test_shared_prompt_setting_refuses_anything_else_naming_the_choice(value, tm
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_shared_format_with_activation_recompute_equals_separate_rows(tiny, recompute):
+def test_shared_format_with_activation_recompute_equals_separate_sequences(tiny, recompute):
     """Recomputation re-runs layers during backward, after OmniModel.forward has reset the shared-prompt spans:
     the recomputed attention and Mamba layers must still see them (_recompute_in_forward_context), or the
     rejected rows' gradients come from plain causal spans (a gradient 0.09 off on the tiny model before the fix)."""

@@ -4,7 +4,7 @@ resume across a segment stop, a killed save, SIGUSR1, TP = 2 / DP = 2 = TP = 1 /
 Launches are shared between tests (module fixtures, through the torchrun fixture of tests/conftest.py); each costs
 ~10 s of start-up on 2 cores:
     readme   torchrun -n 2 train.py configs/tiny.toml (+ checkpoint.save_period=4)       6 steps, DP = 2
-             (separate rows: tiny.toml's packing.shared_prompt = false)
+             (separate sequences: tiny.toml's packing.shared_prompt = false)
     shared   the README command with packing.shared_prompt=auto (the shared-prompt format on the CPU)
     bias_off both formats with model.moe_router_bias_update_rate=0: the same training, step for step
     seg      the same config: stop_after_step=2, then (after a fake killed save) stop_after_step=4
@@ -117,7 +117,7 @@ def test_reduce_metrics_without_group_keeps_values(monkeypatch):
     assert m == {"loss": 0.5, "num_valid_pairs": 3.0, "reward_shift_used": 0.25}  # the input is not modified
 
 
-def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
+def test_metrics_log_drops_lines_after_the_resumed_step(tmp_path):
     cfg = config_mod.load_config(None, [f"checkpoint.dir={tmp_path}"])
     rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 2, "split": "validation"}, {"step": 3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -132,7 +132,8 @@ def test_metrics_log_drops_rows_after_the_resumed_step(tmp_path):
 # Launches
 
 
-# The _FakeIndex tests size pairs by their (chosen, rejected) rows: the separate-rows format (no prompt lengths)
+# The _FakeIndex tests size pairs by their (chosen, rejected) sequences: the separate-sequences format (no prompt
+# lengths)
 SEPARATE = "packing.shared_prompt=false"
 
 
@@ -289,8 +290,8 @@ def test_check_splits_notes_a_validation_meta_that_reads_training_files():
     assert preflight.check_splits(train, Split(_FakeIndex({0: (10, 10)}, ["/e/a.jsonl"]), [0]), cfg)[2] == []
 
 
-def test_check_splits_notes_a_validation_split_larger_than_its_size_for_repeated_rows():
-    """repeat_time 30 and data.train.split_validation_size = 4: 30 validation pairs (a repeated row stays in one
+def test_check_splits_notes_a_validation_split_larger_than_its_size_for_repeated_records():
+    """repeat_time 30 and data.train.split_validation_size = 4: 30 validation pairs (a repeated record stays in one
     split), said in a note naming the key and both counts."""
     from mmpr_index import Split
 
@@ -307,12 +308,12 @@ def test_validation_max_samples_without_a_validation_meta_is_a_notice():
     """QA: data.validation.max_samples = 2 without data.validation.data_path left the 4 pairs of
     data.train.split_validation_size, without a word."""
     import mmpr_index
-    import mmpr_rows
+    import mmpr_records
 
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", ["data.validation.max_samples=2"])
     cfg.data.train.data_path = str(ROOT / cfg.data.train.data_path)
     processor = mmpr_index.load_processor(ROOT / cfg.model.hf_path, "model.hf_path")
-    with mmpr_rows.data_warnings([]) as notes:
+    with mmpr_records.data_warnings([]) as notes:
         train, val = mmpr_index.load_splits(processor, cfg.data)
     assert [str(n) for n in notes] == [
         "data.validation.max_samples = 2 is ignored without data.validation.data_path (a validation split of the "
@@ -380,7 +381,7 @@ def test_load_data_prints_data_warnings_once_as_plain_lines_on_rank_0(capsys):
             assert lines.count("data.validation.data_path is set: data.train.split_validation_size is ignored") == 1
             status = "cached" if data.train_split.index.cache_status == "hit" else "built"
             assert lines[0].startswith(f"data: {len(data.train_split.pair_ids)} train pairs, 4 validation pairs "
-                                       f"(index {status}), dropped rows {{")
+                                       f"(index {status}), dropped records {{")
         else:
             assert lines == []
 
@@ -662,7 +663,7 @@ def test_a_step_without_its_run_state_is_refused_and_never_written_over(tmp_path
 def test_a_changed_schedule_is_refused_before_metrics_data_and_models(tmp_path):
     """A resume refused for a changed LR schedule (checkpoint.check_resume) used to be found in checkpoint.load,
     after metrics.jsonl had been trimmed to the resumed step and the models built; it is now refused right after the
-    checkpoint checks, and metrics.jsonl keeps every row."""
+    checkpoint checks, and metrics.jsonl keeps every line."""
     cfg = config_mod.load_config(ROOT / "configs" / "tiny.toml", [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step_2" / "model_optim").mkdir(parents=True)
     (tmp_path / "step_2" / "run_state.json").write_text(json.dumps(_run_state(cfg, 2)))
@@ -901,7 +902,7 @@ def segments(train_run, hub_cache, tmp_path_factory):
     killed = run_dir / "step_5.tmp"  # a save killed mid-way: files present, never renamed
     (killed / "model_optim").mkdir(parents=True)
     (killed / "run_state.json").write_text('{"step": 5}')
-    with open(run_dir / "metrics.jsonl", "a") as f:  # a row logged by a segment that died before saving step 3
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a line logged by a segment that died before saving step 3
         f.write(json.dumps({"step": 3, "split": "train", "loss": 123.0}) + "\n")
     second = train_run(2, run_dir, "mpo.stop_after_step=4", "model.deterministic_mode=true", f"model.hf_path={HUB_ID}",
                        **hub)
@@ -1048,7 +1049,7 @@ def test_lr_follows_the_schedule(readme):
 
 
 # The golden traces: every metric of every step of the README command (configs/tiny.toml, 6 steps, DP = 2), and its
-# validation row, in both pair formats. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate rows
+# validation row, in both pair formats. GOLDEN_TRAIN / GOLDEN_VALIDATION: the README command itself, separate sequences
 # (tiny.toml's packing.shared_prompt = false), recorded 2026-12-01 (torchrun --standalone --nproc-per-node 2 train.py
 # configs/tiny.toml). GOLDEN_SHARED / GOLDEN_SHARED_VALIDATION: the same command with packing.shared_prompt=auto, the
 # shared-prompt format on the CPU, recorded 2026-12-03. Step 1 of both is the same (policy = reference;
@@ -1160,7 +1161,7 @@ def golden_mismatches(run, golden: dict, golden_val: dict) -> list[str]:
     return wrong
 
 
-GOLDEN_TRAIN = {  # metrics.jsonl of the README command in separate rows, recorded 2026-12-01: key -> steps 1..6
+GOLDEN_TRAIN = {  # metrics.jsonl of the README command in separate sequences, recorded 2026-12-01: key -> steps 1..6
     "step": [1, 2, 3, 4, 5, 6],
     "loss": [
         0.8317766189575195, 0.8316849917173386, 0.8319676667451859, 0.8239318430423737, 0.8099147528409958,
@@ -1338,7 +1339,7 @@ GOLDEN_SHARED_VALIDATION = {  # its val_at_end row after step 6
 
 
 def test_golden_trace_of_the_readme_command(readme):
-    assert "; pairs: separate rows\n" in readme.out
+    assert "; pairs: separate sequences\n" in readme.out
     assert golden_mismatches(readme, GOLDEN_TRAIN, GOLDEN_VALIDATION) == []
 
 
@@ -1430,7 +1431,7 @@ def test_segment_stop_saves_and_exits(segments):
 
 
 def test_exact_resume_matches_uninterrupted_run(readme, segments):
-    assert [r["step"] for r in segments.rows] == [1, 2, 3, 4]  # the dead segment's step-3 row was dropped
+    assert [r["step"] for r in segments.rows] == [1, 2, 3, 4]  # the dead segment's step-3 line was dropped
     keys = ("loss", "preference_loss", "bco_loss", "sft_loss", "accuracy", "rewards/margin", "reward_shift",
             "reward_shift_used", "lr", "grad_norm", "bco/reward_sum", "consumed_pairs")  # fmt: skip
     for a, b in zip(readme.rows[:4], segments.rows, strict=True):
@@ -1758,7 +1759,8 @@ def test_train_step_keeps_one_device(monkeypatch, tmp_path):
     from step_cases import DeviceAudit, tiny_step
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # the sample's index cache
-    # separate rows: the pair format of the first GPU run (the shared format's audit: tests/test_shared_prompt_model.py)
+    # separate sequences: the pair format of the first GPU run (the shared format's audit:
+    # tests/test_shared_prompt_model.py)
     s = tiny_step("cpu", "packing.shared_prompt=false")
     audit = DeviceAudit("cpu", host=s["batches"])
     with audit:

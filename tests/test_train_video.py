@@ -94,7 +94,7 @@ def test_step_one_is_the_closed_form_and_the_media_towers_train(runs, monkeypatc
     index = mmpr_index.build_index(cfg.data.train.data_path, processor, cfg.data)
     assert index.cache_status == "hit"
     assert sorted(t for t in index.video_tokens.tolist() if t) == [8] * 8 + [12] * 4  # of 12 and 18
-    assert (pack.video_row_tokens(2, 6, RATE), pack.video_row_tokens(3, 6, RATE)) == (8, 12)
+    assert (pack.video_sequence_tokens(2, 6, RATE), pack.video_sequence_tokens(3, 6, RATE)) == (8, 12)
     distributed.init_distributed()
     model = omni_model.build_model(cfg.model.hf_path, cfg.model, cfg.parallel)
     spec = json.loads(Path(cfg.data.train.data_path).read_text())[FRAMES]
@@ -137,8 +137,8 @@ def test_export_loads_in_transformers_with_our_logits_on_video_and_audio_prompts
     and its fp32 logits on a video prompt (its get_video_features given to forward as one [T, n, H] tensor, which its
     EVS reads) and on an audio prompt equal the trained model's (<= 1e-4, as for images); the checkpoint's own logits
     differ (training moved them). The video: 5 frames on a 4x4 tile (transformers' EVS takes the tile square), 3
-    tubelets of 4 tokens; transformers prunes the processor's 12 to 8, our row holds 8 first-filled (the data reader's
-    layout) and EVS keeps other chunks' tokens."""
+    tubelets of 4 tokens; transformers prunes the processor's 12 to 8, our sequence holds 8 first-filled (the data
+    reader's layout) and EVS keeps other chunks' tokens."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 

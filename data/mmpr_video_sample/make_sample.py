@@ -1,5 +1,5 @@
 """Write the MMPR-format video sample (MMPR-video-sample/): tiny clips of a square moving over a plain background,
-drawn here (CC0), as MPEG-4 files (PyAV) and as frame-image lists, plus a few still images for mixed rows.
+drawn here (CC0), as MPEG-4 files (PyAV) and as frame-image lists, plus a few still images for mixed records.
 
     python data/mmpr_video_sample/make_sample.py     # rewrites MMPR-video-sample/ (deterministic)
 """

@@ -4,10 +4,10 @@ hand: `torchrun --standalone --nproc-per-node 2 tests/dist/check_shared_prompt.p
 In ONE launch, for each layout (TP = 2 with sequence parallelism; DP = 2): set up megatron-core's parallel_state, build
 the tiny model from assets/tiny-omni, and run the same bins (tests/shared_prompt_cases.py: image and text-only pairs,
 prompts not a multiple of the Mamba chunk; one bin of several pairs, then bins of one pair) through train.py's
-count_global_pairs / reference_logprobs / forward_logprobs / policy_forward_backward in the separate-rows and in the
-shared-prompt format. DP = 2: rank r takes bins r, r + 2, ...; gradients are summed over DP (what finalize_model_grads
-does), over TP for the sequence-parallel (replicated) parameters, and the experts' over the expert-DP group (ETP = 1:
-every rank that splits the tokens). Each rank reports the max-abs differences of
+count_global_pairs / reference_logprobs / forward_logprobs / policy_forward_backward in the separate-sequences and in
+the shared-prompt format. DP = 2: rank r takes bins r, r + 2, ...; gradients are summed over DP (what
+finalize_model_grads does), over TP for the sequence-parallel (replicated) parameters, and the experts' over the
+expert-DP group (ETP = 1: every rank that splits the tokens). Each rank reports the max-abs differences of
 its logprobs, metrics and gradient shards between the two formats (tests/dist/report.py).
 """
 

@@ -177,8 +177,8 @@ def shared_prompt() -> tuple[str, dict]:
     """shared_prompt.mamba_split_conv1d_scan with the `mamba triton` set (fla-core's conv as conv_fn,
     mamba-ssm's scan as scan_fn: the prompt state h_P is then summed over the prompt, its gated RMSNorm as norm_fn), as
     the Mamba scan hook passes them on a GPU, vs the same function with mamba_torch's kernels (whose equality with
-    separate rows tests/test_shared_prompt.py checks): a row of 4 pairs (prompts not multiples of the chunk, a chosen
-    span shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
+    separate sequences tests/test_shared_prompt.py checks): a row of 4 pairs (prompts not multiples of the chunk, a
+    chosen span shorter than the conv window, a one-token prompt, padding); output and the gradients of every input."""
     from test_shared_prompt import SPANS, mixer_tensors, row_offsets
 
     from backend import mamba_triton

@@ -1,14 +1,14 @@
-"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a row's fields (`TextRenderer.parse`, `parse_audio`),
-its rendering (`TextRenderer.render`); `checked_rows` applies them to a file, with each image, video and clip decoded
-and counted by mmpr_media.py. A failing row is a counted drop (DROP_REASONS), a bad meta-recipe a DataError.
-Why each rule is as it is: docs/DESIGN.md, "Data: the row rules".
+"""The MMPR data reader's rules: the meta-recipe (`read_meta`), a record's fields (`TextRenderer.parse`, `parse_audio`),
+its rendering (`TextRenderer.render`); `checked_records` applies them to a file, with each image, video and clip decoded
+and counted by mmpr_media.py. A failing record is a counted drop (DROP_REASONS), a bad meta-recipe a DataError.
+Why each rule is as it is: docs/DESIGN.md, "Data: the record rules".
 
-A row rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
+A record rendered by the Omni chat template (the hub checkpoint's chat_template.jinja):
 
     <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{images + question}<|im_end|>\n      <- prompt
     <|im_start|>assistant\n<think></think>                                                        <- prompt
     {response}<|im_end|>                                                           <- loss mask True
-    \n                                                                             <- row end, mask False
+    \n                                                                             <- sequence end, mask False
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from mmpr_media import (
     video_counts,
 )
 
-# Every reason a row can be dropped for, in the order the checks run (the first failing check names the drop).
+# Every reason a record can be dropped for, in the order the checks run (the first failing check names the drop).
 DROP_REASONS = (
     "invalid_json",  # not a JSON object of Unicode text (non-UTF-8 bytes; a lone \ud800-\udfff escape)
     "missing_field",  # question / chosen / rejected missing or not a string; image, video or audio not a path or paths
@@ -70,14 +70,14 @@ DROP_REASONS = (
     "audio_too_long",  # longer than data.train.max_audio_seconds, or its tokens alone > data.max_seq_length (from
     # the file's header, before decoding)
     "template_rewrites_text",  # the chat template would change the question, system or response text
-    "too_long",  # a row is longer than data.max_seq_length tokens, expanded image and audio tokens included
+    "too_long",  # a sequence is longer than data.max_seq_length tokens, expanded image and audio tokens included
 )
-REASONING_TOKENS = ("<think>", "</think>")  # special tokens a row's text may contain
+REASONING_TOKENS = ("<think>", "</think>")  # special tokens a record's text may contain
 TEMPLATE_DIRECTIVES = ("/no_think", "/think")  # what the Omni template strips and obeys; hidden from it here
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: valid JSON ("\ud83d"), not Unicode text
 NUMBERED_IMAGE = re.compile(r"<image_(\d+)>")  # NeMo-RL's placeholder for the N-th image (1-based)
 OTHER_MEDIA_KEYS = ("images", "videos", "audios")  # other formats' media keys (e.g. ms-swift's): a drop, not ignored
-AUDIO_PLACEHOLDER = "<audio>"  # a row's placeholder for its next clip; rendered as the processor's `<so_embedding>`
+AUDIO_PLACEHOLDER = "<audio>"  # a record's placeholder for its next clip; rendered as the processor's `<so_embedding>`
 # A subset's keys: those read here and InternVL's other ones (no effect here); any other key warns (e.g. repeat_times).
 META_KEYS = ("annotation", "root", "repeat_time", "length", "data_augment", "max_dynamic_patch", "min_dynamic_patch",
              "dynamic_image_size", "max_num_image", "min_num_image", "is_chinese", "sampling_method")
@@ -108,7 +108,7 @@ def data_warnings(notes: list[str]) -> Iterator[list[str]]:
 
 
 class DataError(ValueError):
-    """Bad meta-recipe, path or model directory, or (with data.strict) a dropped row; the message names the file."""
+    """Bad meta-recipe, path or model directory, or (with data.strict) a dropped record; the message names the file."""
 
 
 # ---- Meta-recipe ----------
@@ -117,10 +117,10 @@ class Subset:
     """One meta-recipe entry with its paths resolved."""
 
     name: str
-    root: Path | None  # image folder; relative row image paths are relative to it (None: no root in the meta)
+    root: Path | None  # image folder; relative record image paths are relative to it (None: no root in the meta)
     annotation: Path  # JSONL file
     repeat_time: float = 1.0
-    length: int | None = None  # row count the meta claims (informational, as in InternVL)
+    length: int | None = None  # record count the meta claims (informational, as in InternVL)
 
 
 def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir: bool = False) -> Path:
@@ -144,8 +144,8 @@ def resolve_path(path: str, meta_path: str | Path, data_root: str = "", want_dir
     raise DataError(f"{meta}: {kind} {path!r} not found (tried {tried}; set data.train.data_root to its base)")
 
 
-def _is_row(value: Any) -> bool:
-    """True for an annotation row (or its JSON text): an object with chosen and rejected responses."""
+def _is_record(value: Any) -> bool:
+    """True for an annotation record (or its JSON text): an object with chosen and rejected responses."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -176,7 +176,7 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
         meta = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=keep_duplicates)  # a byte-order mark is tolerated
     except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
         error = e
-    if _is_row(meta) or error is not None and _is_row(raw.partition(b"\n")[0].decode("utf-8-sig", "replace")):
+    if _is_record(meta) or error is not None and _is_record(raw.partition(b"\n")[0].decode("utf-8-sig", "replace")):
         raise DataError(f"{meta_path}: an annotation file (JSON Lines), not a meta-recipe: pass the meta-recipe")
     if isinstance(error, UnicodeDecodeError):
         raise DataError(f"{meta_path}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start})")
@@ -218,8 +218,8 @@ def read_meta(meta_path: str | Path, data_root: str = "") -> list[Subset]:
 
 
 def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[int]:
-    """Row positions 0..n-1 a subset contributes, as InternVL's `repeat_time`, in file order: floor(r) full copies plus
-    a random floor(n*(r - floor(r))) rows, seeded by (seed, subset name), so the same on every rank and run."""
+    """Record positions 0..n-1 a subset contributes, as InternVL's `repeat_time`, in file order: floor(r) full copies
+    plus a random floor(n*(r - floor(r))) records, seeded by (seed, subset name), so the same on every rank and run."""
     whole = math.floor(repeat_time)
     extra = math.floor(n * (repeat_time - whole) + 1e-9)
     rng = random.Random(f"{seed}:{name}")  # str seeds hash deterministically (not PYTHONHASHSEED dependent)
@@ -227,9 +227,9 @@ def apply_repeat_time(n: int, repeat_time: float, seed: int, name: str) -> list[
 
 
 # ---- Text: validation, chat-template rendering, tokenisation ----------
-def _as_str(row: dict, *keys: str) -> str | None:
-    k = next((k for k in keys if k in row), None)
-    return row[k] if k is not None and isinstance(row[k], str) else None
+def _as_str(record: dict, *keys: str) -> str | None:
+    k = next((k for k in keys if k in record), None)
+    return record[k] if k is not None and isinstance(record[k], str) else None
 
 
 def check_reasoning(name: str, response: str) -> None:
@@ -242,7 +242,7 @@ def check_reasoning(name: str, response: str) -> None:
 
 
 class TextRenderer:
-    """Validates a row's fields and renders them with the processor's chat template (one instance per processor)."""
+    """Validates a record's fields and renders them with the processor's chat template (one instance per processor)."""
 
     def __init__(self, processor):
         self.processor = processor
@@ -263,16 +263,16 @@ class TextRenderer:
                 return t
         return None if allow_image else next((t for t in (self.image_token, AUDIO_PLACEHOLDER) if t in text), None)
 
-    def parse(self, row: Any, root: Path | None, max_images: int,
+    def parse(self, record: Any, root: Path | None, max_images: int,
               subset: str = "") -> tuple[str, str, str, str, list[str], str | list[str] | None]:
-        """Check a JSON row: (system, question, chosen, rejected, image paths in placeholder order, video: a file path,
-        a list of frame paths or None), the responses stripped, `<image_N>` turned into `<image>`, relative paths
+        """Check a JSON record: (system, question, chosen, rejected, image paths in placeholder order, video: a file
+        path, a list of frame paths or None), the responses stripped, `<image_N>` turned into `<image>`, relative paths
         joined to `root`, the question's placeholders completed for a video (`_place_video`)."""
-        if not isinstance(row, dict):
-            raise Drop("invalid_json", f"expected a JSON object, got {type(row).__name__}")
-        system = row.get("system_prompt", row.get("system"))
-        fields = {"question": _as_str(row, "question"), "chosen": _as_str(row, "chosen", "chosen_response"),
-                  "rejected": _as_str(row, "rejected", "rejected_response"),
+        if not isinstance(record, dict):
+            raise Drop("invalid_json", f"expected a JSON object, got {type(record).__name__}")
+        system = record.get("system_prompt", record.get("system"))
+        fields = {"question": _as_str(record, "question"), "chosen": _as_str(record, "chosen", "chosen_response"),
+                  "rejected": _as_str(record, "rejected", "rejected_response"),
                   "system": "" if system is None else system if isinstance(system, str) else None}
         for name, v in fields.items():
             if v is None:
@@ -280,13 +280,13 @@ class TextRenderer:
             if (m := _SURROGATE.search(v)) is not None:
                 raise Drop("invalid_json", f"{name!r}: lone surrogate {ascii(m.group())} at character {m.start()}")
         question, chosen, rejected, system = fields.values()
-        if (key := next((k for k in OTHER_MEDIA_KEYS if k in row), None)) is not None:  # else a silent text-only row
+        if (key := next((k for k in OTHER_MEDIA_KEYS if k in record), None)) is not None:  # else silently text-only
             raise Drop("missing_field", f"{key!r} is not read: name the field {key[:-1]!r}")
-        image = row.get("image")
+        image = record.get("image")
         images = [] if image is None or image == "" else [image] if isinstance(image, str) else image
         if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
             raise Drop("missing_field", f"'image' must be a path or a list of paths, got {image!r}")
-        video = row.get("video")
+        video = record.get("video")
         video = None if video in (None, "", []) else video
         if video is not None and not (isinstance(video, str) or isinstance(video, list) and all(
                 isinstance(v, str) and v for v in video)):
@@ -344,10 +344,10 @@ class TextRenderer:
             question = prefix + question
         return question
 
-    def parse_audio(self, row: dict, question: str, root: Path | None, subset: str = "") -> tuple[str, list[str]]:
-        """The row's `audio` (a path or a list of paths; absent: none): (question with `<audio>` as the processor's
+    def parse_audio(self, record: dict, question: str, root: Path | None, subset: str = "") -> tuple[str, list[str]]:
+        """The record's `audio` (a path or a list of paths; absent: none): (question with `<audio>` as the processor's
         audio token, clip paths joined to `root`). Run after `parse`, on its question."""
-        audio = row.get("audio")
+        audio = record.get("audio")
         clips = [] if audio is None or audio == "" else [audio] if isinstance(audio, str) else audio
         if not isinstance(clips, list) or not all(isinstance(a, str) and a for a in clips):
             raise Drop("missing_field", f"'audio' must be a path or a list of paths, got {audio!r}")
@@ -379,7 +379,7 @@ class TextRenderer:
         `<|im_start|>assistant\\n` when only one side reasons), then each response (`... <|im_end|>\\n`). The
         template places the images' and clips' tokens unless the question holds them."""
         texts = (system, question, chosen, rejected)
-        mark = "/"  # the identity, unless the row has a directive to hide
+        mark = "/"  # the identity, unless the record has a directive to hide
         if any(d in t for d in TEMPLATE_DIRECTIVES for t in texts):
             if not (mark := next((m for m in self._marks if not any(m in t for t in texts)), "")):
                 raise Drop("template_rewrites_text", "no free character left to hide /think from the template")
@@ -449,22 +449,22 @@ class TextRenderer:
         return ids, [True] * (end + 1) + [False] * (len(ids) - end - 1)
 
 
-# ---- Checking the rows of an annotation file (mmpr_index.build_index) ----------
-# What the checking processes share, set by `begin_row_checks` before they fork (so nothing is pickled).
+# ---- Checking the records of an annotation file (mmpr_index.build_index) ----------
+# What the checking processes share, set by `begin_record_checks` before they fork (so nothing is pickled).
 _CHUNK_CTX: dict[str, Any] = {}
-CHUNK_ROWS = 256  # rows per task: large enough to amortise inter-process transfer, small enough to stop early
+CHUNK_RECORDS = 256  # records per task: large enough to amortise inter-process transfer, small enough to stop early
 
 
-def begin_row_checks(processor, max_images: int, max_len: int, max_frames: int = 32,
+def begin_record_checks(processor, max_images: int, max_len: int, max_frames: int = 32,
                      max_audio_seconds: float = 0.0) -> None:
-    """Set what `checked_rows` checks with: the processor, data.train.max_images_per_row, data.max_seq_length,
+    """Set what `checked_records` checks with: the processor, data.train.max_images_per_row, data.max_seq_length,
     data.video.max_frames and data.train.max_audio_seconds (0: no limit)."""
     _CHUNK_CTX.clear()
     _CHUNK_CTX.update(text=TextRenderer(processor), ip=processor.image_processor, max_images=max_images,
                       max_len=max_len, max_frames=max_frames, processor=processor, max_audio_seconds=max_audio_seconds)
 
 
-def end_row_checks() -> None:
+def end_record_checks() -> None:
     _CHUNK_CTX.clear()
 
 
@@ -502,7 +502,7 @@ def _probe_audio(path: str) -> int | tuple[str, str]:
 
 def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
                  subset: str = "") -> list[tuple[int, int, dict | tuple[str, str]]]:
-    """[(line, offset, lengths dict or (drop reason, detail))] of rows [(line, byte offset, raw line)]."""
+    """[(line, offset, lengths dict or (drop reason, detail))] of records [(line, byte offset, raw line)]."""
     text, ip = _CHUNK_CTX["text"], _CHUNK_CTX["ip"]
     max_images, max_len = _CHUNK_CTX["max_images"], _CHUNK_CTX["max_len"]
     merge = round(1 / ip.downsample_ratio)
@@ -510,12 +510,12 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
     for lineno, offset, raw in lines:
         try:
             try:
-                row = json.loads(raw)
+                record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise Drop("invalid_json", str(e)) from None
-            system, question, chosen, rejected, imgs, video = text.parse(row, Path(root) if root else None,
+            system, question, chosen, rejected, imgs, video = text.parse(record, Path(root) if root else None,
                                                                          max_images, subset)
-            question, clips = text.parse_audio(row, question, Path(root) if root else None, subset)
+            question, clips = text.parse_audio(record, question, Path(root) if root else None, subset)
             sizes = [_probe(p) for p in imgs]
             if (bad := next((s for s in sizes if isinstance(s[0], str)), None)) is not None:
                 raise Drop(*bad)
@@ -535,7 +535,7 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
             c_len, r_len = p_len + len(text.encode(r_c)), p_len + len(text.encode(r_r))
             if max(c_len, r_len) > max_len:
                 raise Drop("too_long", f"chosen {c_len} / rejected {r_len} tokens > data.max_seq_length = {max_len}")
-            # the row's content as trained, not its JSON text: mmpr_index notes rows that repeat another
+            # the record's content as trained, not its JSON text: mmpr_index notes records that repeat another
             fields = [system, question, chosen, rejected, imgs, video] + ([clips] if clips else [])
             digest = hashlib.blake2b(json.dumps(fields).encode(), digest_size=8).hexdigest()
             out.append((lineno, offset, dict(prompt_len=p_len, chosen_len=c_len, rejected_len=r_len, imgs=imgs,
@@ -549,13 +549,13 @@ def _check_chunk(root: str, lines: list[tuple[int, int, bytes]],
 
 
 def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
-    """Non-blank lines of a JSONL file as (1-based line number, byte offset, bytes), CHUNK_ROWS at a time."""
+    """Non-blank lines of a JSONL file as (1-based line number, byte offset, bytes), CHUNK_RECORDS at a time."""
     chunk, offset = [], 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
                 chunk.append((lineno, offset, raw))
-                if len(chunk) == CHUNK_ROWS:
+                if len(chunk) == CHUNK_RECORDS:
                     yield chunk
                     chunk = []
             offset += len(raw)
@@ -563,9 +563,10 @@ def _read_chunks(path: Path) -> Iterator[list[tuple[int, int, bytes]]]:
         yield chunk
 
 
-def checked_rows(pool, workers: int, root: str, path: Path,
+def checked_records(pool, workers: int, root: str, path: Path,
                  subset: str = "") -> Iterator[tuple[int, int, dict | tuple[str, str]]]:
-    """(line, byte offset, lengths or (drop reason, detail)) of each row of `path` in order; `pool`: forked or None."""
+    """(line, byte offset, lengths or (drop reason, detail)) of each record of `path` in order; `pool`: forked or
+    None."""
     if pool is None:
         for chunk in _read_chunks(path):
             yield from _check_chunk(root, chunk, subset)
