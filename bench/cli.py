@@ -1,6 +1,6 @@
 """Measured performance of omni-mpo against the baselines a user would otherwise pick, side by side, as ratios.
 
-    python -m bench            # everything; prints one table, writes bench/results.json (README's table)
+    python -m bench            # everything; prints one table, writes bench/results.json (docs/PERFORMANCE.md's table)
     python -m bench --quick    # reduced sizes, about 1 min (57 s on 2 shared CPU cores; tests/test_bench.py runs it)
     python -m bench --only packing,logprobs --json out.json
     python -m bench --print    # the table of bench/results.json (or --print FILE)
@@ -128,7 +128,7 @@ def table(res: dict) -> str:
     if "data" in res:
         d = res["data"]
         rows += [
-            (f"data index, {d['rows']} rows", "cache load vs build", f"{d['cache_load_s'] * 1e3:.1f} ms",
+            (f"data index, {d['rows']} records", "cache load vs build", f"{d['cache_load_s'] * 1e3:.1f} ms",
              f"{d['build_s']:.2f} s", f"{d['build_over_load']:.1f}x faster"),
             ("data decode + process", "pairs/s, 2 workers vs 0", f"{d['pairs_per_s_workers2']:.1f}",
              f"{d['pairs_per_s_workers0']:.1f}", f"{d['workers2_over_workers0']:.2f}x"),
